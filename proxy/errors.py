@@ -1,0 +1,90 @@
+"""The proxy's one error envelope and its exception handlers.
+
+Every error a client sees is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx
+status, raised as :class:`ProxyError` anywhere in the proxy and rendered by one handler. Nothing
+else reaches the client: unexpected exceptions become a 500 envelope and are logged here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+
+class ProxyError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> Response:
+        return Response(
+            orjson.dumps(self.body()),
+            status_code=self.status,
+            media_type="application/json",
+            headers=self.headers,
+        )
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ProxyError:
+    return ProxyError(400, message, param=param, code=code)
+
+
+_STATUS_TYPES = {
+    401: ("authentication_error", "invalid_api_key"),
+    403: ("permission_error", "forbidden"),
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+}
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ProxyError)
+    async def _proxy_error(_: Request, exc: ProxyError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind, code = _STATUS_TYPES.get(exc.status_code, ("invalid_request_error", "error"))
+        message = (
+            f"{request.method} {request.url.path} is not a route of this API"
+            if exc.status_code in (404, 405)
+            else str(exc.detail)
+        )
+        return ProxyError(exc.status_code, message, type=kind, code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return ProxyError(
+            500, "internal error in the Ratchet proxy", type="server_error", code="internal_error"
+        ).response()

@@ -1,0 +1,205 @@
+"""Checks on request bodies before anything is sent upstream.
+
+Only the fields the proxy relies on, or that a client most often gets wrong, are checked here;
+everything else passes through untouched and vLLM validates it (its 4xx answers are re-shaped into
+our envelope). Each failure names the offending field in ``param``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from proxy.errors import ProxyError, bad_request
+from ratchet.settings import NAME_PATTERN
+
+Check = Callable[[Any], bool]
+
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _int_range(low: int, high: int | None = None) -> Check:
+    return lambda v: _is_int(v) and v >= low and (high is None or v <= high)
+
+
+def _number_range(low: float, high: float) -> Check:
+    return lambda v: _is_number(v) and low <= v <= high
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_str_or_str_list(value: Any) -> bool:
+    return isinstance(value, str) or (
+        isinstance(value, list) and all(isinstance(s, str) for s in value)
+    )
+
+
+def _is_prompt(value: Any) -> bool:
+    if isinstance(value, str):
+        return True
+    if isinstance(value, list) and value:
+        return (
+            all(isinstance(v, str) for v in value)
+            or all(_is_int(v) for v in value)
+            or all(isinstance(v, list) and all(_is_int(t) for t in v) for v in value)
+        )
+    return False
+
+
+def _is_tools(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, dict)
+        and t.get("type", "function") == "function"
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+        for t in value
+    )
+
+
+def _is_tool_choice(value: Any) -> bool:
+    return value in ("none", "auto", "required") or (
+        isinstance(value, dict) and isinstance(value.get("type"), str)
+    )
+
+
+def _is_response_format(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("type") in ("text", "json_object", "json_schema")
+
+
+def _is_stream_options(value: Any) -> bool:
+    return isinstance(value, dict) and _is_bool(value.get("include_usage", False))
+
+
+# field -> (check, what it must be). Shared by both endpoints unless overridden below.
+_COMMON: dict[str, tuple[Check, str]] = {
+    "stream": (_is_bool, "a boolean"),
+    "stream_options": (_is_stream_options, "an object with a boolean include_usage"),
+    "n": (_int_range(1, 128), "an integer from 1 to 128"),
+    "max_tokens": (_int_range(1), "a positive integer"),
+    "temperature": (_number_range(0.0, 2.0), "a number from 0 to 2"),
+    "top_p": (_number_range(0.0, 1.0), "a number from 0 to 1"),
+    "presence_penalty": (_number_range(-2.0, 2.0), "a number from -2 to 2"),
+    "frequency_penalty": (_number_range(-2.0, 2.0), "a number from -2 to 2"),
+    "seed": (_is_int, "an integer"),
+    "stop": (_is_str_or_str_list, "a string or a list of strings"),
+    "user": (lambda v: isinstance(v, str) and len(v) <= 256, "a string of at most 256 chars"),
+}
+CHAT_FIELDS: dict[str, tuple[Check, str]] = {
+    **_COMMON,
+    "max_completion_tokens": (_int_range(1), "a positive integer"),
+    "logprobs": (_is_bool, "a boolean"),
+    "top_logprobs": (_int_range(0, 20), "an integer from 0 to 20"),
+    "tools": (_is_tools, 'a list of {"type": "function", "function": {"name": ...}} objects'),
+    "tool_choice": (_is_tool_choice, '"none", "auto", "required" or a tool object'),
+    "response_format": (
+        _is_response_format,
+        'an object with type "text", "json_object" or "json_schema"',
+    ),
+}
+COMPLETION_FIELDS: dict[str, tuple[Check, str]] = {
+    **_COMMON,
+    "logprobs": (_int_range(0, 20), "an integer from 0 to 20"),
+    "echo": (_is_bool, "a boolean"),
+}
+
+
+def check_alias(payload: dict[str, Any]) -> str:
+    model = payload.get("model")
+    if model is None:
+        raise bad_request("you must provide a model parameter", "model", "missing_required")
+    if not isinstance(model, str):
+        raise bad_request("model must be a string", "model", "invalid_type")
+    if not NAME_PATTERN.match(model):
+        raise bad_request(
+            f"model {model[:80]!r} is not a valid alias: it must match {NAME_PATTERN.pattern}",
+            "model",
+            "invalid_model_name",
+        )
+    return model
+
+
+def _check_fields(payload: dict[str, Any], fields: dict[str, tuple[Check, str]]) -> None:
+    for name, (check, expected) in fields.items():
+        if name in payload and payload[name] is not None and not check(payload[name]):
+            raise bad_request(f"{name} must be {expected}", name, "invalid_type")
+
+
+def check_chat(payload: dict[str, Any]) -> None:
+    messages = payload.get("messages")
+    if messages is None:
+        raise bad_request("messages is required", "messages", "missing_required")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages", "invalid_type")
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"{where} must be an object", where, "invalid_type")
+        if message.get("role") not in CHAT_ROLES:
+            raise bad_request(
+                f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}",
+                f"{where}.role",
+                "invalid_value",
+            )
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise bad_request(
+                f"{where}.content must be a string or a list of parts",
+                f"{where}.content",
+                "invalid_type",
+            )
+    _check_fields(payload, CHAT_FIELDS)
+
+
+def check_completion(payload: dict[str, Any]) -> None:
+    if "prompt" not in payload:
+        raise bad_request("prompt is required", "prompt", "missing_required")
+    if not _is_prompt(payload["prompt"]):
+        raise bad_request(
+            "prompt must be a string, a list of strings, or token ids", "prompt", "invalid_type"
+        )
+    _check_fields(payload, COMPLETION_FIELDS)
+
+
+def check_feedback(payload: dict[str, Any]) -> tuple[str, float, str | None, str | None]:
+    """Return (completion_id, score, thumbs, comment) or raise a 400."""
+    completion_id = payload.get("completion_id")
+    if not isinstance(completion_id, str) or not 0 < len(completion_id) <= 256:
+        raise bad_request(
+            "completion_id must be the id of a completion (a string)",
+            "completion_id",
+            "invalid_type",
+        )
+    score, thumbs = payload.get("score"), payload.get("thumbs")
+    if thumbs is not None and thumbs not in ("up", "down"):
+        raise bad_request('thumbs must be "up" or "down"', "thumbs", "invalid_value")
+    if score is None and thumbs is None:
+        raise bad_request("give a score in [0, 1] or thumbs up|down", "score", "missing_required")
+    if score is not None and not (_is_number(score) and 0.0 <= score <= 1.0):
+        raise bad_request("score must be a number from 0 to 1", "score", "invalid_value")
+    if score is None:
+        score = 1.0 if thumbs == "up" else 0.0
+    comment = payload.get("comment")
+    if comment is not None and not (isinstance(comment, str) and len(comment) <= 4096):
+        raise bad_request(
+            "comment must be a string of at most 4096 chars", "comment", "invalid_type"
+        )
+    return completion_id, float(score), thumbs, comment
+
+
+def unknown_alias(alias: str) -> ProxyError:
+    return ProxyError(
+        404,
+        f"the model {alias!r} does not exist; GET /v1/models lists the aliases",
+        param="model",
+        code="model_not_found",
+    )

@@ -1,0 +1,386 @@
+"""The Kafka bus: topic creation, a producer that never blocks a request, and consumers.
+
+:class:`RecordProducer` is what a service logs through. ``submit()`` only puts the record on an
+in-memory queue (or counts it as dropped when the queue is full); one background thread sends
+batches with ``acks=all`` and waits for them. When the broker is unreachable, records go to an
+append-only spool on disk, in order, and are replayed in that order once the broker answers again.
+While anything is spooled, new records are spooled behind it, so order is kept across an outage.
+Delivery is at least once: a batch that timed out may have landed and is then sent again, so
+consumers de-duplicate by key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.admin import NewTopic
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+
+from ratchet.records import Record
+from ratchet.settings import KafkaSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class OutgoingRecord:
+    topic: str
+    key: bytes | None
+    value: bytes
+
+
+# A queued item is a ready record, or a builder the producer thread calls, so that serialising
+# (and parsing, redacting, ...) happens off the caller's thread. None wakes the thread to stop.
+RecordBuilder = Callable[[], OutgoingRecord | None]
+QueueItem = OutgoingRecord | RecordBuilder | None
+
+
+def ensure_topics(bootstrap: str, kafka: KafkaSettings, topics: list[str]) -> list[str]:
+    """Create the topics a service owns when they are missing; return the ones created."""
+    admin = KafkaAdminClient(
+        bootstrap_servers=bootstrap,
+        request_timeout_ms=5000,
+        bootstrap_timeout_ms=2000,
+        **kafka.client_options(),
+    )
+    try:
+        existing = set(admin.list_topics())
+        missing = [t for t in topics if t not in existing]
+        if missing:
+            new = [
+                NewTopic(
+                    name=t,
+                    num_partitions=kafka.topic_partitions,
+                    replication_factor=kafka.topic_replication,
+                    topic_configs={"retention.ms": str(kafka.topic_retention_ms)},
+                )
+                for t in missing
+            ]
+            try:
+                admin.create_topics(new, timeout_ms=5000)
+            except TopicAlreadyExistsError:
+                pass  # another replica won the race
+        return missing
+    finally:
+        admin.close()
+
+
+class Spool:
+    """An append-only, line-per-record file of records waiting for the broker.
+
+    Segments are numbered files; the writer appends to the newest, replay reads the oldest first
+    and deletes a segment only after every record in it was acknowledged.
+    """
+
+    def __init__(self, directory: Path, segment_bytes: int = 16 * 1024 * 1024) -> None:
+        self.directory = directory
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.segment_bytes = segment_bytes
+        self._file: Any = None
+        self._file_path: Path | None = None
+
+    def segments(self) -> list[Path]:
+        return sorted(self.directory.glob("spool-*.jsonl"))
+
+    def __len__(self) -> int:
+        count = 0
+        for path in self.segments():
+            with path.open("rb") as fh:
+                count += sum(1 for _ in fh)
+        return count
+
+    def is_empty(self) -> bool:
+        return not any(p.stat().st_size for p in self.segments())
+
+    def append(self, records: list[OutgoingRecord]) -> None:
+        if self._file is None or self._file.tell() >= self.segment_bytes:
+            self._roll()
+        for record in records:
+            line = orjson.dumps(
+                {
+                    "topic": record.topic,
+                    "key": record.key.decode() if record.key is not None else None,
+                    "value": record.value.decode(),
+                }
+            )
+            self._file.write(line + b"\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def _roll(self) -> None:
+        self.close()
+        existing = self.segments()
+        number = int(existing[-1].stem.split("-")[1]) + 1 if existing else 0
+        self._file_path = self.directory / f"spool-{number:09d}.jsonl"
+        self._file = self._file_path.open("ab")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def drain(self) -> Iterator[tuple[Path, list[OutgoingRecord]]]:
+        """Yield each segment's records, oldest first. The writer moves to a new segment first."""
+        self.close()
+        for path in self.segments():
+            records = []
+            with path.open("rb") as fh:
+                for line in fh:
+                    try:
+                        item = orjson.loads(line)
+                    except orjson.JSONDecodeError:
+                        # Only a crash mid-write leaves a torn last line; it was never accepted
+                        # as durable, so skipping it loses nothing that was acknowledged.
+                        log.warning("skipping a torn line in %s", path.name)
+                        continue
+                    key = item["key"].encode() if item["key"] is not None else None
+                    records.append(OutgoingRecord(item["topic"], key, item["value"].encode()))
+            yield path, records
+
+
+class RecordProducer:
+    """Produce records off the caller's thread; spool when the broker is away.
+
+    The counters (``queued``, ``sent``, ``spooled``, ``dropped``, ``replayed``) are read by the
+    service's metrics. ``on_state`` is told ``True``/``False`` as the broker comes and goes.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        kafka: KafkaSettings,
+        spool_dir: Path,
+        topics: list[str],
+        queue_size: int = 10_000,
+        batch_size: int = 500,
+        on_state: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.kafka = kafka
+        self.topics = topics
+        self.queue: queue.Queue[QueueItem] = queue.Queue(maxsize=queue_size)
+        self.batch_size = batch_size
+        self.spool = Spool(spool_dir)
+        self.on_state = on_state
+        self.sent = 0
+        self.spooled = 0
+        self.replayed = 0
+        self.dropped = 0
+        self.connected = False
+        self._producer: KafkaProducer | None = None
+        self._stop = threading.Event()
+        self._next_connect_at = 0.0
+        self._thread = threading.Thread(target=self._run, name="ratchet-producer", daemon=True)
+
+    # ---- caller side -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, record: Record, key: str | None) -> bool:
+        """Queue a record; never blocks. Returns False (and counts a drop) when the queue is full."""
+        return self.submit_raw(record.TOPIC, key, record.to_json())
+
+    def submit_raw(self, topic: str, key: str | None, value: bytes) -> bool:
+        return self.submit_builder(OutgoingRecord(topic, key.encode() if key else None, value))
+
+    def submit_builder(self, item: OutgoingRecord | RecordBuilder) -> bool:
+        try:
+            self.queue.put_nowait(item)
+            return True
+        except queue.Full:
+            self.dropped += 1
+            return False
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Send or spool everything still queued, then stop. Nothing accepted is left behind."""
+        self._stop.set()
+        self.queue.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("producer thread did not stop in %.0fs; spooling the rest", timeout_s)
+        # Anything left (thread stuck on a dead broker) goes to disk from here.
+        rest = []
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            record = self._materialise(item)
+            if record is not None:
+                rest.append(record)
+        if rest:
+            self._spool(rest)
+        self.spool.close()
+        if self._producer is not None:
+            with contextlib.suppress(KafkaError):
+                self._producer.close(timeout=2)
+
+    @property
+    def depth(self) -> int:
+        return self.queue.qsize()
+
+    # ---- producer thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            batch = self._take_batch()
+            stopping = self._stop.is_set()
+            if batch:
+                self._deliver(batch)
+            elif not self.spool.is_empty():
+                self._try_replay()
+            elif self._producer is None:
+                self._connect()  # connect early, so readiness and metrics tell the truth
+            if stopping and self.queue.empty():
+                return
+
+    def _take_batch(self) -> list[OutgoingRecord]:
+        try:
+            first = self.queue.get(timeout=0.5)
+        except queue.Empty:
+            return []
+        batch = []
+        item: QueueItem = first
+        while True:
+            record = self._materialise(item)
+            if record is not None:
+                batch.append(record)
+            if len(batch) >= self.batch_size:
+                break
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                break
+        return batch
+
+    def _materialise(self, item: QueueItem) -> OutgoingRecord | None:
+        if item is None or isinstance(item, OutgoingRecord):
+            return item
+        try:
+            return item()
+        except Exception:
+            # A record that cannot be built must not stop the thread that sends all the others.
+            self.dropped += 1
+            log.exception("could not build a record; dropped")
+            return None
+
+    def _deliver(self, batch: list[OutgoingRecord]) -> None:
+        # Keep order: while older records wait on disk, newer ones queue up behind them.
+        if not self.spool.is_empty():
+            self._spool(batch)
+            self._try_replay()
+            return
+        if not self._send(batch):
+            self._spool(batch)
+
+    def _spool(self, batch: list[OutgoingRecord]) -> None:
+        try:
+            self.spool.append(batch)
+            self.spooled += len(batch)
+        except OSError as exc:
+            self.dropped += len(batch)
+            log.error("cannot write %d records to the spool (%s); dropped", len(batch), exc)
+
+    def _try_replay(self) -> None:
+        for path, records in self.spool.drain():
+            if records and not self._send(records):
+                return
+            self.replayed += len(records)
+            path.unlink(missing_ok=True)
+        log.info("spool replayed; back to producing directly")
+
+    def _connect(self) -> bool:
+        if self._producer is not None:
+            return True
+        now = time.monotonic()
+        if now < self._next_connect_at:
+            return False
+        self._next_connect_at = now + 1.0
+        try:
+            ensure_topics(self.bootstrap, self.kafka, self.topics)
+            self._producer = self._make_producer()
+        except (KafkaError, OSError, ValueError) as exc:
+            log.debug("broker unreachable: %s", exc)
+            self._set_state(False)
+            return False
+        self._set_state(True)
+        return True
+
+    def _make_producer(self) -> KafkaProducer:
+        compression = None if self.kafka.compression == "none" else self.kafka.compression
+        options: dict[str, Any] = dict(
+            bootstrap_servers=self.bootstrap,
+            acks="all",
+            compression_type=compression,
+            linger_ms=5,
+            max_block_ms=2000,
+            request_timeout_ms=5000,
+            delivery_timeout_ms=8000,
+            bootstrap_timeout_ms=2000,
+            retries=3,
+            **self.kafka.client_options(),
+        )
+        if self.kafka.idempotence == "off":
+            return KafkaProducer(enable_idempotence=False, **options)
+        try:
+            return KafkaProducer(enable_idempotence=True, **options)
+        except KafkaError:
+            if self.kafka.idempotence == "on":
+                raise
+            log.info("broker does not support idempotent producing; using acks=all without it")
+            return KafkaProducer(enable_idempotence=False, **options)
+
+    def _send(self, batch: list[OutgoingRecord]) -> bool:
+        """Send a batch and wait for every ack. False if any failed (the whole batch is redone)."""
+        if not self._connect():
+            return False
+        assert self._producer is not None
+        try:
+            futures = [self._producer.send(r.topic, key=r.key, value=r.value) for r in batch]
+            self._producer.flush(timeout=10)
+            for future in futures:
+                future.get(timeout=0)
+        except (KafkaError, OSError, AssertionError) as exc:
+            log.warning("kafka send failed (%s); spooling until the broker is back", exc)
+            self._reset()
+            return False
+        self.sent += len(batch)
+        return True
+
+    def _reset(self) -> None:
+        if self._producer is not None:
+            with contextlib.suppress(KafkaError, OSError):
+                self._producer.close(timeout=0)
+        self._producer = None
+        self._set_state(False)
+
+    def _set_state(self, connected: bool) -> None:
+        if connected != self.connected:
+            self.connected = connected
+            if self.on_state:
+                self.on_state(connected)
+
+
+def make_consumer(
+    bootstrap: str, kafka: KafkaSettings, topics: list[str], group_id: str | None, **extra: Any
+) -> KafkaConsumer:
+    """A consumer with manual commits: services commit only after their output is produced."""
+    return KafkaConsumer(
+        *topics,
+        bootstrap_servers=bootstrap,
+        group_id=group_id,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        **kafka.client_options(),
+        **extra,
+    )

@@ -1,0 +1,190 @@
+"""The record types of the Kafka topics: one class per topic, defined here and nowhere else.
+
+Every value is JSON with ``"schema": "<name>/<int>"`` and ``"ts"`` (RFC 3339, UTC). Field names
+follow the OpenTelemetry GenAI conventions where one exists; those are dotted
+(``gen_ai.request.model``), so the Python attribute has a plain name and the dotted one is the
+serialised alias. Consumers call :func:`decode` which skips unknown schemas with a counted warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter
+from datetime import UTC, datetime
+from typing import Any, ClassVar, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+log = logging.getLogger(__name__)
+
+TRAFFIC_TOPIC = "ratchet.traffic"
+FEEDBACK_TOPIC = "ratchet.feedback"
+GROUPS_TOPIC = "ratchet.groups"
+HELDOUT_TOPIC = "ratchet.heldout"
+EVENTS_TOPIC = "ratchet.events"
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def hash_api_key(key: str | None) -> str | None:
+    """Keys are only ever stored as this hash, so logs and Kafka never see a secret."""
+    if not key:
+        return None
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def prompt_hash(messages: list[Any], tools: list[Any] | None = None) -> str:
+    """Stable hash of a prompt (messages + tools), used for dedup and the held-out split."""
+    blob = orjson.dumps({"messages": messages, "tools": tools or []}, option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(blob).hexdigest()
+
+
+class Record(BaseModel):
+    """Base of every topic's value. Subclasses set SCHEMA and TOPIC."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+    SCHEMA: ClassVar[str]
+    TOPIC: ClassVar[str]
+
+    schema_: str = Field(default="", alias="schema")
+    ts: str = Field(default_factory=utc_now)
+
+    def model_post_init(self, context: Any) -> None:
+        if not self.schema_:
+            self.schema_ = self.SCHEMA
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.model_dump(by_alias=True, mode="json"))
+
+
+class TrafficRecord(Record):
+    """One client exchange as the proxy saw it: request as sent, answer as received."""
+
+    SCHEMA = "traffic/1"
+    TOPIC = TRAFFIC_TOPIC
+
+    request_id: str
+    endpoint: Literal["chat.completions", "completions"]
+    alias: str
+    request_model: str = Field(alias="gen_ai.request.model")
+    response_model: str = Field(alias="gen_ai.response.model")  # the served name
+    version: int
+    canary_arm: Literal["active", "canary"]
+    request: dict[str, Any]  # the body as the client sent it (after redaction)
+    response_id: str | None = None
+    choices: list[dict[str, Any]] = []
+    input_tokens: int | None = Field(default=None, alias="gen_ai.usage.input_tokens")
+    output_tokens: int | None = Field(default=None, alias="gen_ai.usage.output_tokens")
+    finish_reasons: list[str | None] = Field(default=[], alias="gen_ai.response.finish_reasons")
+    stream: bool = False
+    status: int
+    error: dict[str, Any] | None = None
+    latency_ms: float
+    ttft_ms: float | None = None
+    api_key_hash: str | None = None
+    user: str | None = None
+
+
+class FeedbackRecord(Record):
+    SCHEMA = "feedback/1"
+    TOPIC = FEEDBACK_TOPIC
+
+    completion_id: str
+    score: float = Field(ge=0.0, le=1.0)
+    thumbs: Literal["up", "down"] | None = None
+    comment: str | None = None
+    api_key_hash: str | None = None
+
+
+class Sample(BaseModel):
+    """One answer in a group, with the exact tokens and behaviour logprobs that produced it."""
+
+    message: dict[str, Any]
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None
+
+
+class ScoredGroup(Record):
+    SCHEMA = "scored_group/1"
+    TOPIC = GROUPS_TOPIC
+
+    group_id: str
+    alias: str
+    version: int
+    response_model: str = Field(alias="gen_ai.response.model")
+    prompt_messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+    rewards: list[float]
+    explanations: list[str] = []
+    judge_model: str | None = None
+    rubric_hash: str | None = None
+    traffic_request_id: str
+
+
+class HeldoutPrompt(Record):
+    SCHEMA = "heldout_prompt/1"
+    TOPIC = HELDOUT_TOPIC
+
+    prompt_hash: str
+    alias: str
+    prompt_messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    traffic_request_id: str
+
+
+class LifecycleEvent(Record):
+    SCHEMA = "lifecycle_event/1"
+    TOPIC = EVENTS_TOPIC
+
+    alias: str
+    kind: Literal[
+        "candidate", "gate", "promote", "reject", "canary", "rollback", "pause", "resume", "route"
+    ]
+    version: int | None = None
+    previous_version: int | None = None
+    actor: str = "ratchet"
+    detail: dict[str, Any] = {}
+
+
+RECORD_TYPES: dict[str, type[Record]] = {
+    cls.TOPIC: cls
+    for cls in (TrafficRecord, FeedbackRecord, ScoredGroup, HeldoutPrompt, LifecycleEvent)
+}
+ALL_TOPICS = tuple(RECORD_TYPES)
+
+# Records skipped by decode(), by reason; exported as a metric by the services that consume.
+skipped_records: Counter[str] = Counter()
+
+
+def decode(topic: str, value: bytes) -> Record | None:
+    """Parse a topic's value; None (and a counted warning) for unknown schemas or bad records."""
+    record_type = RECORD_TYPES.get(topic)
+    try:
+        data = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        skipped_records["malformed"] += 1
+        log.warning("skipping a malformed record on %s", topic)
+        return None
+    if (
+        record_type is None
+        or not isinstance(data, dict)
+        or data.get("schema") != record_type.SCHEMA
+    ):
+        skipped_records["unknown_schema"] += 1
+        schema = data.get("schema") if isinstance(data, dict) else None
+        log.warning("skipping a record of unknown schema %r on %s", schema, topic)
+        return None
+    try:
+        return record_type.model_validate(data)
+    except ValidationError as exc:
+        skipped_records["invalid"] += 1
+        log.warning("skipping an invalid %s record: %s", record_type.SCHEMA, exc.error_count())
+        return None

@@ -1,0 +1,253 @@
+"""The routing registry in Redis: which version of each alias is live, and which is on canary.
+
+Keys (ARCHITECTURE.md): ``ratchet:alias:<alias>`` (hash), ``ratchet:alias:<alias>:history``
+(list, newest first), and the ``ratchet:registry`` pub/sub channel, published on every change so
+proxies refresh at once. Writers use :class:`RegistryWriter`; the proxy uses :class:`RoutingCache`,
+which keeps serving from the last table it read while Redis is away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import random
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import orjson
+import redis
+import redis.asyncio as aioredis
+
+from ratchet.records import LifecycleEvent, utc_now
+from ratchet.settings import AliasConfig
+
+log = logging.getLogger(__name__)
+
+CHANNEL = "ratchet:registry"
+HISTORY_LIMIT = 1000
+
+
+def alias_key(alias: str) -> str:
+    return f"ratchet:alias:{alias}"
+
+
+def history_key(alias: str) -> str:
+    return f"ratchet:alias:{alias}:history"
+
+
+def served_name(alias: str, version: int, base_model: str) -> str:
+    """The name vLLM serves a version under: the base model's own name for v0."""
+    return base_model if version == 0 else f"{alias}@v{version}"
+
+
+@dataclass(frozen=True, slots=True)
+class AliasRoute:
+    alias: str
+    base_model: str
+    active: int = 0
+    canary: int | None = None
+    canary_weight: float = 0.0
+    paused: bool = False
+    updated_at: str | None = None
+
+    def pick(self, sticky_key: str | None) -> tuple[int, str]:
+        """Choose (version, arm) for one request: sticky per key, random without one."""
+        if self.canary is None or self.canary_weight <= 0.0:
+            return self.active, "active"
+        if sticky_key is None:
+            draw = random.random()
+        else:
+            # Keyed by alias and canary version too, so each new canary draws a fresh cohort.
+            digest = hashlib.blake2b(
+                f"{self.alias}\0{self.canary}\0{sticky_key}".encode(), digest_size=8
+            ).digest()
+            draw = int.from_bytes(digest, "big") / 2**64
+        if draw < self.canary_weight:
+            return self.canary, "canary"
+        return self.active, "active"
+
+    def to_hash(self) -> dict[str, str]:
+        return {
+            "active": str(self.active),
+            "canary": "" if self.canary is None else str(self.canary),
+            "canary_weight": repr(self.canary_weight),
+            "base_model": self.base_model,
+            "paused": "1" if self.paused else "0",
+            "updated_at": self.updated_at or utc_now(),
+        }
+
+    @classmethod
+    def from_hash(cls, alias: str, data: dict[str, str], default_base: str) -> AliasRoute:
+        canary = data.get("canary") or ""
+        return cls(
+            alias=alias,
+            base_model=data.get("base_model") or default_base,
+            active=int(data.get("active") or 0),
+            canary=int(canary) if canary else None,
+            canary_weight=float(data.get("canary_weight") or 0.0),
+            paused=data.get("paused") == "1",
+            updated_at=data.get("updated_at"),
+        )
+
+
+def _decode_hash(raw: dict[Any, Any]) -> dict[str, str]:
+    return {
+        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+        for k, v in raw.items()
+    }
+
+
+class RegistryWriter:
+    """Synchronous writes of the routing table (CLI, learner). Every change is published."""
+
+    def __init__(self, redis_url: str, aliases: dict[str, AliasConfig]) -> None:
+        self.redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
+        self.aliases = aliases
+
+    def read(self, alias: str) -> AliasRoute | None:
+        raw = _decode_hash(self.redis.hgetall(alias_key(alias)))
+        config = self.aliases.get(alias)
+        if not raw:
+            return AliasRoute(alias=alias, base_model=config.base_model) if config else None
+        return AliasRoute.from_hash(alias, raw, config.base_model if config else "")
+
+    def read_all(self) -> dict[str, AliasRoute]:
+        routes = {
+            name: AliasRoute(alias=name, base_model=cfg.base_model)
+            for name, cfg in self.aliases.items()
+        }
+        for key in self.redis.scan_iter(match="ratchet:alias:*", count=500):
+            key = key.decode()
+            if key.endswith(":history"):
+                continue
+            name = key.removeprefix("ratchet:alias:")
+            route = self.read(name)
+            if route is not None:
+                routes[name] = route
+        return routes
+
+    def write(self, route: AliasRoute, event: LifecycleEvent | None = None) -> AliasRoute:
+        route = replace(route, updated_at=utc_now())
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(alias_key(route.alias), mapping=route.to_hash())
+        if event is not None:
+            pipe.lpush(history_key(route.alias), event.to_json())
+            pipe.ltrim(history_key(route.alias), 0, HISTORY_LIMIT - 1)
+        pipe.publish(CHANNEL, route.alias)
+        pipe.execute()
+        return route
+
+    def history(self, alias: str, limit: int = 20) -> list[dict[str, Any]]:
+        return [orjson.loads(item) for item in self.redis.lrange(history_key(alias), 0, limit - 1)]
+
+
+class RoutingCache:
+    """The proxy's copy of the routing table.
+
+    Loaded in full at start and every ``refresh_s``; each message on ``ratchet:registry`` reloads
+    its alias at once. While Redis is unreachable the last table keeps serving and ``age_s``
+    grows, which is exported as a metric.
+    """
+
+    def __init__(
+        self, redis_url: str, aliases: dict[str, AliasConfig], refresh_s: float = 5.0
+    ) -> None:
+        self._redis = aioredis.Redis.from_url(
+            redis_url, socket_timeout=2, socket_connect_timeout=1, health_check_interval=5
+        )
+        self._aliases = aliases
+        self._refresh_s = refresh_s
+        # Aliases from ratchet.yaml serve v0 (the base model) until Redis says otherwise.
+        self.routes: dict[str, AliasRoute] = {
+            name: AliasRoute(alias=name, base_model=cfg.base_model) for name, cfg in aliases.items()
+        }
+        self.loaded_at: float | None = None
+        self.connected = False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def age_s(self) -> float:
+        return float("inf") if self.loaded_at is None else time.monotonic() - self.loaded_at
+
+    async def start(self) -> None:
+        try:
+            await self.load_all()
+        except (redis.RedisError, OSError) as exc:
+            log.warning("routing registry unreachable at start (%s); serving config defaults", exc)
+        self._tasks = [
+            asyncio.create_task(self._listen(), name="registry-listen"),
+            asyncio.create_task(self._refresh_loop(), name="registry-refresh"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._redis.aclose()
+
+    def _default_base(self, alias: str) -> str:
+        config = self._aliases.get(alias)
+        return config.base_model if config else ""
+
+    async def load_alias(self, alias: str) -> None:
+        raw = _decode_hash(await self._redis.hgetall(alias_key(alias)))
+        if raw:
+            self.routes[alias] = AliasRoute.from_hash(alias, raw, self._default_base(alias))
+        elif alias not in self._aliases:
+            self.routes.pop(alias, None)
+
+    async def load_all(self) -> None:
+        routes = {
+            name: AliasRoute(alias=name, base_model=cfg.base_model)
+            for name, cfg in self._aliases.items()
+        }
+        async for key in self._redis.scan_iter(match="ratchet:alias:*", count=500):
+            key = key.decode()
+            if key.endswith(":history"):
+                continue
+            name = key.removeprefix("ratchet:alias:")
+            raw = _decode_hash(await self._redis.hgetall(key))
+            if raw:
+                routes[name] = AliasRoute.from_hash(name, raw, self._default_base(name))
+        self.routes = routes
+        self.loaded_at = time.monotonic()
+        self.connected = True
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_s)
+            try:
+                await self.load_all()
+            except (redis.RedisError, OSError) as exc:
+                if self.connected:
+                    log.warning("routing registry unreachable (%s); serving the last table", exc)
+                self.connected = False
+
+    async def _listen(self) -> None:
+        backoff = 0.2
+        while True:
+            pubsub = self._redis.pubsub()
+            try:
+                await pubsub.subscribe(CHANNEL)
+                # Changes made while we were disconnected are caught by this full reload.
+                await self.load_all()
+                backoff = 0.2
+                async for message in pubsub.listen():
+                    if message.get("type") != "message":
+                        continue
+                    await self.load_alias(message["data"].decode())
+                    self.loaded_at = time.monotonic()
+            except asyncio.CancelledError:
+                raise
+            except (redis.RedisError, OSError) as exc:
+                if self.connected:
+                    log.warning("registry subscription lost (%s); retrying", exc)
+                self.connected = False
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            finally:
+                with contextlib.suppress(redis.RedisError, OSError):
+                    await pubsub.aclose()

@@ -1,0 +1,299 @@
+"""One typed settings object for every Ratchet service.
+
+Values come, highest priority first, from: keyword arguments, ``RATCHET_*`` environment
+variables (nested sections with ``__``, e.g. ``RATCHET_PROXY__PORT=9000``), then ``ratchet.yaml``
+(``$RATCHET_CONFIG``, else ``./ratchet.yaml``, or ``--config PATH``). Each service reads the part
+it needs. Validation happens at start; :func:`load_settings` turns pydantic's errors into one
+message per bad setting that names it and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+DEFAULT_BASE_MODEL = "smollm2-135m-instruct"
+DEFAULT_RUBRIC = (
+    "A good answer follows the user's instructions, is correct, complete and concise. "
+    "A worse answer is wrong, ignores part of the request, or pads with irrelevant text."
+)
+
+
+def default_home() -> Path:
+    """Where the embedded stack keeps its state, logs, model cache and adapter store."""
+    return Path(os.environ.get("RATCHET_HOME", Path.home() / ".cache" / "ratchet"))
+
+
+class ConfigError(Exception):
+    """Settings that cannot start a service; the message names each setting and its fix."""
+
+
+class _Section(BaseModel):
+    # A typo in ratchet.yaml should fail loudly, not be ignored.
+    model_config = ConfigDict(extra="forbid")
+
+
+class RewardConfig(_Section):
+    kind: Literal["ruler", "verifier", "mixed"] = "ruler"
+    rubric: str = DEFAULT_RUBRIC
+    judge_model: str = f"hosted_vllm/{DEFAULT_BASE_MODEL}"
+    verifier: str | None = Field(
+        default=None, description='"package.module:function" returning a float in [0, 1]'
+    )
+    ruler_weight: float = Field(default=0.5, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _verifier_present(self) -> RewardConfig:
+        if self.kind in ("verifier", "mixed") and not self.verifier:
+            raise ValueError(
+                f"reward.kind is {self.kind!r} but reward.verifier is empty; "
+                'set it to "package.module:function" or use kind: ruler'
+            )
+        if self.verifier and ":" not in self.verifier:
+            raise ValueError('reward.verifier must look like "package.module:function"')
+        return self
+
+
+class LearningConfig(_Section):
+    enabled: bool = True
+    sample_rate: float = Field(default=1.0, ge=0.0, le=1.0)
+    group_size: int = Field(default=4, ge=2, le=64)
+    heldout_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+
+
+class GateConfig(_Section):
+    min_pairs: int = Field(default=32, ge=1)
+    threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+
+
+class CanaryConfig(_Section):
+    weight: float = Field(default=0.1, ge=0.0, le=1.0)
+    min_requests: int = Field(default=50, ge=1)
+
+
+class AliasConfig(_Section):
+    base_model: str = DEFAULT_BASE_MODEL
+    # Share of this alias's exchanges written to ratchet.traffic (1.0 = all of them).
+    log_rate: float = Field(default=1.0, ge=0.0, le=1.0)
+    reward: RewardConfig = RewardConfig()
+    learning: LearningConfig = LearningConfig()
+    gate: GateConfig = GateConfig()
+    canary: CanaryConfig = CanaryConfig()
+
+
+class KafkaSettings(_Section):
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: Path | None = None
+    topic_partitions: int = Field(default=3, ge=1)
+    topic_replication: int = Field(default=1, ge=1)
+    topic_retention_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=60_000)
+    # gzip needs no native library, so it works on every machine the proxy runs on.
+    compression: Literal["gzip", "snappy", "lz4", "zstd", "none"] = "gzip"
+    # Idempotent producing needs broker support (InitProducerId); "auto" probes for it.
+    idempotence: Literal["auto", "on", "off"] = "auto"
+
+    def client_options(self) -> dict[str, Any]:
+        """Connection options shared by kafka-python producers, consumers and admin clients."""
+        opts: dict[str, Any] = {"security_protocol": self.security_protocol}
+        if self.sasl_mechanism:
+            opts["sasl_mechanism"] = self.sasl_mechanism
+            opts["sasl_plain_username"] = self.sasl_username
+            opts["sasl_plain_password"] = (
+                self.sasl_password.get_secret_value() if self.sasl_password else None
+            )
+        if self.ssl_cafile:
+            opts["ssl_cafile"] = str(self.ssl_cafile)
+        return opts
+
+
+class ProxySettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8400, ge=1, le=65535)
+    # Client keys. Empty means no auth, which is only allowed on a loopback address.
+    api_keys: list[SecretStr] = []
+    admin_key: SecretStr | None = None
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    upstream_connect_timeout_s: float = Field(default=2.0, gt=0)
+    upstream_timeout_s: float = Field(default=300.0, gt=0)
+    # In-memory queue between the request path and the Kafka producer thread.
+    log_queue_size: int = Field(default=10_000, ge=1)
+    # Regexes applied to message text before a record is produced; matches become [REDACTED].
+    redact_patterns: list[str] = []
+    # A full re-read of the routing table, on top of the pub/sub push.
+    registry_refresh_s: float = Field(default=5.0, gt=0)
+    upstream_health_interval_s: float = Field(default=2.0, gt=0)
+
+    @field_validator("redact_patterns")
+    @classmethod
+    def _patterns_compile(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"redact pattern {pattern!r} is not a valid regex: {exc}") from exc
+        return patterns
+
+
+class RatchetSettings(BaseSettings):
+    """Settings for every Ratchet service, validated once at start."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="RATCHET_",
+        env_nested_delimiter="__",
+        extra="forbid",
+    )
+
+    kafka_bootstrap_servers: str = "127.0.0.1:9092"
+    redis_url: str = "redis://127.0.0.1:6399/0"
+    vllm_url: str = "http://127.0.0.1:8401"
+    home: Path = Field(default_factory=default_home)
+    # Defaults derive from `home` (see _derive_paths) so one variable moves everything.
+    store_dir: Path | None = None
+    state_dir: Path | None = None
+    kafka: KafkaSettings = KafkaSettings()
+    proxy: ProxySettings = ProxySettings()
+    aliases: dict[str, AliasConfig] = {"support": AliasConfig()}
+
+    @field_validator("aliases")
+    @classmethod
+    def _alias_names(cls, aliases: dict[str, AliasConfig]) -> dict[str, AliasConfig]:
+        for name in aliases:
+            if not NAME_PATTERN.match(name):
+                raise ValueError(
+                    f"alias {name!r} must match {NAME_PATTERN.pattern} "
+                    "(lower-case letters, digits, '.', '_', '-'; at most 64 characters)"
+                )
+        return aliases
+
+    @model_validator(mode="after")
+    def _derive_paths(self) -> RatchetSettings:
+        if self.store_dir is None:
+            self.store_dir = self.home / "adapters"
+        if self.state_dir is None:
+            self.state_dir = self.home / "state"
+        return self
+
+    @model_validator(mode="after")
+    def _auth_or_loopback(self) -> RatchetSettings:
+        if not self.proxy.api_keys and not _is_loopback(self.proxy.host):
+            raise ValueError(
+                f"proxy.api_keys is empty while proxy.host is {self.proxy.host!r}: running "
+                "without auth is only allowed on a loopback address. Set RATCHET_PROXY__API_KEYS "
+                "(a JSON list) or proxy.api_keys in ratchet.yaml, or bind to 127.0.0.1"
+            )
+        return self
+
+    @property
+    def spool_dir(self) -> Path:
+        assert self.state_dir is not None
+        return self.state_dir / "spool"
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.proxy.api_keys)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        yaml_path = config_path()
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if yaml_path.is_file():
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_path))
+        sources.append(file_secret_settings)
+        return tuple(sources)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def config_path() -> Path:
+    return Path(os.environ.get("RATCHET_CONFIG", "ratchet.yaml"))
+
+
+def load_settings(path: Path | str | None = None, **overrides: Any) -> RatchetSettings:
+    """Read and validate settings; raise ConfigError naming every bad setting and its fix."""
+    if path is not None:
+        os.environ["RATCHET_CONFIG"] = str(path)
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {path} does not exist (from --config/RATCHET_CONFIG)")
+    try:
+        return RatchetSettings(**overrides)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            where = ".".join(str(part) for part in err["loc"]) or "settings"
+            env = "RATCHET_" + "__".join(str(p).upper() for p in err["loc"] if isinstance(p, str))
+            lines.append(f"  {where}: {err['msg']} (set it in {config_path()} or {env})")
+        raise ConfigError("invalid Ratchet settings:\n" + "\n".join(lines)) from None
+
+
+DEFAULT_CONFIG_YAML = """\
+# Ratchet configuration. Every value can be overridden by a RATCHET_* environment variable
+# (nested keys joined with "__", e.g. RATCHET_PROXY__PORT=8400).
+kafka_bootstrap_servers: 127.0.0.1:9092
+redis_url: redis://127.0.0.1:6399/0
+vllm_url: http://127.0.0.1:8401
+
+proxy:
+  host: 127.0.0.1
+  port: 8400
+  # No keys: auth is off, which is only allowed on 127.0.0.1. To require keys, list them here
+  # (or in RATCHET_PROXY__API_KEYS as a JSON list) and clients send "Authorization: Bearer KEY".
+  api_keys: []
+  redact_patterns:
+    - '[\\w.+-]+@[\\w-]+\\.[\\w.]+'        # e-mail addresses
+
+aliases:
+  support:
+    base_model: smollm2-135m-instruct
+    log_rate: 1.0
+    reward:
+      kind: ruler
+      judge_model: hosted_vllm/smollm2-135m-instruct
+    learning: {enabled: true, sample_rate: 1.0, group_size: 4, heldout_fraction: 0.1}
+    gate: {min_pairs: 32, threshold: 0.5}
+    canary: {weight: 0.1, min_requests: 50}
+"""
+
+
+def write_default_config(path: Path) -> bool:
+    """Create a default ratchet.yaml if none exists; return whether one was written."""
+    if path.exists():
+        return False
+    path.write_text(DEFAULT_CONFIG_YAML)
+    return True
