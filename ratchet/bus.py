@@ -67,10 +67,9 @@ def ensure_topics(bootstrap: str, kafka: KafkaSettings, topics: list[str]) -> li
                 )
                 for t in missing
             ]
-            try:
+            # Another replica may win the race to create them; that is fine.
+            with contextlib.suppress(TopicAlreadyExistsError):
                 admin.create_topics(new, timeout_ms=5000)
-            except TopicAlreadyExistsError:
-                pass  # another replica won the race
         return missing
     finally:
         admin.close()
@@ -188,7 +187,7 @@ class RecordProducer:
         self._thread.start()
 
     def submit(self, record: Record, key: str | None) -> bool:
-        """Queue a record; never blocks. Returns False (and counts a drop) when the queue is full."""
+        """Queue a record; never blocks. False (and a counted drop) when the queue is full."""
         return self.submit_raw(record.TOPIC, key, record.to_json())
 
     def submit_raw(self, topic: str, key: str | None, value: bytes) -> bool:

@@ -173,13 +173,9 @@ def decode(topic: str, value: bytes) -> Record | None:
         skipped_records["malformed"] += 1
         log.warning("skipping a malformed record on %s", topic)
         return None
-    if (
-        record_type is None
-        or not isinstance(data, dict)
-        or data.get("schema") != record_type.SCHEMA
-    ):
+    schema = data.get("schema") if isinstance(data, dict) else None
+    if record_type is None or schema != record_type.SCHEMA:
         skipped_records["unknown_schema"] += 1
-        schema = data.get("schema") if isinstance(data, dict) else None
         log.warning("skipping a record of unknown schema %r on %s", schema, topic)
         return None
     try:
