@@ -36,6 +36,7 @@ def prepare_model(home: Path, quiet: bool = False) -> Path:
     """Return the safetensors folder of the base model, converting the GGUF on first use."""
     target = model_dir(home)
     if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+        install_chat_template(target)
         return target
     source = gguf_path()
     tmp = target.with_name(target.name + ".partial")
@@ -72,9 +73,18 @@ def prepare_model(home: Path, quiet: bool = False) -> Path:
         model.config.name_or_path = MODEL_NAME
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        install_chat_template(tmp)
         progress.advance(task)
         progress.update(task, description="Moving into place")
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
         progress.advance(task)
     return target
+
+
+def install_chat_template(folder: Path) -> None:
+    """Put our ChatML + tools template in the model folder (the GGUF's breaks on tool turns)."""
+    template = (Path(__file__).parent / "chat_template.jinja").read_text()
+    path = folder / "chat_template.jinja"
+    if not path.is_file() or path.read_text() != template:
+        path.write_text(template)

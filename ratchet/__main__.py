@@ -1,0 +1,3 @@
+from ratchet.cli import main
+
+main()

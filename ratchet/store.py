@@ -1,0 +1,74 @@
+"""The adapter store: one folder per version, named by its served name.
+
+``<store>/<alias>@v<N>/`` holds the PEFT adapter (``adapter_config.json``,
+``adapter_model.safetensors``) and ``ratchet.json`` (parent version, training steps, data seen,
+gate result). vLLM's filesystem resolver loads a version by that folder name on first request, so
+a version is written to a temporary folder and renamed into place: a reader never sees half an
+adapter, and a version, once written, is never changed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+META_FILE = "ratchet.json"
+_VERSION_DIR = re.compile(r"^(?P<alias>[a-z0-9][a-z0-9._-]{0,63})@v(?P<version>[1-9][0-9]*)$")
+
+
+class AdapterStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def path(self, alias: str, version: int) -> Path:
+        if version < 1:
+            raise ValueError("v0 is the base model; adapters start at v1")
+        return self.root / f"{alias}@v{version}"
+
+    def exists(self, alias: str, version: int) -> bool:
+        return (self.path(alias, version) / "adapter_config.json").is_file()
+
+    def versions(self, alias: str) -> list[int]:
+        found = []
+        if self.root.is_dir():
+            for entry in self.root.iterdir():
+                match = _VERSION_DIR.match(entry.name)
+                if match and match["alias"] == alias and (entry / "adapter_config.json").is_file():
+                    found.append(int(match["version"]))
+        return sorted(found)
+
+    def write(
+        self,
+        alias: str,
+        version: int,
+        write_adapter: Callable[[Path], None],
+        base_model_path: str,
+        meta: dict[str, Any],
+    ) -> Path:
+        """Write a new version atomically. ``write_adapter(folder)`` saves the PEFT files."""
+        final = self.path(alias, version)
+        if final.exists():
+            raise FileExistsError(f"{final.name} exists; versions are immutable")
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            tmp.mkdir()
+            write_adapter(tmp)
+            config_path = tmp / "adapter_config.json"
+            config = json.loads(config_path.read_text())
+            # vLLM's resolver only loads adapters whose base is exactly its --model value.
+            config["base_model_name_or_path"] = base_model_path
+            config_path.write_text(json.dumps(config, indent=2))
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+            tmp.rename(final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
+
+    def meta(self, alias: str, version: int) -> dict[str, Any]:
+        return json.loads((self.path(alias, version) / META_FILE).read_text())
