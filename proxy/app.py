@@ -8,7 +8,6 @@ the producer thread (proxy/traffic.py), so logging never slows or fails a reques
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import time
@@ -33,7 +32,7 @@ from proxy.validation import (
     check_feedback,
     unknown_alias,
 )
-from ratchet.bus import RecordProducer
+from ratchet.bus import OutgoingRecord, RecordProducer
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord, hash_api_key
 from ratchet.registry import RoutingCache, served_name
 from ratchet.settings import RatchetSettings
@@ -278,23 +277,20 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
         options["include_usage"] = True
         upstream_payload["stream_options"] = options
 
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request_id = (request.headers.get("x-request-id") or uuid.uuid4().hex)[:128]
     log_rate = state.log_rates.get(alias, 1.0)
-    exchange = (
-        Exchange(
-            request_id=request_id[:128],
-            endpoint=endpoint,
-            alias=alias,
-            served_name=served,
-            version=version,
-            canary_arm=arm,
-            request=payload,
-            stream=stream,
-            api_key_hash=key_hash,
-            redactor=state.redactor,
-        )
-        if log_rate >= 1.0 or random.random() < log_rate
-        else None
+    exchange = Exchange(
+        request_id=request_id,
+        endpoint=endpoint,
+        alias=alias,
+        served_name=served,
+        version=version,
+        canary_arm=arm,
+        request=payload,
+        stream=stream,
+        api_key_hash=key_hash,
+        redactor=state.redactor,
+        logged=log_rate >= 1.0 or random.random() < log_rate,
     )
     labels = (alias, str(version), arm)
     headers = {
@@ -361,8 +357,7 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
                 error=err.body()["error"],
             )
             raise err
-        if exchange is not None:
-            exchange.response_body = body
+        exchange.response_body = body
         _finish(state, exchange, labels, endpoint, 200, started, upstream_started, upstream_done)
         return Response(body, media_type="application/json", headers=headers)
 
@@ -401,10 +396,9 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
         finally:
             resp.release()
             metrics.in_flight.dec()
-            if exchange is not None:
-                exchange.response_chunks = chunks
-                if first_at is not None:
-                    exchange.ttft_ms = (first_at - started) * 1000
+            exchange.response_chunks = chunks
+            if first_at is not None:
+                exchange.ttft_ms = (first_at - started) * 1000
             if first_at is not None:
                 metrics.ttft.labels(*labels).observe(first_at - started)
             _finish(
@@ -425,7 +419,7 @@ def _strip_usage_events(block: bytes) -> bytes:
 
 def _finish(
     state: ProxyState,
-    exchange: Exchange | None,
+    exchange: Exchange,
     labels: tuple[str, str, str],
     endpoint: str,
     status: int,
@@ -446,10 +440,19 @@ def _finish(
     )
     if error is not None:
         metrics.errors.labels(str(error.get("code"))).inc()
-    if exchange is None:
-        return
     exchange.status = status
     exchange.error = error
     exchange.latency_ms = (now - started) * 1000
-    with contextlib.suppress(Exception):
-        state.producer.submit_builder(exchange.build)
+
+    def build() -> OutgoingRecord | None:
+        # Runs on the producer thread: parsing the answer costs the request nothing.
+        record = exchange.to_record()
+        if record.input_tokens:
+            metrics.tokens.labels(*labels, "input").inc(record.input_tokens)
+        if record.output_tokens:
+            metrics.tokens.labels(*labels, "output").inc(record.output_tokens)
+        if not exchange.logged:
+            return None
+        return OutgoingRecord(TRAFFIC_TOPIC, exchange.request_id.encode(), record.to_json())
+
+    state.producer.submit_builder(build)

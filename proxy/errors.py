@@ -80,7 +80,11 @@ def install_handlers(app: FastAPI) -> None:
             if exc.status_code in (404, 405)
             else str(exc.detail)
         )
-        return ProxyError(exc.status_code, message, type=kind, code=code).response()
+        # Keep Starlette's headers: a 405 must say which methods are allowed (Allow).
+        headers = getattr(exc, "headers", None)
+        return ProxyError(
+            exc.status_code, message, type=kind, code=code, headers=headers
+        ).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:

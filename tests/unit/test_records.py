@@ -1,0 +1,255 @@
+"""ratchet.records: JSON round trips, dotted GenAI names, decode's counted skips, hashes."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import UTC, datetime
+
+import orjson
+import pytest
+
+from ratchet.records import (
+    ALL_TOPICS,
+    EVENTS_TOPIC,
+    FEEDBACK_TOPIC,
+    GROUPS_TOPIC,
+    HELDOUT_TOPIC,
+    TRAFFIC_TOPIC,
+    FeedbackRecord,
+    HeldoutPrompt,
+    LifecycleEvent,
+    Record,
+    Sample,
+    ScoredGroup,
+    TrafficRecord,
+    decode,
+    hash_api_key,
+    prompt_hash,
+    skipped_records,
+)
+
+MESSAGES = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi"},
+]
+
+
+def traffic() -> TrafficRecord:
+    return TrafficRecord(
+        request_id="req-1",
+        endpoint="chat.completions",
+        alias="support",
+        request_model="support",
+        response_model="support@v3",
+        version=3,
+        canary_arm="canary",
+        request={"model": "support", "messages": MESSAGES, "temperature": 0.7},
+        response_id="chatcmpl-1",
+        choices=[{"index": 0, "message": {"role": "assistant", "content": "hello"}}],
+        input_tokens=12,
+        output_tokens=3,
+        finish_reasons=["stop"],
+        stream=True,
+        status=200,
+        latency_ms=12.5,
+        ttft_ms=3.25,
+        api_key_hash=hash_api_key("sk-secret"),
+        user="u-1",
+    )
+
+
+def feedback() -> FeedbackRecord:
+    return FeedbackRecord(completion_id="chatcmpl-1", score=0.75, thumbs="up", comment="nice")
+
+
+def group() -> ScoredGroup:
+    sample = Sample(
+        message={"role": "assistant", "content": "a"},
+        text="a",
+        token_ids=[1, 2],
+        logprobs=[-0.5, -0.25],
+        finish_reason="stop",
+    )
+    return ScoredGroup(
+        group_id="g-1",
+        alias="support",
+        version=2,
+        response_model="support@v2",
+        prompt_messages=MESSAGES,
+        prompt_token_ids=[5, 6, 7],
+        samples=[sample, sample.model_copy(update={"text": "b"})],
+        rewards=[0.25, 0.75],
+        explanations=["meh", "good"],
+        judge_model="hosted_vllm/judge",
+        rubric_hash="abc",
+        traffic_request_id="req-1",
+    )
+
+
+def heldout() -> HeldoutPrompt:
+    return HeldoutPrompt(
+        prompt_hash=prompt_hash(MESSAGES),
+        alias="support",
+        prompt_messages=MESSAGES,
+        traffic_request_id="req-1",
+    )
+
+
+def event() -> LifecycleEvent:
+    return LifecycleEvent(
+        alias="support", kind="promote", version=4, previous_version=3, detail={"win_rate": 0.6}
+    )
+
+
+EXPECTED = [
+    (traffic, TRAFFIC_TOPIC, "traffic/1"),
+    (feedback, FEEDBACK_TOPIC, "feedback/1"),
+    (group, GROUPS_TOPIC, "scored_group/1"),
+    (heldout, HELDOUT_TOPIC, "heldout_prompt/1"),
+    (event, EVENTS_TOPIC, "lifecycle_event/1"),
+]
+
+
+def test_every_topic_has_a_record_type() -> None:
+    assert set(ALL_TOPICS) == {topic for _, topic, _ in EXPECTED}
+
+
+@pytest.mark.parametrize(("make", "topic", "schema"), EXPECTED)
+def test_round_trip(make, topic: str, schema: str) -> None:
+    record: Record = make()
+    assert topic == record.TOPIC
+    raw = record.to_json()
+    data = orjson.loads(raw)
+    assert data["schema"] == schema
+    assert "schema_" not in data
+    ts = datetime.fromisoformat(data["ts"].replace("Z", "+00:00"))
+    assert ts.utcoffset() is not None and ts.utcoffset().total_seconds() == 0
+    assert abs((datetime.now(UTC) - ts).total_seconds()) < 60
+    back = decode(topic, raw)
+    assert back is not None
+    assert type(back) is type(record)
+    assert back.model_dump() == record.model_dump()
+    assert back.to_json() == raw
+
+
+def test_traffic_uses_dotted_genai_names() -> None:
+    data = orjson.loads(traffic().to_json())
+    assert data["gen_ai.request.model"] == "support"
+    assert data["gen_ai.response.model"] == "support@v3"
+    assert data["gen_ai.usage.input_tokens"] == 12
+    assert data["gen_ai.usage.output_tokens"] == 3
+    assert data["gen_ai.response.finish_reasons"] == ["stop"]
+    for plain in ("request_model", "response_model", "input_tokens", "output_tokens"):
+        assert plain not in data
+    assert data["canary_arm"] == "canary"
+    assert data["version"] == 3
+
+
+def test_scored_group_uses_dotted_response_model() -> None:
+    data = orjson.loads(group().to_json())
+    assert data["gen_ai.response.model"] == "support@v2"
+    assert "response_model" not in data
+    assert data["samples"][1]["text"] == "b"
+    assert data["samples"][0]["logprobs"] == [-0.5, -0.25]
+
+
+def test_records_accept_dotted_names_on_input() -> None:
+    data = orjson.loads(traffic().to_json())
+    assert TrafficRecord.model_validate(data).response_model == "support@v3"
+
+
+def test_explicit_ts_kept() -> None:
+    record = LifecycleEvent(alias="a", kind="pause", ts="2024-01-02T03:04:05.000Z")
+    assert orjson.loads(record.to_json())["ts"] == "2024-01-02T03:04:05.000Z"
+
+
+def skipped_total() -> int:
+    return sum(skipped_records.values())
+
+
+@pytest.mark.parametrize(
+    ("topic", "value", "reason"),
+    [
+        (TRAFFIC_TOPIC, b"{not json", "malformed"),
+        (TRAFFIC_TOPIC, b"", "malformed"),
+        (TRAFFIC_TOPIC, b'{"schema": "traffic/2", "request_id": "x"}', "unknown_schema"),
+        (TRAFFIC_TOPIC, b'{"request_id": "x"}', "unknown_schema"),
+        (TRAFFIC_TOPIC, orjson.dumps(feedback().model_dump(by_alias=True)), "unknown_schema"),
+        ("ratchet.unknown", feedback().to_json(), "unknown_schema"),
+        (TRAFFIC_TOPIC, b"[1, 2]", "unknown_schema"),
+        (TRAFFIC_TOPIC, b'{"schema": "traffic/1", "request_id": "x"}', "invalid"),
+        (
+            FEEDBACK_TOPIC,
+            b'{"schema": "feedback/1", "completion_id": "c", "score": 1.5}',
+            "invalid",
+        ),
+        (
+            EVENTS_TOPIC,
+            b'{"schema": "lifecycle_event/1", "alias": "a", "kind": "explode"}',
+            "invalid",
+        ),
+    ],
+)
+def test_decode_skips_and_counts(topic: str, value: bytes, reason: str) -> None:
+    before_reason, before_total = skipped_records[reason], skipped_total()
+    assert decode(topic, value) is None
+    assert skipped_records[reason] == before_reason + 1
+    assert skipped_total() == before_total + 1
+
+
+def test_decode_ignores_unknown_fields_of_a_known_schema() -> None:
+    data = orjson.loads(feedback().to_json())
+    data["added_in_a_later_minor"] = True
+    before = skipped_total()
+    record = decode(FEEDBACK_TOPIC, orjson.dumps(data))
+    assert isinstance(record, FeedbackRecord)
+    assert record.score == 0.75
+    assert skipped_total() == before
+
+
+def test_hash_api_key() -> None:
+    key = "sk-live-0123456789abcdef"
+    hashed = hash_api_key(key)
+    assert hashed is not None
+    assert key not in hashed
+    assert "0123456789abcdef" not in hashed
+    assert hashed.startswith("sha256:")
+    assert len(hashed) == len("sha256:") + 64
+    assert hash_api_key(key) == hashed
+    assert hash_api_key(key + "x") != hashed
+    assert hash_api_key(None) is None
+    assert hash_api_key("") is None
+
+
+def test_record_json_never_contains_key() -> None:
+    raw = traffic().to_json()
+    assert b"sk-secret" not in raw
+    assert hash_api_key("sk-secret").encode() in raw
+
+
+def test_prompt_hash_stable_and_order_sensitive() -> None:
+    h = prompt_hash(MESSAGES)
+    assert h == prompt_hash([dict(m) for m in MESSAGES])
+    assert len(h) == 64 and int(h, 16) >= 0
+    # Key order inside a message does not matter...
+    reordered_keys = [{"content": m["content"], "role": m["role"]} for m in MESSAGES]
+    assert prompt_hash(reordered_keys) == h
+    # ...message order does.
+    assert prompt_hash(list(reversed(MESSAGES))) != h
+    # Tools are part of the prompt; None and [] are the same.
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert prompt_hash(MESSAGES, tools) != h
+    assert prompt_hash(MESSAGES, []) == h
+    assert prompt_hash(MESSAGES, None) == h
+    # Content matters.
+    changed = [MESSAGES[0], {"role": "user", "content": "hi!"}]
+    assert prompt_hash(changed) != h
+
+
+def test_prompt_hash_is_a_fixed_function() -> None:
+    """The hash decides the held-out split, so it must not change between releases."""
+    assert prompt_hash([{"role": "user", "content": "hi"}]) == prompt_hash(
+        [{"content": "hi", "role": "user"}], None
+    )
+    blob = b'{"messages":[{"content":"hi","role":"user"}],"tools":[]}'
+    assert prompt_hash([{"role": "user", "content": "hi"}]) == hashlib.sha256(blob).hexdigest()

@@ -1,0 +1,134 @@
+"""ratchet.registry.AliasRoute: arm choice, sticky cohorts, hash round trip, served names."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+import pytest
+
+from ratchet.registry import AliasRoute, alias_key, history_key, served_name
+
+KEYS = [f"user-{i}" for i in range(20_000)]
+
+
+def route(**fields) -> AliasRoute:
+    base = dict(alias="support", base_model="smollm2-135m-instruct", active=3)
+    base.update(fields)
+    return AliasRoute(**base)
+
+
+def test_no_canary_always_active() -> None:
+    r = route()
+    assert r.pick(None) == (3, "active")
+    assert all(r.pick(k) == (3, "active") for k in KEYS[:500])
+
+
+def test_zero_weight_canary_always_active() -> None:
+    r = route(canary=4, canary_weight=0.0)
+    assert all(r.pick(k) == (3, "active") for k in KEYS[:500])
+    assert all(r.pick(None) == (3, "active") for _ in range(200))
+
+
+def test_full_weight_canary_always_canary() -> None:
+    r = route(canary=4, canary_weight=1.0)
+    assert all(r.pick(k) == (4, "canary") for k in KEYS[:500])
+    assert all(r.pick(None) == (4, "canary") for _ in range(200))
+
+
+def test_sticky_key_gives_the_same_arm() -> None:
+    r = route(canary=4, canary_weight=0.5)
+    for key in KEYS[:300]:
+        first = r.pick(key)
+        assert first in ((3, "active"), (4, "canary"))
+        assert all(r.pick(key) == first for _ in range(5))
+    # A fresh but equal route object (another proxy replica) agrees.
+    twin = route(canary=4, canary_weight=0.5)
+    assert [twin.pick(k) for k in KEYS[:300]] == [r.pick(k) for k in KEYS[:300]]
+
+
+def _within(count: int, n: int, p: float, sigmas: float = 3.0) -> bool:
+    return abs(count - n * p) <= sigmas * math.sqrt(n * p * (1 - p))
+
+
+def test_canary_share_matches_weight() -> None:
+    r = route(canary=4, canary_weight=0.2)
+    canary = sum(1 for k in KEYS if r.pick(k)[1] == "canary")
+    assert _within(canary, len(KEYS), 0.2), canary
+
+
+def test_canary_share_without_sticky_key() -> None:
+    random.seed(1234)
+    r = route(canary=4, canary_weight=0.2)
+    canary = sum(1 for _ in range(20_000) if r.pick(None)[1] == "canary")
+    assert _within(canary, 20_000, 0.2), canary
+
+
+def test_raising_weight_only_adds_users_to_the_canary() -> None:
+    """Ramping a canary up keeps everyone already on it there (same hash, larger threshold)."""
+    low = route(canary=4, canary_weight=0.1)
+    high = route(canary=4, canary_weight=0.3)
+    low_cohort = {k for k in KEYS if low.pick(k)[1] == "canary"}
+    high_cohort = {k for k in KEYS if high.pick(k)[1] == "canary"}
+    assert low_cohort < high_cohort
+
+
+def test_new_canary_version_reshuffles_cohort() -> None:
+    v4 = route(canary=4, canary_weight=0.2)
+    v5 = route(canary=5, canary_weight=0.2)
+    cohort4 = {k for k in KEYS if v4.pick(k)[1] == "canary"}
+    cohort5 = {k for k in KEYS if v5.pick(k)[1] == "canary"}
+    n = len(KEYS)
+    assert _within(len(cohort5), n, 0.2)
+    # Independent draws: the overlap is about 0.2 * 0.2 of users, not 0.2.
+    overlap = len(cohort4 & cohort5)
+    assert _within(overlap, n, 0.04), overlap
+
+
+def test_cohort_depends_on_alias() -> None:
+    a = route(canary=4, canary_weight=0.2)
+    b = route(alias="billing", canary=4, canary_weight=0.2)
+    cohort_a = {k for k in KEYS if a.pick(k)[1] == "canary"}
+    cohort_b = {k for k in KEYS if b.pick(k)[1] == "canary"}
+    assert _within(len(cohort_a & cohort_b), len(KEYS), 0.04)
+
+
+@pytest.mark.parametrize(
+    "r",
+    [
+        route(),
+        route(canary=4, canary_weight=0.2, paused=True, updated_at="2024-05-01T00:00:00.000Z"),
+        route(active=0, canary=1, canary_weight=0.1 + 0.2, updated_at="2024-05-01T00:00:00Z"),
+        route(alias="x.y_z-1", base_model="other", active=17, updated_at="t"),
+    ],
+)
+def test_hash_round_trip(r: AliasRoute) -> None:
+    data = r.to_hash()
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in data.items())
+    assert set(data) == {"active", "canary", "canary_weight", "base_model", "paused", "updated_at"}
+    back = AliasRoute.from_hash(r.alias, data, "fallback-base")
+    if r.updated_at is None:
+        assert back.updated_at  # to_hash stamps a time
+        assert replace(back, updated_at=None) == r
+    else:
+        assert back == r
+
+
+def test_hash_as_redis_returns_it() -> None:
+    """Redis answers bytes; the cache decodes them, and empty fields mean defaults."""
+    back = AliasRoute.from_hash("support", {"active": "2", "canary": ""}, "base-m")
+    assert back == AliasRoute(alias="support", base_model="base-m", active=2)
+    assert back.canary is None and back.canary_weight == 0.0 and back.paused is False
+    assert AliasRoute.from_hash("support", {}, "base-m").active == 0
+
+
+def test_served_name() -> None:
+    assert served_name("support", 0, "smollm2-135m-instruct") == "smollm2-135m-instruct"
+    assert served_name("support", 1, "smollm2-135m-instruct") == "support@v1"
+    assert served_name("support", 12, "smollm2-135m-instruct") == "support@v12"
+
+
+def test_redis_keys() -> None:
+    assert alias_key("support") == "ratchet:alias:support"
+    assert history_key("support") == "ratchet:alias:support:history"

@@ -1,0 +1,262 @@
+"""ratchet.settings: defaults, precedence (kwargs > RATCHET_* env > yaml), validation messages."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ratchet.settings import (
+    DEFAULT_BASE_MODEL,
+    ConfigError,
+    RatchetSettings,
+    load_settings,
+)
+
+
+def write_yaml(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A ratchet.yaml that RATCHET_CONFIG points at; tests write its content."""
+    path = tmp_path / "ratchet.yaml"
+    monkeypatch.setenv("RATCHET_CONFIG", str(path))
+    return path
+
+
+def test_defaults(tmp_path: Path) -> None:
+    s = load_settings()
+    assert s.kafka_bootstrap_servers == "127.0.0.1:9092"
+    assert s.redis_url == "redis://127.0.0.1:6399/0"
+    assert s.vllm_url == "http://127.0.0.1:8401"
+    assert s.proxy.host == "127.0.0.1"
+    assert s.proxy.port == 8400
+    assert s.proxy.api_keys == []
+    assert s.auth_enabled is False
+    assert s.proxy.max_body_bytes == 4 * 1024 * 1024
+    assert list(s.aliases) == ["support"]
+    support = s.aliases["support"]
+    assert support.base_model == DEFAULT_BASE_MODEL
+    assert support.reward.kind == "ruler"
+    assert support.reward.verifier is None
+    assert support.learning.group_size == 4
+    assert support.gate.min_pairs == 32
+    assert support.canary.weight == pytest.approx(0.1)
+    assert s.kafka.security_protocol == "PLAINTEXT"
+    # RATCHET_HOME (set by conftest) moves every derived path.
+    home = tmp_path / "home"
+    assert s.home == home
+    assert s.store_dir == home / "adapters"
+    assert s.state_dir == home / "state"
+    assert s.spool_dir == home / "state" / "spool"
+
+
+def test_explicit_dirs_are_not_derived(tmp_path: Path) -> None:
+    s = RatchetSettings(store_dir=tmp_path / "store", state_dir=tmp_path / "st")
+    assert s.store_dir == tmp_path / "store"
+    assert s.spool_dir == tmp_path / "st" / "spool"
+
+
+def test_yaml_is_read(config: Path) -> None:
+    write_yaml(
+        config,
+        "vllm_url: http://vllm:8000\n"
+        "proxy: {port: 9000}\n"
+        "aliases:\n  billing: {base_model: other-model, canary: {weight: 0.3}}\n",
+    )
+    s = load_settings()
+    assert s.vllm_url == "http://vllm:8000"
+    assert s.proxy.port == 9000
+    assert s.aliases["billing"].base_model == "other-model"
+    assert s.aliases["billing"].canary.weight == pytest.approx(0.3)
+
+
+def test_env_overrides_yaml(config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_yaml(
+        config,
+        "vllm_url: http://from-yaml:1\nredis_url: redis://from-yaml:2/0\n"
+        "proxy: {port: 9000, host: '::1', max_body_bytes: 2048}\n",
+    )
+    monkeypatch.setenv("RATCHET_VLLM_URL", "http://from-env:3")
+    monkeypatch.setenv("RATCHET_PROXY__PORT", "9100")
+    s = load_settings()
+    assert s.vllm_url == "http://from-env:3"
+    assert s.redis_url == "redis://from-yaml:2/0"  # not overridden: yaml still applies
+    assert s.proxy.port == 9100
+    # A nested env var overrides one key, not the whole yaml section.
+    assert s.proxy.host == "::1"
+    assert s.proxy.max_body_bytes == 2048
+
+
+def test_nested_env_without_yaml(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RATCHET_PROXY__PORT", "9001")
+    monkeypatch.setenv("RATCHET_KAFKA__COMPRESSION", "none")
+    monkeypatch.setenv("RATCHET_ALIASES__SUPPORT__LOG_RATE", "0.25")
+    s = load_settings()
+    assert s.proxy.port == 9001
+    assert s.kafka.compression == "none"
+    assert s.aliases["support"].log_rate == pytest.approx(0.25)
+    assert s.aliases["support"].base_model == DEFAULT_BASE_MODEL
+
+
+def test_keyword_overrides_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RATCHET_VLLM_URL", "http://from-env:3")
+    assert load_settings(vllm_url="http://kwarg:4").vllm_url == "http://kwarg:4"
+
+
+def test_api_keys_from_env_enable_auth_and_stay_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RATCHET_PROXY__API_KEYS", '["sk-one", "sk-two"]')
+    monkeypatch.setenv("RATCHET_PROXY__HOST", "0.0.0.0")
+    s = load_settings()
+    assert s.auth_enabled
+    assert [k.get_secret_value() for k in s.proxy.api_keys] == ["sk-one", "sk-two"]
+    assert "sk-one" not in repr(s)
+    assert "sk-one" not in s.model_dump_json()
+
+
+def test_config_path_argument(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "elsewhere.yaml", "proxy: {port: 9555}\n")
+    assert load_settings(path).proxy.port == 9555
+
+
+def test_missing_config_path_argument(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=r"nope\.yaml"):
+        load_settings(missing)
+
+
+def test_missing_ratchet_config_file_rejected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An explicit RATCHET_CONFIG that names no file is a typo, not a request for defaults."""
+    missing = tmp_path / "typo.yaml"
+    monkeypatch.setenv("RATCHET_CONFIG", str(missing))
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert "typo.yaml" in str(info.value)
+
+
+def test_cwd_ratchet_yaml_is_the_fallback() -> None:
+    Path("ratchet.yaml").write_text("proxy: {port: 9333}\n")
+    assert load_settings().proxy.port == 9333
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Support",  # upper case
+        "-support",  # must start with a letter or digit
+        ".support",
+        "sup port",
+        "support@v1",  # the served-name form is not an alias
+        "a" * 65,  # too long
+        "sup/port",
+        "support\n",  # a trailing newline must not slip through `$`
+    ],
+)
+def test_bad_alias_names_rejected(name: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(aliases={name: {}})
+    assert "aliases" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["a", "support", "a" * 64, "x1.y_z-2", "0day"])
+def test_good_alias_names_accepted(name: str) -> None:
+    assert name in load_settings(aliases={name: {}}).aliases
+
+
+def test_bad_alias_name_from_yaml_rejected(config: Path) -> None:
+    write_yaml(config, "aliases:\n  Support: {}\n")
+    with pytest.raises(ConfigError, match="Support"):
+        load_settings()
+
+
+@pytest.mark.parametrize("kind", ["verifier", "mixed"])
+def test_verifier_kind_without_verifier_rejected(kind: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(aliases={"math": {"reward": {"kind": kind}}})
+    message = str(info.value)
+    assert "aliases.math.reward" in message
+    assert "reward.verifier" in message
+
+
+def test_verifier_must_name_a_function() -> None:
+    with pytest.raises(ConfigError, match=r"package\.module:function"):
+        load_settings(aliases={"math": {"reward": {"kind": "verifier", "verifier": "pkg.mod"}}})
+    s = load_settings(aliases={"math": {"reward": {"kind": "verifier", "verifier": "pkg.mod:fn"}}})
+    assert s.aliases["math"].reward.verifier == "pkg.mod:fn"
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "proxy.example.com"])
+def test_auth_off_on_non_loopback_rejected(host: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(proxy={"host": host})
+    assert "proxy.api_keys" in str(info.value)
+    assert host in str(info.value)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_auth_off_on_loopback_allowed(host: str) -> None:
+    assert load_settings(proxy={"host": host}).auth_enabled is False
+
+
+def test_auth_on_allows_any_host() -> None:
+    s = load_settings(proxy={"host": "0.0.0.0", "api_keys": ["sk-x"]})
+    assert s.auth_enabled
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "where"),
+    [
+        ("bogus_key: 1\n", "bogus_key"),
+        ("proxy: {prot: 9000}\n", "proxy.prot"),
+        ("kafka: {compresion: gzip}\n", "kafka.compresion"),
+        ("aliases:\n  support: {canary: {wieght: 0.2}}\n", "aliases.support.canary.wieght"),
+    ],
+)
+def test_unknown_yaml_key_rejected(config: Path, yaml_text: str, where: str) -> None:
+    write_yaml(config, yaml_text)
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert where in str(info.value)
+
+
+def test_error_names_setting_and_env_var_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RATCHET_PROXY__PORT", "not-a-port")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    message = str(info.value)
+    assert "proxy.port" in message
+    assert "RATCHET_PROXY__PORT" in message
+
+
+def test_error_names_setting_env_var_and_file_from_yaml(config: Path) -> None:
+    write_yaml(config, "proxy: {port: 70000}\naliases:\n  support: {log_rate: 2}\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    message = str(info.value)
+    # One line per bad setting, each naming the setting, its env var and the file.
+    assert "proxy.port" in message
+    assert "RATCHET_PROXY__PORT" in message
+    assert "aliases.support.log_rate" in message
+    assert "RATCHET_ALIASES__SUPPORT__LOG_RATE" in message
+    assert str(config) in message
+
+
+def test_bad_redact_pattern_rejected() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(proxy={"redact_patterns": ["(unclosed"]})
+    assert "proxy.redact_patterns" in str(info.value)
+
+
+def test_cross_field_error_names_real_env_vars_only() -> None:
+    """A whole-settings error must not point the operator at a bare ``RATCHET_`` variable."""
+    with pytest.raises(ConfigError) as info:
+        load_settings(proxy={"host": "0.0.0.0"})
+    names = re.findall(r"RATCHET_[A-Z0-9_]*", str(info.value))
+    assert names, "the message should name the variable to set"
+    assert all(n != "RATCHET_" for n in names), str(info.value)

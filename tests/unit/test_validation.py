@@ -1,0 +1,293 @@
+"""proxy/validation.py: every refused payload names its field, status and code."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from proxy.errors import ProxyError
+from proxy.validation import (
+    check_alias,
+    check_chat,
+    check_completion,
+    check_feedback,
+    unknown_alias,
+)
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "support", "messages": MSG, **fields}
+
+
+def cmpl(**fields: Any) -> dict[str, Any]:
+    return {"model": "support", "prompt": "hi", **fields}
+
+
+def refused(check: Callable[[dict[str, Any]], Any], payload: dict[str, Any]) -> ProxyError:
+    with pytest.raises(ProxyError) as info:
+        check(payload)
+    return info.value
+
+
+def assert_envelope(err: ProxyError, status: int, param: str | None, code: str) -> None:
+    assert (err.status, err.param, err.code) == (status, param, code), err.message
+    body = err.body()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"]
+
+
+# ---- check_alias --------------------------------------------------------------------------------
+
+ALIAS_CASES = [
+    ({}, "missing_required"),
+    ({"model": None}, "missing_required"),
+    ({"model": 3}, "invalid_type"),
+    ({"model": ["support"]}, "invalid_type"),
+    ({"model": True}, "invalid_type"),
+    ({"model": ""}, "invalid_model_name"),
+    ({"model": "Support"}, "invalid_model_name"),
+    ({"model": "support@v3"}, "invalid_model_name"),
+    ({"model": "-support"}, "invalid_model_name"),
+    ({"model": "sup port"}, "invalid_model_name"),
+    ({"model": "../../etc/passwd"}, "invalid_model_name"),
+    ({"model": "a" * 65}, "invalid_model_name"),
+    ({"model": "support\n"}, "invalid_model_name"),
+]
+
+
+@pytest.mark.parametrize(("payload", "code"), ALIAS_CASES, ids=[repr(c[0]) for c in ALIAS_CASES])
+def test_check_alias_refuses(payload: dict[str, Any], code: str) -> None:
+    assert_envelope(refused(check_alias, payload), 400, "model", code)
+
+
+@pytest.mark.parametrize("model", ["support", "a", "x1.y_z-2", "a" * 64])
+def test_check_alias_accepts(model: str) -> None:
+    assert check_alias({"model": model}) == model
+
+
+def test_long_model_name_is_truncated_in_message() -> None:
+    err = refused(check_alias, {"model": "X" * 10_000})
+    assert len(err.message) < 300
+
+
+def test_unknown_alias() -> None:
+    err = unknown_alias("nope")
+    assert_envelope(err, 404, "model", "model_not_found")
+    assert "nope" in err.message
+
+
+# ---- check_chat ---------------------------------------------------------------------------------
+
+CHAT_CASES: list[tuple[dict[str, Any], str, str]] = [
+    ({"model": "support"}, "messages", "missing_required"),
+    (chat(messages=None), "messages", "missing_required"),
+    (chat(messages=[]), "messages", "invalid_type"),
+    (chat(messages="hi"), "messages", "invalid_type"),
+    (chat(messages={"role": "user", "content": "hi"}), "messages", "invalid_type"),
+    (chat(messages=["hi"]), "messages[0]", "invalid_type"),
+    (chat(messages=[*MSG, None]), "messages[1]", "invalid_type"),
+    (chat(messages=[{"content": "hi"}]), "messages[0].role", "invalid_value"),
+    (chat(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role", "invalid_value"),
+    (chat(messages=[{"role": ["user"], "content": "hi"}]), "messages[0].role", "invalid_value"),
+    (chat(messages=[*MSG, {"role": "user", "content": 5}]), "messages[1].content", "invalid_type"),
+    (chat(messages=[{"role": "user", "content": {"a": 1}}]), "messages[0].content", "invalid_type"),
+    (chat(stream="yes"), "stream", "invalid_type"),
+    (chat(stream=1), "stream", "invalid_type"),
+    (chat(stream=True, stream_options={"include_usage": "yes"}), "stream_options", "invalid_type"),
+    (chat(stream_options=True), "stream_options", "invalid_type"),
+    (chat(n=0), "n", "invalid_type"),
+    (chat(n=-1), "n", "invalid_type"),
+    (chat(n=1.5), "n", "invalid_type"),
+    (chat(n=True), "n", "invalid_type"),
+    (chat(n=129), "n", "invalid_type"),
+    (chat(n="2"), "n", "invalid_type"),
+    (chat(max_tokens=0), "max_tokens", "invalid_type"),
+    (chat(max_tokens=10.0), "max_tokens", "invalid_type"),
+    (chat(max_completion_tokens=0), "max_completion_tokens", "invalid_type"),
+    (chat(temperature=5), "temperature", "invalid_type"),
+    (chat(temperature=-0.1), "temperature", "invalid_type"),
+    (chat(temperature="0.5"), "temperature", "invalid_type"),
+    (chat(temperature=False), "temperature", "invalid_type"),
+    (chat(top_p=1.5), "top_p", "invalid_type"),
+    (chat(presence_penalty=3), "presence_penalty", "invalid_type"),
+    (chat(frequency_penalty=-2.5), "frequency_penalty", "invalid_type"),
+    (chat(seed=1.5), "seed", "invalid_type"),
+    (chat(seed="1"), "seed", "invalid_type"),
+    (chat(stop=5), "stop", "invalid_type"),
+    (chat(stop=["a", 1]), "stop", "invalid_type"),
+    (chat(user=5), "user", "invalid_type"),
+    (chat(user="u" * 257), "user", "invalid_type"),
+    (chat(logprobs=1), "logprobs", "invalid_type"),
+    (chat(top_logprobs=21), "top_logprobs", "invalid_type"),
+    (chat(top_logprobs=-1), "top_logprobs", "invalid_type"),
+    (chat(tools={"type": "function"}), "tools", "invalid_type"),
+    (chat(tools=["get_weather"]), "tools", "invalid_type"),
+    (chat(tools=[{"type": "function"}]), "tools", "invalid_type"),
+    (chat(tools=[{"type": "function", "function": {"parameters": {}}}]), "tools", "invalid_type"),
+    (chat(tools=[{"type": "function", "function": {"name": 5}}]), "tools", "invalid_type"),
+    (chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools", "invalid_type"),
+    (chat(tool_choice="always"), "tool_choice", "invalid_type"),
+    (chat(tool_choice={"function": {"name": "f"}}), "tool_choice", "invalid_type"),
+    (chat(response_format={"type": "xml"}), "response_format", "invalid_type"),
+    (chat(response_format="json_object"), "response_format", "invalid_type"),
+]
+
+
+@pytest.mark.parametrize(
+    ("payload", "param", "code"),
+    CHAT_CASES,
+    ids=[f"{c[1]}-{i}" for i, c in enumerate(CHAT_CASES)],
+)
+def test_check_chat_refuses(payload: dict[str, Any], param: str, code: str) -> None:
+    err = refused(check_chat, payload)
+    assert_envelope(err, 400, param, code)
+    assert param.split("[")[0] in err.message
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        chat(),
+        chat(
+            messages=[
+                {"role": "system", "content": "s"},
+                {"role": "developer", "content": "d"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                {"role": "assistant", "content": None, "tool_calls": []},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"},
+            ]
+        ),
+        chat(
+            stream=True,
+            stream_options={"include_usage": True},
+            n=128,
+            max_tokens=1,
+            max_completion_tokens=5,
+            temperature=0,
+            top_p=1,
+            presence_penalty=-2,
+            frequency_penalty=2.0,
+            seed=-7,
+            stop=["\n", "END"],
+            user="u" * 256,
+            logprobs=True,
+            top_logprobs=20,
+            tools=[
+                {"type": "function", "function": {"name": "f", "parameters": {}}},
+                {"function": {"name": "g"}},
+            ],
+            tool_choice={"type": "function", "function": {"name": "f"}},
+            response_format={"type": "json_schema", "json_schema": {"name": "x"}},
+        ),
+        chat(temperature=None, n=None, tools=None),  # null means "not set"
+        chat(tool_choice="required", stop="x", response_format={"type": "text"}),
+        chat(extra_vllm_param={"anything": True}),  # unknown fields pass through to vLLM
+    ],
+)
+def test_check_chat_accepts(payload: dict[str, Any]) -> None:
+    check_chat(payload)
+
+
+# ---- check_completion ---------------------------------------------------------------------------
+
+COMPLETION_CASES: list[tuple[dict[str, Any], str, str]] = [
+    ({"model": "support"}, "prompt", "missing_required"),
+    (cmpl(prompt=None), "prompt", "invalid_type"),
+    (cmpl(prompt=5), "prompt", "invalid_type"),
+    (cmpl(prompt=[]), "prompt", "invalid_type"),
+    (cmpl(prompt=["a", 1]), "prompt", "invalid_type"),
+    (cmpl(prompt=[1, True]), "prompt", "invalid_type"),
+    (cmpl(prompt=[[1, 2], "a"]), "prompt", "invalid_type"),
+    (cmpl(prompt={"text": "hi"}), "prompt", "invalid_type"),
+    (cmpl(logprobs=True), "logprobs", "invalid_type"),
+    (cmpl(logprobs=21), "logprobs", "invalid_type"),
+    (cmpl(echo="yes"), "echo", "invalid_type"),
+    (cmpl(n=0), "n", "invalid_type"),
+    (cmpl(temperature=5), "temperature", "invalid_type"),
+    (cmpl(stream="true"), "stream", "invalid_type"),
+    (cmpl(max_tokens=-5), "max_tokens", "invalid_type"),
+]
+
+
+@pytest.mark.parametrize(
+    ("payload", "param", "code"),
+    COMPLETION_CASES,
+    ids=[f"{c[1]}-{i}" for i, c in enumerate(COMPLETION_CASES)],
+)
+def test_check_completion_refuses(payload: dict[str, Any], param: str, code: str) -> None:
+    assert_envelope(refused(check_completion, payload), 400, param, code)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        cmpl(),
+        cmpl(prompt=""),
+        cmpl(prompt=["a", "b"]),
+        cmpl(prompt=[1, 2, 3]),
+        cmpl(prompt=[[1, 2], [3]]),
+        cmpl(logprobs=0, echo=True, n=2, stream=False, temperature=2),
+    ],
+)
+def test_check_completion_accepts(payload: dict[str, Any]) -> None:
+    check_completion(payload)
+
+
+def test_chat_only_fields_are_not_checked_on_completions() -> None:
+    # logprobs is an integer on /v1/completions and a boolean on chat.
+    check_completion(cmpl(logprobs=5))
+    assert_envelope(refused(check_chat, chat(logprobs=5)), 400, "logprobs", "invalid_type")
+
+
+# ---- check_feedback -----------------------------------------------------------------------------
+
+FEEDBACK_CASES: list[tuple[dict[str, Any], str, str]] = [
+    ({"score": 1}, "completion_id", "invalid_type"),
+    ({"completion_id": "", "score": 1}, "completion_id", "invalid_type"),
+    ({"completion_id": 5, "score": 1}, "completion_id", "invalid_type"),
+    ({"completion_id": "c" * 257, "score": 1}, "completion_id", "invalid_type"),
+    ({"completion_id": "c1"}, "score", "missing_required"),
+    ({"completion_id": "c1", "score": None, "thumbs": None}, "score", "missing_required"),
+    ({"completion_id": "c1", "score": 1.5}, "score", "invalid_value"),
+    ({"completion_id": "c1", "score": -0.1}, "score", "invalid_value"),
+    ({"completion_id": "c1", "score": "0.5"}, "score", "invalid_value"),
+    ({"completion_id": "c1", "score": True}, "score", "invalid_value"),
+    ({"completion_id": "c1", "score": [1]}, "score", "invalid_value"),
+    ({"completion_id": "c1", "thumbs": "sideways"}, "thumbs", "invalid_value"),
+    ({"completion_id": "c1", "thumbs": True}, "thumbs", "invalid_value"),
+    ({"completion_id": "c1", "score": 1, "comment": 5}, "comment", "invalid_type"),
+    ({"completion_id": "c1", "score": 1, "comment": "x" * 4097}, "comment", "invalid_type"),
+]
+
+
+@pytest.mark.parametrize(
+    ("payload", "param", "code"),
+    FEEDBACK_CASES,
+    ids=[f"{c[1]}-{i}" for i, c in enumerate(FEEDBACK_CASES)],
+)
+def test_check_feedback_refuses(payload: dict[str, Any], param: str, code: str) -> None:
+    assert_envelope(refused(check_feedback, payload), 400, param, code)
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        ({"completion_id": "c1", "score": 0}, ("c1", 0.0, None, None)),
+        ({"completion_id": "c1", "score": 1}, ("c1", 1.0, None, None)),
+        ({"completion_id": "c1", "score": 0.25, "comment": "ok"}, ("c1", 0.25, None, "ok")),
+        ({"completion_id": "c1", "thumbs": "up"}, ("c1", 1.0, "up", None)),
+        ({"completion_id": "c1", "thumbs": "down"}, ("c1", 0.0, "down", None)),
+        ({"completion_id": "c1", "thumbs": "up", "score": 0.75}, ("c1", 0.75, "up", None)),
+        ({"completion_id": "c" * 256, "score": 1}, ("c" * 256, 1.0, None, None)),
+    ],
+)
+def test_check_feedback_accepts(payload: dict[str, Any], expected: tuple) -> None:
+    result = check_feedback(payload)
+    assert result == expected
+    assert isinstance(result[1], float)
