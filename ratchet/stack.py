@@ -213,7 +213,6 @@ class Stack:
         return next(p for p in self.parts if p.name == name)
 
     def start(self, on_wait: Callable[[Part], None] | None = None) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             for part in self.parts:
                 self.start_part(part.name, on_wait)
@@ -224,6 +223,7 @@ class Stack:
 
     def start_part(self, name: str, on_wait: Callable[[Part], None] | None = None) -> Part:
         part = self.part(name)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         part.log_path = self.log_dir / f"{part.name}.log"
         log = part.log_path.open("ab")
         env = {**os.environ, **self.env, **part.env}

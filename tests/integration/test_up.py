@@ -1,0 +1,81 @@
+"""`ratchet up` and `ratchet down` as a user runs them: the whole stack, then a clean stop."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from ratchet.stack import read_state
+from tests.integration.conftest import ALIAS, write_config
+
+pytestmark = pytest.mark.integration
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" not in status.read_text()
+
+
+def test_up_serves_then_down_stops_everything(tmp_path: Path) -> None:
+    config_path, config = write_config(tmp_path)
+    proxy_url = f"http://127.0.0.1:{config['proxy']['port']}"
+    env = {**os.environ, "RATCHET_HOME": str(tmp_path)}
+    env.pop("RATCHET_REDIS_URL", None)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "ratchet", "up", "--config", str(config_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while read_state(tmp_path / "state") is None:
+            assert up.poll() is None, up.stdout.read() if up.stdout else ""
+            assert time.monotonic() < deadline, "ratchet up did not come up"
+            time.sleep(1)
+        state = read_state(tmp_path / "state")
+        assert state is not None
+        pids = [info["pid"] for info in state["parts"].values()]  # type: ignore[union-attr]
+        assert set(state["parts"]) == {"kafka", "redis", "vllm", "proxy"}  # type: ignore[arg-type]
+
+        client = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="k", max_retries=0)
+        completion = client.chat.completions.create(
+            model=ALIAS, max_tokens=3, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert completion.choices[0].message.content is not None
+        assert httpx.get(f"{proxy_url}/readyz").json()["kafka"] is True
+
+        down = subprocess.run(
+            [sys.executable, "-m", "ratchet", "down", "--config", str(config_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert "Stopped" in down.stdout
+        up.wait(60)
+        output = up.stdout.read() if up.stdout else ""
+        assert up.returncode == 0, output
+        # The table of what ran where was printed, and no part outlived the stack.
+        assert "Ratchet embedded stack" in output and "vllm" in output
+        assert not [pid for pid in pids if alive(pid)]
+        assert read_state(tmp_path / "state") is None
+        leftovers = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+        assert not leftovers.stdout.strip(), f"orphans: {leftovers.stdout}"
+    finally:
+        if up.poll() is None:
+            up.terminate()
+            up.wait(60)
