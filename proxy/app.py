@@ -60,7 +60,8 @@ class ProxyState:
         self.producer = RecordProducer(
             settings.kafka_bootstrap_servers,
             settings.kafka,
-            settings.spool_dir,
+            # One spool per proxy address, so proxies sharing a state dir never share a file.
+            settings.spool_dir / f"proxy-{settings.proxy.port}",
             topics=[TRAFFIC_TOPIC, FEEDBACK_TOPIC],
             queue_size=settings.proxy.log_queue_size,
             on_state=lambda up: self.metrics.kafka_up.set(1 if up else 0),

@@ -153,11 +153,11 @@ class Exchange:
 
     def to_record(self) -> TrafficRecord:
         body: dict[str, Any] = {}
-        if self.status == 200:
-            if self.stream:
-                body = assemble_stream(iter_sse_data(self.response_chunks), self.endpoint)
-            elif self.response_body:
-                body = orjson.loads(self.response_body)
+        if self.stream and self.response_chunks:
+            # Also for a stream cut short: what the client did receive is kept with the error.
+            body = assemble_stream(iter_sse_data(self.response_chunks), self.endpoint)
+        elif self.status == 200 and self.response_body:
+            body = orjson.loads(self.response_body)
         choices = body.get("choices") or []
         usage = body.get("usage") or {}
         user = self.request.get("user")

