@@ -28,6 +28,11 @@ alias_app = typer.Typer(
     help="Read and change which version each alias serves.", no_args_is_help=True
 )
 app.add_typer(alias_app, name="alias")
+judge_app = typer.Typer(
+    help="Turn logged traffic into scored groups (RULER or a verifier).",
+    invoke_without_command=True,
+)
+app.add_typer(judge_app, name="judge")
 console = Console()
 
 ConfigOption = Annotated[
@@ -136,6 +141,36 @@ def proxy(config: ConfigOption = None) -> None:
     from proxy.server import serve
 
     serve(_settings(config))
+
+
+@judge_app.callback()
+def judge(ctx: typer.Context, config: ConfigOption = None) -> None:
+    """Run the judge: consume ratchet.traffic, produce ratchet.groups and ratchet.heldout."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from judge.service import serve as serve_judge
+
+    serve_judge(_settings(config))
+
+
+@judge_app.command("calibrate")
+def judge_calibrate(
+    labels: Annotated[Path, typer.Option(help="JSONL of labelled groups: prompt, samples, labels")],
+    alias: Annotated[str | None, typer.Option(help="alias whose reward settings to use")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="write the report (JSON) and a plot here")
+    ] = None,
+    config: ConfigOption = None,
+) -> None:
+    """Check a judge against labelled groups: rank agreement and position bias."""
+    from judge.calibrate import calibrate
+
+    settings = _settings(config)
+    name = alias or next(iter(settings.aliases))
+    if name not in settings.aliases:
+        console.print(f"[red]unknown alias {name!r}[/red]")
+        raise typer.Exit(2)
+    raise typer.Exit(calibrate(settings, settings.aliases[name].reward, labels, out, console))
 
 
 @app.command("prepare-model")

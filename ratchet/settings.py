@@ -81,9 +81,22 @@ class RewardConfig(_Section):
 
 class LearningConfig(_Section):
     enabled: bool = True
+    # Share of eligible traffic the judge turns into groups.
     sample_rate: float = Field(default=1.0, ge=0.0, le=1.0)
     group_size: int = Field(default=4, ge=2, le=64)
     heldout_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+    # Prompts longer than this (in the model's tokens) are not re-sampled.
+    max_prompt_tokens: int = Field(default=1024, ge=1)
+    # A prompt seen within this window is not judged again.
+    dedup_window_s: int = Field(default=3600, ge=0)
+
+
+class SamplingConfig(_Section):
+    """How the judge samples a group from the live version."""
+
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=256, ge=1)
 
 
 class GateConfig(_Section):
@@ -102,6 +115,7 @@ class AliasConfig(_Section):
     log_rate: float = Field(default=1.0, ge=0.0, le=1.0)
     reward: RewardConfig = RewardConfig()
     learning: LearningConfig = LearningConfig()
+    sampling: SamplingConfig = SamplingConfig()
     gate: GateConfig = GateConfig()
     canary: CanaryConfig = CanaryConfig()
 
@@ -162,6 +176,23 @@ class ProxySettings(_Section):
         return patterns
 
 
+class JudgeSettings(_Section):
+    consumer_group: str = "ratchet-judge"
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(default=8402, ge=1, le=65535)
+    # Groups sampled and judged at once; the judge model and vLLM see this many calls in flight.
+    concurrency: int = Field(default=4, ge=1, le=256)
+    poll_records: int = Field(default=16, ge=1)
+    # Where litellm reaches the judge model; empty means the embedded vLLM (vllm_url + /v1).
+    judge_api_base: str | None = None
+    judge_api_key: SecretStr | None = None
+    judge_timeout_s: float = Field(default=60.0, gt=0)
+    judge_retries: int = Field(default=3, ge=0)
+    judge_max_tokens: int = Field(default=1024, ge=16)
+    cache_ttl_s: int = Field(default=7 * 24 * 3600, ge=1)
+    sample_timeout_s: float = Field(default=300.0, gt=0)
+
+
 class RatchetSettings(BaseSettings):
     """Settings for every Ratchet service, validated once at start."""
 
@@ -180,6 +211,7 @@ class RatchetSettings(BaseSettings):
     state_dir: Path | None = None
     kafka: KafkaSettings = KafkaSettings()
     proxy: ProxySettings = ProxySettings()
+    judge: JudgeSettings = JudgeSettings()
     aliases: dict[str, AliasConfig] = {"support": AliasConfig()}
 
     @field_validator("aliases")

@@ -200,6 +200,21 @@ def proxy_part(settings: RatchetSettings, config: Path | None) -> Part:
     )
 
 
+def judge_part(settings: RatchetSettings, config: Path | None) -> Part:
+    host, port = settings.judge.metrics_host, settings.judge.metrics_port
+    command = [sys.executable, "-m", "ratchet", "judge"]
+    if config is not None:
+        command += ["--config", str(config)]
+    return Part(
+        name="judge",
+        command=command,
+        address=f"http://{host}:{port}/metrics",
+        is_ready=lambda: http_ok(f"http://{host}:{port}/metrics"),
+        ready_timeout_s=60,
+        stop_timeout_s=30,
+    )
+
+
 class Stack:
     """Starts parts in order, waits for each, watches them, and stops them all in reverse."""
 
@@ -306,7 +321,10 @@ def _terminate(process: subprocess.Popen[bytes], timeout_s: float) -> None:
 
 
 def embedded_stack(
-    settings: RatchetSettings, config: Path | None, model_path: Path, with_proxy: bool = True
+    settings: RatchetSettings,
+    config: Path | None,
+    model_path: Path,
+    services: tuple[str, ...] = ("proxy", "judge"),
 ) -> Stack:
     """The parts `ratchet up` runs. An explicit RATCHET_REDIS_URL means: use that Redis."""
     assert settings.state_dir is not None
@@ -321,8 +339,8 @@ def embedded_stack(
         redis_dir.mkdir(parents=True, exist_ok=True)
         parts.append(redis_part(settings.redis_url, redis_dir))
     parts.append(vllm_part(settings, model_path, base_models.pop()))
-    if with_proxy:
-        parts.append(proxy_part(settings, config))
+    service_parts = {"proxy": proxy_part, "judge": judge_part}
+    parts += [service_parts[name](settings, config) for name in services]
     return Stack(parts, settings.state_dir)
 
 

@@ -157,7 +157,8 @@ def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded]:
     settings = load_settings(config_path)
     assert settings.store_dir is not None
     write_test_adapters(model_path, AdapterStore(settings.store_dir), [1, 2])
-    stack = embedded_stack(settings, config_path, model_path)
+    # The judge runs only in its own tests: its CPU load would skew the proxy's.
+    stack = embedded_stack(settings, config_path, model_path, services=("proxy",))
     stack.start()
     create_topics(settings)
     env = Embedded(

@@ -437,17 +437,18 @@ async def test_failed_exchange_is_logged_with_key_hash_only(
     # Kafka is down, so the producer thread spools the record; wait for it on disk.
     spool_dir = module_env / "state" / "spool"
     record: OutgoingRecord | None = None
+    # Each proxy spools under its own folder; search them all.
     deadline = time.monotonic() + 5
     while record is None and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-        if spool_dir.is_dir():
-            for _, records in Spool(spool_dir).drain():
+        for folder in spool_dir.glob("proxy-*"):
+            for _, records in Spool(folder).drain():
                 for r in records:
                     if r.key == request_id.encode():
                         record = r
     assert record is not None, "the failed exchange was not logged"
     assert record.topic == TRAFFIC_TOPIC
-    for path in spool_dir.glob("*"):
+    for path in spool_dir.glob("*/*"):
         assert API_KEY.encode() not in path.read_bytes()
     data = orjson.loads(record.value)
     assert data["api_key_hash"] == hash_api_key(API_KEY)

@@ -1,0 +1,80 @@
+"""The judge's Prometheus metrics (served on judge.metrics_port)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ratchet.records import skipped_records
+
+
+class JudgeMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.groups = Counter(
+            "ratchet_judge_groups_total", "Scored groups produced", ("alias",), registry=r
+        )
+        self.heldout = Counter(
+            "ratchet_judge_heldout_total", "Prompts set aside for the gate", ("alias",), registry=r
+        )
+        self.skipped = Counter(
+            "ratchet_judge_skipped_total",
+            "Traffic records not turned into a group, by reason",
+            ("alias", "reason"),
+            registry=r,
+        )
+        self.failures = Counter(
+            "ratchet_judge_failures_total",
+            "Groups dropped after sampling or scoring failed, by cause",
+            ("alias", "cause"),
+            registry=r,
+        )
+        self.judge_latency = Histogram(
+            "ratchet_judge_call_seconds",
+            "Latency of one judge-model call",
+            ("alias",),
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=r,
+        )
+        self.sample_latency = Histogram(
+            "ratchet_judge_sampling_seconds",
+            "Latency of sampling one group from vLLM",
+            ("alias",),
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=r,
+        )
+        self.cache_hits = Counter(
+            "ratchet_judge_cache_hits_total",
+            "Groups whose scores came from the Redis cache",
+            ("alias",),
+            registry=r,
+        )
+        self.zero_variance = Counter(
+            "ratchet_judge_zero_variance_total",
+            "Groups whose rewards are all equal",
+            ("alias",),
+            registry=r,
+        )
+        self.reward = Histogram(
+            "ratchet_judge_reward",
+            "Rewards of produced samples",
+            ("alias",),
+            buckets=tuple(i / 10 for i in range(11)),
+            registry=r,
+        )
+        self.reward_mean = Gauge(
+            "ratchet_judge_reward_mean", "Mean reward of the last group", ("alias",), registry=r
+        )
+        self.reward_spread = Gauge(
+            "ratchet_judge_reward_spread",
+            "Reward standard deviation of the last group",
+            ("alias",),
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "ratchet_judge_in_flight_groups", "Groups being worked on", registry=r
+        )
+        Gauge(
+            "ratchet_judge_unknown_records",
+            "Records skipped for unknown or invalid schema",
+            registry=r,
+        ).set_function(lambda: sum(skipped_records.values()))

@@ -1,0 +1,110 @@
+"""Sampling a group: K fresh answers to one real prompt from the alias's live version.
+
+Straight to vLLM, never through the proxy (the group must not be logged as traffic). vLLM's
+``return_token_ids`` gives the exact prompt and completion token ids and ``logprobs`` the
+behaviour log-probabilities, so the learner never re-tokenises anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from ratchet.records import Sample
+from ratchet.settings import SamplingConfig
+
+# The turns that end a prompt: what follows them is the model's answer.
+PROMPT_END_ROLES = frozenset({"user", "tool"})
+
+
+class SamplingError(Exception):
+    """vLLM could not produce the group; ``cause`` labels the failure metric."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+@dataclass(frozen=True)
+class SampledGroup:
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+
+
+def prompt_of(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The conversation up to and including the last user or tool turn; None if there is none."""
+    for end in range(len(messages) - 1, -1, -1):
+        if messages[end].get("role") in PROMPT_END_ROLES:
+            return messages[: end + 1]
+    return None
+
+
+def sampling_body(
+    served_name: str,
+    prompt: list[dict[str, Any]],
+    request: dict[str, Any],
+    group_size: int,
+    sampling: SamplingConfig,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": served_name,
+        "messages": prompt,
+        "n": group_size,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_tokens": sampling.max_tokens,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    # Tool definitions (and how the client asked to use them) travel with the prompt.
+    for key in ("tools", "tool_choice", "response_format"):
+        if request.get(key) is not None:
+            body[key] = request[key]
+    return body
+
+
+def parse_group(data: dict[str, Any], group_size: int) -> SampledGroup:
+    prompt_ids = data.get("prompt_token_ids")
+    choices = data.get("choices") or []
+    if not isinstance(prompt_ids, list) or len(choices) != group_size:
+        raise SamplingError("bad_response", f"expected {group_size} choices with token ids")
+    samples = []
+    for choice in sorted(choices, key=lambda c: c.get("index", 0)):
+        token_ids = choice.get("token_ids") or []
+        logprobs = [
+            entry["logprob"] for entry in (choice.get("logprobs") or {}).get("content") or []
+        ]
+        if not token_ids or len(token_ids) != len(logprobs):
+            raise SamplingError("bad_response", "token ids and logprobs do not line up")
+        message = {k: v for k, v in choice["message"].items() if v is not None}
+        samples.append(
+            Sample(
+                message=message,
+                text=message.get("content") or "",
+                token_ids=token_ids,
+                logprobs=logprobs,
+                finish_reason=choice.get("finish_reason"),
+            )
+        )
+    return SampledGroup(prompt_token_ids=prompt_ids, samples=samples)
+
+
+async def sample_group(
+    session: aiohttp.ClientSession, vllm_url: str, body: dict[str, Any], timeout_s: float
+) -> SampledGroup:
+    try:
+        async with session.post(
+            vllm_url.rstrip("/") + "/v1/chat/completions",
+            data=orjson.dumps(body),
+            headers={"Content-Type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
+            payload = await resp.read()
+            if resp.status != 200:
+                raise SamplingError(f"http_{resp.status}", payload[:300].decode(errors="replace"))
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        raise SamplingError("vllm_unavailable", str(exc) or type(exc).__name__) from None
+    return parse_group(orjson.loads(payload), body["n"])

@@ -1,0 +1,223 @@
+"""Scoring a sampled group: RULER through litellm (cached, retried), a verifier, or both.
+
+The pure parts (building the judge request, parsing its reply, verifier checks) live in
+judge/ruler.py and judge/verifiers.py; this module adds the network, the cache and the retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis
+import redis.asyncio as aioredis
+
+from judge.metrics import JudgeMetrics
+from judge.ruler import (
+    JudgeReplyError,
+    JudgeRequest,
+    JudgeScores,
+    build_judge_request,
+    cache_key,
+    parse_judge_reply,
+)
+from judge.ruler import rubric_hash as hash_rubric
+from judge.verifiers import VerifierError, combine, load_verifier, run_verifier
+from ratchet.settings import JudgeSettings, RewardConfig
+
+log = logging.getLogger(__name__)
+
+# litellm would otherwise download its model price list at import; nothing here needs it.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+IDENTICAL_SCORE = 0.5  # any constant: equal rewards carry no GRPO signal either way
+
+
+class ScoringError(Exception):
+    """The group cannot be scored; ``cause`` labels the dropped-groups metric."""
+
+    def __init__(self, cause: str, message: str = "") -> None:
+        super().__init__(message or cause)
+        self.cause = cause
+
+
+@dataclass(frozen=True)
+class GroupScore:
+    rewards: list[float]
+    explanations: list[str]
+    judge_model: str | None
+    rubric_hash: str | None
+
+
+def sample_identity(sample: dict[str, Any]) -> bytes:
+    """What makes two samples the same answer for the judge: their content and tool calls."""
+    calls = [
+        (c.get("function") or {}).get("name", "") + (c.get("function") or {}).get("arguments", "")
+        for c in sample.get("tool_calls") or []
+    ]
+    return orjson.dumps([sample.get("content") or "", calls])
+
+
+class GroupScorer:
+    def __init__(
+        self,
+        settings: JudgeSettings,
+        default_api_base: str,
+        cache: aioredis.Redis | None,
+        metrics: JudgeMetrics,
+    ) -> None:
+        self.settings = settings
+        self.api_base = settings.judge_api_base or default_api_base
+        self.cache = cache
+        self.metrics = metrics
+
+    async def score(
+        self,
+        alias: str,
+        reward: RewardConfig,
+        prompt: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        samples: list[dict[str, Any]],
+    ) -> GroupScore:
+        ruler_scores: list[float] | None = None
+        verified: list[float] | None = None
+        explanations = [""] * len(samples)
+        if reward.kind in ("ruler", "mixed"):
+            ruler_scores, explanations = await self.ruler(alias, reward, prompt, tools, samples)
+        if reward.kind in ("verifier", "mixed"):
+            verified = self.verify(reward, prompt, samples)
+        judged_by = reward.judge_model if ruler_scores is not None else None
+        return GroupScore(
+            rewards=combine(ruler_scores, verified, reward.ruler_weight),
+            explanations=explanations,
+            judge_model=judged_by,
+            rubric_hash=hash_rubric(reward.rubric) if ruler_scores is not None else None,
+        )
+
+    def verify(
+        self, reward: RewardConfig, prompt: list[dict[str, Any]], samples: list[dict[str, Any]]
+    ) -> list[float]:
+        assert reward.verifier is not None
+        try:
+            verifier = load_verifier(reward.verifier)
+            return [run_verifier(verifier, prompt, sample) for sample in samples]
+        except VerifierError as exc:
+            raise ScoringError(f"verifier_{exc.cause}", str(exc)) from None
+
+    async def ruler(
+        self,
+        alias: str,
+        reward: RewardConfig,
+        prompt: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        samples: list[dict[str, Any]],
+    ) -> tuple[list[float], list[str]]:
+        # Identical answers are judged once; a group of one distinct answer is not judged.
+        unique: list[dict[str, Any]] = []
+        slot_of: dict[bytes, int] = {}
+        slots = []
+        for sample in samples:
+            identity = sample_identity(sample)
+            if identity not in slot_of:
+                slot_of[identity] = len(unique)
+                unique.append(sample)
+            slots.append(slot_of[identity])
+        if len(unique) == 1:
+            return [IDENTICAL_SCORE] * len(samples), ["identical samples: not judged"] * len(
+                samples
+            )
+        key = "ratchet:judge:cache:" + cache_key(
+            prompt, tools, unique, reward.rubric, reward.judge_model
+        )
+        cached = await self._cache_get(key)
+        if cached is not None:
+            self.metrics.cache_hits.labels(alias).inc()
+            scores, explanations = cached["scores"], cached["explanations"]
+        else:
+            scores, explanations = await self._judge(alias, reward, prompt, tools, unique)
+            await self._cache_set(key, {"scores": scores, "explanations": explanations})
+        return [scores[s] for s in slots], [explanations[s] for s in slots]
+
+    async def call_judge(
+        self, alias: str, reward: RewardConfig, request: JudgeRequest
+    ) -> JudgeScores:
+        """One judge call: the request out, the parsed reply back (or JudgeReplyError)."""
+        import litellm  # heavy import, only where a judge call is made
+
+        started = time.perf_counter()
+        reply = await asyncio.wait_for(
+            litellm.acompletion(
+                model=reward.judge_model,
+                messages=request.messages,
+                response_format=request.response_format,
+                api_base=self.api_base,
+                api_key=(
+                    self.settings.judge_api_key.get_secret_value()
+                    if self.settings.judge_api_key
+                    else "unused"
+                ),
+                temperature=0.0,
+                max_tokens=self.settings.judge_max_tokens,
+                num_retries=0,
+            ),
+            timeout=self.settings.judge_timeout_s,
+        )
+        self.metrics.judge_latency.labels(alias).observe(time.perf_counter() - started)
+        return parse_judge_reply(reply.choices[0].message.content or "", request)
+
+    async def _judge(
+        self,
+        alias: str,
+        reward: RewardConfig,
+        prompt: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        unique: list[dict[str, Any]],
+    ) -> tuple[list[float], list[str]]:
+        """Judge with retries; each retry shuffles anew. ScoringError when all attempts fail."""
+        cause = "judge_unavailable"
+        for attempt in range(self.settings.judge_retries + 1):
+            if attempt:
+                # Exponential backoff with jitter, so replicas do not retry in lock-step.
+                await asyncio.sleep(min(8.0, 0.5 * 2 ** (attempt - 1)) * (0.5 + random.random()))
+            request = build_judge_request(
+                prompt, unique, reward.rubric, tools=tools, seed=random.getrandbits(32)
+            )
+            try:
+                parsed = await self.call_judge(alias, reward, request)
+                return parsed.scores, parsed.explanations
+            except JudgeReplyError as exc:
+                cause = f"reply_{exc.cause}"
+                log.info("judge reply rejected (%s), attempt %d", exc, attempt + 1)
+            except TimeoutError:
+                cause = "judge_timeout"
+            except Exception as exc:  # litellm raises many types; none may stop the judge
+                cause = "judge_unavailable"
+                log.warning(
+                    "judge call failed (%s: %s), attempt %d",
+                    type(exc).__name__,
+                    str(exc)[:200],
+                    attempt + 1,
+                )
+        raise ScoringError(cause)
+
+    async def _cache_get(self, key: str) -> dict[str, Any] | None:
+        if self.cache is None:
+            return None
+        try:
+            raw = await self.cache.get(key)
+        except (redis.RedisError, OSError):
+            return None  # no cache is slower, never wrong
+        return orjson.loads(raw) if raw else None
+
+    async def _cache_set(self, key: str, value: dict[str, Any]) -> None:
+        if self.cache is None:
+            return
+        with contextlib.suppress(redis.RedisError, OSError):
+            await self.cache.set(key, orjson.dumps(value), ex=self.settings.cache_ttl_s)

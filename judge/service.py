@@ -1,0 +1,311 @@
+"""`ratchet judge`: turns the traffic log into scored groups and held-out prompts.
+
+One batch at a time: poll traffic records, work on them concurrently (filter, split, sample,
+score), produce every output and wait for the broker's acks, and only then commit the batch's
+offsets. A judge killed mid-batch therefore re-reads the batch on restart (at least once); each
+group's id is derived from its traffic record and version, so the learner can drop repeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import signal
+import statistics
+import time
+from typing import Any, NamedTuple
+
+import aiohttp
+import redis
+import redis.asyncio as aioredis
+from kafka import KafkaProducer
+from kafka.errors import KafkaError
+from prometheus_client import start_http_server
+
+from judge.metrics import JudgeMetrics
+from judge.sampler import SamplingError, prompt_of, sample_group, sampling_body
+from judge.scoring import GroupScorer, ScoringError
+from ratchet.bus import ensure_topics, make_consumer
+from ratchet.records import (
+    GROUPS_TOPIC,
+    HELDOUT_TOPIC,
+    TRAFFIC_TOPIC,
+    HeldoutPrompt,
+    Record,
+    ScoredGroup,
+    TrafficRecord,
+    decode,
+    prompt_hash,
+)
+from ratchet.registry import AliasRoute, alias_key, served_name
+from ratchet.settings import AliasConfig, RatchetSettings
+
+log = logging.getLogger(__name__)
+
+
+def fraction_of(text: str) -> float:
+    """A stable number in [0, 1) from a string: the same input always falls on the same side."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") / 2**64
+
+
+def is_heldout(prompt_digest: str, fraction: float) -> bool:
+    return fraction_of("heldout:" + prompt_digest) < fraction
+
+
+def group_id_of(request_id: str, version: int) -> str:
+    return hashlib.sha256(f"{request_id}\0{version}".encode()).hexdigest()[:32]
+
+
+class SeenMark(NamedTuple):
+    key: str
+    window_s: int
+
+
+class Skip(Exception):
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class JudgeService:
+    def __init__(self, settings: RatchetSettings) -> None:
+        self.settings = settings
+        self.metrics = JudgeMetrics()
+        self.redis = aioredis.Redis.from_url(
+            settings.redis_url, socket_timeout=2, socket_connect_timeout=1
+        )
+        self.scorer = GroupScorer(
+            settings.judge, settings.vllm_url.rstrip("/") + "/v1", self.redis, self.metrics
+        )
+        self.routes: dict[str, AliasRoute] = {}
+        self.limit = asyncio.Semaphore(settings.judge.concurrency)
+        self.stopping = asyncio.Event()
+
+    # ---- one traffic record ------------------------------------------------------------------
+    async def handle(
+        self, session: aiohttp.ClientSession, value: bytes
+    ) -> tuple[list[Record], list[SeenMark]]:
+        """Return (records to produce, prompts to mark as seen once those are produced)."""
+        record = decode(TRAFFIC_TOPIC, value)
+        if not isinstance(record, TrafficRecord):
+            return [], []
+        alias = record.alias
+        try:
+            async with self.limit:
+                self.metrics.in_flight.inc()
+                try:
+                    return await self._handle(session, record)
+                finally:
+                    self.metrics.in_flight.dec()
+        except Skip as skip:
+            self.metrics.skipped.labels(alias, skip.reason).inc()
+        except (SamplingError, ScoringError) as exc:
+            self.metrics.failures.labels(alias, exc.cause).inc()
+            log.warning("group for %s dropped: %s (%s)", record.request_id, exc.cause, exc)
+        return [], []
+
+    async def _handle(
+        self, session: aiohttp.ClientSession, record: TrafficRecord
+    ) -> tuple[list[Record], list[SeenMark]]:
+        config = self.settings.aliases.get(record.alias)
+        prompt, tools = self._eligible(record, config)
+        assert config is not None
+        digest = prompt_hash(prompt, tools)
+        seen = SeenMark(
+            f"ratchet:judge:seen:{record.alias}:{digest}", config.learning.dedup_window_s
+        )
+        if seen.window_s and await self._seen(seen.key):
+            raise Skip("recent_duplicate")
+        if is_heldout(digest, config.learning.heldout_fraction):
+            self.metrics.heldout.labels(record.alias).inc()
+            return [
+                HeldoutPrompt(
+                    prompt_hash=digest,
+                    alias=record.alias,
+                    prompt_messages=prompt,
+                    tools=tools,
+                    traffic_request_id=record.request_id,
+                )
+            ], [seen]
+
+        route = await self._route(record.alias, config)
+        served = served_name(record.alias, route.active, route.base_model)
+        body = sampling_body(
+            served, prompt, record.request, config.learning.group_size, config.sampling
+        )
+        with self.metrics.sample_latency.labels(record.alias).time():
+            group = await sample_group(
+                session, self.settings.vllm_url, body, self.settings.judge.sample_timeout_s
+            )
+        score = await self.scorer.score(
+            record.alias, config.reward, prompt, tools, [s.message for s in group.samples]
+        )
+        self._observe(record.alias, score.rewards)
+        scored = ScoredGroup(
+            group_id=group_id_of(record.request_id, route.active),
+            alias=record.alias,
+            version=route.active,
+            response_model=served,
+            prompt_messages=prompt,
+            tools=tools,
+            prompt_token_ids=group.prompt_token_ids,
+            samples=group.samples,
+            rewards=score.rewards,
+            explanations=score.explanations,
+            judge_model=score.judge_model,
+            rubric_hash=score.rubric_hash,
+            traffic_request_id=record.request_id,
+        )
+        self.metrics.groups.labels(record.alias).inc()
+        return [scored], [seen]
+
+    def _eligible(
+        self, record: TrafficRecord, config: AliasConfig | None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        if config is None or not config.learning.enabled:
+            raise Skip("learning_disabled")
+        if record.status != 200:
+            raise Skip("failed_exchange")
+        if record.endpoint != "chat.completions":
+            raise Skip("not_chat")
+        if fraction_of("sample:" + record.request_id) >= config.learning.sample_rate:
+            raise Skip("sampled_out")
+        if (record.input_tokens or 0) > config.learning.max_prompt_tokens:
+            raise Skip("prompt_too_long")
+        prompt = prompt_of(record.request.get("messages") or [])
+        if prompt is None:
+            raise Skip("no_prompt")
+        tools = record.request.get("tools") or None
+        return prompt, tools
+
+    def _observe(self, alias: str, rewards: list[float]) -> None:
+        for reward in rewards:
+            self.metrics.reward.labels(alias).observe(reward)
+        spread = statistics.pstdev(rewards)
+        self.metrics.reward_mean.labels(alias).set(statistics.fmean(rewards))
+        self.metrics.reward_spread.labels(alias).set(spread)
+        if spread == 0:
+            self.metrics.zero_variance.labels(alias).inc()
+
+    async def _seen(self, key: str) -> bool:
+        try:
+            return bool(await self.redis.exists(key))
+        except (redis.RedisError, OSError):
+            return False  # without Redis a repeat may be judged twice; nothing is lost
+
+    async def _mark_seen(self, marks: list[SeenMark]) -> None:
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for mark in marks:
+                if mark.window_s:
+                    pipe.set(mark.key, b"1", ex=mark.window_s)
+            await pipe.execute()
+        except (redis.RedisError, OSError):
+            pass  # a prompt not marked may be judged again; that costs time, loses nothing
+
+    async def _route(self, alias: str, config: AliasConfig) -> AliasRoute:
+        """The live version, from Redis; the last one read while Redis is away."""
+        try:
+            raw = await self.redis.hgetall(alias_key(alias))
+            data = {k.decode(): v.decode() for k, v in raw.items()}
+            route = (
+                AliasRoute.from_hash(alias, data, config.base_model)
+                if data
+                else AliasRoute(alias=alias, base_model=config.base_model)
+            )
+            self.routes[alias] = route
+        except (redis.RedisError, OSError):
+            route = self.routes.get(alias) or AliasRoute(alias=alias, base_model=config.base_model)
+        return route
+
+    # ---- the loop ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        s = self.settings
+        start_http_server(
+            s.judge.metrics_port, addr=s.judge.metrics_host, registry=self.metrics.registry
+        )
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        await loop.run_in_executor(None, self._connect)
+        log.info("judge consuming %s as group %s", TRAFFIC_TOPIC, s.judge.consumer_group)
+        async with aiohttp.ClientSession() as session:
+            while not self.stopping.is_set():
+                batch = await loop.run_in_executor(None, self._poll)
+                if not batch:
+                    continue
+                results = await asyncio.gather(*(self.handle(session, v) for v in batch))
+                outputs = [r for records, _ in results for r in records]
+                seen = [k for _, keys in results for k in keys]
+                # Produce, wait for acks, then commit: never the other way round.
+                await loop.run_in_executor(None, self._produce_and_commit, outputs)
+                await self._mark_seen(seen)
+        await loop.run_in_executor(None, self._close)
+        await self.redis.aclose()
+
+    def _connect(self) -> None:
+        s = self.settings
+        while True:
+            try:
+                ensure_topics(s.kafka_bootstrap_servers, s.kafka, [GROUPS_TOPIC, HELDOUT_TOPIC])
+                self.producer = KafkaProducer(
+                    bootstrap_servers=s.kafka_bootstrap_servers,
+                    acks="all",
+                    linger_ms=5,
+                    compression_type=None if s.kafka.compression == "none" else s.kafka.compression,
+                    **s.kafka.client_options(),
+                )
+                self.consumer = make_consumer(
+                    s.kafka_bootstrap_servers,
+                    s.kafka,
+                    [TRAFFIC_TOPIC],
+                    s.judge.consumer_group,
+                    max_poll_records=s.judge.poll_records,
+                    # Groups take seconds each on CPU; don't let the group coordinator evict us.
+                    max_poll_interval_ms=30 * 60 * 1000,
+                )
+                return
+            except KafkaError as exc:
+                log.warning("kafka unreachable (%s); retrying", exc)
+                if self.stopping.is_set():
+                    raise SystemExit(0) from None
+                time.sleep(1.0)
+
+    def _poll(self) -> list[bytes]:
+        polled = self.consumer.poll(timeout_ms=1000, max_records=self.settings.judge.poll_records)
+        return [m.value for messages in polled.values() for m in messages]
+
+    def _produce_and_commit(self, outputs: list[Record]) -> None:
+        while True:
+            try:
+                futures = [
+                    self.producer.send(r.TOPIC, key=_key_of(r), value=r.to_json()) for r in outputs
+                ]
+                self.producer.flush(timeout=30)
+                for future in futures:
+                    future.get(timeout=0)
+                self.consumer.commit()
+                return
+            except KafkaError as exc:
+                # Not committed: the same batch stays ours to finish. Retry until it lands.
+                log.warning("could not produce/commit a batch (%s); retrying", exc)
+                if self.stopping.is_set():
+                    return  # uncommitted: the next judge re-reads this batch
+                time.sleep(1.0)
+
+    def _close(self) -> None:
+        self.consumer.close()
+        self.producer.close(timeout=5)
+
+
+def _key_of(record: Record) -> bytes:
+    if isinstance(record, ScoredGroup):
+        return record.alias.encode()
+    if isinstance(record, HeldoutPrompt):
+        return record.prompt_hash.encode()
+    raise TypeError(type(record))
+
+
+def serve(settings: RatchetSettings) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.run(JudgeService(settings).run())

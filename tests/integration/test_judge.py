@@ -1,0 +1,286 @@
+"""The judge against the real stack: traffic through the proxy becomes scored groups and held-out
+prompts, sampled by vLLM and judged by the local SmolLM2 through litellm with structured output."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from judge.service import is_heldout
+from ratchet.records import (
+    GROUPS_TOPIC,
+    HELDOUT_TOPIC,
+    HeldoutPrompt,
+    ScoredGroup,
+    prompt_hash,
+)
+from ratchet.registry import AliasRoute
+from ratchet.stack import Stack, judge_part
+from tests.integration.conftest import BASE_MODEL, Embedded, free_port
+
+pytestmark = pytest.mark.integration
+
+QUESTIONS = [
+    f"In one short sentence: what is {thing}?"
+    for thing in (
+        "a river",
+        "a violin",
+        "rain",
+        "a bridge",
+        "bread",
+        "a comet",
+        "a tulip",
+        "granite",
+        "a harbour",
+        "a kite",
+        "a glacier",
+        "a lantern",
+    )
+]
+
+
+def judge_config(env: Embedded, home: Path, alias: str, **judge: Any) -> Path:
+    """A config with the session stack's addresses, one alias and its own consumer group."""
+    config = yaml.safe_load(env.config_path.read_text())
+    config["home"] = str(home)
+    config["judge"] = {
+        "consumer_group": f"judge-{alias}",
+        "metrics_port": free_port(),
+        "concurrency": 4,
+        "judge_retries": 1,
+        **judge,
+    }
+    config["aliases"] = {
+        alias: {
+            "base_model": BASE_MODEL,
+            "learning": {"group_size": 3, "heldout_fraction": 0.3, "dedup_window_s": 0},
+            "sampling": {"max_tokens": 16, "temperature": 1.0},
+        }
+    }
+    path = home / "judge.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def send_traffic(env: Embedded, alias: str, questions: list[str]) -> dict[str, str]:
+    """Send each question through the proxy; return request id -> prompt hash."""
+    env.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
+    time.sleep(0.3)  # the proxy learns the new alias from the registry channel
+
+    async def run() -> dict[str, str]:
+        client = openai.AsyncOpenAI(base_url=f"{env.proxy_url}/v1", api_key="k", max_retries=0)
+
+        async def one(question: str) -> tuple[str, str]:
+            messages = [{"role": "user", "content": question}]
+            raw = await client.chat.completions.with_raw_response.create(
+                model=alias, messages=messages, max_tokens=8
+            )
+            return raw.headers["x-request-id"], prompt_hash(messages, None)
+
+        pairs = await asyncio.gather(*(one(q) for q in questions))
+        await client.close()
+        return dict(pairs)
+
+    return asyncio.run(run())
+
+
+@contextlib.contextmanager
+def running_judge(config: Path, state: Path) -> Iterator[Stack]:
+    from ratchet.settings import load_settings
+
+    stack = Stack([judge_part(load_settings(config), config)], state)
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def outputs_for(
+    env: Embedded, request_ids: set[str], timeout_s: float
+) -> tuple[list[ScoredGroup], list[HeldoutPrompt]]:
+    groups: dict[str, ScoredGroup] = {}
+    heldout: dict[str, HeldoutPrompt] = {}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and len(groups) + len(heldout) < len(request_ids):
+        for record in env.find_records(
+            GROUPS_TOPIC,
+            lambda r: isinstance(r, ScoredGroup) and r.traffic_request_id in request_ids,
+            count=len(request_ids),
+            timeout_s=2,
+        ):
+            groups[record.traffic_request_id] = record  # type: ignore[union-attr]
+        for record in env.find_records(
+            HELDOUT_TOPIC,
+            lambda r: isinstance(r, HeldoutPrompt) and r.traffic_request_id in request_ids,
+            count=len(request_ids),
+            timeout_s=2,
+        ):
+            heldout[record.traffic_request_id] = record  # type: ignore[union-attr]
+    return list(groups.values()), list(heldout.values())
+
+
+def metric(port: int, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
+def test_traffic_becomes_scored_groups_and_heldout_prompts(
+    embedded: Embedded, tmp_path: Path
+) -> None:
+    alias = "jt-groups"
+    questions = QUESTIONS[:6]
+    assert any(
+        is_heldout(prompt_hash([{"role": "user", "content": q}], None), 0.3) for q in questions
+    ), "pick questions so that some are held out"
+    config = judge_config(embedded, tmp_path, alias)
+    sent = send_traffic(embedded, alias, questions)
+    with running_judge(config, tmp_path / "state"):
+        groups, heldout = outputs_for(embedded, set(sent), timeout_s=300)
+
+    held_hashes = {h.prompt_hash for h in heldout}
+    expected_held = {digest for digest in sent.values() if is_heldout(digest, 0.3)}
+    assert held_hashes == expected_held
+    assert len(groups) + len(heldout) == len(sent), "every traffic record was handled"
+    for group in groups:
+        # Held-out prompts never appear in a group.
+        assert prompt_hash(group.prompt_messages, group.tools) not in held_hashes
+        assert group.version == 0 and group.response_model == BASE_MODEL
+        assert len(group.samples) == 3 and len(group.rewards) == 3
+        assert all(0.0 <= r <= 1.0 for r in group.rewards)
+        assert group.judge_model == f"hosted_vllm/{BASE_MODEL}" and group.rubric_hash
+        for sample in group.samples:
+            assert len(sample.token_ids) == len(sample.logprobs) > 0
+    assert_logprobs_match_vllm(embedded, groups[0])
+
+
+def assert_logprobs_match_vllm(env: Embedded, group: ScoredGroup) -> None:
+    """Score the group's exact tokens again with vLLM: ids and logprobs must agree."""
+    sample = group.samples[0]
+    response = httpx.post(
+        f"{env.settings.vllm_url}/v1/completions",
+        timeout=60,
+        json={
+            "model": BASE_MODEL,
+            "prompt": group.prompt_token_ids + sample.token_ids,
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+            "temperature": 0,
+        },
+    )
+    response.raise_for_status()
+    prompt_logprobs = response.json()["choices"][0]["prompt_logprobs"]
+    tail = prompt_logprobs[len(group.prompt_token_ids) :]
+    assert len(tail) == len(sample.token_ids)
+    for token_id, logged, scored in zip(sample.token_ids, sample.logprobs, tail, strict=True):
+        assert scored[str(token_id)]["logprob"] == pytest.approx(logged, abs=0.05)
+
+
+class Switch:
+    """A TCP forwarder to vLLM that can be cut, to take the judge model away from the judge
+    alone (stopping vLLM would also stop sampling)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.open = True
+        self._server: socket.socket | None = None
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.open:
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+
+    def run_in_thread(self) -> None:
+        import threading
+
+        loop = asyncio.new_event_loop()
+
+        async def serve() -> None:
+            server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+            async with server:
+                await server.serve_forever()
+
+        threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True).start()
+
+
+def test_judge_model_unreachable_drops_and_counts_then_recovers(
+    embedded: Embedded, tmp_path: Path
+) -> None:
+    alias = "jt-flaky"
+    vllm_port = int(embedded.settings.vllm_url.rsplit(":", 1)[1])
+    switch = Switch(vllm_port)
+    switch.run_in_thread()
+    switch.open = False
+    config = judge_config(
+        embedded,
+        tmp_path,
+        alias,
+        judge_api_base=f"http://127.0.0.1:{switch.port}/v1",
+        judge_timeout_s=20,
+    )
+    port = yaml.safe_load(config.read_text())["judge"]["metrics_port"]
+    train = [
+        q
+        for q in QUESTIONS
+        if not is_heldout(prompt_hash([{"role": "user", "content": q}], None), 0.3)
+    ]
+    with running_judge(config, tmp_path / "state"):
+        down = send_traffic(embedded, alias, train[:2])
+        deadline = time.monotonic() + 180
+        while (
+            metric(port, 'ratchet_judge_failures_total{alias="jt-flaky",cause="judge_unavail') < 2
+        ):
+            assert time.monotonic() < deadline, "failures were not counted"
+            time.sleep(1)
+        groups, _ = outputs_for(embedded, set(down), timeout_s=3)
+        assert not groups, "no group is produced without a judge"
+
+        switch.open = True  # the judge model is back: the same judge process goes on
+        up = send_traffic(embedded, alias, train[2:4])
+        groups, _ = outputs_for(embedded, set(up), timeout_s=300)
+        assert {g.traffic_request_id for g in groups} == set(up)
+
+
+def test_judge_killed_mid_batch_skips_no_traffic(embedded: Embedded, tmp_path: Path) -> None:
+    alias = "jt-crash"
+    config = judge_config(embedded, tmp_path, alias)
+    port = yaml.safe_load(config.read_text())["judge"]["metrics_port"]
+    sent = send_traffic(embedded, alias, QUESTIONS[:8])
+    with running_judge(config, tmp_path / "state") as stack:
+        deadline = time.monotonic() + 120
+        while metric(port, "ratchet_judge_in_flight_groups") < 1:
+            assert time.monotonic() < deadline, "judge never started a batch"
+            time.sleep(0.2)
+        process = stack.part("judge").process
+        assert process is not None
+        process.send_signal(signal.SIGKILL)  # no chance to commit or clean up
+        process.wait(10)
+        stack.start_part("judge")
+        groups, heldout = outputs_for(embedded, set(sent), timeout_s=400)
+    handled = {g.traffic_request_id for g in groups} | {h.traffic_request_id for h in heldout}
+    assert handled == set(sent), f"skipped: {set(sent) - handled}"
