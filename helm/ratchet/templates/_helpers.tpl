@@ -1,0 +1,395 @@
+{{/*
+Expand the name of the chart.
+*/}}
+{{- define "ratchet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+A default fully qualified app name, cut to 52 characters so that every component suffix (the
+longest is "-test-proxy") still fits the 63 characters of a Kubernetes name.
+If the release name contains the chart name it is used as the full name.
+*/}}
+{{- define "ratchet.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Chart name and version as used by the chart label.
+*/}}
+{{- define "ratchet.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Common labels.
+*/}}
+{{- define "ratchet.labels" -}}
+helm.sh/chart: {{ include "ratchet.chart" . }}
+{{ include "ratchet.selectorLabels" . }}
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: ratchet
+{{- end }}
+
+{{/*
+Selector labels.
+*/}}
+{{- define "ratchet.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "ratchet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Labels and selector labels of one component: include with (dict "ctx" $ "component" "proxy").
+*/}}
+{{- define "ratchet.componentLabels" -}}
+{{ include "ratchet.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "ratchet.componentSelectorLabels" -}}
+{{ include "ratchet.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+The service account every pod of the release uses.
+*/}}
+{{- define "ratchet.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "ratchet.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+An image reference from (dict "image" <repository/tag/digest> "fallback" <image> "ctx" $):
+the digest wins over the tag; empty fields come from the fallback, the tag at last from
+the chart's appVersion.
+*/}}
+{{- define "ratchet.imageRef" -}}
+{{- $fallback := .fallback | default dict }}
+{{- $repo := .image.repository | default $fallback.repository }}
+{{- $digest := .image.digest | default $fallback.digest }}
+{{- $tag := .image.tag | default $fallback.tag | default .ctx.Chart.AppVersion }}
+{{- if $digest }}
+{{- printf "%s@%s" $repo $digest }}
+{{- else }}
+{{- printf "%s:%s" $repo $tag }}
+{{- end }}
+{{- end }}
+
+{{- define "ratchet.image" -}}
+{{- include "ratchet.imageRef" (dict "image" .Values.image "ctx" .) }}
+{{- end }}
+
+{{/*
+The base model's served name: model.servedName, else the last part of model.name, lower-cased.
+*/}}
+{{- define "ratchet.servedName" -}}
+{{- if .Values.model.servedName }}
+{{- .Values.model.servedName }}
+{{- else }}
+{{- .Values.model.name | splitList "/" | last | lower }}
+{{- end }}
+{{- end }}
+
+{{/*
+Where the services reach vLLM.
+*/}}
+{{- define "ratchet.vllmUrl" -}}
+{{- if .Values.vllm.enabled }}
+{{- printf "http://%s-vllm:%d" (include "ratchet.fullname" .) (int .Values.vllm.port) }}
+{{- else }}
+{{- .Values.vllm.url | trimSuffix "/" }}
+{{- end }}
+{{- end }}
+
+{{/*
+Names of the Secrets the pods read (the chart's own, or the ones the user manages).
+*/}}
+{{- define "ratchet.secretName" -}}
+{{- printf "%s-secrets" (include "ratchet.fullname" .) }}
+{{- end }}
+
+{{- define "ratchet.proxySecretName" -}}
+{{- .Values.proxy.existingSecret | default (include "ratchet.secretName" .) }}
+{{- end }}
+
+{{- define "ratchet.kafkaSecretName" -}}
+{{- .Values.kafka.sasl.existingSecret | default (include "ratchet.secretName" .) }}
+{{- end }}
+
+{{- define "ratchet.redisSecretName" -}}
+{{- .Values.redis.auth.existingSecret | default (include "ratchet.secretName" .) }}
+{{- end }}
+
+{{- define "ratchet.kafkaPasswordKey" -}}
+{{- if .Values.kafka.sasl.existingSecret }}{{ .Values.kafka.sasl.passwordKey }}{{ else }}kafka-sasl-password{{ end }}
+{{- end }}
+
+{{- define "ratchet.redisPasswordKey" -}}
+{{- if .Values.redis.auth.existingSecret }}{{ .Values.redis.auth.passwordKey }}{{ else }}redis-password{{ end }}
+{{- end }}
+
+{{- define "ratchet.apiKeysKey" -}}
+{{- if .Values.proxy.existingSecret }}{{ .Values.proxy.apiKeysKey }}{{ else }}api-keys{{ end }}
+{{- end }}
+
+{{- define "ratchet.adminKeyKey" -}}
+{{- if .Values.proxy.existingSecret }}{{ .Values.proxy.adminKeyKey }}{{ else }}admin-key{{ end }}
+{{- end }}
+
+{{- define "ratchet.kafkaSasl" -}}
+{{- if .Values.kafka.sasl.mechanism }}true{{ end }}
+{{- end }}
+
+{{- define "ratchet.redisAuth" -}}
+{{- if or .Values.redis.auth.existingSecret .Values.redis.auth.password }}true{{ end }}
+{{- end }}
+
+{{/*
+Whether the chart writes its own Secret, and whether it holds anything.
+*/}}
+{{- define "ratchet.chartSecretNeeded" -}}
+{{- if or (and .Values.proxy.enabled (not .Values.proxy.existingSecret)) (and (include "ratchet.kafkaSasl" .) (not .Values.kafka.sasl.existingSecret)) (and .Values.redis.auth.password (not .Values.redis.auth.existingSecret)) }}true{{ end }}
+{{- end }}
+
+{{- define "ratchet.judgeSecretName" -}}
+{{- .Values.judge.existingSecret | default (printf "%s-judge" (include "ratchet.fullname" .)) }}
+{{- end }}
+
+{{/*
+The Redis URL without a password; with a CA Secret, redis-py reads ssl_ca_certs from the query.
+*/}}
+{{- define "ratchet.redisUrl" -}}
+{{- $url := .Values.redis.url }}
+{{- if .Values.redis.tls.caSecret }}
+{{- $sep := ternary "&" "?" (contains "?" $url) }}
+{{- $url = printf "%s%sssl_ca_certs=/etc/ratchet/redis-ca/%s" $url $sep .Values.redis.tls.caKey }}
+{{- end }}
+{{- $url }}
+{{- end }}
+
+{{/*
+The Redis URL with the password as a dependent environment variable reference.
+*/}}
+{{- define "ratchet.redisUrlWithPassword" -}}
+{{- $url := include "ratchet.redisUrl" . }}
+{{- $scheme := regexFind "^rediss?://" $url }}
+{{- printf "%s%s:$(REDIS_PASSWORD)@%s" $scheme .Values.redis.auth.username (trimPrefix $scheme $url) }}
+{{- end }}
+
+{{/*
+Whether the adapter store is mounted by anything in this release.
+*/}}
+{{- define "ratchet.adaptersUsed" -}}
+{{- if or .Values.vllm.enabled .Values.learner.enabled }}true{{ end }}
+{{- end }}
+
+{{- define "ratchet.adaptersClaim" -}}
+{{- .Values.adapters.existingClaim | default (printf "%s-adapters" (include "ratchet.fullname" .)) }}
+{{- end }}
+
+{{/*
+Values that the schema cannot check alone; each failure says what to set.
+*/}}
+{{- define "ratchet.validate" -}}
+{{- if and .Values.vllm.enabled .Values.vllm.url }}
+{{- fail "vllm.url is set while vllm.enabled is true: set vllm.enabled=false to use an existing vLLM, or remove vllm.url" }}
+{{- end }}
+{{- if and (not .Values.vllm.enabled) (not .Values.vllm.url) }}
+{{- fail "vllm.enabled is false but vllm.url is empty: set vllm.url to your vLLM's address (e.g. http://vllm.inference:8000)" }}
+{{- end }}
+{{- if and .Values.proxy.enabled (not .Values.proxy.existingSecret) (not .Values.proxy.apiKeys) }}
+{{- fail "proxy.apiKeys is empty and proxy.existingSecret is not set: the proxy refuses to listen on the pod network without API keys. Set proxy.apiKeys (e.g. --set proxy.apiKeys[0]=sk-...) or proxy.existingSecret" }}
+{{- end }}
+{{- if and (include "ratchet.kafkaSasl" .) (not .Values.kafka.sasl.username) }}
+{{- fail "kafka.sasl.mechanism is set but kafka.sasl.username is empty" }}
+{{- end }}
+{{- if and (include "ratchet.kafkaSasl" .) (not .Values.kafka.sasl.existingSecret) (not .Values.kafka.sasl.password) }}
+{{- fail "kafka.sasl.mechanism is set but there is no password: set kafka.sasl.existingSecret (and passwordKey) or kafka.sasl.password" }}
+{{- end }}
+{{- if and (include "ratchet.kafkaSasl" .) (not (hasPrefix "SASL_" .Values.kafka.securityProtocol)) }}
+{{- fail "kafka.sasl.mechanism is set but kafka.securityProtocol is not SASL_PLAINTEXT or SASL_SSL" }}
+{{- end }}
+{{- if and .Values.redis.tls.caSecret (not (hasPrefix "rediss://" .Values.redis.url)) }}
+{{- fail "redis.tls.caSecret is set but redis.url does not start with rediss://" }}
+{{- end }}
+{{- end }}
+
+{{/*
+ratchet.yaml, as the services read it (ratchet/settings.py; unknown keys are refused there).
+Secrets never appear here: they come in as RATCHET_* environment variables.
+*/}}
+{{- define "ratchet.config" -}}
+{{- $served := include "ratchet.servedName" . }}
+{{- $kafka := dict "security_protocol" .Values.kafka.securityProtocol "topic_partitions" (int .Values.kafka.topics.partitions) "topic_replication" (int .Values.kafka.topics.replication) "topic_retention_ms" (int64 .Values.kafka.topics.retentionMs) "compression" .Values.kafka.compression "idempotence" .Values.kafka.idempotence }}
+{{- if .Values.kafka.sasl.mechanism }}
+{{- $_ := set $kafka "sasl_mechanism" .Values.kafka.sasl.mechanism }}
+{{- $_ := set $kafka "sasl_username" .Values.kafka.sasl.username }}
+{{- end }}
+{{- if .Values.kafka.tls.caSecret }}
+{{- $_ := set $kafka "ssl_cafile" (printf "/etc/ratchet/kafka-ca/%s" .Values.kafka.tls.caKey) }}
+{{- end }}
+{{- $proxy := deepCopy (.Values.proxy.config | default dict) }}
+{{- $_ := set $proxy "host" .Values.proxy.bindAddress }}
+{{- $_ := set $proxy "port" (int .Values.proxy.port) }}
+{{- $aliases := include "ratchet.aliases" . | fromYaml }}
+{{- $config := dict "kafka_bootstrap_servers" .Values.kafka.bootstrapServers "redis_url" (include "ratchet.redisUrl" .) "vllm_url" (include "ratchet.vllmUrl" .) "home" .Values.state.mountPath "state_dir" (printf "%s/state" .Values.state.mountPath) "store_dir" .Values.adapters.mountPath "kafka" $kafka "proxy" $proxy "aliases" $aliases }}
+{{- /* A service's section is written only when it runs, so a release without it never depends
+  on settings it does not have yet. Metrics listen on the pod network for probes and Prometheus. */}}
+{{- if .Values.judge.enabled }}
+{{- $judge := deepCopy (.Values.judge.config | default dict) }}
+{{- $_ := set $judge "metrics_host" "0.0.0.0" }}
+{{- $_ := set $judge "metrics_port" (int .Values.judge.metricsPort) }}
+{{- $_ := set $config "judge" $judge }}
+{{- end }}
+{{- if .Values.learner.enabled }}
+{{- $learner := deepCopy (.Values.learner.config | default dict) }}
+{{- $_ := set $learner "metrics_host" "0.0.0.0" }}
+{{- $_ := set $learner "metrics_port" (int .Values.learner.metricsPort) }}
+{{- $_ := set $config "learner" $learner }}
+{{- end }}
+{{- toYaml $config }}
+{{- end }}
+
+{{/*
+The aliases as ratchet.yaml holds them: the values' map (or one alias "support" when it is
+empty), with base_model and reward.judge_model defaulting to the base model's served name.
+*/}}
+{{- define "ratchet.aliases" -}}
+{{- $served := include "ratchet.servedName" . }}
+{{- $aliases := dict }}
+{{- range $name, $cfg := (.Values.aliases | default (dict "support" dict)) }}
+{{- $alias := deepCopy ($cfg | default dict) }}
+{{- if not (hasKey $alias "base_model") }}
+{{- $_ := set $alias "base_model" $served }}
+{{- end }}
+{{- $reward := $alias.reward | default dict }}
+{{- if not (hasKey $reward "judge_model") }}
+{{- $_ := set $reward "judge_model" (printf "hosted_vllm/%s" $served) }}
+{{- end }}
+{{- $_ := set $alias "reward" $reward }}
+{{- $_ := set $aliases $name $alias }}
+{{- end }}
+{{- toYaml $aliases }}
+{{- end }}
+
+{{/*
+Pod annotations that roll the pods when their configuration changes.
+*/}}
+{{- define "ratchet.checksums" -}}
+checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
+{{- if include "ratchet.chartSecretNeeded" . }}
+checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256sum }}
+{{- end }}
+{{- end }}
+
+{{/*
+Environment of every Ratchet container: secrets as RATCHET_* variables, never in the ConfigMap.
+*/}}
+{{- define "ratchet.env" -}}
+- name: RATCHET_CONFIG
+  value: /etc/ratchet/ratchet.yaml
+- name: HOME
+  value: /tmp
+- name: PYTHONUNBUFFERED
+  value: "1"
+- name: PYTHONDONTWRITEBYTECODE
+  value: "1"
+{{- if include "ratchet.redisAuth" . }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "ratchet.redisSecretName" . }}
+      key: {{ include "ratchet.redisPasswordKey" . }}
+- name: RATCHET_REDIS_URL
+  value: {{ include "ratchet.redisUrlWithPassword" . | quote }}
+{{- end }}
+{{- if include "ratchet.kafkaSasl" . }}
+- name: RATCHET_KAFKA__SASL_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "ratchet.kafkaSecretName" . }}
+      key: {{ include "ratchet.kafkaPasswordKey" . }}
+{{- end }}
+{{- end }}
+
+{{- define "ratchet.volumeMounts" -}}
+- name: config
+  mountPath: /etc/ratchet
+  readOnly: true
+- name: state
+  mountPath: {{ .Values.state.mountPath }}
+- name: tmp
+  mountPath: /tmp
+{{- if .Values.kafka.tls.caSecret }}
+- name: kafka-ca
+  mountPath: /etc/ratchet/kafka-ca
+  readOnly: true
+{{- end }}
+{{- if .Values.redis.tls.caSecret }}
+- name: redis-ca
+  mountPath: /etc/ratchet/redis-ca
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "ratchet.volumes" -}}
+- name: config
+  configMap:
+    name: {{ include "ratchet.fullname" . }}-config
+- name: state
+  emptyDir:
+    sizeLimit: {{ .Values.state.sizeLimit }}
+- name: tmp
+  emptyDir:
+    sizeLimit: 1Gi
+{{- if .Values.kafka.tls.caSecret }}
+- name: kafka-ca
+  secret:
+    secretName: {{ .Values.kafka.tls.caSecret }}
+    items:
+      - key: {{ .Values.kafka.tls.caKey }}
+        path: {{ .Values.kafka.tls.caKey }}
+{{- end }}
+{{- if .Values.redis.tls.caSecret }}
+- name: redis-ca
+  secret:
+    secretName: {{ .Values.redis.tls.caSecret }}
+    items:
+      - key: {{ .Values.redis.tls.caKey }}
+        path: {{ .Values.redis.tls.caKey }}
+{{- end }}
+{{- end }}
+
+{{/*
+Pod-level settings every Ratchet pod shares.
+*/}}
+{{- define "ratchet.podCommon" -}}
+serviceAccountName: {{ include "ratchet.serviceAccountName" . }}
+# Service links would put <SERVICE>_PORT variables such as RATCHET_PROXY_PORT into the
+# environment, next to the RATCHET_* settings.
+enableServiceLinks: false
+automountServiceAccountToken: {{ .Values.serviceAccount.automountToken }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end }}

@@ -1,0 +1,502 @@
+"""The chart renders, lints strictly and validates against Kubernetes for every values file,
+and what it renders is what a GPU deployment of Ratchet needs."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+
+from tests.deploy.conftest import (
+    CHART,
+    FULLNAME,
+    NAMESPACE,
+    VALUES_FILES,
+    Rendered,
+    load_values,
+    render,
+)
+
+# The newest Kubernetes kubernetes-validate 1.37 ships schemas for, and the oldest the chart
+# declares (Chart.yaml kubeVersion), so nothing newer than that floor slips in.
+KUBE_VERSIONS = ["1.37.0", "1.29.0"]
+# Objects of CRDs have no upstream schema; they are checked field by field below.
+CRD_KINDS = {"ServiceMonitor"}
+RATCHET_COMPONENTS = ("proxy", "judge", "learner")
+SENTINEL = "SENTINEL"
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_lints_strictly(values_file: str) -> None:
+    report = helm.lint(
+        CHART, load_values(values_file), strict=True, namespace=NAMESPACE, kube_version="v1.37.0"
+    )
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not problems and not report["errors"], problems or report["errors"]
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_manifests_validate_against_kubernetes(
+    rendered: dict[str, Rendered], values_file: str, kube_version: str
+) -> None:
+    objects = rendered[values_file].objects
+    assert objects
+    for obj in objects:
+        if obj["kind"] in CRD_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(obj, kube_version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = ".".join(str(p) for p in exc.path)
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} at {where}: {exc.message}")
+
+
+def test_components_switch_on_and_off(rendered: dict[str, Rendered]) -> None:
+    defaults = rendered["defaults"]
+    assert defaults.names() == {
+        f"ConfigMap/{FULLNAME}-config",
+        f"Secret/{FULLNAME}-secrets",
+        f"ServiceAccount/{FULLNAME}",
+        f"PersistentVolumeClaim/{FULLNAME}-adapters",
+        f"Deployment/{FULLNAME}-proxy",
+        f"Service/{FULLNAME}-proxy",
+        f"PodDisruptionBudget/{FULLNAME}-proxy",
+        f"Deployment/{FULLNAME}-vllm",
+        f"Service/{FULLNAME}-vllm",
+        f"NetworkPolicy/{FULLNAME}-vllm",
+        f"Pod/{FULLNAME}-test-proxy",
+    }
+    everything = rendered["all-on"]
+    for kind, name in [
+        ("Deployment", "judge"),
+        ("Service", "judge"),
+        ("Deployment", "learner"),
+        ("Service", "learner"),
+        ("HorizontalPodAutoscaler", "proxy"),
+        ("Secret", "judge"),
+    ]:
+        assert everything.has(kind, f"{FULLNAME}-{name}"), (kind, name)
+    existing = rendered["existing-vllm"]
+    assert not existing.kinds("NetworkPolicy")
+    assert not existing.has("Deployment", f"{FULLNAME}-vllm")
+    assert not existing.has("Service", f"{FULLNAME}-vllm")
+    # Nothing in that release mounts the adapter store.
+    assert not existing.kinds("PersistentVolumeClaim")
+
+
+def test_judge_and_learner_are_off_by_default(chart: helm.Chart) -> None:
+    assert chart.values["judge"]["enabled"] is False
+    assert chart.values["learner"]["enabled"] is False
+    assert chart.values["networkPolicy"]["enabled"] is True
+
+
+def test_commands_ports_and_probes(rendered: dict[str, Rendered]) -> None:
+    r = rendered["all-on"]
+    proxy = r.container(f"{FULLNAME}-proxy")
+    assert proxy["command"] == ["ratchet", "proxy", "--config", "/etc/ratchet/ratchet.yaml"]
+    assert _ports(proxy) == {"http": 8400}
+    assert _probe(proxy, "startupProbe") == ("/healthz", "http")
+    assert _probe(proxy, "livenessProbe") == ("/healthz", "http")
+    assert _probe(proxy, "readinessProbe") == ("/readyz", "http")
+    for name, port in [("judge", 8402), ("learner", 8403)]:
+        c = r.container(f"{FULLNAME}-{name}")
+        assert c["command"] == ["ratchet", name, "--config", "/etc/ratchet/ratchet.yaml"]
+        assert _ports(c) == {"metrics": port}
+        assert _probe(c, "livenessProbe")[1] == "metrics"
+        assert _probe(c, "readinessProbe")[1] == "metrics"
+        # The service binds its metrics where probes and Prometheus reach them.
+        assert r.config[name] == {
+            **load_values("all-on")[name].get("config", {}),
+            "metrics_host": "0.0.0.0",
+            "metrics_port": port,
+        }
+    vllm = r.container(f"{FULLNAME}-vllm")
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert _probe(vllm, probe) == ("/health", "http")
+    startup = vllm["startupProbe"]
+    # Long enough to download and load a model before liveness starts counting.
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_every_probe_and_service_uses_a_named_port(
+    rendered: dict[str, Rendered], values_file: str
+) -> None:
+    r = rendered[values_file]
+    pods = r.pod_templates()
+    for pod_name, pod in pods.items():
+        for c in pod["spec"]["containers"]:
+            names = set(_ports(c))
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                if probe in c:
+                    port = c[probe]["httpGet"]["port"]
+                    assert isinstance(port, str) and port in names, (pod_name, probe, port)
+    for svc in r.kinds("Service"):
+        selected = [
+            p for p in pods.values() if _selects(svc["spec"]["selector"], p["metadata"]["labels"])
+        ]
+        assert selected, f"Service {svc['metadata']['name']} selects no pod"
+        for port in svc["spec"]["ports"]:
+            assert isinstance(port["targetPort"], str)
+            for pod in selected:
+                assert any(port["targetPort"] in _ports(c) for c in pod["spec"]["containers"])
+
+
+def test_vllm_serves_lora_from_the_adapter_store(rendered: dict[str, Rendered]) -> None:
+    r = rendered["defaults"]
+    pod = r.get("Deployment", f"{FULLNAME}-vllm")["spec"]["template"]["spec"]
+    vllm = pod["containers"][0]
+    assert vllm["image"].startswith("vllm/vllm-openai:v")
+    args = vllm["args"]
+    assert args[0] == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert _flag(args, "--served-model-name") == "qwen2.5-1.5b-instruct"
+    assert "--enable-lora" in args
+    assert _flag(args, "--max-loras") == "4"
+    assert _flag(args, "--max-lora-rank") == "32"
+    assert _flag(args, "--port") == "8000"
+    env = _env(vllm)
+    store = r.config["store_dir"]
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert env["VLLM_PLUGINS"] == "lora_filesystem_resolver"
+    assert env["VLLM_LORA_RESOLVER_CACHE_DIR"] == store
+    mounts = {m["name"]: m for m in vllm["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["adapters"]["mountPath"] == store and mounts["adapters"]["readOnly"] is True
+    claim = volumes["adapters"]["persistentVolumeClaim"]["claimName"]
+    pvc = r.get("PersistentVolumeClaim", claim)
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert mounts["dshm"]["mountPath"] == "/dev/shm"
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # Every alias's base model is the name vLLM serves the base model under.
+    assert {a["base_model"] for a in r.config["aliases"].values()} == {"qwen2.5-1.5b-instruct"}
+    assert r.config["vllm_url"] == f"http://{FULLNAME}-vllm:8000"
+    # A Service link would set VLLM_PORT, which vLLM reads.
+    assert pod["enableServiceLinks"] is False
+
+
+def test_vllm_extra_flags_and_token(rendered: dict[str, Rendered]) -> None:
+    vllm = rendered["all-on"].container(f"{FULLNAME}-vllm")
+    args = vllm["args"]
+    assert _flag(args, "--served-model-name") == "llama-3.1-8b"
+    assert _flag(args, "--max-loras") == "8"
+    assert _flag(args, "--max-lora-rank") == "64"
+    assert _flag(args, "--max-model-len") == "8192"
+    assert args[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
+    token = next(e for e in vllm["env"] if e["name"] == "HF_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+
+
+def test_existing_vllm_by_url(rendered: dict[str, Rendered]) -> None:
+    r = rendered["existing-vllm"]
+    assert r.config["vllm_url"] == "http://vllm.inference.svc:8000"
+    assert {a["base_model"] for a in r.config["aliases"].values()} == {"qwen-7b"}
+    assert "WARNING" not in r.files["ratchet/templates/NOTES.txt"]
+    assert "vLLM is external" in r.files["ratchet/templates/NOTES.txt"]
+
+
+def test_gpu_learner(rendered: dict[str, Rendered]) -> None:
+    r = rendered["gpu-learner"]
+    deployment = r.get("Deployment", f"{FULLNAME}-learner")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deployment["spec"]["template"]["spec"]
+    learner = pod["containers"][0]
+    assert learner["image"] == "registry.example.com/ratchet-learner:0.1.0-cu128"
+    assert learner["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert learner["resources"]["requests"]["nvidia.com/gpu"] == 2
+    assert learner["resources"]["limits"]["memory"] == "32Gi"
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    assert {t["key"] for t in pod["tolerations"]} == {"nvidia.com/gpu", "dedicated"}
+    # The learner writes the adapter store that vLLM reads, on the operator's claim.
+    mounts = {m["name"]: m for m in learner["volumeMounts"]}
+    assert mounts["adapters"]["mountPath"] == r.config["store_dir"]
+    assert not mounts["adapters"].get("readOnly", False)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["adapters"]["persistentVolumeClaim"]["claimName"] == "shared-adapters"
+    vllm_pod = r.get("Deployment", f"{FULLNAME}-vllm")["spec"]["template"]["spec"]
+    vllm_volumes = {v["name"]: v for v in vllm_pod["volumes"]}
+    assert vllm_volumes["adapters"]["persistentVolumeClaim"]["claimName"] == "shared-adapters"
+    assert not r.kinds("PersistentVolumeClaim")
+    assert mounts["dshm"]["mountPath"] == "/dev/shm"
+    # The learner still runs as the image's non-root user with a read-only root.
+    assert learner["securityContext"]["readOnlyRootFilesystem"] is True
+    # The default learner image is the Ratchet image.
+    default_learner = rendered["all-on"].container(f"{FULLNAME}-learner")
+    assert default_learner["image"] == "ghcr.io/ratchet/ratchet:0.1.0-cu128"
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_pods_roll_when_their_config_changes(
+    rendered: dict[str, Rendered], values_file: str
+) -> None:
+    r = rendered[values_file]
+    digest = hashlib.sha256(r.files["ratchet/templates/configmap.yaml"].encode()).hexdigest()
+    for deployment in r.kinds("Deployment"):
+        component = deployment["metadata"]["labels"]["app.kubernetes.io/component"]
+        annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
+        if component == "vllm":
+            continue  # vLLM does not read ratchet.yaml
+        assert annotations["checksum/config"] == digest, deployment["metadata"]["name"]
+
+
+def test_checksum_follows_config_not_unrelated_values(chart: helm.Chart) -> None:
+    values = load_values("defaults")
+
+    def checksum(v: dict[str, Any]) -> str:
+        proxy = render(chart, v).get("Deployment", f"{FULLNAME}-proxy")
+        return proxy["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+
+    before = checksum(values)
+    assert checksum({**values, "proxy": {**values["proxy"], "replicaCount": 5}}) == before
+    changed = {**values, "aliases": {"support": {"canary": {"weight": 0.2, "min_requests": 5}}}}
+    assert checksum(changed) != before
+
+
+def test_network_policy_lets_only_ratchet_reach_vllm(rendered: dict[str, Rendered]) -> None:
+    for values_file in ("defaults", "all-on"):
+        r = rendered[values_file]
+        policy = r.get("NetworkPolicy", f"{FULLNAME}-vllm")["spec"]
+        assert policy["policyTypes"] == ["Ingress"]
+        pods = {
+            p["metadata"]["labels"]["app.kubernetes.io/component"]: p
+            for p in r.pod_templates().values()
+        }
+        guarded = {c for c, p in pods.items() if _selects(policy["podSelector"], p["metadata"])}
+        assert guarded == {"vllm"}
+        [rule, *_] = policy["ingress"]
+        assert len(policy["ingress"]) == 1
+        # The only port open is the one vLLM serves inference (and its admin routes) on.
+        vllm = pods["vllm"]["spec"]["containers"][0]
+        assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+        assert "http" in _ports(vllm)
+        same_namespace = [p for p in rule["from"] if "namespaceSelector" not in p]
+        allowed = {
+            c
+            for c, p in pods.items()
+            if any(_selects(peer["podSelector"], p["metadata"]) for peer in same_namespace)
+        }
+        expected = {"proxy", "judge", "learner"} & set(pods)
+        assert allowed == expected, values_file
+        # The same labels in another release do not get in.
+        stranger = {**pods["proxy"]["metadata"]["labels"], "app.kubernetes.io/instance": "other"}
+        assert not any(
+            _selects(peer["podSelector"], {"labels": stranger}) for peer in same_namespace
+        )
+    extra = rendered["all-on"].get("NetworkPolicy", f"{FULLNAME}-vllm")["spec"]["ingress"][0]
+    assert load_values("all-on")["networkPolicy"]["vllmExtraFrom"][0] in extra["from"]
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_security_contexts(rendered: dict[str, Rendered], values_file: str) -> None:
+    r = rendered[values_file]
+    for name, pod in r.pod_templates().items():
+        spec = pod["spec"]
+        assert spec["automountServiceAccountToken"] is False, name
+        assert spec["enableServiceLinks"] is False, name
+        assert spec["serviceAccountName"] == FULLNAME
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        component = pod["metadata"]["labels"]["app.kubernetes.io/component"]
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, name
+            assert sc["capabilities"]["drop"] == ["ALL"], name
+            assert c["resources"]["requests"], name
+            if component == "vllm":
+                continue  # the upstream image runs as root and writes its caches
+            assert spec["securityContext"]["runAsNonRoot"] is True, name
+            assert spec["securityContext"]["runAsUser"] == 10001, name
+            assert sc["readOnlyRootFilesystem"] is True, name
+            writable = {m["mountPath"] for m in c.get("volumeMounts", []) if not m.get("readOnly")}
+            if component != "test":
+                assert {"/tmp", "/var/lib/ratchet"} <= writable, name
+
+
+def test_chart_secret_holds_the_secrets(rendered: dict[str, Rendered]) -> None:
+    r = rendered["all-on"]
+    data = {
+        k: base64.b64decode(v).decode()
+        for k, v in r.get("Secret", f"{FULLNAME}-secrets")["data"].items()
+    }
+    assert data == {
+        "api-keys": '["sk-SENTINEL-client-key-1","sk-SENTINEL-client-key-2"]',
+        "admin-key": "sk-SENTINEL-admin-key",
+        "kafka-sasl-password": "SENTINEL-kafka-password",
+        "redis-password": "SENTINEL-redis-password",
+    }
+    judge = r.get("Secret", f"{FULLNAME}-judge")["data"]
+    assert base64.b64decode(judge["OPENAI_API_KEY"]).decode() == "sk-SENTINEL-openai"
+    pod = r.get("Deployment", f"{FULLNAME}-judge")["spec"]["template"]
+    assert pod["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": f"{FULLNAME}-judge"}}]
+    assert "checksum/judge-secret" in pod["metadata"]["annotations"]
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_no_secret_value_outside_secrets(rendered: dict[str, Rendered], values_file: str) -> None:
+    r = rendered[values_file]
+    for obj in r.objects:
+        if obj["kind"] == "Secret":
+            continue
+        text = repr(obj)
+        assert SENTINEL not in text, f"a secret value is in {obj['kind']}/{obj['metadata']['name']}"
+    for c in _all_containers(r):
+        for env in c.get("env", []):
+            if "value" in env:
+                assert "PASSWORD" not in env["name"] and "KEY" not in env["name"], env
+
+
+def test_existing_secrets_are_referenced_not_written(rendered: dict[str, Rendered]) -> None:
+    r = rendered["existing-secrets"]
+    assert not r.kinds("Secret")
+    proxy = r.get("Deployment", f"{FULLNAME}-proxy")["spec"]["template"]
+    assert "checksum/secret" not in proxy["metadata"]["annotations"]
+    env = {e["name"]: e for e in proxy["spec"]["containers"][0]["env"]}
+    assert env["RATCHET_PROXY__API_KEYS"]["valueFrom"]["secretKeyRef"] == {
+        "name": "ratchet-proxy-keys",
+        "key": "keys.json",
+    }
+    assert env["RATCHET_PROXY__ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "ratchet-proxy-keys",
+        "key": "admin",
+        "optional": True,
+    }
+    assert env["RATCHET_KAFKA__SASL_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "ratchet-kafka-user",
+        "key": "password",
+    }
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "redis-auth",
+        "key": "redis-password",
+    }
+    judge = r.container(f"{FULLNAME}-judge")
+    assert judge["envFrom"] == [{"secretRef": {"name": "ratchet-judge-providers"}}]
+    test_pod = r.get("Pod", f"{FULLNAME}-test-proxy")
+    keys = next(e for e in test_pod["spec"]["containers"][0]["env"] if e["name"] == "API_KEYS")
+    assert keys["valueFrom"]["secretKeyRef"] == {"name": "ratchet-proxy-keys", "key": "keys.json"}
+
+
+def test_redis_password_joins_the_url_in_the_container(rendered: dict[str, Rendered]) -> None:
+    r = rendered["all-on"]
+    for component in RATCHET_COMPONENTS:
+        env = r.container(f"{FULLNAME}-{component}")["env"]
+        names = [e["name"] for e in env]
+        # $(REDIS_PASSWORD) only expands when the variable comes first.
+        assert names.index("REDIS_PASSWORD") < names.index("RATCHET_REDIS_URL")
+        url = next(e["value"] for e in env if e["name"] == "RATCHET_REDIS_URL")
+        assert url == (
+            "rediss://ratchet:$(REDIS_PASSWORD)@my-redis.cache.example.com:6380/2"
+            "?ssl_ca_certs=/etc/ratchet/redis-ca/ca.crt"
+        )
+    # Without a password nothing overrides the ConfigMap's URL.
+    env = rendered["defaults"].container(f"{FULLNAME}-proxy")["env"]
+    assert "RATCHET_REDIS_URL" not in {e["name"] for e in env}
+
+
+def test_tls_ca_secrets_are_mounted_where_the_config_points(
+    rendered: dict[str, Rendered],
+) -> None:
+    r = rendered["all-on"]
+    assert r.config["kafka"]["ssl_cafile"] == "/etc/ratchet/kafka-ca/ca.crt"
+    pod = r.get("Deployment", f"{FULLNAME}-proxy")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert volumes["kafka-ca"]["secret"]["secretName"] == "my-cluster-cluster-ca-cert"
+    assert mounts["kafka-ca"] == "/etc/ratchet/kafka-ca"
+    assert volumes["redis-ca"]["secret"]["secretName"] == "redis-ca"
+    assert mounts["redis-ca"] == "/etc/ratchet/redis-ca"
+
+
+def test_hpa_pdb_and_service_monitors(rendered: dict[str, Rendered]) -> None:
+    r = rendered["all-on"]
+    proxy = r.get("Deployment", f"{FULLNAME}-proxy")
+    assert "replicas" not in proxy["spec"]  # the HPA owns the replica count
+    hpa = r.get("HorizontalPodAutoscaler", f"{FULLNAME}-proxy")["spec"]
+    assert hpa["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": f"{FULLNAME}-proxy",
+    }
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (3, 12)
+    pdb = r.get("PodDisruptionBudget", f"{FULLNAME}-proxy")["spec"]
+    assert _selects(pdb["selector"], proxy["spec"]["template"]["metadata"])
+    monitors = {m["metadata"]["name"]: m for m in r.kinds("ServiceMonitor")}
+    assert set(monitors) == {f"{FULLNAME}-{c}" for c in ("proxy", "judge", "learner", "vllm")}
+    services = r.kinds("Service")
+    for monitor in monitors.values():
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        spec = monitor["spec"]
+        assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+        [svc] = [s for s in services if _selects(spec["selector"], s["metadata"])]
+        [endpoint] = spec["endpoints"]
+        assert endpoint["path"] == "/metrics"
+        assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]}
+
+
+def test_helm_test_hook_calls_readyz_and_models(rendered: dict[str, Rendered]) -> None:
+    pod = rendered["defaults"].get("Pod", f"{FULLNAME}-test-proxy")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    [c] = pod["spec"]["containers"]
+    script = c["command"][-1]
+    assert '"/readyz"' in script and '"/v1/models"' in script
+    env = {e["name"]: e for e in c["env"]}
+    assert env["PROXY_URL"]["value"] == f"http://{FULLNAME}-proxy:8400"
+    compile(script, "helm-test", "exec")  # the script at least parses
+
+
+def test_notes_explain_kafka_and_redis(rendered: dict[str, Rendered]) -> None:
+    notes = rendered["defaults"].files["ratchet/templates/NOTES.txt"]
+    assert "Strimzi" in notes and "kafka.sasl.existingSecret" in notes
+    assert "helm test prod" in notes
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def _ports(container: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+
+
+def _probe(container: dict[str, Any], kind: str) -> tuple[str, str]:
+    get = container[kind]["httpGet"]
+    return get["path"], get["port"]
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def _all_containers(r: Rendered) -> list[dict[str, Any]]:
+    return [c for pod in r.pod_templates().values() for c in pod["spec"]["containers"]]
+
+
+def _selects(selector: dict[str, Any], metadata_or_labels: dict[str, Any]) -> bool:
+    """Kubernetes label-selector semantics (matchLabels + matchExpressions, or a plain map)."""
+    labels = metadata_or_labels.get("labels", metadata_or_labels)
+    if "matchLabels" not in selector and "matchExpressions" not in selector:
+        selector = {"matchLabels": selector}
+    for key, value in selector.get("matchLabels", {}).items():
+        if labels.get(key) != value:
+            return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True

@@ -1,0 +1,263 @@
+"""The rendered ratchet.yaml is one the services accept, with secrets arriving the way the pods
+get them, and the chart's schema refuses bad values with a message that names the value."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import pytest
+import yaml
+from pydantic import BaseModel
+from redis.connection import parse_url
+
+from ratchet import settings as ratchet_settings
+from ratchet.settings import RatchetSettings, load_settings
+from tests.deploy.conftest import CHART, FULLNAME, VALUES_FILES, Rendered, load_values, render
+
+# Secrets the operator manages in the existing-secrets case, as Kubernetes would serve them.
+EXISTING_SECRETS = {
+    "ratchet-proxy-keys": {"keys.json": '["sk-SENTINEL-op-1"]', "admin": "sk-SENTINEL-op-admin"},
+    "ratchet-kafka-user": {"password": "SENTINEL-op-kafka"},
+    "redis-auth": {"redis-password": "SENTINEL-op-redis"},
+}
+# Sections of services whose settings are not in ratchet/settings.py yet. The chart writes a
+# service's section only when that service is enabled, so a release without it never has one.
+PENDING_SECTIONS = {"judge", "learner"}
+
+
+def container_env(r: Rendered, deployment: str) -> dict[str, str]:
+    """The environment Kubernetes gives the container: Secret references resolved, $(VAR)
+    references expanded against the variables before them, as the kubelet does."""
+    secrets = {
+        s["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in s["data"].items()}
+        for s in r.kinds("Secret")
+    }
+    secrets.update(EXISTING_SECRETS)
+    env: dict[str, str] = {}
+    for var in r.container(deployment)["env"]:
+        if "value" in var:
+            env[var["name"]] = re.sub(
+                r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), var["value"]
+            )
+            continue
+        ref = var["valueFrom"]["secretKeyRef"]
+        value = secrets.get(ref["name"], {}).get(ref["key"])
+        if value is None:
+            assert ref.get("optional"), f"{var['name']}: no key {ref['key']} in {ref['name']}"
+            continue
+        env[var["name"]] = value
+    return env
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_rendered_config_loads_with_the_proxy_env(
+    rendered: dict[str, Rendered],
+    values_file: str,
+    clean_ratchet_env: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    r = rendered[values_file]
+    config = r.config
+    pending = set(config) - set(RatchetSettings.model_fields)
+    assert pending <= PENDING_SECTIONS, f"ratchet.yaml has keys settings do not know: {pending}"
+    for section in pending:
+        del config[section]
+    path = clean_ratchet_env / "ratchet.yaml"
+    if pending:
+        path.write_text(yaml.safe_dump(config))
+    else:
+        path.write_text(r.ratchet_yaml)
+    env = container_env(r, f"{FULLNAME}-proxy")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    settings = load_settings(path)
+
+    assert settings.proxy.host == "0.0.0.0"
+    assert settings.proxy.port == 8400
+    assert settings.auth_enabled
+    assert settings.store_dir == Path("/adapters")
+    assert settings.spool_dir == Path("/var/lib/ratchet/state/spool")
+    assert set(settings.aliases) == set(load_values(values_file).get("aliases", {"support": {}}))
+    keys = [k.get_secret_value() for k in settings.proxy.api_keys]
+    assert keys and all(k.startswith("sk-SENTINEL") for k in keys)
+    redis = parse_url(settings.redis_url)
+    kafka = settings.kafka.client_options()
+    if values_file == "all-on":
+        assert redis["password"] == "SENTINEL-redis-password"
+        assert redis["username"] == "ratchet"
+        assert redis["ssl_ca_certs"] == "/etc/ratchet/redis-ca/ca.crt"
+        assert (redis["host"], redis["port"], redis["db"]) == (
+            "my-redis.cache.example.com",
+            6380,
+            2,
+        )
+        assert kafka["sasl_plain_password"] == "SENTINEL-kafka-password"
+        assert kafka["sasl_mechanism"] == "SCRAM-SHA-512"
+        assert kafka["security_protocol"] == "SASL_SSL"
+        assert settings.proxy.admin_key is not None
+        assert settings.aliases["sql"].reward.ruler_weight == 0.3
+        assert settings.kafka.topic_retention_ms == 86_400_000
+    elif values_file == "existing-secrets":
+        assert keys == ["sk-SENTINEL-op-1"]
+        assert redis["password"] == "SENTINEL-op-redis"
+        assert kafka["sasl_plain_password"] == "SENTINEL-op-kafka"
+    else:
+        assert "password" not in redis
+        assert kafka == {"security_protocol": "PLAINTEXT"}
+
+
+def test_alias_values_mirror_the_settings(chart: helm.Chart) -> None:
+    """values.schema.json describes an alias with exactly the fields ratchet/settings.py has."""
+    schema = chart.schema
+    assert schema is not None
+    _same_fields(schema["definitions"]["alias"], ratchet_settings.AliasConfig, "aliases.<name>")
+    proxy = schema["properties"]["proxy"]["properties"]["config"]
+    chart_owned = {"host", "port", "api_keys", "admin_key"}
+    assert (
+        set(proxy["properties"]) == set(ratchet_settings.ProxySettings.model_fields) - chart_owned
+    )
+    kafka = schema["properties"]["kafka"]["properties"]
+    fields = ratchet_settings.KafkaSettings.model_fields
+    assert set(kafka["securityProtocol"]["enum"]) == _literals(fields["security_protocol"])
+    assert set(kafka["sasl"]["properties"]["mechanism"]["enum"]) - {""} == _literals(
+        fields["sasl_mechanism"]
+    )
+    assert set(kafka["compression"]["enum"]) == _literals(fields["compression"])
+    assert set(kafka["idempotence"]["enum"]) == _literals(fields["idempotence"])
+
+
+def _same_fields(schema: dict[str, Any], model: type[BaseModel], where: str) -> None:
+    assert schema["additionalProperties"] is False, where
+    fields = model.model_fields
+    assert set(schema["properties"]) == set(fields), where
+    for name, field in fields.items():
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            _same_fields(schema["properties"][name], sub, f"{where}.{name}")
+        elif typing.get_origin(sub) is typing.Literal:
+            assert set(schema["properties"][name]["enum"]) == set(typing.get_args(sub)), name
+
+
+def _literals(field: Any) -> set[str]:
+    """The values of a Literal[...] field, also inside Literal[...] | None."""
+    annotation = field.annotation
+    if typing.get_origin(annotation) is typing.Literal:
+        return set(typing.get_args(annotation))
+    values: set[str] = set()
+    for arg in typing.get_args(annotation):
+        if typing.get_origin(arg) is typing.Literal:
+            values |= set(typing.get_args(arg))
+    return values
+
+
+# ---- bad values ------------------------------------------------------------------------------
+
+REQUIRED = {
+    "model": {"name": "Qwen/Qwen2.5-1.5B-Instruct"},
+    "kafka": {"bootstrapServers": "kafka:9092"},
+    "redis": {"url": "redis://redis:6379/0"},
+    "proxy": {"apiKeys": ["sk-1"]},
+}
+
+
+def _with(path: str, value: Any) -> dict[str, Any]:
+    values = json.loads(json.dumps(REQUIRED))
+    *parents, leaf = path.split(".")
+    node = values
+    for part in parents:
+        node = node.setdefault(part, {})
+    if value is _DELETE:
+        node.pop(leaf)
+    else:
+        node[leaf] = value
+    return values
+
+
+_DELETE = object()
+
+BAD_VALUES = [
+    # (path, value, what the message must say)
+    ("model.name", _DELETE, ["/model", "missing property 'name'"]),
+    ("kafka.bootstrapServers", _DELETE, ["/kafka", "missing property 'bootstrapServers'"]),
+    ("redis.url", _DELETE, ["/redis", "missing property 'url'"]),
+    ("kafka.bootstrapServers", 9092, ["/kafka/bootstrapServers", "want string"]),
+    ("proxy.replicaCount", "2", ["/proxy/replicaCount", "got string, want integer"]),
+    ("vllm.enabled", "yes", ["/vllm/enabled", "want boolean"]),
+    ("kafka.topics", {"partitions": 0}, ["/kafka/topics/partitions", "minimum"]),
+    ("kafka.securityProtocol", "TLS", ["/kafka/securityProtocol", "SASL_SSL"]),
+    ("proxyy", {}, ["additional properties 'proxyy' not allowed"]),
+    (
+        "aliases",
+        {"support": {"learning": {"sample_rat": 0.5}}},
+        ["/aliases/support/learning", "additional properties 'sample_rat' not allowed"],
+    ),
+    ("aliases", {"Support!": {}}, ["invalid propertyName 'Support!'", "does not match pattern"]),
+    ("aliases", {"support": {"log_rate": 1.5}}, ["/aliases/support/log_rate", "maximum"]),
+    ("redis.url", "redis://:hunter2@redis:6379/0", ["/redis/url", "does not match pattern"]),
+    ("vllm.enabled", False, ["/vllm", "missing property 'url'"]),
+    ("vllm.maxLoraRank", 48, ["/vllm/maxLoraRank"]),
+    ("learner.gpu", {"count": -1}, ["/learner/gpu/count", "minimum"]),
+    ("proxy.config", {"upstream_timeout": 5}, ["/proxy/config", "'upstream_timeout' not allowed"]),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "expected"), BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
+def test_schema_refuses_bad_values(
+    chart: helm.Chart, path: str, value: Any, expected: list[str]
+) -> None:
+    with pytest.raises(helm.HelmValuesError) as exc:
+        render(chart, _with(path, value))
+    message = str(exc.value)
+    for part in expected:
+        assert part in message, message
+    # `helm lint` reports the same problem.
+    report = helm.lint(CHART, _with(path, value), strict=True)
+    assert any(expected[-1] in e for e in report["errors"]), report["errors"]
+
+
+TEMPLATE_CHECKS = [
+    ({"proxy": {"apiKeys": []}}, "proxy.apiKeys is empty and proxy.existingSecret is not set"),
+    (
+        {"vllm": {"enabled": True, "url": "http://vllm:8000"}},
+        "vllm.url is set while vllm.enabled is true",
+    ),
+    (
+        {"kafka": {"bootstrapServers": "k:9092", "sasl": {"mechanism": "PLAIN", "username": "u"}}},
+        "kafka.sasl.mechanism is set but there is no password",
+    ),
+    (
+        {
+            "kafka": {
+                "bootstrapServers": "k:9092",
+                "sasl": {"mechanism": "PLAIN", "username": "u", "password": "p"},
+            }
+        },
+        "kafka.securityProtocol is not SASL_PLAINTEXT or SASL_SSL",
+    ),
+    (
+        {"redis": {"url": "redis://r:6379/0", "tls": {"caSecret": "ca"}}},
+        "redis.url does not start with rediss://",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"), TEMPLATE_CHECKS, ids=[c[1] for c in TEMPLATE_CHECKS]
+)
+def test_template_refuses_inconsistent_values(
+    chart: helm.Chart, override: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape(expected)):
+        render(chart, {**REQUIRED, **override})
+
+
+def test_every_values_file_passes_the_schema(chart: helm.Chart) -> None:
+    for name in VALUES_FILES:
+        chart.validate_schema(chart.merge_values(load_values(name)))

@@ -1,0 +1,439 @@
+"""The dashboard and alert rules query only metrics the running proxy exports, the rules parse
+and behave (promtool), and the Dockerfile is what the chart expects of its image."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.deploy.conftest import ROOT, Rendered
+
+OPS = ROOT / "ops"
+DASHBOARD = OPS / "grafana" / "ratchet.json"
+RULES = OPS / "prometheus" / "ratchet-alerts.yaml"
+RULE_TESTS = OPS / "prometheus" / "ratchet-alerts.test.yaml"
+RUNBOOK = OPS / "runbook.md"
+DOCKERFILE = OPS / "Dockerfile"
+# Labels Prometheus adds to every scraped series from its target, not from the exposition.
+TARGET_LABELS = {"namespace", "pod", "job", "instance", "service", "container", "endpoint"}
+PROMQL_WORDS = {
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "offset",
+    "inf",
+    "nan",
+}
+# Grafana's variables, replaced by something PromQL parses.
+GRAFANA_VARS = {"$__rate_interval": "5m", "$namespace": ".*", "$alias": ".*"}
+
+
+# ---- what the dashboard and rules query ------------------------------------------------------
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def dashboard_exprs() -> list[str]:
+    doc = dashboard()
+    exprs = [t["expr"] for p in doc["panels"] for t in p.get("targets", [])]
+    exprs += [a["expr"] for a in doc["annotations"]["list"] if "expr" in a]
+    return exprs
+
+
+def variable_queries() -> list[tuple[str, str]]:
+    """(metric, label) of every label_values() template variable."""
+    out = []
+    for var in dashboard()["templating"]["list"]:
+        if var["type"] != "query":
+            continue
+        query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
+        m = re.fullmatch(r"label_values\((\w+)(\{[^}]*\})?,\s*(\w+)\)", query)
+        assert m, f"unexpected variable query {query}"
+        out.append((m.group(1), m.group(3)))
+    return out
+
+
+def rules() -> list[dict[str, Any]]:
+    return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+
+
+def promql_names(expr: str) -> tuple[set[str], set[str]]:
+    """The metric names and label names a PromQL expression uses."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    labels: set[str] = set()
+    for body in re.findall(r"\{([^}]*)\}", text):
+        labels |= set(re.findall(r"([a-zA-Z_]\w*)\s*(?:=~|!~|!=|=)", body))
+    text = re.sub(r"\{[^}]*\}", " ", text)
+    text = re.sub(r"\[[^\]]*\]", " ", text)
+    grouping = r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)"
+    for body in re.findall(grouping, text):
+        labels |= {x.strip() for x in body.split(",") if x.strip()}
+    text = re.sub(grouping, " ", text)
+    metrics = set()
+    for m in re.finditer(r"(?<![\w$.])([a-zA-Z_:][\w:]*)", text):
+        rest = text[m.end() :].lstrip()
+        if rest.startswith("(") or m.group(1) in PROMQL_WORDS:
+            continue
+        metrics.add(m.group(1))
+    return metrics, labels
+
+
+def test_promql_names_extraction() -> None:
+    metrics, labels = promql_names(
+        'histogram_quantile(0.9, sum by (le, alias) (rate(a_bucket{ns=~"$x", arm="c"}[5m])))'
+        " / on (alias) group_left b unless c offset 5m > bool 0.5"
+    )
+    assert metrics == {"a_bucket", "b", "c"}
+    assert labels == {"le", "alias", "ns", "arm"}
+
+
+# ---- the real proxy, scraped ------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fake_vllm() -> web.Application:
+    """Just enough of vLLM's API for the proxy to serve, stream and fail requests."""
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body["messages"][-1]["content"] == "fail":
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        base = {"id": "chatcmpl-1", "created": 0, "model": body["model"]}
+        usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": "hi"}
+            return web.json_response(
+                {
+                    **base,
+                    "object": "chat.completion",
+                    "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                    "usage": usage,
+                }
+            )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {**base, "object": "chat.completion.chunk"}
+        for choices, extra in [
+            ([{"index": 0, "delta": {"role": "assistant", "content": "hi"}}], {}),
+            ([{"index": 0, "delta": {}, "finish_reason": "stop"}], {}),
+            ([], {"usage": usage}),
+        ]:
+            event = {**chunk, "choices": choices, **extra}
+            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+@pytest.fixture(scope="module")
+def fake_vllm() -> Iterator[str]:
+    import asyncio
+
+    port = _free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(_fake_vllm())
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}"
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.run_until_complete(runner.cleanup())
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def proxy_metrics(
+    rendered: dict[str, Rendered], fake_vllm: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """/metrics of the real proxy, started with the chart's ratchet.yaml (addresses moved to
+    this machine: a fake vLLM, and Kafka and Redis on closed ports), after a few requests."""
+    tmp = tmp_path_factory.mktemp("proxy")
+    config = tmp / "ratchet.yaml"
+    config.write_text(rendered["defaults"].ratchet_yaml)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("RATCHET_")}
+    env.update(
+        RATCHET_PROXY__HOST="127.0.0.1",
+        RATCHET_PROXY__PORT=str(port),
+        RATCHET_PROXY__API_KEYS='["sk-test"]',
+        RATCHET_VLLM_URL=fake_vllm,
+        RATCHET_KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{_free_port()}",
+        RATCHET_REDIS_URL=f"redis://127.0.0.1:{_free_port()}/0",
+        RATCHET_HOME=str(tmp / "home"),
+        RATCHET_STATE_DIR=str(tmp / "state"),
+        RATCHET_STORE_DIR=str(tmp / "adapters"),
+    )
+    log = (tmp / "proxy.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ratchet", "proxy", "--config", str(config)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=tmp,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=base, timeout=10) as client:
+            deadline = time.monotonic() + 30
+            while True:
+                assert proc.poll() is None, (tmp / "proxy.log").read_text()[-3000:]
+                try:
+                    if client.get("/readyz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, (tmp / "proxy.log").read_text()[-3000:]
+                time.sleep(0.1)
+            auth = {"Authorization": "Bearer sk-test"}
+            for content, stream, status in [
+                ("hi", False, 200),
+                ("hi", True, 200),
+                ("fail", False, 502),
+            ]:
+                resp = client.post(
+                    "/v1/chat/completions",
+                    headers=auth,
+                    json={
+                        "model": "support",
+                        "stream": stream,
+                        "messages": [{"role": "user", "content": content}],
+                    },
+                )
+                assert resp.status_code == status, resp.text
+            # Token counts are taken on the producer thread, just after the answer.
+            while True:
+                text = client.get("/metrics").text
+                if "ratchet_proxy_tokens_total{" in text or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        yield text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def exported(proxy_metrics: str) -> dict[str, set[str]]:
+    """Every series name in the scrape (histograms as _bucket/_sum/_count, counters as _total),
+    with the label names its samples carry."""
+    names: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(proxy_metrics):
+        suffixes = {
+            "counter": ["_total", "_created"],
+            "histogram": ["_bucket", "_sum", "_count", "_created"],
+            "summary": ["_sum", "_count", "_created"],
+        }.get(family.type, [""])
+        for suffix in suffixes:
+            names.setdefault(family.name + suffix, set())
+        for sample in family.samples:
+            names.setdefault(sample.name, set()).update(sample.labels)
+    return names
+
+
+def test_scrape_has_samples_of_every_proxy_metric(exported: dict[str, set[str]]) -> None:
+    # The requests above produced labelled samples, so label names can be checked too.
+    assert {"alias", "version", "arm", "endpoint", "status"} <= exported[
+        "ratchet_proxy_requests_total"
+    ]
+    assert {"alias", "version", "arm", "le"} <= exported[
+        "ratchet_proxy_time_to_first_token_seconds_bucket"
+    ]
+    assert "code" in exported["ratchet_proxy_errors_total"]
+    assert "direction" in exported["ratchet_proxy_tokens_total"]
+
+
+def _check_exported(expr: str, exported: dict[str, set[str]], where: str) -> None:
+    metrics, labels = promql_names(expr)
+    assert metrics, f"{where}: no metric in {expr}"
+    for metric in metrics:
+        assert metric in exported, f"{where}: {metric} is not exported by the proxy"
+    known = set(TARGET_LABELS).union(*(exported[m] for m in metrics))
+    unknown = labels - known
+    assert not unknown, f"{where}: labels {unknown} are on none of {metrics}"
+
+
+def test_dashboard_queries_exported_metrics(exported: dict[str, set[str]]) -> None:
+    exprs = dashboard_exprs()
+    assert len(exprs) >= 20
+    for expr in exprs:
+        _check_exported(expr, exported, "dashboard")
+    for metric, label in variable_queries():
+        assert metric in exported, metric
+        assert label in exported[metric] | TARGET_LABELS, (metric, label)
+
+
+def test_alert_rules_query_exported_metrics(exported: dict[str, set[str]]) -> None:
+    for rule in rules():
+        _check_exported(rule["expr"], exported, rule["alert"])
+
+
+# ---- promtool ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    found = shutil.which("promtool") or shutil.which(
+        "promtool", path=str(Path(sys.executable).parent)
+    )
+    if not found:
+        pytest.fail(
+            "promtool is not installed, so the alert rules cannot be checked. scripts/bootstrap.sh "
+            "installs it from Debian's prometheus package (apt-get download, into .venv/bin); on "
+            "other systems put promtool (https://prometheus.io/download/) on PATH."
+        )
+    return found
+
+
+def _run(promtool: str, *args: str, cwd: Path | None = None) -> str:
+    proc = subprocess.run(
+        [promtool, *args], capture_output=True, text=True, timeout=60, cwd=cwd, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_alert_rules_parse(promtool: str) -> None:
+    out = _run(promtool, "check", "rules", str(RULES))
+    assert f"SUCCESS: {len(rules())} rules found" in out
+
+
+def test_alert_rules_unit_tests(promtool: str) -> None:
+    _run(promtool, "test", "rules", RULE_TESTS.name, cwd=RULE_TESTS.parent)
+    tested = {
+        t["alertname"]
+        for case in yaml.safe_load(RULE_TESTS.read_text())["tests"]
+        for t in case["alert_rule_test"]
+        if t["exp_alerts"]
+    }
+    assert tested == {r["alert"] for r in rules()}, "every alert has a test that fires it"
+
+
+def test_dashboard_queries_parse(promtool: str, tmp_path: Path) -> None:
+    """Every dashboard query, with Grafana's variables filled in, as a recording rule."""
+    records = []
+    for n, expr in enumerate(dashboard_exprs()):
+        for var, value in GRAFANA_VARS.items():
+            expr = expr.replace(var, value)
+        assert "$" not in expr, expr
+        records.append({"record": f"dashboard:query_{n}", "expr": expr})
+    path = tmp_path / "dashboard-queries.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": records}]}))
+    _run(promtool, "check", "rules", str(path))
+
+
+# ---- structure --------------------------------------------------------------------------------
+
+
+def test_dashboard_structure() -> None:
+    doc = dashboard()
+    assert doc["uid"] and doc["title"]
+    ids = [p["id"] for p in doc["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in doc["panels"]:
+        grid = p["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, p["title"]
+        if p["type"] == "row":
+            continue
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        assert p["targets"] and p.get("description"), p["title"]
+    rows = {p["title"] for p in doc["panels"] if p["type"] == "row"}
+    assert {"Traffic by alias, version and canary arm", "Latency"} <= rows
+    assert any("spool" in r.lower() for r in rows)
+    names = {a["name"] for a in doc["annotations"]["list"]}
+    assert "Active version changed" in names
+
+
+def test_every_alert_has_a_runbook() -> None:
+    headings = {
+        h.strip().lower() for h in re.findall(r"^## (.+)$", RUNBOOK.read_text(), re.MULTILINE)
+    }
+    alerts = rules()
+    assert {r["alert"].lower() for r in alerts} == headings
+    for rule in alerts:
+        assert rule["labels"]["severity"] in {"warning", "critical"}
+        annotations = rule["annotations"]
+        assert annotations["summary"] and annotations["description"]
+        assert annotations["runbook_url"].endswith("ops/runbook.md#" + rule["alert"].lower())
+
+
+def test_dockerfile(chart_values: dict[str, Any]) -> None:
+    text = DOCKERFILE.read_text()
+    lines = [ln.strip() for ln in re.sub(r"\\\n", " ", text).splitlines()]
+    instructions = [ln for ln in lines if ln and not ln.startswith("#")]
+    base = next(ln for ln in instructions if ln.startswith("ARG PYTHON_IMAGE="))
+    image = base.split("=", 1)[1]
+    # Pinned to a patch release of the Python the project targets, on a named Debian release.
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm(@sha256:[0-9a-f]{64})?", image), image
+    froms = [ln for ln in instructions if ln.startswith("FROM ")]
+    assert froms and all(ln.split()[1] == "${PYTHON_IMAGE}" for ln in froms)
+    assert ":latest" not in text
+    # The learner's CUDA torch is a build argument, installed from its own index.
+    args = {ln.split()[1].split("=")[0] for ln in instructions if ln.startswith("ARG ")}
+    assert {"TORCH_VERSION", "TORCH_INDEX_URL", "EXTRAS"} <= args
+    assert any('--index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"' in ln for ln in lines)
+    # The final stage runs as the non-root user the chart's securityContext names.
+    final = instructions[instructions.index(froms[-1]) :]
+    [user] = [ln for ln in final if ln.startswith("USER ")]
+    uid, gid = user.split()[1].split(":")
+    assert int(uid) == chart_values["podSecurityContext"]["runAsUser"] != 0
+    assert int(gid) == chart_values["podSecurityContext"]["runAsGroup"]
+    assert 'ENTRYPOINT ["ratchet"]' in final
+    # Only the packages go into the build context, and all of them do.
+    ignore = (OPS / "Dockerfile.dockerignore").read_text().splitlines()
+    patterns = [ln for ln in ignore if ln and not ln.startswith("#")]
+    assert patterns[0] == "*", "the context starts empty and lets packages in one by one"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    packages = re.search(r"include = \[([^\]]*)\]", pyproject)
+    assert packages
+    for pattern in re.findall(r'"(\w+)\*"', packages.group(1)):
+        assert f"!{pattern}/" in ignore, pattern
+    assert "!pyproject.toml" in ignore and "!README.md" in ignore
+
+
+@pytest.fixture
+def chart_values(chart: Any) -> dict[str, Any]:
+    return chart.values
