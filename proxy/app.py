@@ -72,13 +72,7 @@ class ProxyState:
             keys.append(settings.proxy.admin_key.get_secret_value())
         self.key_hashes = frozenset(hash_api_key(k) for k in keys)
         self.log_rates = {name: cfg.log_rate for name, cfg in settings.aliases.items()}
-        self.metrics.bind_log_state(
-            depth=lambda: self.producer.depth,
-            spooled=lambda: self.producer.spooled,
-            dropped=lambda: self.producer.dropped,
-            sent=lambda: self.producer.sent,
-            registry_age=lambda: min(self.routing.age_s, 1e9),
-        )
+        self.metrics.watch_log(self.producer, lambda: min(self.routing.age_s, 1e9))
 
     def authenticate(self, request: Request) -> str | None:
         """Return the hash of the caller's key; 401 when keys are required and this one isn't."""
@@ -447,13 +441,14 @@ def _finish(
 
     def build() -> OutgoingRecord | None:
         # Runs on the producer thread: parsing the answer costs the request nothing.
-        record = exchange.to_record()
-        if record.input_tokens:
-            metrics.tokens.labels(*labels, "input").inc(record.input_tokens)
-        if record.output_tokens:
-            metrics.tokens.labels(*labels, "output").inc(record.output_tokens)
+        input_tokens, output_tokens = exchange.usage()
+        if input_tokens:
+            metrics.tokens.labels(*labels, "input").inc(input_tokens)
+        if output_tokens:
+            metrics.tokens.labels(*labels, "output").inc(output_tokens)
         if not exchange.logged:
-            return None
+            return None  # sampled out by log_rate: counted above, never parsed in full
+        record = exchange.to_record()
         return OutgoingRecord(TRAFFIC_TOPIC, exchange.request_id.encode(), record.to_json())
 
     state.producer.submit_builder(build)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ratchet.bus import RecordProducer
 
 # Sub-millisecond buckets at the low end: the proxy's own overhead lives there.
 _LATENCY_BUCKETS = (
@@ -96,32 +100,47 @@ class ProxyMetrics:
             registry=r,
         )
 
-    def bind_log_state(
-        self,
-        depth: Callable[[], float],
-        spooled: Callable[[], float],
-        dropped: Callable[[], float],
-        sent: Callable[[], float],
-        registry_age: Callable[[], float],
-    ) -> None:
-        """Gauges read at scrape time from the producer and the routing cache."""
-        r = self.registry
-        Gauge(
-            "ratchet_proxy_log_queue_depth", "Traffic records waiting for the producer", registry=r
-        ).set_function(depth)
-        Gauge(
-            "ratchet_proxy_log_spooled_records",
-            "Records written to the disk spool, total",
-            registry=r,
-        ).set_function(spooled)
-        Gauge(
-            "ratchet_proxy_log_dropped_records", "Records dropped (queue full), total", registry=r
-        ).set_function(dropped)
-        Gauge(
-            "ratchet_proxy_log_sent_records", "Records acknowledged by Kafka, total", registry=r
-        ).set_function(sent)
-        Gauge(
+    def watch_log(self, producer: RecordProducer, registry_age: Callable[[], float]) -> None:
+        """Export the producer's counts and the routing table's age, read at scrape time."""
+        self.registry.register(_LogCollector(producer, registry_age))
+
+
+class _LogCollector(Collector):
+    """Counters kept by the producer thread, exported without a lock on the request path."""
+
+    def __init__(self, producer: RecordProducer, registry_age: Callable[[], float]) -> None:
+        self.producer = producer
+        self.registry_age = registry_age
+
+    def collect(self) -> Iterator[Metric]:
+        p = self.producer
+        records = CounterMetricFamily(
+            "ratchet_proxy_log_records",
+            "Traffic and feedback records by outcome: sent (acknowledged by Kafka), spooled "
+            "(written to disk while Kafka was away), replayed (sent from the spool), dropped "
+            "(lost: queue full or spool unwritable)",
+            labels=["outcome"],
+        )
+        for outcome, value in (
+            ("sent", p.sent),
+            ("spooled", p.spooled),
+            ("replayed", p.replayed),
+            ("dropped", p.dropped),
+        ):
+            records.add_metric([outcome], value)
+        yield records
+        yield GaugeMetricFamily(
+            "ratchet_proxy_log_queue_depth",
+            "Records waiting in memory for the producer thread",
+            p.depth,
+        )
+        yield GaugeMetricFamily(
+            "ratchet_proxy_log_spool_backlog_records",
+            "Records on disk waiting for Kafka",
+            p.spool.pending,
+        )
+        yield GaugeMetricFamily(
             "ratchet_proxy_registry_age_seconds",
-            "Seconds since the routing table was read",
-            registry=r,
-        ).set_function(registry_age)
+            "Seconds since the routing table was last read from Redis",
+            self.registry_age(),
+        )

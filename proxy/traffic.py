@@ -151,6 +151,19 @@ class Exchange:
     latency_ms: float = 0.0
     ttft_ms: float | None = None
 
+    def usage(self) -> tuple[int | None, int | None]:
+        """(input, output) tokens, read without assembling the whole answer."""
+        usage: dict[str, Any] = {}
+        if self.stream:
+            # The usage chunk is the last event; look only at the stream's tail.
+            for event in reversed(iter_sse_data(self.response_chunks[-3:])):
+                if event.get("usage"):
+                    usage = event["usage"]
+                    break
+        elif self.status == 200 and self.response_body:
+            usage = orjson.loads(self.response_body).get("usage") or {}
+        return usage.get("prompt_tokens"), usage.get("completion_tokens")
+
     def to_record(self) -> TrafficRecord:
         body: dict[str, Any] = {}
         if self.stream and self.response_chunks:

@@ -36,7 +36,8 @@ class Upstream:
 
     async def start(self, health_interval_s: float) -> None:
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=1024, ttl_dns_cache=300),
+            # vLLM's uvicorn drops idle connections after 5 s; let ours go first.
+            connector=aiohttp.TCPConnector(limit=1024, ttl_dns_cache=300, keepalive_timeout=4),
             timeout=self.timeout,
             json_serialize=lambda o: orjson.dumps(o).decode(),
             skip_auto_headers=("User-Agent",),

@@ -36,7 +36,11 @@ def test_broker_down_requests_succeed_and_records_arrive_later(base_route: Embed
         )
         assert raw.parse().choices
         request_ids.append(raw.headers["x-request-id"])
-    wait_for(lambda: env.metric("ratchet_proxy_log_spooled_records") >= 5, 60, "spooling")
+    wait_for(
+        lambda: env.metric('ratchet_proxy_log_records_total{outcome="spooled"}') >= 5,
+        60,
+        "spooling",
+    )
     assert httpx.get(f"{env.proxy_url}/readyz").json()["kafka"] is False
 
     env.stack.start_part("kafka")  # a fresh, empty in-memory broker
