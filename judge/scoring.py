@@ -74,7 +74,7 @@ class GroupScorer:
         metrics: JudgeMetrics,
     ) -> None:
         self.settings = settings
-        self.api_base = settings.judge_api_base or default_api_base
+        self.default_api_base = default_api_base
         self.cache = cache
         self.metrics = metrics
 
@@ -157,20 +157,33 @@ class GroupScorer:
                 model=reward.judge_model,
                 messages=request.messages,
                 response_format=request.response_format,
-                api_base=self.api_base,
-                api_key=(
-                    self.settings.judge_api_key.get_secret_value()
-                    if self.settings.judge_api_key
-                    else "unused"
-                ),
                 temperature=0.0,
                 max_tokens=self.settings.judge_max_tokens,
                 num_retries=0,
+                **self.endpoint(reward.judge_model),
             ),
             timeout=self.settings.judge_timeout_s,
         )
         self.metrics.judge_latency.labels(alias).observe(time.perf_counter() - started)
         return parse_judge_reply(reply.choices[0].message.content or "", request)
+
+    def endpoint(self, judge_model: str) -> dict[str, str]:
+        """Where litellm sends a judge call, and with which key.
+
+        An explicit judge_api_base / judge_api_key wins. Otherwise a ``hosted_vllm/`` model is
+        the vLLM Ratchet serves from (which needs no key), and any other provider is left to
+        litellm's own defaults and environment (OPENAI_API_KEY, ANTHROPIC_API_KEY, ...).
+        """
+        options: dict[str, str] = {}
+        if self.settings.judge_api_base:
+            options["api_base"] = self.settings.judge_api_base
+        elif judge_model.startswith("hosted_vllm/"):
+            options["api_base"] = self.default_api_base
+        if self.settings.judge_api_key:
+            options["api_key"] = self.settings.judge_api_key.get_secret_value()
+        elif judge_model.startswith("hosted_vllm/"):
+            options["api_key"] = "unused"  # vLLM without --api-key accepts any
+        return options
 
     async def _judge(
         self,

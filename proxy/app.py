@@ -114,6 +114,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
 
 
 def create_app(settings: RatchetSettings) -> FastAPI:
+    settings.check_proxy_exposure()
     state = ProxyState(settings)
 
     @asynccontextmanager

@@ -230,15 +230,19 @@ class RatchetSettings(BaseSettings):
             self.state_dir = self.home / "state"
         return self
 
-    @model_validator(mode="after")
-    def _auth_or_loopback(self) -> RatchetSettings:
+    def check_proxy_exposure(self) -> None:
+        """Refuse to serve the proxy without keys anywhere but loopback.
+
+        Checked when the proxy starts, not at load: the judge and learner read the same file and
+        neither need nor should be given the client keys.
+        """
         if not self.proxy.api_keys and not _is_loopback(self.proxy.host):
-            raise ValueError(
-                f"proxy.api_keys is empty while proxy.host is {self.proxy.host!r}: running "
-                "without auth is only allowed on a loopback address. Set RATCHET_PROXY__API_KEYS "
-                "(a JSON list) or proxy.api_keys in ratchet.yaml, or bind to 127.0.0.1"
+            raise ConfigError(
+                f"invalid Ratchet settings:\n  proxy.api_keys is empty while proxy.host is "
+                f"{self.proxy.host!r}: running without auth is only allowed on a loopback "
+                "address. Set RATCHET_PROXY__API_KEYS (a JSON list) or proxy.api_keys in "
+                "ratchet.yaml, or bind to 127.0.0.1"
             )
-        return self
 
     @property
     def spool_dir(self) -> Path:

@@ -66,6 +66,8 @@ def test_components_switch_on_and_off(rendered: dict[str, Rendered]) -> None:
         f"Deployment/{FULLNAME}-proxy",
         f"Service/{FULLNAME}-proxy",
         f"PodDisruptionBudget/{FULLNAME}-proxy",
+        f"Deployment/{FULLNAME}-judge",
+        f"Service/{FULLNAME}-judge",
         f"Deployment/{FULLNAME}-vllm",
         f"Service/{FULLNAME}-vllm",
         f"NetworkPolicy/{FULLNAME}-vllm",
@@ -89,13 +91,21 @@ def test_components_switch_on_and_off(rendered: dict[str, Rendered]) -> None:
     assert not existing.kinds("PersistentVolumeClaim")
 
 
-def test_judge_and_learner_are_off_by_default(chart: helm.Chart) -> None:
-    assert chart.values["judge"]["enabled"] is False
+def test_judge_switches_off(chart: helm.Chart) -> None:
+    values = load_values("defaults")
+    r = render(chart, {**values, "judge": {"enabled": False, "apiKey": "sk-SENTINEL-unused"}})
+    assert not [n for n in r.names() if "judge" in n]
+    assert "judge" not in r.config
+
+
+def test_judge_on_and_learner_off_by_default(chart: helm.Chart) -> None:
+    # The judge service exists (`ratchet judge`); the learner does not yet.
+    assert chart.values["judge"]["enabled"] is True
     assert chart.values["learner"]["enabled"] is False
     assert chart.values["networkPolicy"]["enabled"] is True
 
 
-def test_commands_ports_and_probes(rendered: dict[str, Rendered]) -> None:
+def test_commands_ports_and_probes(rendered: dict[str, Rendered], chart: helm.Chart) -> None:
     r = rendered["all-on"]
     proxy = r.container(f"{FULLNAME}-proxy")
     assert proxy["command"] == ["ratchet", "proxy", "--config", "/etc/ratchet/ratchet.yaml"]
@@ -109,8 +119,10 @@ def test_commands_ports_and_probes(rendered: dict[str, Rendered]) -> None:
         assert _ports(c) == {"metrics": port}
         assert _probe(c, "livenessProbe")[1] == "metrics"
         assert _probe(c, "readinessProbe")[1] == "metrics"
-        # The service binds its metrics where probes and Prometheus reach them.
+        # The service binds its metrics where probes and Prometheus reach them; the rest of its
+        # section is the chart's defaults with the values' config on top.
         assert r.config[name] == {
+            **chart.values[name]["config"],
             **load_values("all-on")[name].get("config", {}),
             "metrics_host": "0.0.0.0",
             "metrics_port": port,
@@ -330,11 +342,26 @@ def test_chart_secret_holds_the_secrets(rendered: dict[str, Rendered]) -> None:
         "kafka-sasl-password": "SENTINEL-kafka-password",
         "redis-password": "SENTINEL-redis-password",
     }
-    judge = r.get("Secret", f"{FULLNAME}-judge")["data"]
-    assert base64.b64decode(judge["OPENAI_API_KEY"]).decode() == "sk-SENTINEL-openai"
+    judge = {
+        k: base64.b64decode(v).decode()
+        for k, v in r.get("Secret", f"{FULLNAME}-judge")["data"].items()
+    }
+    assert judge == {
+        "RATCHET_JUDGE__JUDGE_API_KEY": "sk-SENTINEL-judge",
+        "SQL_VERIFIER_DSN": "SENTINEL-verifier-dsn",
+    }
     pod = r.get("Deployment", f"{FULLNAME}-judge")["spec"]["template"]
-    assert pod["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": f"{FULLNAME}-judge"}}]
+    container = pod["spec"]["containers"][0]
+    assert container["envFrom"] == [{"secretRef": {"name": f"{FULLNAME}-judge"}}]
     assert "checksum/judge-secret" in pod["metadata"]["annotations"]
+    # The judge gets no client keys: they are the proxy's alone.
+    assert not {"RATCHET_PROXY__API_KEYS", "RATCHET_PROXY__ADMIN_KEY"} & {
+        e["name"] for e in container["env"]
+    }
+    # Without a judge key or other judge secrets there is no judge Secret and no envFrom.
+    defaults = rendered["defaults"]
+    assert not defaults.has("Secret", f"{FULLNAME}-judge")
+    assert "envFrom" not in defaults.container(f"{FULLNAME}-judge")
 
 
 @pytest.mark.parametrize("values_file", VALUES_FILES)

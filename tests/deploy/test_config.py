@@ -25,10 +25,16 @@ EXISTING_SECRETS = {
     "ratchet-proxy-keys": {"keys.json": '["sk-SENTINEL-op-1"]', "admin": "sk-SENTINEL-op-admin"},
     "ratchet-kafka-user": {"password": "SENTINEL-op-kafka"},
     "redis-auth": {"redis-password": "SENTINEL-op-redis"},
+    "ratchet-judge-providers": {"RATCHET_JUDGE__JUDGE_API_KEY": "sk-SENTINEL-op-judge"},
 }
 # Sections of services whose settings are not in ratchet/settings.py yet. The chart writes a
 # service's section only when that service is enabled, so a release without it never has one.
-PENDING_SECTIONS = {"judge", "learner"}
+PENDING_SECTIONS = {"learner"}
+# Settings of a service's section that the chart sets itself, or that come from a Secret.
+CHART_OWNED = {
+    "proxy": {"host", "port", "api_keys", "admin_key"},
+    "judge": {"metrics_host", "metrics_port", "judge_api_key"},
+}
 
 
 def container_env(r: Rendered, deployment: str) -> dict[str, str]:
@@ -40,7 +46,13 @@ def container_env(r: Rendered, deployment: str) -> dict[str, str]:
     }
     secrets.update(EXISTING_SECRETS)
     env: dict[str, str] = {}
-    for var in r.container(deployment)["env"]:
+    container = r.container(deployment)
+    # envFrom first: an `env` entry of the same name wins, as in Kubernetes.
+    for source in container.get("envFrom", []):
+        name = source["secretRef"]["name"]
+        assert name in secrets, f"{deployment}: envFrom names Secret {name}, which is not there"
+        env.update(secrets[name])
+    for var in container["env"]:
         if "value" in var:
             env[var["name"]] = re.sub(
                 r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), var["value"]
@@ -55,6 +67,25 @@ def container_env(r: Rendered, deployment: str) -> dict[str, str]:
     return env
 
 
+def _load_in_pod(
+    r: Rendered, deployment: str, workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> RatchetSettings:
+    """Settings as the container loads them: the rendered ratchet.yaml and its environment."""
+    config = r.config
+    pending = set(config) - set(RatchetSettings.model_fields)
+    assert pending <= PENDING_SECTIONS, f"ratchet.yaml has keys settings do not know: {pending}"
+    for section in pending:
+        del config[section]
+    path = workdir / "ratchet.yaml"
+    if pending:
+        path.write_text(yaml.safe_dump(config))
+    else:
+        path.write_text(r.ratchet_yaml)
+    for name, value in container_env(r, deployment).items():
+        monkeypatch.setenv(name, value)
+    return load_settings(path)
+
+
 @pytest.mark.parametrize("values_file", VALUES_FILES)
 def test_rendered_config_loads_with_the_proxy_env(
     rendered: dict[str, Rendered],
@@ -63,21 +94,7 @@ def test_rendered_config_loads_with_the_proxy_env(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     r = rendered[values_file]
-    config = r.config
-    pending = set(config) - set(RatchetSettings.model_fields)
-    assert pending <= PENDING_SECTIONS, f"ratchet.yaml has keys settings do not know: {pending}"
-    for section in pending:
-        del config[section]
-    path = clean_ratchet_env / "ratchet.yaml"
-    if pending:
-        path.write_text(yaml.safe_dump(config))
-    else:
-        path.write_text(r.ratchet_yaml)
-    env = container_env(r, f"{FULLNAME}-proxy")
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-
-    settings = load_settings(path)
+    settings = _load_in_pod(r, f"{FULLNAME}-proxy", clean_ratchet_env, monkeypatch)
 
     assert settings.proxy.host == "0.0.0.0"
     assert settings.proxy.port == 8400
@@ -113,16 +130,76 @@ def test_rendered_config_loads_with_the_proxy_env(
         assert kafka == {"security_protocol": "PLAINTEXT"}
 
 
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_rendered_config_loads_with_the_judge_env(
+    rendered: dict[str, Rendered],
+    values_file: str,
+    clean_ratchet_env: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The judge's pod starts: same ratchet.yaml, its own environment (no client keys)."""
+    r = rendered[values_file]
+    values = load_values(values_file)
+    if not r.has("Deployment", f"{FULLNAME}-judge"):
+        assert "judge" not in r.config
+        return
+    env = container_env(r, f"{FULLNAME}-judge")
+    assert "RATCHET_PROXY__API_KEYS" not in env and "RATCHET_PROXY__ADMIN_KEY" not in env
+    settings = _load_in_pod(r, f"{FULLNAME}-judge", clean_ratchet_env, monkeypatch)
+
+    judge = settings.judge
+    assert (judge.metrics_host, judge.metrics_port) == ("0.0.0.0", 8402)
+    expected = {
+        **ratchet_settings.JudgeSettings().model_dump(),
+        **values.get("judge", {}).get("config", {}),
+    }
+    got = judge.model_dump()
+    for name in set(expected) - CHART_OWNED["judge"]:
+        assert got[name] == expected[name], name
+    assert settings.vllm_url == r.config["vllm_url"]
+    redis = parse_url(settings.redis_url)
+    kafka = settings.kafka.client_options()
+    key = judge.judge_api_key.get_secret_value() if judge.judge_api_key else None
+    if values_file == "all-on":
+        assert key == "sk-SENTINEL-judge"
+        assert judge.judge_api_base == "https://api.openai.com/v1"
+        assert env["SQL_VERIFIER_DSN"] == "SENTINEL-verifier-dsn"
+        assert redis["password"] == "SENTINEL-redis-password"
+        assert redis["ssl_ca_certs"] == "/etc/ratchet/redis-ca/ca.crt"
+        assert kafka["sasl_plain_password"] == "SENTINEL-kafka-password"
+        assert kafka["ssl_cafile"] == "/etc/ratchet/kafka-ca/ca.crt"
+    elif values_file == "existing-secrets":
+        assert key == "sk-SENTINEL-op-judge"
+        assert redis["password"] == "SENTINEL-op-redis"
+        assert kafka["sasl_plain_password"] == "SENTINEL-op-kafka"
+    else:
+        assert key is None
+        assert judge.judge_api_base is None  # the release's vLLM
+        assert "password" not in redis
+        assert kafka == {"security_protocol": "PLAINTEXT"}
+
+
 def test_alias_values_mirror_the_settings(chart: helm.Chart) -> None:
-    """values.schema.json describes an alias with exactly the fields ratchet/settings.py has."""
+    """values.schema.json describes an alias and the proxy and judge sections with exactly the
+    fields ratchet/settings.py has (less those the chart sets or takes from a Secret)."""
     schema = chart.schema
     assert schema is not None
     _same_fields(schema["definitions"]["alias"], ratchet_settings.AliasConfig, "aliases.<name>")
-    proxy = schema["properties"]["proxy"]["properties"]["config"]
-    chart_owned = {"host", "port", "api_keys", "admin_key"}
-    assert (
-        set(proxy["properties"]) == set(ratchet_settings.ProxySettings.model_fields) - chart_owned
-    )
+    for section, model in [
+        ("proxy", ratchet_settings.ProxySettings),
+        ("judge", ratchet_settings.JudgeSettings),
+    ]:
+        config = schema["properties"][section]["properties"]["config"]
+        assert config["additionalProperties"] is False, section
+        fields = set(model.model_fields)
+        assert CHART_OWNED[section] <= fields, section
+        assert set(config["properties"]) == fields - CHART_OWNED[section], section
+        # The chart's defaults for the section are the service's own defaults.
+        defaults = model().model_dump(mode="json")
+        for name, value in chart.values[section]["config"].items():
+            if (section, name) == ("proxy", "redact_patterns"):
+                continue  # the chart redacts e-mail addresses; the bare service redacts nothing
+            assert value == defaults[name], f"{section}.config.{name}"
     kafka = schema["properties"]["kafka"]["properties"]
     fields = ratchet_settings.KafkaSettings.model_fields
     assert set(kafka["securityProtocol"]["enum"]) == _literals(fields["security_protocol"])
@@ -205,6 +282,10 @@ BAD_VALUES = [
     ("vllm.maxLoraRank", 48, ["/vllm/maxLoraRank"]),
     ("learner.gpu", {"count": -1}, ["/learner/gpu/count", "minimum"]),
     ("proxy.config", {"upstream_timeout": 5}, ["/proxy/config", "'upstream_timeout' not allowed"]),
+    ("judge.config", {"concurency": 8}, ["/judge/config", "'concurency' not allowed"]),
+    ("judge.config", {"concurrency": 0}, ["/judge/config/concurrency", "minimum"]),
+    # The judge-model key belongs in a Secret, never in the ConfigMap.
+    ("judge.config", {"judge_api_key": "sk-1"}, ["/judge/config", "'judge_api_key' not allowed"]),
 ]
 
 
@@ -244,6 +325,14 @@ TEMPLATE_CHECKS = [
     (
         {"redis": {"url": "redis://r:6379/0", "tls": {"caSecret": "ca"}}},
         "redis.url does not start with rediss://",
+    ),
+    (
+        {"judge": {"existingSecret": "mine", "apiKey": "sk-1"}},
+        "judge.existingSecret is set together with judge.apiKey or judge.providerKeys",
+    ),
+    (
+        {"judge": {"apiKey": "sk-1", "providerKeys": {"RATCHET_JUDGE__JUDGE_API_KEY": "sk-2"}}},
+        "judge.apiKey and judge.providerKeys.RATCHET_JUDGE__JUDGE_API_KEY are both set",
     ),
 ]
 

@@ -1,5 +1,5 @@
-"""The dashboard and alert rules query only metrics the running proxy exports, the rules parse
-and behave (promtool), and the Dockerfile is what the chart expects of its image."""
+"""The dashboard and alert rules query only metrics the running proxy and judge export, the rules
+parse and behave (promtool), and the Dockerfile is what the chart expects of its image."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import yaml
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.deploy.conftest import ROOT, Rendered
+from tests.deploy.conftest import FULLNAME, ROOT, Rendered
 
 OPS = ROOT / "ops"
 DASHBOARD = OPS / "grafana" / "ratchet.json"
@@ -256,19 +256,26 @@ def proxy_metrics(
         log.close()
 
 
+def _suffixes(kind: str) -> list[str]:
+    return {
+        "counter": ["_total", "_created"],
+        "histogram": ["_bucket", "_sum", "_count", "_created"],
+        "summary": ["_sum", "_count", "_created"],
+    }.get(kind, [""])
+
+
+def _series_names(family: Any) -> set[str]:
+    return {family.name + suffix for suffix in _suffixes(family.type)}
+
+
 @pytest.fixture(scope="module")
 def exported(proxy_metrics: str) -> dict[str, set[str]]:
     """Every series name in the scrape (histograms as _bucket/_sum/_count, counters as _total),
     with the label names its samples carry."""
     names: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(proxy_metrics):
-        suffixes = {
-            "counter": ["_total", "_created"],
-            "histogram": ["_bucket", "_sum", "_count", "_created"],
-            "summary": ["_sum", "_count", "_created"],
-        }.get(family.type, [""])
-        for suffix in suffixes:
-            names.setdefault(family.name + suffix, set())
+        for name in _series_names(family):
+            names.setdefault(name, set())
         for sample in family.samples:
             names.setdefault(sample.name, set()).update(sample.labels)
     return names
@@ -286,29 +293,156 @@ def test_scrape_has_samples_of_every_proxy_metric(exported: dict[str, set[str]])
     assert "direction" in exported["ratchet_proxy_tokens_total"]
 
 
+# ---- the real judge, scraped ------------------------------------------------------------------
+
+
+def judge_declared_labels() -> dict[str, tuple[str, ...]]:
+    """Label names of every labelled judge metric, by family name, as judge/metrics.py declares
+    them (a fresh judge has no samples of these, so its scrape cannot show their labels)."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from judge.metrics import JudgeMetrics
+
+    declared = {}
+    for metric in vars(JudgeMetrics()).values():
+        if isinstance(metric, MetricWrapperBase):
+            [family] = metric.describe()
+            declared[family.name] = tuple(metric._labelnames)
+    return declared
+
+
+@pytest.fixture(scope="module")
+def judge_metrics(rendered: dict[str, Rendered], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """/metrics of the real judge (`ratchet judge`), started with the chart's ratchet.yaml and the
+    plain settings the chart gives its pod, Kafka, Redis and vLLM moved to closed ports here. It
+    keeps retrying Kafka, but serves /metrics from the start."""
+    r = rendered["defaults"]
+    tmp = tmp_path_factory.mktemp("judge")
+    config = tmp / "ratchet.yaml"
+    config.write_text(r.ratchet_yaml)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("RATCHET_")}
+    pod_env = r.container(f"{FULLNAME}-judge")["env"]
+    env.update(
+        {
+            e["name"]: e["value"]
+            for e in pod_env
+            if "value" in e and e["name"].startswith("RATCHET_") and e["name"] != "RATCHET_CONFIG"
+        }
+    )
+    env.update(
+        RATCHET_JUDGE__METRICS_HOST="127.0.0.1",
+        RATCHET_JUDGE__METRICS_PORT=str(port),
+        RATCHET_VLLM_URL=f"http://127.0.0.1:{_free_port()}",
+        RATCHET_KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{_free_port()}",
+        RATCHET_REDIS_URL=f"redis://127.0.0.1:{_free_port()}/0",
+        RATCHET_HOME=str(tmp / "home"),
+        RATCHET_STATE_DIR=str(tmp / "state"),
+        RATCHET_STORE_DIR=str(tmp / "adapters"),
+    )
+    log_path = tmp / "judge.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ratchet", "judge", "--config", str(config)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=tmp,
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+                try:
+                    resp = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+                    if resp.status_code == 200:
+                        return resp.text
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.1)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def judge_exported(judge_metrics: str) -> dict[str, set[str]]:
+    """Like `exported`, for the judge. A labelled metric nothing has used yet shows only its
+    # HELP and # TYPE lines: that proves the name is exported, and its label names are then the
+    ones judge/metrics.py declares for it."""
+    declared = judge_declared_labels()
+    names: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(judge_metrics):
+        assert family.name.startswith("ratchet_judge_"), family.name
+        if family.samples:
+            for name in _series_names(family):
+                names.setdefault(name, set())
+            for sample in family.samples:
+                names.setdefault(sample.name, set()).update(sample.labels)
+            continue
+        assert declared.get(family.name), f"{family.name} has no samples and declares no labels"
+        for name in _series_names(family):
+            extra = {"le"} if name.endswith("_bucket") else set()
+            names[name] = set(declared[family.name]) | extra
+    return names
+
+
+def test_judge_scrape_has_every_judge_metric(judge_metrics: str) -> None:
+    families = {f.name: f for f in text_string_to_metric_families(judge_metrics)}
+    declared = judge_declared_labels()
+    assert set(declared) <= set(families), set(declared) - set(families)
+    assert "ratchet_judge_unknown_records" in families
+    for name, family in families.items():
+        if not declared.get(name):  # unlabelled: a sample from the start
+            assert family.samples, name
+            assert all(not s.labels for s in family.samples), name
+
+
+@pytest.fixture(scope="module")
+def exported_all(
+    exported: dict[str, set[str]], judge_exported: dict[str, set[str]]
+) -> dict[str, set[str]]:
+    assert not set(exported) & set(judge_exported)
+    return {**exported, **judge_exported}
+
+
 def _check_exported(expr: str, exported: dict[str, set[str]], where: str) -> None:
     metrics, labels = promql_names(expr)
     assert metrics, f"{where}: no metric in {expr}"
     for metric in metrics:
-        assert metric in exported, f"{where}: {metric} is not exported by the proxy"
+        assert metric in exported, f"{where}: {metric} is not exported by the proxy or the judge"
     known = set(TARGET_LABELS).union(*(exported[m] for m in metrics))
     unknown = labels - known
     assert not unknown, f"{where}: labels {unknown} are on none of {metrics}"
 
 
-def test_dashboard_queries_exported_metrics(exported: dict[str, set[str]]) -> None:
+def test_dashboard_queries_exported_metrics(exported_all: dict[str, set[str]]) -> None:
     exprs = dashboard_exprs()
     assert len(exprs) >= 20
     for expr in exprs:
-        _check_exported(expr, exported, "dashboard")
+        _check_exported(expr, exported_all, "dashboard")
     for metric, label in variable_queries():
-        assert metric in exported, metric
-        assert label in exported[metric] | TARGET_LABELS, (metric, label)
+        assert metric in exported_all, metric
+        assert label in exported_all[metric] | TARGET_LABELS, (metric, label)
 
 
-def test_alert_rules_query_exported_metrics(exported: dict[str, set[str]]) -> None:
+def test_alert_rules_query_exported_metrics(exported_all: dict[str, set[str]]) -> None:
     for rule in rules():
-        _check_exported(rule["expr"], exported, rule["alert"])
+        _check_exported(rule["expr"], exported_all, rule["alert"])
+
+
+def test_dashboard_shows_every_exported_metric(proxy_metrics: str, judge_metrics: str) -> None:
+    used = set().union(*(promql_names(expr)[0] for expr in dashboard_exprs()))
+    for text in (proxy_metrics, judge_metrics):
+        for family in text_string_to_metric_families(text):
+            if family.name.endswith("_created"):
+                continue  # a counter's or histogram's start time, in the 0.0.4 text format
+            assert _series_names(family) & used, f"{family.name} is on no dashboard panel"
 
 
 # ---- promtool ---------------------------------------------------------------------------------
@@ -381,7 +515,7 @@ def test_dashboard_structure() -> None:
         assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
         assert p["targets"] and p.get("description"), p["title"]
     rows = {p["title"] for p in doc["panels"] if p["type"] == "row"}
-    assert {"Traffic by alias, version and canary arm", "Latency"} <= rows
+    assert {"Traffic by alias, version and canary arm", "Latency", "Judge"} <= rows
     assert any("spool" in r.lower() for r in rows)
     names = {a["name"] for a in doc["annotations"]["list"]}
     assert "Active version changed" in names

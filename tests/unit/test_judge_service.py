@@ -285,7 +285,19 @@ def test_labels_file_errors_name_the_line(tmp_path: Any) -> None:
         cal.load_labels(path)
 
 
-def test_settings_default_judge_reaches_embedded_vllm() -> None:
+def test_judge_endpoint_defaults_and_overrides() -> None:
     settings = RatchetSettings()
     scorer = GroupScorer(settings.judge, settings.vllm_url + "/v1", None, JudgeMetrics())
-    assert scorer.api_base == "http://127.0.0.1:8401/v1"
+    # The default judge is the embedded vLLM; other providers keep litellm's own defaults.
+    assert scorer.endpoint("hosted_vllm/m") == {
+        "api_base": "http://127.0.0.1:8401/v1",
+        "api_key": "unused",
+    }
+    assert scorer.endpoint("openai/gpt-4o-mini") == {}
+    custom = GroupScorer(
+        JudgeSettings(judge_api_base="http://judge:9/v1", judge_api_key="sk-j"),
+        "http://unused",
+        None,
+        JudgeMetrics(),
+    )
+    assert custom.endpoint("openai/x") == {"api_base": "http://judge:9/v1", "api_key": "sk-j"}

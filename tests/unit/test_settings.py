@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.app import create_app
 from ratchet.settings import (
     DEFAULT_BASE_MODEL,
     ConfigError,
@@ -193,10 +194,13 @@ def test_verifier_must_name_a_function() -> None:
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "proxy.example.com"])
 def test_auth_off_on_non_loopback_rejected(host: str) -> None:
+    settings = load_settings(proxy={"host": host})  # the judge and learner may load this
     with pytest.raises(ConfigError) as info:
-        load_settings(proxy={"host": host})
+        settings.check_proxy_exposure()  # the proxy may not serve it
     assert "proxy.api_keys" in str(info.value)
     assert host in str(info.value)
+    with pytest.raises(ConfigError):
+        create_app(settings)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
@@ -256,7 +260,7 @@ def test_bad_redact_pattern_rejected() -> None:
 def test_cross_field_error_names_real_env_vars_only() -> None:
     """A whole-settings error must not point the operator at a bare ``RATCHET_`` variable."""
     with pytest.raises(ConfigError) as info:
-        load_settings(proxy={"host": "0.0.0.0"})
+        load_settings(proxy={"host": "0.0.0.0"}).check_proxy_exposure()
     names = re.findall(r"RATCHET_[A-Z0-9_]*", str(info.value))
     assert names, "the message should name the variable to set"
     assert all(n != "RATCHET_" for n in names), str(info.value)

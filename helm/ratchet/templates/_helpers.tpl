@@ -173,6 +173,18 @@ Whether the chart writes its own Secret, and whether it holds anything.
 {{- end }}
 
 {{/*
+Whether the chart writes the judge's Secret (judge.apiKey, judge.providerKeys), and whether the
+judge reads one at all (that one, or judge.existingSecret).
+*/}}
+{{- define "ratchet.judgeSecretWritten" -}}
+{{- if and .Values.judge.enabled (not .Values.judge.existingSecret) (or .Values.judge.apiKey .Values.judge.providerKeys) }}true{{ end }}
+{{- end }}
+
+{{- define "ratchet.judgeSecretUsed" -}}
+{{- if or (include "ratchet.judgeSecretWritten" .) .Values.judge.existingSecret }}true{{ end }}
+{{- end }}
+
+{{/*
 The Redis URL without a password; with a CA Secret, redis-py reads ssl_ca_certs from the query.
 */}}
 {{- define "ratchet.redisUrl" -}}
@@ -228,6 +240,12 @@ Values that the schema cannot check alone; each failure says what to set.
 {{- end }}
 {{- if and .Values.redis.tls.caSecret (not (hasPrefix "rediss://" .Values.redis.url)) }}
 {{- fail "redis.tls.caSecret is set but redis.url does not start with rediss://" }}
+{{- end }}
+{{- if and .Values.judge.enabled .Values.judge.existingSecret (or .Values.judge.apiKey .Values.judge.providerKeys) }}
+{{- fail "judge.existingSecret is set together with judge.apiKey or judge.providerKeys: put those keys into the Secret (RATCHET_JUDGE__JUDGE_API_KEY for the judge model's key), or unset judge.existingSecret" }}
+{{- end }}
+{{- if and .Values.judge.enabled .Values.judge.apiKey (hasKey .Values.judge.providerKeys "RATCHET_JUDGE__JUDGE_API_KEY") }}
+{{- fail "judge.apiKey and judge.providerKeys.RATCHET_JUDGE__JUDGE_API_KEY are both set: keep one" }}
 {{- end }}
 {{- end }}
 
