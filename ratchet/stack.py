@@ -137,6 +137,11 @@ def redis_part(redis_url: str, data_dir: Path) -> Part:
     )
 
 
+def _spare_cores() -> str:
+    """All cores but one, for vLLM's threads: the proxy and judge need the last."""
+    return str(max(1, (os.cpu_count() or 2) - 1))
+
+
 def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> Part:
     host, port = host_port(settings.vllm_url, 8401)
     assert settings.store_dir is not None
@@ -171,6 +176,13 @@ def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> P
         "VLLM_LORA_RESOLVER_CACHE_DIR": str(settings.store_dir),
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        # vLLM's CPU default pins its worker to core 0. Two vLLMs on one machine (a test beside
+        # a running stack) then starve each other, and the proxy and judge lose that core; let
+        # the OS schedule instead, with one core left for everything else.
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        "OMP_NUM_THREADS": os.environ.get(
+            "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1))
+        ),
         "VLLM_NO_USAGE_STATS": "1",
         "HF_HUB_OFFLINE": "1",
     }
