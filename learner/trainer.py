@@ -1,0 +1,433 @@
+"""GRPO on a LoRA adapter: the judged groups of a round in, the next adapter version out.
+
+A round starts from the live version's adapter (learning accumulates across versions) or from a
+fresh LoRA for v0, takes ``steps_per_round`` AdamW steps of the clipped GRPO loss of
+``learner/loss.py`` on the round's groups, and writes the candidate to the adapter store with its
+optimizer state, so the next round, in this process or after a restart, continues where it
+stopped.
+
+Data flow of a round:
+
+* :func:`pack_groups` turns the groups into one right-padded batch (prompt + completion), with
+  the behaviour logprobs vLLM logged when it sampled and one group-relative advantage per sample
+  (a token whose logged logprob is not finite stays as context but is not trained on). Groups
+  whose rewards are all equal carry no signal (zero advantages) and are dropped before any
+  compute is spent on them, as DAPO's dynamic sampling does.
+* The kept samples are shuffled (seeded by ``seed`` and the round number) and dealt into
+  ``steps_per_round`` equal mini-batches (one PPO epoch; the stream wraps when a round has fewer
+  samples than steps). vLLM's logprobs are the old policy of every step's importance ratio, so no
+  extra forward pass recomputes them.
+* A step's samples are sorted by length and cut into micro-batches of at most
+  ``micro_batch_tokens`` padded tokens; gradients accumulate, each micro-batch's loss weighted by
+  its share of the step's completion tokens, so the step's loss is the token mean over the whole
+  step (DAPO), whatever the micro-batching.
+* :func:`token_logprobs` runs the backbone without an attention mask (right padding under causal
+  attention: pad positions come after every real token and nothing real attends to them, so the
+  fast causal kernel applies) and projects only the completion positions through the LM head.
+  With ``kl_beta > 0`` the reference logprobs are the same call with the adapter disabled (v0).
+* A step whose gradient is not finite is skipped (and counted), so one bad record cannot poison
+  the adapter or Adam's moments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from learner.batch import Batch, pack_groups, token_logprobs
+from learner.loss import GRPOLossConfig, grpo_loss
+from ratchet.records import ScoredGroup
+from ratchet.store import AdapterStore
+
+log = logging.getLogger(__name__)
+
+OPTIMIZER_FILE = "optimizer.pt"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_STATE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The adapter's shape. vLLM must be started with ``--max-lora-rank`` >= ``rank`` (the
+    embedded one allows 32). ``"all-linear"`` means every linear projection of the transformer
+    blocks (for Llama: q/k/v/o_proj, gate/up/down_proj), never the LM head."""
+
+    rank: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str = "all-linear"
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or self.alpha <= 0:
+            raise ValueError("LoRA rank must be >= 1 and alpha > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError("LoRA dropout must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    learning_rate: float = 1e-5
+    steps_per_round: int = 4
+    micro_batch_tokens: int = 4096
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps_per_round < 1 or self.micro_batch_tokens < 1:
+            raise ValueError("steps_per_round and micro_batch_tokens must be >= 1")
+        if self.learning_rate <= 0.0:
+            raise ValueError("learning_rate must be > 0")
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    round: int  # 1-based count of rounds this adapter lineage has trained
+    steps: int
+    groups: int
+    groups_skipped: int  # groups with all-equal rewards: no signal, not trained on
+    samples: int
+    mean_reward: float
+    loss: float  # token mean over the round of the full loss (policy + KL)
+    policy_loss: float
+    kl: float | None
+    ratio_mean: float
+    ratio_min: float
+    ratio_max: float
+    clip_frac_low: float
+    clip_frac_high: float
+    grad_norm: float  # mean over the steps taken, before clipping
+    steps_skipped: int  # steps whose gradient was not finite: no update
+    completion_tokens: int  # completion tokens trained on, summed over the steps
+    total_tokens: int  # prompt + completion tokens forwarded, summed over the steps
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: NaN (a round without steps) becomes None."""
+        values = {**asdict(self), "tokens_per_second": self.tokens_per_second}
+        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in values.items()}
+
+
+def resolve_target_modules(model: nn.Module, target: tuple[str, ...] | str) -> tuple[str, ...]:
+    """Module names LoRA wraps; "all-linear" is every nn.Linear except the output layer."""
+    linear = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module is not model.get_output_embeddings()
+    }
+    if target == "all-linear":
+        return tuple(sorted(linear))
+    names = (target,) if isinstance(target, str) else tuple(target)
+    unknown = sorted(set(names) - linear)
+    if unknown:
+        raise ValueError(f"no linear module named {unknown}; the model has {sorted(linear)}")
+    return tuple(sorted(set(names)))
+
+
+class LoraGRPOLearner:
+    """The learner's model: a frozen base, one trainable LoRA adapter and its AdamW state."""
+
+    def __init__(
+        self,
+        base_model_path: Path,
+        lora: LoraSettings = LoraSettings(),
+        train: TrainSettings = TrainSettings(),
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        self.base_model_path = Path(base_model_path)
+        self.lora, self.train = lora, train
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(self.base_model_path, dtype=self.dtype)
+        self.target_modules = resolve_target_modules(base, lora.target_modules)
+        config = LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(self.target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        with torch.random.fork_rng(devices=[]):  # LoRA A's init is random: seeded, and local
+            torch.manual_seed(train.seed)
+            self.model = get_peft_model(base, config).to(self.device)
+        self.model.train()
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self._fresh = [p.detach().clone() for p in self.params]
+        self.load_adapter(None)
+
+    # --- state -------------------------------------------------------------------------------
+
+    def load_adapter(self, folder: Path | None) -> None:
+        """Start from a fresh LoRA (None: v0 -> v1) or from a stored version, with its optimizer
+        state when the folder has one. The stored adapter's rank, alpha and target modules must
+        match the settings: a different shape cannot continue it."""
+        self.rounds = self.optimizer_steps = self.groups_seen = self.tokens_seen = 0
+        self.last_round: RoundStats | None = None
+        self.optimizer = self._new_optimizer()
+        if folder is None:
+            with torch.no_grad():
+                for param, fresh in zip(self.params, self._fresh, strict=True):
+                    param.copy_(fresh)
+            return
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        config = json.loads((folder / ADAPTER_CONFIG).read_text())
+        targets = config.get("target_modules") or []
+        targets = [targets] if isinstance(targets, str) else targets
+        stored = (config.get("r"), config.get("lora_alpha"), sorted(targets))
+        wanted = (self.lora.rank, self.lora.alpha, sorted(self.target_modules))
+        if stored != wanted:
+            raise ValueError(
+                f"{folder.name} has (rank, alpha, targets) {stored}, the settings "
+                f"{wanted}; start a fresh adapter to change its shape"
+            )
+        weights = load_file(folder / ADAPTER_WEIGHTS, device=str(self.device))
+        result = set_peft_model_state_dict(self.model, weights)
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if result.unexpected_keys or missing or len(weights) != len(self.params):
+            raise ValueError(
+                f"{folder.name}: adapter weights do not fit the model "
+                f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})"
+            )
+        path = folder / OPTIMIZER_FILE
+        if not path.is_file():
+            log.info("%s has no %s: fresh optimizer state", folder.name, OPTIMIZER_FILE)
+            return
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        if state.get("format") != _STATE_FORMAT or state.get("param_names") != self.param_names:
+            log.warning("%s: optimizer state does not fit this model; starting it fresh", path)
+            return
+        self.optimizer.load_state_dict(state["optimizer"])
+        for group in self.optimizer.param_groups:  # the settings win over the stored values
+            group.update(lr=self.train.learning_rate, weight_decay=self.train.weight_decay)
+        self.rounds, self.optimizer_steps = int(state["rounds"]), int(state["optimizer_steps"])
+        self.groups_seen, self.tokens_seen = int(state["groups_seen"]), int(state["tokens_seen"])
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        fused = self.device.type in ("cuda", "cpu")
+        return torch.optim.AdamW(
+            self.params,
+            lr=self.train.learning_rate,
+            weight_decay=self.train.weight_decay,
+            fused=fused,
+        )
+
+    def save_candidate(
+        self, store: AdapterStore, alias: str, version: int, parent: int, meta: dict[str, Any]
+    ) -> Path:
+        """Write the adapter and its optimizer state as ``<alias>@v<version>``, atomically."""
+
+        def write(folder: Path) -> None:
+            self.model.save_pretrained(folder, safe_serialization=True)
+            (folder / "README.md").unlink(missing_ok=True)  # peft's model card stub
+            config_path = folder / ADAPTER_CONFIG
+            config = json.loads(config_path.read_text())
+            config["target_modules"] = sorted(self.target_modules)  # peft writes a set's order
+            config_path.write_text(json.dumps(config, indent=2))
+            torch.save(self._optimizer_state(), folder / OPTIMIZER_FILE)
+
+        full_meta: dict[str, Any] = {
+            "parent_version": parent,
+            "rounds": self.rounds,
+            "optimizer_steps": self.optimizer_steps,
+            "groups_seen": self.groups_seen,
+            "completion_tokens_seen": self.tokens_seen,
+            "lora": asdict(self.lora),
+            "train": asdict(self.train),
+            "last_round": self.last_round.as_dict() if self.last_round else None,
+        }
+        full_meta.update(meta)
+        return store.write(alias, version, write, str(self.base_model_path), full_meta)
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        return {
+            "format": _STATE_FORMAT,
+            "param_names": self.param_names,
+            "optimizer": self.optimizer.state_dict(),
+            "rounds": self.rounds,
+            "optimizer_steps": self.optimizer_steps,
+            "groups_seen": self.groups_seen,
+            "tokens_seen": self.tokens_seen,
+        }
+
+    # --- training ----------------------------------------------------------------------------
+
+    def train_round(self, groups: list[ScoredGroup]) -> RoundStats:
+        """steps_per_round optimizer steps of GRPO on the groups; see the module docstring."""
+        start = time.perf_counter()
+        cfg = self.train.loss
+        packed = pack_groups(groups, cfg.scale_rewards)
+        informative = torch.tensor(
+            [bool(g.rewards) and max(g.rewards) > min(g.rewards) for g in groups], dtype=torch.bool
+        )
+        keep = informative[packed.group_index].nonzero().flatten()
+        packed = packed.select(keep)
+        lengths = packed.lengths  # on the CPU: planning never waits for the device
+        batch = packed.to(self.device)
+        self.rounds += 1
+        plan = self._plan_steps(len(batch))
+        acc = _Accumulator(self.device)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # LoRA dropout: seeded by the round
+            torch.manual_seed(self.train.seed * 1_000_003 + self.rounds)
+            for step_rows in plan:
+                self._step(batch, step_rows, lengths, acc)
+        self.optimizer_steps += len(plan) - acc.skipped
+        self.groups_seen += int(informative.sum())
+        stats = acc.finish(
+            kl_on=cfg.kl_beta > 0.0,
+            start=start,
+            round=self.rounds,
+            steps=len(plan),
+            groups=len(groups),
+            groups_skipped=len(groups) - int(informative.sum()),
+            samples=len(batch),
+            mean_reward=_mean_reward(groups),
+        )
+        self.tokens_seen += stats.completion_tokens
+        self.last_round = stats
+        return stats
+
+    def _step(self, batch: Batch, step_rows: Tensor, lengths: Tensor, acc: _Accumulator) -> None:
+        """One optimizer step: micro-batches accumulate the gradient of the step's token mean."""
+        cfg = self.train.loss
+        step_tokens = batch.completion_mask[step_rows.to(self.device)].sum().clamp(min=1)
+        for rows in self._micro_batches(step_rows, lengths):
+            micro = batch.select(rows, int(lengths[rows].max()))
+            with self._autocast():
+                logprobs = token_logprobs(self.model, micro)
+                ref = None
+                if cfg.kl_beta > 0.0:
+                    with torch.no_grad(), self.model.disable_adapter():
+                        ref = token_logprobs(self.model, micro)
+            loss, stats = grpo_loss(
+                logprobs,
+                micro.behaviour_logprobs,
+                micro.advantages,
+                micro.completion_mask,
+                cfg,
+                ref,
+            )
+            (loss * (stats["num_tokens"] / step_tokens)).backward()
+            acc.add(loss.detach(), stats, int(lengths[rows].sum()))
+        max_norm = self.train.max_grad_norm if self.train.max_grad_norm > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        if torch.isfinite(norm):  # one device sync a step
+            acc.grad_norms.append(norm)
+            self.optimizer.step()
+        else:  # a NaN or inf gradient would poison the adapter and Adam's moments
+            acc.skipped += 1
+            log.warning("round %d: skipped a step with a non-finite gradient", self.rounds)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _plan_steps(self, n: int) -> list[Tensor]:
+        """steps_per_round mini-batches of rows: seeded shuffles, dealt evenly, wrapping."""
+        if n == 0:
+            return []
+        steps = self.train.steps_per_round
+        gen = torch.Generator().manual_seed(self.train.seed * 1_000_003 + self.rounds)
+        if n >= steps:  # one epoch: sizes differ by at most one
+            return list(torch.tensor_split(torch.randperm(n, generator=gen), steps))
+        # fewer samples than steps: one sample a step, from shuffles laid end to end
+        stream = torch.cat([torch.randperm(n, generator=gen) for _ in range(math.ceil(steps / n))])
+        return [stream[i : i + 1] for i in range(steps)]
+
+    def _micro_batches(self, rows: Tensor, lengths: Tensor) -> list[Tensor]:
+        """Rows sorted longest first, cut where rows x longest would pass micro_batch_tokens."""
+        lens = lengths[rows].tolist()
+        order = sorted(range(len(lens)), key=lambda i: -lens[i])
+        out: list[list[int]] = []
+        for i in order:
+            if out and (len(out[-1]) + 1) * lens[out[-1][0]] <= self.train.micro_batch_tokens:
+                out[-1].append(i)
+            else:
+                out.append([i])
+        return [rows[torch.tensor(chunk)] for chunk in out]
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16):
+            return torch.autocast("cuda", dtype=self.dtype)
+        return contextlib.nullcontext()
+
+
+def _mean_reward(groups: list[ScoredGroup]) -> float:
+    rewards = [r for g in groups for r in g.rewards]
+    return sum(rewards) / len(rewards) if rewards else math.nan
+
+
+class _Accumulator:
+    """Token-weighted sums of the loss stats, read once at the end (one device sync a round)."""
+
+    _KEYS = ("policy_loss", "kl", "ratio_mean", "clip_frac_low", "clip_frac_high")
+
+    def __init__(self, device: torch.device) -> None:
+        def full(value: float) -> Tensor:
+            return torch.full((), value, device=device, dtype=torch.float64)
+
+        self.sums = {k: full(0.0) for k in ("tokens", "loss", *self._KEYS)}
+        self.ratio_min, self.ratio_max = full(math.nan), full(math.nan)
+        self.grad_norms: list[Tensor] = []
+        self.total_tokens = 0
+        self.skipped = 0
+
+    def add(self, loss: Tensor, stats: dict[str, Tensor], total_tokens: int) -> None:
+        n = stats["num_tokens"].double()
+        self.sums["tokens"] += n
+        self.sums["loss"] += loss.double() * n
+        for key in self._KEYS:
+            if key in stats:
+                self.sums[key] += stats[key].double() * n
+        # fmin/fmax skip NaN, which is what a micro-batch without completion tokens reports
+        self.ratio_min = torch.fmin(self.ratio_min, stats["ratio_min"].double())
+        self.ratio_max = torch.fmax(self.ratio_max, stats["ratio_max"].double())
+        self.total_tokens += total_tokens
+
+    def finish(self, *, kl_on: bool, start: float, **fields: Any) -> RoundStats:
+        norm = torch.stack(self.grad_norms).double().mean() if self.grad_norms else self.ratio_min
+        values = torch.stack([*self.sums.values(), self.ratio_min, self.ratio_max, norm])
+        *sums_list, ratio_min, ratio_max, grad_norm = values.tolist()
+        sums = dict(zip(self.sums, sums_list, strict=True))
+        n = sums["tokens"]
+        mean = {k: sums[k] / n if n > 0 else math.nan for k in ("loss", *self._KEYS)}
+        return RoundStats(
+            **fields,
+            loss=mean["loss"],
+            policy_loss=mean["policy_loss"],
+            kl=mean["kl"] if kl_on else None,
+            ratio_mean=mean["ratio_mean"],
+            ratio_min=ratio_min,
+            ratio_max=ratio_max,
+            clip_frac_low=mean["clip_frac_low"],
+            clip_frac_high=mean["clip_frac_high"],
+            grad_norm=grad_norm if self.grad_norms else math.nan,
+            steps_skipped=self.skipped,
+            completion_tokens=int(n),
+            total_tokens=self.total_tokens,
+            seconds=time.perf_counter() - start,
+        )
