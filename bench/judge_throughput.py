@@ -12,7 +12,12 @@ the same rubric, the same defences against injection (data embedded as JSON with
 escaped) and a small structured reply ``{"explanation": str (<= 200 chars), "score": 0..1}``.
 
 * Judge: the vLLM at ``--vllm-url`` (litellm id ``hosted_vllm/<served name>``, api_base
-  ``<vllm-url>/v1``), temperature 0, the production ``judge_max_tokens``.
+  ``<vllm-url>/v1``), temperature 0. Both get the same output budget per group: a RULER call
+  the production ``judge_max_tokens`` (1024), a pointwise call a K-th of it (256 for K=4; a
+  well-formed pointwise reply needs at most about 220: a 200-character explanation made of
+  digits is about 200 SmolLM2 tokens). Each call's timeout is ``--timeout`` (300 s), not
+  production's 60 s, so slow calls are measured rather than cut; how many calls took longer
+  than production's timeout is reported ("over 60 s").
 * RULER calls go through ``GroupScorer.call_judge``, the production path (litellm
   ``acompletion`` with the JSON schema of ``build_judge_request``, then ``parse_judge_reply``).
   Pointwise calls go through ``litellm.acompletion`` with the same api_base and model.
@@ -25,26 +30,46 @@ escaped) and a small structured reply ``{"explanation": str (<= 200 chars), "sco
 * Concurrency ``c`` is the number of judge calls in flight: ``c`` workers each start their next
   call as soon as the previous one returns (a closed loop). RULER has one call per group and
   pointwise K, so at the same ``c`` RULER has ``c`` groups in flight and pointwise ``c / K``.
-* At concurrency ``c`` each method judges ``n = max(--groups, 2c)`` groups (rounded up to even),
-  in two blocks of ``n / 2`` groups, in the order RULER, pointwise, pointwise, RULER, so slow
-  drift of the machine lands on both alike. Block size ``>= c`` is what lets RULER actually keep
-  ``c`` calls in flight. Each concurrency judges its own slice of the group sequence, so vLLM's
-  prefix cache never holds a measured prompt from an earlier level (within a group the
-  pointwise calls do share the conversation prefix, exactly as they would in production).
-* Groups per minute = groups in the blocks / wall time of the blocks. A call whose reply does
-  not parse still counts as judged (it cost the same); parse failures are reported beside it.
-  Call latency is per judge call, as seen by the client; timeouts and transport errors are
-  counted apart and left out of the latencies.
+* At concurrency ``c`` both methods judge the same ``max(--groups, c)`` groups (8, 8 and 16 by
+  default), in two blocks of half of them, in the order RULER, pointwise, pointwise, RULER, so
+  slow drift of the machine lands on both alike. Each concurrency judges its own slice of the
+  group sequence, so vLLM's prefix cache never holds a measured prompt from an earlier level
+  (within a group the pointwise calls do share the conversation prefix, exactly as they would
+  in production).
+* A judge service runs a steady stream, so the measured calls must run as they would there:
+  in a batch that stays full, not in a burst that starts together and drains into a half-empty
+  batch (with a handful of groups, the drain would dominate: one long RULER reply would leave
+  the other slots idle and count against RULER). So at ``c > 1`` *filler* calls of the same
+  method (from other groups, the same for both methods) keep exactly ``c`` calls in flight
+  while a block runs: each worker makes one filler call first, so measured calls start
+  staggered, takes measured calls, then fills again until every measured call is back. Filler
+  calls are not measured and are cancelled at the end of the block.
+* Groups per minute then follows from Little's law: with ``c`` calls always in flight, calls
+  complete at ``c / mean call latency``, and a group needs 1 RULER call or K pointwise calls:
+  ``groups/min = 60 c / (mean latency x calls per group)``. At ``c = 1`` this is simply groups /
+  wall time. A call whose reply does not parse still counts (it cost the same); parse failures
+  are reported beside it. Latency is per judge call as the client sees it, failures included
+  (they held a slot as long).
+* Tokens per group and the finish reason of every reply come from the replies themselves:
+  ``litellm.acompletion`` is wrapped, in this process only, to note them (``call_judge`` returns
+  only the parsed scores). A reply cut off at ``max_tokens`` (finish reason ``length``) is
+  usually a small judge stuck emitting newlines inside the JSON (the grammar allows any
+  whitespace between tokens); such a call runs for its whole budget, so a few of them weigh
+  heavily on throughput and p95. Even at temperature 0 this depends on what else shares the
+  batch (CPU kernels round differently per batch size): a group that loops at one concurrency
+  may not at another, or when replayed alone.
 * While a block runs, vLLM's ``/metrics`` are polled once a second (requests running and
-  waiting: how vLLM batched the calls) and its token counters are read before and after
-  (prompt and generated tokens per group). These counters are server-wide: other traffic to
-  the same vLLM during the run would show up in them (not in the timings' bookkeeping).
+  waiting: how vLLM batched the calls). Its request counter, read before and after each block,
+  tells whether other clients used the same vLLM meanwhile ("foreign reqs"): they would share
+  its batches, so the run says so. Other work on the machine (tests, a second vLLM) competes
+  for the same cores instead; the mean 1-minute load during each method's blocks is reported.
 
-Other engineers run tests on this machine, so before measuring the script waits (up to
-``--load-wait`` seconds) for the 1-minute load average to drop below ``--max-load``; the load
-at the start and end is recorded. Results go to ``--out`` as ``judge_throughput.json`` and, when
-matplotlib is installed, ``judge_throughput.png``. The script starts no processes; on Ctrl-C or
-SIGTERM it cancels its in-flight calls (vLLM aborts a request whose client went away).
+On a shared machine the numbers mean little while something else is busy, so before measuring
+the script waits (up to ``--load-wait`` seconds) for the 1-minute load average to drop below
+``--max-load``; the load at the start and end is recorded. Results go to ``--out`` as
+``judge_throughput.json`` and, when matplotlib is installed, ``judge_throughput.png``. The
+script starts no processes; on Ctrl-C or SIGTERM it cancels its in-flight calls (vLLM aborts a
+request whose client went away) and exits with 130.
 """
 
 from __future__ import annotations
@@ -52,6 +77,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -69,6 +95,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +124,7 @@ os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
 ALIAS = "bench"  # only labels GroupScorer's metrics
 SERVED_MODEL = "smollm2-135m-instruct"
 EXPLANATION_CHARS = 200
+PRODUCTION_TIMEOUT_S = JudgeSettings().judge_timeout_s
 
 console = Console(width=max(140, shutil.get_terminal_size((140, 40)).columns))
 
@@ -395,14 +423,21 @@ class Call:
     outcome: str  # "ok", "parse_<cause>", "timeout" or "error_<type>"
     latency_s: float
     scores: list[float] | None = None
+    # From the reply, when one came: "stop", or "length" when max_tokens cut it off.
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
 
 @dataclass
 class Block:
     method: str
+    concurrency: int
     groups: list[int]
     wall_s: float
+    span_s: float
     calls: list[Call]
+    filler_calls: int
     vllm: dict[str, float] = field(default_factory=dict)
 
 
@@ -413,7 +448,33 @@ class Job:
     run: Callable[[], Awaitable[list[float]]]
 
 
+# Filled in by the wrapper around litellm.acompletion for the call made in this task.
+_REPLY_INFO: ContextVar[dict[str, Any] | None] = ContextVar("reply_info", default=None)
+
+
+def recording(acompletion: Any) -> Any:
+    """``acompletion`` that also notes each reply's finish reason and token usage.
+
+    Installed as ``litellm.acompletion`` in this process, so GroupScorer.call_judge, which
+    returns only the parsed scores, is measured unchanged and still tells how its reply ended.
+    """
+
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        reply = await acompletion(*args, **kwargs)
+        info = _REPLY_INFO.get()
+        if info is not None:
+            with contextlib.suppress(AttributeError, IndexError, TypeError):
+                info["finish_reason"] = reply.choices[0].finish_reason
+                info["prompt_tokens"] = reply.usage.prompt_tokens
+                info["completion_tokens"] = reply.usage.completion_tokens
+        return reply
+
+    return wrapper
+
+
 async def timed(job: Job) -> Call:
+    info: dict[str, Any] = {}
+    _REPLY_INFO.set(info)  # each worker is its own task, so this context is the worker's
     started = time.perf_counter()
     scores: list[float] | None = None
     try:
@@ -425,30 +486,80 @@ async def timed(job: Job) -> Call:
         outcome = "timeout"
     except Exception as exc:  # litellm raises many types; one failed call must not end the run
         outcome = f"error_{type(exc).__name__}"
-    return Call(job.group, job.sample, outcome, time.perf_counter() - started, scores)
+    elapsed = time.perf_counter() - started
+    return Call(job.group, job.sample, outcome, elapsed, scores, **info)
 
 
-async def run_jobs(jobs: list[Job], concurrency: int) -> tuple[list[Call], float]:
-    """``concurrency`` closed-loop workers take the jobs in order; returns calls and wall time."""
+@dataclass
+class Run:
+    calls: list[Call]  # the measured calls
+    wall_s: float  # block start (warm-in included) to the end of the last measured call
+    span_s: float  # start of the first measured call to the end of the last
+    filler_started: int
+
+
+async def run_jobs(jobs: list[Job], filler: list[Job], concurrency: int) -> Run:
+    """Run ``jobs`` with exactly ``concurrency`` calls in flight from start to finish.
+
+    ``concurrency`` closed-loop workers: with more than one, each first makes one filler call
+    (so the measured calls start staggered, as in a running service, not in one burst), then
+    takes measured jobs in order, then makes filler calls until every measured call is back;
+    the filler calls still in flight are then cancelled. So every measured call runs in a batch
+    of ``concurrency`` calls of its own method, and none waits on a half-empty drain.
+    """
     pending = iter(jobs)
+    spare = itertools.cycle(filler)
     calls: list[Call] = []
+    all_back = asyncio.Event()
+    first_start: list[float] = []
+    filler_started = 0
+
+    async def fill() -> None:
+        nonlocal filler_started
+        filler_started += 1
+        await timed(next(spare))
 
     async def worker() -> None:
+        if concurrency > 1:
+            await fill()
         for job in pending:
+            first_start.append(time.perf_counter())
             calls.append(await timed(job))
+            if len(calls) == len(jobs):
+                all_back.set()
+        while not all_back.is_set():
+            await fill()
 
     started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return calls, time.perf_counter() - started
+    workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    waiter = asyncio.create_task(all_back.wait())
+    try:
+        # A worker only ends before all_back by raising: surface that instead of hanging.
+        done, _ = await asyncio.wait([waiter, *workers], return_when=asyncio.FIRST_COMPLETED)
+        ended = time.perf_counter()
+        if not all_back.is_set():
+            for task in done:
+                task.result()
+    finally:
+        for task in [waiter, *workers]:
+            task.cancel()
+        await asyncio.gather(waiter, *workers, return_exceptions=True)
+    return Run(calls, ended - started, ended - min(first_start), filler_started)
 
 
 class Judges:
     """The two methods, each turned into a list of judge calls for a set of groups."""
 
     def __init__(
-        self, acompletion: Any, api_base: str, served: str, settings: JudgeSettings
+        self,
+        acompletion: Any,
+        api_base: str,
+        served: str,
+        settings: JudgeSettings,
+        pointwise_max_tokens: int,
     ) -> None:
         self.acompletion = acompletion
+        self.pointwise_max_tokens = pointwise_max_tokens
         self.api_base = api_base
         self.settings = settings
         self.reward = RewardConfig(judge_model=f"hosted_vllm/{served}")
@@ -476,7 +587,7 @@ class Judges:
                 api_base=self.api_base,
                 api_key="unused",
                 temperature=0.0,
-                max_tokens=self.settings.judge_max_tokens,
+                max_tokens=self.pointwise_max_tokens,
                 num_retries=0,
             ),
             timeout=self.settings.judge_timeout_s,
@@ -487,6 +598,7 @@ class Judges:
 # ---- vLLM and machine observations ------------------------------------------------------------
 
 VLLM_COUNTERS = (
+    "request_success_total",  # all finish reasons: more than our calls means other traffic
     "prompt_tokens_total",
     "generation_tokens_total",
     "prefix_cache_queries_total",
@@ -506,12 +618,15 @@ def http_get(url: str, timeout_s: float = 3.0) -> tuple[int, bytes]:
 
 
 def vllm_metrics(base_url: str, served: str) -> dict[str, float]:
-    """vLLM's unlabelled-by-reason counters and gauges for the served model, summed over engines."""
+    """vLLM's counters and gauges for the served model, summed over engines and finish reasons."""
     _, body = http_get(base_url + "/metrics")
     found: dict[str, float] = {}
     for name, labels, value in _SAMPLE_LINE.findall(body.decode(errors="replace")):
-        names = {part.split("=", 1)[0] for part in labels.split(",") if part}
-        if f'model_name="{served}"' in labels and names == {"engine", "model_name"}:
+        keys = {part.split("=", 1)[0] for part in labels.split(",") if part}
+        summed = {"engine", "model_name"} | (
+            {"finished_reason"} if name == "request_success_total" else set()
+        )
+        if f'model_name="{served}"' in labels and keys == summed:
             found[name] = found.get(name, 0.0) + float(value)
     return found
 
@@ -539,13 +654,20 @@ def _finite(values: list[float]) -> list[float]:
 
 
 async def run_block(
-    judges: Judges, method: str, groups: list[Group], concurrency: int, base_url: str, served: str
+    judges: Judges,
+    method: str,
+    groups: list[Group],
+    filler: list[Group],
+    concurrency: int,
+    base_url: str,
+    served: str,
 ) -> Block:
     before = await asyncio.to_thread(vllm_metrics, base_url, served)
     polled: list[dict[str, float]] = []
     poller = asyncio.create_task(observe(base_url, served, polled))
     try:
-        calls, wall = await run_jobs(judges.jobs(method, groups), concurrency)
+        jobs, spare = judges.jobs(method, groups), judges.jobs(method, filler)
+        run = await run_jobs(jobs, spare, concurrency)
     finally:
         poller.cancel()
         await asyncio.gather(poller, return_exceptions=True)
@@ -559,7 +681,18 @@ async def run_block(
         waiting_max=max(waiting, default=math.nan),
         load1_mean=statistics.fmean(p["load1"] for p in polled) if polled else math.nan,
     )
-    return Block(method, [g.index for g in groups], wall, calls, vllm)
+    started = len(run.calls) + run.filler_started
+    vllm["foreign_requests"] = max(0.0, vllm["request_success_total"] - started)
+    return Block(
+        method,
+        concurrency,
+        [g.index for g in groups],
+        run.wall_s,
+        run.span_s,
+        run.calls,
+        run.filler_started,
+        vllm,
+    )
 
 
 # ---- summarising ------------------------------------------------------------------------------
@@ -569,25 +702,31 @@ async def run_block(
 class MethodStats:
     groups: int
     calls: int
-    wall_s: float
-    groups_per_min: float
-    scored_groups: int  # groups whose every call parsed
+    groups_per_min: float  # at a steady `concurrency` calls in flight (Little's law)
+    mean_latency_s: float
     latency_p50_s: float
     latency_p95_s: float
+    scored_groups: int  # groups whose every call parsed
     parse_failures: int
     timeouts_and_errors: int
     failures_by_cause: dict[str, int]
+    cut_at_max_tokens: int  # replies that ended with finish_reason "length"
+    over_production_timeout: int  # calls slower than JudgeSettings().judge_timeout_s
+    # From the replies' usage (exact, per method):
     prompt_tokens_per_group: float
     generated_tokens_per_group: float
+    # From vLLM's /metrics (server-wide: see foreign_requests):
     prefix_cache_hit_rate: float
     vllm_running_mean: float
     vllm_running_max: float
     vllm_waiting_max: float
+    foreign_requests: int  # requests vLLM finished during the blocks that were not ours
     load1_mean: float
     # Of the answer pairs of different intended quality, the share the judge orders the same
     # way (ties count half); over fully scored groups. A sanity check, not a judge evaluation.
     agreement: float | None
-    wall_by_block_s: list[float]
+    filler_calls: int  # started to keep the batch full; not measured
+    wall_by_block_s: list[float]  # block start, filler warm-in included, to the last measured end
 
 
 @dataclass
@@ -621,45 +760,63 @@ def agreement(groups: dict[int, Group], scores: dict[int, list[float]]) -> float
     return agreed / total if total else None
 
 
+def group_scores(blocks: list[Block], size: int) -> dict[int, list[float]]:
+    """The scores of every group whose calls all parsed, in the group's sample order."""
+    per_group: dict[int, list[float | None]] = {i: [None] * size for b in blocks for i in b.groups}
+    for call in (c for b in blocks for c in b.calls if c.scores is not None):
+        assert call.scores is not None
+        if call.sample is None:
+            per_group[call.group] = list(call.scores)
+        else:
+            per_group[call.group][call.sample] = call.scores[0]
+    return {
+        index: [x for x in scores if x is not None]
+        for index, scores in per_group.items()
+        if None not in scores
+    }
+
+
+def _mean(values: list[float]) -> float:
+    values = _finite(values)
+    return statistics.fmean(values) if values else math.nan
+
+
 def summarise(blocks: list[Block], groups: dict[int, Group], size: int) -> MethodStats:
     calls = [c for b in blocks for c in b.calls]
-    latencies = [c.latency_s for c in calls if c.outcome == "ok" or c.outcome.startswith("parse_")]
+    latencies = [c.latency_s for c in calls]
     failed = Counter(c.outcome for c in calls if c.outcome != "ok")
-    per_group: dict[int, list[float | None]] = {i: [None] * size for b in blocks for i in b.groups}
-    for c in calls:
-        if c.scores is not None and c.sample is None:
-            per_group[c.group] = list(c.scores)
-        elif c.scores is not None and c.sample is not None:
-            per_group[c.group][c.sample] = c.scores[0]
-    scored = {i: [x for x in s if x is not None] for i, s in per_group.items() if None not in s}
+    scored = group_scores(blocks, size)
     n_groups = sum(len(b.groups) for b in blocks)
-    wall = sum(b.wall_s for b in blocks)
-
-    def total(name: str) -> float:
-        return sum(b.vllm[name] for b in blocks)
-
-    queries = total("prefix_cache_queries_total")
+    concurrency = blocks[0].concurrency
+    mean_latency = statistics.fmean(latencies)
+    # Little's law: with `concurrency` calls always in flight, calls finish at concurrency /
+    # mean latency per second; a group takes calls / groups of them (1 for RULER, K pointwise).
+    groups_per_min = 60.0 * concurrency / mean_latency / (len(calls) / n_groups)
+    queries = sum(b.vllm["prefix_cache_queries_total"] for b in blocks)
+    hits = sum(b.vllm["prefix_cache_hits_total"] for b in blocks)
     return MethodStats(
         groups=n_groups,
         calls=len(calls),
-        wall_s=round(wall, 3),
-        groups_per_min=60.0 * n_groups / wall,
-        scored_groups=len(scored),
+        groups_per_min=groups_per_min,
+        mean_latency_s=mean_latency,
         latency_p50_s=quantile(latencies, 0.50),
         latency_p95_s=quantile(latencies, 0.95),
+        scored_groups=len(scored),
         parse_failures=sum(n for k, n in failed.items() if k.startswith("parse_")),
         timeouts_and_errors=sum(n for k, n in failed.items() if not k.startswith("parse_")),
         failures_by_cause=dict(failed),
-        prompt_tokens_per_group=total("prompt_tokens_total") / n_groups,
-        generated_tokens_per_group=total("generation_tokens_total") / n_groups,
-        prefix_cache_hit_rate=total("prefix_cache_hits_total") / queries if queries else math.nan,
-        vllm_running_mean=statistics.fmean(_finite([b.vllm["running_mean"] for b in blocks]))
-        if _finite([b.vllm["running_mean"] for b in blocks])
-        else math.nan,
+        cut_at_max_tokens=sum(1 for c in calls if c.finish_reason == "length"),
+        over_production_timeout=sum(1 for c in calls if c.latency_s > PRODUCTION_TIMEOUT_S),
+        prompt_tokens_per_group=sum(c.prompt_tokens or 0 for c in calls) / n_groups,
+        generated_tokens_per_group=sum(c.completion_tokens or 0 for c in calls) / n_groups,
+        prefix_cache_hit_rate=hits / queries if queries else math.nan,
+        vllm_running_mean=_mean([b.vllm["running_mean"] for b in blocks]),
         vllm_running_max=max(_finite([b.vllm["running_max"] for b in blocks]), default=math.nan),
         vllm_waiting_max=max(_finite([b.vllm["waiting_max"] for b in blocks]), default=math.nan),
-        load1_mean=statistics.fmean(b.vllm["load1_mean"] for b in blocks),
+        foreign_requests=round(sum(b.vllm["foreign_requests"] for b in blocks)),
+        load1_mean=_mean([b.vllm["load1_mean"] for b in blocks]),
         agreement=agreement(groups, scored),
+        filler_calls=sum(b.filler_calls for b in blocks),
         wall_by_block_s=[round(b.wall_s, 2) for b in blocks],
     )
 
@@ -672,29 +829,31 @@ ORDER = (("ruler", 0), ("pointwise", 0), ("pointwise", 1), ("ruler", 1))
 METHODS = ("ruler", "pointwise")
 
 
-def groups_at(concurrency: int, minimum: int) -> int:
-    """Groups per method at one concurrency: two blocks, each big enough to fill every slot."""
-    n = max(minimum, 2 * concurrency)
-    return n + n % 2
+# Filler groups are numbered from here, far from the measured ones (a multiple of the number
+# of prompts, so filler has the same mix of prompts).
+FILLER_BASE = 1_000_000
 
 
 @dataclass
 class Level:
     concurrency: int
-    groups: list[Group]
+    groups: list[Group]  # measured, by both methods
+    filler: list[Group]  # judged only to keep every slot busy, by both methods alike
 
 
 def plan_levels(args: argparse.Namespace, rubric: str) -> tuple[list[Level], Group]:
     """Each concurrency gets its own slice of the group sequence; the warm-up group comes last."""
-    levels, offset = [], 0
+    levels, offset, filler_offset = [], 0, FILLER_BASE
     for c in args.concurrency:
-        n = groups_at(c, args.groups)
-        levels.append(
-            Level(
-                c, [build_group(offset + i, args.group_size, args.seed, rubric) for i in range(n)]
-            )
-        )
-        offset += n
+        # Measured calls run side by side, so at a high concurrency more groups cost little.
+        n = max(args.groups, c)
+        n += n % 2
+        size, seed = args.group_size, args.seed
+        measured = [build_group(offset + i, size, seed, rubric) for i in range(n)]
+        spare = max(4, c) if c > 1 else 0
+        filler = [build_group(filler_offset + i, size, seed, rubric) for i in range(spare)]
+        levels.append(Level(c, measured, filler))
+        offset, filler_offset = offset + n, filler_offset + spare
     return levels, build_group(offset, args.group_size, args.seed, rubric)
 
 
@@ -707,7 +866,7 @@ async def measure(
     url, served = args.vllm_url, args.model
     with console.status("warming up: one group with each method (not measured)"):
         for method in METHODS:
-            block = await run_block(judges, method, [warmup], 1, url, served)
+            block = await run_block(judges, method, [warmup], [], 1, url, served)
             outcomes = Counter(c.outcome for c in block.calls)
             console.print(f"  warm-up {method}: {block.wall_s:.1f} s, {dict(outcomes)}")
     results, all_blocks = [], []
@@ -718,14 +877,16 @@ async def measure(
         for method, part in ORDER:
             label = f"c={c} {method} block {len(blocks[method]) + 1} ({half} groups)"
             with console.status(f"measuring {label}"):
-                block = await run_block(judges, method, halves[part], c, url, served)
+                block = await run_block(judges, method, halves[part], level.filler, c, url, served)
             blocks[method].append(block)
             all_blocks.append(block)
             bad = sum(1 for call in block.calls if call.outcome != "ok")
+            cut = sum(1 for call in block.calls if call.finish_reason == "length")
+            mean = statistics.fmean(call.latency_s for call in block.calls)
             console.print(
-                f"  {label}: {block.wall_s:.1f} s, {60 * half / block.wall_s:.1f} groups/min, "
-                f"{len(block.calls)} calls ({bad} not ok), vLLM running max "
-                f"{block.vllm['running_max']:.0f}"
+                f"  {label}: {block.wall_s:.1f} s; {len(block.calls)} calls, mean {mean:.1f} s, "
+                f"{bad} not ok, {cut} cut at max_tokens; {block.filler_calls} filler; "
+                f"vLLM running {block.vllm['running_mean']:.1f}"
             )
         by_index = {g.index: g for g in level.groups}
         ruler = summarise(blocks["ruler"], by_index, args.group_size)
@@ -749,19 +910,19 @@ def _fails(s: MethodStats) -> str:
 
 def print_tables(results: list[Result], size: int, model: str) -> None:
     table = Table(
-        title=f"Judge throughput, {model}: RULER (1 call per group of {size}) "
+        title=f"Judge throughput, {model} on CPU vLLM: RULER (1 call per group of {size}) "
         f"vs pointwise ({size} calls per group)"
     )
-    table.add_column("calls in flight", justify="right")
-    table.add_column("groups / method", justify="right")
     for col in (
-        "RULER groups/min",
-        "pointwise groups/min",
-        "RULER / pointwise",
-        "RULER call p50 / p95 s",
-        "pointwise call p50 / p95 s",
-        "RULER parse fails",
-        "pointwise parse fails",
+        "in flight",
+        "groups",
+        "RULER g/min",
+        "pointwise g/min",
+        "RULER/pw",
+        "RULER p50/p95 s",
+        "pw p50/p95 s",
+        "RULER parse fail",
+        "pw parse fail",
     ):
         table.add_column(col, justify="right")
     for r in results:
@@ -778,18 +939,20 @@ def print_tables(results: list[Result], size: int, model: str) -> None:
         )
     console.print(table)
 
-    detail = Table(title="Per method: vLLM's view (server counters) and a sanity check")
-    for col in ("calls in flight", "method"):
-        detail.add_column(col)
+    detail = Table(title="Per method: tokens from the replies, batching from vLLM's /metrics")
+    detail.add_column("in flight", justify="right")
+    detail.add_column("method")
     for col in (
-        "prompt tok / group",
-        "generated tok / group",
-        "prefix cache hits",
-        "vLLM running mean / max",
-        "vLLM waiting max",
-        "load1 mean",
-        "block walls s",
-        "agreement",
+        "prompt tok/grp",
+        "gen tok/grp",
+        "cut at max_tokens",
+        f"over {PRODUCTION_TIMEOUT_S:.0f} s",
+        "vLLM running mean/max",
+        "waiting max",
+        "foreign reqs",
+        "load1",
+        "mean call s",
+        "agree",
     ):
         detail.add_column(col, justify="right")
     for r in results:
@@ -799,18 +962,32 @@ def print_tables(results: list[Result], size: int, model: str) -> None:
                 name,
                 f"{s.prompt_tokens_per_group:.0f}",
                 f"{s.generated_tokens_per_group:.0f}",
-                f"{s.prefix_cache_hit_rate:.0%}",
+                f"{s.cut_at_max_tokens}/{s.calls}",
+                str(s.over_production_timeout),
                 f"{s.vllm_running_mean:.1f} / {s.vllm_running_max:.0f}",
                 f"{s.vllm_waiting_max:.0f}",
+                str(s.foreign_requests),
                 f"{s.load1_mean:.2f}",
-                ", ".join(f"{w:.1f}" for w in s.wall_by_block_s),
+                f"{s.mean_latency_s:.1f}",
                 "-" if s.agreement is None else f"{s.agreement:.2f}",
             )
     console.print(detail)
     console.print(
-        "agreement: of the answer pairs of different intended quality in fully scored groups, "
-        "the share the judge orders the same way (ties count half; 0.50 = no signal)."
+        "g/min: groups judged per minute with that many calls always in flight, = 60 x calls "
+        "in flight / mean call latency / calls per group (a reply that does not parse still "
+        "counts; parse fails are failed calls / calls). p50/p95: latency of one judge call. "
+        "agree: of the "
+        "answer pairs of different intended quality in fully scored groups, the share the "
+        "judge orders the same way (ties count half, 0.50 = no signal). foreign reqs: requests "
+        "vLLM finished during the blocks that were not this run's. over "
+        f"{PRODUCTION_TIMEOUT_S:.0f} s: calls slower than production's judge_timeout_s."
     )
+    foreign = sum(s.foreign_requests for r in results for s in (r.ruler, r.pointwise))
+    if foreign:
+        console.print(
+            f"[yellow]{foreign} requests from other clients reached the judge's vLLM during the "
+            "measurement: they shared its batches, so these numbers are noisier than usual"
+        )
 
 
 def write_plot(out: Path, results: list[Result]) -> Path | None:
@@ -904,11 +1081,17 @@ def parse_args() -> argparse.Namespace:
         "--groups",
         type=int,
         default=8,
-        help="groups each method judges per concurrency (raised to 2 x concurrency)",
+        help="groups each method judges per concurrency (raised to the concurrency)",
     )
     parser.add_argument("--group-size", type=int, default=4, help="K, answers per group")
     parser.add_argument("--concurrency", type=_concurrency_list, default=[1, 4, 16])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=JudgeSettings().judge_max_tokens,
+        help="judge_max_tokens of a RULER call; a pointwise call gets a group-size-th of it",
+    )
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="judge_timeout_s of each call (both methods)"
     )
@@ -1013,11 +1196,16 @@ def main() -> int:
     import litellm  # after LITELLM_LOCAL_MODEL_COST_MAP is set
 
     litellm.suppress_debug_info = True
+    litellm.acompletion = recording(litellm.acompletion)  # see recording(): notes finish reasons
     logging.getLogger("LiteLLM").setLevel(logging.ERROR)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = run_metadata(args, getattr(litellm, "__version__", "") or _dist_version("litellm"))
-    settings = JudgeSettings(judge_timeout_s=args.timeout)
-    judges = Judges(litellm.acompletion, args.vllm_url + "/v1", args.model, settings)
+    settings = JudgeSettings(judge_timeout_s=args.timeout, judge_max_tokens=args.max_tokens)
+    pointwise_max_tokens = max(16, args.max_tokens // args.group_size)
+    meta.update(ruler_max_tokens=args.max_tokens, pointwise_max_tokens=pointwise_max_tokens)
+    judges = Judges(
+        litellm.acompletion, args.vllm_url + "/v1", args.model, settings, pointwise_max_tokens
+    )
     levels, warmup = plan_levels(args, judges.reward.rubric)
     console.print(
         f"judge {judges.reward.judge_model} at {judges.api_base}; K={args.group_size}; groups "
