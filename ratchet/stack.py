@@ -168,6 +168,10 @@ def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> P
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         "hermes",
+        # JSON without free whitespace: a small model under a grammar otherwise pads with
+        # newlines until max_tokens (measured: 3-6% of judge calls with SmolLM2).
+        "--structured-outputs-config",
+        '{"backend": "xgrammar", "disable_any_whitespace": true}',
         "--disable-uvicorn-access-log",
     ]
     env = {
