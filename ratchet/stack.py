@@ -201,34 +201,32 @@ def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> P
     )
 
 
-def proxy_part(settings: RatchetSettings, config: Path | None) -> Part:
-    host, port = settings.proxy.host, settings.proxy.port
-    command = [sys.executable, "-m", "ratchet", "proxy"]
+def service_part(
+    name: str, config: Path | None, address: str, health_url: str, stop_timeout_s: float
+) -> Part:
+    """A Ratchet service (`ratchet <name> --config ...`) as a supervised part."""
+    command = [sys.executable, "-m", "ratchet", name]
     if config is not None:
         command += ["--config", str(config)]
     return Part(
-        name="proxy",
+        name=name,
         command=command,
-        address=f"http://{host}:{port}/v1",
-        is_ready=lambda: http_ok(f"http://{host}:{port}/readyz"),
+        address=address,
+        is_ready=lambda: http_ok(health_url),
         ready_timeout_s=60,
-        stop_timeout_s=35,
+        stop_timeout_s=stop_timeout_s,
     )
+
+
+def proxy_part(settings: RatchetSettings, config: Path | None) -> Part:
+    base = f"http://{settings.proxy.host}:{settings.proxy.port}"
+    # Long enough for in-flight streams to finish and the log queue to drain.
+    return service_part("proxy", config, f"{base}/v1", f"{base}/readyz", stop_timeout_s=35)
 
 
 def judge_part(settings: RatchetSettings, config: Path | None) -> Part:
-    host, port = settings.judge.metrics_host, settings.judge.metrics_port
-    command = [sys.executable, "-m", "ratchet", "judge"]
-    if config is not None:
-        command += ["--config", str(config)]
-    return Part(
-        name="judge",
-        command=command,
-        address=f"http://{host}:{port}/metrics",
-        is_ready=lambda: http_ok(f"http://{host}:{port}/metrics"),
-        ready_timeout_s=60,
-        stop_timeout_s=30,
-    )
+    metrics = f"http://{settings.judge.metrics_host}:{settings.judge.metrics_port}/metrics"
+    return service_part("judge", config, metrics, metrics, stop_timeout_s=30)
 
 
 class Stack:
