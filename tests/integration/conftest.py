@@ -84,6 +84,11 @@ class Embedded:
             consumer.close()
         return found
 
+    def live_version(self) -> int:
+        """The version the proxy says it serves for ALIAS (other tests add other aliases)."""
+        card = httpx.get(f"{self.proxy_url}/v1/models/{ALIAS}").json()
+        return int(card["ratchet"]["active_version"])
+
     def metric(self, name: str) -> float:
         text = httpx.get(f"{self.proxy_url}/metrics").text
         total = 0.0
