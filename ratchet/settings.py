@@ -297,6 +297,7 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> RatchetSe
         # An explicit path that names no file is a typo, not a request for the defaults.
         raise ConfigError(f"config file {config_path()} (from RATCHET_CONFIG) does not exist")
     _config_file = Path(path) if path is not None else None
+    source = _config_file or config_path()
     try:
         return RatchetSettings(**overrides)
     except ValidationError as exc:
@@ -307,9 +308,11 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> RatchetSe
                 continue
             where = ".".join(str(part) for part in err["loc"])
             env = "RATCHET_" + "__".join(str(p).upper() for p in err["loc"] if isinstance(p, str))
-            source = _config_file or config_path()
             lines.append(f"  {where}: {err['msg']} (set it in {source} or {env})")
         raise ConfigError("invalid Ratchet settings:\n" + "\n".join(lines)) from None
+    finally:
+        # Only this call reads that file: a later RatchetSettings() must not inherit it.
+        _config_file = None
 
 
 DEFAULT_CONFIG_YAML = """\

@@ -264,3 +264,12 @@ def test_cross_field_error_names_real_env_vars_only() -> None:
     names = re.findall(r"RATCHET_[A-Z0-9_]*", str(info.value))
     assert names, "the message should name the variable to set"
     assert all(n != "RATCHET_" for n in names), str(info.value)
+
+
+def test_a_config_file_read_once_is_not_inherited(tmp_path: Path) -> None:
+    """Found by a full run: a later RatchetSettings() picked up the file an earlier call read."""
+    other = tmp_path / "other.yaml"
+    other.write_text("aliases:\n  other: {}\nvllm_url: http://127.0.0.1:1\n")
+    assert set(load_settings(other).aliases) == {"other"}
+    fresh = RatchetSettings()
+    assert set(fresh.aliases) == {"support"} and fresh.vllm_url == "http://127.0.0.1:8401"
