@@ -6,7 +6,7 @@ Run it from the repository root, with the embedded vLLM up (this script never st
 
 Method
 ------
-RULER scores a whole group of K answers in one judge call (``judge/ruler.py``). Its peer is
+RULER scores a whole group of K answers in one judge call (``ratchet/ruler.py``). Its peer is
 the common alternative, a *pointwise* judge: one call per answer, with the same judge model,
 the same rubric, the same defences against injection (data embedded as JSON with ``<``
 escaped) and a small structured reply ``{"explanation": str (<= 200 chars), "score": 0..1}``.
@@ -108,14 +108,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: judge/ and ratchet/ import
 
 from judge.metrics import JudgeMetrics  # noqa: E402
-from judge.ruler import (  # noqa: E402
+from judge.scoring import GroupScorer  # noqa: E402
+from ratchet.ruler import (  # noqa: E402
     JudgeReplyError,
     JudgeRequest,
     build_judge_request,
     render_sample,
     strip_code_fence,
 )
-from judge.scoring import GroupScorer  # noqa: E402
 from ratchet.settings import JudgeSettings, RewardConfig  # noqa: E402
 
 # litellm would download its model price list at import; it must be set before litellm loads.

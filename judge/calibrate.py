@@ -27,8 +27,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from judge.metrics import JudgeMetrics
-from judge.ruler import JudgeReplyError, build_judge_request
 from judge.scoring import GroupScorer
+from ratchet.ruler import JudgeReplyError, build_judge_request
 from ratchet.settings import RatchetSettings, RewardConfig
 
 

@@ -1,7 +1,7 @@
 """Scoring a sampled group: RULER through litellm (cached, retried), a verifier, or both.
 
 The pure parts (building the judge request, parsing its reply, verifier checks) live in
-judge/ruler.py and judge/verifiers.py; this module adds the network, the cache and the retries.
+ratchet/ruler.py and ratchet/verifiers.py; this module adds the network, the cache and the retries.
 """
 
 from __future__ import annotations
@@ -20,17 +20,18 @@ import redis
 import redis.asyncio as aioredis
 
 from judge.metrics import JudgeMetrics
-from judge.ruler import (
+from ratchet.ruler import (
     JudgeReplyError,
     JudgeRequest,
     JudgeScores,
     build_judge_request,
     cache_key,
+    judge_endpoint,
     parse_judge_reply,
 )
-from judge.ruler import rubric_hash as hash_rubric
-from judge.verifiers import VerifierError, combine, load_verifier, run_verifier
+from ratchet.ruler import rubric_hash as hash_rubric
 from ratchet.settings import JudgeSettings, RewardConfig
+from ratchet.verifiers import VerifierError, combine, load_verifier, run_verifier
 
 log = logging.getLogger(__name__)
 
@@ -160,30 +161,12 @@ class GroupScorer:
                 temperature=0.0,
                 max_tokens=self.settings.judge_max_tokens,
                 num_retries=0,
-                **self.endpoint(reward.judge_model),
+                **judge_endpoint(self.settings, reward.judge_model, self.default_api_base),
             ),
             timeout=self.settings.judge_timeout_s,
         )
         self.metrics.judge_latency.labels(alias).observe(time.perf_counter() - started)
         return parse_judge_reply(reply.choices[0].message.content or "", request)
-
-    def endpoint(self, judge_model: str) -> dict[str, str]:
-        """Where litellm sends a judge call, and with which key.
-
-        An explicit judge_api_base / judge_api_key wins. Otherwise a ``hosted_vllm/`` model is
-        the vLLM Ratchet serves from (which needs no key), and any other provider is left to
-        litellm's own defaults and environment (OPENAI_API_KEY, ANTHROPIC_API_KEY, ...).
-        """
-        options: dict[str, str] = {}
-        if self.settings.judge_api_base:
-            options["api_base"] = self.settings.judge_api_base
-        elif judge_model.startswith("hosted_vllm/"):
-            options["api_base"] = self.default_api_base
-        if self.settings.judge_api_key:
-            options["api_key"] = self.settings.judge_api_key.get_secret_value()
-        elif judge_model.startswith("hosted_vllm/"):
-            options["api_key"] = "unused"  # vLLM without --api-key accepts any
-        return options
 
     async def _judge(
         self,

@@ -15,8 +15,8 @@ import redis
 import redis.asyncio as aioredis
 
 from judge.metrics import JudgeMetrics
-from judge.ruler import JudgeRequest, JudgeScores
 from judge.scoring import GroupScorer
+from ratchet.ruler import JudgeRequest, JudgeScores
 from ratchet.settings import JudgeSettings, RewardConfig
 from ratchet.stack import redis_server_binary
 

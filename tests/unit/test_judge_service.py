@@ -11,11 +11,11 @@ import pytest
 
 from judge import calibrate as cal
 from judge.metrics import JudgeMetrics
-from judge.ruler import JudgeReplyError, JudgeRequest, JudgeScores
 from judge.sampler import SamplingError, parse_group, prompt_of, sampling_body
 from judge.scoring import GroupScorer, ScoringError
 from judge.service import JudgeService, Skip, fraction_of, group_id_of, is_heldout
 from ratchet.records import TrafficRecord
+from ratchet.ruler import JudgeReplyError, JudgeRequest, JudgeScores, judge_endpoint
 from ratchet.settings import AliasConfig, JudgeSettings, RatchetSettings, RewardConfig
 
 PROMPT = [{"role": "user", "content": "q"}]
@@ -220,7 +220,7 @@ def test_bad_replies_are_retried_then_the_group_is_dropped_with_the_cause(
 
 
 def test_verifier_and_mixed_rewards() -> None:
-    verifier = RewardConfig(kind="verifier", verifier="judge.examples:exact_json_fields")
+    verifier = RewardConfig(kind="verifier", verifier="ratchet.examples:exact_json_fields")
     prompt = [{"role": "user", "content": 'Extract.\nEXPECTED: {"a": 1, "b": 2}'}]
     score = run(
         ScriptedScorer([]).score(
@@ -229,7 +229,7 @@ def test_verifier_and_mixed_rewards() -> None:
     )
     assert score.rewards == [1.0, 0.5, 0.0] and score.judge_model is None
     mixed = RewardConfig(
-        kind="mixed", verifier="judge.examples:exact_json_fields", ruler_weight=0.5
+        kind="mixed", verifier="ratchet.examples:exact_json_fields", ruler_weight=0.5
     )
     score = run(
         ScriptedScorer([[0.0, 1.0]]).score(
@@ -240,7 +240,7 @@ def test_verifier_and_mixed_rewards() -> None:
 
 
 def test_a_failing_verifier_drops_the_group_with_a_cause() -> None:
-    broken = RewardConfig(kind="verifier", verifier="judge.examples:no_such_function")
+    broken = RewardConfig(kind="verifier", verifier="ratchet.examples:no_such_function")
     with pytest.raises(ScoringError) as failed:
         run(ScriptedScorer([]).score("a", broken, PROMPT, None, answers("x", "y")))
     assert failed.value.cause.startswith("verifier_")
@@ -287,17 +287,15 @@ def test_labels_file_errors_name_the_line(tmp_path: Any) -> None:
 
 def test_judge_endpoint_defaults_and_overrides() -> None:
     settings = RatchetSettings()
-    scorer = GroupScorer(settings.judge, settings.vllm_url + "/v1", None, JudgeMetrics())
+    default_base = settings.vllm_url + "/v1"
     # The default judge is the embedded vLLM; other providers keep litellm's own defaults.
-    assert scorer.endpoint("hosted_vllm/m") == {
+    assert judge_endpoint(settings.judge, "hosted_vllm/m", default_base) == {
         "api_base": "http://127.0.0.1:8401/v1",
         "api_key": "unused",
     }
-    assert scorer.endpoint("openai/gpt-4o-mini") == {}
-    custom = GroupScorer(
-        JudgeSettings(judge_api_base="http://judge:9/v1", judge_api_key="sk-j"),
-        "http://unused",
-        None,
-        JudgeMetrics(),
-    )
-    assert custom.endpoint("openai/x") == {"api_base": "http://judge:9/v1", "api_key": "sk-j"}
+    assert judge_endpoint(settings.judge, "openai/gpt-4o-mini", default_base) == {}
+    custom = JudgeSettings(judge_api_base="http://judge:9/v1", judge_api_key="sk-j")
+    assert judge_endpoint(custom, "openai/x", "http://unused") == {
+        "api_base": "http://judge:9/v1",
+        "api_key": "sk-j",
+    }

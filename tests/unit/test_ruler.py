@@ -1,4 +1,4 @@
-"""judge.ruler: the request a RULER judge sees, and the strict mapping of its reply back by id."""
+"""ratchet.ruler: the request a RULER judge sees, and the strict mapping of its reply back by id."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from judge import ruler
-from judge.ruler import (
+from ratchet import ruler, settings
+from ratchet.ruler import (
     DEFAULT_RUBRIC,
     JudgeReplyError,
     JudgeRequest,
@@ -22,7 +22,6 @@ from judge.ruler import (
     rubric_hash,
     strip_code_fence,
 )
-from ratchet import settings
 
 SYSTEM_TEXT = "You are the support bot of Acme Widgets. Answer in at most two sentences."
 QUESTION = "How do I reset the password of my Acme account?"

@@ -1,4 +1,4 @@
-"""judge.verifiers and judge.examples: loading, running and mixing programmatic rewards."""
+"""ratchet.verifiers and ratchet.examples: loading, running and mixing programmatic rewards."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from judge.examples import exact_json_fields
-from judge.verifiers import VerifierError, combine, load_verifier, run_verifier
+from ratchet.examples import exact_json_fields
+from ratchet.verifiers import VerifierError, combine, load_verifier, run_verifier
 
 PROMPT: list[dict[str, Any]] = [{"role": "user", "content": "Say hi."}]
 SAMPLE: dict[str, Any] = {"role": "assistant", "content": "hi"}
@@ -95,7 +95,7 @@ def test_load_a_dotted_attribute(module: str) -> None:
 
 
 def test_load_the_shipped_example() -> None:
-    assert load_verifier("judge.examples:exact_json_fields") is exact_json_fields
+    assert load_verifier("ratchet.examples:exact_json_fields") is exact_json_fields
 
 
 @pytest.mark.parametrize("spec", ["no_colon", ":good", "json:", ""])

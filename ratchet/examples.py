@@ -10,7 +10,7 @@ import json
 import re
 from typing import Any
 
-from judge.ruler import strip_code_fence
+from ratchet.ruler import strip_code_fence
 
 _EXPECTED_LINE = re.compile(r"^[ \t]*EXPECTED:[ \t]*(.*?)[ \t]*$", re.MULTILINE)
 
