@@ -129,6 +129,9 @@ class JudgeService:
             ], [seen]
 
         route = await self._route(record.alias, config)
+        if route.paused:
+            # The learner would drop the group: don't spend vLLM and judge time sampling it.
+            raise Skip("learning_paused")
         served = served_name(record.alias, route.active, route.base_model)
         body = sampling_body(
             served, prompt, record.request, config.learning.group_size, config.sampling

@@ -53,7 +53,7 @@ def _settings(config: Path | None) -> RatchetSettings:
 
 @app.command()
 def up(config: ConfigOption = None) -> None:
-    """Run the whole loop on this machine: broker, Redis, vLLM (CPU), proxy."""
+    """Run the whole loop on this machine: broker, Redis, vLLM (CPU), proxy, judge, learner."""
     from ratchet.model import prepare_model
     from ratchet.settings import write_default_config
     from ratchet.stack import PartFailed, create_topics, embedded_stack, read_state
@@ -267,6 +267,10 @@ def _print_routes(routes: dict[str, AliasRoute]) -> None:
             route.updated_at or "-",
         )
     console.print(table)
+
+
+# The learner's commands live in their own module; importing it registers them on `app`.
+from ratchet import cli_learning  # noqa: E402, F401
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -129,14 +130,34 @@ class RegistryWriter:
                 routes[name] = route
         return routes
 
-    def write(self, route: AliasRoute, event: LifecycleEvent | None = None) -> AliasRoute:
-        route = replace(route, updated_at=utc_now())
+    def write(
+        self,
+        route: AliasRoute | None,
+        event: LifecycleEvent | None = None,
+        *,
+        alias: str | None = None,
+        also: Callable[[Any], None] | None = None,
+    ) -> AliasRoute | None:
+        """Change a route and/or append an event to the alias's history, in one transaction.
+
+        ``route=None`` appends the event only (``alias`` names whose history). ``also(pipe)`` may
+        queue more commands into the same MULTI, so a caller's own state (the learner's trained
+        group ids) is stored atomically with the outcome it belongs to.
+        """
+        name = route.alias if route is not None else alias or (event.alias if event else None)
+        if name is None:
+            raise ValueError("write() needs a route, an alias or an event")
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(alias_key(route.alias), mapping=route.to_hash())
+        if route is not None:
+            route = replace(route, updated_at=utc_now())
+            pipe.hset(alias_key(name), mapping=route.to_hash())
         if event is not None:
-            pipe.lpush(history_key(route.alias), event.to_json())
-            pipe.ltrim(history_key(route.alias), 0, HISTORY_LIMIT - 1)
-        pipe.publish(CHANNEL, route.alias)
+            pipe.lpush(history_key(name), event.to_json())
+            pipe.ltrim(history_key(name), 0, HISTORY_LIMIT - 1)
+        if also is not None:
+            also(pipe)
+        if route is not None:
+            pipe.publish(CHANNEL, name)
         pipe.execute()
         return route
 

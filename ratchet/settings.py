@@ -100,13 +100,40 @@ class SamplingConfig(_Section):
 
 
 class GateConfig(_Section):
+    """How a candidate is compared with the live version on held-out prompts."""
+
+    # Fewer held-out pairs than this: no decision (the candidate is rejected as unproven).
     min_pairs: int = Field(default=32, ge=1)
+    # Promote only when the lower end of the win rate's 95% interval is above this.
     threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    # Held-out prompts drawn per gate (the newest ones, up to this many).
+    max_pairs: int = Field(default=64, ge=1)
+    # 0 = greedy: both versions answer each prompt deterministically.
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    max_tokens: int = Field(default=256, ge=1)
+    bootstrap_samples: int = Field(default=2000, ge=100)
+
+    @model_validator(mode="after")
+    def _pairs_fit(self) -> GateConfig:
+        if self.max_pairs < self.min_pairs:
+            raise ValueError(
+                f"gate.max_pairs ({self.max_pairs}) is below gate.min_pairs ({self.min_pairs}): "
+                "no gate could ever pass; raise max_pairs or lower min_pairs"
+            )
+        return self
 
 
 class CanaryConfig(_Section):
-    weight: float = Field(default=0.1, ge=0.0, le=1.0)
+    """A promoted candidate first takes ``weight`` of live traffic; 0 promotes at once."""
+
+    weight: float = Field(default=0.1, ge=0.0, lt=1.0)
     min_requests: int = Field(default=50, ge=1)
+    # Roll back when the canary's server error rate exceeds the active arm's by more than this.
+    max_error_rate_increase: float = Field(default=0.02, ge=0.0, le=1.0)
+    # Roll back when the canary's mean user feedback is lower by more than this (both arms need
+    # min_feedback scores before feedback counts).
+    max_feedback_drop: float = Field(default=0.1, ge=0.0, le=1.0)
+    min_feedback: int = Field(default=10, ge=1)
 
 
 class AliasConfig(_Section):
@@ -193,6 +220,54 @@ class JudgeSettings(_Section):
     sample_timeout_s: float = Field(default=300.0, gt=0)
 
 
+class LearnerSettings(_Section):
+    """`ratchet learner`: when rounds run, how they train, and when learning pauses itself."""
+
+    consumer_group: str = "ratchet-learner"
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(default=8403, ge=1, le=65535)
+    # A round runs when this many usable groups wait for an alias...
+    batch_groups: int = Field(default=16, ge=1)
+    # ...or when the oldest waiting group is this old and at least min_groups wait.
+    interval_s: float = Field(default=600.0, gt=0)
+    min_groups: int = Field(default=4, ge=1)
+    # Groups sampled by a version more than this many promotions behind the live one are dropped.
+    max_staleness: int = Field(default=1, ge=0)
+    # Groups held in memory per alias while a round or a canary is under way; older ones drop.
+    max_waiting_groups: int = Field(default=256, ge=1)
+    steps_per_round: int = Field(default=4, ge=1)
+    learning_rate: float = Field(default=2e-4, gt=0)
+    micro_batch_tokens: int = Field(default=4096, ge=64)
+    max_grad_norm: float = Field(default=1.0, ge=0)
+    lora_rank: int = Field(default=16, ge=1, le=32)  # the embedded vLLM allows rank <= 32
+    lora_alpha: int = Field(default=32, ge=1)
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    lora_target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    loss_mode: Literal["ppo_clip", "cispo"] = "ppo_clip"
+    epsilon_low: float = Field(default=0.2, ge=0.0, lt=1.0)
+    epsilon_high: float = Field(default=0.28, ge=0.0)
+    cispo_max_weight: float = Field(default=5.0, gt=0)
+    kl_beta: float = Field(default=0.0, ge=0.0)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Where the learner's base weights are (the value vLLM was started with as --model, which is
+    # also what each adapter's base_model_name_or_path must say). Empty: the embedded model.
+    base_model_path: str | None = None
+    gate_concurrency: int = Field(default=4, ge=1, le=256)
+    gate_timeout_s: float = Field(default=120.0, gt=0)
+    # Held-out prompts kept per alias for the gate (the newest ones).
+    heldout_pool: int = Field(default=1024, ge=1)
+    # Reward-hacking guard: pause an alias when, over the last guard_rounds rounds, the training
+    # reward rose every round while every gate rejected...
+    guard_rounds: int = Field(default=3, ge=2)
+    # ...or when this share of a round's groups are near-identical answers...
+    collapse_share: float = Field(default=0.8, gt=0.0, le=1.0)
+    # ...or the round's mean answer length grew this many times over the alias's first round.
+    max_length_growth: float = Field(default=3.0, gt=1.0)
+    canary_check_s: float = Field(default=2.0, gt=0)
+
+
 class RatchetSettings(BaseSettings):
     """Settings for every Ratchet service, validated once at start."""
 
@@ -212,6 +287,7 @@ class RatchetSettings(BaseSettings):
     kafka: KafkaSettings = KafkaSettings()
     proxy: ProxySettings = ProxySettings()
     judge: JudgeSettings = JudgeSettings()
+    learner: LearnerSettings = LearnerSettings()
     aliases: dict[str, AliasConfig] = {"support": AliasConfig()}
 
     @field_validator("aliases")

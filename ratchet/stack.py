@@ -229,6 +229,13 @@ def judge_part(settings: RatchetSettings, config: Path | None) -> Part:
     return service_part("judge", config, metrics, metrics, stop_timeout_s=30)
 
 
+def learner_part(settings: RatchetSettings, config: Path | None) -> Part:
+    s = settings.learner
+    metrics = f"http://{s.metrics_host}:{s.metrics_port}/metrics"
+    # A round in progress finishes its optimizer step before the process exits.
+    return service_part("learner", config, metrics, metrics, stop_timeout_s=60)
+
+
 class Stack:
     """Starts parts in order, waits for each, watches them, and stops them all in reverse."""
 
@@ -338,7 +345,7 @@ def embedded_stack(
     settings: RatchetSettings,
     config: Path | None,
     model_path: Path,
-    services: tuple[str, ...] = ("proxy", "judge"),
+    services: tuple[str, ...] = ("proxy", "judge", "learner"),
 ) -> Stack:
     """The parts `ratchet up` runs. An explicit RATCHET_REDIS_URL means: use that Redis."""
     assert settings.state_dir is not None
@@ -353,7 +360,7 @@ def embedded_stack(
         redis_dir.mkdir(parents=True, exist_ok=True)
         parts.append(redis_part(settings.redis_url, redis_dir))
     parts.append(vllm_part(settings, model_path, base_models.pop()))
-    service_parts = {"proxy": proxy_part, "judge": judge_part}
+    service_parts = {"proxy": proxy_part, "judge": judge_part, "learner": learner_part}
     parts += [service_parts[name](settings, config) for name in services]
     return Stack(parts, settings.state_dir)
 

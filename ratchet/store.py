@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 META_FILE = "ratchet.json"
+# What became of a version after it was written (gated, rejected, promoted, rolled back). Kept
+# apart from ratchet.json so the adapter and its provenance stay immutable.
+STATUS_FILE = "status.json"
 _VERSION_DIR = re.compile(r"^(?P<alias>[a-z0-9][a-z0-9._-]{0,63})@v(?P<version>[1-9][0-9]*)$")
 
 
@@ -72,3 +75,20 @@ class AdapterStore:
 
     def meta(self, alias: str, version: int) -> dict[str, Any]:
         return json.loads((self.path(alias, version) / META_FILE).read_text())
+
+    def mark(self, alias: str, version: int, status: str, detail: dict[str, Any]) -> None:
+        """Record what became of a version (``rejected``, ``promoted``, ``rolled_back``...)."""
+        folder = self.path(alias, version)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder.name} is not in the store")
+        tmp = folder / f".{STATUS_FILE}.{uuid.uuid4().hex[:8]}"
+        tmp.write_text(json.dumps({"status": status, **detail}, indent=2, sort_keys=True))
+        tmp.replace(folder / STATUS_FILE)  # atomic: a reader sees the old status or the new one
+
+    def status(self, alias: str, version: int) -> dict[str, Any] | None:
+        path = self.path(alias, version) / STATUS_FILE
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def is_rejected(self, alias: str, version: int) -> bool:
+        status = self.status(alias, version)
+        return status is not None and status.get("status") == "rejected"

@@ -3,60 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import socket
-import subprocess
-import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import redis.asyncio as aioredis
 
 from judge.metrics import JudgeMetrics
 from judge.scoring import GroupScorer
 from ratchet.ruler import JudgeRequest, JudgeScores
 from ratchet.settings import JudgeSettings, RewardConfig
-from ratchet.stack import redis_server_binary
 
 PROMPT = [{"role": "user", "content": "q"}]
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen(
-        [
-            redis_server_binary(),
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(tmp_path),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            redis.Redis.from_url(url).ping()
-            break
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-    yield url
-    server.terminate()
-    server.wait(5)
 
 
 class CountingScorer(GroupScorer):

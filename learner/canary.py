@@ -1,0 +1,231 @@
+"""The canary: a gated candidate serves a share of live traffic before it becomes the active one.
+
+While an alias has a canary, the watcher reads ``ratchet.traffic`` and ``ratchet.feedback`` and
+counts, per arm (the proxy marks each exchange ``active`` or ``canary``), requests, server
+errors, and user feedback scores. The counts live in Redis (``ratchet:canary:<alias>``), reset in
+the same transaction that starts the canary, so a restarted learner carries on counting. Once the
+canary arm has ``min_requests``, :func:`canary_verdict` decides: roll back if its error rate or
+its feedback is worse than the active arm's beyond the configured margin, else promote.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis
+from kafka.errors import KafkaError
+
+from learner.metrics import LearnerMetrics
+from ratchet.bus import make_consumer
+from ratchet.lifecycle import Lifecycle, LifecycleError
+from ratchet.records import (
+    FEEDBACK_TOPIC,
+    TRAFFIC_TOPIC,
+    FeedbackRecord,
+    TrafficRecord,
+    decode,
+)
+from ratchet.registry import AliasRoute
+from ratchet.settings import CanaryConfig, RatchetSettings
+
+log = logging.getLogger(__name__)
+
+ARMS = ("active", "canary")
+_FIELDS = ("requests", "errors", "feedback", "feedback_sum")
+# Completion ids of canary-time exchanges, so later feedback can be credited to its arm.
+_MAX_REMEMBERED = 100_000
+
+Verdict = Literal["wait", "promote", "rollback"]
+
+
+def canary_key(alias: str) -> str:
+    return f"ratchet:canary:{alias}"
+
+
+def reset_counts(pipe: Any, alias: str, version: int) -> None:
+    """Queue the commands that start counting a new canary (into the caller's transaction)."""
+    pipe.delete(canary_key(alias))
+    pipe.hset(canary_key(alias), mapping={"version": version, "started": time.time()})
+
+
+@dataclass(frozen=True)
+class ArmStats:
+    requests: int = 0
+    errors: int = 0  # server-side failures (status >= 500): the client's 4xx are not the model's
+    feedback: int = 0
+    feedback_sum: float = 0.0
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.requests if self.requests else 0.0
+
+    @property
+    def feedback_mean(self) -> float | None:
+        return self.feedback_sum / self.feedback if self.feedback else None
+
+
+def canary_verdict(active: ArmStats, canary: ArmStats, config: CanaryConfig) -> tuple[Verdict, str]:
+    """What to do with a canary now, and why."""
+    if canary.requests < config.min_requests:
+        return "wait", f"{canary.requests} of {config.min_requests} canary requests"
+    excess = canary.error_rate - active.error_rate
+    if excess > config.max_error_rate_increase:
+        return "rollback", (
+            f"error_rate: canary {canary.error_rate:.3f} vs active {active.error_rate:.3f} "
+            f"(+{excess:.3f} > {config.max_error_rate_increase})"
+        )
+    if active.feedback >= config.min_feedback and canary.feedback >= config.min_feedback:
+        assert active.feedback_mean is not None and canary.feedback_mean is not None
+        drop = active.feedback_mean - canary.feedback_mean
+        if drop > config.max_feedback_drop:
+            return "rollback", (
+                f"feedback: canary {canary.feedback_mean:.3f} vs active "
+                f"{active.feedback_mean:.3f} (-{drop:.3f} > {config.max_feedback_drop})"
+            )
+    return "promote", (
+        f"{canary.requests} canary requests, error rate {canary.error_rate:.3f} "
+        f"(active {active.error_rate:.3f}), feedback {canary.feedback_mean} "
+        f"(active {active.feedback_mean})"
+    )
+
+
+def read_counts(client: redis.Redis, alias: str) -> tuple[int | None, dict[str, ArmStats]]:
+    """(canary version the counts belong to, stats per arm)."""
+    raw = {k.decode(): v.decode() for k, v in client.hgetall(canary_key(alias)).items()}
+    version = int(raw["version"]) if raw.get("version") else None
+    stats = {
+        arm: ArmStats(
+            requests=int(raw.get(f"{arm}_requests", 0)),
+            errors=int(raw.get(f"{arm}_errors", 0)),
+            feedback=int(raw.get(f"{arm}_feedback", 0)),
+            feedback_sum=float(raw.get(f"{arm}_feedback_sum", 0.0)),
+        )
+        for arm in ARMS
+    }
+    return version, stats
+
+
+class CanaryWatcher:
+    """Counts canary traffic and feedback, and promotes or rolls back. Runs in its own thread."""
+
+    def __init__(
+        self,
+        settings: RatchetSettings,
+        lifecycle: Lifecycle,
+        metrics: LearnerMetrics,
+        stopping: threading.Event,
+    ) -> None:
+        self.settings = settings
+        self.lifecycle = lifecycle
+        self.redis = lifecycle.writer.redis
+        self.metrics = metrics
+        self.stopping = stopping
+        self.completions: OrderedDict[str, tuple[str, int, str]] = OrderedDict()
+        self.routes: dict[str, AliasRoute] = {}
+
+    def run(self) -> None:
+        consumer = None
+        last_check = 0.0
+        while not self.stopping.is_set():
+            try:
+                if consumer is None:
+                    consumer = make_consumer(
+                        self.settings.kafka_bootstrap_servers,
+                        self.settings.kafka,
+                        [TRAFFIC_TOPIC, FEEDBACK_TOPIC],
+                        self.settings.learner.consumer_group + "-canary",
+                        auto_offset_reset="latest",  # only traffic from now on can judge a canary
+                    )
+                if time.monotonic() - last_check >= self.settings.learner.canary_check_s:
+                    self.routes = self.lifecycle.writer.read_all()
+                    self.check()
+                    last_check = time.monotonic()
+                polled = consumer.poll(timeout_ms=500, max_records=500)
+                self.count([m for messages in polled.values() for m in messages])
+                if polled:
+                    consumer.commit()
+            except (KafkaError, redis.RedisError, OSError) as exc:
+                log.warning("canary watcher: %s; retrying", exc)
+                time.sleep(1.0)
+        if consumer is not None:
+            consumer.close()
+
+    def count(self, messages: list[Any]) -> None:
+        """Add a batch of traffic and feedback records to the running canaries' counts."""
+        increments: dict[str, dict[str, float]] = {}
+        for message in messages:
+            record = decode(message.topic, message.value)
+            if isinstance(record, TrafficRecord):
+                arm = self._arm_of(record.alias, record.version, record.canary_arm)
+                if arm is None:
+                    continue
+                add = increments.setdefault(record.alias, {})
+                add[f"{arm}_requests"] = add.get(f"{arm}_requests", 0) + 1
+                if record.status >= 500:
+                    add[f"{arm}_errors"] = add.get(f"{arm}_errors", 0) + 1
+                if record.response_id:
+                    self.completions[record.response_id] = (record.alias, record.version, arm)
+                    while len(self.completions) > _MAX_REMEMBERED:
+                        self.completions.popitem(last=False)
+            elif isinstance(record, FeedbackRecord):
+                known = self.completions.get(record.completion_id)
+                if known is None or self._arm_of(*known) is None:
+                    continue  # feedback on an exchange from before this canary
+                alias, _, arm = known
+                add = increments.setdefault(alias, {})
+                add[f"{arm}_feedback"] = add.get(f"{arm}_feedback", 0) + 1
+                add[f"{arm}_feedback_sum"] = add.get(f"{arm}_feedback_sum", 0.0) + record.score
+        if not increments:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for alias, fields in increments.items():
+            for field, value in fields.items():
+                if field.endswith("_sum"):
+                    pipe.hincrbyfloat(canary_key(alias), field, value)
+                else:
+                    pipe.hincrby(canary_key(alias), field, int(value))
+        pipe.execute()
+
+    def _arm_of(self, alias: str, version: int, arm: str) -> str | None:
+        """The arm to credit, if the exchange belongs to the alias's running canary."""
+        route = self.routes.get(alias)
+        if route is None or route.canary is None:
+            return None
+        if arm == "canary" and version == route.canary:
+            return "canary"
+        if arm == "active" and version == route.active:
+            return "active"
+        return None
+
+    def check(self) -> None:
+        for alias, route in self.routes.items():
+            config = self.settings.aliases.get(alias)
+            self.metrics.canary_version.labels(alias).set(route.canary or 0)
+            self.metrics.active_version.labels(alias).set(route.active)
+            if route.canary is None or config is None:
+                continue
+            version, stats = read_counts(self.redis, alias)
+            if version != route.canary:
+                continue  # a canary set by hand, or counts not reset yet: nothing to judge by
+            for arm in ARMS:
+                self.metrics.canary_requests.labels(alias, arm).set(stats[arm].requests)
+                self.metrics.canary_error_rate.labels(alias, arm).set(stats[arm].error_rate)
+            verdict, reason = canary_verdict(stats["active"], stats["canary"], config.canary)
+            if verdict == "wait":
+                continue
+            detail = {"reason": reason, **{arm: vars(stats[arm]) for arm in ARMS}}
+            try:
+                if verdict == "promote":
+                    self.lifecycle.promote(alias, route.canary, {"via": "canary", **detail})
+                    log.info("%s: canary v%d promoted (%s)", alias, route.canary, reason)
+                else:
+                    self.lifecycle.rollback(alias, reason)
+                    self.metrics.rollbacks.labels(alias, reason.split(":", 1)[0]).inc()
+                    log.warning("%s: canary v%d rolled back (%s)", alias, route.canary, reason)
+            except LifecycleError as exc:
+                log.warning("%s: canary decision not applied: %s", alias, exc)

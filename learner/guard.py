@@ -1,0 +1,91 @@
+"""The reward-hacking guard: signs that learning has gone wrong, as pure functions.
+
+* Reward up, gate down: the training reward rose in each of the last ``guard_rounds`` rounds,
+  yet the gate rejected every one of those candidates. The policy is getting better at what the
+  judge rewards on training prompts and no better on held-out ones: the judge is being gamed.
+* Collapse: most groups read since the last round are one answer repeated (the policy stopped
+  exploring; such groups also carry no GRPO signal).
+* Runaway length: answers have grown several times longer than in the alias's first round
+  (a classic way to please an LLM judge, and a cost the user pays).
+
+Each returns a reason (a sentence for the pause event and the metric label), or None.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from ratchet.records import ScoredGroup
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    version: int
+    train_reward: float
+    passed: bool
+
+
+def reward_up_gate_down(rounds: list[RoundOutcome], window: int) -> str | None:
+    """``rounds`` oldest first. A reason when the last ``window`` rounds all rose and all failed."""
+    if len(rounds) < window:
+        return None
+    last = rounds[-window:]
+    rising = all(b.train_reward > a.train_reward for a, b in itertools.pairwise(last))
+    if rising and not any(r.passed for r in last):
+        rewards = ", ".join(f"{r.train_reward:.3f}" for r in last)
+        return (
+            f"reward_hacking: training reward rose over {window} rounds ({rewards}) while the "
+            "gate rejected every candidate"
+        )
+    return None
+
+
+def is_collapsed(group: ScoredGroup) -> bool:
+    """All answers in the group are the same text (ignoring case and surrounding space)."""
+    texts = {s.text.strip().lower() for s in group.samples}
+    return len(group.samples) > 1 and len(texts) == 1
+
+
+def collapse(identical: int, total: int, share: float) -> str | None:
+    if total and identical / total >= share:
+        return f"collapse: {identical} of {total} recent groups are one answer repeated"
+    return None
+
+
+def mean_length(groups: list[ScoredGroup]) -> float:
+    lengths = [len(s.token_ids) for g in groups for s in g.samples]
+    return sum(lengths) / len(lengths) if lengths else 0.0
+
+
+def runaway_length(current: float, baseline: float | None, growth: float) -> str | None:
+    if baseline and current > growth * baseline:
+        return (
+            f"runaway_length: answers average {current:.0f} tokens, "
+            f"{current / baseline:.1f}x the first round's {baseline:.0f}"
+        )
+    return None
+
+
+def rounds_from_history(history: list[dict[str, Any]]) -> list[RoundOutcome]:
+    """Round outcomes, oldest first, from an alias's Redis history (newest first): each
+    ``candidate`` event's training reward joined with the ``gate`` event of its version. Only
+    rounds after the newest pause or resume count: resuming starts the guard's window afresh."""
+    for cut, event in enumerate(history):
+        if event.get("kind") in ("pause", "resume"):
+            history = history[:cut]
+            break
+    gates = {
+        e.get("version"): bool((e.get("detail") or {}).get("passed"))
+        for e in history
+        if e.get("kind") == "gate"
+    }
+    rounds = []
+    for event in reversed(history):
+        if event.get("kind") != "candidate" or event.get("version") not in gates:
+            continue
+        reward = (event.get("detail") or {}).get("mean_reward")
+        if reward is not None:
+            rounds.append(RoundOutcome(event["version"], float(reward), gates[event["version"]]))
+    return rounds

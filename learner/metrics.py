@@ -1,0 +1,133 @@
+"""The learner's Prometheus metrics (served on learner.metrics_port, 8403 on the embedded stack)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ratchet.records import skipped_records
+
+
+class LearnerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.groups = Counter(
+            "ratchet_learner_groups_total",
+            "Scored groups read, by what became of them (trained, duplicate, zero_spread, stale, "
+            "paused, learning_disabled, overflow, unknown_alias)",
+            ("alias", "outcome"),
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "ratchet_learner_waiting_groups",
+            "Usable groups waiting for the next round",
+            ("alias",),
+            registry=r,
+        )
+        self.heldout = Gauge(
+            "ratchet_learner_heldout_prompts",
+            "Held-out prompts available to the gate",
+            ("alias",),
+            registry=r,
+        )
+        self.rounds = Counter(
+            "ratchet_learner_rounds_total",
+            "Training rounds, by result (promoted, canary, rejected, failed)",
+            ("alias", "result"),
+            registry=r,
+        )
+        self.round_seconds = Histogram(
+            "ratchet_learner_round_seconds",
+            "Wall time of a round's phases (train, gate)",
+            ("alias", "phase"),
+            buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200, 3600),
+            registry=r,
+        )
+        self.train_reward = Gauge(
+            "ratchet_learner_train_reward_mean",
+            "Mean reward of the groups the last round trained on",
+            ("alias",),
+            registry=r,
+        )
+        self.train_tokens = Counter(
+            "ratchet_learner_trained_tokens_total",
+            "Completion tokens trained on",
+            ("alias",),
+            registry=r,
+        )
+        self.tokens_per_second = Gauge(
+            "ratchet_learner_tokens_per_second",
+            "Completion tokens per second of the last round's optimizer steps",
+            ("alias",),
+            registry=r,
+        )
+        self.loss = Gauge(
+            "ratchet_learner_loss", "Token-mean loss of the last round", ("alias",), registry=r
+        )
+        self.clip_fraction = Gauge(
+            "ratchet_learner_clip_fraction",
+            "Share of tokens whose ratio was clipped in the last round",
+            ("alias",),
+            registry=r,
+        )
+        self.gate_win_rate = Gauge(
+            "ratchet_learner_gate_win_rate",
+            "Win rate of the last gated candidate against the live version",
+            ("alias",),
+            registry=r,
+        )
+        self.gate_ci_low = Gauge(
+            "ratchet_learner_gate_win_rate_ci_low",
+            "Lower end of the last gate's 95% interval",
+            ("alias",),
+            registry=r,
+        )
+        self.active_version = Gauge(
+            "ratchet_learner_active_version", "The live version", ("alias",), registry=r
+        )
+        self.canary_version = Gauge(
+            "ratchet_learner_canary_version",
+            "The version on canary (0: none)",
+            ("alias",),
+            registry=r,
+        )
+        self.canary_requests = Gauge(
+            "ratchet_learner_canary_requests",
+            "Requests counted for the running canary, by arm",
+            ("alias", "arm"),
+            registry=r,
+        )
+        self.canary_error_rate = Gauge(
+            "ratchet_learner_canary_error_rate",
+            "Server error rate of each arm during the running canary",
+            ("alias", "arm"),
+            registry=r,
+        )
+        self.rollbacks = Counter(
+            "ratchet_learner_rollbacks_total",
+            "Versions rolled back, by reason (error_rate, feedback, manual)",
+            ("alias", "reason"),
+            registry=r,
+        )
+        self.paused = Gauge(
+            "ratchet_learner_paused",
+            "1 while learning for the alias is paused, with the reason",
+            ("alias", "reason"),
+            registry=r,
+        )
+        self.last_round_timestamp = Gauge(
+            "ratchet_learner_last_round_timestamp_seconds",
+            "When the last round finished (Unix time)",
+            ("alias",),
+            registry=r,
+        )
+        self.failures = Counter(
+            "ratchet_learner_failures_total",
+            "Rounds or gates that failed, by cause",
+            ("alias", "cause"),
+            registry=r,
+        )
+        Gauge(
+            "ratchet_learner_unknown_records",
+            "Records skipped for unknown or invalid schema",
+            registry=r,
+        ).set_function(lambda: sum(skipped_records.values()))

@@ -1,0 +1,526 @@
+"""`ratchet learner`: scored groups in, gated candidate adapters out.
+
+The main loop reads ``ratchet.groups`` (a consumer group, manual commits) and ``ratchet.heldout``
+(all of it, no group: the gate's pool of prompts never trained on). Each group is either dropped,
+counted by reason (duplicate id, all-equal rewards, sampled by a version more than
+``max_staleness`` promotions behind the live one, learning paused or off), or waits for its
+alias's next round. A round runs when ``batch_groups`` wait, or ``interval_s`` after the oldest
+one arrived with at least ``min_groups`` waiting, and never while the alias has a canary:
+
+1. train: load the live version's adapter and optimizer state (a fresh LoRA on v0), take
+   ``steps_per_round`` GRPO steps (learner/trainer.py);
+2. write: the next version number from Redis ``INCR``, the adapter written atomically to the
+   store (``base_model_name_or_path`` = vLLM's ``--model``), a ``candidate`` event;
+3. gate: the candidate against the live version on held-out prompts (learner/gate.py);
+4. outcome: canary (or promote at once when ``canary.weight`` is 0) or reject — written to Redis
+   in ONE transaction with the ids of the groups the round used;
+5. only then are the groups' offsets committed.
+
+A learner killed before step 4 re-reads the groups and trains them again (a new version number;
+the orphaned folder is never served). Killed after step 4, it re-reads them and drops them all
+as duplicates: a round's outcome is never applied twice. Canaries are watched by
+learner/canary.py in a thread of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from kafka import KafkaConsumer
+from kafka.errors import KafkaError
+from kafka.structs import OffsetAndMetadata, TopicPartition
+from prometheus_client import start_http_server
+
+from learner.canary import CanaryWatcher, reset_counts
+from learner.gate import Gate, GateError, GateResult
+from learner.guard import (
+    collapse,
+    is_collapsed,
+    mean_length,
+    reward_up_gate_down,
+    rounds_from_history,
+    runaway_length,
+)
+from learner.loss import GRPOLossConfig
+from learner.metrics import LearnerMetrics
+from learner.trainer import LoraGRPOLearner, LoraSettings, RoundStats, TrainSettings
+from ratchet.bus import ensure_topics, make_consumer
+from ratchet.lifecycle import EventSink, Lifecycle, LifecycleError
+from ratchet.records import (
+    ALL_TOPICS,
+    GROUPS_TOPIC,
+    HELDOUT_TOPIC,
+    HeldoutPrompt,
+    ScoredGroup,
+    decode,
+)
+from ratchet.registry import AliasRoute, RegistryWriter, served_name
+from ratchet.settings import LearnerSettings, RatchetSettings
+from ratchet.store import AdapterStore
+
+log = logging.getLogger(__name__)
+
+TRAINED_TTL_S = 30 * 24 * 3600  # a group id older than the topic's retention cannot come back
+
+
+def next_version_key(alias: str) -> str:
+    return f"ratchet:learner:{alias}:next_version"
+
+
+def trained_key(alias: str) -> str:
+    """Sorted set of the group ids whose round outcome is stored (score: when)."""
+    return f"ratchet:learner:{alias}:trained"
+
+
+def baseline_length_key(alias: str) -> str:
+    return f"ratchet:learner:{alias}:baseline_length"
+
+
+def train_settings(s: LearnerSettings) -> TrainSettings:
+    return TrainSettings(
+        learning_rate=s.learning_rate,
+        steps_per_round=s.steps_per_round,
+        micro_batch_tokens=s.micro_batch_tokens,
+        max_grad_norm=s.max_grad_norm,
+        loss=GRPOLossConfig(
+            scale_rewards=s.scale_rewards,
+            mode=s.loss_mode,
+            epsilon_low=s.epsilon_low,
+            epsilon_high=s.epsilon_high,
+            cispo_max_weight=s.cispo_max_weight,
+            kl_beta=s.kl_beta,
+        ),
+        seed=s.seed,
+    )
+
+
+def lora_settings(s: LearnerSettings) -> LoraSettings:
+    targets = s.lora_target_modules
+    return LoraSettings(
+        rank=s.lora_rank,
+        alpha=s.lora_alpha,
+        dropout=s.lora_dropout,
+        target_modules=targets if isinstance(targets, str) else tuple(targets),
+    )
+
+
+@dataclass
+class Waiting:
+    group: ScoredGroup
+    partition: TopicPartition
+    offset: int
+    arrived: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class RoundReport:
+    alias: str
+    version: int
+    stats: RoundStats
+    gate: GateResult
+    outcome: str  # promoted | canary | rejected
+
+
+class LearnerService:
+    def __init__(self, settings: RatchetSettings, base_model_path: Path) -> None:
+        self.settings = settings
+        self.base_model_path = base_model_path
+        self.metrics = LearnerMetrics()
+        assert settings.store_dir is not None
+        self.store = AdapterStore(settings.store_dir)
+        self.writer = RegistryWriter(settings.redis_url, settings.aliases)
+        self.redis = self.writer.redis
+        self.lifecycle = Lifecycle(self.writer, self.store, EventSink(settings), actor="learner")
+        self.gate = Gate(settings)
+        self.stopping = threading.Event()
+        self.waiting: dict[str, list[Waiting]] = defaultdict(list)
+        self.recent: dict[str, list[bool]] = defaultdict(list)  # collapsed? per group read
+        self.heldout: dict[str, OrderedDict[str, HeldoutPrompt]] = defaultdict(OrderedDict)
+        self.read_up_to: dict[TopicPartition, int] = {}  # next offset after the last one read
+        self.routes: dict[str, AliasRoute] = {}
+        self.paused_reason: dict[str, str] = {}  # the label of each alias's paused metric
+        self._lineage: dict[tuple[str, int], int | None] = {}
+        self._learner: LoraGRPOLearner | None = None
+        self.groups_consumer: KafkaConsumer | None = None
+        self.heldout_consumer: KafkaConsumer | None = None
+
+    # --- intake ---------------------------------------------------------------------------------
+
+    def take(self, group: ScoredGroup, partition: TopicPartition, offset: int) -> str:
+        """Decide what becomes of one group: "waiting", or the reason it was dropped."""
+        alias = group.alias
+        config = self.settings.aliases.get(alias)
+        if config is None:
+            return "unknown_alias"
+        if not config.learning.enabled:
+            return "learning_disabled"
+        route = self.routes.get(alias) or AliasRoute(alias=alias, base_model=config.base_model)
+        if route.paused:
+            return "paused"
+        if any(w.group.group_id == group.group_id for w in self.waiting[alias]):
+            return "duplicate"
+        if self.redis.zscore(trained_key(alias), group.group_id) is not None:
+            return "duplicate"
+        self.recent[alias].append(is_collapsed(group))
+        if not group.rewards or max(group.rewards) == min(group.rewards):
+            return "zero_spread"
+        behind = self.promotions_between(alias, group.version, route.active)
+        if behind is None or behind > self.settings.learner.max_staleness:
+            return "stale"
+        waiting = self.waiting[alias]
+        waiting.append(Waiting(group, partition, offset))
+        while len(waiting) > self.settings.learner.max_waiting_groups:
+            waiting.pop(0)  # the oldest is the most off-policy; its offset is committed past
+            self.metrics.groups.labels(alias, "overflow").inc()
+        return "waiting"
+
+    def promotions_between(self, alias: str, version: int, live: int) -> int | None:
+        """How many versions of the live one's lineage came after ``version`` (None: it is not
+        an ancestor of the live version, e.g. a version that was rolled back)."""
+        steps, current = 0, live
+        while current != version:
+            if current == 0 or steps > 1000:
+                return None
+            key = (alias, current)
+            if key not in self._lineage:
+                parent = None
+                if self.store.exists(alias, current):
+                    parent = self.store.meta(alias, current).get("parent_version")
+                self._lineage[key] = None if parent is None else int(parent)
+            parent = self._lineage[key]
+            if parent is None:
+                return None
+            current, steps = parent, steps + 1
+        return steps
+
+    def add_heldout(self, prompt: HeldoutPrompt) -> None:
+        pool = self.heldout[prompt.alias]
+        pool.pop(prompt.prompt_hash, None)
+        pool[prompt.prompt_hash] = prompt  # newest last
+        while len(pool) > self.settings.learner.heldout_pool:
+            pool.popitem(last=False)
+        self.metrics.heldout.labels(prompt.alias).set(len(pool))
+
+    # --- rounds ---------------------------------------------------------------------------------
+
+    def ready(self, alias: str) -> bool:
+        s = self.settings.learner
+        waiting = self.waiting.get(alias) or []
+        route = self.routes.get(alias)
+        if not waiting or route is None or route.paused or route.canary is not None:
+            return False
+        if len(waiting) >= s.batch_groups:
+            return True
+        return (
+            len(waiting) >= s.min_groups and time.monotonic() - waiting[0].arrived >= s.interval_s
+        )
+
+    def learner_model(self) -> LoraGRPOLearner:
+        if self._learner is None:
+            s = self.settings.learner
+            device = None if s.device == "auto" else s.device
+            self._learner = LoraGRPOLearner(
+                self.base_model_path, lora_settings(s), train_settings(s), device=device
+            )
+        return self._learner
+
+    def next_version(self, alias: str) -> int:
+        """A version number no other learner will use (Redis INCR), above any in the store."""
+        existing = max(self.store.versions(alias), default=0)
+        version = int(self.redis.incr(next_version_key(alias)))
+        if version <= existing:
+            self.redis.set(next_version_key(alias), existing)
+            version = int(self.redis.incr(next_version_key(alias)))
+        return version
+
+    def run_round(self, alias: str) -> RoundReport | None:
+        config = self.settings.aliases[alias]
+        route = self.routes[alias]
+        batch = self.waiting[alias][: self.settings.learner.batch_groups]
+        groups = [w.group for w in batch]
+        learner = self.learner_model()
+        started = time.perf_counter()
+        live = route.active
+        learner.load_adapter(self.store.path(alias, live) if live > 0 else None)
+        stats = learner.train_round(groups)
+        self.metrics.round_seconds.labels(alias, "train").observe(time.perf_counter() - started)
+        version = self.next_version(alias)
+        learner.save_candidate(
+            self.store,
+            alias,
+            version,
+            parent=live,
+            meta={"group_ids": [g.group_id for g in groups], "alias": alias},
+        )
+        summary = {k: v for k, v in stats.as_dict().items() if k != "round"}
+        self.lifecycle.record(
+            self.lifecycle.event(
+                alias, "candidate", version=version, previous_version=live, detail=summary
+            )
+        )
+        self._observe_round(alias, stats)
+        log.info(
+            "%s: candidate v%d trained on %d groups (reward %.3f, %.1fs)",
+            alias,
+            version,
+            len(groups),
+            stats.mean_reward,
+            stats.seconds,
+        )
+
+        prompts = list(self.heldout[alias].values())[-config.gate.max_pairs :]
+        started = time.perf_counter()
+        try:
+            result = asyncio.run(
+                self.gate.evaluate(
+                    alias,
+                    config,
+                    prompts,
+                    served_name(alias, version, route.base_model),
+                    served_name(alias, live, route.base_model),
+                    seed=self.settings.learner.seed,
+                )
+            )
+        except GateError as exc:
+            result = GateResult(
+                False,
+                f"gate failed: {exc}",
+                0,
+                None,
+                None,
+                None,
+                config.gate.threshold,
+                config.gate.min_pairs,
+            )
+            self.metrics.failures.labels(alias, "gate").inc()
+        self.metrics.round_seconds.labels(alias, "gate").observe(time.perf_counter() - started)
+        self.lifecycle.record(
+            self.lifecycle.event(
+                alias, "gate", version=version, previous_version=live, detail=result.as_dict()
+            )
+        )
+        if result.win_rate is not None:
+            self.metrics.gate_win_rate.labels(alias).set(result.win_rate)
+            self.metrics.gate_ci_low.labels(alias).set(result.ci_low or 0.0)
+
+        ids = [g.group_id for g in groups]
+
+        def mark_trained(pipe: Any) -> None:
+            now = time.time()
+            pipe.zadd(trained_key(alias), {gid: now for gid in ids})
+            pipe.zremrangebyscore(trained_key(alias), 0, now - TRAINED_TTL_S)
+
+        detail = {"gate": result.as_dict(), "mean_reward": stats.mean_reward}
+        if not result.passed:
+            outcome = "rejected"
+            self.lifecycle.reject(
+                alias, version, {"reason": result.reason, **detail}, also=mark_trained
+            )
+        elif config.canary.weight > 0:
+            outcome = "canary"
+
+            def start(pipe: Any) -> None:
+                mark_trained(pipe)
+                reset_counts(pipe, alias, version)
+
+            self.lifecycle.start_canary(alias, version, config.canary.weight, detail, also=start)
+        else:
+            outcome = "promoted"
+            self.lifecycle.promote(alias, version, detail, also=mark_trained)
+        self.metrics.rounds.labels(alias, outcome).inc()
+        self.metrics.last_round_timestamp.labels(alias).set(time.time())
+        log.info("%s: v%d %s (%s)", alias, version, outcome, result.reason)
+        del self.waiting[alias][: len(batch)]
+        for _ in batch:
+            self.metrics.groups.labels(alias, "trained").inc()
+        self.guard(alias, groups)
+        return RoundReport(alias, version, stats, result, outcome)
+
+    def guarded_round(self, alias: str) -> list[RoundReport]:
+        """A round; one that fails for any reason but an outage pauses the alias (a bug or bad
+        data would otherwise fail the same way forever) and leaves its groups uncommitted."""
+        try:
+            report = self.run_round(alias)
+        except (KafkaError, redis.RedisError, OSError):
+            raise  # an outage: the loop retries once the part is back
+        except Exception as exc:
+            log.exception("%s: round failed", alias)
+            self.metrics.failures.labels(alias, "round").inc()
+            self.metrics.rounds.labels(alias, "failed").inc()
+            self.pause(alias, f"round_failed: {type(exc).__name__}: {str(exc)[:200]}")
+            return []
+        return [report] if report is not None else []
+
+    def _observe_round(self, alias: str, stats: RoundStats) -> None:
+        m = self.metrics
+        m.train_reward.labels(alias).set(stats.mean_reward)
+        m.train_tokens.labels(alias).inc(stats.completion_tokens)
+        m.tokens_per_second.labels(alias).set(stats.tokens_per_second)
+        if stats.loss == stats.loss:  # not NaN
+            m.loss.labels(alias).set(stats.loss)
+            m.clip_fraction.labels(alias).set(stats.clip_frac_low + stats.clip_frac_high)
+
+    def guard(self, alias: str, groups: list[ScoredGroup]) -> None:
+        """Pause the alias's learning when the signs of reward hacking or collapse show."""
+        s = self.settings.learner
+        recent, self.recent[alias] = self.recent[alias], []
+        length = mean_length(groups)
+        baseline = self.redis.get(baseline_length_key(alias))
+        if baseline is None:
+            self.redis.set(baseline_length_key(alias), length)
+        reason = (
+            reward_up_gate_down(
+                rounds_from_history(self.writer.history(alias, 200)), s.guard_rounds
+            )
+            or collapse(sum(recent), len(recent), s.collapse_share)
+            or runaway_length(length, float(baseline) if baseline else None, s.max_length_growth)
+        )
+        if reason:
+            self.pause(alias, reason)
+
+    def pause(self, alias: str, reason: str) -> None:
+        self.lifecycle.pause(alias, reason)
+        label = reason.split(":", 1)[0]
+        self.paused_reason[alias] = label
+        self.metrics.paused.labels(alias, label).set(1)
+        log.warning("%s: learning paused: %s", alias, reason)
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def commit_offsets(self) -> None:
+        """Commit each partition up to its oldest group still waiting (or all it has read)."""
+        assert self.groups_consumer is not None
+        oldest: dict[TopicPartition, int] = dict(self.read_up_to)
+        for waiting in self.waiting.values():
+            for w in waiting:
+                oldest[w.partition] = min(oldest.get(w.partition, w.offset), w.offset)
+        if oldest:
+            self.groups_consumer.commit(
+                {tp: OffsetAndMetadata(offset, "", -1) for tp, offset in oldest.items()}
+            )
+
+    def poll(self) -> None:
+        assert self.groups_consumer is not None and self.heldout_consumer is not None
+        for messages in self.heldout_consumer.poll(timeout_ms=0, max_records=1000).values():
+            for message in messages:
+                record = decode(HELDOUT_TOPIC, message.value)
+                if isinstance(record, HeldoutPrompt):
+                    self.add_heldout(record)
+        polled = self.groups_consumer.poll(timeout_ms=1000, max_records=256)
+        if not polled:
+            return
+        self.refresh_routes()
+        for tp, messages in polled.items():
+            for message in messages:
+                self.read_up_to[tp] = message.offset + 1
+                record = decode(GROUPS_TOPIC, message.value)
+                if not isinstance(record, ScoredGroup):
+                    continue
+                outcome = self.take(record, tp, message.offset)
+                if outcome != "waiting":
+                    self.metrics.groups.labels(record.alias, outcome).inc()
+        for alias, waiting in self.waiting.items():
+            self.metrics.waiting.labels(alias).set(len(waiting))
+
+    def refresh_routes(self) -> None:
+        self.routes = self.writer.read_all()
+        for alias, route in self.routes.items():
+            self.metrics.active_version.labels(alias).set(route.active)
+            reason = self.paused_reason.get(alias)
+            if route.paused and reason is None:  # paused by an operator, or before a restart
+                reason = self._pause_reason(alias)
+                self.paused_reason[alias] = reason
+                self.metrics.paused.labels(alias, reason).set(1)
+            elif not route.paused and reason is not None:
+                self.metrics.paused.remove(alias, reason)
+                del self.paused_reason[alias]
+
+    def _pause_reason(self, alias: str) -> str:
+        for event in self.writer.history(alias, 200):
+            if event.get("kind") == "pause":
+                return str((event.get("detail") or {}).get("reason", "manual")).split(":", 1)[0]
+        return "manual"
+
+    def connect(self) -> None:
+        s = self.settings
+        ensure_topics(s.kafka_bootstrap_servers, s.kafka, list(ALL_TOPICS))
+        self.groups_consumer = make_consumer(
+            s.kafka_bootstrap_servers,
+            s.kafka,
+            [GROUPS_TOPIC],
+            s.learner.consumer_group,
+            # A round takes minutes on CPU; the coordinator must not evict us meanwhile.
+            max_poll_interval_ms=60 * 60 * 1000,
+        )
+        self.heldout_consumer = make_consumer(
+            s.kafka_bootstrap_servers, s.kafka, [HELDOUT_TOPIC], None
+        )
+
+    def step(self) -> list[RoundReport]:
+        """One pass of the loop: read, run the rounds that are due, commit."""
+        self.poll()
+        reports = []
+        for alias in list(self.waiting):
+            if self.ready(alias):
+                self.refresh_routes()
+                if self.ready(alias):
+                    reports += self.guarded_round(alias)
+        # Events first: a round's outcome is in Redis; its events must reach Kafka before the
+        # offsets move on (retried here until they do).
+        if self.lifecycle.flush_events(raise_errors=False):
+            self.commit_offsets()
+        return reports
+
+    def run(self) -> None:
+        s = self.settings.learner
+        start_http_server(s.metrics_port, addr=s.metrics_host, registry=self.metrics.registry)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stopping.set())
+        while not self.stopping.is_set():
+            try:
+                self.connect()
+                break
+            except KafkaError as exc:
+                log.warning("kafka unreachable (%s); retrying", exc)
+                time.sleep(1.0)
+        watcher = CanaryWatcher(
+            self.settings,
+            Lifecycle(self.writer, self.store, EventSink(self.settings), actor="canary"),
+            self.metrics,
+            self.stopping,
+        )
+        thread = threading.Thread(target=watcher.run, name="canary", daemon=True)
+        thread.start()
+        log.info("learner consuming %s as group %s", GROUPS_TOPIC, s.consumer_group)
+        while not self.stopping.is_set():
+            try:
+                self.step()
+            except (KafkaError, redis.RedisError, OSError, LifecycleError) as exc:
+                # Nothing is committed past an unfinished round: it is retried from the log.
+                log.warning("learner step failed (%s); retrying", exc)
+                self.metrics.failures.labels("-", type(exc).__name__).inc()
+                time.sleep(1.0)
+        thread.join(timeout=10)
+        for consumer in (self.groups_consumer, self.heldout_consumer):
+            if consumer is not None:
+                consumer.close()
+        if self.lifecycle.sink is not None:
+            self.lifecycle.sink.close()
+
+
+def serve(settings: RatchetSettings) -> None:
+    from ratchet.model import prepare_model
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    path = settings.learner.base_model_path
+    base = Path(path) if path else prepare_model(settings.home)
+    LearnerService(settings, base).run()

@@ -1,0 +1,129 @@
+"""What the learner has done for an alias, read back from its Redis history: a table of rounds,
+the learner's queue lag, and a plot (reward per round, gate win rate with its 95% interval,
+promotions marked)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ratchet.records import GROUPS_TOPIC
+from ratchet.settings import RatchetSettings
+
+OUTCOME_KINDS = ("promote", "canary", "reject", "rollback")
+
+
+@dataclass
+class RoundRow:
+    version: int
+    ts: str
+    mean_reward: float | None
+    groups: int | None
+    win_rate: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+    pairs: int | None = None
+    passed: bool | None = None
+    outcome: str = "trained"  # trained (no gate yet) | promoted | canary | rejected | rolled back
+
+
+_OUTCOME_WORDS = {
+    "promote": "promoted",
+    "canary": "canary",
+    "reject": "rejected",
+    "rollback": "rolled back",
+}
+
+
+def rounds_of(history: list[dict[str, Any]]) -> list[RoundRow]:
+    """One row per candidate the learner wrote, oldest first, with its gate and fate."""
+    rows: dict[int, RoundRow] = {}
+    for event in reversed(history):  # history is newest first
+        kind, version = event.get("kind"), event.get("version")
+        detail = event.get("detail") or {}
+        if kind == "candidate" and version is not None:
+            rows[version] = RoundRow(
+                version=version,
+                ts=event.get("ts", ""),
+                mean_reward=detail.get("mean_reward"),
+                groups=detail.get("groups"),
+            )
+        elif kind == "gate" and version in rows:
+            row = rows[version]
+            row.win_rate, row.ci_low = detail.get("win_rate"), detail.get("ci_low")
+            row.ci_high, row.pairs = detail.get("ci_high"), detail.get("pairs")
+            row.passed = detail.get("passed")
+        elif kind in OUTCOME_KINDS:
+            # A rollback names the restored version; the one rolled back is previous_version.
+            target = event.get("previous_version") if kind == "rollback" else version
+            if target in rows:
+                rows[target].outcome = _OUTCOME_WORDS[kind]
+    return sorted(rows.values(), key=lambda row: row.ts)
+
+
+def learner_lag(settings: RatchetSettings, timeout_s: float = 5.0) -> int | None:
+    """Groups on ratchet.groups the learner has not committed yet; None if Kafka is away."""
+    from kafka import KafkaConsumer
+    from kafka.errors import KafkaError
+    from kafka.structs import TopicPartition
+
+    try:
+        consumer = KafkaConsumer(
+            bootstrap_servers=settings.kafka_bootstrap_servers,
+            group_id=settings.learner.consumer_group,
+            enable_auto_commit=False,
+            request_timeout_ms=int(timeout_s * 1000) + 1000,
+            api_version_auto_timeout_ms=int(timeout_s * 1000),
+            **settings.kafka.client_options(),
+        )
+    except KafkaError:
+        return None
+    try:
+        partitions = consumer.partitions_for_topic(GROUPS_TOPIC) or set()
+        tps = [TopicPartition(GROUPS_TOPIC, p) for p in partitions]
+        ends = consumer.end_offsets(tps) if tps else {}
+        return sum(max(0, end - (consumer.committed(tp) or 0)) for tp, end in ends.items())
+    except KafkaError:
+        return None
+    finally:
+        consumer.close()
+
+
+def plot_rounds(alias: str, rows: list[RoundRow], threshold: float, path: Path) -> Path:
+    """Reward per round on top, gate win rate with its 95% interval below; promotions marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    x = list(range(1, len(rows) + 1))
+    rewards = [r.mean_reward if r.mean_reward is not None else float("nan") for r in rows]
+    top.plot(x, rewards, marker="o", color="tab:blue")
+    top.set_ylabel("training reward (mean)")
+    top.set_title(f"{alias}: learning rounds")
+    gated = [(i, r) for i, r in zip(x, rows, strict=True) if r.win_rate is not None]
+    if gated:
+        xs = [i for i, _ in gated]
+        rates = [r.win_rate for _, r in gated]
+        low = [r.win_rate - (r.ci_low if r.ci_low is not None else r.win_rate) for _, r in gated]
+        high = [(r.ci_high if r.ci_high is not None else r.win_rate) - r.win_rate for _, r in gated]
+        colours = ["tab:green" if r.passed else "tab:red" for _, r in gated]
+        bottom.errorbar(xs, rates, yerr=[low, high], fmt="none", ecolor="grey", capsize=3)
+        bottom.scatter(xs, rates, c=colours, zorder=3)
+    bottom.axhline(threshold, linestyle="--", color="grey", label=f"threshold {threshold}")
+    bottom.set_ylim(0, 1)
+    bottom.set_ylabel("gate win rate (95% CI)")
+    bottom.set_xlabel("round (candidate version below)")
+    bottom.set_xticks(x, [f"{i}\nv{r.version}" for i, r in zip(x, rows, strict=True)])
+    for i, row in zip(x, rows, strict=True):
+        if row.outcome == "promoted":
+            for axis in (top, bottom):
+                axis.axvline(i, color="tab:green", alpha=0.3, linewidth=6)
+    bottom.legend(loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,256 @@
+"""The canary: the pure verdict, and the watcher counting traffic and feedback records in a real
+Redis and then promoting or rolling back through the real Lifecycle (no Kafka: the records are
+handed to ``count()`` as the consumer would)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from learner.canary import ArmStats, CanaryWatcher, canary_verdict, read_counts, reset_counts
+from learner.metrics import LearnerMetrics
+from ratchet.lifecycle import Lifecycle
+from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord, TrafficRecord
+from ratchet.registry import RegistryWriter
+from ratchet.settings import AliasConfig, CanaryConfig, RatchetSettings
+from ratchet.store import AdapterStore
+
+ALIAS = "support"
+CONFIG = CanaryConfig(
+    weight=0.1, min_requests=10, max_error_rate_increase=0.05, max_feedback_drop=0.2, min_feedback=3
+)
+
+
+# --- the verdict ------------------------------------------------------------------------------
+
+
+def test_the_verdict_waits_for_enough_canary_requests() -> None:
+    verdict, reason = canary_verdict(ArmStats(100), ArmStats(9, errors=9), CONFIG)
+    assert verdict == "wait" and "9 of 10" in reason
+
+
+def test_the_verdict_rolls_back_on_an_error_rate_excess() -> None:
+    verdict, reason = canary_verdict(ArmStats(100, errors=1), ArmStats(10, errors=1), CONFIG)
+    assert verdict == "rollback" and reason.startswith("error_rate:")
+    # At the margin exactly (0.05 more), not beyond it: the canary is fine.
+    verdict, _ = canary_verdict(ArmStats(100), ArmStats(100, errors=5), CONFIG)
+    assert verdict == "promote"
+
+
+def test_the_verdict_rolls_back_on_a_feedback_drop() -> None:
+    active = ArmStats(100, feedback=4, feedback_sum=3.6)  # mean 0.9
+    verdict, reason = canary_verdict(active, ArmStats(10, feedback=4, feedback_sum=2.4), CONFIG)
+    assert verdict == "rollback" and reason.startswith("feedback:")
+    verdict, _ = canary_verdict(active, ArmStats(10, feedback=4, feedback_sum=3.0), CONFIG)
+    assert verdict == "promote"  # mean 0.75: a drop of 0.15 is within the margin
+
+
+def test_too_little_feedback_does_not_count() -> None:
+    active = ArmStats(100, feedback=50, feedback_sum=50.0)
+    verdict, _ = canary_verdict(active, ArmStats(10, feedback=2, feedback_sum=0.0), CONFIG)
+    assert verdict == "promote"
+
+
+# --- the watcher ------------------------------------------------------------------------------
+
+
+def add_version(store: AdapterStore, version: int) -> None:
+    def write_adapter(folder: Path) -> None:
+        (folder / "adapter_config.json").write_text(json.dumps({"r": 8}))
+
+    store.write(ALIAS, version, write_adapter, "/models/base", {"parent_version": version - 1})
+
+
+@pytest.fixture
+def settings(redis_url: str, tmp_path: Path) -> RatchetSettings:
+    return RatchetSettings(
+        redis_url=redis_url, home=tmp_path, aliases={ALIAS: AliasConfig(canary=CONFIG)}
+    )
+
+
+@pytest.fixture
+def lifecycle(settings: RatchetSettings) -> Lifecycle:
+    assert settings.store_dir is not None
+    store = AdapterStore(settings.store_dir)
+    for version in (1, 2):
+        add_version(store, version)
+    life = Lifecycle(RegistryWriter(settings.redis_url, settings.aliases), store, sink=None)
+    life.promote(ALIAS, 1)
+    return life
+
+
+def start_canary(lifecycle: Lifecycle, version: int = 2) -> None:
+    """As the learner starts one: counts reset in the same transaction."""
+    lifecycle.start_canary(
+        ALIAS, version, 0.1, {}, also=lambda pipe: reset_counts(pipe, ALIAS, version)
+    )
+
+
+def watcher_for(settings: RatchetSettings, lifecycle: Lifecycle) -> CanaryWatcher:
+    watcher = CanaryWatcher(settings, lifecycle, LearnerMetrics(), threading.Event())
+    watcher.routes = lifecycle.writer.read_all()
+    return watcher
+
+
+def traffic(arm: str, version: int, status: int = 200, rid: str | None = None) -> Any:
+    record = TrafficRecord(
+        request_id=rid or "req",
+        endpoint="chat.completions",
+        alias=ALIAS,
+        request_model=ALIAS,
+        response_model=f"{ALIAS}@v{version}",
+        version=version,
+        canary_arm=arm,  # type: ignore[arg-type]
+        request={"messages": [{"role": "user", "content": "hi"}]},
+        response_id=rid,
+        status=status,
+        latency_ms=12.0,
+    )
+    return SimpleNamespace(topic=TRAFFIC_TOPIC, value=record.to_json())
+
+
+def feedback(completion_id: str, score: float) -> Any:
+    record = FeedbackRecord(completion_id=completion_id, score=score)
+    return SimpleNamespace(topic=FEEDBACK_TOPIC, value=record.to_json())
+
+
+def healthy_traffic(requests: int = 10) -> list[Any]:
+    return [traffic("active", 1) for _ in range(requests)] + [
+        traffic("canary", 2) for _ in range(requests)
+    ]
+
+
+def route_of(lifecycle: Lifecycle) -> tuple[int, int | None]:
+    route = lifecycle.writer.read(ALIAS)
+    assert route is not None
+    return route.active, route.canary
+
+
+def test_a_healthy_canary_is_promoted(settings: RatchetSettings, lifecycle: Lifecycle) -> None:
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    watcher.count(healthy_traffic(5))
+    watcher.check()
+    assert route_of(lifecycle) == (1, 2)  # 5 of 10 canary requests: wait
+
+    # A restarted watcher carries on from the counts in Redis.
+    watcher = watcher_for(settings, lifecycle)
+    watcher.count(healthy_traffic(5))
+    version, stats = read_counts(lifecycle.writer.redis, ALIAS)
+    assert version == 2 and stats["canary"].requests == 10 and stats["active"].requests == 10
+    watcher.check()
+    assert route_of(lifecycle) == (2, None)
+    event = lifecycle.writer.history(ALIAS)[0]
+    assert event["kind"] == "promote" and event["version"] == 2
+    assert event["detail"]["via"] == "canary" and event["detail"]["canary"]["requests"] == 10
+
+
+def test_an_error_rate_excess_rolls_the_canary_back(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    messages = [traffic("active", 1) for _ in range(20)]
+    messages += [traffic("canary", 2, status=500) for _ in range(2)]
+    messages += [traffic("canary", 2) for _ in range(8)]
+    watcher.count(messages)
+    watcher.check()
+    assert route_of(lifecycle) == (1, None)
+    status = lifecycle.store.status(ALIAS, 2)
+    assert status is not None and status["status"] == "rolled_back"
+    event = lifecycle.writer.history(ALIAS)[0]
+    assert event["kind"] == "rollback" and event["previous_version"] == 2
+    assert event["detail"]["reason"].startswith("error_rate:")
+    rollbacks = watcher.metrics.registry.get_sample_value(
+        "ratchet_learner_rollbacks_total", {"alias": ALIAS, "reason": "error_rate"}
+    )
+    assert rollbacks == 1.0
+
+
+def test_client_errors_are_not_the_canarys_fault(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    watcher.count(healthy_traffic(5) + [traffic("canary", 2, status=400) for _ in range(5)])
+    _, stats = read_counts(lifecycle.writer.redis, ALIAS)
+    assert stats["canary"].requests == 10 and stats["canary"].errors == 0
+    watcher.check()
+    assert route_of(lifecycle) == (2, None)
+
+
+def test_a_feedback_drop_rolls_the_canary_back(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    watcher.count(
+        [traffic("active", 1, rid=f"a{i}") for i in range(10)]
+        + [traffic("canary", 2, rid=f"c{i}") for i in range(10)]
+    )
+    watcher.count(
+        [feedback(f"a{i}", 1.0) for i in range(3)] + [feedback(f"c{i}", 0.0) for i in range(3)]
+    )
+    _, stats = read_counts(lifecycle.writer.redis, ALIAS)
+    assert (stats["active"].feedback, stats["active"].feedback_sum) == (3, 3.0)
+    assert (stats["canary"].feedback, stats["canary"].feedback_sum) == (3, 0.0)
+    watcher.check()
+    assert route_of(lifecycle) == (1, None)
+    assert lifecycle.writer.history(ALIAS)[0]["detail"]["reason"].startswith("feedback:")
+
+
+def test_records_outside_the_canary_are_not_counted(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    watcher.count(
+        [traffic("canary", 7, status=500, rid="x") for _ in range(20)]  # not the canary version
+        + [traffic("active", 0, status=500) for _ in range(20)]  # not the active version
+        + [feedback("x", 0.0), feedback("never-seen", 0.0)]
+    )
+    version, stats = read_counts(lifecycle.writer.redis, ALIAS)
+    assert version == 2
+    assert stats["canary"] == ArmStats() and stats["active"] == ArmStats()
+    watcher.check()
+    assert route_of(lifecycle) == (1, 2)
+
+
+def test_nothing_is_counted_without_a_canary(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    watcher = watcher_for(settings, lifecycle)
+    watcher.count(healthy_traffic(20))
+    assert lifecycle.writer.redis.exists(f"ratchet:canary:{ALIAS}") == 0
+
+
+def test_a_canary_set_by_hand_is_not_judged(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    lifecycle.start_canary(ALIAS, 2, 0.1, {})  # no reset: the counts belong to no canary
+    watcher = watcher_for(settings, lifecycle)
+    watcher.count(healthy_traffic(20) + [traffic("canary", 2, status=500) for _ in range(20)])
+    watcher.check()
+    assert route_of(lifecycle) == (1, 2)
+
+    # Counts left from an earlier canary (v3) do not judge this one either.
+    lifecycle.writer.redis.hset(f"ratchet:canary:{ALIAS}", "version", 3)
+    watcher.check()
+    assert route_of(lifecycle) == (1, 2)
+
+
+def test_check_exports_the_canarys_state(settings: RatchetSettings, lifecycle: Lifecycle) -> None:
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    watcher.count([traffic("canary", 2, status=503)] + [traffic("canary", 2)] * 3)
+    watcher.check()
+    sample = watcher.metrics.registry.get_sample_value
+    assert sample("ratchet_learner_canary_version", {"alias": ALIAS}) == 2
+    assert sample("ratchet_learner_active_version", {"alias": ALIAS}) == 1
+    assert sample("ratchet_learner_canary_requests", {"alias": ALIAS, "arm": "canary"}) == 4
+    assert sample("ratchet_learner_canary_error_rate", {"alias": ALIAS, "arm": "canary"}) == 0.25

@@ -1,0 +1,146 @@
+"""The reward-hacking guard's pure checks: reward up while the gate says no, collapse to one
+answer, runaway answer length, and reading round outcomes back from an alias's history."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from learner.guard import (
+    RoundOutcome,
+    collapse,
+    is_collapsed,
+    mean_length,
+    reward_up_gate_down,
+    rounds_from_history,
+    runaway_length,
+)
+from ratchet.records import Sample, ScoredGroup
+
+
+def group(texts: list[str], lengths: list[int] | None = None) -> ScoredGroup:
+    lengths = lengths or [3] * len(texts)
+    samples = [
+        Sample(
+            message={"role": "assistant", "content": t},
+            text=t,
+            token_ids=list(range(n)),
+            logprobs=[-0.1] * n,
+        )
+        for t, n in zip(texts, lengths, strict=True)
+    ]
+    return ScoredGroup(
+        group_id="g",
+        alias="support",
+        version=0,
+        response_model="m",
+        prompt_messages=[{"role": "user", "content": "hi"}],
+        prompt_token_ids=[1, 2],
+        samples=samples,
+        rewards=[float(i) for i in range(len(texts))],
+        traffic_request_id="r",
+    )
+
+
+def rounds(rewards: list[float], passed: list[bool]) -> list[RoundOutcome]:
+    return [
+        RoundOutcome(version=i + 1, train_reward=r, passed=p)
+        for i, (r, p) in enumerate(zip(rewards, passed, strict=True))
+    ]
+
+
+# --- reward up, gate down -----------------------------------------------------------------------
+
+
+def test_rising_reward_with_every_gate_rejected_is_reward_hacking() -> None:
+    reason = reward_up_gate_down(rounds([0.2, 0.4, 0.6], [False] * 3), window=3)
+    assert reason is not None and reason.startswith("reward_hacking:")
+    assert "0.200, 0.400, 0.600" in reason
+
+
+def test_fewer_rounds_than_the_window_say_nothing() -> None:
+    assert reward_up_gate_down(rounds([0.2, 0.4], [False] * 2), window=3) is None
+
+
+def test_one_passed_gate_in_the_window_clears_it() -> None:
+    assert reward_up_gate_down(rounds([0.2, 0.4, 0.6], [False, True, False]), window=3) is None
+
+
+def test_a_reward_that_did_not_rise_every_round_clears_it() -> None:
+    assert reward_up_gate_down(rounds([0.2, 0.4, 0.4], [False] * 3), window=3) is None
+    assert reward_up_gate_down(rounds([0.2, 0.5, 0.4], [False] * 3), window=3) is None
+
+
+def test_only_the_last_window_counts() -> None:
+    # An early passed gate and an early dip are outside the window of the last three.
+    history = rounds([0.9, 0.1, 0.2, 0.3], [True, False, False, False])
+    assert reward_up_gate_down(history, window=3) is not None
+    assert reward_up_gate_down(history, window=4) is None
+
+
+# --- collapse and length ----------------------------------------------------------------------
+
+
+def test_a_group_of_one_answer_repeated_is_collapsed() -> None:
+    assert is_collapsed(group(["Yes.", " yes. ", "YES."]))
+    assert not is_collapsed(group(["Yes.", "No."]))
+    assert not is_collapsed(group(["Yes."]))  # one sample is not a repetition
+
+
+def test_collapse_needs_the_share_of_recent_groups() -> None:
+    reason = collapse(identical=8, total=10, share=0.8)
+    assert reason is not None and reason.startswith("collapse:") and "8 of 10" in reason
+    assert collapse(identical=7, total=10, share=0.8) is None
+    assert collapse(identical=0, total=0, share=0.8) is None
+
+
+def test_mean_length_is_over_every_sample_of_every_group() -> None:
+    assert mean_length([group(["a", "b"], [2, 4]), group(["c"], [9])]) == 5.0
+    assert mean_length([]) == 0.0
+
+
+def test_runaway_length_is_growth_over_the_first_rounds_baseline() -> None:
+    reason = runaway_length(current=310.0, baseline=100.0, growth=3.0)
+    assert reason is not None and reason.startswith("runaway_length:") and "3.1x" in reason
+    assert runaway_length(current=300.0, baseline=100.0, growth=3.0) is None
+    assert runaway_length(current=900.0, baseline=None, growth=3.0) is None  # the first round
+    assert runaway_length(current=900.0, baseline=0.0, growth=3.0) is None
+
+
+# --- rounds from an alias's history -----------------------------------------------------------
+
+
+def event(kind: str, version: int | None = None, **detail: Any) -> dict[str, Any]:
+    return {"kind": kind, "version": version, "detail": detail}
+
+
+def test_rounds_from_history_joins_candidates_with_their_gates_oldest_first() -> None:
+    history = [  # newest first, as Redis keeps it
+        event("candidate", 4, mean_reward=0.9),  # no gate yet: not a round outcome
+        event("reject", 3),
+        event("gate", 3, passed=False),
+        event("candidate", 3, mean_reward=0.7),
+        event("promote", 2),
+        event("gate", 2, passed=True),
+        event("candidate", 2, mean_reward=0.5),
+        event("gate", 1, passed=False),
+        event("candidate", 1),  # a round without a reward (no steps) is left out
+    ]
+    assert rounds_from_history(history) == [
+        RoundOutcome(version=2, train_reward=0.5, passed=True),
+        RoundOutcome(version=3, train_reward=0.7, passed=False),
+    ]
+
+
+def test_a_pause_or_resume_starts_the_window_afresh() -> None:
+    older = [
+        event("gate", 2, passed=False),
+        event("candidate", 2, mean_reward=0.5),
+        event("gate", 1, passed=False),
+        event("candidate", 1, mean_reward=0.3),
+    ]
+    newer = [event("gate", 5, passed=False), event("candidate", 5, mean_reward=0.8)]
+    for cut in ("pause", "resume"):
+        assert rounds_from_history([*newer, event(cut), *older]) == [
+            RoundOutcome(version=5, train_reward=0.8, passed=False)
+        ]
+    assert len(rounds_from_history([*newer, *older])) == 3

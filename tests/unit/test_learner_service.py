@@ -1,0 +1,383 @@
+"""The learner service around its rounds, against a real Redis and a real adapter store: what
+becomes of each scored group (intake), version numbers, held-out pool, when a round is due,
+offset commits, and the guard that pauses learning. No model is loaded: the learner loads it
+lazily on its first round, and rounds themselves are covered by the integration tests."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from kafka.structs import OffsetAndMetadata, TopicPartition
+
+from learner.service import LearnerService, baseline_length_key, trained_key
+from ratchet.records import GROUPS_TOPIC, HeldoutPrompt, Sample, ScoredGroup
+from ratchet.settings import AliasConfig, LearnerSettings, LearningConfig, RatchetSettings
+
+ALIAS = "support"
+TP0 = TopicPartition(GROUPS_TOPIC, 0)
+TP1 = TopicPartition(GROUPS_TOPIC, 1)
+
+
+def group(
+    gid: str,
+    version: int = 0,
+    rewards: tuple[float, ...] = (0.0, 1.0),
+    texts: tuple[str, ...] | None = None,
+    length: int = 4,
+    alias: str = ALIAS,
+) -> ScoredGroup:
+    texts = texts or tuple(f"answer {i}" for i in range(len(rewards)))
+    samples = [
+        Sample(
+            message={"role": "assistant", "content": text},
+            text=text,
+            token_ids=list(range(length)),
+            logprobs=[-0.5] * length,
+        )
+        for text in texts
+    ]
+    return ScoredGroup(
+        group_id=gid,
+        alias=alias,
+        version=version,
+        response_model=f"{alias}@v{version}",
+        prompt_messages=[{"role": "user", "content": f"question {gid}"}],
+        prompt_token_ids=[1, 2, 3],
+        samples=samples,
+        rewards=list(rewards),
+        traffic_request_id=f"req-{gid}",
+    )
+
+
+@pytest.fixture
+def settings(redis_url: str, tmp_path: Path) -> RatchetSettings:
+    return RatchetSettings(
+        redis_url=redis_url,
+        home=tmp_path,
+        kafka_bootstrap_servers="127.0.0.1:1",  # never reached: no Kafka in these tests
+        aliases={
+            ALIAS: AliasConfig(),
+            "frozen": AliasConfig(learning=LearningConfig(enabled=False)),
+        },
+        learner=LearnerSettings(
+            max_staleness=1,
+            max_waiting_groups=3,
+            batch_groups=3,
+            min_groups=2,
+            interval_s=60,
+            heldout_pool=3,
+            guard_rounds=3,
+            collapse_share=0.8,
+            max_length_growth=3.0,
+        ),
+    )
+
+
+@pytest.fixture
+def service(settings: RatchetSettings) -> LearnerService:
+    service = LearnerService(settings, base_model_path=Path("unused"))
+    service.lifecycle.sink = None  # Redis history only
+    service.refresh_routes()
+    return service
+
+
+def add_versions(service: LearnerService, *versions: tuple[int, int]) -> None:
+    """(version, parent) adapter folders with just enough in them to count as written."""
+
+    def write_adapter(folder: Path) -> None:
+        (folder / "adapter_config.json").write_text(json.dumps({"r": 8}))
+
+    for version, parent in versions:
+        service.store.write(ALIAS, version, write_adapter, "/base", {"parent_version": parent})
+
+
+def waiting_ids(service: LearnerService) -> list[str]:
+    return [w.group.group_id for w in service.waiting[ALIAS]]
+
+
+def metric(service: LearnerService, name: str, **labels: str) -> float | None:
+    return service.metrics.registry.get_sample_value(name, labels)
+
+
+# --- intake -----------------------------------------------------------------------------------
+
+
+def test_a_usable_group_waits_for_the_next_round(service: LearnerService) -> None:
+    assert service.take(group("g1"), TP0, 5) == "waiting"
+    [waiting] = service.waiting[ALIAS]
+    assert (waiting.group.group_id, waiting.partition, waiting.offset) == ("g1", TP0, 5)
+
+
+def test_groups_of_aliases_that_do_not_learn_are_dropped(service: LearnerService) -> None:
+    assert service.take(group("g1", alias="elsewhere"), TP0, 0) == "unknown_alias"
+    assert service.take(group("g2", alias="frozen"), TP0, 1) == "learning_disabled"
+    assert not any(service.waiting.values())
+
+
+def test_a_paused_alias_takes_no_groups(service: LearnerService) -> None:
+    service.lifecycle.pause(ALIAS, "manual")
+    assert service.take(group("g1"), TP0, 0) == "waiting"  # the learner has not seen it yet
+    service.refresh_routes()
+    assert service.take(group("g2"), TP0, 1) == "paused"
+    assert waiting_ids(service) == ["g1"]
+
+
+def test_a_group_already_waiting_is_a_duplicate(service: LearnerService) -> None:
+    assert service.take(group("g1"), TP0, 0) == "waiting"
+    assert service.take(group("g1"), TP1, 9) == "duplicate"  # a judge retry, another partition
+    assert waiting_ids(service) == ["g1"]
+
+
+def test_a_group_already_trained_is_a_duplicate(service: LearnerService) -> None:
+    service.redis.zadd(trained_key(ALIAS), {"g1": time.time()})
+    assert service.take(group("g1"), TP0, 0) == "duplicate"
+    assert service.take(group("g2"), TP0, 1) == "waiting"
+
+
+def test_a_group_with_equal_rewards_carries_no_signal(service: LearnerService) -> None:
+    assert service.take(group("g1", rewards=(0.5, 0.5, 0.5)), TP0, 0) == "zero_spread"
+    assert service.take(group("g2", rewards=()), TP0, 1) == "zero_spread"
+    assert service.take(group("g3", rewards=(0.5, 0.5, 0.6)), TP0, 2) == "waiting"
+
+
+def test_staleness_is_counted_along_the_live_versions_lineage(service: LearnerService) -> None:
+    add_versions(service, (1, 0), (2, 1), (3, 2), (4, 0))
+    service.lifecycle.promote(ALIAS, 3)
+    service.refresh_routes()
+    assert [service.promotions_between(ALIAS, v, 3) for v in (3, 2, 1, 0)] == [0, 1, 2, 3]
+    assert service.promotions_between(ALIAS, 4, 3) is None  # a sibling, not an ancestor
+    assert service.promotions_between(ALIAS, 9, 3) is None  # not in the store at all
+
+    outcomes = [service.take(group(f"g{v}", version=v), TP0, v) for v in (3, 2, 1, 0, 4)]
+    assert outcomes == ["waiting", "waiting", "stale", "stale", "stale"]
+
+
+def test_groups_of_a_rolled_back_version_are_stale(service: LearnerService) -> None:
+    add_versions(service, (1, 0), (2, 1))
+    service.lifecycle.promote(ALIAS, 1)
+    service.lifecycle.promote(ALIAS, 2)
+    service.lifecycle.rollback(ALIAS, "manual")
+    service.refresh_routes()
+    assert service.take(group("g2", version=2), TP0, 0) == "stale"
+    assert service.take(group("g1", version=1), TP0, 1) == "waiting"
+
+
+def test_the_oldest_waiting_group_overflows(service: LearnerService) -> None:
+    for i in range(5):
+        assert service.take(group(f"g{i}"), TP0, i) == "waiting"
+    assert waiting_ids(service) == ["g2", "g3", "g4"]  # max_waiting_groups = 3
+    assert metric(service, "ratchet_learner_groups_total", alias=ALIAS, outcome="overflow") == 2
+
+
+# --- versions and the held-out pool -----------------------------------------------------------
+
+
+def test_next_version_is_above_every_version_in_the_store(
+    service: LearnerService, settings: RatchetSettings
+) -> None:
+    add_versions(service, (1, 0), (2, 1), (3, 2))
+    assert service.next_version(ALIAS) == 4  # the counter was behind the store
+    assert service.next_version(ALIAS) == 5
+    other = LearnerService(settings, base_model_path=Path("unused"))  # a second learner
+    assert other.next_version(ALIAS) == 6
+    assert service.next_version("frozen") == 1  # per alias
+
+
+def test_the_held_out_pool_keeps_the_newest_distinct_prompts(service: LearnerService) -> None:
+    def prompt(h: str) -> HeldoutPrompt:
+        messages = [{"role": "user", "content": h}]
+        return HeldoutPrompt(
+            prompt_hash=h, alias=ALIAS, prompt_messages=messages, traffic_request_id=h
+        )
+
+    for h in ("a", "b", "c", "a", "d"):
+        service.add_heldout(prompt(h))
+    # "a" came again, so it is newer than "b"; the pool holds 3, so "b" went first.
+    assert list(service.heldout[ALIAS]) == ["c", "a", "d"]
+    assert metric(service, "ratchet_learner_heldout_prompts", alias=ALIAS) == 3
+
+
+# --- when a round is due ----------------------------------------------------------------------
+
+
+def test_a_round_is_due_with_a_full_batch(service: LearnerService) -> None:
+    assert not service.ready(ALIAS)  # nothing waiting
+    service.take(group("g1"), TP0, 0)
+    service.take(group("g2"), TP0, 1)
+    assert not service.ready(ALIAS)  # two of three, and the oldest is new
+    service.take(group("g3"), TP0, 2)
+    assert service.ready(ALIAS)
+
+
+def test_a_round_is_due_when_the_oldest_group_has_waited_long_enough(
+    service: LearnerService,
+) -> None:
+    service.take(group("g1"), TP0, 0)
+    service.waiting[ALIAS][0].arrived -= 61
+    assert not service.ready(ALIAS)  # one group, fewer than min_groups
+    service.take(group("g2"), TP0, 1)
+    assert service.ready(ALIAS)
+
+
+def test_no_round_while_paused_or_on_canary(service: LearnerService) -> None:
+    add_versions(service, (1, 0))
+    for i in range(3):
+        service.take(group(f"g{i}"), TP0, i)
+    service.lifecycle.start_canary(ALIAS, 1, 0.1, {})
+    service.refresh_routes()
+    assert not service.ready(ALIAS)
+    service.lifecycle.promote(ALIAS, 1)
+    service.refresh_routes()
+    assert service.ready(ALIAS)
+    service.lifecycle.pause(ALIAS, "manual")
+    service.refresh_routes()
+    assert not service.ready(ALIAS)
+
+
+# --- offsets ----------------------------------------------------------------------------------
+
+
+class FakeConsumer:
+    def __init__(self) -> None:
+        self.commits: list[dict[TopicPartition, OffsetAndMetadata]] = []
+
+    def commit(self, offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
+        self.commits.append(offsets)
+
+    def last(self) -> dict[TopicPartition, int]:
+        return {tp: meta.offset for tp, meta in self.commits[-1].items()}
+
+
+def test_offsets_stop_at_the_oldest_group_still_waiting(service: LearnerService) -> None:
+    consumer = FakeConsumer()
+    service.groups_consumer = consumer  # type: ignore[assignment]
+    service.read_up_to = {TP0: 10, TP1: 7}
+    service.take(group("g6"), TP0, 6)
+    service.take(group("g4"), TP0, 4)
+    service.take(group("x8", alias="frozen"), TP0, 8)  # dropped: nothing to hold back for
+    service.commit_offsets()
+    assert consumer.last() == {TP0: 4, TP1: 7}
+
+    service.waiting[ALIAS].clear()  # the round that used them is stored
+    service.commit_offsets()
+    assert consumer.last() == {TP0: 10, TP1: 7}
+
+
+def test_no_commit_before_anything_was_read(service: LearnerService) -> None:
+    consumer = FakeConsumer()
+    service.groups_consumer = consumer  # type: ignore[assignment]
+    service.commit_offsets()
+    assert consumer.commits == []
+
+
+# --- the guard --------------------------------------------------------------------------------
+
+
+def record_round(service: LearnerService, version: int, reward: float, passed: bool) -> None:
+    life = service.lifecycle
+    life.record(life.event(ALIAS, "candidate", version=version, detail={"mean_reward": reward}))
+    life.record(life.event(ALIAS, "gate", version=version, detail={"passed": passed}))
+
+
+def route_paused(service: LearnerService) -> bool:
+    route = service.writer.read(ALIAS)
+    assert route is not None
+    return route.paused
+
+
+def test_reward_up_while_every_gate_rejects_pauses_learning(service: LearnerService) -> None:
+    for version, reward in ((1, 0.2), (2, 0.4), (3, 0.6)):
+        record_round(service, version, reward, passed=False)
+    service.guard(ALIAS, [group("g", length=4)])
+    assert route_paused(service)
+    pause = service.writer.history(ALIAS)[0]
+    assert pause["kind"] == "pause" and pause["detail"]["reason"].startswith("reward_hacking:")
+    assert service.paused_reason[ALIAS] == "reward_hacking"
+    assert metric(service, "ratchet_learner_paused", alias=ALIAS, reason="reward_hacking") == 1
+
+
+def test_a_passed_gate_keeps_learning_on(service: LearnerService) -> None:
+    for version, reward, passed in ((1, 0.2, False), (2, 0.4, True), (3, 0.6, False)):
+        record_round(service, version, reward, passed)
+    service.guard(ALIAS, [group("g", length=4)])
+    assert not route_paused(service)
+
+
+def test_resuming_starts_the_guards_window_afresh(service: LearnerService) -> None:
+    for version, reward in ((1, 0.2), (2, 0.4)):
+        record_round(service, version, reward, passed=False)
+    service.lifecycle.pause(ALIAS, "manual")
+    service.lifecycle.resume(ALIAS)
+    record_round(service, 3, 0.6, passed=False)
+    service.guard(ALIAS, [group("g", length=4)])
+    assert not route_paused(service)
+
+
+def test_groups_of_one_repeated_answer_pause_learning(service: LearnerService) -> None:
+    for i in range(4):
+        texts = ("Same.", "same. ", "SAME.")
+        outcome = service.take(group(f"c{i}", rewards=(0.0, 0.5, 1.0), texts=texts), TP0, i)
+        assert outcome == "waiting"
+    service.take(group("d"), TP0, 9)
+    service.guard(ALIAS, [])  # 4 of 5 recent groups collapsed, share 0.8
+    assert route_paused(service)
+    assert service.paused_reason[ALIAS] == "collapse"
+    assert service.recent[ALIAS] == []  # the next round counts afresh
+
+
+def test_answers_growing_past_the_first_rounds_length_pause_learning(
+    service: LearnerService,
+) -> None:
+    service.guard(ALIAS, [group("g1", length=10)])  # the first round sets the baseline
+    assert float(service.redis.get(baseline_length_key(ALIAS)) or 0) == 10.0
+    service.guard(ALIAS, [group("g2", length=30)])  # 3x: still within max_length_growth
+    assert not route_paused(service)
+    service.guard(ALIAS, [group("g3", length=31)])
+    assert route_paused(service)
+    assert service.paused_reason[ALIAS] == "runaway_length"
+
+
+def test_a_round_that_fails_pauses_the_alias_and_keeps_its_groups(
+    service: LearnerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service.take(group("g1"), TP0, 0)
+
+    def broken_round(alias: str) -> Any:
+        raise ValueError("token ids do not match the prompt")
+
+    monkeypatch.setattr(service, "run_round", broken_round)
+    assert service.guarded_round(ALIAS) == []
+    assert route_paused(service)
+    reason = service.writer.history(ALIAS)[0]["detail"]["reason"]
+    assert reason == "round_failed: ValueError: token ids do not match the prompt"
+    assert metric(service, "ratchet_learner_rounds_total", alias=ALIAS, result="failed") == 1
+    assert waiting_ids(service) == ["g1"]  # uncommitted, for the operator to look at
+
+
+def test_an_outage_during_a_round_is_raised_not_paused(
+    service: LearnerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def outage(alias: str) -> Any:
+        raise redis.ConnectionError("redis went away")
+
+    monkeypatch.setattr(service, "run_round", outage)
+    with pytest.raises(redis.ConnectionError):
+        service.guarded_round(ALIAS)
+    assert not route_paused(service)
+    assert ALIAS not in service.paused_reason
+
+
+def test_a_pause_by_an_operator_is_picked_up_with_its_reason(service: LearnerService) -> None:
+    service.lifecycle.pause(ALIAS, "investigating: odd answers")
+    service.refresh_routes()
+    assert service.paused_reason[ALIAS] == "investigating"
+    assert metric(service, "ratchet_learner_paused", alias=ALIAS, reason="investigating") == 1
+    service.lifecycle.resume(ALIAS)
+    service.refresh_routes()
+    assert ALIAS not in service.paused_reason
+    assert metric(service, "ratchet_learner_paused", alias=ALIAS, reason="investigating") is None
