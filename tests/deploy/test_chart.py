@@ -68,6 +68,8 @@ def test_components_switch_on_and_off(rendered: dict[str, Rendered]) -> None:
         f"PodDisruptionBudget/{FULLNAME}-proxy",
         f"Deployment/{FULLNAME}-judge",
         f"Service/{FULLNAME}-judge",
+        f"Deployment/{FULLNAME}-learner",
+        f"Service/{FULLNAME}-learner",
         f"Deployment/{FULLNAME}-vllm",
         f"Service/{FULLNAME}-vllm",
         f"NetworkPolicy/{FULLNAME}-vllm",
@@ -87,21 +89,49 @@ def test_components_switch_on_and_off(rendered: dict[str, Rendered]) -> None:
     assert not existing.kinds("NetworkPolicy")
     assert not existing.has("Deployment", f"{FULLNAME}-vllm")
     assert not existing.has("Service", f"{FULLNAME}-vllm")
-    # Nothing in that release mounts the adapter store.
+    # The learner writes the claim the existing vLLM reads; the chart makes none.
     assert not existing.kinds("PersistentVolumeClaim")
+    pod = existing.get("Deployment", f"{FULLNAME}-learner")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["adapters"]["persistentVolumeClaim"]["claimName"] == "vllm-adapters"
 
 
-def test_judge_switches_off(chart: helm.Chart) -> None:
+def test_judge_and_learner_switch_off(chart: helm.Chart) -> None:
     values = load_values("defaults")
-    r = render(chart, {**values, "judge": {"enabled": False, "apiKey": "sk-SENTINEL-unused"}})
-    assert not [n for n in r.names() if "judge" in n]
-    assert "judge" not in r.config
+    off = {"enabled": False}
+    r = render(
+        chart,
+        {**values, "judge": {**off, "apiKey": "sk-SENTINEL-unused"}, "learner": off},
+    )
+    assert not [n for n in r.names() if "judge" in n or "learner" in n]
+    assert "judge" not in r.config and "learner" not in r.config
+    # vLLM still mounts the adapter store.
+    assert r.has("PersistentVolumeClaim", f"{FULLNAME}-adapters")
 
 
-def test_judge_on_and_learner_off_by_default(chart: helm.Chart) -> None:
-    # The judge service exists (`ratchet judge`); the learner does not yet.
+def test_learner_without_judge_keeps_the_judge_settings(chart: helm.Chart) -> None:
+    """The gate judges pairs with the judge's model settings, key and verifier secrets, so a
+    release whose judge runs elsewhere still gives them to the learner."""
+    values = load_values("defaults")
+    judge = {
+        "enabled": False,
+        "config": {"judge_api_base": "https://api.openai.com/v1"},
+        "apiKey": "sk-SENTINEL-gate",
+    }
+    r = render(chart, {**values, "judge": judge})
+    assert not r.has("Deployment", f"{FULLNAME}-judge")
+    assert r.config["judge"]["judge_api_base"] == "https://api.openai.com/v1"
+    assert r.has("Secret", f"{FULLNAME}-judge")
+    learner = r.get("Deployment", f"{FULLNAME}-learner")["spec"]["template"]
+    assert learner["spec"]["containers"][0]["envFrom"] == [
+        {"secretRef": {"name": f"{FULLNAME}-judge"}}
+    ]
+    assert "checksum/judge-secret" in learner["metadata"]["annotations"]
+
+
+def test_judge_and_learner_on_by_default(chart: helm.Chart) -> None:
     assert chart.values["judge"]["enabled"] is True
-    assert chart.values["learner"]["enabled"] is False
+    assert chart.values["learner"]["enabled"] is True
     assert chart.values["networkPolicy"]["enabled"] is True
 
 
@@ -113,20 +143,32 @@ def test_commands_ports_and_probes(rendered: dict[str, Rendered], chart: helm.Ch
     assert _probe(proxy, "startupProbe") == ("/healthz", "http")
     assert _probe(proxy, "livenessProbe") == ("/healthz", "http")
     assert _probe(proxy, "readinessProbe") == ("/readyz", "http")
+    chart_owned = {
+        "judge": {},
+        # The weights vLLM serves, which every adapter must name as its base.
+        "learner": {"base_model_path": "meta-llama/Llama-3.1-8B-Instruct"},
+    }
     for name, port in [("judge", 8402), ("learner", 8403)]:
         c = r.container(f"{FULLNAME}-{name}")
         assert c["command"] == ["ratchet", name, "--config", "/etc/ratchet/ratchet.yaml"]
         assert _ports(c) == {"metrics": port}
-        assert _probe(c, "livenessProbe")[1] == "metrics"
-        assert _probe(c, "readinessProbe")[1] == "metrics"
+        # The services serve only Prometheus metrics: every probe asks /metrics.
+        for probe in ("livenessProbe", "readinessProbe"):
+            assert _probe(c, probe) == ("/metrics", "metrics")
         # The service binds its metrics where probes and Prometheus reach them; the rest of its
         # section is the chart's defaults with the values' config on top.
         assert r.config[name] == {
             **chart.values[name]["config"],
             **load_values("all-on")[name].get("config", {}),
+            **chart_owned[name],
             "metrics_host": "0.0.0.0",
             "metrics_port": port,
         }
+    learner = r.container(f"{FULLNAME}-learner")
+    assert _probe(learner, "startupProbe") == ("/metrics", "metrics")
+    startup = learner["startupProbe"]
+    # Room to download and load the base model before liveness starts counting.
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
     vllm = r.container(f"{FULLNAME}-vllm")
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert _probe(vllm, probe) == ("/health", "http")
@@ -215,12 +257,14 @@ def test_existing_vllm_by_url(rendered: dict[str, Rendered]) -> None:
 
 def test_gpu_learner(rendered: dict[str, Rendered]) -> None:
     r = rendered["gpu-learner"]
+    values = load_values("gpu-learner")
     deployment = r.get("Deployment", f"{FULLNAME}-learner")
     assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
     pod = deployment["spec"]["template"]["spec"]
     learner = pod["containers"][0]
     assert learner["image"] == "registry.example.com/ratchet-learner:0.1.0-cu128"
+    assert learner["imagePullPolicy"] == "Always"
     assert learner["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert learner["resources"]["requests"]["nvidia.com/gpu"] == 2
     assert learner["resources"]["limits"]["memory"] == "32Gi"
@@ -237,11 +281,86 @@ def test_gpu_learner(rendered: dict[str, Rendered]) -> None:
     assert vllm_volumes["adapters"]["persistentVolumeClaim"]["claimName"] == "shared-adapters"
     assert not r.kinds("PersistentVolumeClaim")
     assert mounts["dshm"]["mountPath"] == "/dev/shm"
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
     # The learner still runs as the image's non-root user with a read-only root.
     assert learner["securityContext"]["readOnlyRootFilesystem"] is True
-    # The default learner image is the Ratchet image.
-    default_learner = rendered["all-on"].container(f"{FULLNAME}-learner")
-    assert default_learner["image"] == "ghcr.io/ratchet/ratchet:0.1.0-cu128"
+    # It trains the model vLLM serves, downloaded into the operator's cache with their token,
+    # on the GPUs it asked for.
+    config = r.config["learner"]
+    assert (
+        config["base_model_path"]
+        == values["model"]["name"]
+        == r.container(f"{FULLNAME}-vllm")["args"][0]
+    )
+    assert config["device"] == "cuda"
+    assert config["lora_target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert (config["batch_groups"], config["interval_s"], config["loss_mode"]) == (
+        32,
+        1800,
+        "cispo",
+    )
+    env = {e["name"]: e for e in learner["env"]}
+    assert env["HF_HOME"]["value"] == mounts["model-cache"]["mountPath"] == "/models-cache"
+    assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] == "hf-models"
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "hf-learner-token",
+        "key": "HF_TOKEN",
+    }
+    assert learner["startupProbe"]["periodSeconds"] == 20
+    assert learner["startupProbe"]["failureThreshold"] == 135
+    # No judge key in this release: nothing to read from a judge Secret.
+    assert "envFrom" not in learner
+
+
+def test_learner_defaults(rendered: dict[str, Rendered], chart: helm.Chart) -> None:
+    r = rendered["defaults"]
+    learner = r.container(f"{FULLNAME}-learner")
+    # The CUDA build of the Ratchet image (ops/README.md), on one GPU.
+    assert learner["image"] == "ghcr.io/ratchet/ratchet:0.1.0-cu128"
+    assert learner["imagePullPolicy"] == "IfNotPresent"
+    assert learner["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert r.config["learner"]["device"] == "cuda"
+    assert r.config["learner"]["base_model_path"] == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert "HF_TOKEN" not in {e["name"] for e in learner["env"]}
+    pod = r.get("Deployment", f"{FULLNAME}-learner")["spec"]["template"]["spec"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    # An explicit device wins; vLLM's token serves a gated model to the learner too.
+    everything = rendered["all-on"]
+    assert everything.config["learner"]["device"] == "auto"
+    token = next(
+        e for e in everything.container(f"{FULLNAME}-learner")["env"] if e["name"] == "HF_TOKEN"
+    )
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    # Without a GPU the chart leaves the device to the learner (auto).
+    values = load_values("defaults")
+    cpu = render(chart, {**values, "learner": {"gpu": {"count": 0}}})
+    assert "device" not in cpu.config["learner"]
+    assert "nvidia.com/gpu" not in cpu.container(f"{FULLNAME}-learner")["resources"]["limits"]
+
+
+@pytest.mark.parametrize(
+    ("image", "learner_image", "expected"),
+    [
+        ({"tag": "1.2.3"}, {}, "ghcr.io/ratchet/ratchet:1.2.3-cu128"),
+        ({}, {"tagSuffix": "-cu126"}, "ghcr.io/ratchet/ratchet:0.1.0-cu126"),
+        ({}, {"tag": "mine"}, "ghcr.io/ratchet/ratchet:mine"),
+        # image.digest pins the image without torch: the learner never takes it.
+        ({"digest": "sha256:" + "a" * 64}, {}, "ghcr.io/ratchet/ratchet:0.1.0-cu128"),
+        (
+            {},
+            {"repository": "r.example.com/l", "digest": "sha256:" + "b" * 64},
+            "r.example.com/l@sha256:" + "b" * 64,
+        ),
+    ],
+)
+def test_learner_image(
+    chart: helm.Chart, image: dict[str, str], learner_image: dict[str, str], expected: str
+) -> None:
+    values = load_values("defaults")
+    r = render(chart, {**values, "image": image, "learner": {"image": learner_image}})
+    assert r.container(f"{FULLNAME}-learner")["image"] == expected
 
 
 @pytest.mark.parametrize("values_file", VALUES_FILES)
@@ -350,18 +469,21 @@ def test_chart_secret_holds_the_secrets(rendered: dict[str, Rendered]) -> None:
         "RATCHET_JUDGE__JUDGE_API_KEY": "sk-SENTINEL-judge",
         "SQL_VERIFIER_DSN": "SENTINEL-verifier-dsn",
     }
-    pod = r.get("Deployment", f"{FULLNAME}-judge")["spec"]["template"]
-    container = pod["spec"]["containers"][0]
-    assert container["envFrom"] == [{"secretRef": {"name": f"{FULLNAME}-judge"}}]
-    assert "checksum/judge-secret" in pod["metadata"]["annotations"]
-    # The judge gets no client keys: they are the proxy's alone.
-    assert not {"RATCHET_PROXY__API_KEYS", "RATCHET_PROXY__ADMIN_KEY"} & {
-        e["name"] for e in container["env"]
-    }
+    # The judge, and the learner's gate (same judge model and verifiers), read that Secret.
+    for component in ("judge", "learner"):
+        pod = r.get("Deployment", f"{FULLNAME}-{component}")["spec"]["template"]
+        container = pod["spec"]["containers"][0]
+        assert container["envFrom"] == [{"secretRef": {"name": f"{FULLNAME}-judge"}}]
+        assert "checksum/judge-secret" in pod["metadata"]["annotations"]
+        # Neither gets client keys: they are the proxy's alone.
+        assert not {"RATCHET_PROXY__API_KEYS", "RATCHET_PROXY__ADMIN_KEY"} & {
+            e["name"] for e in container["env"]
+        }
     # Without a judge key or other judge secrets there is no judge Secret and no envFrom.
     defaults = rendered["defaults"]
     assert not defaults.has("Secret", f"{FULLNAME}-judge")
     assert "envFrom" not in defaults.container(f"{FULLNAME}-judge")
+    assert "envFrom" not in defaults.container(f"{FULLNAME}-learner")
 
 
 @pytest.mark.parametrize("values_file", VALUES_FILES)
@@ -401,8 +523,9 @@ def test_existing_secrets_are_referenced_not_written(rendered: dict[str, Rendere
         "name": "redis-auth",
         "key": "redis-password",
     }
-    judge = r.container(f"{FULLNAME}-judge")
-    assert judge["envFrom"] == [{"secretRef": {"name": "ratchet-judge-providers"}}]
+    for component in ("judge", "learner"):
+        container = r.container(f"{FULLNAME}-{component}")
+        assert container["envFrom"] == [{"secretRef": {"name": "ratchet-judge-providers"}}]
     test_pod = r.get("Pod", f"{FULLNAME}-test-proxy")
     keys = next(e for e in test_pod["spec"]["containers"][0]["env"] if e["name"] == "API_KEYS")
     assert keys["valueFrom"]["secretKeyRef"] == {"name": "ratchet-proxy-keys", "key": "keys.json"}
@@ -455,7 +578,8 @@ def test_hpa_pdb_and_service_monitors(rendered: dict[str, Rendered]) -> None:
     monitors = {m["metadata"]["name"]: m for m in r.kinds("ServiceMonitor")}
     assert set(monitors) == {f"{FULLNAME}-{c}" for c in ("proxy", "judge", "learner", "vllm")}
     services = r.kinds("Service")
-    for monitor in monitors.values():
+    pods = r.pod_templates()
+    for name, monitor in monitors.items():
         assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
         assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
         spec = monitor["spec"]
@@ -463,7 +587,13 @@ def test_hpa_pdb_and_service_monitors(rendered: dict[str, Rendered]) -> None:
         [svc] = [s for s in services if _selects(spec["selector"], s["metadata"])]
         [endpoint] = spec["endpoints"]
         assert endpoint["path"] == "/metrics"
-        assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]}
+        [port] = [p for p in svc["spec"]["ports"] if p["name"] == endpoint["port"]]
+        # The Service's port leads to the container port the component serves /metrics on.
+        [pod] = [p for p in pods.values() if _selects(svc["spec"]["selector"], p["metadata"])]
+        served = {n for c in pod["spec"]["containers"] for n in _ports(c)}
+        assert port["targetPort"] in served, name
+    learner = monitors[f"{FULLNAME}-learner"]["spec"]["endpoints"][0]
+    assert learner["port"] == "metrics"
 
 
 def test_helm_test_hook_calls_readyz_and_models(rendered: dict[str, Rendered]) -> None:

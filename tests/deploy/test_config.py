@@ -26,14 +26,20 @@ EXISTING_SECRETS = {
     "ratchet-kafka-user": {"password": "SENTINEL-op-kafka"},
     "redis-auth": {"redis-password": "SENTINEL-op-redis"},
     "ratchet-judge-providers": {"RATCHET_JUDGE__JUDGE_API_KEY": "sk-SENTINEL-op-judge"},
+    "hf-token": {"token": "hf_SENTINEL-vllm"},
+    "hf-learner-token": {"HF_TOKEN": "hf_SENTINEL-learner"},
 }
-# Sections of services whose settings are not in ratchet/settings.py yet. The chart writes a
-# service's section only when that service is enabled, so a release without it never has one.
-PENDING_SECTIONS = {"learner"}
 # Settings of a service's section that the chart sets itself, or that come from a Secret.
 CHART_OWNED = {
     "proxy": {"host", "port", "api_keys", "admin_key"},
     "judge": {"metrics_host", "metrics_port", "judge_api_key"},
+    "learner": {"metrics_host", "metrics_port", "base_model_path"},
+}
+CHART_DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
+SECTIONS = {
+    "proxy": ratchet_settings.ProxySettings,
+    "judge": ratchet_settings.JudgeSettings,
+    "learner": ratchet_settings.LearnerSettings,
 }
 
 
@@ -71,16 +77,10 @@ def _load_in_pod(
     r: Rendered, deployment: str, workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> RatchetSettings:
     """Settings as the container loads them: the rendered ratchet.yaml and its environment."""
-    config = r.config
-    pending = set(config) - set(RatchetSettings.model_fields)
-    assert pending <= PENDING_SECTIONS, f"ratchet.yaml has keys settings do not know: {pending}"
-    for section in pending:
-        del config[section]
+    unknown = set(r.config) - set(RatchetSettings.model_fields)
+    assert not unknown, f"ratchet.yaml has keys settings do not know: {unknown}"
     path = workdir / "ratchet.yaml"
-    if pending:
-        path.write_text(yaml.safe_dump(config))
-    else:
-        path.write_text(r.ratchet_yaml)
+    path.write_text(r.ratchet_yaml)
     for name, value in container_env(r, deployment).items():
         monkeypatch.setenv(name, value)
     return load_settings(path)
@@ -141,7 +141,8 @@ def test_rendered_config_loads_with_the_judge_env(
     r = rendered[values_file]
     values = load_values(values_file)
     if not r.has("Deployment", f"{FULLNAME}-judge"):
-        assert "judge" not in r.config
+        # The learner's gate reads the judge section too.
+        assert ("judge" in r.config) == r.has("Deployment", f"{FULLNAME}-learner")
         return
     env = container_env(r, f"{FULLNAME}-judge")
     assert "RATCHET_PROXY__API_KEYS" not in env and "RATCHET_PROXY__ADMIN_KEY" not in env
@@ -179,21 +180,79 @@ def test_rendered_config_loads_with_the_judge_env(
         assert kafka == {"security_protocol": "PLAINTEXT"}
 
 
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_rendered_config_loads_with_the_learner_env(
+    rendered: dict[str, Rendered],
+    values_file: str,
+    clean_ratchet_env: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The learner's pod starts: its section has exactly LearnerSettings' keys (extra keys are
+    refused at load), it trains the weights vLLM serves, and it gets the judge's key for the
+    gate but no client keys."""
+    r = rendered[values_file]
+    values = load_values(values_file)
+    if not r.has("Deployment", f"{FULLNAME}-learner"):
+        assert "learner" not in r.config
+        return
+    section = r.config["learner"]
+    assert set(section) <= set(ratchet_settings.LearnerSettings.model_fields)
+    assert CHART_OWNED["learner"] <= set(section)
+    env = container_env(r, f"{FULLNAME}-learner")
+    assert "RATCHET_PROXY__API_KEYS" not in env and "RATCHET_PROXY__ADMIN_KEY" not in env
+    settings = _load_in_pod(r, f"{FULLNAME}-learner", clean_ratchet_env, monkeypatch)
+
+    learner = settings.learner
+    assert (learner.metrics_host, learner.metrics_port) == ("0.0.0.0", 8403)
+    # The value vLLM was started with (--model): adapters must name it as their base.
+    assert learner.base_model_path == values["model"]["name"]
+    if r.has("Deployment", f"{FULLNAME}-vllm"):
+        assert learner.base_model_path == r.container(f"{FULLNAME}-vllm")["args"][0]
+    gpus = r.container(f"{FULLNAME}-learner")["resources"]["limits"].get("nvidia.com/gpu", 0)
+    configured = values.get("learner", {}).get("config", {})
+    assert learner.device == configured.get("device", "cuda" if gpus else "auto")
+    expected = {
+        **ratchet_settings.LearnerSettings().model_dump(),
+        **CHART_DEFAULTS["learner"]["config"],
+        **configured,
+    }
+    got = learner.model_dump()
+    for name in set(expected) - CHART_OWNED["learner"] - {"device"}:
+        assert got[name] == expected[name], name
+    assert settings.store_dir == Path(r.config["store_dir"])
+    assert settings.vllm_url == r.config["vllm_url"]
+    key = settings.judge.judge_api_key
+    key = key.get_secret_value() if key else None
+    if values_file == "all-on":
+        assert key == "sk-SENTINEL-judge"
+        assert settings.judge.judge_api_base == "https://api.openai.com/v1"
+        assert env["SQL_VERIFIER_DSN"] == "SENTINEL-verifier-dsn"
+        assert parse_url(settings.redis_url)["password"] == "SENTINEL-redis-password"
+        assert settings.kafka.client_options()["sasl_plain_password"] == "SENTINEL-kafka-password"
+    elif values_file == "existing-secrets":
+        assert key == "sk-SENTINEL-op-judge"
+        assert parse_url(settings.redis_url)["password"] == "SENTINEL-op-redis"
+    else:
+        assert key is None
+    if values_file == "gpu-learner":
+        assert env["HF_TOKEN"] == "hf_SENTINEL-learner"
+
+
 def test_alias_values_mirror_the_settings(chart: helm.Chart) -> None:
-    """values.schema.json describes an alias and the proxy and judge sections with exactly the
-    fields ratchet/settings.py has (less those the chart sets or takes from a Secret)."""
+    """values.schema.json describes an alias and the proxy, judge and learner sections with
+    exactly the fields ratchet/settings.py has (less those the chart sets or takes from a
+    Secret), with the same bounds and choices."""
     schema = chart.schema
     assert schema is not None
     _same_fields(schema["definitions"]["alias"], ratchet_settings.AliasConfig, "aliases.<name>")
-    for section, model in [
-        ("proxy", ratchet_settings.ProxySettings),
-        ("judge", ratchet_settings.JudgeSettings),
-    ]:
+    for section, model in SECTIONS.items():
         config = schema["properties"][section]["properties"]["config"]
         assert config["additionalProperties"] is False, section
         fields = set(model.model_fields)
         assert CHART_OWNED[section] <= fields, section
         assert set(config["properties"]) == fields - CHART_OWNED[section], section
+        for name in config["properties"]:
+            _same_bounds(config["properties"][name], model.model_fields[name], f"{section}.{name}")
         # The chart's defaults for the section are the service's own defaults.
         defaults = model().model_dump(mode="json")
         for name, value in chart.values[section]["config"].items():
@@ -218,8 +277,34 @@ def _same_fields(schema: dict[str, Any], model: type[BaseModel], where: str) -> 
         sub = field.annotation
         if isinstance(sub, type) and issubclass(sub, BaseModel):
             _same_fields(schema["properties"][name], sub, f"{where}.{name}")
-        elif typing.get_origin(sub) is typing.Literal:
-            assert set(schema["properties"][name]["enum"]) == set(typing.get_args(sub)), name
+        else:
+            _same_bounds(schema["properties"][name], field, f"{where}.{name}")
+
+
+# pydantic's bound constraints and the JSON-schema keywords that say the same.
+_BOUNDS = {
+    "ge": "minimum",
+    "gt": "exclusiveMinimum",
+    "le": "maximum",
+    "lt": "exclusiveMaximum",
+}
+
+
+def _same_bounds(schema: dict[str, Any], field: Any, where: str) -> None:
+    """The schema refuses what the settings refuse: the same numeric bounds and choices."""
+    bounds = {
+        keyword: getattr(meta, attr)
+        for meta in field.metadata
+        for attr, keyword in _BOUNDS.items()
+        if hasattr(meta, attr)
+    }
+    assert {k: schema[k] for k in _BOUNDS.values() if k in schema} == bounds, where
+    literals = _literals(field)
+    if literals:
+        choices = set(schema.get("enum", ()))
+        for option in schema.get("anyOf", ()):
+            choices |= set(option.get("enum", ()))
+        assert choices - {""} == literals, where
 
 
 def _literals(field: Any) -> set[str]:
@@ -286,6 +371,32 @@ BAD_VALUES = [
     ("judge.config", {"concurrency": 0}, ["/judge/config/concurrency", "minimum"]),
     # The judge-model key belongs in a Secret, never in the ConfigMap.
     ("judge.config", {"judge_api_key": "sk-1"}, ["/judge/config", "'judge_api_key' not allowed"]),
+    ("learner.config", {"batch_group": 8}, ["/learner/config", "'batch_group' not allowed"]),
+    # The chart sets the base model from model.name: the one vLLM serves.
+    (
+        "learner.config",
+        {"base_model_path": "other/model"},
+        ["/learner/config", "'base_model_path' not allowed"],
+    ),
+    ("learner.config", {"device": "tpu"}, ["/learner/config/device", "'auto', 'cpu', 'cuda'"]),
+    ("learner.config", {"lora_rank": 64}, ["/learner/config/lora_rank", "maximum"]),
+    (
+        "learner.config",
+        {"lora_target_modules": "all"},
+        ["/learner/config/lora_target_modules", "value must be 'all-linear'"],
+    ),
+    ("learner.startupProbe", {"periodSeconds": 0}, ["/learner/startupProbe/periodSeconds"]),
+    ("learner.image", {"pullPolicy": "Sometimes"}, ["/learner/image/pullPolicy", "IfNotPresent"]),
+    (
+        "aliases",
+        {"support": {"canary": {"weight": 1.0}}},
+        ["/aliases/support/canary/weight", "exclusiveMaximum"],
+    ),
+    (
+        "aliases",
+        {"support": {"gate": {"bootstrap_samples": 10}}},
+        ["/aliases/support/gate/bootstrap_samples", "minimum"],
+    ),
 ]
 
 
@@ -334,6 +445,24 @@ TEMPLATE_CHECKS = [
         {"judge": {"apiKey": "sk-1", "providerKeys": {"RATCHET_JUDGE__JUDGE_API_KEY": "sk-2"}}},
         "judge.apiKey and judge.providerKeys.RATCHET_JUDGE__JUDGE_API_KEY are both set",
     ),
+    # The learner's gate reads the judge's Secret even when the judge runs elsewhere.
+    (
+        {"judge": {"enabled": False, "existingSecret": "mine", "apiKey": "sk-1"}},
+        "judge.existingSecret is set together with judge.apiKey or judge.providerKeys",
+    ),
+    (
+        {"vllm": {"enabled": False, "url": "http://vllm:8000"}},
+        "learner.enabled is true with an existing vLLM (vllm.enabled=false) but "
+        "adapters.existingClaim is empty",
+    ),
+    (
+        {"learner": {"config": {"lora_rank": 32}}, "vllm": {"maxLoraRank": 16}},
+        "learner.config.lora_rank (32) is above vllm.maxLoraRank (16)",
+    ),
+    (
+        {"aliases": {"support": {"gate": {"min_pairs": 100}}}},
+        "aliases.support.gate.max_pairs (64) is below gate.min_pairs (100)",
+    ),
 ]
 
 
@@ -345,6 +474,18 @@ def test_template_refuses_inconsistent_values(
 ) -> None:
     with pytest.raises(helm.HelmRenderError, match=re.escape(expected)):
         render(chart, {**REQUIRED, **override})
+
+
+def test_consistent_values_pass_those_checks(chart: helm.Chart) -> None:
+    """The same values made consistent render: each check above refuses only what it names."""
+    for override in [
+        {"judge": {"enabled": False, "existingSecret": "mine"}},
+        {"vllm": {"enabled": False, "url": "http://v:8000"}, "adapters": {"existingClaim": "a"}},
+        {"vllm": {"enabled": False, "url": "http://v:8000"}, "learner": {"enabled": False}},
+        {"learner": {"config": {"lora_rank": 16}}, "vllm": {"maxLoraRank": 16}},
+        {"aliases": {"support": {"gate": {"min_pairs": 100, "max_pairs": 100}}}},
+    ]:
+        assert render(chart, {**REQUIRED, **override}).objects
 
 
 def test_every_values_file_passes_the_schema(chart: helm.Chart) -> None:

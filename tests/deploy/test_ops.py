@@ -1,5 +1,5 @@
-"""The dashboard and alert rules query only metrics the running proxy and judge export, the rules
-parse and behave (promtool), and the Dockerfile is what the chart expects of its image."""
+"""The dashboard and alert rules query only metrics the running proxy, judge and learner export,
+the rules parse and behave (promtool), and the Dockerfile is what the chart expects of its image."""
 
 from __future__ import annotations
 
@@ -293,36 +293,43 @@ def test_scrape_has_samples_of_every_proxy_metric(exported: dict[str, set[str]])
     assert "direction" in exported["ratchet_proxy_tokens_total"]
 
 
-# ---- the real judge, scraped ------------------------------------------------------------------
+# ---- the real judge and learner, scraped ------------------------------------------------------
 
 
-def judge_declared_labels() -> dict[str, tuple[str, ...]]:
-    """Label names of every labelled judge metric, by family name, as judge/metrics.py declares
-    them (a fresh judge has no samples of these, so its scrape cannot show their labels)."""
+def declared_labels(metrics_class: type) -> dict[str, tuple[str, ...]]:
+    """Label names of every labelled metric, by family name, as the service's metrics class
+    declares them (a fresh service has no samples of these, so its scrape cannot show them)."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from judge.metrics import JudgeMetrics
-
     declared = {}
-    for metric in vars(JudgeMetrics()).values():
+    for metric in vars(metrics_class()).values():
         if isinstance(metric, MetricWrapperBase):
             [family] = metric.describe()
             declared[family.name] = tuple(metric._labelnames)
     return declared
 
 
-@pytest.fixture(scope="module")
-def judge_metrics(rendered: dict[str, Rendered], tmp_path_factory: pytest.TempPathFactory) -> str:
-    """/metrics of the real judge (`ratchet judge`), started with the chart's ratchet.yaml and the
-    plain settings the chart gives its pod, Kafka, Redis and vLLM moved to closed ports here. It
-    keeps retrying Kafka, but serves /metrics from the start."""
-    r = rendered["defaults"]
-    tmp = tmp_path_factory.mktemp("judge")
+def judge_declared_labels() -> dict[str, tuple[str, ...]]:
+    from judge.metrics import JudgeMetrics
+
+    return declared_labels(JudgeMetrics)
+
+
+def learner_declared_labels() -> dict[str, tuple[str, ...]]:
+    from learner.metrics import LearnerMetrics
+
+    return declared_labels(LearnerMetrics)
+
+
+def _scrape_service(r: Rendered, component: str, tmp: Path, timeout_s: float = 30.0) -> str:
+    """/metrics of the real `ratchet <component>`, started with the chart's ratchet.yaml and the
+    plain settings the chart gives its pod, with Kafka, Redis and vLLM moved to closed ports here.
+    It keeps retrying Kafka, but serves /metrics from the start."""
     config = tmp / "ratchet.yaml"
     config.write_text(r.ratchet_yaml)
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("RATCHET_")}
-    pod_env = r.container(f"{FULLNAME}-judge")["env"]
+    pod_env = r.container(f"{FULLNAME}-{component}")["env"]
     env.update(
         {
             e["name"]: e["value"]
@@ -330,27 +337,30 @@ def judge_metrics(rendered: dict[str, Rendered], tmp_path_factory: pytest.TempPa
             if "value" in e and e["name"].startswith("RATCHET_") and e["name"] != "RATCHET_CONFIG"
         }
     )
+    section = component.upper()
     env.update(
-        RATCHET_JUDGE__METRICS_HOST="127.0.0.1",
-        RATCHET_JUDGE__METRICS_PORT=str(port),
-        RATCHET_VLLM_URL=f"http://127.0.0.1:{_free_port()}",
-        RATCHET_KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{_free_port()}",
-        RATCHET_REDIS_URL=f"redis://127.0.0.1:{_free_port()}/0",
-        RATCHET_HOME=str(tmp / "home"),
-        RATCHET_STATE_DIR=str(tmp / "state"),
-        RATCHET_STORE_DIR=str(tmp / "adapters"),
+        {
+            f"RATCHET_{section}__METRICS_HOST": "127.0.0.1",
+            f"RATCHET_{section}__METRICS_PORT": str(port),
+            "RATCHET_VLLM_URL": f"http://127.0.0.1:{_free_port()}",
+            "RATCHET_KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{_free_port()}",
+            "RATCHET_REDIS_URL": f"redis://127.0.0.1:{_free_port()}/0",
+            "RATCHET_HOME": str(tmp / "home"),
+            "RATCHET_STATE_DIR": str(tmp / "state"),
+            "RATCHET_STORE_DIR": str(tmp / "adapters"),
+        }
     )
-    log_path = tmp / "judge.log"
+    log_path = tmp / f"{component}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ratchet", "judge", "--config", str(config)],
+            [sys.executable, "-m", "ratchet", component, "--config", str(config)],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=tmp,
         )
         try:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + timeout_s
             while True:
                 assert proc.poll() is None, log_path.read_text()[-3000:]
                 try:
@@ -371,14 +381,28 @@ def judge_metrics(rendered: dict[str, Rendered], tmp_path_factory: pytest.TempPa
 
 
 @pytest.fixture(scope="module")
-def judge_exported(judge_metrics: str) -> dict[str, set[str]]:
-    """Like `exported`, for the judge. A labelled metric nothing has used yet shows only its
-    # HELP and # TYPE lines: that proves the name is exported, and its label names are then the
-    ones judge/metrics.py declares for it."""
-    declared = judge_declared_labels()
+def judge_metrics(rendered: dict[str, Rendered], tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _scrape_service(rendered["defaults"], "judge", tmp_path_factory.mktemp("judge"))
+
+
+@pytest.fixture(scope="module")
+def learner_metrics(rendered: dict[str, Rendered], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The real `ratchet learner` with the chart's defaults (a GPU learner, base model from the
+    Hub): it serves /metrics before it loads the model, which it does for its first round."""
+    return _scrape_service(
+        rendered["defaults"], "learner", tmp_path_factory.mktemp("learner"), timeout_s=90.0
+    )
+
+
+def _exported_fresh(
+    text: str, prefix: str, declared: dict[str, tuple[str, ...]]
+) -> dict[str, set[str]]:
+    """Like `exported`, for a service that has handled nothing yet. A labelled metric nothing
+    has used shows only its # HELP and # TYPE lines: that proves the name is exported, and its
+    label names are then the ones the service's metrics class declares for it."""
     names: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(judge_metrics):
-        assert family.name.startswith("ratchet_judge_"), family.name
+    for family in text_string_to_metric_families(text):
+        assert family.name.startswith(prefix), family.name
         if family.samples:
             for name in _series_names(family):
                 names.setdefault(name, set())
@@ -392,30 +416,57 @@ def judge_exported(judge_metrics: str) -> dict[str, set[str]]:
     return names
 
 
-def test_judge_scrape_has_every_judge_metric(judge_metrics: str) -> None:
-    families = {f.name: f for f in text_string_to_metric_families(judge_metrics)}
-    declared = judge_declared_labels()
+@pytest.fixture(scope="module")
+def judge_exported(judge_metrics: str) -> dict[str, set[str]]:
+    return _exported_fresh(judge_metrics, "ratchet_judge_", judge_declared_labels())
+
+
+@pytest.fixture(scope="module")
+def learner_exported(learner_metrics: str) -> dict[str, set[str]]:
+    return _exported_fresh(learner_metrics, "ratchet_learner_", learner_declared_labels())
+
+
+def _check_fresh_scrape(text: str, declared: dict[str, tuple[str, ...]]) -> None:
+    families = {f.name: f for f in text_string_to_metric_families(text)}
     assert set(declared) <= set(families), set(declared) - set(families)
-    assert "ratchet_judge_unknown_records" in families
     for name, family in families.items():
         if not declared.get(name):  # unlabelled: a sample from the start
             assert family.samples, name
             assert all(not s.labels for s in family.samples), name
 
 
+def test_judge_scrape_has_every_judge_metric(judge_metrics: str) -> None:
+    _check_fresh_scrape(judge_metrics, judge_declared_labels())
+    assert "ratchet_judge_unknown_records" in judge_metrics
+
+
+def test_learner_scrape_has_every_learner_metric(learner_metrics: str) -> None:
+    declared = learner_declared_labels()
+    _check_fresh_scrape(learner_metrics, declared)
+    assert "ratchet_learner_unknown_records" in learner_metrics
+    # What the alerts and annotations group and select by.
+    assert declared["ratchet_learner_paused"] == ("alias", "reason")
+    assert declared["ratchet_learner_rollbacks"] == ("alias", "reason")
+    assert declared["ratchet_learner_rounds"] == ("alias", "result")
+    assert declared["ratchet_learner_canary_requests"] == ("alias", "arm")
+
+
 @pytest.fixture(scope="module")
 def exported_all(
-    exported: dict[str, set[str]], judge_exported: dict[str, set[str]]
+    exported: dict[str, set[str]],
+    judge_exported: dict[str, set[str]],
+    learner_exported: dict[str, set[str]],
 ) -> dict[str, set[str]]:
     assert not set(exported) & set(judge_exported)
-    return {**exported, **judge_exported}
+    assert not (set(exported) | set(judge_exported)) & set(learner_exported)
+    return {**exported, **judge_exported, **learner_exported}
 
 
 def _check_exported(expr: str, exported: dict[str, set[str]], where: str) -> None:
     metrics, labels = promql_names(expr)
     assert metrics, f"{where}: no metric in {expr}"
     for metric in metrics:
-        assert metric in exported, f"{where}: {metric} is not exported by the proxy or the judge"
+        assert metric in exported, f"{where}: {metric} is exported by no Ratchet service"
     known = set(TARGET_LABELS).union(*(exported[m] for m in metrics))
     unknown = labels - known
     assert not unknown, f"{where}: labels {unknown} are on none of {metrics}"
@@ -436,9 +487,11 @@ def test_alert_rules_query_exported_metrics(exported_all: dict[str, set[str]]) -
         _check_exported(rule["expr"], exported_all, rule["alert"])
 
 
-def test_dashboard_shows_every_exported_metric(proxy_metrics: str, judge_metrics: str) -> None:
+def test_dashboard_shows_every_exported_metric(
+    proxy_metrics: str, judge_metrics: str, learner_metrics: str
+) -> None:
     used = set().union(*(promql_names(expr)[0] for expr in dashboard_exprs()))
-    for text in (proxy_metrics, judge_metrics):
+    for text in (proxy_metrics, judge_metrics, learner_metrics):
         for family in text_string_to_metric_families(text):
             if family.name.endswith("_created"):
                 continue  # a counter's or histogram's start time, in the 0.0.4 text format
@@ -515,10 +568,22 @@ def test_dashboard_structure() -> None:
         assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
         assert p["targets"] and p.get("description"), p["title"]
     rows = {p["title"] for p in doc["panels"] if p["type"] == "row"}
-    assert {"Traffic by alias, version and canary arm", "Latency", "Judge"} <= rows
+    assert {
+        "Traffic by alias, version and canary arm",
+        "Latency",
+        "Judge",
+        "Learner",
+        "Canary and promotions",
+    } <= rows
     assert any("spool" in r.lower() for r in rows)
-    names = {a["name"] for a in doc["annotations"]["list"]}
-    assert "Active version changed" in names
+    # Promotions, canaries, rollbacks and rejections come from the learner, which decides them,
+    # not from traffic the proxies first see on a version.
+    annotations = {a["name"]: a for a in doc["annotations"]["list"] if "expr" in a}
+    assert set(annotations) == {"Promotion", "Canary started", "Rollback", "Candidate rejected"}
+    for name, annotation in annotations.items():
+        metrics, _ = promql_names(annotation["expr"])
+        assert metrics and all(m.startswith("ratchet_learner_") for m in metrics), name
+        assert annotation["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
 
 
 def test_every_alert_has_a_runbook() -> None:
@@ -549,6 +614,10 @@ def test_dockerfile(chart_values: dict[str, Any]) -> None:
     args = {ln.split()[1].split("=")[0] for ln in instructions if ln.startswith("ARG ")}
     assert {"TORCH_VERSION", "TORCH_INDEX_URL", "EXTRAS"} <= args
     assert any('--index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"' in ln for ln in lines)
+    # An image with torch (the learner's) fails to build unless the learner's modules import.
+    assert any(
+        'if [ -n "$TORCH_VERSION" ]' in ln and "import learner.service" in ln for ln in lines
+    )
     # The final stage runs as the non-root user the chart's securityContext names.
     final = instructions[instructions.index(froms[-1]) :]
     [user] = [ln for ln in final if ln.startswith("USER ")]

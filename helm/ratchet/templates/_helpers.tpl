@@ -97,6 +97,22 @@ the chart's appVersion.
 {{- end }}
 
 {{/*
+The learner's image, built with CUDA torch: learner.image.repository (else image.repository) at
+learner.image.digest, else at learner.image.tag, else at image.tag (or the appVersion) followed by
+learner.image.tagSuffix. image.digest is never used: it pins the image without torch.
+*/}}
+{{- define "ratchet.learnerImage" -}}
+{{- $image := .Values.learner.image }}
+{{- $repo := $image.repository | default .Values.image.repository }}
+{{- if $image.digest }}
+{{- printf "%s@%s" $repo $image.digest }}
+{{- else }}
+{{- $tag := $image.tag | default (printf "%s%s" (.Values.image.tag | default .Chart.AppVersion) ($image.tagSuffix | default "")) }}
+{{- printf "%s:%s" $repo $tag }}
+{{- end }}
+{{- end }}
+
+{{/*
 The base model's served name: model.servedName, else the last part of model.name, lower-cased.
 */}}
 {{- define "ratchet.servedName" -}}
@@ -173,15 +189,34 @@ Whether the chart writes its own Secret, and whether it holds anything.
 {{- end }}
 
 {{/*
+Whether anything in the release calls the judge model: the judge, and the learner's gate (which
+judges pairs of answers with the same judge settings, key and verifiers).
+*/}}
+{{- define "ratchet.judgeModelUsed" -}}
+{{- if or .Values.judge.enabled .Values.learner.enabled }}true{{ end }}
+{{- end }}
+
+{{/*
 Whether the chart writes the judge's Secret (judge.apiKey, judge.providerKeys), and whether the
-judge reads one at all (that one, or judge.existingSecret).
+judge and the learner read one at all (that one, or judge.existingSecret).
 */}}
 {{- define "ratchet.judgeSecretWritten" -}}
-{{- if and .Values.judge.enabled (not .Values.judge.existingSecret) (or .Values.judge.apiKey .Values.judge.providerKeys) }}true{{ end }}
+{{- if and (include "ratchet.judgeModelUsed" .) (not .Values.judge.existingSecret) (or .Values.judge.apiKey .Values.judge.providerKeys) }}true{{ end }}
 {{- end }}
 
 {{- define "ratchet.judgeSecretUsed" -}}
-{{- if or (include "ratchet.judgeSecretWritten" .) .Values.judge.existingSecret }}true{{ end }}
+{{- if and (include "ratchet.judgeModelUsed" .) (or (include "ratchet.judgeSecretWritten" .) .Values.judge.existingSecret) }}true{{ end }}
+{{- end }}
+
+{{/*
+The Hugging Face token Secret the learner reads (learner.hfToken, else vllm.hfToken), if any.
+*/}}
+{{- define "ratchet.learnerHfToken" -}}
+{{- if .Values.learner.hfToken.existingSecret }}
+{{- dict "name" .Values.learner.hfToken.existingSecret "key" .Values.learner.hfToken.key | toJson }}
+{{- else if .Values.vllm.hfToken.existingSecret }}
+{{- dict "name" .Values.vllm.hfToken.existingSecret "key" .Values.vllm.hfToken.key | toJson }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -241,11 +276,28 @@ Values that the schema cannot check alone; each failure says what to set.
 {{- if and .Values.redis.tls.caSecret (not (hasPrefix "rediss://" .Values.redis.url)) }}
 {{- fail "redis.tls.caSecret is set but redis.url does not start with rediss://" }}
 {{- end }}
-{{- if and .Values.judge.enabled .Values.judge.existingSecret (or .Values.judge.apiKey .Values.judge.providerKeys) }}
+{{- if and (include "ratchet.judgeModelUsed" .) .Values.judge.existingSecret (or .Values.judge.apiKey .Values.judge.providerKeys) }}
 {{- fail "judge.existingSecret is set together with judge.apiKey or judge.providerKeys: put those keys into the Secret (RATCHET_JUDGE__JUDGE_API_KEY for the judge model's key), or unset judge.existingSecret" }}
 {{- end }}
-{{- if and .Values.judge.enabled .Values.judge.apiKey (hasKey .Values.judge.providerKeys "RATCHET_JUDGE__JUDGE_API_KEY") }}
+{{- if and (include "ratchet.judgeModelUsed" .) .Values.judge.apiKey (hasKey .Values.judge.providerKeys "RATCHET_JUDGE__JUDGE_API_KEY") }}
 {{- fail "judge.apiKey and judge.providerKeys.RATCHET_JUDGE__JUDGE_API_KEY are both set: keep one" }}
+{{- end }}
+{{- if and .Values.learner.enabled (not .Values.vllm.enabled) (not .Values.adapters.existingClaim) }}
+{{- fail "learner.enabled is true with an existing vLLM (vllm.enabled=false) but adapters.existingClaim is empty: the learner must write the adapter store your vLLM reads (VLLM_LORA_RESOLVER_CACHE_DIR). Set adapters.existingClaim to that volume's claim, or learner.enabled=false" }}
+{{- end }}
+{{- if and .Values.learner.enabled .Values.vllm.enabled }}
+{{- $rank := (.Values.learner.config | default dict).lora_rank | default 16 }}
+{{- if gt (int $rank) (int .Values.vllm.maxLoraRank) }}
+{{- fail (printf "learner.config.lora_rank (%d) is above vllm.maxLoraRank (%d): vLLM would refuse every adapter the learner writes. Lower lora_rank or raise vllm.maxLoraRank" (int $rank) (int .Values.vllm.maxLoraRank)) }}
+{{- end }}
+{{- end }}
+{{- range $name, $alias := .Values.aliases }}
+{{- $gate := ($alias | default dict).gate | default dict }}
+{{- $min := $gate.min_pairs | default 32 }}
+{{- $max := $gate.max_pairs | default 64 }}
+{{- if lt (int $max) (int $min) }}
+{{- fail (printf "aliases.%s.gate.max_pairs (%d) is below gate.min_pairs (%d): no gate could ever pass. Raise max_pairs (default 64) or lower min_pairs" $name (int $max) (int $min)) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -270,7 +322,9 @@ Secrets never appear here: they come in as RATCHET_* environment variables.
 {{- $config := dict "kafka_bootstrap_servers" .Values.kafka.bootstrapServers "redis_url" (include "ratchet.redisUrl" .) "vllm_url" (include "ratchet.vllmUrl" .) "home" .Values.state.mountPath "state_dir" (printf "%s/state" .Values.state.mountPath) "store_dir" .Values.adapters.mountPath "kafka" $kafka "proxy" $proxy "aliases" $aliases }}
 {{- /* A service's section is written only when it runs, so a release without it never depends
   on settings it does not have yet. Metrics listen on the pod network for probes and Prometheus. */}}
-{{- if .Values.judge.enabled }}
+{{- /* The learner's gate calls the judge model with the judge's settings, so the judge section is
+  there whenever either runs. */}}
+{{- if include "ratchet.judgeModelUsed" . }}
 {{- $judge := deepCopy (.Values.judge.config | default dict) }}
 {{- $_ := set $judge "metrics_host" "0.0.0.0" }}
 {{- $_ := set $judge "metrics_port" (int .Values.judge.metricsPort) }}
@@ -278,6 +332,11 @@ Secrets never appear here: they come in as RATCHET_* environment variables.
 {{- end }}
 {{- if .Values.learner.enabled }}
 {{- $learner := deepCopy (.Values.learner.config | default dict) }}
+{{- if and (not (hasKey $learner "device")) (gt (int .Values.learner.gpu.count) 0) }}
+{{- $_ := set $learner "device" "cuda" }}
+{{- end }}
+{{- /* The weights vLLM serves, and the value every adapter's base_model_name_or_path must carry. */}}
+{{- $_ := set $learner "base_model_path" .Values.model.name }}
 {{- $_ := set $learner "metrics_host" "0.0.0.0" }}
 {{- $_ := set $learner "metrics_port" (int .Values.learner.metricsPort) }}
 {{- $_ := set $config "learner" $learner }}
