@@ -226,7 +226,12 @@ class Gate:
         if prompt.tools:
             body["tools"] = prompt.tools
         url = self.settings.vllm_url.rstrip("/") + "/v1/chat/completions"
-        async with self.limit, session.post(url, data=orjson.dumps(body)) as response:
+        async with (
+            self.limit,
+            session.post(
+                url, data=orjson.dumps(body), headers={"content-type": "application/json"}
+            ) as response,
+        ):
             payload = await response.read()
             if response.status != 200:
                 raise GateError(f"{served}: vLLM answered {response.status}: {payload[:200]!r}")

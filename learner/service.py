@@ -147,6 +147,7 @@ class LearnerService:
         self.heldout: dict[str, OrderedDict[str, HeldoutPrompt]] = defaultdict(OrderedDict)
         self.read_up_to: dict[TopicPartition, int] = {}  # next offset after the last one read
         self.routes: dict[str, AliasRoute] = {}
+        self.routes_read_at = 0.0
         self.paused_reason: dict[str, str] = {}  # the label of each alias's paused metric
         self._lineage: dict[tuple[str, int], int | None] = {}
         self._learner: LoraGRPOLearner | None = None
@@ -231,6 +232,8 @@ class LearnerService:
             self._learner = LoraGRPOLearner(
                 self.base_model_path, lora_settings(s), train_settings(s), device=device
             )
+            # Adapters must name their base exactly as vLLM's --model does, not a normalised path.
+            self._learner.base_model_id = s.base_model_path or str(self.base_model_path)
         return self._learner
 
     def next_version(self, alias: str) -> int:
@@ -340,6 +343,7 @@ class LearnerService:
         self.metrics.last_round_timestamp.labels(alias).set(time.time())
         log.info("%s: v%d %s (%s)", alias, version, outcome, result.reason)
         del self.waiting[alias][: len(batch)]
+        self.metrics.waiting.labels(alias).set(len(self.waiting[alias]))
         for _ in batch:
             self.metrics.groups.labels(alias, "trained").inc()
         self.guard(alias, groups)
@@ -433,6 +437,7 @@ class LearnerService:
 
     def refresh_routes(self) -> None:
         self.routes = self.writer.read_all()
+        self.routes_read_at = time.monotonic()
         for alias, route in self.routes.items():
             self.metrics.active_version.labels(alias).set(route.active)
             reason = self.paused_reason.get(alias)
@@ -468,6 +473,8 @@ class LearnerService:
     def step(self) -> list[RoundReport]:
         """One pass of the loop: read, run the rounds that are due, commit."""
         self.poll()
+        if time.monotonic() - self.routes_read_at >= 1.0:
+            self.refresh_routes()  # operators' pauses and promotions show in the metrics too
         reports = []
         for alias in list(self.waiting):
             if self.ready(alias):
@@ -492,6 +499,8 @@ class LearnerService:
             except KafkaError as exc:
                 log.warning("kafka unreachable (%s); retrying", exc)
                 time.sleep(1.0)
+        if self.stopping.is_set():
+            return
         watcher = CanaryWatcher(
             self.settings,
             Lifecycle(self.writer, self.store, EventSink(self.settings), actor="canary"),

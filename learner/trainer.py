@@ -154,6 +154,8 @@ class LoraGRPOLearner:
         from transformers import AutoModelForCausalLM
 
         self.base_model_path = Path(base_model_path)
+        # What adapters record as base_model_name_or_path (vLLM's --model value, verbatim).
+        self.base_model_id = str(base_model_path)
         self.lora, self.train = lora, train
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -261,7 +263,7 @@ class LoraGRPOLearner:
             "last_round": self.last_round.as_dict() if self.last_round else None,
         }
         full_meta.update(meta)
-        return store.write(alias, version, write, str(self.base_model_path), full_meta)
+        return store.write(alias, version, write, self.base_model_id, full_meta)
 
     def _optimizer_state(self) -> dict[str, Any]:
         return {

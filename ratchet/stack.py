@@ -168,6 +168,10 @@ def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> P
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         "hermes",
+        # Our template also accepts a list of text parts, and vLLM would take that as "send every
+        # message as parts": the system turn then rendered as a Python list. Strings, always.
+        "--chat-template-content-format",
+        "string",
         # JSON without free whitespace: a small model under a grammar otherwise pads with
         # newlines until max_tokens (measured: 3-6% of judge calls with SmolLM2).
         "--structured-outputs-config",

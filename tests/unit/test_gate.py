@@ -70,6 +70,8 @@ def vllm() -> Iterator[StandIn]:
     stand_in = StandIn(url=f"http://127.0.0.1:{port}")
 
     async def chat(request: web.Request) -> web.Response:
+        if request.content_type != "application/json":  # vLLM refuses anything else
+            return web.json_response({"error": {"message": "media type"}}, status=400)
         body = await request.json()
         stand_in.requests.append(body)
         prompt = body["messages"][-1]["content"]
