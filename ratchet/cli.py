@@ -16,7 +16,7 @@ from rich.table import Table
 from ratchet.settings import ConfigError, RatchetSettings, config_path, load_settings
 
 if TYPE_CHECKING:  # the heavy modules load only in the commands that use them
-    from ratchet.registry import AliasRoute
+    from ratchet.registry import AliasRoute, RegistryWriter
     from ratchet.stack import Part, Stack
 
 app = typer.Typer(
@@ -238,9 +238,15 @@ def alias_show(
     alias: Annotated[str | None, typer.Argument()] = None, config: ConfigOption = None
 ) -> None:
     """Show which version each alias serves."""
+    _print_routes(read_routes(_settings(config), alias)[1])
+
+
+def read_routes(
+    settings: RatchetSettings, alias: str | None
+) -> tuple[RegistryWriter, dict[str, AliasRoute]]:
+    """The registry and its routes: every alias's, or the one named (exit 2 if unknown)."""
     from ratchet.registry import RegistryWriter
 
-    settings = _settings(config)
     writer = RegistryWriter(settings.redis_url, settings.aliases)
     routes = writer.read_all()
     if alias is not None:
@@ -248,7 +254,7 @@ def alias_show(
             console.print(f"[red]unknown alias {alias!r}[/red]")
             raise typer.Exit(2)
         routes = {alias: routes[alias]}
-    _print_routes(routes)
+    return writer, routes
 
 
 def _print_routes(routes: dict[str, AliasRoute]) -> None:

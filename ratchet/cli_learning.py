@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from ratchet.cli import ConfigOption, _settings, app, console
+from ratchet.cli import ConfigOption, _settings, app, console, read_routes
 from ratchet.settings import RatchetSettings
 
 if TYPE_CHECKING:
@@ -117,17 +117,10 @@ def status(
     config: ConfigOption = None,
 ) -> None:
     """Per alias: active version, canary, pause, the last rounds with reward and gate result."""
-    from ratchet.registry import RegistryWriter
     from ratchet.report import learner_lag, rounds_of
 
     settings = _settings(config)
-    writer = RegistryWriter(settings.redis_url, settings.aliases)
-    routes = writer.read_all()
-    if alias is not None:
-        if alias not in routes:
-            console.print(f"[red]unknown alias {alias!r}[/red]")
-            raise typer.Exit(2)
-        routes = {alias: routes[alias]}
+    writer, routes = read_routes(settings, alias)
     table = Table()
     for column in ("alias", "active", "canary", "learning", "last rounds (reward, gate)"):
         table.add_column(column)

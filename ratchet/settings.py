@@ -417,6 +417,25 @@ aliases:
     learning: {enabled: true, sample_rate: 1.0, group_size: 4, heldout_fraction: 0.1}
     gate: {min_pairs: 32, threshold: 0.5}
     canary: {weight: 0.1, min_requests: 50}
+  # The bundled demo (`ratchet demo` sends its prompts): order details out of short messages as
+  # JSON, scored by a verifier, small enough to learn visibly on a laptop's CPU.
+  demo:
+    base_model: smollm2-135m-instruct
+    reward:
+      kind: verifier
+      verifier: ratchet.demo:extraction_reward
+    learning: {enabled: true, sample_rate: 1.0, group_size: 6, heldout_fraction: 0.15}
+    sampling: {temperature: 1.0, max_tokens: 64}
+    gate: {min_pairs: 16, max_pairs: 32, threshold: 0.5, max_tokens: 64}
+    canary: {weight: 0.2, min_requests: 20}
+
+learner:
+  batch_groups: 16
+  interval_s: 300
+  steps_per_round: 8
+  learning_rate: 5.0e-4
+  lora_rank: 8
+  lora_alpha: 16
 """
 
 
