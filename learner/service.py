@@ -511,6 +511,9 @@ class LearnerService:
         thread.start()
         log.info("learner consuming %s as group %s", GROUPS_TOPIC, s.consumer_group)
         while not self.stopping.is_set():
+            if not thread.is_alive():
+                # Without its watcher no canary would ever end: exit, the supervisor restarts us.
+                raise SystemExit("the canary watcher thread died; see the log above")
             try:
                 self.step()
             except (KafkaError, redis.RedisError, OSError, LifecycleError) as exc:

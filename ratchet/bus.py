@@ -418,12 +418,11 @@ def make_consumer(
     bootstrap: str, kafka: KafkaSettings, topics: list[str], group_id: str | None, **extra: Any
 ) -> KafkaConsumer:
     """A consumer with manual commits: services commit only after their output is produced."""
-    return KafkaConsumer(
-        *topics,
-        bootstrap_servers=bootstrap,
-        group_id=group_id,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
+    options: dict[str, Any] = {
+        "bootstrap_servers": bootstrap,
+        "group_id": group_id,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
         **kafka.client_options(),
-        **extra,
-    )
+    }
+    return KafkaConsumer(*topics, **{**options, **extra})  # a caller's option wins

@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -322,3 +323,15 @@ def test_close_without_start_spools_the_queue(tmp_path: Path) -> None:
 def test_kafka_client_options_plaintext(compression: str) -> None:
     opts = KafkaSettings(compression=compression).client_options()
     assert opts == {"security_protocol": "PLAINTEXT"}
+
+
+def test_make_consumer_lets_a_caller_override_its_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ratchet.settings import KafkaSettings
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(bus, "KafkaConsumer", lambda *topics, **options: seen.update(options))
+    bus.make_consumer("b:9092", KafkaSettings(), ["t"], "g", auto_offset_reset="latest")
+    assert seen["auto_offset_reset"] == "latest"  # was a TypeError: given twice
+    assert seen["enable_auto_commit"] is False and seen["group_id"] == "g"
