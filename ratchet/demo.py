@@ -2,9 +2,9 @@
 
 A seeded generator writes short messages ("Hi, Maria Lopez here, please ship 3 blue mugs to
 Lisbon.") from a few templates and small vocabularies, each with its ground truth: 2 to 4 of the
-fields ``name``, ``item``, ``quantity`` (an integer) and ``city``. The prompt is a system message
-naming the keys to reply with and a user message holding the customer's text; the answer is never
-in the prompt, so a model cannot copy it.
+fields ``name``, ``item``, ``quantity`` (an integer) and ``city``. The prompt is one user message:
+an instruction naming the keys to reply with, then the customer's text. The answer is never in the
+prompt (no example values, no expected line), so a model cannot copy it.
 
 :func:`extraction_reward` is the verifier (``reward.verifier: "ratchet.demo:extraction_reward"``):
 it recovers the ground truth by parsing the user message with the generator's own templates and
@@ -74,26 +74,23 @@ _TEMPLATES = (
     "Hi, it's {name}. I moved to {city}, please update my address.",
 )
 
-_SYSTEM = (
-    "You extract order details from a customer's message. Reply with only a JSON object with "
-    "exactly these keys: {keys}.{hints}"
+# The instruction goes in the user turn: with it in a system message SmolLM2-135M-Instruct
+# ignores it (measured: mean score 0.0 greedy, against 0.3-0.4 in the user turn).
+_INSTRUCTION = (
+    "Extract the order details from this customer message. Reply with only a JSON object with "
+    "the keys {keys}."
 )
-_HINTS = {
-    "name": "the customer's full name",
-    "item": "the product as written, with its colour",
-    "quantity": "an integer",
-    "city": "the delivery city",
-}
+MESSAGE_MARKER = "\n\nMessage: "
 
 
 def _template_fields(template: str) -> tuple[str, ...]:
     return tuple(f for f in FIELDS if "{" + f + "}" in template)
 
 
-def _system_message(fields: tuple[str, ...]) -> str:
+def user_message(text: str, fields: tuple[str, ...]) -> str:
+    """The prompt's one user turn: the instruction naming the keys, then the customer's text."""
     keys = ", ".join(f'"{f}"' for f in fields)
-    hints = " " + "; ".join(f"{f}: {_HINTS[f]}" for f in fields) + "."
-    return _SYSTEM.format(keys=keys, hints=hints)
+    return _INSTRUCTION.format(keys=keys) + MESSAGE_MARKER + text
 
 
 def generate_prompts(count: int = DEFAULT_COUNT, seed: int = DEFAULT_SEED) -> list[dict[str, Any]]:
@@ -117,10 +114,7 @@ def generate_prompts(count: int = DEFAULT_COUNT, seed: int = DEFAULT_SEED) -> li
         if text in seen:
             continue
         seen.add(text)
-        messages = [
-            {"role": "system", "content": _system_message(fields)},
-            {"role": "user", "content": text},
-        ]
+        messages = [{"role": "user", "content": user_message(text, fields)}]
         out.append({"messages": messages, "expected": {f: values[f] for f in fields}})
     return out
 
@@ -171,10 +165,14 @@ def expected_fields(prompt_messages: list[dict[str, Any]]) -> dict[str, Any]:
     users = [m for m in prompt_messages if m.get("role") == "user"]
     if not users or not isinstance(users[-1].get("content"), str):
         raise ValueError("extraction_reward: the prompt has no user message with text content")
-    text = users[-1]["content"].strip()
+    instruction, marker, text = users[-1]["content"].rpartition(MESSAGE_MARKER)
+    if not marker or not instruction:
+        raise ValueError("extraction_reward: not a demo prompt, no 'Message: ' part")
     for pattern, fields in _parsers():
         match = pattern.fullmatch(text)
         if match:
+            if instruction != user_message("", fields).removesuffix(MESSAGE_MARKER):
+                raise ValueError("extraction_reward: the instruction does not match the message")
             found = match.groupdict()
             return {f: int(found[f]) if f == "quantity" else found[f] for f in fields}
     raise ValueError(f"extraction_reward: not a demo prompt, no template matches {text[:80]!r}")
@@ -201,7 +199,9 @@ def extraction_reward(prompt_messages: list[dict[str, Any]], sample: dict[str, A
     if answer is None:
         return 0.0
     right = sum(1 for f, want in expected.items() if f in answer and _same(answer[f], want))
-    return (1.0 - FORMAT_WEIGHT) * right / len(expected) + (FORMAT_WEIGHT if alone else 0.0)
+    share = right / len(expected)
+    # min(): 0.8 * (3 / 3) + 0.2 is 1.0000000000000002 in floats, which a verifier must not return
+    return min(1.0, (1.0 - FORMAT_WEIGHT) * share + (FORMAT_WEIGHT if alone else 0.0))
 
 
 def _first_object(text: str) -> tuple[dict[str, Any] | None, bool]:
