@@ -49,7 +49,7 @@ def test_up_serves_then_down_stops_everything(tmp_path: Path) -> None:
         state = read_state(tmp_path / "state")
         assert state is not None
         pids = [info["pid"] for info in state["parts"].values()]  # type: ignore[union-attr]
-        assert set(state["parts"]) == {"kafka", "redis", "vllm", "proxy", "judge"}  # type: ignore[arg-type]
+        assert set(state["parts"]) == {"kafka", "redis", "vllm", "proxy", "judge", "learner"}  # type: ignore[arg-type]
 
         client = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="k", max_retries=0)
         completion = client.chat.completions.create(
