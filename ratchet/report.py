@@ -74,7 +74,6 @@ def learner_lag(settings: RatchetSettings, timeout_s: float = 5.0) -> int | None
             group_id=settings.learner.consumer_group,
             enable_auto_commit=False,
             request_timeout_ms=int(timeout_s * 1000) + 1000,
-            api_version_auto_timeout_ms=int(timeout_s * 1000),
             **settings.kafka.client_options(),
         )
     except KafkaError:
