@@ -5,7 +5,9 @@ counts, per arm (the proxy marks each exchange ``active`` or ``canary``), reques
 errors, and user feedback scores. The counts live in Redis (``ratchet:canary:<alias>``), reset in
 the same transaction that starts the canary, so a restarted learner carries on counting. Once the
 canary arm has ``min_requests``, :func:`canary_verdict` decides: roll back if its error rate or
-its feedback is worse than the active arm's beyond the configured margin, else promote.
+its feedback is worse than the active arm's beyond the configured margin, else promote. Feedback
+lags the answers it rates, so a canary without ``min_feedback`` ratings on both arms waits up to
+``feedback_wait_s`` for them before it is judged on error rate alone.
 """
 
 from __future__ import annotations
@@ -69,8 +71,10 @@ class ArmStats:
         return self.feedback_sum / self.feedback if self.feedback else None
 
 
-def canary_verdict(active: ArmStats, canary: ArmStats, config: CanaryConfig) -> tuple[Verdict, str]:
-    """What to do with a canary now, and why."""
+def canary_verdict(
+    active: ArmStats, canary: ArmStats, config: CanaryConfig, age_s: float
+) -> tuple[Verdict, str]:
+    """What to do with a canary that has been running for ``age_s`` seconds, and why."""
     if canary.requests < config.min_requests:
         return "wait", f"{canary.requests} of {config.min_requests} canary requests"
     excess = canary.error_rate - active.error_rate
@@ -79,7 +83,13 @@ def canary_verdict(active: ArmStats, canary: ArmStats, config: CanaryConfig) -> 
             f"error_rate: canary {canary.error_rate:.3f} vs active {active.error_rate:.3f} "
             f"(+{excess:.3f} > {config.max_error_rate_increase})"
         )
-    if active.feedback >= config.min_feedback and canary.feedback >= config.min_feedback:
+    rated = active.feedback >= config.min_feedback and canary.feedback >= config.min_feedback
+    if not rated and age_s < config.feedback_wait_s:
+        return "wait", (
+            f"feedback {canary.feedback} (canary) and {active.feedback} (active) of "
+            f"{config.min_feedback}; deciding without it after {config.feedback_wait_s:.0f} s"
+        )
+    if rated:
         assert active.feedback_mean is not None and canary.feedback_mean is not None
         drop = active.feedback_mean - canary.feedback_mean
         if drop > config.max_feedback_drop:
@@ -94,10 +104,13 @@ def canary_verdict(active: ArmStats, canary: ArmStats, config: CanaryConfig) -> 
     )
 
 
-def read_counts(client: redis.Redis, alias: str) -> tuple[int | None, dict[str, ArmStats]]:
-    """(canary version the counts belong to, stats per arm)."""
+def read_counts(
+    client: redis.Redis, alias: str
+) -> tuple[int | None, float | None, dict[str, ArmStats]]:
+    """(canary version the counts belong to, its start as a Unix time, stats per arm)."""
     raw = {k.decode(): v.decode() for k, v in client.hgetall(canary_key(alias)).items()}
     version = int(raw["version"]) if raw.get("version") else None
+    started = float(raw["started"]) if raw.get("started") else None
     stats = {
         arm: ArmStats(
             requests=int(raw.get(f"{arm}_requests", 0)),
@@ -107,7 +120,7 @@ def read_counts(client: redis.Redis, alias: str) -> tuple[int | None, dict[str, 
         )
         for arm in ARMS
     }
-    return version, stats
+    return version, started, stats
 
 
 class CanaryWatcher:
@@ -209,13 +222,14 @@ class CanaryWatcher:
             self.metrics.active_version.labels(alias).set(route.active)
             if route.canary is None or config is None:
                 continue
-            version, stats = read_counts(self.redis, alias)
-            if version != route.canary:
+            version, started, stats = read_counts(self.redis, alias)
+            if version != route.canary or started is None:
                 continue  # a canary set by hand, or counts not reset yet: nothing to judge by
             for arm in ARMS:
                 self.metrics.canary_requests.labels(alias, arm).set(stats[arm].requests)
                 self.metrics.canary_error_rate.labels(alias, arm).set(stats[arm].error_rate)
-            verdict, reason = canary_verdict(stats["active"], stats["canary"], config.canary)
+            age_s = time.time() - started
+            verdict, reason = canary_verdict(stats["active"], stats["canary"], config.canary, age_s)
             if verdict == "wait":
                 continue
             detail = {"reason": reason, **{arm: vars(stats[arm]) for arm in ARMS}}

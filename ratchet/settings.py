@@ -134,6 +134,10 @@ class CanaryConfig(_Section):
     # min_feedback scores before feedback counts).
     max_feedback_drop: float = Field(default=0.1, ge=0.0, le=1.0)
     min_feedback: int = Field(default=10, ge=1)
+    # Feedback arrives after the answer it rates: once the canary has min_requests, wait up to
+    # this long (from the canary's start) for both arms' min_feedback before deciding on error
+    # rate alone. 0 decides at min_requests with whatever feedback has arrived.
+    feedback_wait_s: float = Field(default=300.0, ge=0.0)
 
 
 class AliasConfig(_Section):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,37 +23,55 @@ from ratchet.store import AdapterStore
 
 ALIAS = "support"
 CONFIG = CanaryConfig(
-    weight=0.1, min_requests=10, max_error_rate_increase=0.05, max_feedback_drop=0.2, min_feedback=3
+    weight=0.1,
+    min_requests=10,
+    max_error_rate_increase=0.05,
+    max_feedback_drop=0.2,
+    min_feedback=3,
+    feedback_wait_s=60.0,
 )
+LATE = 61.0  # a canary age past CONFIG's wait for feedback
 
 
 # --- the verdict ------------------------------------------------------------------------------
 
 
 def test_the_verdict_waits_for_enough_canary_requests() -> None:
-    verdict, reason = canary_verdict(ArmStats(100), ArmStats(9, errors=9), CONFIG)
+    verdict, reason = canary_verdict(ArmStats(100), ArmStats(9, errors=9), CONFIG, LATE)
     assert verdict == "wait" and "9 of 10" in reason
 
 
 def test_the_verdict_rolls_back_on_an_error_rate_excess() -> None:
-    verdict, reason = canary_verdict(ArmStats(100, errors=1), ArmStats(10, errors=1), CONFIG)
+    # An error rate excess does not wait for feedback.
+    verdict, reason = canary_verdict(ArmStats(100, errors=1), ArmStats(10, errors=1), CONFIG, 0.0)
     assert verdict == "rollback" and reason.startswith("error_rate:")
     # At the margin exactly (0.05 more), not beyond it: the canary is fine.
-    verdict, _ = canary_verdict(ArmStats(100), ArmStats(100, errors=5), CONFIG)
+    verdict, _ = canary_verdict(ArmStats(100), ArmStats(100, errors=5), CONFIG, LATE)
     assert verdict == "promote"
 
 
 def test_the_verdict_rolls_back_on_a_feedback_drop() -> None:
     active = ArmStats(100, feedback=4, feedback_sum=3.6)  # mean 0.9
-    verdict, reason = canary_verdict(active, ArmStats(10, feedback=4, feedback_sum=2.4), CONFIG)
+    canary = ArmStats(10, feedback=4, feedback_sum=2.4)
+    verdict, reason = canary_verdict(active, canary, CONFIG, 0.0)
     assert verdict == "rollback" and reason.startswith("feedback:")
-    verdict, _ = canary_verdict(active, ArmStats(10, feedback=4, feedback_sum=3.0), CONFIG)
+    canary = ArmStats(10, feedback=4, feedback_sum=3.0)
+    verdict, _ = canary_verdict(active, canary, CONFIG, 0.0)
     assert verdict == "promote"  # mean 0.75: a drop of 0.15 is within the margin
 
 
-def test_too_little_feedback_does_not_count() -> None:
+def test_the_verdict_waits_for_feedback_then_decides_without_it() -> None:
+    # Feedback comes after the answers it rates: at min_requests the canary's ratings may still
+    # be on their way, and promoting then would ignore them.
     active = ArmStats(100, feedback=50, feedback_sum=50.0)
-    verdict, _ = canary_verdict(active, ArmStats(10, feedback=2, feedback_sum=0.0), CONFIG)
+    canary = ArmStats(10, feedback=2, feedback_sum=0.0)
+    verdict, reason = canary_verdict(active, canary, CONFIG, 59.0)
+    assert verdict == "wait" and "feedback 2 (canary)" in reason
+    # Past feedback_wait_s, too little feedback does not count: error rate alone decides.
+    verdict, _ = canary_verdict(active, canary, CONFIG, LATE)
+    assert verdict == "promote"
+    no_wait = CONFIG.model_copy(update={"feedback_wait_s": 0.0})
+    verdict, _ = canary_verdict(active, canary, no_wait, 0.0)
     assert verdict == "promote"
 
 
@@ -125,6 +144,13 @@ def healthy_traffic(requests: int = 10) -> list[Any]:
     ]
 
 
+def age_canary(lifecycle: Lifecycle, seconds: float) -> None:
+    """Move the canary's start back in time (as if it had been running that long)."""
+    key = f"ratchet:canary:{ALIAS}"
+    started = float(lifecycle.writer.redis.hget(key, "started"))  # type: ignore[arg-type]
+    lifecycle.writer.redis.hset(key, "started", started - seconds)
+
+
 def route_of(lifecycle: Lifecycle) -> tuple[int, int | None]:
     route = lifecycle.writer.read(ALIAS)
     assert route is not None
@@ -141,8 +167,12 @@ def test_a_healthy_canary_is_promoted(settings: RatchetSettings, lifecycle: Life
     # A restarted watcher carries on from the counts in Redis.
     watcher = watcher_for(settings, lifecycle)
     watcher.count(healthy_traffic(5))
-    version, stats = read_counts(lifecycle.writer.redis, ALIAS)
+    version, started, stats = read_counts(lifecycle.writer.redis, ALIAS)
     assert version == 2 and stats["canary"].requests == 10 and stats["active"].requests == 10
+    assert started is not None and time.time() - started < 30
+    watcher.check()
+    assert route_of(lifecycle) == (1, 2)  # no feedback yet: it may still be on its way
+    age_canary(lifecycle, LATE)
     watcher.check()
     assert route_of(lifecycle) == (2, None)
     event = lifecycle.writer.history(ALIAS)[0]
@@ -178,8 +208,9 @@ def test_client_errors_are_not_the_canarys_fault(
     start_canary(lifecycle)
     watcher = watcher_for(settings, lifecycle)
     watcher.count(healthy_traffic(5) + [traffic("canary", 2, status=400) for _ in range(5)])
-    _, stats = read_counts(lifecycle.writer.redis, ALIAS)
+    _, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
     assert stats["canary"].requests == 10 and stats["canary"].errors == 0
+    age_canary(lifecycle, LATE)
     watcher.check()
     assert route_of(lifecycle) == (2, None)
 
@@ -196,7 +227,7 @@ def test_a_feedback_drop_rolls_the_canary_back(
     watcher.count(
         [feedback(f"a{i}", 1.0) for i in range(3)] + [feedback(f"c{i}", 0.0) for i in range(3)]
     )
-    _, stats = read_counts(lifecycle.writer.redis, ALIAS)
+    _, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
     assert (stats["active"].feedback, stats["active"].feedback_sum) == (3, 3.0)
     assert (stats["canary"].feedback, stats["canary"].feedback_sum) == (3, 0.0)
     watcher.check()
@@ -214,7 +245,7 @@ def test_records_outside_the_canary_are_not_counted(
         + [traffic("active", 0, status=500) for _ in range(20)]  # not the active version
         + [feedback("x", 0.0), feedback("never-seen", 0.0)]
     )
-    version, stats = read_counts(lifecycle.writer.redis, ALIAS)
+    version, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
     assert version == 2
     assert stats["canary"] == ArmStats() and stats["active"] == ArmStats()
     watcher.check()
