@@ -150,6 +150,7 @@ class LearnerService:
         self.routes_read_at = 0.0
         self.paused_reason: dict[str, str] = {}  # the label of each alias's paused metric
         self._lineage: dict[tuple[str, int], int | None] = {}
+        self._starved: set[str] = set()  # aliases told to wait for held-out prompts (logged once)
         self._learner: LoraGRPOLearner | None = None
         self.groups_consumer: KafkaConsumer | None = None
         self.heldout_consumer: KafkaConsumer | None = None
@@ -219,6 +220,20 @@ class LearnerService:
         route = self.routes.get(alias)
         if not waiting or route is None or route.paused or route.canary is not None:
             return False
+        needed = self.settings.aliases[alias].gate.min_pairs
+        if len(self.heldout[alias]) < needed:
+            # A round now could not pass its gate: its groups would be spent on a sure reject.
+            if alias not in self._starved:
+                self._starved.add(alias)
+                log.info(
+                    "%s: %d groups wait for held-out prompts (%d of gate.min_pairs %d)",
+                    alias,
+                    len(waiting),
+                    len(self.heldout[alias]),
+                    needed,
+                )
+            return False
+        self._starved.discard(alias)
         if len(waiting) >= s.batch_groups:
             return True
         return (

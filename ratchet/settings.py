@@ -310,6 +310,19 @@ class RatchetSettings(BaseSettings):
             self.state_dir = self.home / "state"
         return self
 
+    @model_validator(mode="after")
+    def _heldout_pool_fits_the_gate(self) -> RatchetSettings:
+        # The learner waits for gate.min_pairs held-out prompts before a round: a smaller pool
+        # would make it wait forever.
+        for name, alias in self.aliases.items():
+            if alias.learning.enabled and alias.gate.min_pairs > self.learner.heldout_pool:
+                raise ValueError(
+                    f"aliases.{name}.gate.min_pairs ({alias.gate.min_pairs}) is larger than "
+                    f"learner.heldout_pool ({self.learner.heldout_pool}): the gate could never "
+                    "get enough held-out prompts. Raise learner.heldout_pool or lower min_pairs"
+                )
+        return self
+
     def check_proxy_exposure(self) -> None:
         """Refuse to serve the proxy without keys anywhere but loopback.
 

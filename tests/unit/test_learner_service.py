@@ -16,7 +16,13 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from learner.service import LearnerService, baseline_length_key, trained_key
 from ratchet.records import GROUPS_TOPIC, HeldoutPrompt, Sample, ScoredGroup
-from ratchet.settings import AliasConfig, LearnerSettings, LearningConfig, RatchetSettings
+from ratchet.settings import (
+    AliasConfig,
+    GateConfig,
+    LearnerSettings,
+    LearningConfig,
+    RatchetSettings,
+)
 
 ALIAS = "support"
 TP0 = TopicPartition(GROUPS_TOPIC, 0)
@@ -61,7 +67,7 @@ def settings(redis_url: str, tmp_path: Path) -> RatchetSettings:
         home=tmp_path,
         kafka_bootstrap_servers="127.0.0.1:1",  # never reached: no Kafka in these tests
         aliases={
-            ALIAS: AliasConfig(),
+            ALIAS: AliasConfig(gate=GateConfig(min_pairs=2, max_pairs=3)),
             "frozen": AliasConfig(learning=LearningConfig(enabled=False)),
         },
         learner=LearnerSettings(
@@ -188,15 +194,14 @@ def test_next_version_is_above_every_version_in_the_store(
     assert service.next_version("frozen") == 1  # per alias
 
 
-def test_the_held_out_pool_keeps_the_newest_distinct_prompts(service: LearnerService) -> None:
-    def prompt(h: str) -> HeldoutPrompt:
-        messages = [{"role": "user", "content": h}]
-        return HeldoutPrompt(
-            prompt_hash=h, alias=ALIAS, prompt_messages=messages, traffic_request_id=h
-        )
+def heldout(h: str) -> HeldoutPrompt:
+    messages = [{"role": "user", "content": h}]
+    return HeldoutPrompt(prompt_hash=h, alias=ALIAS, prompt_messages=messages, traffic_request_id=h)
 
+
+def test_the_held_out_pool_keeps_the_newest_distinct_prompts(service: LearnerService) -> None:
     for h in ("a", "b", "c", "a", "d"):
-        service.add_heldout(prompt(h))
+        service.add_heldout(heldout(h))
     # "a" came again, so it is newer than "b"; the pool holds 3, so "b" went first.
     assert list(service.heldout[ALIAS]) == ["c", "a", "d"]
     assert metric(service, "ratchet_learner_heldout_prompts", alias=ALIAS) == 3
@@ -205,7 +210,25 @@ def test_the_held_out_pool_keeps_the_newest_distinct_prompts(service: LearnerSer
 # --- when a round is due ----------------------------------------------------------------------
 
 
-def test_a_round_is_due_with_a_full_batch(service: LearnerService) -> None:
+@pytest.fixture
+def gateable(service: LearnerService) -> LearnerService:
+    """The service with gate.min_pairs held-out prompts in its pool."""
+    for h in ("h1", "h2"):
+        service.add_heldout(heldout(h))
+    return service
+
+
+def test_no_round_until_the_gate_has_enough_held_out_prompts(service: LearnerService) -> None:
+    for i in range(3):
+        service.take(group(f"g{i}"), TP0, i)
+    service.add_heldout(heldout("h1"))
+    assert not service.ready(ALIAS)  # a full batch, but 1 held-out prompt of min_pairs 2
+    service.add_heldout(heldout("h2"))
+    assert service.ready(ALIAS)
+
+
+def test_a_round_is_due_with_a_full_batch(gateable: LearnerService) -> None:
+    service = gateable
     assert not service.ready(ALIAS)  # nothing waiting
     service.take(group("g1"), TP0, 0)
     service.take(group("g2"), TP0, 1)
@@ -215,8 +238,9 @@ def test_a_round_is_due_with_a_full_batch(service: LearnerService) -> None:
 
 
 def test_a_round_is_due_when_the_oldest_group_has_waited_long_enough(
-    service: LearnerService,
+    gateable: LearnerService,
 ) -> None:
+    service = gateable
     service.take(group("g1"), TP0, 0)
     service.waiting[ALIAS][0].arrived -= 61
     assert not service.ready(ALIAS)  # one group, fewer than min_groups
@@ -224,7 +248,8 @@ def test_a_round_is_due_when_the_oldest_group_has_waited_long_enough(
     assert service.ready(ALIAS)
 
 
-def test_no_round_while_paused_or_on_canary(service: LearnerService) -> None:
+def test_no_round_while_paused_or_on_canary(gateable: LearnerService) -> None:
+    service = gateable
     add_versions(service, (1, 0))
     for i in range(3):
         service.take(group(f"g{i}"), TP0, i)

@@ -273,3 +273,15 @@ def test_a_config_file_read_once_is_not_inherited(tmp_path: Path) -> None:
     assert set(load_settings(other).aliases) == {"other"}
     fresh = RatchetSettings()
     assert set(fresh.aliases) == {"support"} and fresh.vllm_url == "http://127.0.0.1:8401"
+
+
+def test_a_held_out_pool_smaller_than_the_gate_needs_is_refused() -> None:
+    gate = {"min_pairs": 40, "max_pairs": 64}
+    with pytest.raises(ConfigError) as info:
+        load_settings(aliases={"a": {"gate": gate}}, learner={"heldout_pool": 32})
+    assert "aliases.a.gate.min_pairs" in str(info.value)
+    assert "learner.heldout_pool" in str(info.value)
+    # an alias that does not learn needs no pool
+    load_settings(
+        aliases={"a": {"gate": gate, "learning": {"enabled": False}}}, learner={"heldout_pool": 32}
+    )
