@@ -19,8 +19,10 @@ same LoRA (rank, alpha, all linear projections, no dropout), the same AdamW (fus
 weight decay, max grad norm 1) and no gradient checkpointing, train on that round:
 
 1. ours: ``LoraGRPOLearner.train_round(groups)`` from the ``ScoredGroup`` records, packing
-   included: ``--steps`` optimizer steps, each on 1/steps of the samples, micro-batches of
-   ``--micro-batch`` sequences (as a token budget), the DAPO token-mean clipped loss.
+   included: ``--steps`` optimizer steps, each on 1/steps of the groups, micro-batches of
+   ``--micro-batch`` sequences' tokens (as a token budget), the DAPO token-mean clipped loss.
+   It packs each group as one row with its prompt once (learner/batch.py), where TRL and bare
+   forward the prompt again with each of the group's samples.
 2. TRL: ``trl.GRPOTrainer`` (TRL 1.16) built with the same base model and ``peft_config``,
    ``loss_type="dapo"``, ``beta=0``, ``epsilon=0.2``, ``epsilon_high=0.28``,
    ``per_device_train_batch_size`` = ``--micro-batch``, ``gradient_accumulation_steps`` so a step
@@ -36,16 +38,18 @@ weight decay, max grad norm 1) and no gradient checkpointing, train on that roun
    after generation; it is spared the rollout, the reward calls and, with vLLM or with several
    optimizer steps per generation, its extra forward pass for ``old_per_token_logps`` (ours
    uses vLLM's logprobs instead): TRL's number is an upper bound of its real throughput.
-3. bare: the ceiling. The same LoRA model and micro-batches, a plain loop of backbone forward,
-   LM head on the completion positions, mean cross-entropy of the completion tokens, backward,
-   clip, AdamW step: no packing, no advantages, no ratios, no stats.
+3. bare: the ceiling of a trainer that forwards each sample as its own sequence. The same LoRA
+   model and micro-batches, a plain loop of backbone forward, LM head on the completion
+   positions, mean cross-entropy of the completion tokens, backward, clip, AdamW step: no
+   packing, no advantages, no ratios, no stats.
 
 TRL's loop drives the run: at the end of each of its rounds, a ``TrainerCallback`` runs one
 round of ours and one of bare (alternating which goes first), so slow drift of the machine lands
 on all three alike. TRL's round time is its wall time between these callbacks (its data loading,
 input preparation and logging included); the first ``--warmup`` rounds of each are left out.
-Throughput = completion tokens trained / seconds (prompt + completion tokens per second are
-printed beside it: the same ratio, since every trainer forwards the same sequences). The headline
+Throughput = completion tokens trained / seconds, the work every trainer does alike (the
+prompt + completion tokens per second printed beside it count the sequences as TRL and bare
+forward them; ours forwards fewer: each prompt once per group). The headline
 is each trainer's best measured round (interference only ever adds time; the median and worst
 rounds are printed beside it). On CUDA
 every clock read is preceded by ``torch.cuda.synchronize()``.
@@ -81,7 +85,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from learner.batch import pack_groups, token_logprobs  # noqa: E402
-from learner.loss import GRPOLossConfig  # noqa: E402
+from learner.loss import GRPOLossConfig, group_advantages  # noqa: E402
 from learner.trainer import (  # noqa: E402
     LoraGRPOLearner,
     LoraSettings,
@@ -133,9 +137,15 @@ def with_behaviour_logprobs(learner: LoraGRPOLearner, groups: list[ScoredGroup])
             sample.logprobs = [0.0] * len(sample.token_ids)
         batch = pack_groups([group]).to(learner.device)
         with torch.no_grad(), learner._autocast():
-            lp = token_logprobs(learner.model, batch).float().cpu()
-        for i, sample in enumerate(group.samples):
-            sample.logprobs = lp[i][batch.completion_mask[i].cpu()].tolist()
+            lp = token_logprobs(learner.model, batch).float().cpu()[0]
+        segments = batch.segment_ids[0].cpu()
+        for k, sample in enumerate(group.samples):
+            sample.logprobs = lp[segments == k + 1].tolist()
+
+
+def sequences(groups: list[ScoredGroup]) -> torch.Tensor:
+    """(samples, prompt + completion) token ids, one row per sample, as TRL and bare see them."""
+    return torch.tensor([g.prompt_token_ids + s.token_ids for g in groups for s in g.samples])
 
 
 def sync(device: torch.device) -> None:
@@ -151,8 +161,7 @@ class BareLoop:
 
     def __init__(self, learner: LoraGRPOLearner, groups: list[ScoredGroup], args: Any) -> None:
         self.learner = learner
-        batch = pack_groups(groups).to(learner.device)
-        self.ids = batch.input_ids  # fixed lengths: no padding
+        self.ids = sequences(groups).to(learner.device)  # fixed lengths: no padding
         self.prompt_len = args.prompt_len
         self.steps, self.micro = args.steps, args.micro_batch
         causal_lm = learner.model.get_base_model()
@@ -184,17 +193,18 @@ class BareLoop:
 
 def trl_inputs(groups: list[ScoredGroup], loss: GRPOLossConfig, device: torch.device) -> dict:
     """The fixed round as the dict TRL's _generate_and_score_completions returns."""
-    batch = pack_groups(groups, loss.scale_rewards)
+    ids = sequences(groups)
     p = len(groups[0].prompt_token_ids)
-    completion_ids = batch.input_ids[:, p:]
-    completion_mask = batch.completion_mask[:, p:].long()
+    rewards = torch.tensor([r for g in groups for r in g.rewards])
+    group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
+    completion_mask = torch.ones_like(ids[:, p:])
     out = {
-        "prompt_ids": batch.input_ids[:, :p],
-        "prompt_mask": torch.ones_like(batch.input_ids[:, :p]),
-        "completion_ids": completion_ids,
+        "prompt_ids": ids[:, :p],
+        "prompt_mask": torch.ones_like(ids[:, :p]),
+        "completion_ids": ids[:, p:],
         "completion_mask": completion_mask,
-        "advantages": batch.advantages,
-        "old_per_token_logps": batch.behaviour_logprobs[:, p:],
+        "advantages": group_advantages(rewards, group_ids, loss.scale_rewards).float(),
+        "old_per_token_logps": torch.tensor([s.logprobs for g in groups for s in g.samples]),
         "num_items_in_batch": completion_mask.sum(),
     }
     return {k: v.to(device) for k, v in out.items()}

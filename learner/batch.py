@@ -1,9 +1,21 @@
 """Packing judged groups into training rows, and scoring those rows under a model.
 
-:func:`pack_groups` turns ScoredGroups into one right-padded batch (prompt + completion) with the
-behaviour logprobs vLLM logged and one group-relative advantage per sample; a token whose logged
-logprob is not finite stays as context but is not trained on. :func:`token_logprobs` gives the
-current policy's logprobs of exactly those tokens.
+A group's K samples answer the same prompt, so :func:`pack_groups` writes each group as ONE row:
+the prompt once, then every sample's completion after it::
+
+    row:       p0 p1 p2 | a0 a1 a2 | b0 b1 | c0 c1 c2 c3 | pad pad
+    segment:    0  0  0 |  1  1  1 |  2  2 |  3  3  3  3 |  -1  -1
+    position:   0  1  2 |  3  4  5 |  3  4 |  3  4  5  6 |   0   0
+
+:func:`token_logprobs` runs the model on such rows with an attention mask under which a token
+sees the prompt and the earlier tokens of its own completion, never another sample's, and with
+each completion's positions starting where the prompt ends: every completion token gets exactly
+the logprob it has in its own (prompt + completion) sequence, while the prompt is computed once
+instead of K times. With SmolLM2's demo prompts (78 tokens) and K = 6 answers of about 45 tokens
+that is 2.1x fewer tokens forwarded and back-propagated. The mask is (T x T) per row, so a row
+costs attention memory quadratic in its length, which is small beside the K-fold prompt it saves
+for the prompt and answer lengths the judge samples (``learning.max_prompt_tokens``,
+``sampling.max_tokens``).
 """
 
 from __future__ import annotations
@@ -17,19 +29,23 @@ from torch import Tensor, nn
 from learner.loss import ScaleRewards, group_advantages
 from ratchet.records import ScoredGroup
 
+PROMPT_SEGMENT, PAD_SEGMENT = 0, -1
+
 
 @dataclass
 class Batch:
-    """Samples packed as rows; every (B, T) tensor is aligned with ``input_ids`` positions."""
+    """Groups packed one per row; every (R, T) tensor is aligned with ``input_ids`` positions."""
 
-    input_ids: Tensor  # (B, T) long: prompt + completion, right-padded
-    attention_mask: Tensor  # (B, T) long: 1 on real tokens
-    completion_mask: Tensor  # (B, T) bool: True only on sampled (completion) tokens
-    behaviour_logprobs: Tensor  # (B, T) float32: vLLM's logprob of input_ids[i, t]; 0 elsewhere
-    advantages: Tensor  # (B,) float32
-    rewards: Tensor  # (B,) float32
-    group_index: Tensor  # (B,) long: position of the sample's group in the packed list
-    lengths: Tensor  # (B,) long: prompt + completion tokens
+    input_ids: Tensor  # (R, T) long: prompt, then each completion; right-padded
+    position_ids: Tensor  # (R, T) long: each completion continues from the prompt's end
+    segment_ids: Tensor  # (R, T) long: 0 prompt, k + 1 the k-th sample's completion, -1 padding
+    predicted_at: Tensor  # (R, T) long: the position whose output predicts this token
+    completion_mask: Tensor  # (R, T) bool: True only on sampled tokens that are trained on
+    behaviour_logprobs: Tensor  # (R, T) float32: vLLM's logprob of input_ids[r, t]; 0 elsewhere
+    advantages: Tensor  # (R, T) float32: the advantage of the token's sample; 0 elsewhere
+    group_index: Tensor  # (R,) long: position of the row's group in the packed list
+    samples: Tensor  # (R,) long: samples in the row
+    lengths: Tensor  # (R,) long: tokens in the row (prompt + every completion)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -50,72 +66,120 @@ class Batch:
 def pack_groups(
     groups: list[ScoredGroup], scale: ScaleRewards = "group", pad_token_id: int = 0
 ) -> Batch:
-    """One row per sample: prompt_token_ids + sample.token_ids, right-padded with pad_token_id."""
+    """One row per group (see the module docstring), right-padded with ``pad_token_id``. A
+    completion token whose logged logprob is not finite stays as context but is not trained on."""
     rows: list[list[int]] = []
-    prompt_lens: list[int] = []
+    positions: list[list[int]] = []
+    segments: list[list[int]] = []
+    predicted_at: list[list[int]] = []
     behaviour: list[list[float]] = []
+    sample_of_token: list[list[int]] = []  # index into the flat list of samples, -1 = none
     rewards: list[float] = []
-    group_index: list[int] = []
+    sample_group: list[int] = []
     for g, group in enumerate(groups):
         if len(group.rewards) != len(group.samples):
             raise ValueError(
                 f"group {group.group_id}: {len(group.rewards)} rewards for "
                 f"{len(group.samples)} samples"
             )
-        if not group.prompt_token_ids:
+        prompt = group.prompt_token_ids
+        if not prompt:
             raise ValueError(f"group {group.group_id} has no prompt tokens")
-        for sample, reward in zip(group.samples, group.rewards, strict=True):
-            if len(sample.logprobs) != len(sample.token_ids):
+        p = len(prompt)
+        row, pos, seg, pred = list(prompt), list(range(p)), [PROMPT_SEGMENT] * p, [0] * p
+        lps, owner = [0.0] * p, [-1] * p
+        for k, (sample, reward) in enumerate(zip(group.samples, group.rewards, strict=True)):
+            n = len(sample.token_ids)
+            if len(sample.logprobs) != n:
                 raise ValueError(
-                    f"group {group.group_id}: a sample has {len(sample.token_ids)} "
-                    f"tokens but {len(sample.logprobs)} logprobs"
+                    f"group {group.group_id}: a sample has {n} tokens but "
+                    f"{len(sample.logprobs)} logprobs"
                 )
-            rows.append(group.prompt_token_ids + sample.token_ids)
-            prompt_lens.append(len(group.prompt_token_ids))
-            behaviour.append(sample.logprobs)
+            start = len(row)
+            row += sample.token_ids
+            pos += range(p, p + n)
+            seg += [k + 1] * n
+            # the first token is predicted by the prompt's last, the others by their own previous
+            pred += [p - 1, *range(start, start + n - 1)] if n else []
+            lps += sample.logprobs
+            owner += [len(rewards)] * n
             rewards.append(float(reward))
-            group_index.append(g)
+            sample_group.append(g)
+        rows.append(row)
+        positions.append(pos)
+        segments.append(seg)
+        predicted_at.append(pred)
+        behaviour.append(lps)
+        sample_of_token.append(owner)
+
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
     width = int(lengths.max()) if rows else 0
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    behaviour_lp = torch.zeros((len(rows), width), dtype=torch.float32)
-    completion = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, (row, start, lp) in enumerate(zip(rows, prompt_lens, behaviour, strict=True)):
-        input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        lp_t = torch.tensor(lp, dtype=torch.float32)
-        finite = torch.isfinite(lp_t)  # a token without a usable logprob stays as context only
-        behaviour_lp[i, start : len(row)] = torch.where(finite, lp_t, 0.0)
-        completion[i, start : len(row)] = finite
-    reward_t = torch.tensor(rewards, dtype=torch.float32)
-    groups_t = torch.tensor(group_index, dtype=torch.long)
+
+    def padded(values: list[list[int]], fill: int) -> Tensor:
+        out = torch.full((len(values), width), fill, dtype=torch.long)
+        for i, v in enumerate(values):
+            out[i, : len(v)] = torch.tensor(v, dtype=torch.long)
+        return out
+
+    owner_t = padded(sample_of_token, -1)
+    lp_t = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, lp in enumerate(behaviour):
+        lp_t[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    finite = torch.isfinite(lp_t)
+    completion = (owner_t >= 0) & finite
+    advantages = group_advantages(
+        torch.tensor(rewards, dtype=torch.float32),
+        torch.tensor(sample_group, dtype=torch.long),
+        scale,
+    ).float()
+    token_adv = torch.where(completion, advantages[owner_t.clamp(min=0)], 0.0)
     return Batch(
-        input_ids=input_ids,
-        attention_mask=(torch.arange(width) < lengths.unsqueeze(1)).long(),
+        input_ids=padded(rows, pad_token_id),
+        position_ids=padded(positions, 0),
+        segment_ids=padded(segments, PAD_SEGMENT),
+        predicted_at=padded(predicted_at, 0),
         completion_mask=completion,
-        behaviour_logprobs=behaviour_lp,
-        advantages=group_advantages(reward_t, groups_t, scale).float(),
-        rewards=reward_t,
-        group_index=groups_t,
+        behaviour_logprobs=torch.where(completion, lp_t, 0.0),
+        advantages=token_adv,
+        group_index=torch.arange(len(rows), dtype=torch.long),
+        samples=torch.tensor([len(g.samples) for g in groups], dtype=torch.long),
         lengths=lengths,
     )
 
 
+def shared_prompt_mask(segment_ids: Tensor) -> Tensor:
+    """(R, 1, T, T) boolean attention mask, True where query t may attend to key s: s <= t, and
+    s is in the prompt or in t's own completion. Padding attends to the prompt (its output is
+    never read) and nothing real attends to padding."""
+    t = segment_ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
+    query, key = segment_ids[:, :, None], segment_ids[:, None, :]
+    return (causal & ((key == PROMPT_SEGMENT) | (key == query)))[:, None]
+
+
 def token_logprobs(model: nn.Module, batch: Batch) -> Tensor:
-    """log p(input_ids[i, t] | input_ids[i, :t]) on completion positions, 0 elsewhere; (B, T)
-    float32, with grad when the model has any."""
+    """log p(input_ids[r, t] | its prompt and its own earlier tokens) on completion positions,
+    0 elsewhere; (R, T) float32, with grad when the model has any."""
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    mask = batch.completion_mask[:, 1:]
-    targets = batch.input_ids[:, 1:][mask]
+    mask = batch.completion_mask
+    targets = batch.input_ids[mask]
+    rows = mask.nonzero()[:, 0]
+    sources = batch.predicted_at[mask]
+    inputs = {
+        "input_ids": batch.input_ids,
+        "attention_mask": shared_prompt_mask(batch.segment_ids),
+        "position_ids": batch.position_ids,
+        "use_cache": False,
+    }
     if _plain_lm_head(causal_lm):
-        # Right padding under causal attention: no real token attends to a pad, so no mask.
+        # Only the positions that predict a completion token go through the LM head.
         backbone = getattr(causal_lm, causal_lm.base_model_prefix)
-        hidden = backbone(input_ids=batch.input_ids, use_cache=False).last_hidden_state
-        logits = causal_lm.get_output_embeddings()(hidden[:, :-1][mask])
+        hidden = backbone(**inputs).last_hidden_state
+        logits = causal_lm.get_output_embeddings()(hidden[rows, sources])
     else:  # logit soft-capping or scaling lives in the model's own forward
-        logits = model(input_ids=batch.input_ids, use_cache=False).logits[:, :-1][mask]
+        logits = model(**inputs).logits[rows, sources]
     picked = -F.cross_entropy(logits.float(), targets, reduction="none")
-    per_token = picked.new_zeros(mask.shape).masked_scatter(mask, picked)
-    return F.pad(per_token, (1, 0))
+    return picked.new_zeros(mask.shape).masked_scatter(mask, picked)
 
 
 def _plain_lm_head(causal_lm: nn.Module) -> bool:

@@ -121,9 +121,10 @@ def grpo_loss(
     Inputs: logprobs (B, T), log pi_theta(y_it | x_i, y_i<t) of the sampled tokens under the
     current policy, with grad; behaviour_logprobs (B, T), log pi_beh of the same tokens as vLLM
     logged them when it sampled (no grad); advantages (B,), one per completion (see
-    :func:`group_advantages`); mask (B, T), 1 on completion tokens, 0 on padding (whatever the
-    logprobs hold there, even -inf, is ignored); ref_logprobs (B, T), log pi_ref under the base
-    model, needed only when ``config.kl_beta > 0``.
+    :func:`group_advantages`), or (B, T), one per token (the learner packs a group's samples
+    into one row, so each token carries its own sample's A_i); mask (B, T), 1 on completion
+    tokens, 0 on padding (whatever the logprobs hold there, even -inf, is ignored); ref_logprobs
+    (B, T), log pi_ref under the base model, needed only when ``config.kl_beta > 0``.
 
     With m_it the mask, N = sum_it m_it the number of completion tokens in the batch, A_i the
     advantage and sg() stop-gradient::
@@ -166,7 +167,8 @@ def grpo_loss(
     valid = mask.bool()
     logp = torch.where(valid, logprobs.to(dtype), 0.0)
     behaviour = torch.where(valid, behaviour_logprobs.detach().to(dtype), 0.0)
-    adv = advantages.detach().to(dtype).unsqueeze(1)
+    adv = advantages.detach().to(dtype)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
     ratio = torch.exp(logp - behaviour)
 
     if config.mode == "ppo_clip":
@@ -211,8 +213,11 @@ def _check_shapes(
         raise ValueError(f"logprobs must be (B, T), got shape {tuple(logprobs.shape)}")
     if behaviour_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
         raise ValueError("behaviour_logprobs and mask must have the shape of logprobs (B, T)")
-    if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"advantages must be (B,) = {tuple(logprobs.shape[:1])}")
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
+        raise ValueError(
+            f"advantages must be (B,) = {tuple(logprobs.shape[:1])} or (B, T) = "
+            f"{tuple(logprobs.shape)}"
+        )
     if config.kl_beta > 0.0:
         if ref_logprobs is None:
             raise ValueError("kl_beta > 0 needs ref_logprobs")

@@ -8,23 +8,25 @@ stopped.
 
 Data flow of a round:
 
-* :func:`pack_groups` turns the groups into one right-padded batch (prompt + completion), with
-  the behaviour logprobs vLLM logged when it sampled and one group-relative advantage per sample
-  (a token whose logged logprob is not finite stays as context but is not trained on). Groups
-  whose rewards are all equal carry no signal (zero advantages) and are dropped before any
-  compute is spent on them, as DAPO's dynamic sampling does.
-* The kept samples are shuffled (seeded by ``seed`` and the round number) and dealt into
-  ``steps_per_round`` equal mini-batches (one PPO epoch; the stream wraps when a round has fewer
-  samples than steps). vLLM's logprobs are the old policy of every step's importance ratio, so no
-  extra forward pass recomputes them.
-* A step's samples are sorted by length and cut into micro-batches of at most
+* :func:`pack_groups` turns the groups into rows, one per group: the prompt once, then each
+  sample's completion, with the behaviour logprobs vLLM logged when it sampled and each sample's
+  group-relative advantage on its tokens (a token whose logged logprob is not finite stays as
+  context but is not trained on). Groups whose rewards are all equal carry no signal (zero
+  advantages) and are dropped before any compute is spent on them, as DAPO's dynamic sampling
+  does.
+* The kept groups are shuffled (seeded by ``seed`` and the round number) and dealt into
+  ``steps_per_round`` mini-batches of whole groups (one PPO epoch; the stream wraps when a round
+  has fewer groups than steps), so a step's advantages are centred within it. vLLM's logprobs are
+  the old policy of every step's importance ratio, so no extra forward pass recomputes them.
+* A step's rows are sorted by length and cut into micro-batches of at most
   ``micro_batch_tokens`` padded tokens; gradients accumulate, each micro-batch's loss weighted by
   its share of the step's completion tokens, so the step's loss is the token mean over the whole
   step (DAPO), whatever the micro-batching.
-* :func:`token_logprobs` runs the backbone without an attention mask (right padding under causal
-  attention: pad positions come after every real token and nothing real attends to them, so the
-  fast causal kernel applies) and projects only the completion positions through the LM head.
-  With ``kl_beta > 0`` the reference logprobs are the same call with the adapter disabled (v0).
+* :func:`token_logprobs` runs the model once per row under a mask that lets each completion see
+  only the prompt and itself (learner/batch.py): each sample's tokens get the logprobs of their
+  own sequence while the prompt is computed once, not K times, and only the positions that
+  predict a completion token go through the LM head. With ``kl_beta > 0`` the reference logprobs
+  are the same call with the adapter disabled (v0).
 * A step whose gradient is not finite is skipped (and counted), so one bad record cannot poison
   the adapter or Adam's moments.
 """
@@ -97,7 +99,7 @@ class RoundStats:
     steps: int
     groups: int
     groups_skipped: int  # groups with all-equal rewards: no signal, not trained on
-    samples: int
+    samples: int  # samples trained on (those of the kept groups)
     mean_reward: float
     loss: float  # token mean over the round of the full loss (policy + KL)
     policy_loss: float
@@ -159,7 +161,10 @@ class LoraGRPOLearner:
         self.lora, self.train = lora, train
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        base = AutoModelForCausalLM.from_pretrained(self.base_model_path, dtype=self.dtype)
+        # SDPA takes the boolean shared-prompt mask of learner/batch.py as it is.
+        base = AutoModelForCausalLM.from_pretrained(
+            self.base_model_path, dtype=self.dtype, attn_implementation="sdpa"
+        )
         self.target_modules = resolve_target_modules(base, lora.target_modules)
         config = LoraConfig(
             r=lora.rank,
@@ -286,8 +291,7 @@ class LoraGRPOLearner:
         informative = torch.tensor(
             [bool(g.rewards) and max(g.rewards) > min(g.rewards) for g in groups], dtype=torch.bool
         )
-        keep = informative[packed.group_index].nonzero().flatten()
-        packed = packed.select(keep)
+        packed = packed.select(informative.nonzero().flatten())  # rows are groups
         lengths = packed.lengths  # on the CPU: planning never waits for the device
         batch = packed.to(self.device)
         self.rounds += 1
@@ -309,7 +313,7 @@ class LoraGRPOLearner:
             steps=len(plan),
             groups=len(groups),
             groups_skipped=len(groups) - int(informative.sum()),
-            samples=len(batch),
+            samples=int(packed.samples.sum()),
             mean_reward=_mean_reward(groups),
         )
         self.tokens_seen += stats.completion_tokens
@@ -349,14 +353,15 @@ class LoraGRPOLearner:
         self.optimizer.zero_grad(set_to_none=True)
 
     def _plan_steps(self, n: int) -> list[Tensor]:
-        """steps_per_round mini-batches of rows: seeded shuffles, dealt evenly, wrapping."""
+        """steps_per_round mini-batches of rows (groups): seeded shuffles, dealt evenly,
+        wrapping."""
         if n == 0:
             return []
         steps = self.train.steps_per_round
         gen = torch.Generator().manual_seed(self.train.seed * 1_000_003 + self.rounds)
         if n >= steps:  # one epoch: sizes differ by at most one
             return list(torch.tensor_split(torch.randperm(n, generator=gen), steps))
-        # fewer samples than steps: one sample a step, from shuffles laid end to end
+        # fewer groups than steps: one group a step, from shuffles laid end to end
         stream = torch.cat([torch.randperm(n, generator=gen) for _ in range(math.ceil(steps / n))])
         return [stream[i : i + 1] for i in range(steps)]
 

@@ -307,6 +307,26 @@ def test_matches_a_per_token_loop(mode: str, scale: str, kl_beta: float) -> None
     assert (stats["clip_frac_low"] > 0) == (mode == "ppo_clip")
 
 
+@pytest.mark.parametrize("mode", ["ppo_clip", "cispo"])
+def test_per_token_advantages_are_the_same_loss(mode: str) -> None:
+    """The learner packs a group's samples into one row, each token carrying its own sample's
+    advantage: (B, T) advantages must give exactly the (B,) loss and gradient."""
+    batch = random_batch()
+    config = GRPOLossConfig(mode=mode, cispo_max_weight=1.5, kl_beta=0.05)  # type: ignore[arg-type]
+    advantages = group_advantages(batch.rewards, batch.contiguous_groups)
+    per_token = advantages[:, None] * batch.mask  # 0 off the completions, as the packer writes
+    results = []
+    for adv in (advantages, per_token):
+        logprobs = batch.logprobs.clone().requires_grad_()
+        loss, stats = grpo_loss(logprobs, batch.behaviour, adv, batch.mask, config, batch.ref)
+        results.append((loss, grad_of(loss, logprobs), stats))
+    close(results[0][0], results[1][0])
+    close(results[0][1], results[1][1])
+    assert results[0][2]["clip_frac_high"] == results[1][2]["clip_frac_high"]
+    with pytest.raises(ValueError, match="advantages"):
+        grpo_loss(batch.logprobs, batch.behaviour, per_token[:, :3], batch.mask, config, batch.ref)
+
+
 # --- TRL -----------------------------------------------------------------------------------------
 #
 # TRL's loss is a method, GRPOTrainer._compute_loss(self, model, inputs), and importing its module

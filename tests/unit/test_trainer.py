@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from learner.batch import pack_groups, token_logprobs
+from learner.batch import Batch, pack_groups, shared_prompt_mask, token_logprobs
 from learner.loss import GRPOLossConfig, group_advantages, grpo_loss
 from learner.trainer import (
     OPTIMIZER_FILE,
@@ -116,7 +116,12 @@ def assert_same(a: list[torch.Tensor], b: list[torch.Tensor], atol: float = 0.0)
 # --- packing and logprobs ------------------------------------------------------------------------
 
 
-def test_pack_groups_aligns_completions_and_masks_padding() -> None:
+def sample_logprobs(logprobs: torch.Tensor, batch: Batch, row: int, k: int) -> torch.Tensor:
+    """The k-th sample's part of a row of per-token values."""
+    return logprobs[row][(batch.segment_ids[row] == k + 1) & batch.completion_mask[row]]
+
+
+def test_pack_groups_writes_each_prompt_once_then_every_completion() -> None:
     groups = [
         group(
             [5, 6, 7], [[10, 11], [12, 13, 14, 15]], [1.0, 0.0], [[-0.1, -0.2], [-1, -2, -3, -4]]
@@ -125,39 +130,28 @@ def test_pack_groups_aligns_completions_and_masks_padding() -> None:
     ]
     batch = pack_groups(groups, "group", pad_token_id=0)
     assert batch.input_ids.tolist() == [
-        [5, 6, 7, 10, 11, 0, 0],
-        [5, 6, 7, 12, 13, 14, 15],
-        [8, 20, 0, 0, 0, 0, 0],
+        [5, 6, 7, 10, 11, 12, 13, 14, 15],
+        [8, 20, 0, 0, 0, 0, 0, 0, 0],
     ]
-    assert batch.attention_mask.tolist() == [[1] * 5 + [0] * 2, [1] * 7, [1, 1] + [0] * 5]
-    assert batch.completion_mask.int().tolist() == [
-        [0, 0, 0, 1, 1, 0, 0],
-        [0, 0, 0, 1, 1, 1, 1],
-        [0, 1, 0, 0, 0, 0, 0],
-    ]
+    # each completion continues the prompt's positions, as in its own sequence
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 4, 5, 6], [0, 1] + [0] * 7]
+    assert batch.segment_ids.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2], [0, 1] + [-1] * 7]
+    # the first token of a completion is predicted by the prompt's last, the rest by their own
+    assert batch.predicted_at.tolist() == [[0, 0, 0, 2, 3, 2, 5, 6, 7], [0, 0] + [0] * 7]
+    assert batch.completion_mask.int().tolist() == [[0, 0, 0] + [1] * 6, [0, 1] + [0] * 7]
     torch.testing.assert_close(
         batch.behaviour_logprobs,
-        torch.tensor(
-            [
-                [0, 0, 0, -0.1, -0.2, 0, 0],
-                [0, 0, 0, -1, -2, -3, -4],
-                [0, -0.5, 0, 0, 0, 0, 0],
-            ]
-        ),
+        torch.tensor([[0, 0, 0, -0.1, -0.2, -1, -2, -3, -4], [0, -0.5] + [0] * 7]),
     )
-    # Every completion token's behaviour logprob sits at that token's own position.
-    for row, g, s in ((0, 0, 0), (1, 0, 1), (2, 1, 0)):
-        sample = groups[g].samples[s]
-        assert batch.input_ids[row][batch.completion_mask[row]].tolist() == sample.token_ids
-        assert batch.behaviour_logprobs[row][batch.completion_mask[row]].tolist() == pytest.approx(
-            sample.logprobs
-        )
-    assert batch.group_index.tolist() == [0, 0, 1]
-    assert batch.lengths.tolist() == [5, 7, 2]
+    assert batch.lengths.tolist() == [9, 2] and batch.samples.tolist() == [2, 1]
+    # every token of a sample carries that sample's group-relative advantage
     expected = group_advantages(torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0, 0, 1]), "group")
-    torch.testing.assert_close(batch.advantages, expected)
-    sub = batch.select(torch.tensor([2, 0]))
-    assert sub.input_ids.tolist() == [[8, 20, 0, 0, 0], [5, 6, 7, 10, 11]]
+    torch.testing.assert_close(
+        batch.advantages[0], torch.tensor([0.0] * 3 + [expected[0]] * 2 + [expected[1]] * 4)
+    )
+    assert batch.advantages[1].tolist() == [0.0] * 9  # a lone sample: zero advantage
+    sub = batch.select(torch.tensor([1]))
+    assert sub.input_ids.tolist() == [[8, 20]]
 
     # A token without a usable behaviour logprob stays in the context but is not trained on.
     holed = pack_groups([group([1, 2], [[3, 4, 5]], [1.0], [[-0.5, float("-inf"), float("nan")]])])
@@ -170,19 +164,33 @@ def test_pack_groups_aligns_completions_and_masks_padding() -> None:
         pack_groups([group([1], [[2]], [1.0, 0.0])])
 
 
-def test_token_logprobs_match_a_per_sequence_computation(tiny_model: Path) -> None:
+def test_a_token_sees_the_prompt_and_its_own_completion_only() -> None:
+    batch = pack_groups([group([5, 6], [[10, 11], [12]], [1.0, 0.0])])
+    mask = shared_prompt_mask(batch.segment_ids)[0, 0].int().tolist()
+    assert mask == [
+        [1, 0, 0, 0, 0],  # prompt
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],  # first sample
+        [1, 1, 1, 1, 0],
+        [1, 1, 0, 0, 1],  # second sample: not the first one's tokens
+    ]
+
+
+def test_token_logprobs_match_each_sample_in_its_own_sequence(tiny_model: Path) -> None:
     learner = LoraGRPOLearner(tiny_model, device="cpu")
-    batch = pack_groups(random_groups(1))
+    groups = random_groups(1)
+    batch = pack_groups(groups)
     with torch.no_grad():
         got = token_logprobs(learner.model, batch)
-        for i in range(len(batch)):
-            n = int(batch.lengths[i])
-            row = batch.input_ids[i : i + 1, :n]
-            logp = learner.model(input_ids=row).logits[0].float().log_softmax(-1)
-            expected = torch.zeros(batch.input_ids.shape[1])
-            expected[1:n] = logp[:-1].gather(1, row[0, 1:, None]).squeeze(1)
-            expected *= batch.completion_mask[i]
-            torch.testing.assert_close(got[i], expected, rtol=1e-5, atol=1e-5)
+        for r, g in enumerate(groups):
+            p = len(g.prompt_token_ids)
+            for k, sample in enumerate(g.samples):
+                sequence = torch.tensor([g.prompt_token_ids + sample.token_ids])
+                logp = learner.model(input_ids=sequence).logits[0].float().log_softmax(-1)
+                expected = logp[p - 1 : -1].gather(1, sequence[0, p:, None]).squeeze(1)
+                torch.testing.assert_close(
+                    sample_logprobs(got, batch, r, k), expected, rtol=1e-5, atol=1e-5
+                )
     assert (got[~batch.completion_mask] == 0).all()
 
 
@@ -228,7 +236,7 @@ def test_a_round_learns_is_seeded_and_leaves_the_base_untouched(tiny_model: Path
     draft = pack_groups([group(prompt, [good, bad], [1.0, 0.0])])
     with torch.no_grad():
         on_policy = token_logprobs(learner.model, draft)
-    logprobs = [on_policy[i][draft.completion_mask[i]].tolist() for i in range(2)]
+    logprobs = [sample_logprobs(on_policy, draft, 0, k).tolist() for k in range(2)]
     fixed = [group(prompt, [good, bad], [1.0, 0.0], logprobs)]
     batch = pack_groups(fixed)
 
@@ -242,15 +250,17 @@ def test_a_round_learns_is_seeded_and_leaves_the_base_untouched(tiny_model: Path
                 batch.completion_mask,
                 GRPOLossConfig(),
             )
-        seq = (lp * batch.completion_mask).sum(1)
-        return float(loss), float(seq[0] - seq[1])
+        good_lp, bad_lp = (sample_logprobs(lp, batch, 0, k).sum() for k in range(2))
+        return float(loss), float(good_lp - bad_lp)
 
     loss0, gap0 = loss_and_gap()
     stats = [learner.train_round(fixed) for _ in range(3)]
     loss1, gap1 = loss_and_gap()
     assert loss1 < loss0 - 1e-3
     assert gap1 > gap0 + 1e-2
-    assert stats[0].steps == 2 and stats[0].samples == 2 and stats[0].completion_tokens == 8
+    # One group and two steps: each step trains on the whole group (prompt once, 2 x 4 tokens).
+    assert (stats[0].steps, stats[0].samples, stats[0].completion_tokens) == (2, 2, 16)
+    assert stats[0].total_tokens == 2 * (4 + 8)
     # The first step is on-policy (ratio 1); the second has moved away, but not far.
     assert stats[0].mean_reward == 0.5 and stats[0].ratio_mean == pytest.approx(1.0, abs=0.1)
     assert stats[-1].round == 3 and learner.optimizer_steps == 6
