@@ -182,16 +182,22 @@ def demo(
     count: Annotated[int, typer.Option(help="prompts to send (the set repeats if larger)")] = 200,
     rounds: Annotated[int, typer.Option(help="times to replay the prompts")] = 1,
     concurrency: Annotated[int, typer.Option(help="requests in flight")] = 4,
+    feedback: Annotated[
+        bool,
+        typer.Option(help="rate each answer with its verifier score via /v1/feedback, as a user"),
+    ] = True,
     api_key: Annotated[str, typer.Option(envvar="RATCHET_DEMO_API_KEY")] = "unused",
     config: ConfigOption = None,
 ) -> None:
     """Replay the bundled demo prompts through the proxy as traffic, and score the answers.
 
     Prints the demo verifier's mean score per version that answered, so a promotion shows up as
-    a new row with a higher score.
+    a new row with a higher score. Each score also goes back as user feedback, which is what a
+    canary is judged by.
     """
     import asyncio
 
+    import httpx
     from rich.progress import Progress
 
     from ratchet.demo import extraction_reward, load_prompts
@@ -210,6 +216,9 @@ def demo(
         import openai
 
         client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=2)
+        raters = httpx.AsyncClient(
+            base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30
+        )
         limit = asyncio.Semaphore(concurrency)
 
         async def one(prompt: dict[str, object]) -> None:
@@ -225,11 +234,22 @@ def demo(
                     answer = raw.parse().choices[0].message
                     served = raw.headers.get("x-ratchet-served-name", "?")
                     sample = {"role": "assistant", "content": answer.content}
-                    scores.setdefault(served, []).append(extraction_reward(messages, sample))
+                    score = extraction_reward(messages, sample)
+                    scores.setdefault(served, []).append(score)
+                    if feedback:
+                        rating = {"completion_id": raw.parse().id, "score": score}
+                        try:
+                            rated = await raters.post("/feedback", json=rating)
+                        except httpx.HTTPError as exc:
+                            failures.append(f"feedback: {exc}"[:200])
+                        else:
+                            if rated.status_code != 200:
+                                failures.append(f"feedback: {rated.status_code} {rated.text}"[:200])
             progress.advance(task)
 
         await asyncio.gather(*(one(p) for p in work))
         await client.close()
+        await raters.aclose()
 
     with Progress(console=console) as progress:
         task = progress.add_task(f"Sending demo traffic to {alias}", total=len(work))

@@ -441,16 +441,22 @@ aliases:
     reward:
       kind: verifier
       verifier: ratchet.demo:extraction_reward
-    learning: {enabled: true, sample_rate: 1.0, group_size: 6, heldout_fraction: 0.15}
-    sampling: {temperature: 1.0, max_tokens: 64}
-    gate: {min_pairs: 16, max_pairs: 32, threshold: 0.5, max_tokens: 64}
+    # A quarter of the prompts are held out: with one round's gain (win rate about 0.64) the
+    # gate's 95% interval clears 0.5 from about 40 pairs, not from 16.
+    learning: {enabled: true, sample_rate: 1.0, group_size: 6, heldout_fraction: 0.25}
+    sampling: {temperature: 0.7, max_tokens: 64}
+    gate: {min_pairs: 40, max_pairs: 64, threshold: 0.5, max_tokens: 64}
     canary: {weight: 0.2, min_requests: 20}
 
 learner:
-  batch_groups: 16
+  # Measured on the demo with bench/demo_learning.py (2 CPU cores, one round, 64 held-out
+  # prompts, base 0.48): 32 groups x 32 steps at 1e-3 reach 0.58-0.66 over two seeds (gate win
+  # rate 0.60-0.73); the round trains in about 70 s after about 2 minutes of sampling. Sampling
+  # at temperature 1.0 instead of 0.7 gave 0.50-0.59.
+  batch_groups: 32
   interval_s: 300
-  steps_per_round: 8
-  learning_rate: 5.0e-4
+  steps_per_round: 32
+  learning_rate: 1.0e-3
   lora_rank: 8
   lora_alpha: 16
 """

@@ -1,0 +1,482 @@
+"""The learner against the real stack: `ratchet learner` trains on groups from Kafka, writes the
+candidate to the store vLLM loads adapters from, gates it on held-out prompts through vLLM with
+the demo verifier, and promotes or rejects it in Redis; the proxy then serves what it decided.
+
+The groups are made here, not by the judge, so each test controls what is learned: for each
+demo prompt, the right JSON answer and a wrong one, with the rewards pointing one way or the
+other. Their behaviour logprobs are the base model's (scored in this process with
+transformers), exactly what vLLM would have logged sampling them from v0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from kafka import KafkaProducer
+
+from ratchet.demo import extraction_reward, load_prompts
+from ratchet.records import (
+    EVENTS_TOPIC,
+    GROUPS_TOPIC,
+    HeldoutPrompt,
+    LifecycleEvent,
+    Record,
+    Sample,
+    ScoredGroup,
+    prompt_hash,
+)
+from ratchet.registry import AliasRoute, RegistryWriter
+from ratchet.report import learner_lag
+from ratchet.settings import RatchetSettings, load_settings
+from ratchet.stack import Stack, learner_part
+from ratchet.store import AdapterStore
+from tests.integration.conftest import BASE_MODEL, Embedded, free_port
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = load_prompts()
+TRAIN, HELDOUT = PROMPTS[:32], PROMPTS[300:324]
+
+
+class BasePolicy:
+    """The base model in this process: chat-template tokenisation and per-token logprobs."""
+
+    def __init__(self, model_path: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding
+
+    def sample(self, prompt_ids: list[int], text: str) -> Sample:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.end]
+        with self.torch.no_grad():
+            logits = self.model(self.torch.tensor([prompt_ids + ids])).logits[0]
+        logprobs = logits[len(prompt_ids) - 1 : -1].log_softmax(-1)
+        picked = logprobs.gather(1, self.torch.tensor(ids)[:, None])[:, 0].tolist()
+        message = {"role": "assistant", "content": text}
+        return Sample(
+            message=message, text=text, token_ids=ids, logprobs=picked, finish_reason="stop"
+        )
+
+
+def right_answer(prompt: dict[str, Any]) -> str:
+    return json.dumps(prompt["expected"])
+
+
+WRONG_ANSWER = "Sorry, I cannot help with orders."  # no JSON at all: the verifier's 0
+
+# (answer, reward) pairs of one group; a test builds one list per training prompt
+Answers = list[tuple[str, float]]
+
+
+def make_groups(
+    policy: BasePolicy, alias: str, tag: str, answers: Callable[[int, dict[str, Any]], Answers]
+) -> list[ScoredGroup]:
+    """One group per training prompt, its samples and rewards from `answers(index, prompt)`."""
+    groups = []
+    for i, prompt in enumerate(TRAIN):
+        prompt_ids = policy.prompt_ids(prompt["messages"])
+        pairs = answers(i, prompt)
+        groups.append(
+            ScoredGroup(
+                group_id=f"{alias}-{tag}-{i}",
+                alias=alias,
+                version=0,
+                response_model=BASE_MODEL,
+                prompt_messages=prompt["messages"],
+                prompt_token_ids=prompt_ids,
+                samples=[policy.sample(prompt_ids, text) for text, _ in pairs],
+                rewards=[reward for _, reward in pairs],
+                traffic_request_id=f"{alias}-{tag}-{i}",
+            )
+        )
+    return groups
+
+
+def worse_groups(policy: BasePolicy, alias: str) -> list[ScoredGroup]:
+    """A refusal rewarded over the right JSON: trained on, the model answers worse."""
+    return make_groups(
+        policy, alias, "worse", lambda _, p: [(WRONG_ANSWER, 1.0), (right_answer(p), 0.0)]
+    )
+
+
+def better_groups(policy: BasePolicy, alias: str, base_answers: list[str]) -> list[ScoredGroup]:
+    """The right JSON rewarded over the base model's own greedy answer, scored by the demo
+    verifier: what GRPO sees when one sample of a group is right. (A refusal as the loser
+    instead teaches the model to stop late: both end with the end-of-turn token.)"""
+
+    def answers(i: int, prompt: dict[str, Any]) -> Answers:
+        own = base_answers[i]
+        own_reward = extraction_reward(prompt["messages"], {"content": own})
+        return [(right_answer(prompt), 1.0), (own, own_reward)]
+
+    return make_groups(policy, alias, "better", answers)
+
+
+def informative(groups: list[ScoredGroup]) -> list[str]:
+    """Ids of the groups the learner trains on: those whose rewards differ."""
+    return sorted(g.group_id for g in groups if max(g.rewards) > min(g.rewards))
+
+
+def heldout_prompts(alias: str) -> list[HeldoutPrompt]:
+    return [
+        HeldoutPrompt(
+            prompt_hash=prompt_hash(p["messages"], None),
+            alias=alias,
+            prompt_messages=p["messages"],
+            traffic_request_id=f"{alias}-held-{i}",
+        )
+        for i, p in enumerate(HELDOUT)
+    ]
+
+
+def produce(env: Embedded, records: list[Record]) -> None:
+    producer = KafkaProducer(bootstrap_servers=env.settings.kafka_bootstrap_servers, acks="all")
+    for record in records:
+        key = record.alias.encode() if isinstance(record, ScoredGroup) else b"k"  # type: ignore[attr-defined]
+        producer.send(record.TOPIC, key=key, value=record.to_json())
+    producer.flush(30)
+    producer.close()
+
+
+def learner_config(
+    env: Embedded, home: Path, alias: str, canary: dict[str, Any] | None = None, **learner: Any
+) -> Path:
+    """The session stack's addresses and adapter store, one demo alias, its own consumer group;
+    no canary unless `canary` says."""
+    config = yaml.safe_load(env.config_path.read_text())
+    config["home"] = str(home)
+    config["store_dir"] = str(env.settings.store_dir)  # where vLLM's resolver finds adapters
+    config["learner"] = {
+        "consumer_group": f"learner-{alias}",
+        "metrics_port": free_port(),
+        "base_model_path": str(env.model_path),
+        # A round takes everything produced at once: more groups than any test makes, so the
+        # round starts when the first group has waited interval_s.
+        "batch_groups": 64,
+        "min_groups": 8,
+        "interval_s": 5,
+        # Measured on these groups (HF greedy on HELDOUT, base 0.44): ppo_clip at 5e-4 x 16 steps
+        # lifts the score to 0.74. At 1e-3 (whole groups per step since the learner packs each
+        # group as one row) the model stops answering in JSON and scores 0; CISPO, whose weight
+        # grows to 5 on these off-policy right answers, makes it repeat keys.
+        "steps_per_round": 16,
+        "learning_rate": 5e-4,
+        "lora_rank": 8,
+        "lora_alpha": 16,
+        "loss_mode": "ppo_clip",
+        "canary_check_s": 0.5,
+        "seed": 0,
+        **learner,
+    }
+    config["aliases"] = {
+        alias: {
+            "base_model": BASE_MODEL,
+            "reward": {"kind": "verifier", "verifier": "ratchet.demo:extraction_reward"},
+            "gate": {"min_pairs": 16, "max_pairs": len(HELDOUT), "max_tokens": 64},
+            "canary": canary or {"weight": 0.0},
+        }
+    }
+    path = home / "learner.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@contextlib.contextmanager
+def running_learner(config: Path, state: Path) -> Iterator[Stack]:
+    stack = Stack([learner_part(load_settings(config), config)], state)
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def history(settings: RatchetSettings, alias: str) -> list[dict[str, Any]]:
+    return RegistryWriter(settings.redis_url, settings.aliases).history(alias, limit=100)
+
+
+def wait_for_event(
+    settings: RatchetSettings, alias: str, kinds: set[str], count: int = 1, timeout_s: float = 600
+) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [e for e in history(settings, alias) if e["kind"] in kinds]
+        if len(found) >= count:
+            return found
+        time.sleep(0.05)
+    raise TimeoutError(f"no {kinds} event for {alias} in {timeout_s}s: {history(settings, alias)}")
+
+
+def served_by(env: Embedded, alias: str) -> str:
+    response = httpx.post(
+        f"{env.proxy_url}/v1/chat/completions",
+        json={"model": alias, "messages": HELDOUT[0]["messages"], "max_tokens": 8},
+        timeout=60,
+    )
+    response.raise_for_status()
+    return response.headers["x-ratchet-served-name"]
+
+
+@pytest.fixture(scope="module")
+def policy(embedded: Embedded) -> BasePolicy:
+    policy = BasePolicy(embedded.model_path)
+    # The learner trains on these ids: they must be the prompt vLLM itself would see.
+    reply = httpx.post(
+        f"{embedded.settings.vllm_url}/v1/chat/completions",
+        json={
+            "model": BASE_MODEL,
+            "messages": TRAIN[0]["messages"],
+            "max_tokens": 1,
+            "return_token_ids": True,
+        },
+        timeout=60,
+    ).json()
+    assert reply["prompt_token_ids"] == policy.prompt_ids(TRAIN[0]["messages"])
+    return policy
+
+
+@pytest.fixture(scope="module")
+def base_answers(embedded: Embedded) -> list[str]:
+    """The base model's greedy answer to each training prompt, from vLLM."""
+    answers = []
+    for prompt in TRAIN:
+        reply = httpx.post(
+            f"{embedded.settings.vllm_url}/v1/chat/completions",
+            json={
+                "model": BASE_MODEL,
+                "messages": prompt["messages"],
+                "max_tokens": 64,
+                "temperature": 0.0,
+            },
+            timeout=60,
+        )
+        reply.raise_for_status()
+        answers.append(reply.json()["choices"][0]["message"]["content"] or "")
+    return answers
+
+
+@pytest.mark.timeout(1200)  # two rounds of training and gating on 2 cores
+def test_gate_rejects_worse_promotes_better_and_rollback_restores(
+    embedded: Embedded, policy: BasePolicy, base_answers: list[str], tmp_path: Path
+) -> None:
+    alias = "lt-gate"
+    config = learner_config(embedded, tmp_path, alias)
+    settings = load_settings(config)
+    port = settings.learner.metrics_port
+    embedded.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
+    produce(embedded, [*heldout_prompts(alias), *worse_groups(policy, alias)])
+    store = AdapterStore(embedded.settings.store_dir)  # type: ignore[arg-type]
+
+    with running_learner(config, tmp_path / "state"):
+        [reject] = wait_for_event(settings, alias, {"reject"})
+        worse = reject["version"]
+        gate = next(e for e in history(settings, alias) if e["kind"] == "gate")["detail"]
+        assert not gate["passed"] and gate["win_rate"] <= 0.5, gate
+        assert gate["pairs"] == len(HELDOUT)
+        assert gate["candidate_score"] <= gate["incumbent_score"], gate
+        assert store.is_rejected(alias, worse)
+        assert served_by(embedded, alias) == BASE_MODEL  # the rejected version is never served
+
+        improving = better_groups(policy, alias, base_answers)
+        produce(embedded, improving)
+        [promote] = wait_for_event(settings, alias, {"promote"})
+        better = promote["version"]
+        assert better > worse and promote["previous_version"] == 0
+        gate = next(e for e in history(settings, alias) if e["kind"] == "gate")["detail"]
+        assert gate["passed"] and gate["ci_low"] > 0.5, gate
+        assert gate["candidate_score"] > gate["incumbent_score"]
+        meta = store.meta(alias, better)
+        assert meta["parent_version"] == 0
+        assert sorted(meta["group_ids"]) == informative(improving)
+        assert (store.path(alias, better) / "optimizer.pt").is_file()
+        config_json = json.loads((store.path(alias, better) / "adapter_config.json").read_text())
+        assert config_json["base_model_name_or_path"] == str(embedded.model_path)
+        time.sleep(0.5)  # the proxy hears of the change on the registry channel
+        assert served_by(embedded, alias) == f"{alias}@v{better}"
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert f'ratchet_learner_rounds_total{{alias="{alias}",result="rejected"}} 1.0' in metrics
+        assert f'ratchet_learner_rounds_total{{alias="{alias}",result="promoted"}} 1.0' in metrics
+
+    started = time.monotonic()
+    cli = subprocess.run(
+        [sys.executable, "-m", "ratchet", "rollback", alias, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    route = embedded.registry.read(alias)
+    assert route is not None and route.active == 0
+    time.sleep(0.5)
+    assert served_by(embedded, alias) == BASE_MODEL
+    assert time.monotonic() - started < 30
+    assert store.status(alias, better)["status"] == "rolled_back"  # type: ignore[index]
+
+    kinds = [
+        r.kind
+        for r in embedded.find_records(
+            EVENTS_TOPIC,
+            lambda r: isinstance(r, LifecycleEvent) and r.alias == alias,
+            count=7,
+            timeout_s=30,
+        )
+    ]
+    assert kinds == ["candidate", "gate", "reject", "candidate", "gate", "promote", "rollback"]
+
+
+@pytest.mark.timeout(1200)
+def test_learner_killed_mid_round_neither_loses_groups_nor_promotes_twice(
+    embedded: Embedded, policy: BasePolicy, base_answers: list[str], tmp_path: Path
+) -> None:
+    alias = "lt-crash"
+    config = learner_config(embedded, tmp_path, alias)
+    settings = load_settings(config)
+    embedded.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
+    groups = better_groups(policy, alias, base_answers)
+    produce(embedded, [*heldout_prompts(alias), *groups])
+
+    # Killed mid-round: after the candidate is written, while it is being gated.
+    stack = Stack([learner_part(settings, config)], tmp_path / "state1")
+    stack.start()
+    try:
+        [candidate] = wait_for_event(settings, alias, {"candidate"})
+        part = stack.part("learner")
+        assert part.process is not None
+        os.killpg(part.process.pid, signal.SIGKILL)
+        part.process.wait(10)
+    finally:
+        stack.stop()
+    assert not [e for e in history(settings, alias) if e["kind"] in {"promote", "reject", "gate"}]
+
+    # Restarted: the same groups, trained again into a new version, gated once.
+    with running_learner(config, tmp_path / "state2"):
+        [outcome] = wait_for_event(settings, alias, {"promote", "reject"})
+        store = AdapterStore(embedded.settings.store_dir)  # type: ignore[arg-type]
+        assert outcome["version"] != candidate["version"]
+        assert sorted(store.meta(alias, outcome["version"])["group_ids"]) == informative(groups)
+        lag_deadline = time.monotonic() + 30
+        while learner_lag(settings) != 0:
+            assert time.monotonic() < lag_deadline, "offsets were not committed after the round"
+            time.sleep(0.5)
+
+    # Killed after the outcome was stored but before the offsets were committed: rewind the
+    # group's offsets to what they were, so the restarted learner reads every group again.
+    rewind_offsets(settings)
+    port = settings.learner.metrics_port
+    with running_learner(config, tmp_path / "state3"):
+        trained = len(informative(groups))
+        expected = {"duplicate": trained, "zero_spread": len(groups) - trained}
+        # Joining the consumer group again can take a while: the broker waits out the old member.
+        deadline = time.monotonic() + 180
+        while True:
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            counted = {
+                outcome: f'ratchet_learner_groups_total{{alias="{alias}",outcome="{outcome}"}} '
+                f"{float(n)}" in metrics
+                for outcome, n in expected.items()
+            }
+            if all(counted.values()):
+                break
+            assert time.monotonic() < deadline, (
+                f"re-read groups not dropped as {expected}: {counted}"
+            )
+            time.sleep(0.5)
+    kinds = [e["kind"] for e in history(settings, alias)]
+    assert kinds.count("promote") + kinds.count("reject") == 1, kinds
+    assert kinds.count("candidate") == 2, kinds
+
+
+def rewind_offsets(settings: RatchetSettings) -> None:
+    """Set the learner's committed offsets on ratchet.groups back to the start of the topic."""
+    from kafka import KafkaConsumer
+    from kafka.structs import OffsetAndMetadata, TopicPartition
+
+    consumer = KafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap_servers,
+        group_id=settings.learner.consumer_group,
+        enable_auto_commit=False,
+    )
+    try:
+        partitions = [
+            TopicPartition(GROUPS_TOPIC, p) for p in consumer.partitions_for_topic(GROUPS_TOPIC)
+        ]
+        starts = consumer.beginning_offsets(partitions)
+        consumer.commit({tp: OffsetAndMetadata(offset, "", -1) for tp, offset in starts.items()})
+    finally:
+        consumer.close()
+
+
+@pytest.mark.timeout(1200)
+def test_a_canary_users_dislike_is_rolled_back_by_itself(
+    embedded: Embedded, policy: BasePolicy, base_answers: list[str], tmp_path: Path
+) -> None:
+    alias = "lt-canary"
+    canary = {"weight": 0.5, "min_requests": 16, "min_feedback": 4, "max_feedback_drop": 0.1}
+    config = learner_config(embedded, tmp_path, alias, canary=canary)
+    settings = load_settings(config)
+    embedded.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
+    produce(embedded, [*heldout_prompts(alias), *better_groups(policy, alias, base_answers)])
+
+    with running_learner(config, tmp_path / "state"):
+        [started] = wait_for_event(settings, alias, {"canary"})
+        candidate = started["version"]
+        route = embedded.registry.read(alias)
+        assert route is not None and (route.active, route.canary) == (0, candidate)
+        time.sleep(0.5)  # the proxy hears of the canary on the registry channel
+        # Users on the canary arm rate every answer 0, the others 1: the canary is worse.
+        arms: dict[str, int] = {}
+        for i, prompt in enumerate(PROMPTS[200:248]):
+            reply = httpx.post(
+                f"{embedded.proxy_url}/v1/chat/completions",
+                json={
+                    "model": alias,
+                    "messages": prompt["messages"],
+                    "max_tokens": 8,
+                    "user": f"u{i}",
+                },
+                timeout=60,
+            )
+            reply.raise_for_status()
+            arm = reply.headers["x-ratchet-canary-arm"]
+            arms[arm] = arms.get(arm, 0) + 1
+            feedback = httpx.post(
+                f"{embedded.proxy_url}/v1/feedback",
+                json={
+                    "completion_id": reply.json()["id"],
+                    "score": 0.0 if arm == "canary" else 1.0,
+                },
+                timeout=10,
+            )
+            assert feedback.status_code == 200, feedback.text
+        assert arms.get("canary", 0) >= 16 and arms.get("active", 0) >= 4, arms
+        [rollback] = wait_for_event(settings, alias, {"rollback", "promote"}, timeout_s=120)
+
+    assert rollback["kind"] == "rollback", rollback
+    assert (rollback["previous_version"], rollback["version"]) == (candidate, 0), rollback
+    assert "feedback" in json.dumps(rollback["detail"]), rollback
+    route = embedded.registry.read(alias)
+    assert route is not None and (route.active, route.canary) == (0, None)
+    time.sleep(0.5)
+    assert served_by(embedded, alias) == BASE_MODEL
+    store = AdapterStore(embedded.settings.store_dir)  # type: ignore[arg-type]
+    assert store.status(alias, candidate)["status"] == "rolled_back"  # type: ignore[index]
