@@ -2,8 +2,9 @@
 
 Hot path of a generation request, and nothing more: check the key, read and check the body,
 pick the version from the cached routing table, swap ``model`` for the served name, forward the
-bytes to vLLM and stream the bytes back. Parsing the answer into a TrafficRecord happens later on
-the producer thread (proxy/traffic.py), so logging never slows or fails a request.
+bytes to vLLM and stream the bytes back. The request and answer bytes then go, unparsed, down a
+pipe to the log worker process (proxy/traffic_log.py), which makes the TrafficRecord and talks to
+Kafka: logging never slows or fails a request.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -22,8 +24,9 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.errors import ProxyError, bad_request, install_handlers
+from proxy.log_worker import WorkerConfig, exchange_meta
 from proxy.metrics import ProxyMetrics
-from proxy.traffic import Exchange, Redactor
+from proxy.traffic_log import TrafficLog
 from proxy.upstream import Upstream, upstream_error
 from proxy.validation import (
     check_alias,
@@ -32,7 +35,6 @@ from proxy.validation import (
     check_feedback,
     unknown_alias,
 )
-from ratchet.bus import OutgoingRecord, RecordProducer
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord, hash_api_key
 from ratchet.registry import RoutingCache, served_name
 from ratchet.settings import RatchetSettings
@@ -57,22 +59,26 @@ class ProxyState:
             settings.proxy.upstream_connect_timeout_s,
             settings.proxy.upstream_timeout_s,
         )
-        self.producer = RecordProducer(
-            settings.kafka_bootstrap_servers,
-            settings.kafka,
+        worker = WorkerConfig(
+            bootstrap=settings.kafka_bootstrap_servers,
+            kafka=settings.kafka,
             # One spool per proxy address, so proxies sharing a state dir never share a file.
-            settings.spool_dir / f"proxy-{settings.proxy.port}",
+            spool_dir=settings.spool_dir / f"proxy-{settings.proxy.port}",
             topics=[TRAFFIC_TOPIC, FEEDBACK_TOPIC],
             queue_size=settings.proxy.log_queue_size,
+            redact_patterns=settings.proxy.redact_patterns,
+        )
+        self.traffic_log = TrafficLog(
+            worker,
+            on_tokens=lambda *labels_n: self.metrics.tokens.labels(*labels_n[:4]).inc(labels_n[4]),
             on_state=lambda up: self.metrics.kafka_up.set(1 if up else 0),
         )
-        self.redactor = Redactor(settings.proxy.redact_patterns)
         keys = [k.get_secret_value() for k in settings.proxy.api_keys]
         if settings.proxy.admin_key:
             keys.append(settings.proxy.admin_key.get_secret_value())
         self.key_hashes = frozenset(hash_api_key(k) for k in keys)
         self.log_rates = {name: cfg.log_rate for name, cfg in settings.aliases.items()}
-        self.metrics.watch_log(self.producer, lambda: min(self.routing.age_s, 1e9))
+        self.metrics.watch_log(self.traffic_log, lambda: min(self.routing.age_s, 1e9))
 
     def authenticate(self, request: Request) -> str | None:
         """Return the hash of the caller's key; 401 when keys are required and this one isn't."""
@@ -89,19 +95,23 @@ class ProxyState:
         return key_hash
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
+async def read_json(request: Request, limit: int) -> tuple[dict[str, Any], bytes]:
+    """The body as a JSON object, and its bytes as sent; 413 past `limit`, 400 if not JSON."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ProxyError(
             413, f"request body is larger than {limit} bytes", code="request_too_large"
         )
-    body = bytearray()
+    chunks: list[bytes] = []
+    size = 0
     async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
             raise ProxyError(
                 413, f"request body is larger than {limit} bytes", code="request_too_large"
             )
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -110,7 +120,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         ) from None
     if not isinstance(payload, dict):
         raise bad_request("request body must be a JSON object", None, "invalid_json")
-    return payload
+    return payload, body
 
 
 def create_app(settings: RatchetSettings) -> FastAPI:
@@ -119,7 +129,7 @@ def create_app(settings: RatchetSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state.producer.start()
+        await state.traffic_log.start()
         await state.routing.start()
         await state.upstream.start(settings.proxy.upstream_health_interval_s)
         if not settings.auth_enabled:
@@ -131,8 +141,8 @@ def create_app(settings: RatchetSettings) -> FastAPI:
         yield
         await state.upstream.close()
         await state.routing.close()
-        # Drains the queue to Kafka, or to the disk spool if the broker is away.
-        state.producer.close()
+        # The worker sends what it holds to Kafka, or to the disk spool if the broker is away.
+        await state.traffic_log.close()
 
     app = FastAPI(title="Ratchet proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ratchet = state
@@ -176,7 +186,7 @@ def create_app(settings: RatchetSettings) -> FastAPI:
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> Response:
         key_hash = state.authenticate(request)
-        payload = await read_json(request, settings.proxy.max_body_bytes)
+        payload, _ = await read_json(request, settings.proxy.max_body_bytes)
         completion_id, score, thumbs, comment = check_feedback(payload)
         record = FeedbackRecord(
             completion_id=completion_id,
@@ -185,7 +195,7 @@ def create_app(settings: RatchetSettings) -> FastAPI:
             comment=comment,
             api_key_hash=key_hash,
         )
-        if not state.producer.submit(record, key=completion_id):
+        if not state.traffic_log.submit(record, key=completion_id):
             raise ProxyError(
                 503,
                 "feedback queue is full; retry shortly",
@@ -214,11 +224,11 @@ def create_app(settings: RatchetSettings) -> FastAPI:
         body = {
             "ready": state.upstream.ready,
             "vllm": state.upstream.ready,
-            "kafka": state.producer.connected,
+            "kafka": state.traffic_log.connected,
             "registry": state.routing.connected,
             "registry_age_s": round(min(state.routing.age_s, 1e9), 3),
-            "log_queue_depth": state.producer.depth,
-            "spooled": state.producer.spooled,
+            "log_queue_depth": state.traffic_log.depth,
+            "spooled": state.traffic_log.spooled,
         }
         return Response(
             orjson.dumps(body),
@@ -251,10 +261,29 @@ def _model_card(route: Any) -> dict[str, Any]:
     }
 
 
+@dataclass(slots=True)
+class Call:
+    """One generation request on its way through: what its metrics and its log entry need."""
+
+    request_id: str
+    endpoint: str
+    alias: str
+    served_name: str
+    version: int
+    canary_arm: str
+    stream: bool
+    api_key_hash: str | None
+    logged: bool  # False when the alias's log_rate leaves it out of ratchet.traffic
+    body: bytes  # as the client sent it
+    labels: tuple[str, str, str]  # alias, version, arm
+    started: float  # perf_counter
+    started_at: float  # wall clock, for the record's ts
+
+
 async def generate(state: ProxyState, request: Request, endpoint: str) -> Response:
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     key_hash = state.authenticate(request)
-    payload = await read_json(request, state.settings.proxy.max_body_bytes)
+    payload, body = await read_json(request, state.settings.proxy.max_body_bytes)
     alias = check_alias(payload)
     (check_chat if endpoint == "chat.completions" else check_completion)(payload)
     route = state.routing.routes.get(alias)
@@ -278,20 +307,21 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
 
     request_id = (request.headers.get("x-request-id") or uuid.uuid4().hex)[:128]
     log_rate = state.log_rates.get(alias, 1.0)
-    exchange = Exchange(
+    call = Call(
         request_id=request_id,
         endpoint=endpoint,
         alias=alias,
         served_name=served,
         version=version,
         canary_arm=arm,
-        request=payload,
         stream=stream,
         api_key_hash=key_hash,
-        redactor=state.redactor,
         logged=log_rate >= 1.0 or random.random() < log_rate,
+        body=body,
+        labels=(alias, str(version), arm),
+        started=started,
+        started_at=started_at,
     )
-    labels = (alias, str(version), arm)
     headers = {
         VERSION_HEADER: str(version),
         "x-request-id": request_id,
@@ -305,21 +335,12 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
         resp = await state.upstream.post(endpoint, orjson.dumps(upstream_payload))
     except ProxyError as exc:
         metrics.in_flight.dec()
-        _finish(
-            state,
-            exchange,
-            labels,
-            endpoint,
-            exc.status,
-            started,
-            upstream_started,
-            error=exc.body()["error"],
-        )
+        _finish(state, call, exc.status, upstream_started, error=exc.body()["error"])
         raise
 
     if resp.status != 200 or not stream:
         try:
-            body = await resp.read()
+            answer = await resp.read()
         except Exception as exc:  # connection dropped mid-body
             resp.release()
             metrics.in_flight.dec()
@@ -329,36 +350,18 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
                 type="server_error",
                 code="upstream_error",
             )
-            _finish(
-                state,
-                exchange,
-                labels,
-                endpoint,
-                502,
-                started,
-                upstream_started,
-                error=err.body()["error"],
-            )
+            _finish(state, call, 502, upstream_started, error=err.body()["error"])
             raise err from None
         metrics.in_flight.dec()
         upstream_done = time.perf_counter()
         if resp.status != 200:
-            err = upstream_error(resp.status, body, served)
+            err = upstream_error(resp.status, answer, served)
             _finish(
-                state,
-                exchange,
-                labels,
-                endpoint,
-                err.status,
-                started,
-                upstream_started,
-                upstream_done,
-                error=err.body()["error"],
+                state, call, err.status, upstream_started, upstream_done, error=err.body()["error"]
             )
             raise err
-        exchange.response_body = body
-        _finish(state, exchange, labels, endpoint, 200, started, upstream_started, upstream_done)
-        return Response(body, media_type="application/json", headers=headers)
+        _finish(state, call, 200, upstream_started, upstream_done, answer=answer)
+        return Response(answer, media_type="application/json", headers=headers)
 
     async def relay() -> AsyncIterator[bytes]:
         chunks: list[bytes] = []
@@ -395,13 +398,19 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
         finally:
             resp.release()
             metrics.in_flight.dec()
-            exchange.response_chunks = chunks
+            ttft_ms = None
             if first_at is not None:
-                exchange.ttft_ms = (first_at - started) * 1000
-            if first_at is not None:
-                metrics.ttft.labels(*labels).observe(first_at - started)
+                metrics.ttft.labels(*call.labels).observe(first_at - started)
+                ttft_ms = (first_at - started) * 1000
+            # Also for a stream cut short: what the client did receive is logged with the error.
             _finish(
-                state, exchange, labels, endpoint, status, started, upstream_started, error=error
+                state,
+                call,
+                status,
+                upstream_started,
+                error=error,
+                answer=b"".join(chunks),
+                ttft_ms=ttft_ms,
             )
 
     return StreamingResponse(
@@ -418,41 +427,41 @@ def _strip_usage_events(block: bytes) -> bytes:
 
 def _finish(
     state: ProxyState,
-    exchange: Exchange,
-    labels: tuple[str, str, str],
-    endpoint: str,
+    call: Call,
     status: int,
-    started: float,
     upstream_started: float,
     upstream_done: float | None = None,
     error: dict[str, Any] | None = None,
+    answer: bytes = b"",
+    ttft_ms: float | None = None,
 ) -> None:
-    """Count the exchange in the metrics and hand its record to the producer thread."""
+    """Count the exchange in the metrics and hand it to the log worker, unparsed."""
     now = time.perf_counter()
     upstream_done = upstream_done or now
     metrics = state.metrics
-    metrics.requests.labels(*labels, endpoint, str(status)).inc()
-    metrics.latency.labels(*labels).observe(now - started)
+    labels = call.labels
+    metrics.requests.labels(*labels, call.endpoint, str(status)).inc()
+    metrics.latency.labels(*labels).observe(now - call.started)
     metrics.upstream_latency.labels(*labels).observe(upstream_done - upstream_started)
-    metrics.added_latency.labels(labels[0]).observe(
-        max(0.0, (now - started) - (upstream_done - upstream_started))
+    metrics.added_latency.labels(call.alias).observe(
+        max(0.0, (now - call.started) - (upstream_done - upstream_started))
     )
     if error is not None:
         metrics.errors.labels(str(error.get("code"))).inc()
-    exchange.status = status
-    exchange.error = error
-    exchange.latency_ms = (now - started) * 1000
-
-    def build() -> OutgoingRecord | None:
-        # Runs on the producer thread: parsing the answer costs the request nothing.
-        input_tokens, output_tokens = exchange.usage()
-        if input_tokens:
-            metrics.tokens.labels(*labels, "input").inc(input_tokens)
-        if output_tokens:
-            metrics.tokens.labels(*labels, "output").inc(output_tokens)
-        if not exchange.logged:
-            return None  # sampled out by log_rate: counted above, never parsed in full
-        record = exchange.to_record()
-        return OutgoingRecord(TRAFFIC_TOPIC, exchange.request_id.encode(), record.to_json())
-
-    state.producer.submit_builder(build)
+    meta = exchange_meta(
+        request_id=call.request_id,
+        endpoint=call.endpoint,
+        alias=call.alias,
+        served_name=call.served_name,
+        version=call.version,
+        canary_arm=call.canary_arm,
+        stream=call.stream,
+        api_key_hash=call.api_key_hash,
+        logged=call.logged,
+        status=status,
+        error=error,
+        latency_ms=round((now - call.started) * 1000, 3),
+        ttft_ms=None if ttft_ms is None else round(ttft_ms, 3),
+        started_at=call.started_at,
+    )
+    state.traffic_log.submit_exchange(meta, call.body, answer)

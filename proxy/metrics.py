@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ratchet.bus import RecordProducer
+from proxy.traffic_log import TrafficLog
 
 # Sub-millisecond buckets at the low end: the proxy's own overhead lives there.
 _LATENCY_BUCKETS = (
@@ -100,20 +100,20 @@ class ProxyMetrics:
             registry=r,
         )
 
-    def watch_log(self, producer: RecordProducer, registry_age: Callable[[], float]) -> None:
-        """Export the producer's counts and the routing table's age, read at scrape time."""
-        self.registry.register(_LogCollector(producer, registry_age))
+    def watch_log(self, traffic_log: TrafficLog, registry_age: Callable[[], float]) -> None:
+        """Export the log worker's counts and the routing table's age, read at scrape time."""
+        self.registry.register(_LogCollector(traffic_log, registry_age))
 
 
 class _LogCollector(Collector):
-    """Counters kept by the producer thread, exported without a lock on the request path."""
+    """The log worker's counters as it last reported them, read at scrape time."""
 
-    def __init__(self, producer: RecordProducer, registry_age: Callable[[], float]) -> None:
-        self.producer = producer
+    def __init__(self, traffic_log: TrafficLog, registry_age: Callable[[], float]) -> None:
+        self.traffic_log = traffic_log
         self.registry_age = registry_age
 
     def collect(self) -> Iterator[Metric]:
-        p = self.producer
+        p = self.traffic_log
         records = CounterMetricFamily(
             "ratchet_proxy_log_records",
             "Traffic and feedback records by outcome: sent (acknowledged by Kafka), spooled "
@@ -131,13 +131,13 @@ class _LogCollector(Collector):
         yield records
         yield GaugeMetricFamily(
             "ratchet_proxy_log_queue_depth",
-            "Records waiting in memory for the producer thread",
+            "Records accepted and not yet sent or spooled (pipe, proxy and log worker)",
             p.depth,
         )
         yield GaugeMetricFamily(
             "ratchet_proxy_log_spool_backlog_records",
             "Records on disk waiting for Kafka",
-            p.spool.pending,
+            p.spool_pending,
         )
         yield GaugeMetricFamily(
             "ratchet_proxy_registry_age_seconds",

@@ -1,8 +1,9 @@
-"""Turning one proxied exchange into a TrafficRecord, off the request path.
+"""Turning one proxied exchange into a TrafficRecord, in the log worker process.
 
-The request handler only captures raw bytes and timings in an :class:`Exchange`; the producer
-thread calls :meth:`Exchange.build`, which parses the upstream answer (assembling streamed chunks
-into whole choices), applies redaction, and serialises the record.
+The request handler only passes on raw bytes and timings (proxy/traffic_log.py); the log worker
+(proxy/log_worker.py) rebuilds an :class:`Exchange` from them and calls
+:meth:`Exchange.to_record`, which parses the upstream answer (assembling streamed chunks into
+whole choices), applies redaction, and makes the record.
 """
 
 from __future__ import annotations

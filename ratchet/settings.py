@@ -188,7 +188,7 @@ class ProxySettings(_Section):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     upstream_connect_timeout_s: float = Field(default=2.0, gt=0)
     upstream_timeout_s: float = Field(default=300.0, gt=0)
-    # In-memory queue between the request path and the Kafka producer thread.
+    # Records accepted and not yet sent or spooled by the log worker process; past it, dropped.
     log_queue_size: int = Field(default=10_000, ge=1)
     # Regexes applied to message text before a record is produced; matches become [REDACTED].
     redact_patterns: list[str] = []

@@ -239,7 +239,7 @@ def proxy_metrics(
                     },
                 )
                 assert resp.status_code == status, resp.text
-            # Token counts are taken on the producer thread, just after the answer.
+            # Token counts come from the log worker process, a few times a second.
             while True:
                 text = client.get("/metrics").text
                 if "ratchet_proxy_tokens_total{" in text or time.monotonic() > deadline:

@@ -434,11 +434,12 @@ async def test_failed_exchange_is_logged_with_key_hash_only(
         headers={"authorization": f"Bearer {API_KEY}", "x-request-id": request_id},
     )
     assert resp.status_code == 503
-    # Kafka is down, so the producer thread spools the record; wait for it on disk.
+    # Kafka is down, so the log worker spools the record; wait for it on disk.
     spool_dir = module_env / "state" / "spool"
     record: OutgoingRecord | None = None
-    # Each proxy spools under its own folder; search them all.
-    deadline = time.monotonic() + 5
+    # Each proxy spools under its own folder; search them all. The worker first waits out its
+    # attempt to reach the broker.
+    deadline = time.monotonic() + 30
     while record is None and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
         for folder in spool_dir.glob("proxy-*"):
