@@ -400,7 +400,7 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
             metrics.in_flight.dec()
             ttft_ms = None
             if first_at is not None:
-                metrics.ttft.labels(*call.labels).observe(first_at - started)
+                metrics.call(call.labels).ttft.observe(first_at - started)
                 ttft_ms = (first_at - started) * 1000
             # Also for a stream cut short: what the client did receive is logged with the error.
             _finish(
@@ -439,11 +439,11 @@ def _finish(
     now = time.perf_counter()
     upstream_done = upstream_done or now
     metrics = state.metrics
-    labels = call.labels
-    metrics.requests.labels(*labels, call.endpoint, str(status)).inc()
-    metrics.latency.labels(*labels).observe(now - call.started)
-    metrics.upstream_latency.labels(*labels).observe(upstream_done - upstream_started)
-    metrics.added_latency.labels(call.alias).observe(
+    metrics.count_request(call.labels, call.endpoint, status)
+    children = metrics.call(call.labels)
+    children.latency.observe(now - call.started)
+    children.upstream_latency.observe(upstream_done - upstream_started)
+    children.added_latency.observe(
         max(0.0, (now - call.started) - (upstream_done - upstream_started))
     )
     if error is not None:

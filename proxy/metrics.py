@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -34,8 +35,19 @@ _LATENCY_BUCKETS = (
 )
 
 
+class CallMetrics(NamedTuple):
+    """The children of one (alias, version, arm): looked up once, not on every request."""
+
+    latency: Any
+    upstream_latency: Any
+    added_latency: Any
+    ttft: Any
+
+
 class ProxyMetrics:
     def __init__(self) -> None:
+        self._calls: dict[tuple[str, str, str], CallMetrics] = {}
+        self._requests: dict[tuple[str, ...], Any] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         labels = ("alias", "version", "arm")
@@ -99,6 +111,24 @@ class ProxyMetrics:
             "1 when the routing registry (Redis) is reachable",
             registry=r,
         )
+
+    def call(self, labels: tuple[str, str, str]) -> CallMetrics:
+        found = self._calls.get(labels)
+        if found is None:
+            found = self._calls[labels] = CallMetrics(
+                self.latency.labels(*labels),
+                self.upstream_latency.labels(*labels),
+                self.added_latency.labels(labels[0]),
+                self.ttft.labels(*labels),
+            )
+        return found
+
+    def count_request(self, labels: tuple[str, str, str], endpoint: str, status: int) -> None:
+        key = (*labels, endpoint, str(status))
+        counter = self._requests.get(key)
+        if counter is None:
+            counter = self._requests[key] = self.requests.labels(*key)
+        counter.inc()
 
     def watch_log(self, traffic_log: TrafficLog, registry_age: Callable[[], float]) -> None:
         """Export the log worker's counts and the routing table's age, read at scrape time."""
