@@ -341,16 +341,23 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
     if resp.status != 200 or not stream:
         try:
             answer = await resp.read()
-        except Exception as exc:  # connection dropped mid-body
-            resp.release()
+        except (OSError, TimeoutError) as exc:  # dropped or stalled mid-body
             metrics.in_flight.dec()
-            err = ProxyError(
-                502,
-                f"the model server dropped the answer: {exc}",
-                type="server_error",
-                code="upstream_error",
-            )
-            _finish(state, call, 502, upstream_started, error=err.body()["error"])
+            if isinstance(exc, TimeoutError):
+                err = ProxyError(
+                    504,
+                    "the model server did not finish its answer in time",
+                    type="server_error",
+                    code="upstream_timeout",
+                )
+            else:
+                err = ProxyError(
+                    502,
+                    f"the model server dropped the answer: {exc}",
+                    type="server_error",
+                    code="upstream_error",
+                )
+            _finish(state, call, err.status, upstream_started, error=err.body()["error"])
             raise err from None
         metrics.in_flight.dec()
         upstream_done = time.perf_counter()
@@ -370,7 +377,7 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
         error: dict[str, Any] | None = None
         pending = b""
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp.iter_any():
                 if first_at is None:
                     first_at = time.perf_counter()
                 chunks.append(chunk)
