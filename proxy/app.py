@@ -24,7 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.errors import ProxyError, bad_request, install_handlers
-from proxy.log_worker import WorkerConfig, exchange_meta
+from proxy.log_worker import ExchangeMeta, WorkerConfig
 from proxy.metrics import ProxyMetrics
 from proxy.traffic_log import TrafficLog
 from proxy.upstream import Upstream, upstream_error
@@ -265,19 +265,10 @@ def _model_card(route: Any) -> dict[str, Any]:
 class Call:
     """One generation request on its way through: what its metrics and its log entry need."""
 
-    request_id: str
-    endpoint: str
-    alias: str
-    served_name: str
-    version: int
-    canary_arm: str
-    stream: bool
-    api_key_hash: str | None
-    logged: bool  # False when the alias's log_rate leaves it out of ratchet.traffic
+    meta: ExchangeMeta  # completed by _finish, then written to the log worker as it is
     body: bytes  # as the client sent it
     labels: tuple[str, str, str]  # alias, version, arm
     started: float  # perf_counter
-    started_at: float  # wall clock, for the record's ts
 
 
 async def generate(state: ProxyState, request: Request, endpoint: str) -> Response:
@@ -307,7 +298,7 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
 
     request_id = (request.headers.get("x-request-id") or uuid.uuid4().hex)[:128]
     log_rate = state.log_rates.get(alias, 1.0)
-    call = Call(
+    meta = ExchangeMeta(
         request_id=request_id,
         endpoint=endpoint,
         alias=alias,
@@ -317,11 +308,9 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
         stream=stream,
         api_key_hash=key_hash,
         logged=log_rate >= 1.0 or random.random() < log_rate,
-        body=body,
-        labels=(alias, str(version), arm),
-        started=started,
         started_at=started_at,
     )
+    call = Call(meta=meta, body=body, labels=(alias, str(version), arm), started=started)
     headers = {
         VERSION_HEADER: str(version),
         "x-request-id": request_id,
@@ -444,31 +433,18 @@ def _finish(
 ) -> None:
     """Count the exchange in the metrics and hand it to the log worker, unparsed."""
     now = time.perf_counter()
-    upstream_done = upstream_done or now
+    total = now - call.started
+    upstream = (upstream_done or now) - upstream_started
     metrics = state.metrics
-    metrics.count_request(call.labels, call.endpoint, status)
+    metrics.count_request(call.labels, call.meta.endpoint, status)
     children = metrics.call(call.labels)
-    children.latency.observe(now - call.started)
-    children.upstream_latency.observe(upstream_done - upstream_started)
-    children.added_latency.observe(
-        max(0.0, (now - call.started) - (upstream_done - upstream_started))
-    )
+    children.latency.observe(total)
+    children.upstream_latency.observe(upstream)
+    children.added_latency.observe(max(0.0, total - upstream))
     if error is not None:
         metrics.errors.labels(str(error.get("code"))).inc()
-    meta = exchange_meta(
-        request_id=call.request_id,
-        endpoint=call.endpoint,
-        alias=call.alias,
-        served_name=call.served_name,
-        version=call.version,
-        canary_arm=call.canary_arm,
-        stream=call.stream,
-        api_key_hash=call.api_key_hash,
-        logged=call.logged,
-        status=status,
-        error=error,
-        latency_ms=round((now - call.started) * 1000, 3),
-        ttft_ms=None if ttft_ms is None else round(ttft_ms, 3),
-        started_at=call.started_at,
-    )
-    state.traffic_log.submit_exchange(meta, call.body, answer)
+    meta = call.meta
+    meta.status, meta.error = status, error
+    meta.latency_ms = round(total * 1000, 3)
+    meta.ttft_ms = None if ttft_ms is None else round(ttft_ms, 3)
+    state.traffic_log.submit_exchange(orjson.dumps(meta), call.body, answer)

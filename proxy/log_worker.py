@@ -78,42 +78,26 @@ def read_frame(stream: BinaryIO) -> tuple[int, bytes, bytes, bytes] | None:
     return kind, meta, a, body[start + meta_len + a_len :]
 
 
-def exchange_meta(
-    *,
-    request_id: str,
-    endpoint: str,
-    alias: str,
-    served_name: str,
-    version: int,
-    canary_arm: str,
-    stream: bool,
-    api_key_hash: str | None,
-    logged: bool,
-    status: int,
-    error: dict[str, Any] | None,
-    latency_ms: float,
-    ttft_ms: float | None,
-    started_at: float,
-) -> bytes:
-    """The JSON meta of an EXCHANGE frame: everything but the request and answer bytes."""
-    return orjson.dumps(
-        {
-            "request_id": request_id,
-            "endpoint": endpoint,
-            "alias": alias,
-            "served_name": served_name,
-            "version": version,
-            "canary_arm": canary_arm,
-            "stream": stream,
-            "api_key_hash": api_key_hash,
-            "logged": logged,
-            "status": status,
-            "error": error,
-            "latency_ms": latency_ms,
-            "ttft_ms": ttft_ms,
-            "started_at": started_at,
-        }
-    )
+@dataclass(slots=True)
+class ExchangeMeta:
+    """The JSON meta of an EXCHANGE frame (orjson writes a dataclass as an object): everything
+    but the request and answer bytes. Its fields are :class:`proxy.traffic.Exchange`'s, plus
+    ``started_at``, the wall clock when the request arrived."""
+
+    request_id: str
+    endpoint: str
+    alias: str
+    served_name: str
+    version: int
+    canary_arm: str
+    stream: bool
+    api_key_hash: str | None
+    logged: bool  # False when the alias's log_rate leaves it out of ratchet.traffic
+    started_at: float
+    status: int = 0
+    error: dict[str, Any] | None = None
+    latency_ms: float = 0.0
+    ttft_ms: float | None = None
 
 
 class Worker:
@@ -133,7 +117,6 @@ class Worker:
             queue_size=config.queue_size,
         )
         self.received = 0
-        self.bad_frames = 0
         self._tokens: Counter[tuple[str, str, str, str]] = Counter()
         self._lock = threading.Lock()
         self._report = report
@@ -150,7 +133,6 @@ class Worker:
                     self.handle(*frame)
                 except Exception:
                     # One frame that cannot be read must not stop the worker for all the others.
-                    self.bad_frames += 1
                     self.producer.dropped += 1
                     log.exception("could not turn a frame into a record; dropped")
         finally:

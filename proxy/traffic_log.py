@@ -69,7 +69,7 @@ class TrafficLog:
 
     # ---- request path ------------------------------------------------------------------------
     def submit_exchange(self, meta: bytes, request: bytes, answer: bytes) -> bool:
-        """Queue one exchange (see proxy.log_worker.exchange_meta); never blocks."""
+        """Queue one exchange (meta: a proxy.log_worker.ExchangeMeta as JSON); never blocks."""
         return self._submit(encode_frame(EXCHANGE, meta, request, answer))
 
     def submit(self, record: Record, key: str | None) -> bool:

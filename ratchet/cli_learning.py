@@ -231,13 +231,14 @@ def demo(
                 except openai.OpenAIError as exc:
                     failures.append(str(exc)[:200])
                 else:
-                    answer = raw.parse().choices[0].message
+                    completion = raw.parse()
+                    answer = completion.choices[0].message
                     served = raw.headers.get("x-ratchet-served-name", "?")
                     sample = {"role": "assistant", "content": answer.content}
                     score = extraction_reward(messages, sample)
                     scores.setdefault(served, []).append(score)
                     if feedback:
-                        rating = {"completion_id": raw.parse().id, "score": score}
+                        rating = {"completion_id": completion.id, "score": score}
                         try:
                             rated = await raters.post("/feedback", json=rating)
                         except httpx.HTTPError as exc:

@@ -30,6 +30,7 @@ from ratchet.records import (
     FeedbackRecord,
     TrafficRecord,
     prompt_hash,
+    utc_now,
 )
 from ratchet.registry import AliasRoute
 from ratchet.settings import load_settings
@@ -238,6 +239,7 @@ def test_ratchet_demo_replays_prompts_and_rates_each_answer(base_route: Embedded
     """`ratchet demo` itself: the prompts go through the proxy, the table shows the version that
     answered, and each answer's verifier score reaches ratchet.feedback for its completion."""
     embedded, count = base_route, 6
+    since = utc_now()  # earlier tests in the session sent the same prompts to this alias
     command = ["demo", "--alias", ALIAS, "--count", str(count)]
     result = subprocess.run(
         [sys.executable, "-m", "ratchet", *command, "--config", str(embedded.config_path)],
@@ -252,7 +254,10 @@ def test_ratchet_demo_replays_prompts_and_rates_each_answer(base_route: Embedded
     traffic = embedded.find_records(
         TRAFFIC_TOPIC,
         lambda r: (
-            isinstance(r, TrafficRecord) and r.alias == ALIAS and r.request.get("messages") in sent
+            isinstance(r, TrafficRecord)
+            and r.alias == ALIAS
+            and r.ts >= since
+            and r.request.get("messages") in sent
         ),
         count=count,
     )

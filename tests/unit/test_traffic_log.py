@@ -15,7 +15,14 @@ from pathlib import Path
 import orjson
 import pytest
 
-from proxy.log_worker import EXCHANGE, RECORD, WorkerConfig, encode_frame, exchange_meta, read_frame
+from proxy.log_worker import (
+    EXCHANGE,
+    RECORD,
+    ExchangeMeta,
+    WorkerConfig,
+    encode_frame,
+    read_frame,
+)
 from proxy.traffic_log import TrafficLog
 from ratchet.bus import Spool
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord
@@ -50,7 +57,7 @@ def config(tmp_path: Path) -> WorkerConfig:
 
 
 def meta(request_id: str, *, stream: bool = False, started_at: float = 1_700_000_000.0) -> bytes:
-    return exchange_meta(
+    fields = ExchangeMeta(
         request_id=request_id,
         endpoint="chat.completions",
         alias="support",
@@ -66,6 +73,7 @@ def meta(request_id: str, *, stream: bool = False, started_at: float = 1_700_000
         ttft_ms=3.0 if stream else None,
         started_at=started_at,
     )
+    return orjson.dumps(fields)
 
 
 def spooled(tmp_path: Path) -> list[tuple[str, bytes | None, dict[str, object]]]:
