@@ -6,7 +6,7 @@ Run it from the repository root (CPU, the embedded model; needs no Kafka or Redi
 
 Method
 ------
-One vLLM (the embedded stack's CPU build, started by ``ratchet.stack.vllm_part`` on a free port,
+One vLLM (the embedded stack's CPU build, started by ``ratchet.dev.stack.vllm_part`` on a free port,
 its adapter store in a temporary ``RATCHET_HOME``) serves the base model and every candidate
 through the filesystem resolver as ``<alias>@v<N>``. The shipped demo prompts
 (``ratchet.demo.load_prompts``) are split: the last ``--heldout`` are never trained on. For each
@@ -18,7 +18,7 @@ round:
    vLLM chat call per prompt with ``n=k``, ``logprobs`` and ``return_token_ids`` (the judge's own
    ``sampling_body`` and ``parse_group``) and a fixed ``seed`` per request;
 2. score: ``ratchet.demo.extraction_reward`` (or ``strict_reward``) through
-   ``ratchet.verifiers.run_verifier``, into ``ScoredGroup`` records;
+   ``ratchet.rewards.verifiers.run_verifier``, into ``ScoredGroup`` records;
 3. train: ``LoraGRPOLearner.train_round``, then ``save_candidate`` as ``<alias>@v<round>``;
 4. evaluate (not part of the round's time): every held-out prompt answered greedily
    (temperature 0) by the candidate and scored by the shipped verifier, paired with the base's
@@ -38,7 +38,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -57,9 +56,10 @@ from judge.sampler import parse_group, sampling_body
 from learner.gate import bootstrap_interval, verifier_outcome
 from ratchet import demo
 from ratchet.demo import expected_fields, extraction_reward, load_prompts
+from ratchet.dev.processes import free_port
 from ratchet.records import ScoredGroup
-from ratchet.ruler import strip_code_fence
-from ratchet.verifiers import Verifier, run_verifier
+from ratchet.rewards.ruler import strip_code_fence
+from ratchet.rewards.verifiers import Verifier, run_verifier
 
 BASE = "smollm2-135m-instruct"
 T = TypeVar("T")
@@ -117,19 +117,14 @@ PREFILL_BUDGET = 1600
 PROMPT_TOKENS = 90  # the longest demo prompt is about this long
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class VLLM:
     """The embedded stack's vLLM part alone, restarted when it dies under a phase, which is then
     run again (requests are seeded or greedy, so a re-run gives the same answers)."""
 
     def __init__(self, home: Path, model_path: Path, threads: int, dtype: str | None) -> None:
+        from ratchet.dev.processes import Stack
+        from ratchet.dev.stack import vllm_part
         from ratchet.settings import RatchetSettings
-        from ratchet.stack import Stack, vllm_part
 
         self.url = f"http://127.0.0.1:{free_port()}"
         settings = RatchetSettings(vllm_url=self.url, home=home)
@@ -149,7 +144,7 @@ class VLLM:
         self.stack.stop()
 
     def healthy(self) -> bool:
-        from ratchet.stack import http_ok
+        from ratchet.dev.processes import http_ok
 
         return self.stack.part("vllm").running and http_ok(self.url + "/health")
 
@@ -435,7 +430,7 @@ def main() -> None:
 
     import torch
 
-    from ratchet.model import prepare_model
+    from ratchet.dev.model import prepare_model
     from ratchet.settings import default_home
     from ratchet.store import AdapterStore
 

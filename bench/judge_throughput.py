@@ -6,8 +6,8 @@ Run it from the repository root, with the embedded vLLM up (this script never st
 
 Method
 ------
-RULER scores a whole group of K answers in one judge call (``ratchet/ruler.py``). Its peer is
-the common alternative, a *pointwise* judge: one call per answer, with the same judge model,
+RULER scores a whole group of K answers in one judge call (``ratchet/rewards/ruler.py``). Its peer
+is the common alternative, a *pointwise* judge: one call per answer, with the same judge model,
 the same rubric, the same defences against injection (data embedded as JSON with ``<``
 escaped) and a small structured reply ``{"explanation": str (<= 200 chars), "score": 0..1}``.
 
@@ -109,7 +109,7 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere: judge/ and ratch
 
 from judge.metrics import JudgeMetrics  # noqa: E402
 from judge.scoring import GroupScorer  # noqa: E402
-from ratchet.ruler import (  # noqa: E402
+from ratchet.rewards.ruler import (  # noqa: E402
     JudgeReplyError,
     JudgeRequest,
     build_judge_request,

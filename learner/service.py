@@ -545,7 +545,7 @@ class LearnerService:
 
 
 def serve(settings: RatchetSettings) -> None:
-    from ratchet.model import prepare_model
+    from ratchet.dev.model import prepare_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     path = settings.learner.base_model_path

@@ -3,7 +3,7 @@
 Hot path of a generation request, and nothing more: check the key, read and check the body,
 pick the version from the cached routing table, swap ``model`` for the served name, forward the
 bytes to vLLM and stream the bytes back. The request and answer bytes then go, unparsed, down a
-pipe to the log worker process (proxy/traffic_log.py), which makes the TrafficRecord and talks to
+pipe to the log worker process (proxy/log/pipe.py), which makes the TrafficRecord and talks to
 Kafka: logging never slows or fails a request.
 """
 
@@ -24,9 +24,10 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.errors import ProxyError, bad_request, install_handlers
-from proxy.log_worker import ExchangeMeta, WorkerConfig
+from proxy.log.pipe import TrafficLog
+from proxy.log.worker import ExchangeMeta, WorkerConfig
 from proxy.metrics import ProxyMetrics
-from proxy.traffic_log import TrafficLog
+from proxy.routing import RoutingCache
 from proxy.upstream import Upstream, upstream_error
 from proxy.validation import (
     check_alias,
@@ -36,7 +37,7 @@ from proxy.validation import (
     unknown_alias,
 )
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord, hash_api_key
-from ratchet.registry import RoutingCache, served_name
+from ratchet.registry import served_name
 from ratchet.settings import RatchetSettings
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from proxy.traffic_log import TrafficLog
+from proxy.log.pipe import TrafficLog
 
 # Sub-millisecond buckets at the low end: the proxy's own overhead lives there.
 _LATENCY_BUCKETS = (

@@ -1,4 +1,4 @@
-"""Write the demo task's prompt set, ``ratchet/demo_prompts.jsonl``, from the seeded generator.
+"""Write the demo task's prompt set, ``ratchet/demo/prompts.jsonl``, from the seeded generator.
 
 Re-running gives the same file byte for byte (``tests/unit/test_demo.py`` checks the shipped one)::
 
@@ -19,7 +19,7 @@ from ratchet.demo import DEFAULT_COUNT, DEFAULT_SEED, PROMPTS_FILE, prompts_json
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Write the demo task's prompt set.")
-    parser.add_argument("--out", type=Path, default=ROOT / "ratchet" / PROMPTS_FILE)
+    parser.add_argument("--out", type=Path, default=ROOT / "ratchet" / "demo" / PROMPTS_FILE)
     parser.add_argument("--count", type=int, default=DEFAULT_COUNT)
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     args = parser.parse_args(argv)

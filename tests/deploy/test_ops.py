@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import yaml
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from ratchet.dev.processes import free_port
 from tests.deploy.conftest import FULLNAME, ROOT, Rendered
 
 OPS = ROOT / "ops"
@@ -115,12 +115,6 @@ def test_promql_names_extraction() -> None:
 # ---- the real proxy, scraped ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fake_vllm() -> web.Application:
     """Just enough of vLLM's API for the proxy to serve, stream and fail requests."""
 
@@ -166,7 +160,7 @@ def _fake_vllm() -> web.Application:
 def fake_vllm() -> Iterator[str]:
     import asyncio
 
-    port = _free_port()
+    port = free_port()
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(_fake_vllm())
     loop.run_until_complete(runner.setup())
@@ -189,15 +183,15 @@ def proxy_metrics(
     tmp = tmp_path_factory.mktemp("proxy")
     config = tmp / "ratchet.yaml"
     config.write_text(rendered["defaults"].ratchet_yaml)
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("RATCHET_")}
     env.update(
         RATCHET_PROXY__HOST="127.0.0.1",
         RATCHET_PROXY__PORT=str(port),
         RATCHET_PROXY__API_KEYS='["sk-test"]',
         RATCHET_VLLM_URL=fake_vllm,
-        RATCHET_KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{_free_port()}",
-        RATCHET_REDIS_URL=f"redis://127.0.0.1:{_free_port()}/0",
+        RATCHET_KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}",
+        RATCHET_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",
         RATCHET_HOME=str(tmp / "home"),
         RATCHET_STATE_DIR=str(tmp / "state"),
         RATCHET_STORE_DIR=str(tmp / "adapters"),
@@ -327,7 +321,7 @@ def _scrape_service(r: Rendered, component: str, tmp: Path, timeout_s: float = 3
     It keeps retrying Kafka, but serves /metrics from the start."""
     config = tmp / "ratchet.yaml"
     config.write_text(r.ratchet_yaml)
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("RATCHET_")}
     pod_env = r.container(f"{FULLNAME}-{component}")["env"]
     env.update(
@@ -342,9 +336,9 @@ def _scrape_service(r: Rendered, component: str, tmp: Path, timeout_s: float = 3
         {
             f"RATCHET_{section}__METRICS_HOST": "127.0.0.1",
             f"RATCHET_{section}__METRICS_PORT": str(port),
-            "RATCHET_VLLM_URL": f"http://127.0.0.1:{_free_port()}",
-            "RATCHET_KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{_free_port()}",
-            "RATCHET_REDIS_URL": f"redis://127.0.0.1:{_free_port()}/0",
+            "RATCHET_VLLM_URL": f"http://127.0.0.1:{free_port()}",
+            "RATCHET_KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
+            "RATCHET_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
             "RATCHET_HOME": str(tmp / "home"),
             "RATCHET_STATE_DIR": str(tmp / "state"),
             "RATCHET_STORE_DIR": str(tmp / "adapters"),

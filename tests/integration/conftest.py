@@ -8,7 +8,6 @@ Tests that stop parts (faults) are marked ``disruptive`` and run last.
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -21,21 +20,16 @@ import pytest
 import yaml
 
 from ratchet.bus import make_consumer
-from ratchet.model import prepare_model
+from ratchet.dev.model import prepare_model
+from ratchet.dev.processes import Stack, free_port
+from ratchet.dev.stack import create_topics, embedded_stack
 from ratchet.records import Record, decode
 from ratchet.registry import AliasRoute, RegistryWriter
 from ratchet.settings import RatchetSettings, default_home, load_settings
-from ratchet.stack import Stack, create_topics, embedded_stack
 from ratchet.store import AdapterStore
 
 ALIAS = "support"
 BASE_MODEL = "smollm2-135m-instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
+from ratchet.dev.stack import create_topics
 from ratchet.records import TRAFFIC_TOPIC, TrafficRecord
-from ratchet.stack import create_topics
 from tests.integration.conftest import ALIAS, Embedded
 
 pytestmark = [pytest.mark.integration, pytest.mark.disruptive]

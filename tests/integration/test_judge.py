@@ -18,6 +18,8 @@ import pytest
 import yaml
 
 from judge.service import is_heldout
+from ratchet.dev.processes import Stack
+from ratchet.dev.stack import judge_part
 from ratchet.records import (
     GROUPS_TOPIC,
     HELDOUT_TOPIC,
@@ -26,7 +28,6 @@ from ratchet.records import (
     prompt_hash,
 )
 from ratchet.registry import AliasRoute
-from ratchet.stack import Stack, judge_part
 from tests.integration.conftest import BASE_MODEL, Embedded, free_port
 
 pytestmark = pytest.mark.integration

@@ -26,7 +26,10 @@ import pytest
 import yaml
 from kafka import KafkaProducer
 
+from ratchet.cli.report import learner_lag
 from ratchet.demo import extraction_reward, load_prompts
+from ratchet.dev.processes import Stack
+from ratchet.dev.stack import learner_part
 from ratchet.records import (
     EVENTS_TOPIC,
     GROUPS_TOPIC,
@@ -38,9 +41,7 @@ from ratchet.records import (
     prompt_hash,
 )
 from ratchet.registry import AliasRoute, RegistryWriter
-from ratchet.report import learner_lag
 from ratchet.settings import RatchetSettings, load_settings
-from ratchet.stack import Stack, learner_part
 from ratchet.store import AdapterStore
 from tests.integration.conftest import BASE_MODEL, Embedded, free_port
 

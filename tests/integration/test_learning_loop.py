@@ -24,6 +24,8 @@ import yaml
 
 from judge.service import is_heldout
 from ratchet.demo import extraction_reward, generate_prompts, load_prompts
+from ratchet.dev.processes import Stack
+from ratchet.dev.stack import judge_part, learner_part
 from ratchet.records import (
     FEEDBACK_TOPIC,
     TRAFFIC_TOPIC,
@@ -34,7 +36,6 @@ from ratchet.records import (
 )
 from ratchet.registry import AliasRoute
 from ratchet.settings import load_settings
-from ratchet.stack import Stack, judge_part, learner_part
 from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded, free_port
 from tests.integration.test_learner import history, served_by, wait_for_event
 

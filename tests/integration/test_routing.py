@@ -168,7 +168,7 @@ def test_each_canary_arm_answers_as_its_version_does_alone(base_route: Embedded)
     """A canary puts two versions in the same vLLM batches. With every adapter slot of the
     embedded vLLM in use (--max-loras 4), v0's tokens must get no adapter's delta and v1's only
     its own: vLLM's CPU LoRA ops gave base tokens the last slot's adapter until
-    ratchet/vllm_cpu_lora.py replaced them (every base answer changed)."""
+    ratchet/dev/vllm_cpu_lora.py replaced them (every base answer changed)."""
     env = base_route
     assert env.settings.store_dir is not None
     write_test_adapters(env.model_path, AdapterStore(env.settings.store_dir), [3, 4, 5, 6])

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from ratchet.stack import read_state
+from ratchet.dev.stack import read_state
 from tests.integration.conftest import ALIAS, write_config
 
 pytestmark = pytest.mark.integration

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -12,7 +11,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from ratchet.stack import redis_server_binary
+from ratchet.dev.processes import free_port
+from ratchet.dev.stack import redis_server_binary
 
 
 @pytest.fixture(autouse=True)
@@ -32,9 +32,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]
 @pytest.fixture
 def redis_url(tmp_path: Path) -> Iterator[str]:
     """A real, empty redis-server of its own on a free port."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen(
         [
             redis_server_binary(),

@@ -1,0 +1,199 @@
+"""Turning one proxied exchange into a TrafficRecord, in the log worker process.
+
+The request handler only passes on raw bytes and timings (proxy/log/pipe.py); the log worker
+(proxy/log/worker.py) rebuilds an :class:`Exchange` from them and calls
+:meth:`Exchange.to_record`, which parses the upstream answer (assembling streamed chunks into
+whole choices), applies redaction, and makes the record.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from ratchet.records import TrafficRecord
+
+REDACTED = "[REDACTED]"
+
+
+class Redactor:
+    """Applies the configured regexes to every string in a record's messages and choices."""
+
+    def __init__(self, patterns: list[str]) -> None:
+        self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
+
+    def __call__(self, value: Any) -> Any:
+        if self.pattern is None:
+            return value
+        if isinstance(value, str):
+            return self.pattern.sub(REDACTED, value)
+        if isinstance(value, list):
+            return [self(v) for v in value]
+        if isinstance(value, dict):
+            return {k: self(v) for k, v in value.items()}
+        return value
+
+
+def iter_sse_data(chunks: list[bytes]) -> list[dict[str, Any]]:
+    """Parse the JSON payloads of an SSE byte stream (``data: {...}`` events, ``[DONE]`` ends)."""
+    events = []
+    for block in b"".join(chunks).split(b"\n\n"):
+        for line in block.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if not payload or payload == b"[DONE]":
+                continue
+            try:
+                events.append(orjson.loads(payload))
+            except orjson.JSONDecodeError:
+                continue
+    return events
+
+
+def _merge_tool_calls(target: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
+    for delta in deltas:
+        index = delta.get("index", len(target))
+        while len(target) <= index:
+            target.append(
+                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+        call = target[index]
+        if delta.get("id"):
+            call["id"] = delta["id"]
+        if delta.get("type"):
+            call["type"] = delta["type"]
+        function = delta.get("function") or {}
+        if function.get("name"):
+            call["function"]["name"] += function["name"]
+        if function.get("arguments"):
+            call["function"]["arguments"] += function["arguments"]
+
+
+# Completions stream logprobs as parallel lists; chat streams them under "content".
+_COMPLETION_LOGPROB_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+def _merge_logprobs(choice: dict[str, Any], logprobs: dict[str, Any], endpoint: str) -> None:
+    keys = _COMPLETION_LOGPROB_LISTS if endpoint == "completions" else ("content",)
+    merged = choice.setdefault("logprobs", {key: [] for key in keys})
+    for key in keys:
+        merged[key].extend(logprobs.get(key) or [])
+
+
+def assemble_stream(events: list[dict[str, Any]], endpoint: str) -> dict[str, Any]:
+    """Fold streamed chunks into the body a non-streamed call would have returned."""
+    choices: dict[int, dict[str, Any]] = {}
+    body: dict[str, Any] = {"choices": []}
+    for event in events:
+        body.setdefault("id", event.get("id"))
+        if event.get("usage"):
+            body["usage"] = event["usage"]
+        for delta_choice in event.get("choices") or []:
+            index = delta_choice.get("index", 0)
+            choice = choices.setdefault(index, _empty_choice(index, endpoint))
+            if delta_choice.get("finish_reason") is not None:
+                choice["finish_reason"] = delta_choice["finish_reason"]
+            if endpoint == "completions":
+                choice["text"] += delta_choice.get("text") or ""
+            else:
+                delta = delta_choice.get("delta") or {}
+                message = choice["message"]
+                if delta.get("role"):
+                    message["role"] = delta["role"]
+                if delta.get("content"):
+                    message["content"] = (message["content"] or "") + delta["content"]
+                if delta.get("reasoning_content"):
+                    message["reasoning_content"] = (message.get("reasoning_content") or "") + delta[
+                        "reasoning_content"
+                    ]
+                if delta.get("tool_calls"):
+                    _merge_tool_calls(message.setdefault("tool_calls", []), delta["tool_calls"])
+            logprobs = delta_choice.get("logprobs")
+            if logprobs:
+                _merge_logprobs(choice, logprobs, endpoint)
+    body["choices"] = [choices[i] for i in sorted(choices)]
+    return body
+
+
+def _empty_choice(index: int, endpoint: str) -> dict[str, Any]:
+    if endpoint == "completions":
+        return {"index": index, "text": "", "finish_reason": None}
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": None},
+        "finish_reason": None,
+    }
+
+
+@dataclass(slots=True)
+class Exchange:
+    """Everything the request path captured about one exchange, still unparsed."""
+
+    request_id: str
+    endpoint: str
+    alias: str
+    served_name: str
+    version: int
+    canary_arm: str
+    request: dict[str, Any]
+    stream: bool
+    api_key_hash: str | None
+    redactor: Redactor
+    # False when the alias's log_rate left this exchange out of ratchet.traffic.
+    logged: bool = True
+    status: int = 0
+    response_body: bytes = b""
+    response_chunks: list[bytes] = field(default_factory=list)
+    error: dict[str, Any] | None = None
+    latency_ms: float = 0.0
+    ttft_ms: float | None = None
+
+    def usage(self) -> tuple[int | None, int | None]:
+        """(input, output) tokens, read without assembling the whole answer."""
+        usage: dict[str, Any] = {}
+        if self.stream:
+            # The usage chunk is the last event; look only at the stream's tail.
+            for event in reversed(iter_sse_data(self.response_chunks[-3:])):
+                if event.get("usage"):
+                    usage = event["usage"]
+                    break
+        elif self.status == 200 and self.response_body:
+            usage = orjson.loads(self.response_body).get("usage") or {}
+        return usage.get("prompt_tokens"), usage.get("completion_tokens")
+
+    def to_record(self) -> TrafficRecord:
+        body: dict[str, Any] = {}
+        if self.stream and self.response_chunks:
+            # Also for a stream cut short: what the client did receive is kept with the error.
+            body = assemble_stream(iter_sse_data(self.response_chunks), self.endpoint)
+        elif self.status == 200 and self.response_body:
+            body = orjson.loads(self.response_body)
+        choices = body.get("choices") or []
+        usage = body.get("usage") or {}
+        user = self.request.get("user")
+        return TrafficRecord(
+            request_id=self.request_id,
+            endpoint=self.endpoint,  # type: ignore[arg-type]
+            alias=self.alias,
+            request_model=self.alias,
+            response_model=self.served_name,
+            version=self.version,
+            canary_arm=self.canary_arm,  # type: ignore[arg-type]
+            request=self.redactor(self.request),
+            response_id=body.get("id"),
+            choices=self.redactor(choices),
+            input_tokens=usage.get("prompt_tokens"),
+            output_tokens=usage.get("completion_tokens"),
+            finish_reasons=[c.get("finish_reason") for c in choices],
+            stream=self.stream,
+            status=self.status,
+            error=self.error,
+            latency_ms=round(self.latency_ms, 3),
+            ttft_ms=None if self.ttft_ms is None else round(self.ttft_ms, 3),
+            api_key_hash=self.api_key_hash,
+            user=user if isinstance(user, str) else None,
+        )

@@ -1,0 +1,203 @@
+"""The proxy's side of traffic logging: hand each exchange to the log worker process, never wait.
+
+:meth:`TrafficLog.submit_exchange` writes one frame into the worker's stdin pipe through an
+asyncio transport, which buffers instead of blocking; nothing else happens on the request path.
+The worker (proxy/log/worker.py) builds the records, produces them to Kafka or spools them to
+disk, and reports its counters back a few times a second; they are what ``/metrics`` and
+``/readyz`` show.
+
+If the worker dies, frames wait here (up to ``queue_size``) while a new one starts; a frame the
+dead worker had read but not yet sent is lost and counted as dropped (the worker reports what it
+received, so the count is exact up to its last report).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import pickle
+import sys
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from proxy.log.worker import CONFIG, EXCHANGE, RECORD, WorkerConfig, encode_frame
+from ratchet.records import Record
+
+log = logging.getLogger(__name__)
+
+RESTART_DELAY_S = 1.0
+# Frames are written to the pipe this long after the first of them, together: the write (and
+# the worker it wakes up) then never sits between vLLM's answer and the client, and the worker
+# wakes once per batch instead of once per request.
+FLUSH_AFTER_S = 0.005
+
+
+class TrafficLog:
+    """Counters mirror the worker's RecordProducer (``sent``, ``spooled``, ``replayed``,
+    ``dropped``, ``spool_pending``, ``connected``), plus what this side dropped itself."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        on_tokens: Callable[[str, str, str, str, int], None] | None = None,
+        on_state: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.queue_size = config.queue_size
+        self.on_tokens = on_tokens
+        self.on_state = on_state
+        self.sent = self.spooled = self.replayed = self.spool_pending = 0
+        self.connected = False
+        self.restarts = 0
+        self._dropped_here = 0
+        self._worker_dropped = 0  # by every worker so far, the running one included
+        self._dropped_by_dead = 0  # what earlier workers dropped
+        self._written = 0  # frames written to the running worker
+        self._received = 0  # of those, read by it (as of its last report)
+        self._worker_depth = 0
+        self._worker_totals = dict.fromkeys(("sent", "spooled", "replayed"), 0)
+        self._backlog: deque[bytes] = deque()  # frames waiting for a worker
+        self._batch: list[bytes] = []  # frames waiting for the next flush
+        self._flush_at: asyncio.TimerHandle | None = None
+        self._process: asyncio.subprocess.Process | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # ---- request path ------------------------------------------------------------------------
+    def submit_exchange(self, meta: bytes, request: bytes, answer: bytes) -> bool:
+        """Queue one exchange (meta: a proxy.log.worker.ExchangeMeta as JSON); never blocks."""
+        return self._submit(encode_frame(EXCHANGE, meta, request, answer))
+
+    def submit(self, record: Record, key: str | None) -> bool:
+        """Queue a finished record (feedback); False, and a counted drop, when full."""
+        meta = orjson.dumps({"topic": record.TOPIC, "key": key})
+        return self._submit(encode_frame(RECORD, meta, b"", record.to_json()))
+
+    def _submit(self, frame: bytes) -> bool:
+        if self._closing or self.depth >= self.queue_size:
+            self._dropped_here += 1
+            return False
+        self._batch.append(frame)
+        if self._flush_at is None:
+            self._flush_at = asyncio.get_running_loop().call_later(FLUSH_AFTER_S, self._flush)
+        return True
+
+    def _flush(self) -> None:
+        self._flush_at = None
+        frames, self._batch = self._batch, []
+        process = self._process
+        if process is None or process.stdin is None or process.stdin.is_closing():
+            self._backlog.extend(frames)
+            return
+        process.stdin.write(b"".join(frames))  # the transport buffers what the pipe can't take
+        self._written += len(frames)
+
+    # ---- counters ----------------------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        """Records accepted and not yet sent or spooled: in the pipe, here, or in the worker."""
+        waiting_here = len(self._batch) + len(self._backlog)
+        return waiting_here + (self._written - self._received) + self._worker_depth
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped_here + self._dropped_by_dead + self._worker_dropped
+
+    # ---- worker lifecycle --------------------------------------------------------------------
+    async def start(self) -> None:
+        await self._spawn()
+        self._watcher = asyncio.create_task(self._watch(), name="log-worker")
+
+    async def close(self, timeout_s: float = 30.0) -> None:
+        """Stop taking frames; the worker sends or spools all it holds, then exits."""
+        self._closing = True
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+        self._flush()
+        if self._watcher is None:
+            return
+        process = self._process
+        if process is not None and process.stdin is not None:
+            process.stdin.close()
+            with contextlib.suppress(Exception):
+                await process.stdin.wait_closed()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._watcher), timeout_s)
+        except TimeoutError:
+            log.error("log worker did not finish in %.0fs; killing it", timeout_s)
+            if process is not None and process.returncode is None:
+                process.kill()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        if self._backlog:  # no worker ever took these
+            self._dropped_here += len(self._backlog)
+            log.error("%d records never reached a log worker; dropped", len(self._backlog))
+            self._backlog.clear()
+
+    async def _spawn(self) -> None:
+        self._process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "proxy.log.worker",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            start_new_session=True,  # stops when we say so, not on a signal to our group
+        )
+        self._written = self._received = self._worker_depth = 0
+        self._worker_totals = dict.fromkeys(("sent", "spooled", "replayed"), 0)
+        assert self._process.stdin is not None
+        self._process.stdin.write(encode_frame(CONFIG, b"", b"", pickle.dumps(self.config)))
+        while self._backlog:
+            self._process.stdin.write(self._backlog.popleft())
+            self._written += 1
+
+    async def _watch(self) -> None:
+        """Read the worker's reports; when it dies uninvited, count its loss and start another."""
+        while True:
+            process = self._process
+            assert process is not None and process.stdout is not None
+            while line := await process.stdout.readline():
+                self._apply(orjson.loads(line))
+            code = await process.wait()
+            self._process = None  # frames wait in the backlog from here on
+            lost = self._written - self._received + self._worker_depth
+            self._dropped_by_dead += self._worker_dropped
+            self._worker_dropped = 0
+            if self._closing and code == 0:
+                return
+            self._dropped_by_dead += lost
+            if self._closing:
+                log.error("log worker exited with %s while stopping; %d records lost", code, lost)
+                return
+            log.error("log worker exited with %s; at most %d records lost; restarting", code, lost)
+            self._set_state(False)
+            self.restarts += 1
+            await asyncio.sleep(RESTART_DELAY_S)
+            await self._spawn()
+            if self._closing:  # close() came while no worker ran: this one takes what waited
+                assert self._process is not None and self._process.stdin is not None
+                self._process.stdin.close()
+
+    def _apply(self, report: dict[str, Any]) -> None:
+        self._received = report["received"]
+        self._worker_depth = report["depth"]
+        # A restarted worker counts from zero; these totals carry on across workers.
+        for name, before in self._worker_totals.items():
+            setattr(self, name, getattr(self, name) + report[name] - before)
+            self._worker_totals[name] = report[name]
+        self._worker_dropped = report["dropped"]
+        self.spool_pending = report["spool_pending"]
+        self._set_state(bool(report["connected"]))
+        if self.on_tokens:
+            for alias, version, arm, direction, n in report["tokens"]:
+                self.on_tokens(alias, version, arm, direction, n)
+
+    def _set_state(self, connected: bool) -> None:
+        if connected != self.connected:
+            self.connected = connected
+            if self.on_state:
+                self.on_state(connected)

@@ -1,0 +1,274 @@
+"""The log worker's Kafka producer: never blocks its caller, spools while the broker is away.
+
+:class:`RecordProducer` is what the log worker produces through. ``submit()`` only puts the record
+on an in-memory queue (or counts it as dropped when the queue is full); one background thread sends
+batches with ``acks=all`` and waits for them. When the broker is unreachable, records go to an
+append-only spool on disk, in order, and are replayed in that order once the broker answers again.
+While anything is spooled, new records are spooled behind it, so order is kept across an outage.
+Delivery is at least once: a batch that timed out may have landed and is then sent again, so
+consumers de-duplicate by key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kafka import KafkaProducer
+from kafka.errors import KafkaError
+
+from proxy.log.spool import OutgoingRecord, Spool
+from ratchet.bus import ensure_topics
+from ratchet.settings import KafkaSettings
+
+log = logging.getLogger(__name__)
+
+# None wakes the producer thread to stop.
+QueueItem = OutgoingRecord | None
+
+
+class RecordProducer:
+    """Produce records off the caller's thread; spool when the broker is away.
+
+    The counters (``queued``, ``sent``, ``spooled``, ``dropped``, ``replayed``) are read by the
+    service's metrics. ``on_state`` is told ``True``/``False`` as the broker comes and goes.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        kafka: KafkaSettings,
+        spool_dir: Path,
+        topics: list[str],
+        queue_size: int = 10_000,
+        batch_size: int = 500,
+        linger_s: float = 0.05,
+        on_state: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.kafka = kafka
+        self.topics = topics
+        self.queue: queue.Queue[QueueItem] = queue.Queue(maxsize=queue_size)
+        self.batch_size = batch_size
+        # Gather records for this long before a send: one flush per record costs ~1 ms of
+        # kafka-python CPU, which the request path then feels through the GIL.
+        self.linger_s = linger_s
+        self.spool = Spool(spool_dir)
+        self.on_state = on_state
+        self.sent = 0
+        self.spooled = 0
+        self.replayed = 0
+        self.dropped = 0
+        self.connected = False
+        self._producer: KafkaProducer | None = None
+        self._stop = threading.Event()
+        # Guards the spool once close() gives up on a stuck thread and takes over writing it.
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._inflight: list[OutgoingRecord] = []
+        self._next_connect_at = 0.0
+        self._thread = threading.Thread(target=self._run, name="ratchet-producer", daemon=True)
+
+    # ---- caller side -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, record: OutgoingRecord) -> bool:
+        """Queue a record; never blocks. False (and a counted drop) when the queue is full."""
+        if self._stop.is_set():  # closed: nothing would send it, so refuse and count it
+            self.dropped += 1
+            return False
+        try:
+            self.queue.put_nowait(record)
+            return True
+        except queue.Full:
+            self.dropped += 1
+            return False
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Send or spool everything still queued, then stop. Nothing accepted is left behind."""
+        self._stop.set()
+        if self._thread.ident is not None:
+            # Wake the thread; if the queue is full it wakes on its own within 0.5 s.
+            with contextlib.suppress(queue.Full):
+                self.queue.put_nowait(None)
+            self._thread.join(timeout_s)
+        stuck = self._thread.is_alive()
+        if stuck:
+            log.error("producer thread did not stop in %.0fs; spooling the rest", timeout_s)
+        with self._lock:
+            # From here only this method writes the spool. The batch a stuck thread is sending
+            # goes first, so order holds; if that send still lands, it is delivered twice.
+            self._abandoned = True
+            rest = list(self._inflight) if stuck else []
+            while True:
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    rest.append(item)
+            if rest:
+                self._append_to_spool(rest)
+            self.spool.close()
+        if self._producer is not None:
+            with contextlib.suppress(KafkaError):
+                self._producer.close(timeout=2)
+
+    @property
+    def depth(self) -> int:
+        return self.queue.qsize()
+
+    # ---- producer thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            batch = self._take_batch()
+            stopping = self._stop.is_set()
+            if batch:
+                self._deliver(batch)
+            elif not self.spool.is_empty():
+                self._try_replay()
+            elif self._producer is None:
+                self._connect()  # connect early, so readiness and metrics tell the truth
+            if stopping and self.queue.empty():
+                return
+
+    def _take_batch(self) -> list[OutgoingRecord]:
+        try:
+            first = self.queue.get(timeout=0.5)
+        except queue.Empty:
+            return []
+        batch = []
+        item: QueueItem = first
+        deadline = time.monotonic() + self.linger_s
+        while True:
+            if item is None:  # close() woke us: send what we have now
+                deadline = 0.0
+            if item is not None:
+                batch.append(item)
+            if len(batch) >= self.batch_size:
+                break
+            remaining = deadline - time.monotonic()
+            try:
+                item = (
+                    self.queue.get(timeout=remaining) if remaining > 0 else self.queue.get_nowait()
+                )
+            except queue.Empty:
+                break
+        return batch
+
+    def _deliver(self, batch: list[OutgoingRecord]) -> None:
+        # Keep order: while older records wait on disk, newer ones queue up behind them.
+        if not self.spool.is_empty():
+            self._spool(batch)
+            self._try_replay()
+            return
+        self._inflight = batch
+        if not self._send(batch):
+            self._spool(batch)
+        self._inflight = []
+
+    def _spool(self, batch: list[OutgoingRecord]) -> None:
+        with self._lock:
+            if not self._abandoned:
+                self._append_to_spool(batch)
+
+    def _append_to_spool(self, batch: list[OutgoingRecord]) -> None:
+        try:
+            self.spool.append(batch)
+            self.spooled += len(batch)
+        except OSError as exc:
+            self.dropped += len(batch)
+            log.error("cannot write %d records to the spool (%s); dropped", len(batch), exc)
+
+    def _try_replay(self) -> None:
+        # Only read the spool back once the broker answers, and not while shutting down:
+        # what is on disk stays there for the next start.
+        if self._stop.is_set() or not self._connect():
+            return
+        for path, records in self.spool.drain():
+            if records and not self._send(records):
+                return
+            self.replayed += len(records)
+            path.unlink(missing_ok=True)
+            self.spool.pending = max(0, self.spool.pending - len(records))
+        log.info("spool replayed; back to producing directly")
+
+    def _connect(self) -> bool:
+        if self._producer is not None:
+            return True
+        now = time.monotonic()
+        if now < self._next_connect_at:
+            return False
+        self._next_connect_at = now + 1.0
+        try:
+            ensure_topics(self.bootstrap, self.kafka, self.topics)
+            self._producer = self._make_producer()
+        except (KafkaError, OSError, ValueError) as exc:
+            log.debug("broker unreachable: %s", exc)
+            self._set_state(False)
+            return False
+        self._set_state(True)
+        return True
+
+    def _make_producer(self) -> KafkaProducer:
+        compression = None if self.kafka.compression == "none" else self.kafka.compression
+        options: dict[str, Any] = dict(
+            bootstrap_servers=self.bootstrap,
+            acks="all",
+            compression_type=compression,
+            linger_ms=5,
+            max_block_ms=2000,
+            request_timeout_ms=5000,
+            delivery_timeout_ms=8000,
+            bootstrap_timeout_ms=2000,
+            retries=3,
+            **self.kafka.client_options(),
+        )
+        if self.kafka.idempotence == "off":
+            return KafkaProducer(enable_idempotence=False, **options)
+        try:
+            return KafkaProducer(enable_idempotence=True, **options)
+        except KafkaError:
+            if self.kafka.idempotence == "on":
+                raise
+            log.info("broker does not support idempotent producing; using acks=all without it")
+            return KafkaProducer(enable_idempotence=False, **options)
+
+    def _send(self, batch: list[OutgoingRecord]) -> bool:
+        """Send a batch and wait for every ack. False if any failed (the whole batch is redone)."""
+        if self._producer is None and self._stop.is_set():
+            return False  # shutting down with no broker: spool now instead of trying again
+        if not self._connect():
+            return False
+        assert self._producer is not None
+        try:
+            futures = [self._producer.send(r.topic, key=r.key, value=r.value) for r in batch]
+            self._producer.flush(timeout=10)
+            for future in futures:
+                future.get(timeout=0)
+        except (KafkaError, OSError, AssertionError) as exc:
+            log.warning("kafka send failed (%s); spooling until the broker is back", exc)
+            self._reset()
+            return False
+        self.sent += len(batch)
+        return True
+
+    def _reset(self) -> None:
+        if self._producer is not None:
+            with contextlib.suppress(KafkaError, OSError):
+                self._producer.close(timeout=0)
+        self._producer = None
+        self._set_state(False)
+
+    def _set_state(self, connected: bool) -> None:
+        if connected != self.connected:
+            self.connected = connected
+            if self.on_state:
+                self.on_state(connected)

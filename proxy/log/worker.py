@@ -1,0 +1,238 @@
+"""The proxy's traffic logger, in a child process of its own (``python -m proxy.log.worker``).
+
+Why a process and not a thread: turning an exchange into a TrafficRecord (parsing the answer,
+assembling streams, redaction, pydantic, JSON) and kafka-python's sender are pure Python. On a
+thread of the proxy they hold the GIL for milliseconds at a time, and the event loop waits up to
+the interpreter's 5 ms switch interval to get it back: that was the proxy's p99 in
+bench/proxy_overhead.py. Here they run under the child's own GIL; the request path only writes
+one length-prefixed frame into a pipe (proxy/log/pipe.py), which never blocks.
+
+Parent -> child, on the child's stdin: frames ``<u32 size><u8 kind><u32 meta><u32 a>`` followed by
+``meta`` bytes of JSON and two blobs, ``a`` and the rest. The first frame is CONFIG (a pickled
+:class:`WorkerConfig`, from the parent and trusted as such); then EXCHANGE frames (meta: the
+exchange's fields, a: the request body as the client sent it, b: the answer's bytes as vLLM sent
+them) and RECORD frames (meta: topic and key, b: the record's JSON).
+
+Child -> parent, on its stdout: one JSON status line every ``report_s`` and a last one at exit:
+frames received, the producer's counters, and the tokens counted since the previous line (the
+proxy adds those to its token metric). End of stdin means the proxy is gone or stopping: the
+child sends or spools everything it holds, reports, and exits. It runs in its own session so a
+Ctrl-C aimed at the proxy's process group cannot cut that short.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import struct
+import sys
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+
+from ratchet.settings import KafkaSettings
+
+CONFIG, EXCHANGE, RECORD = 0, 1, 2
+_HEADER = struct.Struct("<IBII")  # size of what follows the u32, kind, meta length, a length
+_FIRST = struct.Struct("<I")
+
+log = logging.getLogger("proxy.log.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    bootstrap: str
+    kafka: KafkaSettings
+    spool_dir: Path
+    topics: list[str]
+    queue_size: int
+    redact_patterns: list[str] = field(default_factory=list)
+    report_s: float = 0.2
+
+
+def encode_frame(kind: int, meta: bytes, a: bytes = b"", b: bytes = b"") -> bytes:
+    """One frame; ``meta`` is already JSON (orjson) so the hot path encodes once."""
+    return _HEADER.pack(9 + len(meta) + len(a) + len(b), kind, len(meta), len(a)) + meta + a + b
+
+
+def read_frame(stream: BinaryIO) -> tuple[int, bytes, bytes, bytes] | None:
+    """The next frame's (kind, meta, a, b), or None at the end of the stream."""
+    head = stream.read(_FIRST.size)
+    if len(head) < _FIRST.size:
+        return None
+    (size,) = _FIRST.unpack(head)
+    body = stream.read(size)
+    if len(body) < size:
+        return None  # the parent died mid-frame: that frame was never whole
+    kind, meta_len, a_len = struct.unpack_from("<BII", body)
+    start = 9
+    meta = body[start : start + meta_len]
+    a = body[start + meta_len : start + meta_len + a_len]
+    return kind, meta, a, body[start + meta_len + a_len :]
+
+
+@dataclass(slots=True)
+class ExchangeMeta:
+    """The JSON meta of an EXCHANGE frame (orjson writes a dataclass as an object): everything
+    but the request and answer bytes. Its fields are :class:`proxy.log.exchange.Exchange`'s, plus
+    ``started_at``, the wall clock when the request arrived."""
+
+    request_id: str
+    endpoint: str
+    alias: str
+    served_name: str
+    version: int
+    canary_arm: str
+    stream: bool
+    api_key_hash: str | None
+    logged: bool  # False when the alias's log_rate leaves it out of ratchet.traffic
+    started_at: float
+    status: int = 0
+    error: dict[str, Any] | None = None
+    latency_ms: float = 0.0
+    ttft_ms: float | None = None
+
+
+class Worker:
+    """Frames in, records out through a RecordProducer; counts tokens for the parent."""
+
+    def __init__(self, config: WorkerConfig, report: BinaryIO) -> None:
+        from proxy.log.exchange import Redactor
+        from proxy.log.producer import RecordProducer
+
+        self.config = config
+        self.redactor = Redactor(config.redact_patterns)
+        self.producer = RecordProducer(
+            config.bootstrap,
+            config.kafka,
+            config.spool_dir,
+            topics=config.topics,
+            queue_size=config.queue_size,
+        )
+        self.received = 0
+        self._tokens: Counter[tuple[str, str, str, str]] = Counter()
+        self._lock = threading.Lock()
+        self._report = report
+        self._stop = threading.Event()
+        self._reporter = threading.Thread(target=self._report_loop, name="report", daemon=True)
+
+    def run(self, frames: BinaryIO) -> None:
+        self.producer.start()
+        self._reporter.start()
+        try:
+            while (frame := read_frame(frames)) is not None:
+                self.received += 1
+                try:
+                    self.handle(*frame)
+                except Exception:
+                    # One frame that cannot be read must not stop the worker for all the others.
+                    self.producer.dropped += 1
+                    log.exception("could not turn a frame into a record; dropped")
+        finally:
+            self.producer.close()
+            self._stop.set()
+            self._reporter.join(5)
+            self.report()
+
+    def handle(self, kind: int, meta: bytes, a: bytes, b: bytes) -> None:
+        from proxy.log.spool import OutgoingRecord
+
+        if kind == RECORD:
+            fields = orjson.loads(meta)
+            key = fields["key"].encode() if fields.get("key") is not None else None
+            self.producer.submit(OutgoingRecord(fields["topic"], key, b))
+        elif kind == EXCHANGE:
+            self.handle_exchange(orjson.loads(meta), a, b)
+        else:
+            raise ValueError(f"unknown frame kind {kind}")
+
+    def handle_exchange(self, fields: dict[str, Any], request: bytes, answer: bytes) -> None:
+        from proxy.log.exchange import Exchange
+        from proxy.log.spool import OutgoingRecord
+        from ratchet.records import TRAFFIC_TOPIC
+
+        started_at = fields.pop("started_at")
+        exchange = Exchange(
+            **fields,
+            request=orjson.loads(request),
+            redactor=self.redactor,
+            response_body=b"" if fields["stream"] else answer,
+            response_chunks=[answer] if fields["stream"] and answer else [],
+        )
+        labels = (exchange.alias, str(exchange.version), exchange.canary_arm)
+        if exchange.logged:
+            record = exchange.to_record()
+            record.ts = _iso(started_at)  # when the request arrived, not when it was logged
+            self.count_tokens(labels, record.input_tokens, record.output_tokens)
+            self.producer.submit(
+                OutgoingRecord(TRAFFIC_TOPIC, exchange.request_id.encode(), record.to_json())
+            )
+        else:  # sampled out by log_rate: counted, never parsed in full
+            self.count_tokens(labels, *exchange.usage())
+
+    def count_tokens(
+        self, labels: tuple[str, str, str], input_tokens: int | None, output_tokens: int | None
+    ) -> None:
+        with self._lock:
+            if input_tokens:
+                self._tokens[(*labels, "input")] += input_tokens
+            if output_tokens:
+                self._tokens[(*labels, "output")] += output_tokens
+
+    def report(self) -> None:
+        with self._lock:
+            tokens, self._tokens = self._tokens, Counter()
+        p = self.producer
+        line = orjson.dumps(
+            {
+                "received": self.received,
+                "sent": p.sent,
+                "spooled": p.spooled,
+                "replayed": p.replayed,
+                "dropped": p.dropped,
+                "depth": p.depth,
+                "spool_pending": p.spool.pending,
+                "connected": p.connected,
+                "tokens": [[*labels, n] for labels, n in tokens.items()],
+            }
+        )
+        with contextlib.suppress(OSError, ValueError):  # the parent is gone: nobody to tell
+            self._report.write(line + b"\n")
+            self._report.flush()
+
+    def _report_loop(self) -> None:
+        while not self._stop.wait(self.config.report_s):
+            self.report()
+
+
+def _iso(epoch_s: float) -> str:
+    moment = datetime.fromtimestamp(epoch_s, UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def main() -> None:
+    # Reports own the real stdout; anything else that prints (a library) lands on stderr.
+    report = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    frames = sys.stdin.buffer
+    first = read_frame(frames)
+    if first is None or first[0] != CONFIG:
+        sys.exit("proxy.log.worker: expected a CONFIG frame first")
+    config: WorkerConfig = pickle.loads(first[3])
+    Worker(config, report).run(frames)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""`ratchet alias set|show`: which version each alias serves."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.table import Table
+
+from ratchet.cli.app import ConfigOption, app, console, settings_or_exit
+from ratchet.settings import RatchetSettings
+
+if TYPE_CHECKING:
+    from ratchet.registry import AliasRoute, RegistryWriter
+
+alias_app = typer.Typer(
+    help="Read and change which version each alias serves.", no_args_is_help=True
+)
+app.add_typer(alias_app, name="alias")
+
+
+@alias_app.command("set")
+def alias_set(
+    alias: str,
+    active: Annotated[int | None, typer.Option(help="version to serve (0 = base model)")] = None,
+    canary: Annotated[str | None, typer.Option(help="canary version, or 'none'")] = None,
+    weight: Annotated[float | None, typer.Option(help="share of traffic for the canary")] = None,
+    config: ConfigOption = None,
+) -> None:
+    """Change an alias's routing; every proxy picks it up at once."""
+    from dataclasses import replace
+
+    from ratchet.records import LifecycleEvent
+    from ratchet.registry import RegistryWriter
+    from ratchet.settings import NAME_PATTERN, NAME_RULE
+
+    settings = settings_or_exit(config)
+    if not NAME_PATTERN.match(alias):
+        console.print(f"[red]alias {alias!r} is not a valid name: {NAME_RULE}[/red]")
+        raise typer.Exit(2)
+    if weight is not None and not 0.0 <= weight <= 1.0:
+        console.print("[red]--weight must be in [0, 1][/red]")
+        raise typer.Exit(2)
+    writer = RegistryWriter(settings.redis_url, settings.aliases)
+    route = writer.read(alias)
+    if route is None:
+        console.print(f"[red]unknown alias {alias!r}: add it to ratchet.yaml first[/red]")
+        raise typer.Exit(2)
+    changes: dict[str, object] = {}
+    if active is not None:
+        if active < 0:
+            console.print("[red]--active must be >= 0[/red]")
+            raise typer.Exit(2)
+        changes["active"] = active
+    if canary is not None:
+        changes["canary"] = None if canary.lower() == "none" else int(canary)
+        if changes["canary"] is None:
+            changes["canary_weight"] = 0.0
+    if weight is not None:
+        changes["canary_weight"] = weight
+    new = replace(route, **changes)
+    event = LifecycleEvent(
+        alias=alias,
+        kind="route",
+        version=new.active,
+        previous_version=route.active,
+        actor="cli",
+        detail={"canary": new.canary, "canary_weight": new.canary_weight},
+    )
+    writer.write(new, event)
+    print_routes({alias: new})
+
+
+@alias_app.command("show")
+def alias_show(
+    alias: Annotated[str | None, typer.Argument()] = None, config: ConfigOption = None
+) -> None:
+    """Show which version each alias serves."""
+    print_routes(read_routes(settings_or_exit(config), alias)[1])
+
+
+def read_routes(
+    settings: RatchetSettings, alias: str | None
+) -> tuple[RegistryWriter, dict[str, AliasRoute]]:
+    """The registry and its routes: every alias's, or the one named (exit 2 if unknown)."""
+    from ratchet.registry import RegistryWriter
+
+    writer = RegistryWriter(settings.redis_url, settings.aliases)
+    routes = writer.read_all()
+    if alias is not None:
+        if alias not in routes:
+            console.print(f"[red]unknown alias {alias!r}[/red]")
+            raise typer.Exit(2)
+        routes = {alias: routes[alias]}
+    return writer, routes
+
+
+def print_routes(routes: dict[str, AliasRoute]) -> None:
+    from ratchet.registry import served_name
+
+    table = Table()
+    for column in ("alias", "active", "served as", "canary", "weight", "updated"):
+        table.add_column(column)
+    for name, route in sorted(routes.items()):
+        table.add_row(
+            name,
+            f"v{route.active}",
+            served_name(name, route.active, route.base_model),
+            "-" if route.canary is None else f"v{route.canary}",
+            f"{route.canary_weight:.0%}",
+            route.updated_at or "-",
+        )
+    console.print(table)

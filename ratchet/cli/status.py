@@ -1,0 +1,78 @@
+"""`ratchet status` and `report`: what the loop has done, as a table and a plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ratchet.cli.app import AliasArgument, ConfigOption, app, console, settings_or_exit
+from ratchet.cli.routing import read_routes
+
+
+@app.command()
+def status(
+    alias: Annotated[str | None, typer.Argument(help="one alias (default: all)")] = None,
+    rounds: Annotated[int, typer.Option(help="rounds to show per alias")] = 3,
+    config: ConfigOption = None,
+) -> None:
+    """Per alias: active version, canary, pause, the last rounds with reward and gate result."""
+    from ratchet.cli.report import learner_lag, rounds_of
+
+    settings = settings_or_exit(config)
+    writer, routes = read_routes(settings, alias)
+    table = Table()
+    for column in ("alias", "active", "canary", "learning", "last rounds (reward, gate)"):
+        table.add_column(column)
+    for name, route in sorted(routes.items()):
+        history = writer.history(name, limit=500)
+        lines = []
+        for row in rounds_of(history)[-rounds:]:
+            gate = (
+                "not gated yet"
+                if row.win_rate is None
+                else f"win {row.win_rate:.2f} [{row.ci_low:.2f}, {row.ci_high:.2f}] n={row.pairs}"
+            )
+            reward = "-" if row.mean_reward is None else f"{row.mean_reward:.3f}"
+            lines.append(f"v{row.version}: reward {reward}, {gate}, {row.outcome}")
+        canary = "-" if route.canary is None else f"v{route.canary} ({route.canary_weight:.0%})"
+        learning = "paused" if route.paused else "on"
+        if route.paused:
+            reason = next(
+                (e.get("detail", {}).get("reason") for e in history if e.get("kind") == "pause"),
+                None,
+            )
+            learning += f": {reason}" if reason else ""
+        table.add_row(name, f"v{route.active}", canary, learning, "\n".join(lines) or "-")
+    console.print(table)
+    lag = learner_lag(settings)
+    console.print(
+        "Learner queue lag: "
+        + ("unknown (Kafka unreachable)" if lag is None else f"{lag} groups not yet committed")
+    )
+
+
+@app.command()
+def report(
+    alias: AliasArgument,
+    out: Annotated[Path | None, typer.Option(help="PNG to write")] = None,
+    config: ConfigOption = None,
+) -> None:
+    """Plot reward per round and gate win rate (95% CI) for an alias, promotions marked."""
+    from ratchet.cli.report import plot_rounds, rounds_of
+    from ratchet.registry import RegistryWriter
+
+    settings = settings_or_exit(config)
+    if alias not in settings.aliases:
+        console.print(f"[red]unknown alias {alias!r}[/red]")
+        raise typer.Exit(2)
+    writer = RegistryWriter(settings.redis_url, settings.aliases)
+    rows = rounds_of(writer.history(alias, limit=1000))
+    if not rows:
+        console.print(f"{alias} has no learning rounds yet.")
+        raise typer.Exit(1)
+    path = out or Path(f"{alias}-report.png")
+    plot_rounds(alias, rows, settings.aliases[alias].gate.threshold, path)
+    console.print(f"Wrote {path} ({len(rows)} rounds)")

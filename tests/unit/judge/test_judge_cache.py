@@ -1,0 +1,63 @@
+"""The judge's Redis cache, against a real redis-server: a repeated group is not judged twice."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from judge.metrics import JudgeMetrics
+from judge.scoring import GroupScorer
+from ratchet.rewards.ruler import JudgeRequest, JudgeScores
+from ratchet.settings import JudgeSettings, RewardConfig
+
+PROMPT = [{"role": "user", "content": "q"}]
+
+
+class CountingScorer(GroupScorer):
+    calls = 0
+
+    async def call_judge(
+        self, alias: str, reward: RewardConfig, request: JudgeRequest
+    ) -> JudgeScores:
+        self.calls += 1
+        order = sorted(request.index_of.values())
+        return JudgeScores(scores=[0.1 * (i + 1) for i in order], explanations=["e"] * len(order))
+
+
+def test_repeated_group_comes_from_the_cache_with_a_ttl(redis_url: str) -> None:
+    samples = [{"role": "assistant", "content": t} for t in ("a", "b", "c")]
+
+    async def run() -> tuple[CountingScorer, list[Any], int]:
+        client = aioredis.Redis.from_url(redis_url)
+        metrics = JudgeMetrics()
+        scorer = CountingScorer(JudgeSettings(cache_ttl_s=600), "http://unused", client, metrics)
+        first = await scorer.score("a", RewardConfig(), PROMPT, None, samples)
+        second = await scorer.score("a", RewardConfig(), PROMPT, None, samples)
+        other = await scorer.score("a", RewardConfig(rubric="different"), PROMPT, None, samples)
+        keys = [k async for k in client.scan_iter(match="ratchet:judge:cache:*")]
+        ttl = await client.ttl(keys[0])
+        await client.aclose()
+        hits = metrics.cache_hits.labels("a")._value.get()
+        assert hits == 1
+        return scorer, [first.rewards, second.rewards, other.rewards, len(keys)], ttl
+
+    scorer, (first, second, _, keys), ttl = asyncio.run(run())
+    assert first == second == pytest.approx([0.1, 0.2, 0.3])
+    assert scorer.calls == 2, "the second, identical group was judged again"
+    assert keys == 2 and 0 < ttl <= 600
+
+
+def test_redis_down_means_no_cache_not_a_failure() -> None:
+    async def run() -> list[float]:
+        client = aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
+        scorer = CountingScorer(JudgeSettings(), "http://unused", client, JudgeMetrics())
+        score = await scorer.score(
+            "a", RewardConfig(), PROMPT, None, [{"content": "x"}, {"content": "y"}]
+        )
+        await client.aclose()
+        return score.rewards
+
+    assert asyncio.run(run()) == pytest.approx([0.1, 0.2])

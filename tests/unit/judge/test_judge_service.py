@@ -1,0 +1,301 @@
+"""The judge's service-side logic without a model: eligibility, split, sampling payloads and
+parsing, scoring orchestration (dedupe of identical samples, retries, verifiers), calibration
+statistics."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from judge import calibrate as cal
+from judge.metrics import JudgeMetrics
+from judge.sampler import SamplingError, parse_group, prompt_of, sampling_body
+from judge.scoring import GroupScorer, ScoringError
+from judge.service import JudgeService, Skip, fraction_of, group_id_of, is_heldout
+from ratchet.records import TrafficRecord
+from ratchet.rewards.ruler import JudgeReplyError, JudgeRequest, JudgeScores, judge_endpoint
+from ratchet.settings import AliasConfig, JudgeSettings, RatchetSettings, RewardConfig
+
+PROMPT = [{"role": "user", "content": "q"}]
+
+
+# ---- the prompt and the split ------------------------------------------------------------------
+def test_prompt_ends_at_the_last_user_or_tool_turn() -> None:
+    convo = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "tool", "content": "t"},
+        {"role": "assistant", "content": "trailing answer"},
+    ]
+    assert prompt_of(convo) == convo[:4]
+    assert prompt_of([{"role": "system", "content": "s"}]) is None
+
+
+def test_heldout_split_is_deterministic_and_near_the_fraction() -> None:
+    digests = [f"{i:064x}" for i in range(4000)]
+    held = [d for d in digests if is_heldout(d, 0.1)]
+    assert held == [d for d in digests if is_heldout(d, 0.1)]
+    assert 0.08 < len(held) / len(digests) < 0.12
+    assert not any(is_heldout(d, 0.0) for d in digests)
+    # Raising the fraction only adds prompts to the held-out side, never moves one out.
+    assert set(held) <= {d for d in digests if is_heldout(d, 0.2)}
+
+
+def test_group_id_is_stable_per_record_and_version() -> None:
+    assert group_id_of("req-1", 3) == group_id_of("req-1", 3)
+    assert group_id_of("req-1", 3) != group_id_of("req-1", 4) != group_id_of("req-2", 3)
+    assert 0 <= fraction_of("x") < 1
+
+
+def traffic(**overrides: Any) -> TrafficRecord:
+    fields: dict[str, Any] = dict(
+        request_id="r1",
+        endpoint="chat.completions",
+        alias="support",
+        request_model="support",
+        response_model="m",
+        version=0,
+        canary_arm="active",
+        status=200,
+        latency_ms=1.0,
+        request={"messages": PROMPT},
+        input_tokens=10,
+    )
+    fields.update(overrides)
+    return TrafficRecord(**fields)
+
+
+@pytest.mark.parametrize(
+    ("record", "config", "reason"),
+    [
+        (traffic(), AliasConfig(learning={"enabled": False}), "learning_disabled"),
+        (traffic(alias="other"), None, "learning_disabled"),
+        (traffic(status=503), AliasConfig(), "failed_exchange"),
+        (traffic(endpoint="completions"), AliasConfig(), "not_chat"),
+        (traffic(), AliasConfig(learning={"sample_rate": 0.0}), "sampled_out"),
+        (traffic(input_tokens=5000), AliasConfig(), "prompt_too_long"),
+        (
+            traffic(request={"messages": [{"role": "system", "content": "s"}]}),
+            AliasConfig(),
+            "no_prompt",
+        ),
+    ],
+)
+def test_ineligible_records_are_skipped_with_a_reason(
+    record: TrafficRecord, config: AliasConfig | None, reason: str
+) -> None:
+    service = JudgeService.__new__(JudgeService)
+    with pytest.raises(Skip) as skipped:
+        service._eligible(record, config)
+    assert skipped.value.reason == reason
+
+
+def test_eligible_record_gives_prompt_and_tools() -> None:
+    service = JudgeService.__new__(JudgeService)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    prompt, got_tools = service._eligible(
+        traffic(request={"messages": PROMPT, "tools": tools}), AliasConfig()
+    )
+    assert prompt == PROMPT and got_tools == tools
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+def test_sampling_body_asks_for_token_ids_and_logprobs_and_keeps_tools() -> None:
+    request = {
+        "messages": PROMPT,
+        "tools": [{"type": "function"}],
+        "tool_choice": "auto",
+        "temperature": 0.0,
+    }
+    body = sampling_body("support@v2", PROMPT, request, 4, AliasConfig().sampling)
+    assert body["model"] == "support@v2" and body["n"] == 4
+    assert body["logprobs"] is True and body["return_token_ids"] is True
+    assert body["tools"] == request["tools"] and body["tool_choice"] == "auto"
+    # The alias's sampling settings, not the client's, decide how the group is drawn.
+    assert body["temperature"] == 1.0
+
+
+def vllm_choice(index: int, ids: list[int], content: str | None = "x") -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": content, "refusal": None},
+        "token_ids": ids,
+        "finish_reason": "stop",
+        "logprobs": {"content": [{"token": "t", "logprob": -0.5 * i} for i in ids]},
+    }
+
+
+def test_parse_group_orders_by_index_and_keeps_exact_ids() -> None:
+    data = {"prompt_token_ids": [1, 2, 3], "choices": [vllm_choice(1, [7, 8]), vllm_choice(0, [5])]}
+    group = parse_group(data, 2)
+    assert group.prompt_token_ids == [1, 2, 3]
+    assert [s.token_ids for s in group.samples] == [[5], [7, 8]]
+    assert group.samples[1].logprobs == [-3.5, -4.0]
+    assert "refusal" not in group.samples[0].message  # nulls dropped
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"choices": [vllm_choice(0, [1])]},  # no prompt ids
+        {"prompt_token_ids": [1], "choices": []},  # too few choices
+        {
+            "prompt_token_ids": [1],
+            "choices": [{**vllm_choice(0, [1, 2]), "logprobs": {"content": []}}],
+        },  # misaligned
+    ],
+)
+def test_parse_group_refuses_incomplete_answers(data: dict[str, Any]) -> None:
+    with pytest.raises(SamplingError):
+        parse_group(data, 1)
+
+
+# ---- scoring -------------------------------------------------------------------------------------
+class ScriptedScorer(GroupScorer):
+    """GroupScorer with the network call replaced by a script of replies or exceptions."""
+
+    def __init__(self, script: list[Any], **settings: Any) -> None:
+        super().__init__(
+            JudgeSettings(judge_retries=2, **settings), "http://unused", None, JudgeMetrics()
+        )
+        self.script = script
+        self.requests: list[JudgeRequest] = []
+
+    async def call_judge(
+        self, alias: str, reward: RewardConfig, request: JudgeRequest
+    ) -> JudgeScores:
+        self.requests.append(request)
+        step = self.script.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        # Score by content so the mapping back can be checked.
+        order = sorted(request.index_of.values())
+        return JudgeScores(scores=[step[i] for i in order], explanations=["e"] * len(order))
+
+
+def answers(*texts: str) -> list[dict[str, Any]]:
+    return [{"role": "assistant", "content": t} for t in texts]
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_identical_samples_are_judged_once_and_mapped_back(monkeypatch: Any) -> None:
+    monkeypatch.setattr("judge.scoring.asyncio.sleep", _no_sleep)
+    scorer = ScriptedScorer([[0.9, 0.1]])
+    score = run(scorer.score("a", RewardConfig(), PROMPT, None, answers("A", "B", "A", "B")))
+    assert score.rewards == [0.9, 0.1, 0.9, 0.1]
+    assert len(scorer.requests) == 1 and len(scorer.requests[0].ids) == 2
+
+
+def test_a_group_of_one_distinct_answer_is_not_sent_to_the_judge() -> None:
+    scorer = ScriptedScorer([])
+    score = run(scorer.score("a", RewardConfig(), PROMPT, None, answers("same", "same")))
+    assert score.rewards[0] == score.rewards[1] and not scorer.requests
+
+
+async def _no_sleep(_: float) -> None:
+    return None
+
+
+def test_bad_replies_are_retried_then_the_group_is_dropped_with_the_cause(
+    monkeypatch: Any,
+) -> None:
+    monkeypatch.setattr("judge.scoring.asyncio.sleep", _no_sleep)
+    bad = JudgeReplyError("missing_ids", "x")
+    scorer = ScriptedScorer([bad, bad, bad])
+    with pytest.raises(ScoringError) as failed:
+        run(scorer.score("a", RewardConfig(), PROMPT, None, answers("A", "B")))
+    assert failed.value.cause == "reply_missing_ids" and len(scorer.requests) == 3
+    # Each retry presents the samples under fresh ids.
+    assert len({r.ids for r in scorer.requests}) == 3
+
+    recovering = ScriptedScorer([ConnectionError("down"), [0.2, 0.8]])
+    score = run(recovering.score("a", RewardConfig(), PROMPT, None, answers("A", "B")))
+    assert score.rewards == [0.2, 0.8]
+
+
+def test_verifier_and_mixed_rewards() -> None:
+    verifier = RewardConfig(kind="verifier", verifier="ratchet.rewards.examples:exact_json_fields")
+    prompt = [{"role": "user", "content": 'Extract.\nEXPECTED: {"a": 1, "b": 2}'}]
+    score = run(
+        ScriptedScorer([]).score(
+            "a", verifier, prompt, None, answers('{"a": 1, "b": 2}', '{"a": 1}', "no")
+        )
+    )
+    assert score.rewards == [1.0, 0.5, 0.0] and score.judge_model is None
+    mixed = RewardConfig(
+        kind="mixed", verifier="ratchet.rewards.examples:exact_json_fields", ruler_weight=0.5
+    )
+    score = run(
+        ScriptedScorer([[0.0, 1.0]]).score(
+            "a", mixed, prompt, None, answers('{"a": 1, "b": 2}', "no")
+        )
+    )
+    assert score.rewards == [0.5, 0.5] and score.rubric_hash
+
+
+def test_a_failing_verifier_drops_the_group_with_a_cause() -> None:
+    broken = RewardConfig(kind="verifier", verifier="ratchet.rewards.examples:no_such_function")
+    with pytest.raises(ScoringError) as failed:
+        run(ScriptedScorer([]).score("a", broken, PROMPT, None, answers("x", "y")))
+    assert failed.value.cause.startswith("verifier_")
+
+
+# ---- calibration statistics ----------------------------------------------------------------------
+def test_ranks_share_ties() -> None:
+    assert cal.ranks([10, 20, 20, 5]) == [2, 3.5, 3.5, 1]
+
+
+def test_spearman_known_values() -> None:
+    assert cal.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert cal.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert cal.spearman([1, 1, 1], [1, 2, 3]) is None
+
+
+def test_pairwise_agreement_counts_ties_half() -> None:
+    assert cal.pairwise_agreement([0.9, 0.5, 0.1], [1, 0.5, 0]) == (3, 3)
+    assert cal.pairwise_agreement([0.1, 0.5, 0.9], [1, 0.5, 0]) == (0, 3)
+    assert cal.pairwise_agreement([0.5, 0.5], [1, 0]) == (0.5, 1)
+    assert cal.pairwise_agreement([0.2, 0.9], [1, 1]) == (0, 0)  # equal labels: no pair
+
+
+def test_position_bias_measures() -> None:
+    assert cal.order_flips([0.9, 0.1], [0.9, 0.1]) == (0, 1)
+    assert cal.order_flips([0.9, 0.1], [0.1, 0.9]) == (1, 1)
+    group = cal.LabelledGroup(PROMPT, answers("a", "b"), [1.0, 0.0])
+    # A judge that always prefers whatever it reads first.
+    report = cal.summarise([(group, [1.0, 0.0], [0.0, 1.0])], failed=0)
+    assert report.flip_rate == 1.0 and report.first_minus_last == 1.0
+    fair = cal.summarise([(group, [1.0, 0.0], [1.0, 0.0])], failed=1)
+    assert fair.flip_rate == 0.0 and fair.pairwise_accuracy == 1.0 and fair.failed == 1
+
+
+def test_labels_file_errors_name_the_line(tmp_path: Any) -> None:
+    path = tmp_path / "labels.jsonl"
+    path.write_text(
+        '{"prompt": [], "samples": ["a", "b"], "labels": [1, 0]}\n'
+        '{"prompt": [], "samples": ["a"], "labels": [1, 0]}\n'
+    )
+    with pytest.raises(ValueError, match=r"labels\.jsonl:2"):
+        cal.load_labels(path)
+
+
+def test_judge_endpoint_defaults_and_overrides() -> None:
+    settings = RatchetSettings()
+    default_base = settings.vllm_url + "/v1"
+    # The default judge is the embedded vLLM; other providers keep litellm's own defaults.
+    assert judge_endpoint(settings.judge, "hosted_vllm/m", default_base) == {
+        "api_base": "http://127.0.0.1:8401/v1",
+        "api_key": "unused",
+    }
+    assert judge_endpoint(settings.judge, "openai/gpt-4o-mini", default_base) == {}
+    custom = JudgeSettings(judge_api_base="http://judge:9/v1", judge_api_key="sk-j")
+    assert judge_endpoint(custom, "openai/x", "http://unused") == {
+        "api_base": "http://judge:9/v1",
+        "api_key": "sk-j",
+    }

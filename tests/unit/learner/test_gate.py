@@ -1,0 +1,387 @@
+"""The promotion gate: the pure decision (outcomes, bootstrap, decide) and Gate.evaluate against a
+small aiohttp server standing in for vLLM's /v1/chat/completions.
+
+The stand-in answers by model name: ``good`` reproduces the prompt's ``EXPECTED: {...}`` object,
+``bad`` answers the wrong object, anything else is a 404 (an adapter vLLM cannot load). Scoring
+uses the real verifier ``ratchet.rewards.examples:exact_json_fields``. RULER is tested through
+``_judge_pair`` with fake judges (position-biased and consistent), and once through the real
+request builder and reply parser with litellm's call replaced.
+
+The gate runs through ``asyncio.run`` here, as the learner runs it, so the stand-in server lives
+on its own event loop in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+
+from learner.gate import (
+    Gate,
+    GateError,
+    bootstrap_interval,
+    decide,
+    pairwise_outcome,
+    verifier_outcome,
+)
+from ratchet.dev.processes import free_port
+from ratchet.records import HeldoutPrompt
+from ratchet.settings import AliasConfig, GateConfig, LearnerSettings, RatchetSettings, RewardConfig
+
+EXPECTED_LINE = re.compile(r"EXPECTED: (\{.*\})")
+VERIFIER = "ratchet.rewards.examples:exact_json_fields"
+
+
+# --- the stand-in vLLM ------------------------------------------------------------------------
+
+
+@dataclass
+class StandIn:
+    url: str
+    requests: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _answer_for(model: str, prompt: str) -> str | None:
+    expected = EXPECTED_LINE.search(prompt)
+    if model == "good":
+        return expected.group(1) if expected else "{}"
+    if model == "bad":
+        return '{"name": "nobody"}'
+    return None
+
+
+@pytest.fixture
+def vllm() -> Iterator[StandIn]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    port = free_port()
+    stand_in = StandIn(url=f"http://127.0.0.1:{port}")
+
+    async def chat(request: web.Request) -> web.Response:
+        if request.content_type != "application/json":  # vLLM refuses anything else
+            return web.json_response({"error": {"message": "media type"}}, status=400)
+        body = await request.json()
+        stand_in.requests.append(body)
+        prompt = body["messages"][-1]["content"]
+        if "UNANSWERABLE" in prompt:
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        content = _answer_for(body["model"], prompt)
+        if content is None:
+            return web.json_response(
+                {"error": {"message": f"The model `{body['model']}` does not exist."}}, status=404
+            )
+        message = {"role": "assistant", "content": content}
+        return web.json_response({"id": "c", "choices": [{"index": 0, "message": message}]})
+
+    async def start() -> web.AppRunner:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    runner = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    yield stand_in
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def prompts(count: int, tag: str = "") -> list[HeldoutPrompt]:
+    out = []
+    for i in range(count):
+        content = f'Extract the person. {tag}\nEXPECTED: {{"name": "p{i}", "year": {1800 + i}}}'
+        out.append(
+            HeldoutPrompt(
+                prompt_hash=f"h{tag}{i}",
+                alias="support",
+                prompt_messages=[{"role": "user", "content": content}],
+                traffic_request_id=f"r{i}",
+            )
+        )
+    return out
+
+
+GATE = GateConfig(min_pairs=8, max_pairs=64, threshold=0.5, bootstrap_samples=200, max_tokens=64)
+
+
+def verifier_alias(gate: GateConfig = GATE) -> AliasConfig:
+    return AliasConfig(reward=RewardConfig(kind="verifier", verifier=VERIFIER), gate=gate)
+
+
+def make_gate(url: str, concurrency: int = 4) -> Gate:
+    settings = RatchetSettings(
+        vllm_url=url, learner=LearnerSettings(gate_concurrency=concurrency, gate_timeout_s=10)
+    )
+    return Gate(settings)
+
+
+def evaluate(gate: Gate, config: AliasConfig, held: list[HeldoutPrompt], cand: str, inc: str):
+    return asyncio.run(gate.evaluate("support", config, held, cand, inc, seed=7))
+
+
+# --- the pure part ----------------------------------------------------------------------------
+
+
+def test_verifier_outcome_is_the_sign_of_the_score_difference() -> None:
+    assert verifier_outcome(0.9, 0.2) == 1.0
+    assert verifier_outcome(0.2, 0.9) == 0.0
+    assert verifier_outcome(0.5, 0.5) == 0.5
+    assert verifier_outcome(0.5 + 1e-12, 0.5) == 0.5  # float noise is a tie
+
+
+def test_pairwise_outcome_counts_only_agreeing_orders() -> None:
+    assert pairwise_outcome(0.4, 0.1) == 1.0
+    assert pairwise_outcome(-0.4, -0.1) == 0.0
+    # The two orders disagree: the verdict follows the position, not the answer.
+    assert pairwise_outcome(0.4, -0.4) == 0.5
+    assert pairwise_outcome(-0.4, 0.4) == 0.5
+    assert pairwise_outcome(0.4, 0.0) == 0.5
+
+
+def test_bootstrap_interval_brackets_the_mean_and_is_reproducible() -> None:
+    outcomes = [1.0] * 30 + [0.0] * 10
+    low, high = bootstrap_interval(outcomes, samples=2000, seed=3)
+    assert low < 0.75 < high
+    assert low > 0.55 and high < 0.95
+    assert bootstrap_interval(outcomes, samples=2000, seed=3) == (low, high)
+    assert bootstrap_interval([1.0] * 5, samples=500, seed=0) == (1.0, 1.0)
+    with pytest.raises(ValueError):
+        bootstrap_interval([], samples=500, seed=0)
+
+
+def test_decide_passes_only_with_enough_pairs_and_a_lower_bound_above_threshold() -> None:
+    gate = GateConfig(min_pairs=10, max_pairs=64, threshold=0.5, bootstrap_samples=500)
+    passed = decide([1.0] * 20, gate)
+    assert passed.passed and passed.win_rate == 1.0 and passed.ci_low == 1.0
+    assert passed.pairs == 20
+
+    too_few = decide([1.0] * 9, gate)
+    assert not too_few.passed
+    assert "fewer than 10" in too_few.reason
+
+    ties = decide([0.5] * 40, gate)
+    assert not ties.passed and ties.win_rate == 0.5 and ties.ci_low == 0.5
+
+    # A win rate above the threshold whose interval still reaches below it does not pass.
+    noisy = decide([1.0, 0.0] * 8 + [1.0] * 2, gate)
+    assert noisy.win_rate is not None and noisy.win_rate > 0.5
+    assert noisy.ci_low is not None and noisy.ci_low <= 0.5
+    assert not noisy.passed
+
+
+def test_decide_without_pairs_is_a_result_not_a_crash() -> None:
+    result = decide([], GATE, failed_pairs=3)
+    assert not result.passed
+    assert result.pairs == 0 and result.failed_pairs == 3
+    assert result.win_rate is None and result.ci_low is None
+    assert result.as_dict()["reason"] == "no held-out pairs"
+
+
+# --- Gate.evaluate against the stand-in vLLM --------------------------------------------------
+
+
+def test_a_better_candidate_passes(vllm: StandIn) -> None:
+    result = evaluate(make_gate(vllm.url), verifier_alias(), prompts(10), "good", "bad")
+    assert result.passed, result.reason
+    assert result.pairs == 10 and result.failed_pairs == 0
+    assert result.win_rate == 1.0
+    assert result.candidate_score == 1.0 and result.incumbent_score == 0.0
+    # Both versions answered every prompt, greedily, with the gate's settings.
+    assert sorted(r["model"] for r in vllm.requests) == ["bad"] * 10 + ["good"] * 10
+    assert all(r["temperature"] == 0.0 and r["max_tokens"] == 64 for r in vllm.requests)
+    assert all(r["seed"] == 7 for r in vllm.requests)
+
+
+def test_a_worse_candidate_fails(vllm: StandIn) -> None:
+    result = evaluate(make_gate(vllm.url), verifier_alias(), prompts(10), "bad", "good")
+    assert not result.passed
+    assert result.win_rate == 0.0
+    assert result.candidate_score == 0.0 and result.incumbent_score == 1.0
+
+
+def test_the_same_answers_tie_and_fail(vllm: StandIn) -> None:
+    result = evaluate(make_gate(vllm.url), verifier_alias(), prompts(10), "good", "good")
+    assert not result.passed
+    assert result.win_rate == 0.5 and result.ci_low == 0.5
+
+
+def test_too_few_held_out_prompts_fail_even_when_all_are_won(vllm: StandIn) -> None:
+    result = evaluate(make_gate(vllm.url), verifier_alias(), prompts(5), "good", "bad")
+    assert not result.passed
+    assert result.win_rate == 1.0 and result.pairs == 5
+
+
+def test_an_unanswerable_candidate_gives_failed_pairs_and_no_pass(vllm: StandIn) -> None:
+    result = evaluate(make_gate(vllm.url), verifier_alias(), prompts(10), "support@v9", "bad")
+    assert not result.passed
+    assert result.pairs == 0 and result.failed_pairs == 10
+    assert result.win_rate is None
+
+
+def test_prompts_without_an_answer_are_counted_and_left_out(vllm: StandIn) -> None:
+    held = prompts(10) + prompts(3, tag="UNANSWERABLE")
+    result = evaluate(make_gate(vllm.url), verifier_alias(), held, "good", "bad")
+    assert result.passed, result.reason
+    assert result.pairs == 10 and result.failed_pairs == 3
+
+
+def test_tools_are_sent_with_the_prompt(vllm: StandIn) -> None:
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    held = [p.model_copy(update={"tools": [tool]}) for p in prompts(2)]
+    evaluate(make_gate(vllm.url), verifier_alias(), held, "good", "bad")
+    assert vllm.requests and all(r["tools"] == [tool] for r in vllm.requests)
+
+
+def test_a_verifier_that_cannot_score_a_prompt_is_a_gate_error(vllm: StandIn) -> None:
+    # exact_json_fields raises on a prompt without an EXPECTED line: a broken task, not a loss.
+    broken = HeldoutPrompt(
+        prompt_hash="x",
+        alias="support",
+        prompt_messages=[{"role": "user", "content": "EXPECTED: not json"}],
+        traffic_request_id="r",
+    )
+    with pytest.raises(GateError):
+        evaluate(make_gate(vllm.url), verifier_alias(), [*prompts(2), broken], "good", "bad")
+
+
+def test_one_gate_serves_many_rounds(vllm: StandIn) -> None:
+    """The learner keeps one Gate and calls asyncio.run once per round: each run has a new event
+    loop, and the gate's concurrency limit must work in all of them."""
+    gate = make_gate(vllm.url, concurrency=1)
+    for _ in range(2):
+        result = evaluate(gate, verifier_alias(), prompts(10), "good", "bad")
+        assert result.passed and result.pairs == 10
+
+
+# --- RULER: both presentation orders --------------------------------------------------------
+
+CANDIDATE = {"role": "assistant", "content": "candidate's answer"}
+INCUMBENT = {"role": "assistant", "content": "incumbent's answer"}
+RULER_ALIAS = AliasConfig(gate=GATE)
+
+
+def install_judge(monkeypatch: pytest.MonkeyPatch, judge: Any) -> list[tuple[int, int]]:
+    """Replace the judge call; returns the presentation orders it was asked for."""
+    orders: list[tuple[int, int]] = []
+
+    async def judge_once(self, config, prompt, answers, order, seed):
+        orders.append(tuple(order))
+        return judge(answers, order)
+
+    monkeypatch.setattr(Gate, "_judge_once", judge_once)
+    return orders
+
+
+def first_presented_wins(answers: list[dict[str, Any]], order: tuple[int, int]) -> list[float]:
+    """Scores in the caller's order; whichever answer was shown first gets the high score."""
+    scores = [0.0, 0.0]
+    scores[order[0]] = 0.9
+    scores[order[1]] = 0.2
+    return scores
+
+
+def prefers(content: str) -> Callable[..., list[float]]:
+    def judge(answers: list[dict[str, Any]], order: tuple[int, int]) -> list[float]:
+        return [0.9 if a["content"] == content else 0.2 for a in answers]
+
+    return judge
+
+
+def judge_pair(answers: tuple[dict[str, Any], dict[str, Any]]) -> float | None:
+    gate = make_gate("http://127.0.0.1:1")
+    return asyncio.run(gate._judge_pair(RULER_ALIAS, prompts(1)[0], answers, 0))
+
+
+def test_a_position_biased_judge_gives_a_tie(monkeypatch: pytest.MonkeyPatch) -> None:
+    orders = install_judge(monkeypatch, first_presented_wins)
+    assert judge_pair((CANDIDATE, INCUMBENT)) == 0.5
+    assert sorted(orders) == [(0, 1), (1, 0)]
+
+
+def test_a_consistent_judge_decides(monkeypatch: pytest.MonkeyPatch) -> None:
+    install_judge(monkeypatch, prefers(CANDIDATE["content"]))
+    assert judge_pair((CANDIDATE, INCUMBENT)) == 1.0
+    install_judge(monkeypatch, prefers(INCUMBENT["content"]))
+    assert judge_pair((CANDIDATE, INCUMBENT)) == 0.0
+
+
+def test_identical_answers_tie_without_a_judge_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    orders = install_judge(monkeypatch, prefers(CANDIDATE["content"]))
+    assert judge_pair((CANDIDATE, dict(CANDIDATE))) == 0.5
+    assert orders == []
+
+
+def test_no_verdict_in_either_order_is_no_outcome(monkeypatch: pytest.MonkeyPatch) -> None:
+    install_judge(monkeypatch, lambda answers, order: None if order == (1, 0) else [1.0, 0.0])
+    assert judge_pair((CANDIDATE, INCUMBENT)) is None
+
+
+def test_ruler_gate_with_a_biased_judge_never_passes(
+    vllm: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    install_judge(monkeypatch, first_presented_wins)
+    result = evaluate(make_gate(vllm.url), RULER_ALIAS, prompts(10), "good", "bad")
+    assert not result.passed and result.win_rate == 0.5
+    assert result.candidate_score is None  # no verifier in a RULER gate
+
+
+def test_ruler_gate_counts_unjudged_pairs_as_failed(
+    vllm: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def judge(answers: list[dict[str, Any]], order: tuple[int, int]) -> list[float] | None:
+        if '"p0"' in answers[0]["content"]:
+            return None  # no usable verdict on this prompt
+        return [0.9, 0.2]  # the candidate, in both orders
+
+    install_judge(monkeypatch, judge)
+    result = evaluate(make_gate(vllm.url), RULER_ALIAS, prompts(10), "good", "bad")
+    assert result.pairs == 9 and result.failed_pairs == 1
+    assert result.win_rate == 1.0 and result.passed
+
+
+def test_mixed_gate_weighs_ruler_and_verifier(
+    vllm: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    install_judge(monkeypatch, first_presented_wins)  # RULER: 0.5 on every pair
+    config = AliasConfig(
+        reward=RewardConfig(kind="mixed", verifier=VERIFIER, ruler_weight=0.25), gate=GATE
+    )
+    result = evaluate(make_gate(vllm.url), config, prompts(10), "good", "bad")
+    # 0.25 x 0.5 (RULER tie) + 0.75 x 1.0 (the verifier prefers the candidate)
+    assert result.win_rate == pytest.approx(0.875)
+    assert result.passed
+
+
+def test_judge_once_reads_scores_back_in_the_callers_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through the real request builder and parser: a judge that always scores the first sample
+    it is shown highest must come out as a tie, whichever answer is the candidate."""
+    import litellm
+
+    async def acompletion(**kwargs: Any) -> Any:
+        schema = kwargs["response_format"]["json_schema"]["schema"]
+        shown = list(schema["properties"]["scores"]["properties"])  # ids, presentation order
+        scores = {
+            sample_id: {"explanation": "first is best", "score": 1.0 if i == 0 else 0.0}
+            for i, sample_id in enumerate(shown)
+        }
+        content = orjson.dumps({"scores": scores}).decode()
+        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content=content))])
+
+    monkeypatch.setattr(litellm, "acompletion", acompletion)
+    assert judge_pair((CANDIDATE, INCUMBENT)) == 0.5
+    assert judge_pair((INCUMBENT, CANDIDATE)) == 0.5

