@@ -5,7 +5,10 @@ from __future__ import annotations
 import sys
 
 # Importing a command group registers its commands on the app, in this order in `--help`.
-from ratchet.cli import stack, services, routing, status, lifecycle, demo  # noqa: F401, I001
+# isort: off
+from ratchet.cli import stack, services, routing, status, lifecycle, demo  # noqa: F401
+
+# isort: on
 from ratchet.cli.app import app, console
 from ratchet.settings import ConfigError
 
