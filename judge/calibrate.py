@@ -182,7 +182,9 @@ def calibrate(
         with Progress(console=console) as progress:
             task = progress.add_task(f"Judging {len(groups)} groups twice", total=len(groups))
 
-            async def one(group: LabelledGroup) -> Any:
+            async def one(
+                group: LabelledGroup,
+            ) -> tuple[LabelledGroup, list[float], list[float]] | None:
                 async with limit:
                     result = await judge_both_orders(scorer, reward, group)
                 progress.advance(task)

@@ -1,17 +1,13 @@
-"""Scoring a sampled group: RULER through litellm (cached, retried), a verifier, or both.
+"""Scoring a sampled group: RULER (cached), a verifier, or both.
 
-The pure parts (the judge request, its reply, verifier checks) live in ratchet/rewards/;
-this module adds the network, the cache and the retries.
+The request, the reply, the judge call with its retries and the verifier checks live in
+ratchet/rewards/; this module adds the judge's dedupe of identical answers and its Redis cache.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
-import os
 import random
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,23 +16,11 @@ import redis
 import redis.asyncio as aioredis
 
 from judge.metrics import JudgeMetrics
-from ratchet.rewards.ruler import (
-    JudgeReplyError,
-    JudgeRequest,
-    JudgeScores,
-    build_judge_request,
-    cache_key,
-    judge_endpoint,
-    parse_judge_reply,
-)
+from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, ask_judge_once, judge_scores
+from ratchet.rewards.ruler import JudgeRequest, JudgeScores, build_judge_request, cache_key
 from ratchet.rewards.ruler import rubric_hash as hash_rubric
 from ratchet.rewards.verifiers import VerifierError, combine, load_verifier, run_verifier
 from ratchet.settings import JudgeSettings, RewardConfig
-
-log = logging.getLogger(__name__)
-
-# litellm would otherwise download its model price list at import; nothing here needs it.
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 IDENTICAL_SCORE = 0.5  # any constant: equal rewards carry no GRPO signal either way
 
@@ -146,27 +130,15 @@ class GroupScorer:
             await self._cache_set(key, {"scores": scores, "explanations": explanations})
         return [scores[s] for s in slots], [explanations[s] for s in slots]
 
+    def judge_model(self, reward: RewardConfig) -> JudgeModel:
+        return JudgeModel.of(self.settings, reward.judge_model, self.default_api_base)
+
     async def call_judge(
         self, alias: str, reward: RewardConfig, request: JudgeRequest
     ) -> JudgeScores:
-        """One judge call: the request out, the parsed reply back (or JudgeReplyError)."""
-        import litellm  # heavy import, only where a judge call is made
-
-        started = time.perf_counter()
-        reply = await asyncio.wait_for(
-            litellm.acompletion(
-                model=reward.judge_model,
-                messages=request.messages,
-                response_format=request.response_format,
-                temperature=0.0,
-                max_tokens=self.settings.judge_max_tokens,
-                num_retries=0,
-                **judge_endpoint(self.settings, reward.judge_model, self.default_api_base),
-            ),
-            timeout=self.settings.judge_timeout_s,
-        )
-        self.metrics.judge_latency.labels(alias).observe(time.perf_counter() - started)
-        return parse_judge_reply(reply.choices[0].message.content or "", request)
+        """One judge call, no retry: the parsed reply back (or JudgeReplyError, TimeoutError)."""
+        observe = self.metrics.judge_latency.labels(alias).observe
+        return await ask_judge_once(request, self.judge_model(reward), on_latency=observe)
 
     async def _judge(
         self,
@@ -177,31 +149,21 @@ class GroupScorer:
         unique: list[dict[str, Any]],
     ) -> tuple[list[float], list[str]]:
         """Judge with retries; each retry shuffles anew. ScoringError when all attempts fail."""
-        cause = "judge_unavailable"
-        for attempt in range(self.settings.judge_retries + 1):
-            if attempt:
-                # Exponential backoff with jitter, so replicas do not retry in lock-step.
-                await asyncio.sleep(min(8.0, 0.5 * 2 ** (attempt - 1)) * (0.5 + random.random()))
-            request = build_judge_request(
-                prompt, unique, reward.rubric, tools=tools, seed=random.getrandbits(32)
+
+        def request_for(attempt: int) -> JudgeRequest:
+            seed = random.getrandbits(32)
+            return build_judge_request(prompt, unique, reward.rubric, tools=tools, seed=seed)
+
+        try:
+            parsed = await judge_scores(
+                request_for,
+                self.judge_model(reward),
+                self.settings.judge_retries,
+                attempt=lambda request: self.call_judge(alias, reward, request),
             )
-            try:
-                parsed = await self.call_judge(alias, reward, request)
-                return parsed.scores, parsed.explanations
-            except JudgeReplyError as exc:
-                cause = f"reply_{exc.cause}"
-                log.info("judge reply rejected (%s), attempt %d", exc, attempt + 1)
-            except TimeoutError:
-                cause = "judge_timeout"
-            except Exception as exc:  # litellm raises many types; none may stop the judge
-                cause = "judge_unavailable"
-                log.warning(
-                    "judge call failed (%s: %s), attempt %d",
-                    type(exc).__name__,
-                    str(exc)[:200],
-                    attempt + 1,
-                )
-        raise ScoringError(cause)
+        except JudgeUnavailable as exc:
+            raise ScoringError(exc.cause) from None
+        return parsed.scores, parsed.explanations
 
     async def _cache_get(self, key: str) -> dict[str, Any] | None:
         if self.cache is None:

@@ -38,7 +38,7 @@ from ratchet.records import (
     decode,
     prompt_hash,
 )
-from ratchet.registry import AliasRoute, alias_key, served_name
+from ratchet.registry import AliasRoute, alias_key, decode_hash, served_name
 from ratchet.settings import AliasConfig, RatchetSettings
 
 log = logging.getLogger(__name__)
@@ -209,8 +209,7 @@ class JudgeService:
     async def _route(self, alias: str, config: AliasConfig) -> AliasRoute:
         """The live version, from Redis; the last one read while Redis is away."""
         try:
-            raw = await self.redis.hgetall(alias_key(alias))
-            data = {k.decode(): v.decode() for k, v in raw.items()}
+            data = decode_hash(await self.redis.hgetall(alias_key(alias)))
             route = (
                 AliasRoute.from_hash(alias, data, config.base_model)
                 if data

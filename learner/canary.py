@@ -32,13 +32,12 @@ from ratchet.records import (
     TrafficRecord,
     decode,
 )
-from ratchet.registry import AliasRoute
+from ratchet.registry import AliasRoute, decode_hash
 from ratchet.settings import CanaryConfig, RatchetSettings
 
 log = logging.getLogger(__name__)
 
 ARMS = ("active", "canary")
-_FIELDS = ("requests", "errors", "feedback", "feedback_sum")
 # Completion ids of canary-time exchanges, so later feedback can be credited to its arm.
 _MAX_REMEMBERED = 100_000
 
@@ -108,7 +107,7 @@ def read_counts(
     client: redis.Redis, alias: str
 ) -> tuple[int | None, float | None, dict[str, ArmStats]]:
     """(canary version the counts belong to, its start as a Unix time, stats per arm)."""
-    raw = {k.decode(): v.decode() for k, v in client.hgetall(canary_key(alias)).items()}
+    raw = decode_hash(client.hgetall(canary_key(alias)))
     version = int(raw["version"]) if raw.get("version") else None
     started = float(raw["started"]) if raw.get("started") else None
     stats = {

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -28,18 +26,12 @@ import numpy as np
 import orjson
 
 from ratchet.records import HeldoutPrompt
-from ratchet.rewards.ruler import (
-    JudgeReplyError,
-    build_judge_request,
-    judge_endpoint,
-    parse_judge_reply,
-)
+from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, judge_scores
+from ratchet.rewards.ruler import JudgeRequest, build_judge_request
 from ratchet.rewards.verifiers import VerifierError, load_verifier, run_verifier
 from ratchet.settings import AliasConfig, GateConfig, RatchetSettings
 
 log = logging.getLogger(__name__)
-
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 TIE_TOLERANCE = 1e-9
 
@@ -274,14 +266,11 @@ class Gate:
         order: tuple[int, int],
         seed: int,
     ) -> list[float] | None:
-        import litellm  # heavy import, only where a judge call is made
-
+        """The judge's scores for ``answers`` shown in ``order``; None if it gave no verdict."""
         reward, judge = config.reward, self.settings.judge
-        endpoint = judge_endpoint(judge, reward.judge_model, self.settings.vllm_url + "/v1")
-        for attempt in range(judge.judge_retries + 1):
-            if attempt:
-                await asyncio.sleep(min(8.0, 0.5 * 2 ** (attempt - 1)) * (0.5 + random.random()))
-            request = build_judge_request(
+
+        def request_for(attempt: int) -> JudgeRequest:
+            return build_judge_request(
                 prompt.prompt_messages,
                 answers,
                 reward.rubric,
@@ -289,23 +278,10 @@ class Gate:
                 seed=seed + attempt,
                 order=order,
             )
-            try:
-                async with self.limit:
-                    reply = await asyncio.wait_for(
-                        litellm.acompletion(
-                            model=reward.judge_model,
-                            messages=request.messages,
-                            response_format=request.response_format,
-                            temperature=0.0,
-                            max_tokens=judge.judge_max_tokens,
-                            num_retries=0,
-                            **endpoint,
-                        ),
-                        timeout=judge.judge_timeout_s,
-                    )
-                return parse_judge_reply(reply.choices[0].message.content or "", request).scores
-            except JudgeReplyError as exc:
-                log.info("gate: judge reply rejected (%s), attempt %d", exc, attempt + 1)
-            except Exception as exc:  # litellm raises many types; none may stop the learner
-                log.warning("gate: judge call failed (%s), attempt %d", type(exc).__name__, attempt)
-        return None
+
+        model = JudgeModel.of(judge, reward.judge_model, self.settings.vllm_url + "/v1")
+        try:
+            verdict = await judge_scores(request_for, model, judge.judge_retries, limit=self.limit)
+        except JudgeUnavailable:
+            return None
+        return verdict.scores

@@ -6,7 +6,8 @@ sees all K answers at once and ranks them against the rubric (the idea of RULER,
 Universal LLM-Elicited Rewards", from OpenPipe ART).
 
 This module is the pure core: it builds the judge request and parses the reply, with no network
-and no litellm. The service around it makes the call, retries and caches. Two threats shape it:
+and no litellm. ratchet/rewards/judge_call.py makes the call and retries; the judge caches. Two
+threats shape it:
 
 * Position. Samples are shuffled and named by short random ids, so the judge cannot learn that
   "the first one" is anything in particular, and its reply is mapped back by id, never by the
@@ -39,7 +40,6 @@ import orjson
 
 # Re-exported: the service and its tests take the default from here or from settings alike.
 from ratchet.settings import DEFAULT_RUBRIC as DEFAULT_RUBRIC
-from ratchet.settings import JudgeSettings
 
 # Ids are "s" + 4 hex digits: 65,536 names, so a few dozen samples rarely collide (and a
 # collision is simply redrawn). No judge context holds anywhere near this many answers.
@@ -465,24 +465,3 @@ def cache_key(
         option=orjson.OPT_SORT_KEYS,
     )
     return hashlib.sha256(blob).hexdigest()
-
-
-def judge_endpoint(
-    settings: JudgeSettings, judge_model: str, default_api_base: str
-) -> dict[str, str]:
-    """Where litellm sends a judge call, and with which key (the judge and the gate share it).
-
-    An explicit judge_api_base / judge_api_key wins. Otherwise a ``hosted_vllm/`` model is the
-    vLLM Ratchet serves from (``default_api_base``, which needs no key), and any other provider
-    is left to litellm's own defaults and environment (OPENAI_API_KEY, ANTHROPIC_API_KEY, ...).
-    """
-    options: dict[str, str] = {}
-    if settings.judge_api_base:
-        options["api_base"] = settings.judge_api_base
-    elif judge_model.startswith("hosted_vllm/"):
-        options["api_base"] = default_api_base
-    if settings.judge_api_key:
-        options["api_key"] = settings.judge_api_key.get_secret_value()
-    elif judge_model.startswith("hosted_vllm/"):
-        options["api_key"] = "unused"  # vLLM without --api-key accepts any
-    return options

@@ -15,8 +15,8 @@ from judge.sampler import SamplingError, parse_group, prompt_of, sampling_body
 from judge.scoring import GroupScorer, ScoringError
 from judge.service import JudgeService, Skip, fraction_of, group_id_of, is_heldout
 from ratchet.records import TrafficRecord
-from ratchet.rewards.ruler import JudgeReplyError, JudgeRequest, JudgeScores, judge_endpoint
-from ratchet.settings import AliasConfig, JudgeSettings, RatchetSettings, RewardConfig
+from ratchet.rewards.ruler import JudgeReplyError, JudgeRequest, JudgeScores
+from ratchet.settings import AliasConfig, JudgeSettings, RewardConfig
 
 PROMPT = [{"role": "user", "content": "q"}]
 
@@ -185,7 +185,7 @@ def run(coro: Any) -> Any:
 
 
 def test_identical_samples_are_judged_once_and_mapped_back(monkeypatch: Any) -> None:
-    monkeypatch.setattr("judge.scoring.asyncio.sleep", _no_sleep)
+    no_backoff(monkeypatch)
     scorer = ScriptedScorer([[0.9, 0.1]])
     score = run(scorer.score("a", RewardConfig(), PROMPT, None, answers("A", "B", "A", "B")))
     assert score.rewards == [0.9, 0.1, 0.9, 0.1]
@@ -198,14 +198,14 @@ def test_a_group_of_one_distinct_answer_is_not_sent_to_the_judge() -> None:
     assert score.rewards[0] == score.rewards[1] and not scorer.requests
 
 
-async def _no_sleep(_: float) -> None:
-    return None
+def no_backoff(monkeypatch: Any) -> None:
+    monkeypatch.setattr("ratchet.rewards.judge_call.backoff_s", lambda attempt: 0.0)
 
 
 def test_bad_replies_are_retried_then_the_group_is_dropped_with_the_cause(
     monkeypatch: Any,
 ) -> None:
-    monkeypatch.setattr("judge.scoring.asyncio.sleep", _no_sleep)
+    no_backoff(monkeypatch)
     bad = JudgeReplyError("missing_ids", "x")
     scorer = ScriptedScorer([bad, bad, bad])
     with pytest.raises(ScoringError) as failed:
@@ -283,19 +283,3 @@ def test_labels_file_errors_name_the_line(tmp_path: Any) -> None:
     )
     with pytest.raises(ValueError, match=r"labels\.jsonl:2"):
         cal.load_labels(path)
-
-
-def test_judge_endpoint_defaults_and_overrides() -> None:
-    settings = RatchetSettings()
-    default_base = settings.vllm_url + "/v1"
-    # The default judge is the embedded vLLM; other providers keep litellm's own defaults.
-    assert judge_endpoint(settings.judge, "hosted_vllm/m", default_base) == {
-        "api_base": "http://127.0.0.1:8401/v1",
-        "api_key": "unused",
-    }
-    assert judge_endpoint(settings.judge, "openai/gpt-4o-mini", default_base) == {}
-    custom = JudgeSettings(judge_api_base="http://judge:9/v1", judge_api_key="sk-j")
-    assert judge_endpoint(custom, "openai/x", "http://unused") == {
-        "api_base": "http://judge:9/v1",
-        "api_key": "sk-j",
-    }

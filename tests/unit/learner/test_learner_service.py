@@ -14,7 +14,8 @@ import pytest
 import redis
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
-from learner.service import LearnerService, baseline_length_key, trained_key
+from learner.round import trained_key
+from learner.service import LearnerService, baseline_length_key
 from ratchet.records import GROUPS_TOPIC, HeldoutPrompt, Sample, ScoredGroup
 from ratchet.settings import (
     AliasConfig,
@@ -187,11 +188,11 @@ def test_next_version_is_above_every_version_in_the_store(
     service: LearnerService, settings: RatchetSettings
 ) -> None:
     add_versions(service, (1, 0), (2, 1), (3, 2))
-    assert service.next_version(ALIAS) == 4  # the counter was behind the store
-    assert service.next_version(ALIAS) == 5
+    assert service.rounds.next_version(ALIAS) == 4  # the counter was behind the store
+    assert service.rounds.next_version(ALIAS) == 5
     other = LearnerService(settings, base_model_path=Path("unused"))  # a second learner
-    assert other.next_version(ALIAS) == 6
-    assert service.next_version("frozen") == 1  # per alias
+    assert other.rounds.next_version(ALIAS) == 6
+    assert service.rounds.next_version("frozen") == 1  # per alias
 
 
 def heldout(h: str) -> HeldoutPrompt:

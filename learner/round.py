@@ -1,0 +1,241 @@
+"""One round for one alias: train -> write -> gate -> outcome.
+
+1. train: load the live version's adapter and optimizer state (a fresh LoRA on v0), take
+   ``steps_per_round`` GRPO steps (learner/trainer.py);
+2. write: the next version number from Redis ``INCR``, the adapter written atomically to the
+   store (``base_model_name_or_path`` = vLLM's ``--model``), a ``candidate`` event;
+3. gate: the candidate against the live version on held-out prompts (learner/gate.py);
+4. outcome: canary (or promote at once when ``canary.weight`` is 0) or reject, written to Redis
+   in ONE transaction with the ids of the groups the round used.
+
+The service commits the groups' offsets only after step 4. A learner killed before step 4
+re-reads the groups and trains them again (a new version number; the orphaned folder is never
+served). Killed after step 4, it re-reads them and drops them all as duplicates: a round's
+outcome is never applied twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from learner.canary import reset_counts
+from learner.gate import Gate, GateError, GateResult
+from learner.metrics import LearnerMetrics
+from learner.trainer import LoraGRPOLearner, RoundStats, lora_settings, train_settings
+from ratchet.lifecycle import Lifecycle
+from ratchet.records import HeldoutPrompt, ScoredGroup
+from ratchet.registry import AliasRoute, served_name
+from ratchet.settings import AliasConfig, RatchetSettings
+from ratchet.store import AdapterStore
+
+log = logging.getLogger(__name__)
+
+TRAINED_TTL_S = 30 * 24 * 3600  # a group id older than the topic's retention cannot come back
+
+
+def next_version_key(alias: str) -> str:
+    return f"ratchet:learner:{alias}:next_version"
+
+
+def trained_key(alias: str) -> str:
+    """Sorted set of the group ids whose round outcome is stored (score: when)."""
+    return f"ratchet:learner:{alias}:trained"
+
+
+@dataclass
+class RoundReport:
+    alias: str
+    version: int
+    stats: RoundStats
+    gate: GateResult
+    outcome: str  # promoted | canary | rejected
+
+
+class Rounds:
+    """Runs rounds, and keeps what they share: the trainer (its base model loaded on the first
+    round, then kept in memory) and the gate."""
+
+    def __init__(
+        self,
+        settings: RatchetSettings,
+        base_model_path: Path,
+        store: AdapterStore,
+        lifecycle: Lifecycle,
+        metrics: LearnerMetrics,
+    ) -> None:
+        self.settings = settings
+        self.base_model_path = base_model_path
+        self.store = store
+        self.lifecycle = lifecycle
+        self.redis = lifecycle.writer.redis
+        self.metrics = metrics
+        self.gate = Gate(settings)
+        self._trainer: LoraGRPOLearner | None = None
+
+    def run(
+        self,
+        alias: str,
+        route: AliasRoute,
+        groups: list[ScoredGroup],
+        heldout: list[HeldoutPrompt],
+    ) -> RoundReport:
+        """A round on ``groups``, gated on the newest ``heldout`` prompts (given oldest first)."""
+        config = self.settings.aliases[alias]
+        stats = self.train(alias, route.active, groups)
+        version = self.write(alias, route.active, groups, stats)
+        result = self.gate_candidate(alias, config, route, version, heldout)
+        outcome = self.settle(alias, config, version, groups, stats, result)
+        return RoundReport(alias, version, stats, result, outcome)
+
+    def trainer(self) -> LoraGRPOLearner:
+        if self._trainer is None:
+            s = self.settings.learner
+            device = None if s.device == "auto" else s.device
+            self._trainer = LoraGRPOLearner(
+                self.base_model_path, lora_settings(s), train_settings(s), device=device
+            )
+            # Adapters must name their base exactly as vLLM's --model does, not a normalised path.
+            self._trainer.base_model_id = s.base_model_path or str(self.base_model_path)
+        return self._trainer
+
+    def next_version(self, alias: str) -> int:
+        """A version number no other learner will use (Redis INCR), above any in the store."""
+        existing = max(self.store.versions(alias), default=0)
+        version = int(self.redis.incr(next_version_key(alias)))
+        if version <= existing:
+            self.redis.set(next_version_key(alias), existing)
+            version = int(self.redis.incr(next_version_key(alias)))
+        return version
+
+    # --- the steps --------------------------------------------------------------------------
+
+    def train(self, alias: str, live: int, groups: list[ScoredGroup]) -> RoundStats:
+        trainer = self.trainer()
+        started = time.perf_counter()
+        trainer.load_adapter(self.store.path(alias, live) if live > 0 else None)
+        stats = trainer.train_round(groups)
+        self.metrics.round_seconds.labels(alias, "train").observe(time.perf_counter() - started)
+        m = self.metrics
+        m.train_reward.labels(alias).set(stats.mean_reward)
+        m.train_tokens.labels(alias).inc(stats.completion_tokens)
+        m.tokens_per_second.labels(alias).set(stats.tokens_per_second)
+        if stats.loss == stats.loss:  # not NaN
+            m.loss.labels(alias).set(stats.loss)
+            m.clip_fraction.labels(alias).set(stats.clip_frac_low + stats.clip_frac_high)
+        return stats
+
+    def write(self, alias: str, live: int, groups: list[ScoredGroup], stats: RoundStats) -> int:
+        """The candidate written to the store as the next version, and its ``candidate`` event."""
+        version = self.next_version(alias)
+        self.trainer().save_candidate(
+            self.store,
+            alias,
+            version,
+            parent=live,
+            meta={"group_ids": [g.group_id for g in groups], "alias": alias},
+        )
+        summary = {k: v for k, v in stats.as_dict().items() if k != "round"}
+        self.lifecycle.record(
+            self.lifecycle.event(
+                alias, "candidate", version=version, previous_version=live, detail=summary
+            )
+        )
+        log.info(
+            "%s: candidate v%d trained on %d groups (reward %.3f, %.1fs)",
+            alias,
+            version,
+            len(groups),
+            stats.mean_reward,
+            stats.seconds,
+        )
+        return version
+
+    def gate_candidate(
+        self,
+        alias: str,
+        config: AliasConfig,
+        route: AliasRoute,
+        version: int,
+        heldout: list[HeldoutPrompt],
+    ) -> GateResult:
+        """The gate's verdict on the candidate against the live version, and its ``gate`` event."""
+        live = route.active
+        started = time.perf_counter()
+        try:
+            result = asyncio.run(
+                self.gate.evaluate(
+                    alias,
+                    config,
+                    heldout[-config.gate.max_pairs :],
+                    served_name(alias, version, route.base_model),
+                    served_name(alias, live, route.base_model),
+                    seed=self.settings.learner.seed,
+                )
+            )
+        except GateError as exc:
+            result = GateResult(
+                passed=False,
+                reason=f"gate failed: {exc}",
+                pairs=0,
+                win_rate=None,
+                ci_low=None,
+                ci_high=None,
+                threshold=config.gate.threshold,
+                min_pairs=config.gate.min_pairs,
+            )
+            self.metrics.failures.labels(alias, "gate").inc()
+        self.metrics.round_seconds.labels(alias, "gate").observe(time.perf_counter() - started)
+        self.lifecycle.record(
+            self.lifecycle.event(
+                alias, "gate", version=version, previous_version=live, detail=result.as_dict()
+            )
+        )
+        if result.win_rate is not None:
+            self.metrics.gate_win_rate.labels(alias).set(result.win_rate)
+            self.metrics.gate_ci_low.labels(alias).set(result.ci_low or 0.0)
+        return result
+
+    def settle(
+        self,
+        alias: str,
+        config: AliasConfig,
+        version: int,
+        groups: list[ScoredGroup],
+        stats: RoundStats,
+        result: GateResult,
+    ) -> str:
+        """Reject, start a canary or promote, in one transaction with the groups marked trained."""
+        ids = [g.group_id for g in groups]
+
+        def mark_trained(pipe: Any) -> None:
+            now = time.time()
+            pipe.zadd(trained_key(alias), {gid: now for gid in ids})
+            pipe.zremrangebyscore(trained_key(alias), 0, now - TRAINED_TTL_S)
+
+        def start_canary(pipe: Any) -> None:
+            mark_trained(pipe)
+            reset_counts(pipe, alias, version)
+
+        detail = {"gate": result.as_dict(), "mean_reward": stats.mean_reward}
+        if not result.passed:
+            outcome = "rejected"
+            self.lifecycle.reject(
+                alias, version, {"reason": result.reason, **detail}, also=mark_trained
+            )
+        elif config.canary.weight > 0:
+            outcome = "canary"
+            self.lifecycle.start_canary(
+                alias, version, config.canary.weight, detail, also=start_canary
+            )
+        else:
+            outcome = "promoted"
+            self.lifecycle.promote(alias, version, detail, also=mark_trained)
+        self.metrics.rounds.labels(alias, outcome).inc()
+        self.metrics.last_round_timestamp.labels(alias).set(time.time())
+        log.info("%s: v%d %s (%s)", alias, version, outcome, result.reason)
+        return outcome

@@ -1,0 +1,195 @@
+"""A round's steps around the trainer and the gate, against a real Redis and adapter store: what it
+writes, what it asks the gate, and how each outcome is stored. The trainer is a stand-in (training
+itself is tests/unit/learner/test_trainer.py) and the gate's verdict is scripted (test_gate.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from learner.canary import read_counts
+from learner.gate import GateError, GateResult
+from learner.round import RoundReport, Rounds, trained_key
+from learner.service import LearnerService
+from learner.trainer import RoundStats
+from ratchet.records import HeldoutPrompt, ScoredGroup
+from ratchet.registry import AliasRoute
+from ratchet.settings import AliasConfig, CanaryConfig, GateConfig, RatchetSettings
+
+ALIAS = "support"
+
+
+class StandInTrainer:
+    """What a round asks of LoraGRPOLearner, without a model."""
+
+    def __init__(self) -> None:
+        self.loaded: list[Path | None] = []
+        self.trained: list[list[str]] = []
+
+    def load_adapter(self, folder: Path | None) -> None:
+        self.loaded.append(folder)
+
+    def train_round(self, groups: list[ScoredGroup]) -> RoundStats:
+        self.trained.append([g.group_id for g in groups])
+        nan = float("nan")
+        return RoundStats(
+            round=1, steps=2, groups=len(groups), groups_skipped=0, samples=2 * len(groups),
+            mean_reward=0.25, loss=nan, policy_loss=nan, kl=None, ratio_mean=1.0, ratio_min=1.0,
+            ratio_max=1.0, clip_frac_low=0.0, clip_frac_high=0.0, grad_norm=0.1, steps_skipped=0,
+            completion_tokens=40, total_tokens=100, seconds=2.0,
+        )  # fmt: skip
+
+    def save_candidate(
+        self, store: Any, alias: str, version: int, parent: int, meta: dict[str, Any]
+    ) -> Path:
+        def write(folder: Path) -> None:
+            (folder / "adapter_config.json").write_text(json.dumps({"r": 8}))
+
+        return store.write(alias, version, write, "/base", {"parent_version": parent, **meta})
+
+
+def group(gid: str) -> ScoredGroup:
+    return ScoredGroup(
+        group_id=gid,
+        alias=ALIAS,
+        version=0,
+        response_model="base",
+        prompt_messages=[{"role": "user", "content": gid}],
+        prompt_token_ids=[1, 2],
+        samples=[],
+        rewards=[0.0, 1.0],
+        traffic_request_id=f"req-{gid}",
+    )
+
+
+def heldout(h: str) -> HeldoutPrompt:
+    return HeldoutPrompt(
+        prompt_hash=h,
+        alias=ALIAS,
+        prompt_messages=[{"role": "user", "content": h}],
+        traffic_request_id=h,
+    )
+
+
+def verdict(passed: bool) -> GateResult:
+    return GateResult(passed, "scripted", 3, 0.9 if passed else 0.2, 0.8, 1.0, 0.5, 2)
+
+
+def make_rounds(redis_url: str, tmp_path: Path, canary_weight: float) -> Rounds:
+    settings = RatchetSettings(
+        redis_url=redis_url,
+        home=tmp_path,
+        kafka_bootstrap_servers="127.0.0.1:1",  # never reached: no Kafka in these tests
+        aliases={
+            ALIAS: AliasConfig(
+                base_model="base",
+                gate=GateConfig(min_pairs=2, max_pairs=2),
+                canary=CanaryConfig(weight=canary_weight),
+            )
+        },
+    )
+    service = LearnerService(settings, base_model_path=Path("unused"))
+    service.lifecycle.sink = None  # Redis history only
+    rounds = service.rounds
+    rounds._trainer = StandInTrainer()  # type: ignore[assignment]
+    return rounds
+
+
+def script_gate(
+    rounds: Rounds, monkeypatch: pytest.MonkeyPatch, outcome: GateResult | Exception
+) -> list[tuple[list[str], str, str]]:
+    """The gate answers ``outcome``; returns (prompt hashes, candidate, incumbent) per call."""
+    asked: list[tuple[list[str], str, str]] = []
+
+    async def evaluate(
+        alias: str,
+        config: AliasConfig,
+        prompts: list[HeldoutPrompt],
+        cand: str,
+        inc: str,
+        seed: int,
+    ) -> GateResult:
+        asked.append(([p.prompt_hash for p in prompts], cand, inc))
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(rounds.gate, "evaluate", evaluate)
+    return asked
+
+
+def run(rounds: Rounds, live: int = 0) -> RoundReport:
+    route = rounds.lifecycle.writer.read(ALIAS) or AliasRoute(alias=ALIAS, base_model="base")
+    assert route.active == live
+    heldout_pool = [heldout(h) for h in ("h1", "h2", "h3")]
+    return rounds.run(ALIAS, route, [group("g1"), group("g2")], heldout_pool)
+
+
+def kinds(rounds: Rounds) -> list[str]:
+    return [e["kind"] for e in reversed(rounds.lifecycle.writer.history(ALIAS))]
+
+
+def metric(rounds: Rounds, name: str, **labels: str) -> float | None:
+    return rounds.metrics.registry.get_sample_value(name, {"alias": ALIAS, **labels})
+
+
+def test_a_rejected_candidate_is_written_marked_and_its_groups_spent(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rounds = make_rounds(redis_url, tmp_path, canary_weight=0.1)
+    asked = script_gate(rounds, monkeypatch, verdict(passed=False))
+    report = run(rounds)
+    assert (report.version, report.outcome) == (1, "rejected")
+    # The gate compares the candidate with the live base model on the newest max_pairs prompts.
+    assert asked == [(["h2", "h3"], "support@v1", "base")]
+    trainer = rounds.trainer()
+    assert trainer.loaded == [None] and trainer.trained == [["g1", "g2"]]  # type: ignore[attr-defined]
+    assert rounds.store.meta(ALIAS, 1)["group_ids"] == ["g1", "g2"]
+    assert rounds.store.is_rejected(ALIAS, 1)
+    assert kinds(rounds) == ["candidate", "gate", "reject"]
+    assert {m.decode() for m in rounds.redis.zrange(trained_key(ALIAS), 0, -1)} == {"g1", "g2"}
+    assert metric(rounds, "ratchet_learner_rounds_total", result="rejected") == 1
+    assert metric(rounds, "ratchet_learner_gate_win_rate") == 0.2
+    assert metric(rounds, "ratchet_learner_train_reward_mean") == 0.25
+
+
+def test_a_passing_candidate_starts_a_canary_with_fresh_counts(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rounds = make_rounds(redis_url, tmp_path, canary_weight=0.1)
+    script_gate(rounds, monkeypatch, verdict(passed=True))
+    rounds.redis.hset(f"ratchet:canary:{ALIAS}", "canary_requests", 99)  # an older canary's
+    assert run(rounds).outcome == "canary"
+    route = rounds.lifecycle.writer.read(ALIAS)
+    assert route is not None and (route.active, route.canary) == (0, 1)
+    version, started, stats = read_counts(rounds.redis, ALIAS)
+    assert version == 1 and started is not None and stats["canary"].requests == 0
+    assert kinds(rounds) == ["candidate", "gate", "canary"]
+    assert rounds.redis.zscore(trained_key(ALIAS), "g1") is not None
+
+
+def test_without_a_canary_a_passing_candidate_is_promoted_and_trains_on(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rounds = make_rounds(redis_url, tmp_path, canary_weight=0.0)
+    asked = script_gate(rounds, monkeypatch, verdict(passed=True))
+    assert run(rounds).outcome == "promoted"
+    assert kinds(rounds) == ["candidate", "gate", "promote"]
+    report = run(rounds, live=1)  # the next round starts from the version now live
+    assert report.version == 2 and asked[-1][1:] == ("support@v2", "support@v1")
+    assert rounds.trainer().loaded[-1] == rounds.store.path(ALIAS, 1)  # type: ignore[attr-defined]
+    assert rounds.store.meta(ALIAS, 2)["parent_version"] == 1
+
+
+def test_a_gate_that_fails_rejects_the_candidate(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rounds = make_rounds(redis_url, tmp_path, canary_weight=0.1)
+    script_gate(rounds, monkeypatch, GateError("the verifier failed on a held-out prompt"))
+    report = run(rounds)
+    assert report.outcome == "rejected" and not report.gate.passed
+    assert report.gate.reason == "gate failed: the verifier failed on a held-out prompt"
+    assert metric(rounds, "ratchet_learner_failures_total", cause="gate") == 1
