@@ -10,8 +10,9 @@ One vLLM (the embedded stack's CPU build, started by ``ratchet.dev.stack.vllm_pa
 its adapter store in a temporary ``RATCHET_HOME``) serves the base model and every candidate
 through the filesystem resolver as ``<alias>@v<N>``. The shipped demo prompts
 (``ratchet.demo.load_prompts``) are split: the last ``--heldout`` are never trained on. For each
-``--config`` (see ``CONFIGS``; ``--set key=value`` overrides a field), from a fresh LoRA, each
-round:
+``--config`` (see ``CONFIGS``: ``shipped`` is the demo alias and learner section of the packaged
+``ratchet/dev/ratchet.yaml``, read from it; ``--set key=value`` overrides a field), from a fresh
+LoRA, each round:
 
 1. sample: ``groups`` training prompts (the next ones of a seeded shuffle), ``k`` answers each
    from the live version (v0 = the base, then the previous round's candidate: on-policy), in one
@@ -23,8 +24,8 @@ round:
 4. evaluate (not part of the round's time): every held-out prompt answered greedily
    (temperature 0) by the candidate and scored by the shipped verifier, paired with the base's
    greedy answer: mean score of each, and the win rate (candidate better 1, tie 0.5, worse 0) with
-   a 95% percentile-bootstrap interval over prompts (2000 resamples, seeded; the gate's own
-   functions from learner/gate.py). ``strict`` is the
+   a 95% percentile-bootstrap interval over prompts (the demo gate's ``bootstrap_samples``
+   resamples, seeded; the gate's own functions from learner/gate.py). ``strict`` is the
    share of held-out answers that are one JSON object and nothing else, scored by fields.
 
 Every phase is timed; the 1-minute load average is recorded with each round (the machine may be
@@ -49,6 +50,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 import orjson
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -56,10 +58,12 @@ from judge.sampler import parse_group, sampling_body
 from learner.gate import bootstrap_interval, verifier_outcome
 from ratchet import demo
 from ratchet.demo import expected_fields, extraction_reward, load_prompts
+from ratchet.dev.config import default_config_text
 from ratchet.dev.processes import free_port
 from ratchet.records import ScoredGroup
 from ratchet.rewards.ruler import strip_code_fence
 from ratchet.rewards.verifiers import Verifier, run_verifier
+from ratchet.settings import AliasConfig, LearnerSettings
 
 BASE = "smollm2-135m-instruct"
 T = TypeVar("T")
@@ -67,22 +71,42 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Config:
-    """One round's settings; the defaults are the shipped demo's (the default ratchet.yaml)."""
+    """One round's settings."""
 
-    lr: float = 1e-3
-    rank: int = 8
-    alpha: int = 16
-    k: int = 6
-    groups: int = 32
-    steps: int = 16
-    max_tokens: int = 64
-    temperature: float = 0.7
-    scale_rewards: str = "group"
-    reward: str = "shipped"  # the training reward: "shipped" (ratchet.demo) or "strict"
-    seed: int = 0
+    lr: float
+    rank: int
+    alpha: int
+    k: int
+    groups: int
+    steps: int
+    max_tokens: int
+    temperature: float
+    scale_rewards: str
+    reward: str  # the training reward: "shipped" (ratchet.demo) or "strict"
+    seed: int
 
 
-SHIPPED = Config()
+def shipped_settings() -> tuple[LearnerSettings, AliasConfig]:
+    """The learner section and the demo alias of the packaged ratchet.yaml (what `ratchet up`
+    writes), over the code's defaults, without this machine's RATCHET_* variables."""
+    data = yaml.safe_load(default_config_text())
+    return LearnerSettings(**data.get("learner", {})), AliasConfig(**data["aliases"]["demo"])
+
+
+SHIPPED_LEARNER, SHIPPED_DEMO = shipped_settings()
+SHIPPED = Config(
+    lr=SHIPPED_LEARNER.learning_rate,
+    rank=SHIPPED_LEARNER.lora_rank,
+    alpha=SHIPPED_LEARNER.lora_alpha,
+    k=SHIPPED_DEMO.learning.group_size,
+    groups=SHIPPED_LEARNER.batch_groups,
+    steps=SHIPPED_LEARNER.steps_per_round,
+    max_tokens=SHIPPED_DEMO.sampling.max_tokens,
+    temperature=SHIPPED_DEMO.sampling.temperature,
+    scale_rewards=SHIPPED_LEARNER.scale_rewards,
+    reward="shipped",
+    seed=SHIPPED_LEARNER.seed,
+)
 CONFIGS: dict[str, Config] = {
     "shipped": SHIPPED,
     # What was measured on the way to it (2 cores; held-out score of the base 0.49):
@@ -254,7 +278,7 @@ def win_rate(cand: list[float], base: list[float], seed: int = 0) -> tuple[float
     """The gate's own statistic: paired win rate (better 1, tie 0.5, worse 0) and its 95%
     percentile-bootstrap interval (learner/gate.py)."""
     wins = [verifier_outcome(c, b) for c, b in zip(cand, base, strict=True)]
-    low, high = bootstrap_interval(wins, samples=2000, seed=seed)
+    low, high = bootstrap_interval(wins, samples=SHIPPED_DEMO.gate.bootstrap_samples, seed=seed)
     return statistics.fmean(wins), low, high
 
 
@@ -286,19 +310,25 @@ def run_config(
 ) -> list[dict[str, Any]]:
     import torch
 
-    from learner.loss import GRPOLossConfig
-    from learner.trainer import LoraGRPOLearner, LoraSettings, TrainSettings
+    from learner.trainer import LoraGRPOLearner, lora_settings, train_settings
 
     alias = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-") or "demo"
+    # The shipped learner settings with this config's knobs: everything else as shipped.
+    settings = LearnerSettings(
+        **{
+            **SHIPPED_LEARNER.model_dump(),
+            "learning_rate": cfg.lr,
+            "lora_rank": cfg.rank,
+            "lora_alpha": cfg.alpha,
+            "steps_per_round": cfg.steps,
+            "scale_rewards": cfg.scale_rewards,
+            "seed": cfg.seed,
+        }
+    )
     learner = LoraGRPOLearner(
         model_path,
-        LoraSettings(rank=cfg.rank, alpha=cfg.alpha),
-        TrainSettings(
-            learning_rate=cfg.lr,
-            steps_per_round=cfg.steps,
-            loss=GRPOLossConfig(scale_rewards=cfg.scale_rewards),  # type: ignore[arg-type]
-            seed=cfg.seed,
-        ),
+        lora_settings(settings),
+        train_settings(settings),
         device="cpu",
         dtype=torch.float32,
     )
@@ -401,7 +431,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    types = {f.name: type(getattr(Config(), f.name)) for f in fields(Config)}
+    types = {f.name: type(getattr(SHIPPED, f.name)) for f in fields(Config)}
     out: dict[str, Any] = {}
     for item in items:
         key, _, value = item.partition("=")

@@ -15,8 +15,9 @@ fixed synthetic round: ``--groups`` groups of ``--group-size`` samples, each a `
 token prompt and a ``--completion-len`` token completion of random token ids (seeded), random
 rewards in [0, 1], and behaviour logprobs computed once by the base model (so the first step is
 on-policy, as with a fresh adapter). Three trainers, each with its own copy of the model and the
-same LoRA (rank, alpha, all linear projections, no dropout), the same AdamW (fused, lr, no
-weight decay, max grad norm 1) and no gradient checkpointing, train on that round:
+same LoRA (rank, alpha, dropout, all linear projections), the same AdamW (fused; learning rate,
+weight decay and max grad norm) and no gradient checkpointing, train on that round; those knobs
+are ``LearnerSettings``' defaults (ratchet/settings.py) unless a flag sets them:
 
 1. ours: ``LoraGRPOLearner.train_round(groups)`` from the ``ScoredGroup`` records, packing
    included: ``--steps`` optimizer steps, each on 1/steps of the groups, micro-batches of
@@ -24,7 +25,8 @@ weight decay, max grad norm 1) and no gradient checkpointing, train on that roun
    It packs each group as one row with its prompt once (learner/batch.py), where TRL and bare
    forward the prompt again with each of the group's samples.
 2. TRL: ``trl.GRPOTrainer`` (TRL 1.16) built with the same base model and ``peft_config``,
-   ``loss_type="dapo"``, ``beta=0``, ``epsilon=0.2``, ``epsilon_high=0.28``,
+   ``loss_type="dapo"``, the settings' ``kl_beta``, ``epsilon_low`` and ``epsilon_high`` as its
+   ``beta``, ``epsilon`` and ``epsilon_high``,
    ``per_device_train_batch_size`` = ``--micro-batch``, ``gradient_accumulation_steps`` so a step
    sees the same samples as ours, ``steps_per_generation`` = steps x accumulation, so one
    generation batch is one round. Generation is bypassed: ``_generate_and_score_completions``,
@@ -90,10 +92,14 @@ from learner.trainer import (  # noqa: E402
     LoraGRPOLearner,
     LoraSettings,
     TrainSettings,
+    lora_settings,
+    train_settings,
 )
 from ratchet.records import Sample, ScoredGroup  # noqa: E402
+from ratchet.settings import LearnerSettings  # noqa: E402
 
 console = Console(width=max(120, shutil.get_terminal_size((120, 40)).columns))
+DEFAULTS = LearnerSettings()
 METHODS = ("ours", "trl", "bare")
 
 
@@ -135,7 +141,7 @@ def with_behaviour_logprobs(learner: LoraGRPOLearner, groups: list[ScoredGroup])
     for group in groups:
         for sample in group.samples:  # placeholders, so that pack_groups accepts the samples
             sample.logprobs = [0.0] * len(sample.token_ids)
-        batch = pack_groups([group]).to(learner.device)
+        batch = pack_groups([group], learner.train.loss.scale_rewards).to(learner.device)
         with torch.no_grad(), learner._autocast():
             lp = token_logprobs(learner.model, batch).float().cpu()[0]
         segments = batch.segment_ids[0].cpu()
@@ -183,7 +189,7 @@ class BareLoop:
                     logits = self.head(positions).float()
                 loss = F.cross_entropy(logits, ids[:, p:].flatten())
                 (loss / len(chunks)).backward()
-            torch.nn.utils.clip_grad_norm_(learner.params, 1.0)
+            torch.nn.utils.clip_grad_norm_(learner.params, learner.train.max_grad_norm or math.inf)
             learner.optimizer.step()
             learner.optimizer.zero_grad(set_to_none=True)
 
@@ -213,6 +219,8 @@ def trl_inputs(groups: list[ScoredGroup], loss: GRPOLossConfig, device: torch.de
 def build_trl(
     args: argparse.Namespace,
     model_path: Path,
+    lora: LoraSettings,
+    train: TrainSettings,
     lora_targets: list[str],
     inputs: dict,
     callback: Any,
@@ -239,17 +247,17 @@ def build_trl(
         num_generations=args.group_size,
         num_iterations=1,
         max_steps=(args.warmup + args.rounds) * args.steps,
-        learning_rate=args.lr,
+        learning_rate=train.learning_rate,
         lr_scheduler_type="constant",
         warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
+        weight_decay=train.weight_decay,
+        max_grad_norm=train.max_grad_norm,
         optim="adamw_torch_fused",
         loss_type="dapo",
-        beta=0.0,
-        epsilon=0.2,
-        epsilon_high=0.28,
-        scale_rewards="group",
+        beta=train.loss.kl_beta,
+        epsilon=train.loss.epsilon_low,
+        epsilon_high=train.loss.epsilon_high,
+        scale_rewards=train.loss.scale_rewards,
         max_completion_length=args.completion_len,
         gradient_checkpointing=False,
         bf16=dtype == torch.bfloat16,
@@ -258,15 +266,15 @@ def build_trl(
         logging_steps=args.steps,
         report_to="none",
         save_strategy="no",
-        seed=args.seed,
+        seed=train.seed,
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     peft_config = LoraConfig(
-        r=args.rank,
-        lora_alpha=args.alpha,
-        lora_dropout=0.0,
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
         target_modules=lora_targets,
         bias="none",
         task_type="CAUSAL_LM",
@@ -464,7 +472,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=None, help="default: 32 CPU, 64 CUDA")
     parser.add_argument("--completion-len", type=int, default=None, help="default: 32 CPU, 64 CUDA")
-    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per round")
+    parser.add_argument(
+        "--steps", type=int, default=DEFAULTS.steps_per_round, help="optimizer steps per round"
+    )
     parser.add_argument(
         "--micro-batch",
         type=int,
@@ -475,10 +485,10 @@ def parse_args() -> argparse.Namespace:
         "--rounds", type=int, default=None, help="measured rounds per trainer (3 CPU, 5 CUDA)"
     )
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured rounds per trainer")
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--alpha", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rank", type=int, default=DEFAULTS.lora_rank)
+    parser.add_argument("--alpha", type=int, default=DEFAULTS.lora_alpha)
+    parser.add_argument("--lr", type=float, default=DEFAULTS.learning_rate)
+    parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
     parser.add_argument(
         "--threads", type=int, default=0, help="CPU threads (0: the cores the load average leaves)"
     )
@@ -533,15 +543,15 @@ def main() -> int:
 
     samples = args.groups * args.group_size
     seq_len = args.prompt_len + args.completion_len
-    lora = LoraSettings(rank=args.rank, alpha=args.alpha)
-    train = TrainSettings(
+    settings = LearnerSettings(
         learning_rate=args.lr,
         steps_per_round=args.steps,
         micro_batch_tokens=args.micro_batch * seq_len,
-        max_grad_norm=1.0,
-        loss=GRPOLossConfig(scale_rewards="group", epsilon_low=0.2, epsilon_high=0.28),
+        lora_rank=args.rank,
+        lora_alpha=args.alpha,
         seed=args.seed,
     )
+    lora, train = lora_settings(settings), train_settings(settings)
     ours = LoraGRPOLearner(args.model_path, lora, train, device=args.device, dtype=dtype)
     bare_learner = LoraGRPOLearner(args.model_path, lora, train, device=args.device, dtype=dtype)
     vocab = ours.model.get_base_model().config.vocab_size
@@ -554,6 +564,8 @@ def main() -> int:
     trainer = build_trl(
         args,
         args.model_path,
+        lora,
+        train,
         list(ours.target_modules),
         trl_inputs(groups, train.loss, device),
         callback,

@@ -63,9 +63,7 @@ class Batch:
         )
 
 
-def pack_groups(
-    groups: list[ScoredGroup], scale: ScaleRewards = "group", pad_token_id: int = 0
-) -> Batch:
+def pack_groups(groups: list[ScoredGroup], scale: ScaleRewards, pad_token_id: int = 0) -> Batch:
     """One row per group (see the module docstring), right-padded with ``pad_token_id``. A
     completion token whose logged logprob is not finite stays as context but is not trained on."""
     rows: list[list[int]] = []

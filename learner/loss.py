@@ -9,10 +9,13 @@ them (the behaviour policy).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ratchet.settings import LearnerSettings
 
 ScaleRewards = Literal["group", "batch", "none"]
 LossMode = Literal["ppo_clip", "cispo"]
@@ -21,6 +24,9 @@ LossMode = Literal["ppo_clip", "cispo"]
 @dataclass(frozen=True)
 class GRPOLossConfig:
     """Settings of :func:`grpo_loss`, and the advantage scaling of :func:`group_advantages`.
+
+    Built by :func:`loss_config` from ``LearnerSettings``, which holds every default and validates
+    every field (the settings' ``loss_mode`` is ``mode`` here).
 
     scale_rewards: what the group-centred rewards are divided by: the std of the sample's group
         ("group", GRPO), the std of all rewards in the batch ("batch", as in Lite PPO), or nothing
@@ -32,36 +38,33 @@ class GRPOLossConfig:
     cispo_max_weight: the cap on CISPO's importance weight: 1 + eps^IS_high in the MiniMax-M1
         paper (which sets no lower bound, and neither do we), eps_max in ScaleRL, TRL's
         ``epsilon_high`` when its ``loss_type="cispo"``.
-    kl_beta: weight of the k3 estimate of the KL to the base model; 0 (the default) turns it off,
-        and then no reference logprobs are needed.
+    kl_beta: weight of the k3 estimate of the KL to the base model; 0 turns it off, and then no
+        reference logprobs are needed.
     """
 
-    scale_rewards: ScaleRewards = "group"
-    mode: LossMode = "ppo_clip"
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.28
-    cispo_max_weight: float = 5.0
-    kl_beta: float = 0.0
+    scale_rewards: ScaleRewards
+    mode: LossMode
+    epsilon_low: float
+    epsilon_high: float
+    cispo_max_weight: float
+    kl_beta: float
 
-    def __post_init__(self) -> None:
-        if self.scale_rewards not in get_args(ScaleRewards):
-            raise ValueError(f"scale_rewards must be one of {get_args(ScaleRewards)}")
-        if self.mode not in get_args(LossMode):
-            raise ValueError(f"mode must be one of {get_args(LossMode)}")
-        if not 0.0 <= self.epsilon_low < 1.0:
-            raise ValueError("epsilon_low must be in [0, 1)")
-        if self.epsilon_high < 0.0:
-            raise ValueError("epsilon_high must be >= 0")
-        if self.cispo_max_weight <= 0.0:
-            raise ValueError("cispo_max_weight must be > 0")
-        if self.kl_beta < 0.0:
-            raise ValueError("kl_beta must be >= 0")
+
+def loss_config(s: LearnerSettings) -> GRPOLossConfig:
+    return GRPOLossConfig(
+        scale_rewards=s.scale_rewards,
+        mode=s.loss_mode,
+        epsilon_low=s.epsilon_low,
+        epsilon_high=s.epsilon_high,
+        cispo_max_weight=s.cispo_max_weight,
+        kl_beta=s.kl_beta,
+    )
 
 
 def group_advantages(
     rewards: Tensor,
-    group_ids: Tensor | None = None,
-    scale: ScaleRewards = "group",
+    group_ids: Tensor | None,
+    scale: ScaleRewards,
     eps: float = 1e-6,
 ) -> Tensor:
     """Group-relative advantages of one reward per sampled completion.

@@ -4,27 +4,15 @@ The main loop reads ``ratchet.groups`` (a consumer group, manual commits) and ``
 (all of it, no group: the gate's pool of prompts never trained on). Each group is either dropped,
 counted by reason (duplicate id, all-equal rewards, sampled by a version more than
 ``max_staleness`` promotions behind the live one, learning paused or off), or waits for its
-alias's next round. A round runs when ``batch_groups`` wait, or ``interval_s`` after the oldest
-one arrived with at least ``min_groups`` waiting, and never while the alias has a canary:
-
-1. train: load the live version's adapter and optimizer state (a fresh LoRA on v0), take
-   ``steps_per_round`` GRPO steps (learner/trainer.py);
-2. write: the next version number from Redis ``INCR``, the adapter written atomically to the
-   store (``base_model_name_or_path`` = vLLM's ``--model``), a ``candidate`` event;
-3. gate: the candidate against the live version on held-out prompts (learner/gate.py);
-4. outcome: canary (or promote at once when ``canary.weight`` is 0) or reject — written to Redis
-   in ONE transaction with the ids of the groups the round used;
-5. only then are the groups' offsets committed.
-
-A learner killed before step 4 re-reads the groups and trains them again (a new version number;
-the orphaned folder is never served). Killed after step 4, it re-reads them and drops them all
-as duplicates: a round's outcome is never applied twice. Canaries are watched by
-learner/canary.py in a thread of their own.
+alias's next round. A round (learner/round.py) runs when ``batch_groups`` wait, or ``interval_s``
+after the oldest one arrived with at least ``min_groups`` waiting, and never while the alias has a
+canary. A partition's offset is committed only past groups whose round outcome is stored.
+Canaries are watched by learner/canary.py in a thread of their own; the guard (learner/guard.py)
+pauses an alias's learning after a round that shows reward hacking or collapse.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import signal
 import threading
@@ -32,7 +20,6 @@ import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import redis
 from kafka import KafkaConsumer
@@ -40,8 +27,7 @@ from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 from prometheus_client import start_http_server
 
-from learner.canary import CanaryWatcher, reset_counts
-from learner.gate import Gate, GateError, GateResult
+from learner.canary import CanaryWatcher
 from learner.guard import (
     collapse,
     is_collapsed,
@@ -50,9 +36,8 @@ from learner.guard import (
     rounds_from_history,
     runaway_length,
 )
-from learner.loss import GRPOLossConfig
 from learner.metrics import LearnerMetrics
-from learner.trainer import LoraGRPOLearner, LoraSettings, RoundStats, TrainSettings
+from learner.round import RoundReport, Rounds, trained_key
 from ratchet.bus import ensure_topics, make_consumer
 from ratchet.lifecycle import EventSink, Lifecycle, LifecycleError
 from ratchet.records import (
@@ -63,54 +48,15 @@ from ratchet.records import (
     ScoredGroup,
     decode,
 )
-from ratchet.registry import AliasRoute, RegistryWriter, served_name
-from ratchet.settings import LearnerSettings, RatchetSettings
+from ratchet.registry import AliasRoute, RegistryWriter
+from ratchet.settings import RatchetSettings
 from ratchet.store import AdapterStore
 
 log = logging.getLogger(__name__)
 
-TRAINED_TTL_S = 30 * 24 * 3600  # a group id older than the topic's retention cannot come back
-
-
-def next_version_key(alias: str) -> str:
-    return f"ratchet:learner:{alias}:next_version"
-
-
-def trained_key(alias: str) -> str:
-    """Sorted set of the group ids whose round outcome is stored (score: when)."""
-    return f"ratchet:learner:{alias}:trained"
-
 
 def baseline_length_key(alias: str) -> str:
     return f"ratchet:learner:{alias}:baseline_length"
-
-
-def train_settings(s: LearnerSettings) -> TrainSettings:
-    return TrainSettings(
-        learning_rate=s.learning_rate,
-        steps_per_round=s.steps_per_round,
-        micro_batch_tokens=s.micro_batch_tokens,
-        max_grad_norm=s.max_grad_norm,
-        loss=GRPOLossConfig(
-            scale_rewards=s.scale_rewards,
-            mode=s.loss_mode,
-            epsilon_low=s.epsilon_low,
-            epsilon_high=s.epsilon_high,
-            cispo_max_weight=s.cispo_max_weight,
-            kl_beta=s.kl_beta,
-        ),
-        seed=s.seed,
-    )
-
-
-def lora_settings(s: LearnerSettings) -> LoraSettings:
-    targets = s.lora_target_modules
-    return LoraSettings(
-        rank=s.lora_rank,
-        alpha=s.lora_alpha,
-        dropout=s.lora_dropout,
-        target_modules=targets if isinstance(targets, str) else tuple(targets),
-    )
 
 
 @dataclass
@@ -121,26 +67,16 @@ class Waiting:
     arrived: float = field(default_factory=time.monotonic)
 
 
-@dataclass
-class RoundReport:
-    alias: str
-    version: int
-    stats: RoundStats
-    gate: GateResult
-    outcome: str  # promoted | canary | rejected
-
-
 class LearnerService:
     def __init__(self, settings: RatchetSettings, base_model_path: Path) -> None:
         self.settings = settings
-        self.base_model_path = base_model_path
         self.metrics = LearnerMetrics()
         assert settings.store_dir is not None
         self.store = AdapterStore(settings.store_dir)
         self.writer = RegistryWriter(settings.redis_url, settings.aliases)
         self.redis = self.writer.redis
         self.lifecycle = Lifecycle(self.writer, self.store, EventSink(settings), actor="learner")
-        self.gate = Gate(settings)
+        self.rounds = Rounds(settings, base_model_path, self.store, self.lifecycle, self.metrics)
         self.stopping = threading.Event()
         self.waiting: dict[str, list[Waiting]] = defaultdict(list)
         self.recent: dict[str, list[bool]] = defaultdict(list)  # collapsed? per group read
@@ -151,7 +87,6 @@ class LearnerService:
         self.paused_reason: dict[str, str] = {}  # the label of each alias's paused metric
         self._lineage: dict[tuple[str, int], int | None] = {}
         self._starved: set[str] = set()  # aliases told to wait for held-out prompts (logged once)
-        self._learner: LoraGRPOLearner | None = None
         self.groups_consumer: KafkaConsumer | None = None
         self.heldout_consumer: KafkaConsumer | None = None
 
@@ -240,135 +175,23 @@ class LearnerService:
             len(waiting) >= s.min_groups and time.monotonic() - waiting[0].arrived >= s.interval_s
         )
 
-    def learner_model(self) -> LoraGRPOLearner:
-        if self._learner is None:
-            s = self.settings.learner
-            device = None if s.device == "auto" else s.device
-            self._learner = LoraGRPOLearner(
-                self.base_model_path, lora_settings(s), train_settings(s), device=device
-            )
-            # Adapters must name their base exactly as vLLM's --model does, not a normalised path.
-            self._learner.base_model_id = s.base_model_path or str(self.base_model_path)
-        return self._learner
-
-    def next_version(self, alias: str) -> int:
-        """A version number no other learner will use (Redis INCR), above any in the store."""
-        existing = max(self.store.versions(alias), default=0)
-        version = int(self.redis.incr(next_version_key(alias)))
-        if version <= existing:
-            self.redis.set(next_version_key(alias), existing)
-            version = int(self.redis.incr(next_version_key(alias)))
-        return version
-
-    def run_round(self, alias: str) -> RoundReport | None:
-        config = self.settings.aliases[alias]
-        route = self.routes[alias]
+    def run_round(self, alias: str) -> RoundReport:
+        """A round on the oldest waiting groups; they stop waiting once its outcome is stored."""
         batch = self.waiting[alias][: self.settings.learner.batch_groups]
         groups = [w.group for w in batch]
-        learner = self.learner_model()
-        started = time.perf_counter()
-        live = route.active
-        learner.load_adapter(self.store.path(alias, live) if live > 0 else None)
-        stats = learner.train_round(groups)
-        self.metrics.round_seconds.labels(alias, "train").observe(time.perf_counter() - started)
-        version = self.next_version(alias)
-        learner.save_candidate(
-            self.store,
-            alias,
-            version,
-            parent=live,
-            meta={"group_ids": [g.group_id for g in groups], "alias": alias},
-        )
-        summary = {k: v for k, v in stats.as_dict().items() if k != "round"}
-        self.lifecycle.record(
-            self.lifecycle.event(
-                alias, "candidate", version=version, previous_version=live, detail=summary
-            )
-        )
-        self._observe_round(alias, stats)
-        log.info(
-            "%s: candidate v%d trained on %d groups (reward %.3f, %.1fs)",
-            alias,
-            version,
-            len(groups),
-            stats.mean_reward,
-            stats.seconds,
-        )
-
-        prompts = list(self.heldout[alias].values())[-config.gate.max_pairs :]
-        started = time.perf_counter()
-        try:
-            result = asyncio.run(
-                self.gate.evaluate(
-                    alias,
-                    config,
-                    prompts,
-                    served_name(alias, version, route.base_model),
-                    served_name(alias, live, route.base_model),
-                    seed=self.settings.learner.seed,
-                )
-            )
-        except GateError as exc:
-            result = GateResult(
-                False,
-                f"gate failed: {exc}",
-                0,
-                None,
-                None,
-                None,
-                config.gate.threshold,
-                config.gate.min_pairs,
-            )
-            self.metrics.failures.labels(alias, "gate").inc()
-        self.metrics.round_seconds.labels(alias, "gate").observe(time.perf_counter() - started)
-        self.lifecycle.record(
-            self.lifecycle.event(
-                alias, "gate", version=version, previous_version=live, detail=result.as_dict()
-            )
-        )
-        if result.win_rate is not None:
-            self.metrics.gate_win_rate.labels(alias).set(result.win_rate)
-            self.metrics.gate_ci_low.labels(alias).set(result.ci_low or 0.0)
-
-        ids = [g.group_id for g in groups]
-
-        def mark_trained(pipe: Any) -> None:
-            now = time.time()
-            pipe.zadd(trained_key(alias), {gid: now for gid in ids})
-            pipe.zremrangebyscore(trained_key(alias), 0, now - TRAINED_TTL_S)
-
-        detail = {"gate": result.as_dict(), "mean_reward": stats.mean_reward}
-        if not result.passed:
-            outcome = "rejected"
-            self.lifecycle.reject(
-                alias, version, {"reason": result.reason, **detail}, also=mark_trained
-            )
-        elif config.canary.weight > 0:
-            outcome = "canary"
-
-            def start(pipe: Any) -> None:
-                mark_trained(pipe)
-                reset_counts(pipe, alias, version)
-
-            self.lifecycle.start_canary(alias, version, config.canary.weight, detail, also=start)
-        else:
-            outcome = "promoted"
-            self.lifecycle.promote(alias, version, detail, also=mark_trained)
-        self.metrics.rounds.labels(alias, outcome).inc()
-        self.metrics.last_round_timestamp.labels(alias).set(time.time())
-        log.info("%s: v%d %s (%s)", alias, version, outcome, result.reason)
+        heldout = list(self.heldout[alias].values())
+        report = self.rounds.run(alias, self.routes[alias], groups, heldout)
         del self.waiting[alias][: len(batch)]
         self.metrics.waiting.labels(alias).set(len(self.waiting[alias]))
-        for _ in batch:
-            self.metrics.groups.labels(alias, "trained").inc()
+        self.metrics.groups.labels(alias, "trained").inc(len(batch))
         self.guard(alias, groups)
-        return RoundReport(alias, version, stats, result, outcome)
+        return report
 
     def guarded_round(self, alias: str) -> list[RoundReport]:
         """A round; one that fails for any reason but an outage pauses the alias (a bug or bad
         data would otherwise fail the same way forever) and leaves its groups uncommitted."""
         try:
-            report = self.run_round(alias)
+            return [self.run_round(alias)]
         except (KafkaError, redis.RedisError, OSError):
             raise  # an outage: the loop retries once the part is back
         except Exception as exc:
@@ -377,16 +200,6 @@ class LearnerService:
             self.metrics.rounds.labels(alias, "failed").inc()
             self.pause(alias, f"round_failed: {type(exc).__name__}: {str(exc)[:200]}")
             return []
-        return [report] if report is not None else []
-
-    def _observe_round(self, alias: str, stats: RoundStats) -> None:
-        m = self.metrics
-        m.train_reward.labels(alias).set(stats.mean_reward)
-        m.train_tokens.labels(alias).inc(stats.completion_tokens)
-        m.tokens_per_second.labels(alias).set(stats.tokens_per_second)
-        if stats.loss == stats.loss:  # not NaN
-            m.loss.labels(alias).set(stats.loss)
-            m.clip_fraction.labels(alias).set(stats.clip_frac_low + stats.clip_frac_high)
 
     def guard(self, alias: str, groups: list[ScoredGroup]) -> None:
         """Pause the alias's learning when the signs of reward hacking or collapse show."""
@@ -507,26 +320,12 @@ class LearnerService:
         start_http_server(s.metrics_port, addr=s.metrics_host, registry=self.metrics.registry)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stopping.set())
-        while not self.stopping.is_set():
-            try:
-                self.connect()
-                break
-            except KafkaError as exc:
-                log.warning("kafka unreachable (%s); retrying", exc)
-                time.sleep(1.0)
-        if self.stopping.is_set():
+        if not self._connect_until_up():
             return
-        watcher = CanaryWatcher(
-            self.settings,
-            Lifecycle(self.writer, self.store, EventSink(self.settings), actor="canary"),
-            self.metrics,
-            self.stopping,
-        )
-        thread = threading.Thread(target=watcher.run, name="canary", daemon=True)
-        thread.start()
+        watcher = self._start_canary_watcher()
         log.info("learner consuming %s as group %s", GROUPS_TOPIC, s.consumer_group)
         while not self.stopping.is_set():
-            if not thread.is_alive():
+            if not watcher.is_alive():
                 # Without its watcher no canary would ever end: exit, the supervisor restarts us.
                 raise SystemExit("the canary watcher thread died; see the log above")
             try:
@@ -536,12 +335,34 @@ class LearnerService:
                 log.warning("learner step failed (%s); retrying", exc)
                 self.metrics.failures.labels("-", type(exc).__name__).inc()
                 time.sleep(1.0)
-        thread.join(timeout=10)
+        watcher.join(timeout=10)
         for consumer in (self.groups_consumer, self.heldout_consumer):
             if consumer is not None:
                 consumer.close()
         if self.lifecycle.sink is not None:
             self.lifecycle.sink.close()
+
+    def _connect_until_up(self) -> bool:
+        """Connect to Kafka, retrying while it is unreachable; False if told to stop first."""
+        while not self.stopping.is_set():
+            try:
+                self.connect()
+                return True
+            except KafkaError as exc:
+                log.warning("kafka unreachable (%s); retrying", exc)
+                time.sleep(1.0)
+        return False
+
+    def _start_canary_watcher(self) -> threading.Thread:
+        watcher = CanaryWatcher(
+            self.settings,
+            Lifecycle(self.writer, self.store, EventSink(self.settings), actor="canary"),
+            self.metrics,
+            self.stopping,
+        )
+        thread = threading.Thread(target=watcher.run, name="canary", daemon=True)
+        thread.start()
+        return thread
 
 
 def serve(settings: RatchetSettings) -> None:

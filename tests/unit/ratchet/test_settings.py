@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
+from pydantic import BaseModel
 
 from proxy.app import create_app
+from ratchet.dev.config import default_config_text
 from ratchet.settings import (
     DEFAULT_BASE_MODEL,
+    AliasConfig,
     ConfigError,
     RatchetSettings,
     load_settings,
@@ -285,3 +290,66 @@ def test_a_held_out_pool_smaller_than_the_gate_needs_is_refused() -> None:
     load_settings(
         aliases={"a": {"gate": gate, "learning": {"enabled": False}}}, learner={"heldout_pool": 32}
     )
+
+
+# What the trainer's configs (learner/trainer.py, learner/loss.py) once refused themselves; the
+# settings, which build them, refuse it at load.
+BAD_TRAINING_KNOBS = [
+    ("steps_per_round", 0),
+    ("micro_batch_tokens", 0),
+    ("learning_rate", 0.0),
+    ("max_grad_norm", -1.0),
+    ("weight_decay", -0.1),
+    ("lora_rank", 0),
+    ("lora_alpha", 0),
+    ("lora_dropout", 1.0),
+    ("scale_rewards", "rank"),
+    ("loss_mode", "reinforce"),
+    ("epsilon_low", 1.0),
+    ("epsilon_high", -0.1),
+    ("cispo_max_weight", 0.0),
+    ("kl_beta", -1.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("knob", "value"), BAD_TRAINING_KNOBS, ids=[k for k, _ in BAD_TRAINING_KNOBS]
+)
+def test_bad_training_knobs_are_refused_by_name(knob: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(learner={knob: value})
+    assert f"learner.{knob}" in str(info.value)
+    assert f"RATCHET_LEARNER__{knob.upper()}" in str(info.value)
+
+
+def test_weight_decay_is_settable(config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert RatchetSettings().learner.weight_decay == 0.0
+    write_yaml(config, "learner: {weight_decay: 0.01}\n")
+    assert load_settings().learner.weight_decay == 0.01
+    monkeypatch.setenv("RATCHET_LEARNER__WEIGHT_DECAY", "0.02")
+    assert load_settings().learner.weight_decay == 0.02
+
+
+def _repeated_defaults(data: dict[str, Any], defaults: BaseModel, where: str) -> list[str]:
+    """The keys of ``data`` whose value is the one ``defaults`` already has."""
+    repeated = []
+    for key, value in data.items():
+        default = getattr(defaults, key)
+        if key == "aliases":
+            for name, alias in value.items():
+                repeated += _repeated_defaults(alias, AliasConfig(), f"{where}aliases.{name}.")
+        elif isinstance(default, BaseModel):
+            repeated += _repeated_defaults(value, default, f"{where}{key}.")
+        elif value == default:
+            repeated.append(f"{where}{key}")
+    return repeated
+
+
+def test_the_packaged_config_loads_and_repeats_no_default(tmp_path: Path) -> None:
+    """ratchet/dev/ratchet.yaml (what `ratchet up` writes) sets what differs from the defaults
+    in ratchet/settings.py, and nothing else: a repeated default is a second copy to drift."""
+    text = default_config_text()
+    settings = load_settings(write_yaml(tmp_path / "ratchet.yaml", text))
+    assert set(settings.aliases) == {"support", "demo"}
+    assert settings.aliases["demo"].reward.verifier == "ratchet.demo:extraction_reward"
+    assert _repeated_defaults(yaml.safe_load(text), RatchetSettings(), "") == []
