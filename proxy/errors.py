@@ -1,4 +1,4 @@
-"""The proxy's one error envelope and its exception handlers.
+"""The proxy's one error envelope and its one exception handler.
 
 Every error a client sees is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx
 status, raised as :class:`ProxyError` anywhere in the proxy and rendered by one handler. Nothing
@@ -67,13 +67,17 @@ _STATUS_TYPES = {
 }
 
 
-def install_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ProxyError)
-    async def _proxy_error(_: Request, exc: ProxyError) -> Response:
-        return exc.response()
+def internal_error() -> ProxyError:
+    return ProxyError(
+        500, "internal error in the Ratchet proxy", type="server_error", code="internal_error"
+    )
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+
+def _as_proxy_error(request: Request, exc: Exception) -> ProxyError:
+    """What the client is told about any exception that ends a request."""
+    if isinstance(exc, ProxyError):
+        return exc
+    if isinstance(exc, StarletteHTTPException):  # no such route or method, and the like
         kind, code = _STATUS_TYPES.get(exc.status_code, ("invalid_request_error", "error"))
         message = (
             f"{request.method} {request.url.path} is not a route of this API"
@@ -82,13 +86,16 @@ def install_handlers(app: FastAPI) -> None:
         )
         # Keep Starlette's headers: a 405 must say which methods are allowed (Allow).
         headers = getattr(exc, "headers", None)
-        return ProxyError(
-            exc.status_code, message, type=kind, code=code, headers=headers
-        ).response()
+        return ProxyError(exc.status_code, message, type=kind, code=code, headers=headers)
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return internal_error()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return ProxyError(
-            500, "internal error in the Ratchet proxy", type="server_error", code="internal_error"
-        ).response()
+
+async def _error_response(request: Request, exc: Exception) -> Response:
+    return _as_proxy_error(request, exc).response()
+
+
+def install_handler(app: FastAPI) -> None:
+    """One handler for every exception; Starlette looks handlers up by class, hence three keys."""
+    for kind in (ProxyError, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, _error_response)

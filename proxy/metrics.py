@@ -57,33 +57,21 @@ class ProxyMetrics:
             (*labels, "endpoint", "status"),
             registry=r,
         )
-        self.latency = Histogram(
-            "ratchet_proxy_request_seconds",
-            "Total request latency seen by the proxy",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+
+        def histogram(name: str, doc: str, label_names: tuple[str, ...] = labels) -> Histogram:
+            return Histogram(name, doc, label_names, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.latency = histogram(
+            "ratchet_proxy_request_seconds", "Total request latency seen by the proxy"
         )
-        self.upstream_latency = Histogram(
-            "ratchet_proxy_upstream_seconds",
-            "Time spent waiting on vLLM",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.upstream_latency = histogram(
+            "ratchet_proxy_upstream_seconds", "Time spent waiting on vLLM"
         )
-        self.added_latency = Histogram(
-            "ratchet_proxy_added_seconds",
-            "Latency the proxy adds on top of vLLM",
-            ("alias",),
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.added_latency = histogram(
+            "ratchet_proxy_added_seconds", "Latency the proxy adds on top of vLLM", ("alias",)
         )
-        self.ttft = Histogram(
-            "ratchet_proxy_time_to_first_token_seconds",
-            "Time to first streamed chunk",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.ttft = histogram(
+            "ratchet_proxy_time_to_first_token_seconds", "Time to first streamed chunk"
         )
         self.tokens = Counter(
             "ratchet_proxy_tokens_total",

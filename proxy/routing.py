@@ -25,9 +25,7 @@ class RoutingCache:
     grows, which is exported as a metric.
     """
 
-    def __init__(
-        self, redis_url: str, aliases: dict[str, AliasConfig], refresh_s: float = 5.0
-    ) -> None:
+    def __init__(self, redis_url: str, aliases: dict[str, AliasConfig], refresh_s: float) -> None:
         self._redis = aioredis.Redis.from_url(
             redis_url, socket_timeout=2, socket_connect_timeout=1, health_check_interval=5
         )

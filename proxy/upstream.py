@@ -1,11 +1,4 @@
-"""Talking to vLLM: a small pooled HTTP/1.1 client, error mapping, and a health watcher.
-
-The proxy's added latency is the product, and the client was most of it: aiohttp's request
-machinery (request and response objects, header multidicts, tracing, timers) cost about 0.15 ms
-of Python per call on the bench machine, against 0.05 ms for the whole round trip here. The proxy
-needs little of it: one upstream, POST with a JSON body or GET, a status, the body whole or as it
-arrives. So this is an asyncio protocol with llhttp (httptools, which uvicorn also parses with)
-and a LIFO pool of keep-alive connections; llhttp undoes chunked transfer encoding.
+"""vLLM as the proxy sees it: forwarded calls, readiness, and its failures as ProxyErrors.
 
 Only the paths in FORWARDED_PATHS (and /health) are ever called: vLLM's adapter admin routes
 share its port and must stay unreachable through the proxy.
@@ -16,303 +9,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import ssl
-import time
-from collections import deque
-from collections.abc import AsyncIterator
 from typing import Any
-from urllib.parse import urlsplit
 
-import httptools
 import orjson
 
 from proxy.errors import ProxyError
+from proxy.http1 import UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
-# vLLM's adapter admin routes share its inference port; the proxy forwards none of them. This
-# is the whole list of upstream paths the proxy ever calls.
+# The whole list of upstream paths the proxy ever calls.
 FORWARDED_PATHS = {
     "chat.completions": "/v1/chat/completions",
     "completions": "/v1/completions",
 }
-
-# vLLM's uvicorn drops idle connections after 5 s; ours go first.
-KEEPALIVE_S = 4.0
-# Past this much unread answer, stop reading from the socket until the relay catches up.
-READ_HIGH_WATER = 1 << 20
-
-
-class UpstreamClosed(ConnectionError):
-    """The connection ended before the answer did."""
-
-    def __init__(self, message: str, *, answered: bool) -> None:
-        super().__init__(message)
-        self.answered = answered  # False: nothing came back, so the request may be sent again
-
-
-class UpstreamResponse:
-    """One answer: ``status`` at once, the body with :meth:`read` or :meth:`iter_any`, then
-    :meth:`release` (after ``read`` it is released already)."""
-
-    def __init__(self, connection: _Connection, deadline: float) -> None:
-        self.status = 0
-        self._connection = connection
-        self._deadline = deadline
-        self._chunks: deque[bytes] = deque()
-        self._buffered = 0
-        self._complete = False
-        self._error: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._released = False
-
-    # ---- fed by the connection ----
-    def _feed(self, chunk: bytes) -> None:
-        self._chunks.append(chunk)
-        self._buffered += len(chunk)
-        if self._buffered > READ_HIGH_WATER:
-            self._connection.pause()
-        self._wake()
-
-    def _finish(self) -> None:
-        self._complete = True
-        self._wake()
-
-    def _fail(self, error: BaseException) -> None:
-        if not self._complete:
-            self._error = error
-            self._wake()
-
-    def _wake(self) -> None:
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    # ---- read by the proxy ----
-    async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
-        timeout = self._deadline - time.monotonic()
-        if timeout <= 0:
-            raise TimeoutError
-        async with asyncio.timeout(timeout):
-            await self._waiter
-
-    async def iter_any(self) -> AsyncIterator[bytes]:
-        """The body as it arrives, in whatever pieces the socket gives."""
-        while True:
-            while self._chunks:
-                chunk = self._chunks.popleft()
-                self._buffered -= len(chunk)
-                if self._buffered <= READ_HIGH_WATER // 2:
-                    self._connection.resume()
-                yield chunk
-            if self._complete:
-                return
-            if self._error is not None:
-                raise self._error
-            await self._wait()
-
-    async def read(self) -> bytes:
-        try:
-            parts = [chunk async for chunk in self.iter_any()]
-        finally:
-            self.release()
-        return b"".join(parts)
-
-    def release(self) -> None:
-        """Give the connection back to the pool when the answer was read whole, else close it."""
-        if self._released:
-            return
-        self._released = True
-        self._connection.finish_response(reusable=self._complete and self._error is None)
-
-
-class _Connection(asyncio.Protocol):
-    """One keep-alive connection; llhttp parses what comes back."""
-
-    def __init__(self, pool: UpstreamPool) -> None:
-        self.pool = pool
-        self.parser = httptools.HttpResponseParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.response: UpstreamResponse | None = None
-        self.headers_done: asyncio.Future[None] | None = None
-        self.received = False  # any byte of the current answer
-        self.closed = False
-        self.keep_alive = True
-        self.idle_since = 0.0
-        self.paused = False
-
-    # ---- asyncio.Protocol ----
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        self.received = True
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:  # never asked for
-            self._broken(UpstreamClosed("the model server switched protocols", answered=True))
-        except httptools.HttpParserError as exc:
-            error = f"malformed answer from the model server: {exc}"
-            self._broken(UpstreamClosed(error, answered=True))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self._broken(
-            UpstreamClosed(
-                f"the model server closed the connection{f': {exc}' if exc else ''}",
-                answered=self.received,
-            )
-        )
-
-    # ---- llhttp callbacks ----
-    def on_headers_complete(self) -> None:
-        if self.response is not None:
-            self.response.status = self.parser.get_status_code()
-        self.keep_alive = self.parser.should_keep_alive()
-        if self.headers_done is not None and not self.headers_done.done():
-            self.headers_done.set_result(None)
-
-    def on_body(self, body: bytes) -> None:
-        if self.response is not None:
-            self.response._feed(body)
-
-    def on_message_complete(self) -> None:
-        if self.response is not None:
-            self.response._finish()
-
-    # ---- used by the pool and the response ----
-    def send(self, request: bytes, response: UpstreamResponse) -> asyncio.Future[None]:
-        assert self.transport is not None
-        self.response = response
-        self.received = False
-        self.headers_done = asyncio.get_running_loop().create_future()
-        self.transport.write(request)
-        return self.headers_done
-
-    def finish_response(self, reusable: bool) -> None:
-        self.response = None
-        self.headers_done = None
-        self.resume()
-        if reusable and self.keep_alive and not self.closed:
-            self.idle_since = time.monotonic()
-            self.pool.put(self)
-        else:
-            self.close()
-
-    def pause(self) -> None:
-        if not self.paused and self.transport is not None and not self.closed:
-            self.paused = True
-            self.transport.pause_reading()
-
-    def resume(self) -> None:
-        if self.paused and self.transport is not None and not self.closed:
-            self.paused = False
-            self.transport.resume_reading()
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
-
-    def _broken(self, error: UpstreamClosed) -> None:
-        if self.headers_done is not None and not self.headers_done.done():
-            self.headers_done.set_exception(error)
-        if self.response is not None:
-            self.response._fail(error)
-        if not self.closed:
-            self.close()
-
-
-class UpstreamPool:
-    """Connections to one upstream (``http://`` or ``https://`` base URL, with an optional path
-    prefix), most recently used first so idle ones age out."""
-
-    def __init__(self, base_url: str, connect_timeout_s: float, total_timeout_s: float) -> None:
-        url = urlsplit(base_url.rstrip("/"))
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise ValueError(f"vllm_url must be http(s)://host[:port][/prefix], not {base_url!r}")
-        self.host = url.hostname
-        self.port = url.port or (443 if url.scheme == "https" else 80)
-        self.ssl = ssl.create_default_context() if url.scheme == "https" else None
-        self.prefix = url.path.encode()
-        netloc = url.netloc.rsplit("@", 1)[-1].encode()
-        self.connect_timeout_s = connect_timeout_s
-        self.total_timeout_s = total_timeout_s
-        self._idle: list[_Connection] = []
-        self._head = b" HTTP/1.1\r\nHost: " + netloc + b"\r\n"
-
-    def put(self, connection: _Connection) -> None:
-        self._idle.append(connection)
-
-    def _take_idle(self) -> _Connection | None:
-        now = time.monotonic()
-        while self._idle:
-            connection = self._idle.pop()
-            if not connection.closed and now - connection.idle_since < KEEPALIVE_S:
-                return connection
-            connection.close()
-        return None
-
-    async def _connect(self) -> _Connection:
-        loop = asyncio.get_running_loop()
-        async with asyncio.timeout(self.connect_timeout_s):
-            _, connection = await loop.create_connection(
-                lambda: _Connection(self),
-                self.host,
-                self.port,
-                ssl=self.ssl,
-                server_hostname=self.host if self.ssl else None,
-            )
-        return connection
-
-    async def request(
-        self, method: bytes, path: str, body: bytes = b"", timeout_s: float | None = None
-    ) -> UpstreamResponse:
-        """Send one request and wait for the answer's status line and headers.
-
-        A pooled connection the server closed just before we used it fails with nothing
-        answered: the request is then sent once more on a fresh connection (the server never
-        saw it, so repeating is safe). Raises OSError / TimeoutError / UpstreamClosed.
-        """
-        deadline = time.monotonic() + (timeout_s or self.total_timeout_s)
-        head = method + b" " + self.prefix + path.encode() + self._head
-        if body or method == b"POST":
-            head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
-        request = head + b"\r\n" + body
-        while True:
-            connection = self._take_idle()
-            reused = connection is not None
-            if connection is None:
-                connection = await self._connect()
-            response = UpstreamResponse(connection, deadline)
-            try:
-                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                    await connection.send(request, response)
-            except UpstreamClosed as exc:
-                connection.close()
-                if reused and not exc.answered:
-                    continue
-                raise
-            except BaseException:
-                connection.close()
-                raise
-            return response
-
-    def prune(self) -> None:
-        """Drop idle connections that closed or aged out (only the newest are looked at per
-        request)."""
-        now = time.monotonic()
-        keep = [c for c in self._idle if not c.closed and now - c.idle_since < KEEPALIVE_S]
-        for connection in self._idle:
-            if connection not in keep:
-                connection.close()
-        self._idle = keep
-
-    def close(self) -> None:
-        for connection in self._idle:
-            connection.close()
-        self._idle.clear()
 
 
 class Upstream:
@@ -367,6 +77,26 @@ class Upstream:
         except OSError as exc:
             raise self._unavailable(exc) from None
 
+    @staticmethod
+    async def read(response: UpstreamResponse) -> bytes:
+        """The whole answer; a connection dropped mid-body is a 502, a stalled one a 504."""
+        try:
+            return await response.read()
+        except TimeoutError:
+            raise ProxyError(
+                504,
+                "the model server did not finish its answer in time",
+                type="server_error",
+                code="upstream_timeout",
+            ) from None
+        except OSError as exc:
+            raise ProxyError(
+                502,
+                f"the model server dropped the answer: {exc}",
+                type="server_error",
+                code="upstream_error",
+            ) from None
+
     def _unavailable(self, exc: Exception) -> ProxyError:
         self.ready = False
         log.warning("vLLM unreachable: %s", exc)
@@ -377,6 +107,16 @@ class Upstream:
             code="upstream_unavailable",
             headers={"Retry-After": "1"},
         )
+
+
+def stream_dropped(exc: BaseException) -> ProxyError:
+    """vLLM broke off a stream whose 200 the client already has: told in-band, as an event."""
+    return ProxyError(
+        502,
+        f"the model server dropped the stream: {exc}",
+        type="server_error",
+        code="upstream_error",
+    )
 
 
 def upstream_error(status: int, body: bytes, served_name: str) -> ProxyError:

@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from proxy.sse import iter_sse_data, last_usage
 from ratchet.records import TrafficRecord
 
 REDACTED = "[REDACTED]"
@@ -35,23 +36,6 @@ class Redactor:
         if isinstance(value, dict):
             return {k: self(v) for k, v in value.items()}
         return value
-
-
-def iter_sse_data(chunks: list[bytes]) -> list[dict[str, Any]]:
-    """Parse the JSON payloads of an SSE byte stream (``data: {...}`` events, ``[DONE]`` ends)."""
-    events = []
-    for block in b"".join(chunks).split(b"\n\n"):
-        for line in block.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if not payload or payload == b"[DONE]":
-                continue
-            try:
-                events.append(orjson.loads(payload))
-            except orjson.JSONDecodeError:
-                continue
-    return events
 
 
 def _merge_tool_calls(target: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
@@ -156,11 +140,7 @@ class Exchange:
         """(input, output) tokens, read without assembling the whole answer."""
         usage: dict[str, Any] = {}
         if self.stream:
-            # The usage chunk is the last event; look only at the stream's tail.
-            for event in reversed(iter_sse_data(self.response_chunks[-3:])):
-                if event.get("usage"):
-                    usage = event["usage"]
-                    break
+            usage = last_usage(b"".join(self.response_chunks)) or {}
         elif self.status == 200 and self.response_body:
             usage = orjson.loads(self.response_body).get("usage") or {}
         return usage.get("prompt_tokens"), usage.get("completion_tokens")
@@ -177,12 +157,12 @@ class Exchange:
         user = self.request.get("user")
         return TrafficRecord(
             request_id=self.request_id,
-            endpoint=self.endpoint,  # type: ignore[arg-type]
+            endpoint=self.endpoint,
             alias=self.alias,
             request_model=self.alias,
             response_model=self.served_name,
             version=self.version,
-            canary_arm=self.canary_arm,  # type: ignore[arg-type]
+            canary_arm=self.canary_arm,
             request=self.redactor(self.request),
             response_id=body.get("id"),
             choices=self.redactor(choices),

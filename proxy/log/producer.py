@@ -36,8 +36,9 @@ QueueItem = OutgoingRecord | None
 class RecordProducer:
     """Produce records off the caller's thread; spool when the broker is away.
 
-    The counters (``queued``, ``sent``, ``spooled``, ``dropped``, ``replayed``) are read by the
-    service's metrics. ``on_state`` is told ``True``/``False`` as the broker comes and goes.
+    The counters (``sent``, ``spooled``, ``dropped``, ``replayed``), ``depth`` and ``connected``
+    go into the log worker's reports. ``on_state`` is told ``True``/``False`` as the broker comes
+    and goes.
     """
 
     def __init__(

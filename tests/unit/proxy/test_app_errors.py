@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from kafka.errors import KafkaTimeoutError
 from proxy.app import create_app
 from proxy.log.spool import OutgoingRecord, Spool
 from ratchet import bus
+from ratchet.dev.processes import free_port as closed_port
 from ratchet.records import TRAFFIC_TOPIC, hash_api_key
 from ratchet.settings import RatchetSettings
 
@@ -31,12 +31,6 @@ API_KEY = "sk-unit-test-0123456789"
 MSG = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
-
-
-def closed_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _refuse_fast(bootstrap: str, *_: Any) -> list[str]:

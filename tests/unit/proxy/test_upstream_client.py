@@ -1,6 +1,7 @@
-"""The proxy's HTTP client to vLLM (proxy/upstream.py) against real HTTP servers: aiohttp's for
-well-behaved answers, raw asyncio servers for the faults a real server only makes by accident
-(closing a kept-alive connection just as it is reused, cutting an answer short)."""
+"""The proxy's HTTP client to vLLM (proxy/http1.py, proxy/upstream.py) against real HTTP
+servers: aiohttp's for well-behaved answers, raw asyncio servers for the faults a real server
+only makes by accident (closing a kept-alive connection just as it is reused, cutting an answer
+short)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 from aiohttp import web
 
 from proxy.errors import ProxyError
-from proxy.upstream import Upstream, UpstreamClosed, UpstreamPool
+from proxy.http1 import UpstreamClosed, UpstreamPool
+from proxy.upstream import Upstream
 from ratchet.dev.processes import free_port as closed_port
 
 BIG = bytes(range(256)) * (4 * 4096)  # 4 MiB: past the read high-water mark

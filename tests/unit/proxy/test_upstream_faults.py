@@ -1,22 +1,17 @@
 """Upstream faults vLLM cannot be made to produce on demand: a hang, a 500, a missing adapter and
-a stream cut mid-way. A small aiohttp server stands in for vLLM; everything else is the real app."""
+a stream cut mid-way. A small aiohttp server stands in for vLLM (conftest.py); everything else
+is the real app."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
-import pytest
 from aiohttp import web
 
-from proxy.app import create_app
 from proxy.log.spool import Spool
-from ratchet.dev.processes import free_port as closed_port
-from ratchet.settings import RatchetSettings
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -43,47 +38,6 @@ async def cut_stream(request: web.Request) -> web.StreamResponse:
     await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
     request.transport.close()  # the model server dies mid-answer
     return response
-
-
-async def health(_: web.Request) -> web.Response:
-    return web.Response(text="ok")
-
-
-@pytest.fixture
-async def upstream() -> AsyncIterator[dict[str, Any]]:
-    routes: dict[str, Any] = {"handler": hang}
-
-    async def dispatch(request: web.Request) -> web.StreamResponse:
-        return await routes["handler"](request)
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", dispatch)
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = closed_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    routes["url"] = f"http://127.0.0.1:{port}"
-    yield routes
-    await runner.cleanup()
-
-
-@pytest.fixture
-async def proxy(
-    upstream: dict[str, Any], tmp_path: Path
-) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
-    settings = RatchetSettings(
-        home=tmp_path,  # its own spool; the broker's port is closed, so records land there
-        kafka_bootstrap_servers=f"127.0.0.1:{closed_port()}",
-        redis_url=f"redis://127.0.0.1:{closed_port()}/0",
-        vllm_url=upstream["url"],
-        proxy={"upstream_timeout_s": 0.5},
-    )
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
-            yield client, app.state.ratchet
 
 
 def assert_envelope(response: httpx.Response, status: int, code: str) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from proxy.log import producer as producer_module
 from proxy.log.producer import RecordProducer
 from proxy.log.spool import OutgoingRecord, Spool
 from ratchet import bus
+from ratchet.dev.processes import free_port as closed_port
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord, Record
 from ratchet.settings import KafkaSettings
 
@@ -120,15 +120,9 @@ def outgoing(record: Record, key: str) -> OutgoingRecord:
     return OutgoingRecord(record.TOPIC, key.encode(), record.to_json())
 
 
-def _closed_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def producer(tmp_path: Path, **kwargs) -> RecordProducer:
     return RecordProducer(
-        f"127.0.0.1:{_closed_port()}",
+        f"127.0.0.1:{closed_port()}",
         KafkaSettings(),
         tmp_path / "spool",
         topics=[TRAFFIC_TOPIC, FEEDBACK_TOPIC],

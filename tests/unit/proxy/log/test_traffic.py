@@ -1,14 +1,17 @@
-"""proxy/log/exchange.py: SSE parsing, folding streamed chunks into a body, redaction, records."""
+"""proxy/log/exchange.py: folding streamed chunks into a body, redaction, records.
+
+SSE parsing itself is tests/unit/proxy/test_sse.py."""
 
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import orjson
 import pytest
 
-from proxy.log.exchange import REDACTED, Exchange, Redactor, assemble_stream, iter_sse_data
+from proxy.log.exchange import REDACTED, Exchange, Redactor, assemble_stream
 from ratchet.records import TRAFFIC_TOPIC, TrafficRecord, decode, hash_api_key
 
 
@@ -29,58 +32,6 @@ def chat_chunk(index: int, delta: dict[str, Any], finish: str | None = None, **e
 
 USAGE = {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16}
 USAGE_CHUNK = {"id": "chatcmpl-7", "object": "chat.completion.chunk", "choices": [], "usage": USAGE}
-
-
-# ---- iter_sse_data ------------------------------------------------------------------------------
-
-
-EVENTS = [
-    {"id": "x", "choices": [{"index": 0, "delta": {"content": "héllo\nworld"}}]},
-    {"id": "x", "choices": [{"index": 0, "delta": {"content": " data: not a field"}}]},
-    {"id": "x", "choices": [], "usage": USAGE},
-]
-
-
-@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 13, 64, 10_000])
-def test_iter_sse_data_reassembles_split_chunks(size: int) -> None:
-    assert iter_sse_data(split_every(sse(EVENTS), size)) == EVENTS
-
-
-def test_iter_sse_data_split_inside_multibyte_char_and_separator() -> None:
-    raw = sse(EVENTS)
-    cut_utf8 = raw.index("é".encode()) + 1  # between the two bytes of é
-    cut_sep = raw.index(b"\n\n") + 1  # between the two newlines ending an event
-    cut_prefix = raw.index(b"data:", 10) + 2  # inside the "data:" of the second event
-    cuts = sorted({cut_utf8, cut_sep, cut_prefix})
-    chunks = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
-    assert b"".join(chunks) == raw
-    assert iter_sse_data(chunks) == EVENTS
-
-
-def test_iter_sse_data_ignores_done_comments_and_other_fields() -> None:
-    raw = (
-        b": keep-alive\n\n"
-        b'event: message\ndata: {"a": 1}\n\n'
-        b'data:{"b": 2}\n\n'  # no space after the colon
-        b"data: \n\n"
-        b"data: [DONE]\n\n"
-    )
-    assert iter_sse_data([raw]) == [{"a": 1}, {"b": 2}]
-
-
-def test_iter_sse_data_crlf() -> None:
-    raw = b'data: {"a": 1}\r\n\r\ndata: {"b": 2}\r\n\r\ndata: [DONE]\r\n\r\n'
-    assert iter_sse_data(split_every(raw, 3)) == [{"a": 1}, {"b": 2}]
-
-
-def test_iter_sse_data_torn_last_event_skipped() -> None:
-    raw = sse(EVENTS[:1], done=False) + b'data: {"id": "x", "cho'
-    assert iter_sse_data([raw]) == EVENTS[:1]
-
-
-def test_iter_sse_data_empty() -> None:
-    assert iter_sse_data([]) == []
-    assert iter_sse_data([b""]) == []
 
 
 # ---- assemble_stream: chat ----------------------------------------------------------------------
@@ -455,3 +406,15 @@ def test_record_has_key_hash_not_key() -> None:
 def test_non_string_user_is_dropped() -> None:
     record = exchange(request={"model": "support", "messages": [], "user": 5}).to_record()
     assert record.user is None
+
+
+def test_usage_of_a_sampled_out_stream_with_pretty_json() -> None:
+    """Token counts of an exchange log_rate left out, read from spaced JSON (``"usage": {``)."""
+    events = [chat_chunk(0, {"content": "hi"}, finish="stop"), USAGE_CHUNK]
+    raw = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    assert b'"usage": {' in raw
+    ex = exchange(stream=True, logged=False, response_chunks=split_every(raw, 7))
+    assert ex.usage() == (11, 5)
+    assert exchange(response_body=orjson.dumps(NON_STREAM_BODY)).usage() == (11, 5)
+    no_usage = [sse([chat_chunk(0, {"content": "x"})])]
+    assert exchange(stream=True, response_chunks=no_usage).usage() == (None, None)
