@@ -21,6 +21,7 @@ for the prompt and answer lengths the judge samples (``learning.max_prompt_token
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -158,7 +159,11 @@ def shared_prompt_mask(segment_ids: Tensor) -> Tensor:
 def token_logprobs(model: nn.Module, batch: Batch) -> Tensor:
     """log p(input_ids[r, t] | its prompt and its own earlier tokens) on completion positions,
     0 elsewhere; (R, T) float32, with grad when the model has any."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # Any: transformers' models are typed as plain nn.Modules, whose attributes are Tensors.
+    peft_or_plain: Any = model
+    causal_lm: Any = (
+        peft_or_plain.get_base_model() if hasattr(model, "get_base_model") else peft_or_plain
+    )
     mask = batch.completion_mask
     targets = batch.input_ids[mask]
     rows = mask.nonzero()[:, 0]

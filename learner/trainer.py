@@ -40,7 +40,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -142,10 +142,11 @@ class RoundStats:
 
 def resolve_target_modules(model: nn.Module, target: tuple[str, ...] | str) -> tuple[str, ...]:
     """Module names LoRA wraps; "all-linear" is every nn.Linear except the output layer."""
+    output_layer = cast(Any, model).get_output_embeddings()
     linear = {
         name.rsplit(".", 1)[-1]
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and module is not model.get_output_embeddings()
+        if isinstance(module, nn.Linear) and module is not output_layer
     }
     if target == "all-linear":
         return tuple(sorted(linear))
@@ -228,7 +229,7 @@ class LoraGRPOLearner:
                 f"{wanted}; start a fresh adapter to change its shape"
             )
         weights = load_file(folder / ADAPTER_WEIGHTS, device=str(self.device))
-        result = set_peft_model_state_dict(self.model, weights)
+        result: Any = set_peft_model_state_dict(self.model, weights)  # peft types it loosely
         missing = [k for k in result.missing_keys if "lora_" in k]
         if result.unexpected_keys or missing or len(weights) != len(self.params):
             raise ValueError(
@@ -264,7 +265,7 @@ class LoraGRPOLearner:
         """Write the adapter and its optimizer state as ``<alias>@v<version>``, atomically."""
 
         def write(folder: Path) -> None:
-            self.model.save_pretrained(folder, safe_serialization=True)
+            self.model.save_pretrained(str(folder), safe_serialization=True)
             (folder / "README.md").unlink(missing_ok=True)  # peft's model card stub
             config_path = folder / ADAPTER_CONFIG
             config = json.loads(config_path.read_text())

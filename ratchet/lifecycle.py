@@ -102,7 +102,7 @@ class Lifecycle:
     # --- changes --------------------------------------------------------------------------------
 
     def event(self, alias: str, kind: str, **fields: Any) -> LifecycleEvent:
-        return LifecycleEvent(alias=alias, kind=kind, actor=self.actor, **fields)  # type: ignore[arg-type]
+        return LifecycleEvent(alias=alias, kind=kind, actor=self.actor, **fields)
 
     def record(
         self,

@@ -13,13 +13,16 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import redis
 
 from ratchet.records import LifecycleEvent, utc_now
 from ratchet.settings import AliasConfig
+
+if TYPE_CHECKING:
+    from redis.typing import EncodableT, FieldT
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +149,9 @@ class RegistryWriter:
         pipe = self.redis.pipeline(transaction=True)
         if route is not None:
             route = replace(route, updated_at=utc_now())
-            pipe.hset(alias_key(name), mapping=route.to_hash())
+            # redis types a hash's fields as any encodable value; a dict's key type is invariant.
+            fields: dict[FieldT, EncodableT] = dict(route.to_hash().items())
+            pipe.hset(alias_key(name), mapping=fields)
         if event is not None:
             pipe.lpush(history_key(name), event.to_json())
             pipe.ltrim(history_key(name), 0, HISTORY_LIMIT - 1)

@@ -74,7 +74,8 @@ class AdapterStore:
         return final
 
     def meta(self, alias: str, version: int) -> dict[str, Any]:
-        return json.loads((self.path(alias, version) / META_FILE).read_text())
+        meta: dict[str, Any] = json.loads((self.path(alias, version) / META_FILE).read_text())
+        return meta
 
     def mark(self, alias: str, version: int, status: str, detail: dict[str, Any]) -> None:
         """Record what became of a version (``rejected``, ``promoted``, ``rolled_back``...)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -32,7 +32,7 @@ def demo(
     import asyncio
 
     import httpx
-    from rich.progress import Progress
+    from rich.progress import Progress, TaskID
 
     from ratchet.demo import extraction_reward, load_prompts
 
@@ -46,7 +46,7 @@ def demo(
     scores: dict[str, list[float]] = {}
     failures: list[str] = []
 
-    async def replay(progress: Progress, task: int) -> None:
+    async def replay(progress: Progress, task: TaskID) -> None:
         import openai
 
         client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=2)
@@ -55,7 +55,7 @@ def demo(
         )
         limit = asyncio.Semaphore(concurrency)
 
-        async def one(prompt: dict[str, object]) -> None:
+        async def one(prompt: dict[str, Any]) -> None:
             messages = prompt["messages"]
             async with limit:
                 try:

@@ -82,7 +82,8 @@ def learner_lag(settings: RatchetSettings, timeout_s: float = 5.0) -> int | None
         partitions = consumer.partitions_for_topic(GROUPS_TOPIC) or set()
         tps = [TopicPartition(GROUPS_TOPIC, p) for p in partitions]
         ends = consumer.end_offsets(tps) if tps else {}
-        return sum(max(0, end - (consumer.committed(tp) or 0)) for tp, end in ends.items())
+        lag: int = sum(max(0, end - (consumer.committed(tp) or 0)) for tp, end in ends.items())
+        return lag
     except KafkaError:
         return None
     finally:
@@ -102,13 +103,13 @@ def plot_rounds(alias: str, rows: list[RoundRow], threshold: float, path: Path) 
     top.plot(x, rewards, marker="o", color="tab:blue")
     top.set_ylabel("training reward (mean)")
     top.set_title(f"{alias}: learning rounds")
-    gated = [(i, r) for i, r in zip(x, rows, strict=True) if r.win_rate is not None]
+    gated = [(i, r, r.win_rate) for i, r in zip(x, rows, strict=True) if r.win_rate is not None]
     if gated:
-        xs = [i for i, _ in gated]
-        rates = [r.win_rate for _, r in gated]
-        low = [r.win_rate - (r.ci_low if r.ci_low is not None else r.win_rate) for _, r in gated]
-        high = [(r.ci_high if r.ci_high is not None else r.win_rate) - r.win_rate for _, r in gated]
-        colours = ["tab:green" if r.passed else "tab:red" for _, r in gated]
+        xs = [i for i, _, _ in gated]
+        rates = [rate for _, _, rate in gated]
+        low = [rate - (r.ci_low if r.ci_low is not None else rate) for _, r, rate in gated]
+        high = [(r.ci_high if r.ci_high is not None else rate) - rate for _, r, rate in gated]
+        colours = ["tab:green" if r.passed else "tab:red" for _, r, _ in gated]
         bottom.errorbar(xs, rates, yerr=[low, high], fmt="none", ecolor="grey", capsize=3)
         bottom.scatter(xs, rates, c=colours, zorder=3)
     bottom.axhline(threshold, linestyle="--", color="grey", label=f"threshold {threshold}")

@@ -46,19 +46,18 @@ def alias_set(
     if route is None:
         console.print(f"[red]unknown alias {alias!r}: add it to ratchet.yaml first[/red]")
         raise typer.Exit(2)
-    changes: dict[str, object] = {}
+    new = route
     if active is not None:
         if active < 0:
             console.print("[red]--active must be >= 0[/red]")
             raise typer.Exit(2)
-        changes["active"] = active
+        new = replace(new, active=active)
     if canary is not None:
-        changes["canary"] = None if canary.lower() == "none" else int(canary)
-        if changes["canary"] is None:
-            changes["canary_weight"] = 0.0
+        new = replace(new, canary=None if canary.lower() == "none" else int(canary))
+        if new.canary is None:
+            new = replace(new, canary_weight=0.0)
     if weight is not None:
-        changes["canary_weight"] = weight
-    new = replace(route, **changes)
+        new = replace(new, canary_weight=weight)
     event = LifecycleEvent(
         alias=alias,
         kind="route",

@@ -66,8 +66,9 @@ def prepare_model(home: Path, quiet: bool = False) -> Path:
         progress.advance(task)
         progress.update(task, description="Writing safetensors")
         # The folder is a plain float model now; a leftover quantisation block would make
-        # vLLM and peft try to load a GGUF-quantised checkpoint.
-        model.hf_quantizer = None
+        # vLLM and peft try to load a GGUF-quantised checkpoint. (torch's types take any attribute
+        # of a module for a tensor or submodule, hence the ignore.)
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.config.name_or_path = MODEL_NAME

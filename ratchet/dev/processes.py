@@ -85,7 +85,8 @@ def wait_until(
 def http_ok(url: str) -> bool:
     try:
         with urlopen(url, timeout=2) as resp:
-            return resp.status == 200
+            status: int = resp.status
+            return status == 200
     except OSError:
         return False
 

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from ratchet.dev.processes import (
     STATE_FILE,
@@ -207,9 +208,10 @@ def create_topics(settings: RatchetSettings) -> list[str]:
     return ensure_topics(settings.kafka_bootstrap_servers, settings.kafka, list(ALL_TOPICS))
 
 
-def read_state(state_dir: Path) -> dict[str, object] | None:
+def read_state(state_dir: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((state_dir / STATE_FILE).read_text())
+        state: dict[str, Any] = json.loads((state_dir / STATE_FILE).read_text())
+        return state
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 
@@ -219,14 +221,14 @@ def stop_running(state_dir: Path, timeout_s: float = 60) -> bool:
     state = read_state(state_dir)
     if state is None:
         return False
-    supervisor = int(state["supervisor"])  # type: ignore[call-overload]
+    supervisor = int(state["supervisor"])
     with contextlib.suppress(ProcessLookupError):
         os.kill(supervisor, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and alive(supervisor):
         time.sleep(0.2)
     # A supervisor that died hard leaves its parts behind: stop their groups directly.
-    for info in state["parts"].values():  # type: ignore[union-attr]
+    for info in state["parts"].values():
         pid = info.get("pid")
         if pid and alive(pid):
             with contextlib.suppress(ProcessLookupError):

@@ -10,8 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import yaml
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from ratchet.dev.processes import free_port
+from ratchet.dev.processes import free_port, wait_until
 from tests.deploy.conftest import FULLNAME, ROOT, Rendered
 
 OPS = ROOT / "ops"
@@ -156,6 +155,16 @@ def _fake_vllm() -> web.Application:
     return app
 
 
+def wait_showing_log(
+    condition: Callable[[], bool], timeout_s: float, what: str, log_path: Path
+) -> None:
+    """wait_until, failing with the tail of the service's log."""
+    try:
+        wait_until(condition, timeout_s, what)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; its log:\n{log_path.read_text()[-3000:]}") from None
+
+
 @pytest.fixture(scope="module")
 def fake_vllm() -> Iterator[str]:
     import asyncio
@@ -196,7 +205,8 @@ def proxy_metrics(
         RATCHET_STATE_DIR=str(tmp / "state"),
         RATCHET_STORE_DIR=str(tmp / "adapters"),
     )
-    log = (tmp / "proxy.log").open("wb")
+    log_path = tmp / "proxy.log"
+    log = log_path.open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "ratchet", "proxy", "--config", str(config)],
         env=env,
@@ -207,16 +217,15 @@ def proxy_metrics(
     base = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=base, timeout=10) as client:
-            deadline = time.monotonic() + 30
-            while True:
-                assert proc.poll() is None, (tmp / "proxy.log").read_text()[-3000:]
+
+            def ready() -> bool:
+                assert proc.poll() is None, log_path.read_text()[-3000:]
                 try:
-                    if client.get("/readyz").status_code == 200:
-                        break
+                    return client.get("/readyz").status_code == 200
                 except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, (tmp / "proxy.log").read_text()[-3000:]
-                time.sleep(0.1)
+                    return False
+
+            wait_showing_log(ready, 30, "the proxy to be ready", log_path)
             auth = {"Authorization": "Bearer sk-test"}
             for content, stream, status in [
                 ("hi", False, 200),
@@ -234,12 +243,17 @@ def proxy_metrics(
                 )
                 assert resp.status_code == status, resp.text
             # Token counts come from the log worker process, a few times a second.
-            while True:
-                text = client.get("/metrics").text
-                if "ratchet_proxy_tokens_total{" in text or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-        yield text
+            scrape = ""
+
+            def tokens_counted() -> bool:
+                nonlocal scrape
+                scrape = client.get("/metrics").text
+                return sample_value(scrape, "ratchet_proxy_tokens_total", direction="output") >= 4
+
+            wait_showing_log(
+                tokens_counted, 30, "the log worker to report both answers' tokens", log_path
+            )
+        yield scrape
     finally:
         proc.terminate()
         try:
@@ -248,6 +262,16 @@ def proxy_metrics(
             proc.kill()
             proc.wait()
         log.close()
+
+
+def sample_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the scraped samples of `name` whose labels include `labels`; 0 if there are none."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
 
 
 def _suffixes(kind: str) -> list[str]:
@@ -285,6 +309,20 @@ def test_scrape_has_samples_of_every_proxy_metric(exported: dict[str, set[str]])
     ]
     assert "code" in exported["ratchet_proxy_errors_total"]
     assert "direction" in exported["ratchet_proxy_tokens_total"]
+
+
+def test_scrape_counts_the_requests_made(proxy_metrics: str) -> None:
+    # Two answered requests (the second streamed) and one the upstream failed, each counted once.
+    requests = "ratchet_proxy_requests_total"
+    assert sample_value(proxy_metrics, requests, status="200", alias="support") == 2
+    assert sample_value(proxy_metrics, requests, status="502", alias="support") == 1
+    assert sample_value(proxy_metrics, "ratchet_proxy_errors_total", code="upstream_error") == 1
+    assert sample_value(proxy_metrics, "ratchet_proxy_request_seconds_count") == 3
+    assert sample_value(proxy_metrics, "ratchet_proxy_time_to_first_token_seconds_count") == 1
+    # The fake vLLM reports 5 prompt and 2 completion tokens per answer.
+    tokens = "ratchet_proxy_tokens_total"
+    assert sample_value(proxy_metrics, tokens, direction="input") == 10
+    assert sample_value(proxy_metrics, tokens, direction="output") == 4
 
 
 # ---- the real judge and learner, scraped ------------------------------------------------------
@@ -353,18 +391,21 @@ def _scrape_service(r: Rendered, component: str, tmp: Path, timeout_s: float = 3
             stderr=subprocess.STDOUT,
             cwd=tmp,
         )
+        scrape = ""
+
+        def serves_metrics() -> bool:
+            nonlocal scrape
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                resp = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+            except httpx.TransportError:
+                return False
+            scrape = resp.text
+            return resp.status_code == 200
+
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                assert proc.poll() is None, log_path.read_text()[-3000:]
-                try:
-                    resp = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
-                    if resp.status_code == 200:
-                        return resp.text
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-                time.sleep(0.1)
+            wait_showing_log(serves_metrics, timeout_s, f"{component} to serve /metrics", log_path)
+            return scrape
         finally:
             proc.terminate()
             try:
@@ -431,18 +472,33 @@ def _check_fresh_scrape(text: str, declared: dict[str, tuple[str, ...]]) -> None
 
 def test_judge_scrape_has_every_judge_metric(judge_metrics: str) -> None:
     _check_fresh_scrape(judge_metrics, judge_declared_labels())
-    assert "ratchet_judge_unknown_records" in judge_metrics
+    # A sample, not only its # HELP line: a fresh judge has skipped no record.
+    assert "ratchet_judge_unknown_records 0.0" in judge_metrics.splitlines()
 
 
 def test_learner_scrape_has_every_learner_metric(learner_metrics: str) -> None:
     declared = learner_declared_labels()
     _check_fresh_scrape(learner_metrics, declared)
-    assert "ratchet_learner_unknown_records" in learner_metrics
+    assert "ratchet_learner_unknown_records 0.0" in learner_metrics.splitlines()
     # What the alerts and annotations group and select by.
     assert declared["ratchet_learner_paused"] == ("alias", "reason")
     assert declared["ratchet_learner_rollbacks"] == ("alias", "reason")
     assert declared["ratchet_learner_rounds"] == ("alias", "result")
     assert declared["ratchet_learner_canary_requests"] == ("alias", "arm")
+
+
+@pytest.mark.parametrize("service", ["judge", "learner"])
+def test_unknown_records_gauge_counts_each_skipped_record(service: str) -> None:
+    from judge.metrics import JudgeMetrics
+    from learner.metrics import LearnerMetrics
+    from ratchet.records import TRAFFIC_TOPIC, decode
+
+    metrics = JudgeMetrics() if service == "judge" else LearnerMetrics()
+    name = f"ratchet_{service}_unknown_records"
+    before = metrics.registry.get_sample_value(name)
+    assert before is not None
+    assert decode(TRAFFIC_TOPIC, b'{"schema": "traffic/99"}') is None
+    assert metrics.registry.get_sample_value(name) == before + 1
 
 
 @pytest.fixture(scope="module")

@@ -1,17 +1,17 @@
-"""Shared fixtures of the unit tests: a clean RATCHET_* environment in an empty directory."""
+"""Shared fixtures of the unit tests: a clean RATCHET_* environment in an empty directory, and
+one redis-server for the session that each test that asks for it gets empty."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from ratchet.dev.processes import free_port
+from ratchet.dev.processes import free_port, wait_until
 from ratchet.dev.stack import redis_server_binary
 
 
@@ -29,10 +29,11 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]
     yield
 
 
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    """A real, empty redis-server of its own on a free port."""
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real redis-server on a free port for the whole session; tests get it via redis_url."""
     port = free_port()
+    data_dir = tmp_path_factory.mktemp("redis")
     server = subprocess.Popen(
         [
             redis_server_binary(),
@@ -45,20 +46,32 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
             "--appendonly",
             "no",
             "--dir",
-            str(tmp_path),
+            str(data_dir),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while True:
+
+    def answers() -> bool:
+        assert server.poll() is None, f"redis-server exited with {server.returncode}"
         try:
-            redis.Redis.from_url(url).ping()
-            break
+            return bool(redis.Redis.from_url(url).ping())
         except redis.ConnectionError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-    yield url
-    server.terminate()
-    server.wait(5)
+            return False
+
+    try:
+        wait_until(answers, 10, "redis-server to answer")
+        yield url
+    finally:
+        server.terminate()
+        server.wait(5)
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> str:
+    """A real redis-server, empty at the start of the test."""
+    client = redis.Redis.from_url(redis_server)
+    client.flushall()
+    client.close()
+    return redis_server

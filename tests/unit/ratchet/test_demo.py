@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ PROMPTS = demo.load_prompts()
 
 
 def test_shipped_prompt_file_is_what_the_script_generates() -> None:
-    text = (demo.resources.files("ratchet.demo") / demo.PROMPTS_FILE).read_text(encoding="utf-8")
+    text = (resources.files("ratchet.demo") / demo.PROMPTS_FILE).read_text(encoding="utf-8")
     assert text == demo.prompts_jsonl()
     assert demo.generate_prompts(5, seed=1) == demo.generate_prompts(5, seed=1)
     assert demo.generate_prompts(5, seed=1) != demo.generate_prompts(5, seed=2)
@@ -108,5 +109,5 @@ def test_the_script_rewrites_the_shipped_file_byte_for_byte(tmp_path: Path) -> N
     subprocess.run(
         [sys.executable, str(script), "--out", str(out)], check=True, capture_output=True
     )
-    shipped = demo.resources.files("ratchet.demo") / demo.PROMPTS_FILE
+    shipped = resources.files("ratchet.demo") / demo.PROMPTS_FILE
     assert out.read_text(encoding="utf-8") == shipped.read_text(encoding="utf-8")

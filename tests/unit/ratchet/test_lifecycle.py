@@ -234,7 +234,8 @@ def test_also_runs_in_the_same_transaction(life: Lifecycle, writer: RegistryWrit
 def test_every_route_change_is_published(life: Lifecycle, redis_url: str) -> None:
     pubsub = redis.Redis.from_url(redis_url).pubsub()
     pubsub.subscribe(CHANNEL)
-    assert pubsub.get_message(timeout=2)["type"] == "subscribe"  # type: ignore[index]
+    subscribed = pubsub.get_message(timeout=2)
+    assert subscribed is not None and subscribed["type"] == "subscribe"
     life.promote(ALIAS, 1)
     message = pubsub.get_message(timeout=2)
     assert message is not None and message["data"] == ALIAS.encode()

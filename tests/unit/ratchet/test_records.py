@@ -123,7 +123,8 @@ def test_round_trip(make, topic: str, schema: str) -> None:
     assert data["schema"] == schema
     assert "schema_" not in data
     ts = datetime.fromisoformat(data["ts"].replace("Z", "+00:00"))
-    assert ts.utcoffset() is not None and ts.utcoffset().total_seconds() == 0
+    offset = ts.utcoffset()
+    assert offset is not None and offset.total_seconds() == 0
     assert abs((datetime.now(UTC) - ts).total_seconds()) < 60
     back = decode(topic, raw)
     assert back is not None
@@ -224,7 +225,8 @@ def test_hash_api_key() -> None:
 def test_record_json_never_contains_key() -> None:
     raw = traffic().to_json()
     assert b"sk-secret" not in raw
-    assert hash_api_key("sk-secret").encode() in raw
+    key_hash = hash_api_key("sk-secret")
+    assert key_hash is not None and key_hash.encode() in raw
 
 
 def test_prompt_hash_stable_and_order_sensitive() -> None:

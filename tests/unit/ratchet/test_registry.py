@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -13,8 +14,8 @@ from ratchet.registry import AliasRoute, alias_key, history_key, served_name
 KEYS = [f"user-{i}" for i in range(20_000)]
 
 
-def route(**fields) -> AliasRoute:
-    base = dict(alias="support", base_model="smollm2-135m-instruct", active=3)
+def route(**fields: Any) -> AliasRoute:
+    base: dict[str, Any] = dict(alias="support", base_model="smollm2-135m-instruct", active=3)
     base.update(fields)
     return AliasRoute(**base)
 

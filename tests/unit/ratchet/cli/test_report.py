@@ -79,7 +79,7 @@ def test_rounds_of_gives_each_candidate_its_gate_and_fate(history: list[dict[str
 
 
 def test_rounds_of_ignores_what_is_not_a_learner_round() -> None:
-    history = [  # newest first
+    history: list[dict[str, Any]] = [  # newest first
         {"kind": "promote", "version": 7, "previous_version": 0, "ts": "3"},  # set by hand
         {"kind": "gate", "version": 6, "detail": {"win_rate": 0.9}, "ts": "2"},  # no candidate
         {"kind": "pause", "detail": {"reason": "manual"}, "ts": "1"},

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from ratchet.dev.processes import Part, PartFailed, Stack
+from ratchet.dev.processes import Part, PartFailed, Stack, wait_until
 
 
 def python_part(
@@ -55,11 +54,12 @@ def test_parts_start_in_order_and_stop_with_their_children(tmp_path: Path) -> No
     stack = Stack([first, second], tmp_path / "state")
     stack.start()
     stack.check()
+    assert first.process and second.process
     pids = [first.process.pid, second.process.pid, int(child_pid_file.read_text())]
     assert (tmp_path / "state" / "stack.json").exists()
     stack.stop()
-    time.sleep(0.2)
-    assert all(gone(pid) for pid in pids), "a process (or a grandchild) outlived stop()"
+    # The grandchild is killed with its group but reaped by init, a moment later.
+    wait_until(lambda: all(gone(pid) for pid in pids), 5, "every process (and grandchild) gone")
     assert not (tmp_path / "state" / "stack.json").exists()
 
 
@@ -90,7 +90,7 @@ def test_part_that_dies_later_is_caught_by_check(tmp_path: Path) -> None:
     short = python_part("short", "import time; print('bye', flush=True); time.sleep(0.5)")
     stack = Stack([short], tmp_path / "state")
     stack.start()
-    time.sleep(1.5)
+    wait_until(lambda: not short.running, 10, "the short-lived part to exit")
     with pytest.raises(PartFailed, match="short exited with code 0") as failed:
         stack.check()
     assert "bye" in failed.value.log_tail
