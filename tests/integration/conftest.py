@@ -1,8 +1,10 @@
 """The real embedded parts for integration tests: Tansu, Redis, vLLM (CPU, SmolLM2) and the proxy.
 
 One stack per test session, on free ports under a temporary home, started by the same code as
-`ratchet up`. The converted model is cached in the default Ratchet home so later runs skip it.
-Tests that stop parts (faults) are marked ``disruptive`` and run last.
+`ratchet up`; every test that needs a vLLM, Tansu or Redis uses it (test_up's `ratchet up` is
+the one that starts its own, while this one starts). The converted model is cached in the
+default Ratchet home so later runs skip it. Tests that stop parts (faults) are marked
+``disruptive`` and run last.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -18,10 +21,11 @@ import httpx
 import orjson
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from ratchet.bus import make_consumer
 from ratchet.dev.model import prepare_model
-from ratchet.dev.processes import Stack, free_port
+from ratchet.dev.processes import Stack, free_port, wait_until
 from ratchet.dev.stack import create_topics, embedded_stack
 from ratchet.records import Record, decode
 from ratchet.registry import AliasRoute, RegistryWriter
@@ -33,8 +37,14 @@ BASE_MODEL = "smollm2-135m-instruct"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Tests that stop parts of the shared stack run after all the others.
-    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
+    # Tests without the shared stack run first, while it starts (see embedded_start); tests that
+    # stop parts of it run after all the others.
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("disruptive") is not None,
+            "embedded" in item.fixturenames,
+        )
+    )
 
 
 @dataclass
@@ -83,22 +93,32 @@ class Embedded:
         card = httpx.get(f"{self.proxy_url}/v1/models/{ALIAS}").json()
         return int(card["ratchet"]["active_version"])
 
-    def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.proxy_url}/metrics").text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name) and not line.startswith("#"):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+    def proxy_route(self, alias: str) -> dict[str, Any] | None:
+        """The route the proxy holds for `alias` (its model card), None while it knows none."""
+        response = httpx.get(f"{self.proxy_url}/v1/models/{alias}", timeout=10)
+        return response.json()["ratchet"] if response.status_code == 200 else None
 
-    def wait_ready(self, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.proxy_url}/readyz").status_code == 200:
-                    return
-            time.sleep(0.2)
-        raise TimeoutError("proxy not ready")
+    def wait_for_proxy_route(
+        self, alias: str = ALIAS, timeout_s: float = 10, **expected: Any
+    ) -> None:
+        """Wait until the proxy has heard of a registry change on its channel: it knows `alias`
+        and its card shows every `expected` field (active_version=1, canary_version=None, ...)."""
+
+        def seen() -> bool:
+            route = self.proxy_route(alias)
+            return route is not None and all(route[k] == v for k, v in expected.items())
+
+        wait_until(seen, timeout_s, f"the proxy to route {alias} as {expected}")
+
+    def sample(self, name: str, **labels: str) -> float:
+        """The sum of the proxy's samples called `name` whose labels include `labels`."""
+        text = httpx.get(f"{self.proxy_url}/metrics").text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
 
 
 def write_test_adapters(model_path: Path, store: AdapterStore, versions: list[int]) -> None:
@@ -148,8 +168,7 @@ def write_config(home: Path, **proxy: Any) -> tuple[Path, dict[str, Any]]:
     return path, config
 
 
-@pytest.fixture(scope="session")
-def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded]:
+def start_embedded(tmp_path_factory: pytest.TempPathFactory) -> Embedded:
     home = tmp_path_factory.mktemp("home")
     model_path = prepare_model(default_home(), quiet=True)
     config_path, _ = write_config(home)
@@ -159,21 +178,48 @@ def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded]:
     # The judge runs only in its own tests: its CPU load would skew the proxy's.
     stack = embedded_stack(settings, config_path, model_path, services=("proxy",))
     stack.start()
-    create_topics(settings)
-    env = Embedded(
-        settings, config_path, stack, model_path, f"http://127.0.0.1:{settings.proxy.port}"
-    )
-    # vLLM's first generation on CPU compiles kernels; pay that once here, not in a test.
-    for model in (BASE_MODEL, f"{ALIAS}@v1", f"{ALIAS}@v2"):
-        httpx.post(
-            f"{settings.vllm_url}/v1/chat/completions",
-            timeout=300,
-            json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
-        ).raise_for_status()
     try:
-        yield env
-    finally:
+        create_topics(settings)
+        # vLLM's first generation on CPU compiles kernels; pay that once here, not in a test.
+        for model in (BASE_MODEL, f"{ALIAS}@v1", f"{ALIAS}@v2"):
+            httpx.post(
+                f"{settings.vllm_url}/v1/chat/completions",
+                timeout=300,
+                json={
+                    "model": model,
+                    "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+            ).raise_for_status()
+    except BaseException:
         stack.stop()
+        raise
+    proxy_url = f"http://127.0.0.1:{settings.proxy.port}"
+    return Embedded(settings, config_path, stack, model_path, proxy_url)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def embedded_start(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Future[Embedded] | None]:
+    """Starts the shared stack in a thread as the session begins, if any test uses it, so the
+    tests that need none (`ratchet up`'s own stack, run first) overlap its start."""
+    if not any("embedded" in item.fixturenames for item in request.session.items):
+        yield None
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="embedded-start") as pool:
+        started = pool.submit(start_embedded, tmp_path_factory)
+        try:
+            yield started
+        finally:
+            if started.exception() is None:
+                started.result().stack.stop()
+
+
+@pytest.fixture(scope="session")
+def embedded(embedded_start: Future[Embedded] | None) -> Embedded:
+    assert embedded_start is not None
+    return embedded_start.result()
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from judge.service import is_heldout
-from ratchet.dev.processes import Stack
+from ratchet.dev.processes import Stack, wait_until
 from ratchet.dev.stack import judge_part
 from ratchet.records import (
     GROUPS_TOPIC,
@@ -77,7 +77,7 @@ def judge_config(env: Embedded, home: Path, alias: str, **judge: Any) -> Path:
 def send_traffic(env: Embedded, alias: str, questions: list[str]) -> dict[str, str]:
     """Send each question through the proxy; return request id -> prompt hash."""
     env.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
-    time.sleep(0.3)  # the proxy learns the new alias from the registry channel
+    env.wait_for_proxy_route(alias)
 
     async def run() -> dict[str, str]:
         client = openai.AsyncOpenAI(base_url=f"{env.proxy_url}/v1", api_key="k", max_retries=0)
@@ -252,12 +252,14 @@ def test_judge_model_unreachable_drops_and_counts_then_recovers(
     ]
     with running_judge(config, tmp_path / "state"):
         down = send_traffic(embedded, alias, train[:2])
-        deadline = time.monotonic() + 180
-        while (
-            metric(port, 'ratchet_judge_failures_total{alias="jt-flaky",cause="judge_unavail') < 2
-        ):
-            assert time.monotonic() < deadline, "failures were not counted"
-            time.sleep(1)
+        wait_until(
+            lambda: (
+                metric(port, 'ratchet_judge_failures_total{alias="jt-flaky",cause="judge_unavail')
+                >= 2
+            ),
+            180,
+            "judge failures counted",
+        )
         groups, _ = outputs_for(embedded, set(down), timeout_s=3)
         assert not groups, "no group is produced without a judge"
 
@@ -273,10 +275,9 @@ def test_judge_killed_mid_batch_skips_no_traffic(embedded: Embedded, tmp_path: P
     port = yaml.safe_load(config.read_text())["judge"]["metrics_port"]
     sent = send_traffic(embedded, alias, QUESTIONS[:8])
     with running_judge(config, tmp_path / "state") as stack:
-        deadline = time.monotonic() + 120
-        while metric(port, "ratchet_judge_in_flight_groups") < 1:
-            assert time.monotonic() < deadline, "judge never started a batch"
-            time.sleep(0.2)
+        wait_until(
+            lambda: metric(port, "ratchet_judge_in_flight_groups") >= 1, 120, "a batch in flight"
+        )
         process = stack.part("judge").process
         assert process is not None
         process.send_signal(signal.SIGKILL)  # no chance to commit or clean up

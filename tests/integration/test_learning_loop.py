@@ -13,7 +13,6 @@ import asyncio
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +193,7 @@ def test_the_loop_promotes_a_version_that_beats_the_base_on_unseen_prompts(
     config = loop_config(embedded, tmp_path, alias)
     settings = load_settings(config)
     embedded.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
-    time.sleep(0.3)  # the proxy learns the new alias from the registry channel
+    embedded.wait_for_proxy_route(alias)  # the proxy learns the new alias from the registry channel
 
     stack = Stack(
         [judge_part(settings, config), learner_part(settings, config)], tmp_path / "state"

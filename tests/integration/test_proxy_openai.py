@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import openai
 import pytest
 
+from ratchet.dev.processes import wait_until
 from ratchet.records import TRAFFIC_TOPIC, TrafficRecord, hash_api_key
 from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded
 
@@ -296,17 +298,59 @@ def test_upstream_rejection_is_reshaped(base_route: Embedded) -> None:
     assert "Traceback" not in response.text
 
 
-def test_metrics_count_requests(base_route: Embedded, client: openai.OpenAI) -> None:
-    before = base_route.metric('ratchet_proxy_requests_total{alias="support"')
-    client.chat.completions.create(model=ALIAS, messages=MESSAGES, max_tokens=2)
-    assert base_route.metric('ratchet_proxy_requests_total{alias="support"') == before + 1
-    text = httpx.get(f"{base_route.proxy_url}/metrics").text
-    for name in (
-        "ratchet_proxy_added_seconds",
-        "ratchet_proxy_time_to_first_token_seconds",
-        "ratchet_proxy_log_queue_depth",
-        "ratchet_proxy_registry_age_seconds",
-        "ratchet_proxy_tokens_total",
-        "ratchet_proxy_in_flight_requests",
-    ):
-        assert name in text, name
+def test_metrics_move_with_each_request(base_route: Embedded) -> None:
+    """Each sample moves with a request: counters by one (or by its tokens), the in-flight gauge
+    while it streams, and the routing table's age between two scrapes."""
+    env = base_route
+    call = {"alias": ALIAS, "version": "0", "arm": "active"}
+    counters = {
+        "requests": ("ratchet_proxy_requests_total", {"alias": ALIAS}),
+        "added": ("ratchet_proxy_added_seconds_count", {"alias": ALIAS}),
+        "ttft": ("ratchet_proxy_time_to_first_token_seconds_count", call),
+        "input": ("ratchet_proxy_tokens_total", {**call, "direction": "input"}),
+        "output": ("ratchet_proxy_tokens_total", {**call, "direction": "output"}),
+        "sent": ("ratchet_proxy_log_records_total", {"outcome": "sent"}),
+    }
+
+    def count(key: str) -> float:
+        name, labels = counters[key]
+        return env.sample(name, **labels)
+
+    in_flight = "ratchet_proxy_in_flight_requests"
+    before = {key: count(key) for key in counters}
+    assert env.sample(in_flight) == 0
+    body = {
+        "model": ALIAS,
+        "messages": MESSAGES,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        # Long enough that the proxy is still relaying when the client has read the first chunk.
+        "min_tokens": 48,
+        "max_tokens": 48,
+    }
+    with httpx.stream(
+        "POST", f"{env.proxy_url}/v1/chat/completions", json=body, timeout=60
+    ) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {"))
+        assert env.sample(in_flight) == 1, first
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    usage = events[-1]["usage"]
+    wait_until(lambda: env.sample(in_flight) == 0, 10, "the request to leave the in-flight gauge")
+    moved = {"requests": 1, "added": 1, "ttft": 1, "sent": 1}
+    moved |= {"input": usage["prompt_tokens"], "output": usage["completion_tokens"]}
+    # The log worker sends the record and counts its tokens after the answer: wait for those.
+    wait_until(
+        lambda: count("sent") > before["sent"] and count("output") > before["output"],
+        30,
+        "the log worker's counts",
+    )
+    after = {key: count(key) for key in counters}
+    assert {key: after[key] - before[key] for key in moved} == moved
+    # Computed at each scrape: it grows until the next read of Redis resets it.
+    age = env.sample("ratchet_proxy_registry_age_seconds")
+    wait_until(
+        lambda: env.sample("ratchet_proxy_registry_age_seconds") != age, 10, "the registry age"
+    )
+    text = httpx.get(f"{env.proxy_url}/metrics").text
+    assert re.search(r"^ratchet_proxy_log_queue_depth \d", text, re.MULTILINE), text

@@ -15,16 +15,18 @@ import openai
 import pytest
 
 from ratchet.demo import load_prompts
+from ratchet.dev.processes import wait_until
 from ratchet.store import AdapterStore
 from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded, write_test_adapters
 
 pytestmark = pytest.mark.integration
 
 
-def served_version(env: Embedded, **extra: object) -> str:
+def served_version(env: Embedded, headers: dict[str, str] | None = None, **extra: object) -> str:
     response = httpx.post(
         f"{env.proxy_url}/v1/chat/completions",
         timeout=60,
+        headers=headers,
         json={
             "model": ALIAS,
             "max_tokens": 1,
@@ -41,11 +43,8 @@ def test_routing_change_reaches_proxy_within_one_second(base_route: Embedded) ->
     assert served_version(base_route) == "0"
     changed_at = time.monotonic()
     base_route.set_route(active=1)
-    while True:
-        if base_route.live_version() == 1:
-            break
-        assert time.monotonic() - changed_at < 1.0, "routing change not seen within 1 s"
-        time.sleep(0.01)
+    wait_until(lambda: base_route.live_version() == 1, 1.0, "routing change seen", 0.01)
+    assert time.monotonic() - changed_at < 1.0, "routing change not seen within 1 s"
     # ...and the very next request is served by the adapter, by its served name.
     response = httpx.post(
         f"{base_route.proxy_url}/v1/chat/completions",
@@ -81,9 +80,7 @@ def test_cli_alias_set_and_show(base_route: Embedded) -> None:
         text=True,
     )
     assert "support@v2" in shown.stdout
-    deadline = time.monotonic() + 1.0
-    while served_version(base_route) != "2":
-        assert time.monotonic() < deadline
+    wait_until(lambda: served_version(base_route) == "2", 1.0, "v2 served within 1 s", 0)
     history = base_route.registry.history(ALIAS)
     assert history[0]["kind"] == "route" and history[0]["version"] == 2
     bad = subprocess.run(
@@ -107,7 +104,7 @@ def test_cli_alias_set_and_show(base_route: Embedded) -> None:
 
 def test_canary_split_is_within_tolerance_and_sticky(base_route: Embedded) -> None:
     base_route.set_route(active=1, canary=2, canary_weight=0.2)
-    time.sleep(0.3)
+    base_route.wait_for_proxy_route(active_version=1, canary_version=2, canary_weight=0.2)
     requests = 200
 
     async def run() -> tuple[collections.Counter[str], dict[str, set[str]]]:
@@ -146,22 +143,17 @@ def test_canary_split_is_within_tolerance_and_sticky(base_route: Embedded) -> No
 
 def test_sticky_header_overrides_user(base_route: Embedded) -> None:
     base_route.set_route(active=1, canary=2, canary_weight=0.5)
-    time.sleep(0.3)
-    pinned = set()
-    for i in range(6):
-        response = httpx.post(
-            f"{base_route.proxy_url}/v1/chat/completions",
-            timeout=60,
-            headers={"x-ratchet-sticky-key": "team-a"},
-            json={
-                "model": ALIAS,
-                "max_tokens": 1,
-                "user": f"u{i}",
-                "messages": [{"role": "user", "content": "hi"}],
-            },
-        )
-        pinned.add(response.headers["x-ratchet-version"])
+    base_route.wait_for_proxy_route(active_version=1, canary_version=2, canary_weight=0.5)
+
+    def version(sticky_key: str, user: str) -> str:
+        headers = {"x-ratchet-sticky-key": sticky_key}
+        return served_version(base_route, headers=headers, user=user)
+
+    pinned = {version("team-a", f"u{i}") for i in range(6)}
     assert len(pinned) == 1
+    # ...and not because every request lands there: other keys reach the other version.
+    others = {version(f"team-{i}", "u0") for i in range(20)}
+    assert others == {"1", "2"}, others
 
 
 def test_each_canary_arm_answers_as_its_version_does_alone(base_route: Embedded) -> None:
@@ -192,7 +184,7 @@ def test_each_canary_arm_answers_as_its_version_does_alone(base_route: Embedded)
     assert any(alone["0", i] != alone["1", i] for i in range(len(prompts)))  # they differ
 
     env.set_route(active=0, canary=1, canary_weight=0.5)
-    time.sleep(0.3)
+    env.wait_for_proxy_route(active_version=0, canary_version=1, canary_weight=0.5)
     proxy = f"{env.proxy_url}/v1/chat/completions"
 
     async def mixed() -> list[tuple[str, str, int]]:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from ratchet.dev.model import model_dir, prepare_model
+from ratchet.dev.processes import wait_until
 from ratchet.dev.stack import read_state
+from ratchet.settings import default_home
 from tests.integration.conftest import ALIAS, write_config
 
 pytestmark = pytest.mark.integration
@@ -30,6 +32,10 @@ def alive(pid: int) -> bool:
 
 def test_up_serves_then_down_stops_everything(tmp_path: Path) -> None:
     config_path, config = write_config(tmp_path)
+    # The model as `ratchet prepare-model` (which scripts/test runs first) leaves it in the
+    # user's home, so `up` starts without converting it again.
+    model_dir(tmp_path).parent.mkdir(parents=True)
+    model_dir(tmp_path).symlink_to(prepare_model(default_home(), quiet=True))
     proxy_url = f"http://127.0.0.1:{config['proxy']['port']}"
     env = {**os.environ, "RATCHET_HOME": str(tmp_path)}
     env.pop("RATCHET_REDIS_URL", None)
@@ -41,11 +47,12 @@ def test_up_serves_then_down_stops_everything(tmp_path: Path) -> None:
         env=env,
     )
     try:
-        deadline = time.monotonic() + 600
-        while read_state(tmp_path / "state") is None:
+
+        def up_and_running() -> bool:
             assert up.poll() is None, up.stdout.read() if up.stdout else ""
-            assert time.monotonic() < deadline, "ratchet up did not come up"
-            time.sleep(1)
+            return read_state(tmp_path / "state") is not None
+
+        wait_until(up_and_running, 600, "ratchet up to write its state", 0.5)
         state = read_state(tmp_path / "state")
         assert state is not None
         pids = [info["pid"] for info in state["parts"].values()]  # type: ignore[union-attr]
