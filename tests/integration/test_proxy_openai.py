@@ -10,7 +10,8 @@ import httpx
 import openai
 import pytest
 
-from ratchet.records import TRAFFIC_TOPIC, TrafficRecord, hash_api_key
+from ratchet.records import TRAFFIC_TOPIC, TrafficRecord
+from ratchet.secrets import hash_api_key, server_secret
 from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded
 
 pytestmark = pytest.mark.integration
@@ -71,7 +72,7 @@ def test_secrets_and_redacted_text_never_reach_kafka(
     logged = record.to_json().decode()
     assert "jane@example.com" not in logged and "[REDACTED]" in logged
     assert "sk-test-key" not in logged
-    assert record.api_key_hash == hash_api_key("sk-test-key")
+    assert record.api_key_hash == hash_api_key(server_secret(base_route.settings), "sk-test-key")
 
 
 def test_stream_with_usage_is_assembled(base_route: Embedded, client: openai.OpenAI) -> None:
