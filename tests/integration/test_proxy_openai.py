@@ -289,6 +289,27 @@ def test_adapter_admin_routes_are_not_reachable(base_route: Embedded) -> None:
     assert "evil" not in {m["id"] for m in served}
 
 
+def test_vllm_itself_requires_its_key(base_route: Embedded) -> None:
+    """Anything that reaches vLLM's port directly, past the proxy, can neither generate nor load
+    or unload adapters without the key; its health check stays open for probes."""
+    vllm = base_route.settings.vllm_url
+    adapter = {"lora_name": "evil", "lora_path": "/tmp"}
+    for method, path, body in (
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/chat/completions", {"model": BASE_MODEL, "messages": MESSAGES}),
+        ("POST", "/v1/load_lora_adapter", adapter),
+        ("POST", "/v1/unload_lora_adapter", adapter),
+        ("POST", "/adapters", adapter),
+        ("POST", "/tokenize", {"model": BASE_MODEL, "prompt": "hi"}),
+    ):
+        for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+            response = httpx.request(method, f"{vllm}{path}", json=body, headers=headers)
+            assert response.status_code == 401, (method, path, headers, response.text[:200])
+    assert httpx.get(f"{vllm}/health").status_code == 200
+    keyed = httpx.get(f"{vllm}/v1/models", headers=base_route.vllm_headers)
+    assert keyed.status_code == 200 and BASE_MODEL in {m["id"] for m in keyed.json()["data"]}
+
+
 def test_upstream_rejection_is_reshaped(base_route: Embedded) -> None:
     # Valid for the proxy, refused by vLLM (longer than the model's context): a 400 envelope.
     response = httpx.post(
