@@ -54,13 +54,8 @@ class RoutingCache:
         ]
 
     async def close(self) -> None:
-        # redis-py's pubsub.listen() can swallow one cancellation while it reconnects: cancel
-        # until every task has ended, then close the connection pool.
-        pending = {task for task in self._tasks if not task.done()}
-        while pending:
-            for task in pending:
-                task.cancel()
-            _, pending = await asyncio.wait(pending, timeout=0.5)
+        for task in self._tasks:
+            task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._redis.aclose()
 
