@@ -216,13 +216,23 @@ def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
         return 0, b""
 
 
-def write_proxy_config(path: Path, base_model: str) -> Path:
+# --rate-limit: every limit on, so each request is checked and charged, and none is ever hit.
+RATE_LIMITS = (
+    "  rate_limit:\n"
+    "    requests_per_minute: 1000000\n"
+    "    tokens_per_minute: 10000000000\n"
+    "    tokens_per_day: 1000000000000\n"
+)
+
+
+def write_proxy_config(path: Path, base_model: str, rate_limit: bool = False) -> Path:
     # The default config's redaction pattern, so record building costs what it does in production.
     path.write_text(
         "proxy:\n"
         "  redact_patterns:\n"
         "    - '[\\w.+-]+@[\\w-]+\\.[\\w.]+'\n"
-        f"aliases:\n  {ALIAS}:\n    base_model: {base_model}\n    log_rate: 1.0\n"
+        + (RATE_LIMITS if rate_limit else "")
+        + f"aliases:\n  {ALIAS}:\n    base_model: {base_model}\n    log_rate: 1.0\n"
     )
     return path
 
@@ -260,11 +270,12 @@ def start_proxy(
     kafka: str,
     redis_url: str,
     profile_to: Path | None,
+    rate_limit: bool = False,
 ) -> str:
     """Start one proxy for one upstream; wait until it reaches the upstream and Kafka."""
     home = stack.state_dir / name
     home.mkdir()
-    write_proxy_config(home / "ratchet.yaml", base_model)
+    write_proxy_config(home / "ratchet.yaml", base_model, rate_limit)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
 
@@ -546,8 +557,11 @@ LOG_METRICS = (
     'ratchet_proxy_log_records_total{outcome="dropped"}',
     'ratchet_proxy_log_records_total{outcome="spooled"}',
     "ratchet_proxy_log_queue_depth",
+    # --rate-limit: requests served unchecked because Redis did not answer in time (must be 0).
+    'ratchet_proxy_ratelimit_unavailable_total{call="admit"}',
 )
 SENT = LOG_METRICS[0]
+UNCHECKED = LOG_METRICS[-1]
 
 
 def log_metrics(proxy_url: str) -> dict[str, float]:
@@ -662,6 +676,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--check", action="store_true", help="exit 1 when the c=1 targets are not met"
     )
+    parser.add_argument(
+        "--rate-limit",
+        action="store_true",
+        help="turn proxy.rate_limit on (limits no request reaches) to measure what it costs",
+    )
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -691,7 +710,11 @@ def vllm_reachable(url: str) -> bool:
 
 
 def start_stack(
-    stack: Stack, with_vllm: bool, vllm_url: str, profile_dir: Path | None
+    stack: Stack,
+    with_vllm: bool,
+    vllm_url: str,
+    profile_dir: Path | None,
+    rate_limit: bool = False,
 ) -> dict[str, tuple[str, str, str]]:
     """Broker, Redis, fast upstream and one proxy per upstream; return the targets."""
     kafka_port, redis_port, fast_port = free_port(), free_port(), free_port()
@@ -714,7 +737,9 @@ def start_stack(
     targets = {}
     for name, (url, model) in upstreams.items():
         prof = profile_dir / f"proxy-{name}.prof" if profile_dir else None
-        proxy_url = start_proxy(stack, f"proxy-{name}", url, model, kafka, redis_url, prof)
+        proxy_url = start_proxy(
+            stack, f"proxy-{name}", url, model, kafka, redis_url, prof, rate_limit
+        )
         console.print(f"proxy for {name} upstream ({url}) at {proxy_url}, logging to {kafka}")
         targets[name] = (url, proxy_url, model)
     return targets
@@ -745,9 +770,8 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="ratchet-bench-"))
     stack = Stack([], workdir)
     try:
-        targets = start_stack(
-            stack, with_vllm, args.vllm_url, args.out.resolve() if args.profile else None
-        )
+        profile_dir = args.out.resolve() if args.profile else None
+        targets = start_stack(stack, with_vllm, args.vllm_url, profile_dir, args.rate_limit)
         plans = make_plans(args, with_vllm)
         results = uvloop.run(run_plans(plans, targets))
         stack.check()
@@ -757,6 +781,8 @@ def main() -> int:
         for name, found in logging.items():
             sent = found[SENT]
             verdict = "[green]logging was on" if sent > 0 else "[red]NOTHING WAS LOGGED"
+            if args.rate_limit and found[UNCHECKED] > 0:
+                verdict += f" [red]({found[UNCHECKED]:g} requests not rate-limit checked)"
             details = ", ".join(
                 f"{k.removeprefix('ratchet_proxy_')}={v:g}" for k, v in found.items()
             )

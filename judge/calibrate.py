@@ -29,6 +29,7 @@ from rich.table import Table
 from judge.metrics import JudgeMetrics
 from judge.scoring import GroupScorer
 from ratchet.rewards.ruler import JudgeReplyError, build_judge_request
+from ratchet.secrets import vllm_api_key
 from ratchet.settings import RatchetSettings, RewardConfig
 
 
@@ -174,7 +175,11 @@ def calibrate(
 ) -> int:
     groups = load_labels(labels)
     scorer = GroupScorer(
-        settings.judge, settings.vllm_url.rstrip("/") + "/v1", None, JudgeMetrics()
+        settings.judge,
+        settings.vllm_url.rstrip("/") + "/v1",
+        None,
+        JudgeMetrics(),
+        vllm_api_key(settings),
     )
 
     async def run() -> list[tuple[LabelledGroup, list[float], list[float]] | None]:

@@ -93,13 +93,18 @@ def parse_group(data: dict[str, Any], group_size: int) -> SampledGroup:
 
 
 async def sample_group(
-    session: aiohttp.ClientSession, vllm_url: str, body: dict[str, Any], timeout_s: float
+    session: aiohttp.ClientSession,
+    vllm_url: str,
+    body: dict[str, Any],
+    timeout_s: float,
+    api_key: str,
 ) -> SampledGroup:
+    """``api_key``: the key vLLM requires (ratchet.secrets.vllm_api_key)."""
     try:
         async with session.post(
             vllm_url.rstrip("/") + "/v1/chat/completions",
             data=orjson.dumps(body),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"},
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             payload = await resp.read()

@@ -57,9 +57,12 @@ class GroupScorer:
         default_api_base: str,
         cache: aioredis.Redis | None,
         metrics: JudgeMetrics,
+        default_api_key: str | None = None,
     ) -> None:
         self.settings = settings
         self.default_api_base = default_api_base
+        # vLLM's key: sent only when the judge model is asked at default_api_base.
+        self.default_api_key = default_api_key
         self.cache = cache
         self.metrics = metrics
 
@@ -131,7 +134,9 @@ class GroupScorer:
         return [scores[s] for s in slots], [explanations[s] for s in slots]
 
     def judge_model(self, reward: RewardConfig) -> JudgeModel:
-        return JudgeModel.of(self.settings, reward.judge_model, self.default_api_base)
+        return JudgeModel.of(
+            self.settings, reward.judge_model, self.default_api_base, self.default_api_key
+        )
 
     async def call_judge(
         self, alias: str, reward: RewardConfig, request: JudgeRequest

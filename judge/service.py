@@ -4,6 +4,12 @@ One batch at a time: poll traffic records, work on them concurrently (filter, sp
 score), produce every output and wait for the broker's acks, and only then commit the batch's
 offsets. A judge killed mid-batch therefore re-reads the batch on restart (at least once); each
 group's id is derived from its traffic record and version, so the learner can drop repeats.
+
+What a client controls does not steer the split: the traffic record's id is the proxy's own (not
+the client's ``x-request-id``), and which prompts are held out for the gate is a keyed hash under
+the server secret, so a client cannot craft prompts that land there more often than
+``learning.heldout_fraction``. Groups and held-out prompts carry the client's key hash, which the
+learner uses to cap any one key's share (``learning.max_key_share``).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from ratchet.records import (
     prompt_hash,
 )
 from ratchet.registry import AliasRoute, alias_key, decode_hash, served_name
+from ratchet.secrets import keyed_hash, server_secret, vllm_api_key
 from ratchet.settings import AliasConfig, RatchetSettings
 
 log = logging.getLogger(__name__)
@@ -49,8 +56,9 @@ def fraction_of(text: str) -> float:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") / 2**64
 
 
-def is_heldout(prompt_digest: str, fraction: float) -> bool:
-    return fraction_of("heldout:" + prompt_digest) < fraction
+def is_heldout(secret: bytes, prompt_digest: str, fraction: float) -> bool:
+    """Whether a prompt is kept for the gate: stable, and unpredictable without the secret."""
+    return int(keyed_hash(secret, "heldout", prompt_digest)[:16], 16) / 2**64 < fraction
 
 
 def group_id_of(request_id: str, version: int) -> str:
@@ -70,12 +78,18 @@ class Skip(Exception):
 class JudgeService:
     def __init__(self, settings: RatchetSettings) -> None:
         self.settings = settings
+        self.secret = server_secret(settings)
+        self.vllm_key = vllm_api_key(settings)  # for sampling, and the judge model when it is vLLM
         self.metrics = JudgeMetrics()
         self.redis = aioredis.Redis.from_url(
             settings.redis_url, socket_timeout=2, socket_connect_timeout=1
         )
         self.scorer = GroupScorer(
-            settings.judge, settings.vllm_url.rstrip("/") + "/v1", self.redis, self.metrics
+            settings.judge,
+            settings.vllm_url.rstrip("/") + "/v1",
+            self.redis,
+            self.metrics,
+            self.vllm_key,
         )
         self.routes: dict[str, AliasRoute] = {}
         self.limit = asyncio.Semaphore(settings.judge.concurrency)
@@ -116,7 +130,7 @@ class JudgeService:
         )
         if seen.window_s and await self._seen(seen.key):
             raise Skip("recent_duplicate")
-        if is_heldout(digest, config.learning.heldout_fraction):
+        if is_heldout(self.secret, digest, config.learning.heldout_fraction):
             self.metrics.heldout.labels(record.alias).inc()
             return [
                 HeldoutPrompt(
@@ -125,6 +139,7 @@ class JudgeService:
                     prompt_messages=prompt,
                     tools=tools,
                     traffic_request_id=record.request_id,
+                    api_key_hash=record.api_key_hash,
                 )
             ], [seen]
 
@@ -138,7 +153,11 @@ class JudgeService:
         )
         with self.metrics.sample_latency.labels(record.alias).time():
             group = await sample_group(
-                session, self.settings.vllm_url, body, self.settings.judge.sample_timeout_s
+                session,
+                self.settings.vllm_url,
+                body,
+                self.settings.judge.sample_timeout_s,
+                self.vllm_key,
             )
         score = await self.scorer.score(
             record.alias, config.reward, prompt, tools, [s.message for s in group.samples]
@@ -158,6 +177,7 @@ class JudgeService:
             judge_model=score.judge_model,
             rubric_hash=score.rubric_hash,
             traffic_request_id=record.request_id,
+            api_key_hash=record.api_key_hash,
         )
         self.metrics.groups.labels(record.alias).inc()
         return [scored], [seen]

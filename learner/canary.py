@@ -1,13 +1,15 @@
 """The canary: a gated candidate serves a share of live traffic before it becomes the active one.
 
 While an alias has a canary, the watcher reads ``ratchet.traffic`` and ``ratchet.feedback`` and
-counts, per arm (the proxy marks each exchange ``active`` or ``canary``), requests, server
-errors, and user feedback scores. The counts live in Redis (``ratchet:canary:<alias>``), reset in
-the same transaction that starts the canary, so a restarted learner carries on counting. Once the
-canary arm has ``min_requests``, :func:`canary_verdict` decides: roll back if its error rate or
-its feedback is worse than the active arm's beyond the configured margin, else promote. Feedback
-lags the answers it rates, so a canary without ``min_feedback`` ratings on both arms waits up to
-``feedback_wait_s`` for them before it is judged on error rate alone.
+counts, per arm (the proxy marks each exchange ``active`` or ``canary``), requests, upstream
+failures (:data:`UPSTREAM_FAILURES`: what the model server did, never what a client provoked),
+and user feedback scores (one per completion, from the key that got it). The counts live in
+Redis (``ratchet:canary:<alias>``), reset in the same transaction that starts the canary, so a
+restarted learner carries on counting. Once the canary arm has ``min_requests``,
+:func:`canary_verdict` decides: roll back if its error rate or its feedback is worse than the
+active arm's beyond the configured margin, else promote. Feedback lags the answers it rates, so
+a canary without ``min_feedback`` ratings on both arms waits up to ``feedback_wait_s`` for them
+before it is judged on error rate alone.
 """
 
 from __future__ import annotations
@@ -42,6 +44,19 @@ ARMS = ("active", "canary")
 _MAX_REMEMBERED = 100_000
 
 Verdict = Literal["wait", "promote", "rollback"]
+Completion = tuple[str, int, str, str | None]  # alias, version, arm, key hash
+
+# The error codes (proxy/upstream.py) that count against an arm: the model server failed (502
+# upstream_error: it answered 5xx, or dropped the answer or the stream), could not load the
+# version (502 adapter_unavailable), or could not be reached (503 upstream_unavailable). Not
+# counted: every 4xx (the client's request), 504 upstream_timeout (a client asking for a huge
+# max_tokens provokes it at will), and the proxy's own refusals and errors (429, 413, 500, 503
+# queue_full, ...), which say nothing about the version that would have answered.
+UPSTREAM_FAILURES = frozenset({"upstream_error", "adapter_unavailable", "upstream_unavailable"})
+
+
+def is_upstream_failure(record: TrafficRecord) -> bool:
+    return record.error is not None and record.error.get("code") in UPSTREAM_FAILURES
 
 
 def canary_key(alias: str) -> str:
@@ -57,7 +72,7 @@ def reset_counts(pipe: Any, alias: str, version: int) -> None:
 @dataclass(frozen=True)
 class ArmStats:
     requests: int = 0
-    errors: int = 0  # server-side failures (status >= 500): the client's 4xx are not the model's
+    errors: int = 0  # upstream failures (UPSTREAM_FAILURES): what a client provokes is not counted
     feedback: int = 0
     feedback_sum: float = 0.0
 
@@ -137,7 +152,9 @@ class CanaryWatcher:
         self.redis = lifecycle.writer.redis
         self.metrics = metrics
         self.stopping = stopping
-        self.completions: OrderedDict[str, tuple[str, int, str]] = OrderedDict()
+        # completion id -> (alias, version, arm, key hash) of canary-time exchanges; None once
+        # rated (kept, so that a later exchange reusing the id cannot claim it again)
+        self.completions: OrderedDict[str, Completion | None] = OrderedDict()
         self.routes: dict[str, AliasRoute] = {}
 
     def run(self) -> None:
@@ -178,17 +195,27 @@ class CanaryWatcher:
                     continue
                 add = increments.setdefault(record.alias, {})
                 add[f"{arm}_requests"] = add.get(f"{arm}_requests", 0) + 1
-                if record.status >= 500:
+                if is_upstream_failure(record):
                     add[f"{arm}_errors"] = add.get(f"{arm}_errors", 0) + 1
-                if record.response_id:
-                    self.completions[record.response_id] = (record.alias, record.version, arm)
+                if record.response_id and record.response_id not in self.completions:
+                    # The first exchange to claim an id keeps it (as the proxy's owner record).
+                    self.completions[record.response_id] = (
+                        record.alias,
+                        record.version,
+                        arm,
+                        record.api_key_hash,
+                    )
                     while len(self.completions) > _MAX_REMEMBERED:
                         self.completions.popitem(last=False)
             elif isinstance(record, FeedbackRecord):
                 known = self.completions.get(record.completion_id)
-                if known is None or self._arm_of(*known) is None:
+                # Only the key that got the answer rates it, once (the proxy checks it too).
+                if known is None or known[3] != record.api_key_hash:
+                    continue
+                self.completions[record.completion_id] = None
+                alias, version, arm, _ = known
+                if self._arm_of(alias, version, arm) is None:
                     continue  # feedback on an exchange from before this canary
-                alias, _, arm = known
                 add = increments.setdefault(alias, {})
                 add[f"{arm}_feedback"] = add.get(f"{arm}_feedback", 0) + 1
                 add[f"{arm}_feedback_sum"] = add.get(f"{arm}_feedback_sum", 0.0) + record.score

@@ -29,6 +29,7 @@ from ratchet.records import HeldoutPrompt
 from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, judge_scores
 from ratchet.rewards.ruler import JudgeRequest, build_judge_request
 from ratchet.rewards.verifiers import VerifierError, load_verifier, run_verifier
+from ratchet.secrets import vllm_api_key
 from ratchet.settings import AliasConfig, GateConfig, RatchetSettings
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ class Gate:
 
     def __init__(self, settings: RatchetSettings) -> None:
         self.settings = settings
+        self.vllm_key = vllm_api_key(settings)  # vLLM's key, for its answers and as the judge
         self.limit = asyncio.Semaphore(settings.learner.gate_concurrency)
 
     async def evaluate(
@@ -223,11 +225,10 @@ class Gate:
         if prompt.tools:
             body["tools"] = prompt.tools
         url = self.settings.vllm_url.rstrip("/") + "/v1/chat/completions"
+        headers = {"content-type": "application/json", "authorization": f"Bearer {self.vllm_key}"}
         async with (
             self.limit,
-            session.post(
-                url, data=orjson.dumps(body), headers={"content-type": "application/json"}
-            ) as response,
+            session.post(url, data=orjson.dumps(body), headers=headers) as response,
         ):
             payload = await response.read()
             if response.status != 200:
@@ -279,7 +280,9 @@ class Gate:
                 order=order,
             )
 
-        model = JudgeModel.of(judge, reward.judge_model, self.settings.vllm_url + "/v1")
+        model = JudgeModel.of(
+            judge, reward.judge_model, self.settings.vllm_url.rstrip("/") + "/v1", self.vllm_key
+        )
         try:
             verdict = await judge_scores(request_for, model, judge.judge_retries, limit=self.limit)
         except JudgeUnavailable:

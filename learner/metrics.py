@@ -17,6 +17,13 @@ class LearnerMetrics:
             ("alias", "outcome"),
             registry=r,
         )
+        self.deferred = Counter(
+            "ratchet_learner_groups_deferred_total",
+            "Groups left waiting for a later round because their API key already had "
+            "learning.max_key_share of the round (counted once per round that passed them over)",
+            ("alias",),
+            registry=r,
+        )
         self.waiting = Gauge(
             "ratchet_learner_waiting_groups",
             "Usable groups waiting for the next round",

@@ -4,7 +4,9 @@
    ``steps_per_round`` GRPO steps (learner/trainer.py);
 2. write: the next version number from Redis ``INCR``, the adapter written atomically to the
    store (``base_model_name_or_path`` = vLLM's ``--model``), a ``candidate`` event;
-3. gate: the candidate against the live version on held-out prompts (learner/gate.py);
+3. gate: the candidate against the live version on held-out prompts drawn at random from the
+   pool, seeded by the candidate's version, no key above ``learning.max_key_share`` of them
+   (learner/heldout.py, learner/gate.py);
 4. outcome: canary (or promote at once when ``canary.weight`` is 0) or reject, written to Redis
    in ONE transaction with the ids of the groups the round used.
 
@@ -25,10 +27,11 @@ from typing import Any
 
 from learner.canary import reset_counts
 from learner.gate import Gate, GateError, GateResult
+from learner.heldout import HeldoutPool
 from learner.metrics import LearnerMetrics
 from learner.trainer import LoraGRPOLearner, RoundStats, lora_settings, train_settings
 from ratchet.lifecycle import Lifecycle
-from ratchet.records import HeldoutPrompt, ScoredGroup
+from ratchet.records import ScoredGroup
 from ratchet.registry import AliasRoute, served_name
 from ratchet.settings import AliasConfig, RatchetSettings
 from ratchet.store import AdapterStore
@@ -82,9 +85,9 @@ class Rounds:
         alias: str,
         route: AliasRoute,
         groups: list[ScoredGroup],
-        heldout: list[HeldoutPrompt],
+        heldout: HeldoutPool,
     ) -> RoundReport:
-        """A round on ``groups``, gated on the newest ``heldout`` prompts (given oldest first)."""
+        """A round on ``groups``, gated on prompts drawn from the alias's ``heldout`` pool."""
         config = self.settings.aliases[alias]
         stats = self.train(alias, route.active, groups)
         version = self.write(alias, route.active, groups, stats)
@@ -161,20 +164,25 @@ class Rounds:
         config: AliasConfig,
         route: AliasRoute,
         version: int,
-        heldout: list[HeldoutPrompt],
+        heldout: HeldoutPool,
     ) -> GateResult:
         """The gate's verdict on the candidate against the live version, and its ``gate`` event."""
         live = route.active
         started = time.perf_counter()
+        seed = self.settings.learner.seed
+        # Seeded by the version: each round draws afresh, and a round's draw can be replayed.
+        prompts = heldout.draw(
+            config.gate.max_pairs, config.learning.max_key_share, f"{seed}:{alias}:{version}"
+        )
         try:
             result = asyncio.run(
                 self.gate.evaluate(
                     alias,
                     config,
-                    heldout[-config.gate.max_pairs :],
+                    prompts,
                     served_name(alias, version, route.base_model),
                     served_name(alias, live, route.base_model),
-                    seed=self.settings.learner.seed,
+                    seed=seed,
                 )
             )
         except GateError as exc:

@@ -6,7 +6,10 @@ counted by reason (duplicate id, all-equal rewards, sampled by a version more th
 ``max_staleness`` promotions behind the live one, learning paused or off), or waits for its
 alias's next round. A round (learner/round.py) runs when ``batch_groups`` wait, or ``interval_s``
 after the oldest one arrived with at least ``min_groups`` waiting, and never while the alias has a
-canary. A partition's offset is committed only past groups whose round outcome is stored.
+canary. No API key fills more than ``learning.max_key_share`` of a round (learner/fair.py): its
+surplus groups wait for later rounds (counted), and when too many wait, the key with the most
+loses its oldest. A partition's offset is committed only past groups whose round outcome is
+stored.
 Canaries are watched by learner/canary.py in a thread of their own; the guard (learner/guard.py)
 pauses an alias's learning after a round that shows reward hacking or collapse.
 """
@@ -17,7 +20,7 @@ import logging
 import signal
 import threading
 import time
-from collections import OrderedDict, defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 from prometheus_client import start_http_server
 
 from learner.canary import CanaryWatcher
+from learner.fair import counts_by_key, fair_select, fair_size, key_of
 from learner.guard import (
     collapse,
     is_collapsed,
@@ -36,6 +40,7 @@ from learner.guard import (
     rounds_from_history,
     runaway_length,
 )
+from learner.heldout import HeldoutPool
 from learner.metrics import LearnerMetrics
 from learner.round import RoundReport, Rounds, trained_key
 from ratchet.bus import ensure_topics, make_consumer
@@ -67,6 +72,10 @@ class Waiting:
     arrived: float = field(default_factory=time.monotonic)
 
 
+def key_of_waiting(waiting: Waiting) -> str:
+    return key_of(waiting.group.api_key_hash)
+
+
 class LearnerService:
     def __init__(self, settings: RatchetSettings, base_model_path: Path) -> None:
         self.settings = settings
@@ -80,7 +89,9 @@ class LearnerService:
         self.stopping = threading.Event()
         self.waiting: dict[str, list[Waiting]] = defaultdict(list)
         self.recent: dict[str, list[bool]] = defaultdict(list)  # collapsed? per group read
-        self.heldout: dict[str, OrderedDict[str, HeldoutPrompt]] = defaultdict(OrderedDict)
+        self.heldout: dict[str, HeldoutPool] = defaultdict(
+            lambda: HeldoutPool(settings.learner.heldout_pool)
+        )
         self.read_up_to: dict[TopicPartition, int] = {}  # next offset after the last one read
         self.routes: dict[str, AliasRoute] = {}
         self.routes_read_at = 0.0
@@ -116,7 +127,11 @@ class LearnerService:
         waiting = self.waiting[alias]
         waiting.append(Waiting(group, partition, offset))
         while len(waiting) > self.settings.learner.max_waiting_groups:
-            waiting.pop(0)  # the oldest is the most off-policy; its offset is committed past
+            # The oldest (most off-policy) group of the key with the most waiting: a flood from
+            # one key pushes out its own groups, not the others'. Its offset is committed past.
+            counts = Counter(key_of_waiting(w) for w in waiting)
+            largest = max(counts, key=counts.__getitem__)
+            waiting.remove(next(w for w in waiting if key_of_waiting(w) == largest))
             self.metrics.groups.labels(alias, "overflow").inc()
         return "waiting"
 
@@ -141,10 +156,7 @@ class LearnerService:
 
     def add_heldout(self, prompt: HeldoutPrompt) -> None:
         pool = self.heldout[prompt.alias]
-        pool.pop(prompt.prompt_hash, None)
-        pool[prompt.prompt_hash] = prompt  # newest last
-        while len(pool) > self.settings.learner.heldout_pool:
-            pool.popitem(last=False)
+        pool.add(prompt)
         self.metrics.heldout.labels(prompt.alias).set(len(pool))
 
     # --- rounds ---------------------------------------------------------------------------------
@@ -155,33 +167,42 @@ class LearnerService:
         route = self.routes.get(alias)
         if not waiting or route is None or route.paused or route.canary is not None:
             return False
-        needed = self.settings.aliases[alias].gate.min_pairs
-        if len(self.heldout[alias]) < needed:
+        config = self.settings.aliases[alias]
+        share = config.learning.max_key_share
+        pairs = self.heldout[alias].pairs_available(config.gate.max_pairs, share)
+        if pairs < config.gate.min_pairs:
             # A round now could not pass its gate: its groups would be spent on a sure reject.
             if alias not in self._starved:
                 self._starved.add(alias)
                 log.info(
-                    "%s: %d groups wait for held-out prompts (%d of gate.min_pairs %d)",
+                    "%s: %d groups wait for held-out prompts (%d pairs of gate.min_pairs %d, "
+                    "learning.max_key_share %.2f)",
                     alias,
                     len(waiting),
-                    len(self.heldout[alias]),
-                    needed,
+                    pairs,
+                    config.gate.min_pairs,
+                    share,
                 )
             return False
         self._starved.discard(alias)
-        if len(waiting) >= s.batch_groups:
+        usable = fair_size(counts_by_key(waiting, key_of_waiting), s.batch_groups, share)
+        if usable >= s.batch_groups:
             return True
-        return (
-            len(waiting) >= s.min_groups and time.monotonic() - waiting[0].arrived >= s.interval_s
-        )
+        return usable >= s.min_groups and time.monotonic() - waiting[0].arrived >= s.interval_s
 
     def run_round(self, alias: str) -> RoundReport:
-        """A round on the oldest waiting groups; they stop waiting once its outcome is stored."""
-        batch = self.waiting[alias][: self.settings.learner.batch_groups]
+        """A round on the oldest waiting groups, no key above its share (the rest wait for a
+        later round); they stop waiting once its outcome is stored."""
+        share = self.settings.aliases[alias].learning.max_key_share
+        waiting = self.waiting[alias]
+        batch, passed_over = fair_select(
+            waiting, key_of_waiting, self.settings.learner.batch_groups, share
+        )
         groups = [w.group for w in batch]
-        heldout = list(self.heldout[alias].values())
-        report = self.rounds.run(alias, self.routes[alias], groups, heldout)
-        del self.waiting[alias][: len(batch)]
+        report = self.rounds.run(alias, self.routes[alias], groups, self.heldout[alias])
+        spent = {id(w) for w in batch}
+        self.waiting[alias] = [w for w in waiting if id(w) not in spent]
+        self.metrics.deferred.labels(alias).inc(passed_over)
         self.metrics.waiting.labels(alias).set(len(self.waiting[alias]))
         self.metrics.groups.labels(alias, "trained").inc(len(batch))
         self.guard(alias, groups)

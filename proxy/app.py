@@ -1,6 +1,20 @@
 """The OpenAI-compatible proxy: aliases in, adapter versions out, every exchange logged.
 
 The generation routes are proxy/generation.py; the rest are small and live here.
+
+Who may call what (keys are checked only when proxy.api_keys or proxy.admin_key is set; the
+admin key is accepted wherever a client key is):
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models[/{alias}]``: a
+  client key.
+- ``POST /v1/feedback``, the one state a client changes (a rating of its own completion): the
+  key that got the completion.
+- ``GET /metrics``: nothing, or the admin key when ``proxy.metrics_auth`` is on.
+- ``GET /healthz``, ``GET /readyz`` (probes): nothing.
+
+Anything else that changes state (routing, promotion, adapters) is not a route of the proxy;
+one added later must call :meth:`ProxyState.require_admin`. There are no trailing-slash
+redirects, no ``/docs`` and no ``/openapi.json``: an unknown path is a 404 envelope.
 """
 
 from __future__ import annotations
@@ -15,11 +29,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from proxy.errors import ProxyError, install_handler
+from proxy.errors import install_handler
+from proxy.feedback import rate
 from proxy.generation import generate
-from proxy.state import ProxyState, read_json
-from proxy.validation import check_feedback, unknown_alias
-from ratchet.records import FeedbackRecord
+from proxy.state import ProxyState
+from proxy.validation import unknown_alias
 from ratchet.registry import AliasRoute, served_name
 from ratchet.settings import RatchetSettings
 
@@ -44,10 +58,20 @@ def create_app(settings: RatchetSettings) -> FastAPI:
         yield
         await state.upstream.close()
         await state.routing.close()
+        await state.rate_limiter.close()  # sends the token charges still pending
+        await state.completions.close()  # writes the completion owners still pending
         # The worker sends what it holds to Kafka, or to the disk spool if the broker is away.
         await state.traffic_log.close()
 
-    app = FastAPI(title="Ratchet proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="Ratchet proxy",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        # A redirect would point at the client's own Host header; a 404 envelope says more.
+        redirect_slashes=False,
+    )
     app.state.ratchet = state
     install_handler(app)
     _add_generation_routes(app, state)
@@ -106,31 +130,8 @@ def _model_card(route: AliasRoute) -> dict[str, Any]:
 def _add_feedback_route(app: FastAPI, state: ProxyState) -> None:
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> Response:
-        key_hash = state.authenticate(request)
-        payload, _ = await read_json(request, state.settings.proxy.max_body_bytes)
-        completion_id, score, thumbs, comment = check_feedback(payload)
-        record = FeedbackRecord(
-            completion_id=completion_id,
-            score=score,
-            thumbs=thumbs,
-            comment=comment,
-            api_key_hash=key_hash,
-        )
-        if not state.traffic_log.submit(record, key=completion_id):
-            raise ProxyError(
-                503,
-                "feedback queue is full; retry shortly",
-                type="server_error",
-                code="queue_full",
-                headers={"Retry-After": "1"},
-            )
-        accepted = {
-            "object": "feedback",
-            "completion_id": completion_id,
-            "score": score,
-            "status": "accepted",
-        }
-        return Response(orjson.dumps(accepted), media_type="application/json")
+        # Once per completion, only from the key that got it (proxy/completions.py).
+        return await rate(state, state.completions, request)
 
 
 def _add_health_routes(app: FastAPI, state: ProxyState) -> None:
@@ -156,7 +157,9 @@ def _add_health_routes(app: FastAPI, state: ProxyState) -> None:
         )
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if state.settings.proxy.metrics_auth:
+            state.require_admin(request)
         state.metrics.upstream_up.set(1 if state.upstream.ready else 0)
         state.metrics.registry_up.set(1 if state.routing.connected else 0)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -13,6 +13,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,14 @@ def _as_proxy_error(request: Request, exc: Exception) -> ProxyError:
     """What the client is told about any exception that ends a request."""
     if isinstance(exc, ProxyError):
         return exc
+    if isinstance(exc, ClientDisconnect):
+        # The client left mid-body, or the server cut a slow body off and answered 408 itself
+        # (proxy/connection.py): nobody reads this answer, and it is no error of ours to log.
+        return ProxyError(
+            400,
+            "the client closed the connection before the whole body arrived",
+            code="client_disconnected",
+        )
     if isinstance(exc, StarletteHTTPException):  # no such route or method, and the like
         kind, code = _STATUS_TYPES.get(exc.status_code, ("invalid_request_error", "error"))
         message = (
@@ -96,6 +105,7 @@ async def _error_response(request: Request, exc: Exception) -> Response:
 
 
 def install_handler(app: FastAPI) -> None:
-    """One handler for every exception; Starlette looks handlers up by class, hence three keys."""
-    for kind in (ProxyError, StarletteHTTPException, Exception):
+    """One handler for every exception; Starlette looks handlers up by class, hence one key per
+    kind."""
+    for kind in (ProxyError, StarletteHTTPException, ClientDisconnect, Exception):
         app.add_exception_handler(kind, _error_response)

@@ -3,6 +3,13 @@ record.
 
 vLLM's answer is not parsed here: its bytes go back to the client as they come and, with the
 request's bytes, down a pipe to the log worker (proxy/log/pipe.py), which makes the record.
+
+What a client learns of the learning loop is limited. The request id of the record is the
+proxy's own; the client's ``x-request-id`` is kept (cut to 128 characters) as a correlation
+field and echoed back. While an alias runs a canary, the answer does not say which arm it came
+from unless ``proxy.expose_arm`` is on: no ``x-ratchet-canary-arm``, ``x-ratchet-version`` or
+``x-ratchet-served-name`` header, and the answer's ``model`` is the alias, not the served name
+(outside a canary there is one version to tell, and ``model`` is the served name as usual).
 """
 
 from __future__ import annotations
@@ -24,11 +31,23 @@ from proxy.log.worker import ExchangeMeta
 from proxy.sse import without_usage_only
 from proxy.state import ProxyState, read_json
 from proxy.upstream import stream_dropped, upstream_error
-from proxy.validation import check_alias, check_chat, check_completion, unknown_alias
+from proxy.validation import (
+    RequestLimits,
+    check_alias,
+    check_chat,
+    check_completion,
+    check_limits,
+    unknown_alias,
+)
+from ratchet.records import CLIENT_REQUEST_ID_MAX
 from ratchet.registry import served_name
 
 STICKY_HEADER = "x-ratchet-sticky-key"
 VERSION_HEADER = "x-ratchet-version"
+SERVED_NAME_HEADER = "x-ratchet-served-name"
+ARM_HEADER = "x-ratchet-canary-arm"
+# Chunks of a stream past proxy.max_answer_bytes still kept: enough for the usage event.
+STREAM_TAIL_CHUNKS = 4
 
 
 @dataclass(slots=True)
@@ -46,23 +65,56 @@ class Call:
     first_chunk_at: float | None = None  # streams only
     answer: bytes = b""  # a whole answer (not streamed)
     chunks: list[bytes] = field(default_factory=list)  # a stream, as vLLM sent it
+    streamed: int = 0  # bytes of the stream so far
+    head: bytes = b""  # a stream's first chunk: its id names the completion, whatever is kept
+    # (served, alias) names while the arm is concealed: the client is shown the alias instead.
+    concealed: tuple[str, str] | None = None
 
     def fail(self, error: ProxyError) -> None:
         self.meta.status, self.meta.error = error.status, error.body()["error"]
+
+    def keep(self, chunk: bytes, limit: int) -> None:
+        """Keep a stream's chunk for the log. Past ``limit`` bytes (proxy.max_answer_bytes) only
+        the last few chunks stay, for the usage event at the end: the exchange is then counted
+        but not logged, and memory stays bounded however long the stream."""
+        self.chunks.append(chunk)
+        self.streamed += len(chunk)
+        if self.streamed > limit:
+            self.meta.logged = False
+            del self.chunks[:-STREAM_TAIL_CHUNKS]
+
+    def shown(self, events: bytes) -> bytes:
+        """A whole answer or whole stream events as the client gets them: without the usage
+        event it did not ask for (streams), and naming the alias while the arm is concealed."""
+        if self.meta.stream and not self.client_wants_usage:
+            events = without_usage_only(events)
+        if self.concealed is not None:
+            served, alias = (b'"' + name.encode() + b'"' for name in self.concealed)
+            # vLLM writes compact JSON; the spaced form is that of other servers.
+            for colon in (b":", b": "):
+                events = events.replace(b'"model"' + colon + served, b'"model"' + colon + alias)
+        return events
 
 
 async def generate(state: ProxyState, request: Request, endpoint: str) -> Response:
     """One generation request, step by step; see :func:`relay` for how it ends."""
     started, started_at = time.perf_counter(), time.time()
     key_hash = state.authenticate(request)
-    payload, body = await read_json(request, state.settings.proxy.max_body_bytes)
-    alias = parse(payload, endpoint)
-    version, arm, served = route(state, request, payload, alias)
+    # Asked of Redis now, answered below: the body is read and parsed meanwhile.
+    admission = state.rate_limiter.ask(key_hash) if state.rate_limiter.enabled else None
+    payload, body = await read_json(request, state.limits)
+    alias = parse(payload, endpoint, state.limits)
+    version, arm, served, conceal = route(state, request, payload, alias, key_hash)
     stream = bool(payload.get("stream"))
     forwarded, client_wants_usage = forward(payload, served, stream)
+    if admission is not None:
+        await state.rate_limiter.settle(admission)  # 429 when a limit is reached
     log_rate = state.log_rates.get(alias, 1.0)
+    client_request_id = request.headers.get("x-request-id")
     meta = ExchangeMeta(
-        request_id=(request.headers.get("x-request-id") or uuid.uuid4().hex)[:128],
+        # Ours, never the client's: group ids and sampling derive from it.
+        request_id=uuid.uuid4().hex,
+        client_request_id=client_request_id[:CLIENT_REQUEST_ID_MAX] if client_request_id else None,
         endpoint=endpoint,
         alias=alias,
         served_name=served,
@@ -74,38 +126,47 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
         started_at=started_at,
     )
     call = Call(meta, body, forwarded, (alias, str(version), arm), client_wants_usage, started)
-    headers = {
-        VERSION_HEADER: str(version),
-        "x-request-id": meta.request_id,
-        "x-ratchet-served-name": served,
-        "x-ratchet-canary-arm": arm,
-    }
+    headers = {"x-request-id": meta.client_request_id or meta.request_id}
+    if conceal:
+        call.concealed = (served, alias)
+    else:
+        headers[VERSION_HEADER] = str(version)
+        headers[SERVED_NAME_HEADER] = served
+    if state.settings.proxy.expose_arm:
+        headers[ARM_HEADER] = arm
     exchange = relay(state, call)
     try:
         await anext(exchange)  # raises the ProxyError of a refused or failed call
     except StopAsyncIteration:  # a whole answer: the call is over and recorded
-        return Response(call.answer, media_type="application/json", headers=headers)
+        answer = call.answer if call.concealed is None else call.shown(call.answer)
+        return Response(answer, media_type="application/json", headers=headers)
     headers["Cache-Control"] = "no-cache"
     return StreamingResponse(exchange, media_type="text/event-stream", headers=headers)
 
 
-def parse(payload: dict[str, Any], endpoint: str) -> str:
-    """Check the body for what the proxy relies on; return the alias it names."""
+def parse(payload: dict[str, Any], endpoint: str, limits: RequestLimits) -> str:
+    """Check the body for what the proxy relies on and its limits; return the alias it names."""
     alias = check_alias(payload)
     (check_chat if endpoint == "chat.completions" else check_completion)(payload)
+    check_limits(payload, endpoint, limits)
     return alias
 
 
 def route(
-    state: ProxyState, request: Request, payload: dict[str, Any], alias: str
-) -> tuple[int, str, str]:
-    """(version, canary arm, served name) from the cached routing table; 404 for an unknown
-    alias. A sticky key (header, else ``user``) keeps a caller on one arm."""
+    state: ProxyState, request: Request, payload: dict[str, Any], alias: str, key_hash: str | None
+) -> tuple[int, str, str, bool]:
+    """(version, canary arm, served name, whether to conceal the arm) from the cached routing
+    table; 404 for an unknown alias. A sticky key (header, else ``user``) keeps a caller on one
+    arm, drawn by a keyed hash of it and the caller's API key (ratchet/registry.py)."""
     alias_route = state.routing.routes.get(alias)
     if alias_route is None:
         raise unknown_alias(alias)
-    version, arm = alias_route.pick(request.headers.get(STICKY_HEADER) or payload.get("user"))
-    return version, arm, served_name(alias, version, alias_route.base_model)
+    sticky = request.headers.get(STICKY_HEADER) or payload.get("user")
+    version, arm = alias_route.pick(
+        sticky if isinstance(sticky, str) else None, key_hash=key_hash, secret=state.secret
+    )
+    conceal = alias_route.on_canary and not state.settings.proxy.expose_arm
+    return version, arm, served_name(alias, version, alias_route.base_model), conceal
 
 
 def forward(payload: dict[str, Any], served: str, stream: bool) -> tuple[bytes, bool]:
@@ -133,10 +194,13 @@ async def call_vllm(state: ProxyState, call: Call) -> UpstreamResponse | None:
     if response.status == 200 and call.meta.stream:
         call.meta.status = 200
         return response
-    answer = await state.upstream.read(response)
+    answer = await state.upstream.read(response, state.limits.max_answer_bytes)
     call.upstream_done = time.perf_counter()
     if response.status != 200:
-        raise upstream_error(response.status, answer, call.meta.served_name)
+        error = upstream_error(response.status, answer, call.meta.served_name)
+        if call.concealed is not None:  # vLLM's message may name the version
+            error.message = error.message.replace(*call.concealed)
+        raise error
     call.meta.status, call.answer = 200, answer
     return None
 
@@ -158,12 +222,14 @@ async def relay(state: ProxyState, call: Call) -> AsyncIterator[bytes]:
             return
         yield b""
         pending = b""
+        kept_limit = state.limits.max_answer_bytes
         try:
             async for chunk in response.iter_any():
                 if call.first_chunk_at is None:
                     call.first_chunk_at = time.perf_counter()
-                call.chunks.append(chunk)
-                if call.client_wants_usage:
+                    call.head = chunk
+                call.keep(chunk, kept_limit)
+                if call.client_wants_usage and call.concealed is None:
                     yield chunk
                     continue
                 pending += chunk
@@ -171,9 +237,9 @@ async def relay(state: ProxyState, call: Call) -> AsyncIterator[bytes]:
                 if cut < 0:
                     continue
                 ready, pending = pending[: cut + 2], pending[cut + 2 :]
-                yield without_usage_only(ready)
+                yield call.shown(ready)
             if pending:
-                yield without_usage_only(pending)
+                yield call.shown(pending)
         except Exception as exc:
             error = stream_dropped(exc)
             call.fail(error)
@@ -209,4 +275,9 @@ def record(state: ProxyState, call: Call) -> None:
         metrics.errors.labels(str(meta.error.get("code"))).inc()
     meta.latency_ms = round(total * 1000, 3)
     answer = b"".join(call.chunks) if meta.stream else call.answer
+    head = call.head if meta.stream else answer
+    if head:  # who got it, so only that key may rate it (written later, off this path)
+        state.completions.remember(head, meta.api_key_hash)
+    if state.rate_limiter.token_limits:
+        state.rate_limiter.charge(meta.api_key_hash, answer)
     state.traffic_log.submit_exchange(orjson.dumps(meta), call.body, answer)

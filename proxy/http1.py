@@ -33,6 +33,10 @@ class UpstreamClosed(ConnectionError):
         self.answered = answered  # False: nothing came back, so the request may be sent again
 
 
+class AnswerTooLarge(Exception):
+    """The answer was longer than the reader allowed; the connection is closed, not reused."""
+
+
 class UpstreamResponse:
     """One answer: ``status`` at once, the body with :meth:`read` or :meth:`iter_any`, then
     :meth:`release` (after ``read`` it is released already)."""
@@ -94,12 +98,19 @@ class UpstreamResponse:
                 raise self._error
             await self._wait()
 
-    async def read(self) -> bytes:
+    async def read(self, max_bytes: int | None = None) -> bytes:
+        """The whole body; AnswerTooLarge as soon as it passes ``max_bytes``."""
+        parts: list[bytes] = []
+        size = 0
         try:
-            parts = [chunk async for chunk in self.iter_any()]
+            async for chunk in self.iter_any():
+                parts.append(chunk)
+                size += len(chunk)
+                if max_bytes is not None and size > max_bytes:
+                    raise AnswerTooLarge(f"more than {max_bytes} bytes")
         finally:
             self.release()
-        return b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def release(self) -> None:
         """Give the connection back to the pool when the answer was read whole, else close it."""
@@ -206,11 +217,28 @@ class _Connection(asyncio.Protocol):
             self.close()
 
 
+def _authorization(api_key: str | None) -> bytes:
+    """vLLM's key, sent on every request (built once: no per-request cost). The client's own
+    Authorization header is never forwarded: requests to vLLM are built here from scratch."""
+    if api_key is None:
+        return b""
+    if not api_key or not all(33 <= ord(c) <= 126 for c in api_key):
+        # A space, CR or LF would let the key end the header early (and is no token anyway).
+        raise ValueError("vllm_api_key must be printable ASCII without spaces")
+    return b"Authorization: Bearer " + api_key.encode() + b"\r\n"
+
+
 class UpstreamPool:
     """Connections to one upstream (``http://`` or ``https://`` base URL, with an optional path
     prefix), most recently used first so idle ones age out."""
 
-    def __init__(self, base_url: str, connect_timeout_s: float, total_timeout_s: float) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        connect_timeout_s: float,
+        total_timeout_s: float,
+        api_key: str | None = None,
+    ) -> None:
         url = urlsplit(base_url.rstrip("/"))
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"vllm_url must be http(s)://host[:port][/prefix], not {base_url!r}")
@@ -222,7 +250,7 @@ class UpstreamPool:
         self.connect_timeout_s = connect_timeout_s
         self.total_timeout_s = total_timeout_s
         self._idle: list[_Connection] = []
-        self._head = b" HTTP/1.1\r\nHost: " + netloc + b"\r\n"
+        self._head = b" HTTP/1.1\r\nHost: " + netloc + b"\r\n" + _authorization(api_key)
 
     def put(self, connection: _Connection) -> None:
         self._idle.append(connection)

@@ -99,6 +99,26 @@ class ProxyMetrics:
             "1 when the routing registry (Redis) is reachable",
             registry=r,
         )
+        self.ratelimit_refused = Counter(
+            "ratchet_proxy_ratelimit_refused_total",
+            "Requests refused with 429 by the proxy.rate_limit setting they reached",
+            ("limit",),
+            registry=r,
+        )
+        self.ratelimit_overshoot = Counter(
+            "ratchet_proxy_ratelimit_overshoot_total",
+            "Requests served without waiting for Redis (their key far from its limits) that Redis "
+            "then found over a limit: other replicas drained the key within one round trip",
+            ("limit",),
+            registry=r,
+        )
+        self.ratelimit_unavailable = Counter(
+            "ratchet_proxy_ratelimit_unavailable_total",
+            "Rate-limit work Redis did not answer in time: admit = a request served unchecked "
+            "(fail open) or never recorded in Redis, charge = an answer's tokens not charged",
+            ("call",),
+            registry=r,
+        )
 
     def call(self, labels: tuple[str, str, str]) -> CallMetrics:
         found = self._calls.get(labels)

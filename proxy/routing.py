@@ -54,8 +54,13 @@ class RoutingCache:
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        # redis-py's pubsub.listen() can swallow one cancellation while it reconnects: cancel
+        # until every task has ended, then close the connection pool.
+        pending = {task for task in self._tasks if not task.done()}
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.5)
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._redis.aclose()
 

@@ -8,13 +8,17 @@ from typing import Any
 import orjson
 from fastapi import Request
 
+from proxy.completions import CompletionOwners
 from proxy.errors import ProxyError, bad_request
 from proxy.log.pipe import TrafficLog
 from proxy.log.worker import WorkerConfig
 from proxy.metrics import ProxyMetrics
+from proxy.ratelimit import RateLimiter
 from proxy.routing import RoutingCache
 from proxy.upstream import Upstream
-from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, hash_api_key
+from proxy.validation import RequestLimits, check_depth, json_too_deep
+from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC
+from ratchet.secrets import hash_api_key, server_secret, vllm_api_key
 from ratchet.settings import RatchetSettings
 
 
@@ -31,6 +35,7 @@ class ProxyState:
             settings.vllm_url,
             settings.proxy.upstream_connect_timeout_s,
             settings.proxy.upstream_timeout_s,
+            vllm_api_key(settings),
         )
         worker = WorkerConfig(
             bootstrap=settings.kafka_bootstrap_servers,
@@ -45,19 +50,34 @@ class ProxyState:
             worker,
             on_tokens=lambda *labels_n: self.metrics.tokens.labels(*labels_n[:4]).inc(labels_n[4]),
             on_state=lambda up: self.metrics.kafka_up.set(1 if up else 0),
+            max_bytes=settings.proxy.log_queue_bytes,
         )
+        # Keys the key hashes and the canary draw: what a client cannot compute.
+        self.secret = server_secret(settings)
         keys = [k.get_secret_value() for k in settings.proxy.api_keys]
-        if settings.proxy.admin_key:
-            keys.append(settings.proxy.admin_key.get_secret_value())
-        self.key_hashes = frozenset(hash_api_key(k) for k in keys)
+        admin_key = settings.proxy.admin_key
+        self.admin_key_hash = hash_api_key(
+            self.secret, admin_key.get_secret_value() if admin_key else None
+        )
+        self.key_hashes = frozenset(hash_api_key(self.secret, k) for k in keys)
+        if self.admin_key_hash is not None:
+            self.key_hashes |= {self.admin_key_hash}
+        self.limits = RequestLimits.from_settings(settings.proxy)
+        self.upstream.on_model_context = self.limits.set_model_context
+        # Per key only when keys are required: without auth a client could invent one per request.
+        self.rate_limiter = RateLimiter(
+            settings.proxy.rate_limit, settings.redis_url, self.metrics, bool(self.key_hashes)
+        )
         self.log_rates = {name: cfg.log_rate for name, cfg in settings.aliases.items()}
+        # Who got each completion, so only that key may rate it, once (proxy/completions.py).
+        self.completions = CompletionOwners(settings.redis_url, self.metrics.registry)
         self.metrics.watch_log(self.traffic_log, lambda: min(self.routing.age_s, 1e9))
 
     def authenticate(self, request: Request) -> str | None:
         """Return the hash of the caller's key; 401 when keys are required and this one isn't."""
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header[:7].lower() == "bearer " else None
-        key_hash = hash_api_key(key)
+        key_hash = hash_api_key(self.secret, key)  # one HMAC; the configured keys' are made once
         if self.key_hashes and key_hash not in self.key_hashes:
             raise ProxyError(
                 401,
@@ -67,9 +87,35 @@ class ProxyState:
             )
         return key_hash
 
+    def require_admin(self, request: Request) -> None:
+        """For routes that need proxy.admin_key: 401 without a valid key, 403 for a client key."""
+        key_hash = self.authenticate(request)
+        if self.admin_key_hash is not None and key_hash == self.admin_key_hash:
+            return
+        if key_hash is None or key_hash not in self.key_hashes:
+            raise ProxyError(
+                401,
+                "this route needs the admin key; send 'Authorization: Bearer <admin key>'",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+        raise ProxyError(
+            403,
+            "this route needs the admin key (proxy.admin_key), not a client key",
+            type="permission_error",
+            code="admin_key_required",
+        )
 
-async def read_json(request: Request, limit: int) -> tuple[dict[str, Any], bytes]:
-    """The body as a JSON object, and its bytes as sent; 413 past `limit`, 400 if not JSON."""
+
+async def read_json(request: Request, limits: RequestLimits) -> tuple[dict[str, Any], bytes]:
+    """The body as a JSON object, and its bytes as sent: 413 past proxy.max_body_bytes, 400 if
+    not a JSON object or nested deeper than proxy.max_json_depth.
+
+    A body that arrives too slowly is cut off by the server (proxy/connection.py), not here: a
+    deadline here would cost a timer on every request, most of whose bodies came with their
+    headers.
+    """
+    limit = limits.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -84,13 +130,20 @@ async def read_json(request: Request, limit: int) -> tuple[dict[str, Any], bytes
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
+        if "depth" in exc.msg:  # orjson's own limit (1024 levels), far past ours
+            raise json_too_deep(limits.max_json_depth) from None
         raise bad_request(
             f"request body is not valid JSON: {exc.msg}", None, "invalid_json"
         ) from None
     if not isinstance(payload, dict):
         raise bad_request("request body must be a JSON object", None, "invalid_json")
+    check_depth(payload, limits.max_json_depth)
     return payload, body
 
 
 def _too_large(limit: int) -> ProxyError:
-    return ProxyError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    return ProxyError(
+        413,
+        f"request body is larger than proxy.max_body_bytes ({limit} bytes)",
+        code="request_too_large",
+    )

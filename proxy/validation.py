@@ -8,10 +8,11 @@ our envelope). Each failure names the offending field in ``param``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import ProxyError, bad_request
-from ratchet.settings import NAME_PATTERN, NAME_RULE
+from ratchet.settings import NAME_PATTERN, NAME_RULE, ProxySettings
 
 Check = Callable[[Any], bool]
 
@@ -84,7 +85,8 @@ def _is_stream_options(value: Any) -> bool:
 _COMMON: dict[str, tuple[Check, str]] = {
     "stream": (_is_bool, "a boolean"),
     "stream_options": (_is_stream_options, "an object with a boolean include_usage"),
-    "n": (_int_range(1, 128), "an integer from 1 to 128"),
+    "n": (_int_range(1), "a positive integer"),
+    "best_of": (_int_range(1), "a positive integer"),
     "max_tokens": (_int_range(1), "a positive integer"),
     "temperature": (_number_range(0.0, 2.0), "a number from 0 to 2"),
     "top_p": (_number_range(0.0, 1.0), "a number from 0 to 1"),
@@ -204,3 +206,134 @@ def unknown_alias(alias: str) -> ProxyError:
         param="model",
         code="model_not_found",
     )
+
+
+# ---- limits -------------------------------------------------------------------------------------
+
+# max_tokens allowed while vLLM's context length is unknown (not reached yet, or an upstream that
+# does not report max_model_len) and proxy.max_tokens is unset.
+FALLBACK_MAX_TOKENS = 32_768
+LIMIT_EXCEEDED = "limit_exceeded"
+
+
+@dataclass(slots=True)
+class RequestLimits:
+    """What one request may ask for (proxy.max_*), read once from the settings; each refusal is a
+    4xx that names its setting. ``model_context`` is vLLM's max_model_len, once the upstream
+    has told us."""
+
+    max_body_bytes: int
+    max_json_depth: int
+    max_messages: int
+    max_n: int
+    max_choices: int
+    max_tokens: int | None
+    max_answer_bytes: int
+    model_context: int | None = None
+
+    @classmethod
+    def from_settings(cls, proxy: ProxySettings) -> RequestLimits:
+        return cls(
+            max_body_bytes=proxy.max_body_bytes,
+            max_json_depth=proxy.max_json_depth,
+            max_messages=proxy.max_messages,
+            max_n=proxy.max_n,
+            max_choices=proxy.max_choices,
+            max_tokens=proxy.max_tokens,
+            max_answer_bytes=proxy.max_answer_bytes,
+        )
+
+    def set_model_context(self, tokens: int) -> None:
+        self.model_context = tokens
+
+    def token_limit(self) -> tuple[int, str]:
+        """The largest max_tokens allowed, and where that number comes from."""
+        if self.max_tokens is not None:
+            return self.max_tokens, "proxy.max_tokens"
+        if self.model_context is not None:
+            return self.model_context, "proxy.max_tokens (unset: the model's context length)"
+        return FALLBACK_MAX_TOKENS, "proxy.max_tokens (unset, and the model's context unknown)"
+
+
+def _over(param: str, message: str) -> ProxyError:
+    return bad_request(message, param, LIMIT_EXCEEDED)
+
+
+def check_depth(payload: Any, max_depth: int) -> None:
+    """400 when the body nests deeper than proxy.max_json_depth (the top-level object is 1).
+
+    A walk of the parsed body, one level at a time, that only descends into containers: a
+    container's scalars are skipped at C speed (``set(map(type, ...))``), so a typical body costs
+    microseconds, and it stops at the first level past the limit.
+    """
+    level: list[Any] = [payload]
+    depth = 1
+    while True:
+        children: list[Any] = []
+        for container in level:
+            if not container:
+                continue
+            values = container.values() if type(container) is dict else container
+            kinds = set(map(type, values))
+            if dict in kinds or list in kinds:
+                children += [v for v in values if type(v) is dict or type(v) is list]
+        if not children:
+            return
+        depth += 1
+        if depth > max_depth:
+            raise json_too_deep(max_depth)
+        level = children
+
+
+def json_too_deep(max_depth: int) -> ProxyError:
+    return bad_request(
+        f"the request body nests deeper than proxy.max_json_depth ({max_depth} levels)",
+        None,
+        "json_too_deep",
+    )
+
+
+def _choices_per_prompt(payload: dict[str, Any], limits: RequestLimits) -> int:
+    """n (or best_of, which vLLM generates and then picks from), refused past proxy.max_n."""
+    n = payload.get("n") or 1
+    best_of = payload.get("best_of") or 1
+    for param, value in (("n", n), ("best_of", best_of)):
+        if value > limits.max_n:
+            raise _over(param, f"{param} is {value}, more than proxy.max_n ({limits.max_n})")
+    return max(n, best_of)
+
+
+def _prompt_count(prompt: Any) -> int:
+    """How many prompts a /v1/completions ``prompt`` holds (checked by _is_prompt already)."""
+    if isinstance(prompt, list) and prompt and not _is_int(prompt[0]):
+        return len(prompt)  # strings, or lists of token ids
+    return 1
+
+
+def check_limits(payload: dict[str, Any], endpoint: str, limits: RequestLimits) -> None:
+    """Refuse, naming the setting, what asks for more than proxy.max_* allows. Runs after the
+    type checks (check_chat / check_completion), so every field here has a valid type."""
+    prompts = 1
+    if endpoint == "chat.completions":
+        messages = len(payload["messages"])
+        if messages > limits.max_messages:
+            raise _over(
+                "messages",
+                f"the request has {messages} messages, more than proxy.max_messages "
+                f"({limits.max_messages})",
+            )
+    else:
+        prompts = _prompt_count(payload["prompt"])
+    choices = _choices_per_prompt(payload, limits) * prompts
+    if choices > limits.max_choices:
+        raise _over(
+            "n",
+            f"n x prompts is {choices} choices, more than proxy.max_choices "
+            f"({limits.max_choices}); send fewer prompts per request or a lower n",
+        )
+    for param in ("max_tokens", "max_completion_tokens"):
+        asked = payload.get(param)
+        if asked is not None:
+            allowed, setting = limits.token_limit()
+            if asked > allowed:
+                raise _over(param, f"{param} is {asked}, more than {setting} allows ({allowed})")

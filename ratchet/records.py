@@ -25,16 +25,12 @@ GROUPS_TOPIC = "ratchet.groups"
 HELDOUT_TOPIC = "ratchet.heldout"
 EVENTS_TOPIC = "ratchet.events"
 
+# The longest client x-request-id kept (as a correlation field only); the rest is cut off.
+CLIENT_REQUEST_ID_MAX = 128
+
 
 def utc_now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def hash_api_key(key: str | None) -> str | None:
-    """Keys are only ever stored as this hash, so logs and Kafka never see a secret."""
-    if not key:
-        return None
-    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
 
 
 def prompt_hash(messages: list[Any], tools: list[Any] | None = None) -> str:
@@ -62,12 +58,18 @@ class Record(BaseModel):
 
 
 class TrafficRecord(Record):
-    """One client exchange as the proxy saw it: request as sent, answer as received."""
+    """One client exchange as the proxy saw it: request as sent, answer as received.
+
+    ``request_id`` is made by the proxy for every request; group ids and sampling derive from it.
+    The client's own ``x-request-id`` is only kept as ``client_request_id``, for correlation: a
+    client that reuses another's id cannot make that one's group look like a duplicate.
+    """
 
     SCHEMA = "traffic/1"
     TOPIC = TRAFFIC_TOPIC
 
     request_id: str
+    client_request_id: str | None = Field(default=None, max_length=CLIENT_REQUEST_ID_MAX)
     endpoint: Literal["chat.completions", "completions"]
     alias: str
     request_model: str = Field(alias="gen_ai.request.model")
@@ -127,6 +129,8 @@ class ScoredGroup(Record):
     judge_model: str | None = None
     rubric_hash: str | None = None
     traffic_request_id: str
+    # The key of the client whose prompt it is (learning.max_key_share); None: no key (auth off).
+    api_key_hash: str | None = None
 
 
 class HeldoutPrompt(Record):
@@ -138,6 +142,7 @@ class HeldoutPrompt(Record):
     prompt_messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     traffic_request_id: str
+    api_key_hash: str | None = None  # whose prompt it is, as for ScoredGroup
 
 
 class LifecycleEvent(Record):

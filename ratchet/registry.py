@@ -8,7 +8,6 @@ cache (``proxy/routing.py``).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 from collections.abc import Callable
@@ -19,6 +18,7 @@ import orjson
 import redis
 
 from ratchet.records import LifecycleEvent, utc_now
+from ratchet.secrets import keyed_hash
 from ratchet.settings import AliasConfig
 
 if TYPE_CHECKING:
@@ -53,18 +53,29 @@ class AliasRoute:
     paused: bool = False
     updated_at: str | None = None
 
-    def pick(self, sticky_key: str | None) -> tuple[int, str]:
-        """Choose (version, arm) for one request: sticky per key, random without one."""
+    @property
+    def on_canary(self) -> bool:
+        """True while some requests go to a canary version."""
+        return self.canary is not None and self.canary_weight > 0.0
+
+    def pick(
+        self, sticky_key: str | None, *, key_hash: str | None, secret: bytes
+    ) -> tuple[int, str]:
+        """Choose (version, arm) for one request: random, or sticky per (API key, sticky key).
+
+        The draw is a keyed hash under the server secret: without it a client cannot tell
+        which arm a sticky value lands on, and the same value under another API key draws
+        afresh. Keyed by alias and canary version too, so each canary draws a fresh cohort.
+        """
         if self.canary is None or self.canary_weight <= 0.0:
             return self.active, "active"
         if sticky_key is None:
             draw = random.random()
         else:
-            # Keyed by alias and canary version too, so each new canary draws a fresh cohort.
-            digest = hashlib.blake2b(
-                f"{self.alias}\0{self.canary}\0{sticky_key}".encode(), digest_size=8
-            ).digest()
-            draw = int.from_bytes(digest, "big") / 2**64
+            digest = keyed_hash(
+                secret, "canary", self.alias, str(self.canary), key_hash or "", sticky_key
+            )
+            draw = int(digest[:16], 16) / 2**64
         if draw < self.canary_weight:
             return self.canary, "canary"
         return self.active, "active"

@@ -89,6 +89,10 @@ class LearningConfig(_Section):
     max_prompt_tokens: int = Field(default=1024, ge=1)
     # A prompt seen within this window is not judged again.
     dedup_window_s: int = Field(default=3600, ge=0)
+    # No API key fills more than this share of a round's groups or of a gate's held-out pairs,
+    # so one client cannot steer what is learned or judged; with fewer than 1/share keys at
+    # hand each key gets an even share (one key alone, or auth off, is never held back).
+    max_key_share: float = Field(default=0.25, gt=0.0, le=1.0)
 
 
 class SamplingConfig(_Section):
@@ -106,7 +110,7 @@ class GateConfig(_Section):
     min_pairs: int = Field(default=32, ge=1)
     # Promote only when the lower end of the win rate's 95% interval is above this.
     threshold: float = Field(default=0.5, ge=0.0, le=1.0)
-    # Held-out prompts drawn per gate (the newest ones, up to this many).
+    # Held-out prompts drawn per gate: at random from the whole pool, up to this many.
     max_pairs: int = Field(default=64, ge=1)
     # 0 = greedy: both versions answer each prompt deterministically.
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
@@ -179,6 +183,32 @@ class KafkaSettings(_Section):
         return opts
 
 
+class RateLimitSettings(_Section):
+    """`proxy.rate_limit`: per-key limits every proxy replica shares through Redis; a key over
+    one gets 429 and retry-after. All off by default: a sensible number depends on the model and
+    the hardware, and without keys every client would share one bucket (a global limit)."""
+
+    # Requests a key may start per minute, refilled continuously (a token bucket)...
+    requests_per_minute: int | None = Field(default=None, ge=1, le=1_000_000)
+    # ...and at most this many at once; unset, a full minute's worth.
+    burst: int | None = Field(default=None, ge=1, le=1_000_000)
+    # Prompt + completion tokens (vLLM's usage), charged after each answer and refilled
+    # continuously; a key is refused while its budget is spent.
+    tokens_per_minute: int | None = Field(default=None, ge=1, le=10**10)
+    tokens_per_day: int | None = Field(default=None, ge=1, le=10**12)
+    # The longest a request waits for Redis to check it; past that it is served unchecked.
+    timeout_s: float = Field(default=0.05, gt=0, le=5.0)
+
+    @model_validator(mode="after")
+    def _burst_needs_a_rate(self) -> RateLimitSettings:
+        if self.burst is not None and self.requests_per_minute is None:
+            raise ValueError(
+                "proxy.rate_limit.burst is set but proxy.rate_limit.requests_per_minute is not; "
+                "set both, or remove burst"
+            )
+        return self
+
+
 class ProxySettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8400, ge=1, le=65535)
@@ -195,6 +225,70 @@ class ProxySettings(_Section):
     # A full re-read of the routing table, on top of the pub/sub push.
     registry_refresh_s: float = Field(default=5.0, gt=0)
     upstream_health_interval_s: float = Field(default=2.0, gt=0)
+    # Tell clients their canary arm (x-ratchet-canary-arm) and, while a canary runs, the version
+    # that answered. Off: a client that knew its arm could rate only that arm's answers.
+    expose_arm: bool = False
+    # Per-key request rates and token budgets, shared by all replicas (proxy/ratelimit.py).
+    rate_limit: RateLimitSettings = RateLimitSettings()
+    # /metrics names aliases, versions and traffic volumes: on, it needs the admin key.
+    metrics_auth: bool = False
+    # Limits on one request, each refused with a 4xx that names it (proxy/validation.py).
+    # Nesting of the JSON body; deeper would cost recursion everywhere the body is walked, and
+    # orjson writes at most 254 levels.
+    max_json_depth: int = Field(default=64, ge=2, le=128)
+    # Chat messages per request; each one costs a walk and a line in the record.
+    max_messages: int = Field(default=1024, ge=1, le=100_000)
+    # Choices per request: each one is a whole generation on vLLM.
+    max_n: int = Field(default=16, ge=1, le=128)
+    # max_tokens / max_completion_tokens; unset, the model's context (vLLM's max_model_len).
+    max_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
+    # n x prompts (a /v1/completions prompt list multiplies the work; chat has one prompt).
+    max_choices: int = Field(default=64, ge=1, le=4096)
+    # A non-streamed answer is held whole in memory and copied to the log: past this, refused;
+    # a stream's log copy past this is dropped (the exchange is counted, not logged).
+    max_answer_bytes: int = Field(default=16 * 1024 * 1024, ge=65536, le=1 << 30)
+    # Bytes waiting for the log worker (on top of log_queue_size records): the pipe's memory.
+    log_queue_bytes: int = Field(default=128 * 1024 * 1024, ge=1 << 20, le=1 << 34)
+    # Slow clients (proxy/connection.py): the request line and headers must arrive within
+    # header_timeout_s of the connection or their first read, the body within body_timeout_s of
+    # the headers; a client that reads none of its answer for body_timeout_s is dropped.
+    header_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    body_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    # An idle keep-alive connection is closed after this; behind a load balancer, keep it above
+    # the balancer's own idle timeout.
+    keepalive_timeout_s: float = Field(default=5.0, gt=0, le=3600)
+    # Request line + headers; llhttp itself has no limit.
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024, le=1 << 20)
+    # At this many open connections (or requests in progress), a new request gets 503.
+    max_concurrency: int = Field(default=1024, ge=1, le=1_000_000)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_not_blank(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        # A blank key (an unset environment variable) would match a request with no key at all.
+        for index, key in enumerate(keys):
+            if not key.get_secret_value().strip():
+                raise ValueError(
+                    f"key {index} is blank; remove it, or set it (an unset environment variable "
+                    "gives a blank key)"
+                )
+        return keys
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_key_not_blank(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and not key.get_secret_value().strip():
+            raise ValueError("is blank; remove it or set it to a real key")
+        return key
+
+    @model_validator(mode="after")
+    def _metrics_auth_needs_admin_key(self) -> ProxySettings:
+        if self.metrics_auth and self.admin_key is None:
+            raise ValueError(
+                "proxy.metrics_auth is on but proxy.admin_key is not set: nobody could read "
+                "/metrics. Set proxy.admin_key (RATCHET_PROXY__ADMIN_KEY) or turn metrics_auth off"
+            )
+        return self
 
     @field_validator("redact_patterns")
     @classmethod
@@ -264,7 +358,8 @@ class LearnerSettings(_Section):
     base_model_path: str | None = None
     gate_concurrency: int = Field(default=4, ge=1, le=256)
     gate_timeout_s: float = Field(default=120.0, gt=0)
-    # Held-out prompts kept per alias for the gate (the newest ones).
+    # Held-out prompts kept per alias for the gate; when full, the key holding the most loses
+    # its oldest, so a flood from one key cannot push the others' prompts out.
     heldout_pool: int = Field(default=1024, ge=1)
     # Reward-hacking guard: pause an alias when, over the last guard_rounds rounds, the training
     # reward rose every round while every gate rejected...
@@ -288,6 +383,12 @@ class RatchetSettings(BaseSettings):
     kafka_bootstrap_servers: str = "127.0.0.1:9092"
     redis_url: str = "redis://127.0.0.1:6399/0"
     vllm_url: str = "http://127.0.0.1:8401"
+    # Keys API-key hashes, the held-out split and canary stickiness (ratchet/secrets.py). Every
+    # replica of every service must share it; unset, the services of one machine share a random
+    # one kept in state_dir.
+    secret: SecretStr | None = None
+    # What vLLM requires as its --api-key; unset, derived from the secret.
+    vllm_api_key: SecretStr | None = None
     home: Path = Field(default_factory=default_home)
     # Defaults derive from `home` (see _derive_paths) so one variable moves everything.
     store_dir: Path | None = None
@@ -297,6 +398,23 @@ class RatchetSettings(BaseSettings):
     judge: JudgeSettings = JudgeSettings()
     learner: LearnerSettings = LearnerSettings()
     aliases: dict[str, AliasConfig] = {"support": AliasConfig()}
+
+    @field_validator("secret", "vllm_api_key")
+    @classmethod
+    def _secret_not_blank(cls, value: SecretStr | None) -> SecretStr | None:
+        # Blank (an unset environment variable) would be a secret anyone knows, and vLLM given
+        # a blank key requires none at all.
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("is blank; remove it or set it to a long random value")
+        return value
+
+    @field_validator("vllm_api_key")
+    @classmethod
+    def _vllm_key_is_a_token(cls, value: SecretStr | None) -> SecretStr | None:
+        # It travels in an "Authorization: Bearer" header: a space or line break cannot.
+        if value is not None and not all(33 <= ord(c) <= 126 for c in value.get_secret_value()):
+            raise ValueError("must be printable ASCII without spaces or line breaks")
+        return value
 
     @field_validator("aliases")
     @classmethod

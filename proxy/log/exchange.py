@@ -135,6 +135,7 @@ class Exchange:
     error: dict[str, Any] | None = None
     latency_ms: float = 0.0
     ttft_ms: float | None = None
+    client_request_id: str | None = None
 
     def usage(self) -> tuple[int | None, int | None]:
         """(input, output) tokens, read without assembling the whole answer."""
@@ -157,6 +158,7 @@ class Exchange:
         user = self.request.get("user")
         return TrafficRecord(
             request_id=self.request_id,
+            client_request_id=self.client_request_id,
             endpoint=self.endpoint,
             alias=self.alias,
             request_model=self.alias,

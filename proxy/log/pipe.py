@@ -9,6 +9,10 @@ disk, and reports its counters back a few times a second; they are what ``/metri
 If the worker dies, frames wait here (up to ``queue_size``) while a new one starts; a frame the
 dead worker had read but not yet sent is lost and counted as dropped (the worker reports what it
 received, so the count is exact up to its last report).
+
+What waits on this side (the batch, the backlog and the pipe transport's write buffer) is bounded
+in bytes too, by ``max_bytes`` (proxy.log_queue_bytes): frames carry whole requests and answers,
+so a count alone would not bound the proxy's memory while the worker is slow or restarting.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ RESTART_DELAY_S = 1.0
 # the worker it wakes up) then never sits between vLLM's answer and the client, and the worker
 # wakes once per batch instead of once per request.
 FLUSH_AFTER_S = 0.005
+DEFAULT_MAX_BYTES = 128 * 1024 * 1024
 
 
 class TrafficLog:
@@ -45,9 +50,11 @@ class TrafficLog:
         config: WorkerConfig,
         on_tokens: Callable[[str, str, str, str, int], None] | None = None,
         on_state: Callable[[bool], None] | None = None,
+        max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self.config = config
         self.queue_size = config.queue_size
+        self.max_bytes = max_bytes
         self.on_tokens = on_tokens
         self.on_state = on_state
         self.sent = self.spooled = self.replayed = self.spool_pending = 0
@@ -62,6 +69,7 @@ class TrafficLog:
         self._worker_totals = dict.fromkeys(("sent", "spooled", "replayed"), 0)
         self._backlog: deque[bytes] = deque()  # frames waiting for a worker
         self._batch: list[bytes] = []  # frames waiting for the next flush
+        self._waiting_bytes = 0  # in _batch and _backlog
         self._flush_at: asyncio.TimerHandle | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._watcher: asyncio.Task[None] | None = None
@@ -78,10 +86,15 @@ class TrafficLog:
         return self._submit(encode_frame(RECORD, meta, b"", record.to_json()))
 
     def _submit(self, frame: bytes) -> bool:
-        if self._closing or self.depth >= self.queue_size:
+        if (
+            self._closing
+            or self.depth >= self.queue_size
+            or self.buffered_bytes + len(frame) > self.max_bytes
+        ):
             self._dropped_here += 1
             return False
         self._batch.append(frame)
+        self._waiting_bytes += len(frame)
         if self._flush_at is None:
             self._flush_at = asyncio.get_running_loop().call_later(FLUSH_AFTER_S, self._flush)
         return True
@@ -93,6 +106,7 @@ class TrafficLog:
         if process is None or process.stdin is None or process.stdin.is_closing():
             self._backlog.extend(frames)
             return
+        self._waiting_bytes -= sum(map(len, frames))
         process.stdin.write(b"".join(frames))  # the transport buffers what the pipe can't take
         self._written += len(frames)
 
@@ -102,6 +116,15 @@ class TrafficLog:
         """Records accepted and not yet sent or spooled: in the pipe, here, or in the worker."""
         waiting_here = len(self._batch) + len(self._backlog)
         return waiting_here + (self._written - self._received) + self._worker_depth
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of frames held in this process: not yet flushed, waiting for a worker, or in
+        the pipe transport's write buffer."""
+        process = self._process
+        stdin = process.stdin if process is not None else None
+        in_pipe = stdin.transport.get_write_buffer_size() if stdin is not None else 0
+        return self._waiting_bytes + in_pipe
 
     @property
     def dropped(self) -> int:
@@ -137,6 +160,7 @@ class TrafficLog:
             self._dropped_here += len(self._backlog)
             log.error("%d records never reached a log worker; dropped", len(self._backlog))
             self._backlog.clear()
+            self._waiting_bytes = 0
 
     async def _spawn(self) -> None:
         self._process = await asyncio.create_subprocess_exec(
@@ -152,7 +176,9 @@ class TrafficLog:
         assert self._process.stdin is not None
         self._process.stdin.write(encode_frame(CONFIG, b"", b"", pickle.dumps(self.config)))
         while self._backlog:
-            self._process.stdin.write(self._backlog.popleft())
+            frame = self._backlog.popleft()
+            self._waiting_bytes -= len(frame)
+            self._process.stdin.write(frame)
             self._written += 1
 
     async def _watch(self) -> None:

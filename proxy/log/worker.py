@@ -98,6 +98,7 @@ class ExchangeMeta:
     error: dict[str, Any] | None = None
     latency_ms: float = 0.0
     ttft_ms: float | None = None
+    client_request_id: str | None = None  # the client's x-request-id, for correlation only
 
 
 class Worker:

@@ -2,7 +2,8 @@
 
 Order: the Tansu broker (Kafka protocol), Redis, vLLM's CPU build serving SmolLM2 with LoRA and the
 filesystem resolver on the adapter store, then the proxy, judge and learner. The tests drive the
-same parts.
+same parts. vLLM requires its API key (ratchet.secrets.vllm_api_key) on every route but /health
+and /metrics; the services of the stack derive the same key from the same settings.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ from ratchet.dev.processes import (
     port_open,
 )
 from ratchet.records import ALL_TOPICS
+from ratchet.secrets import vllm_api_key
 from ratchet.settings import RatchetSettings
+
+# What vLLM imports as middleware: the key on every route (see ratchet/dev/vllm_guard.py).
+GUARD_MIDDLEWARE = "ratchet.dev.vllm_guard.RequireApiKey"
 
 
 def kafka_part(bootstrap: str) -> Part:
@@ -114,8 +119,14 @@ def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> P
         # too, so the behaviour logprobs vLLM logs are the learner's own numbers.
         "--dtype",
         "float32",
+        # vLLM's --api-key guards /v1 only; this puts every route but /health and /metrics
+        # behind the key, SageMaker's adapter routes included (ratchet/dev/vllm_guard.py).
+        "--middleware",
+        GUARD_MIDDLEWARE,
     ]
     env = {
+        # The key as vLLM's own variable rather than --api-key, so `ps` never shows it.
+        "VLLM_API_KEY": vllm_api_key(settings),
         # Adapters arrive through the shared store, resolved by served name on first request;
         # ratchet_cpu_lora fixes and speeds up LoRA on the CPU build (ratchet/dev/vllm_cpu_lora.py).
         "VLLM_PLUGINS": "lora_filesystem_resolver,ratchet_cpu_lora",

@@ -46,34 +46,52 @@ class JudgeModel:
     timeout_s: float
 
     @classmethod
-    def of(cls, settings: JudgeSettings, model: str, default_api_base: str) -> JudgeModel:
+    def of(
+        cls,
+        settings: JudgeSettings,
+        model: str,
+        default_api_base: str,
+        default_api_key: str | None = None,
+    ) -> JudgeModel:
         return cls(
             model=model,
-            endpoint=judge_endpoint(settings, model, default_api_base),
+            endpoint=judge_endpoint(settings, model, default_api_base, default_api_key),
             max_tokens=settings.judge_max_tokens,
             timeout_s=settings.judge_timeout_s,
         )
 
 
 def judge_endpoint(
-    settings: JudgeSettings, judge_model: str, default_api_base: str
+    settings: JudgeSettings,
+    judge_model: str,
+    default_api_base: str,
+    default_api_key: str | None = None,
 ) -> dict[str, str]:
     """Where litellm sends a judge call, and with which key.
 
-    An explicit judge_api_base / judge_api_key wins. Otherwise a ``hosted_vllm/`` model is the
-    vLLM Ratchet serves from (``default_api_base``, which needs no key), and any other provider
-    is left to litellm's own defaults and environment (OPENAI_API_KEY, ANTHROPIC_API_KEY, ...).
+    ``default_api_base`` is the vLLM Ratchet serves from and ``default_api_key`` the key it
+    requires (ratchet.secrets.vllm_api_key). An explicit judge_api_base / judge_api_key wins.
+    Otherwise a ``hosted_vllm/`` model is asked at ``default_api_base``, and a call to that base
+    (by default or named explicitly) carries vLLM's key; that key never goes anywhere else. Any
+    other provider is left to litellm's own defaults and environment (OPENAI_API_KEY, ...).
     """
     options: dict[str, str] = {}
-    if settings.judge_api_base:
-        options["api_base"] = settings.judge_api_base
-    elif judge_model.startswith("hosted_vllm/"):
-        options["api_base"] = default_api_base
+    api_base = settings.judge_api_base
+    if not api_base and judge_model.startswith("hosted_vllm/"):
+        api_base = default_api_base
+    if api_base:
+        options["api_base"] = api_base
     if settings.judge_api_key:
         options["api_key"] = settings.judge_api_key.get_secret_value()
+    elif default_api_key and api_base and _same_base(api_base, default_api_base):
+        options["api_key"] = default_api_key
     elif judge_model.startswith("hosted_vllm/"):
-        options["api_key"] = "unused"  # vLLM without --api-key accepts any
+        options["api_key"] = "unused"  # a vLLM without a key accepts any; litellm wants one
     return options
+
+
+def _same_base(a: str, b: str) -> bool:
+    return a.rstrip("/") == b.rstrip("/")
 
 
 def backoff_s(attempt: int) -> float:

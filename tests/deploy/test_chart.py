@@ -60,7 +60,9 @@ def test_components_switch_on_and_off(rendered: dict[str, Rendered]) -> None:
     defaults = rendered["defaults"]
     assert defaults.names() == {
         f"ConfigMap/{FULLNAME}-config",
+        f"ConfigMap/{FULLNAME}-vllm-guard",
         f"Secret/{FULLNAME}-secrets",
+        f"Secret/{FULLNAME}-server",
         f"ServiceAccount/{FULLNAME}",
         f"PersistentVolumeClaim/{FULLNAME}-adapters",
         f"Deployment/{FULLNAME}-proxy",
@@ -87,6 +89,7 @@ def test_components_switch_on_and_off(rendered: dict[str, Rendered]) -> None:
         assert everything.has(kind, f"{FULLNAME}-{name}"), (kind, name)
     existing = rendered["existing-vllm"]
     assert not existing.kinds("NetworkPolicy")
+    assert not existing.has("ConfigMap", f"{FULLNAME}-vllm-guard")
     assert not existing.has("Deployment", f"{FULLNAME}-vllm")
     assert not existing.has("Service", f"{FULLNAME}-vllm")
     # The learner writes the claim the existing vLLM reads; the chart makes none.

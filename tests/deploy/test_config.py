@@ -28,6 +28,7 @@ EXISTING_SECRETS = {
     "ratchet-judge-providers": {"RATCHET_JUDGE__JUDGE_API_KEY": "sk-SENTINEL-op-judge"},
     "hf-token": {"token": "hf_SENTINEL-vllm"},
     "hf-learner-token": {"HF_TOKEN": "hf_SENTINEL-learner"},
+    "ratchet-server": {"secret": "SENTINEL-op-server-secret", "vllm-key": "SENTINEL-op-vllm-key"},
 }
 # Settings of a service's section that the chart sets itself, or that come from a Secret.
 CHART_OWNED = {
@@ -352,6 +353,9 @@ BAD_VALUES = [
     ("kafka.bootstrapServers", 9092, ["/kafka/bootstrapServers", "want string"]),
     ("proxy.replicaCount", "2", ["/proxy/replicaCount", "got string, want integer"]),
     ("vllm.enabled", "yes", ["/vllm/enabled", "want boolean"]),
+    ("secret.create", "yes", ["/secret/create", "want boolean"]),
+    ("secret.existingSecret", "Not A Name", ["/secret/existingSecret", "does not match pattern"]),
+    ("secret.vllmApiKey", "sk-1", ["/secret", "additional properties 'vllmApiKey' not allowed"]),
     ("kafka.topics", {"partitions": 0}, ["/kafka/topics/partitions", "minimum"]),
     ("kafka.securityProtocol", "TLS", ["/kafka/securityProtocol", "SASL_SSL"]),
     ("proxyy", {}, ["additional properties 'proxyy' not allowed"]),

@@ -114,13 +114,20 @@ def test_promql_names_extraction() -> None:
 # ---- the real proxy, scraped ------------------------------------------------------------------
 
 
+# What the fake vLLM requires, as the chart's vLLM does; the proxy gets it as in its pod.
+VLLM_KEY = "vllm-test-key"
+
+
 def _fake_vllm() -> web.Application:
-    """Just enough of vLLM's API for the proxy to serve, stream and fail requests."""
+    """Just enough of vLLM's API for the proxy to serve, stream and fail requests; like the
+    chart's vLLM it answers /health to anyone and the rest only with its key."""
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="")
 
     async def chat(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization") != f"Bearer {VLLM_KEY}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
         body = await request.json()
         if body["messages"][-1]["content"] == "fail":
             return web.json_response({"error": {"message": "boom"}}, status=500)
@@ -199,6 +206,7 @@ def proxy_metrics(
         RATCHET_PROXY__PORT=str(port),
         RATCHET_PROXY__API_KEYS='["sk-test"]',
         RATCHET_VLLM_URL=fake_vllm,
+        RATCHET_VLLM_API_KEY=VLLM_KEY,
         RATCHET_KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}",
         RATCHET_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",
         RATCHET_HOME=str(tmp / "home"),
@@ -287,13 +295,15 @@ def _series_names(family: Any) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def exported(proxy_metrics: str) -> dict[str, set[str]]:
+def exported(proxy_metrics: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
     """Every series name in the scrape (histograms as _bucket/_sum/_count, counters as _total),
-    with the label names its samples carry."""
+    with the label names its samples carry, or that the proxy's metrics declare (a counter the
+    requests above never touched, such as a rate limit's refusals, has no samples yet)."""
+    declared = proxy_declared_labels(tmp_path_factory.mktemp("declared"))
     names: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(proxy_metrics):
         for name in _series_names(family):
-            names.setdefault(name, set())
+            names.setdefault(name, set()).update(declared.get(family.name, ()))
         for sample in family.samples:
             names.setdefault(sample.name, set()).update(sample.labels)
     return names
@@ -338,6 +348,23 @@ def declared_labels(metrics_class: type) -> dict[str, tuple[str, ...]]:
         if isinstance(metric, MetricWrapperBase):
             [family] = metric.describe()
             declared[family.name] = tuple(metric._labelnames)
+    return declared
+
+
+def proxy_declared_labels(home: Path) -> dict[str, tuple[str, ...]]:
+    """Label names of every labelled metric on the registry of a proxy app (its metrics are
+    spread over the parts that count them)."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from proxy.app import create_app
+    from ratchet.settings import RatchetSettings
+
+    registry = create_app(RatchetSettings(home=home)).state.ratchet.metrics.registry
+    declared = {}
+    for collector in list(registry._collector_to_names):
+        if isinstance(collector, MetricWrapperBase):
+            [family] = collector.describe()
+            declared[family.name] = tuple(collector._labelnames)
     return declared
 
 

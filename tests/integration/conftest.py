@@ -29,11 +29,15 @@ from ratchet.dev.processes import Stack, free_port, wait_until
 from ratchet.dev.stack import create_topics, embedded_stack
 from ratchet.records import Record, decode
 from ratchet.registry import AliasRoute, RegistryWriter
+from ratchet.secrets import server_secret, vllm_api_key
 from ratchet.settings import RatchetSettings, default_home, load_settings
 from ratchet.store import AdapterStore
 
 ALIAS = "support"
 BASE_MODEL = "smollm2-135m-instruct"
+# Fixed, so which prompts the judge holds out is the same in every run (the loop test relies
+# on how many of its prompts are held out).
+TEST_SECRET = "ratchet-integration-tests"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -93,6 +97,14 @@ class Embedded:
         card = httpx.get(f"{self.proxy_url}/v1/models/{ALIAS}").json()
         return int(card["ratchet"]["active_version"])
 
+    @property
+    def vllm_headers(self) -> dict[str, str]:
+        return vllm_headers(self.settings)
+
+    @property
+    def secret(self) -> bytes:
+        return server_secret(self.settings)
+
     def proxy_route(self, alias: str) -> dict[str, Any] | None:
         """The route the proxy holds for `alias` (its model card), None while it knows none."""
         response = httpx.get(f"{self.proxy_url}/v1/models/{alias}", timeout=10)
@@ -119,6 +131,11 @@ class Embedded:
             for sample in family.samples
             if sample.name == name and labels.items() <= sample.labels.items()
         )
+
+
+def vllm_headers(settings: RatchetSettings) -> dict[str, str]:
+    """What a direct call to the stack's vLLM must send: vLLM requires its key."""
+    return {"Authorization": f"Bearer {vllm_api_key(settings)}"}
 
 
 def write_test_adapters(model_path: Path, store: AdapterStore, versions: list[int]) -> None:
@@ -155,10 +172,15 @@ def write_config(home: Path, **proxy: Any) -> tuple[Path, dict[str, Any]]:
         "redis_url": f"redis://127.0.0.1:{free_port()}/0",
         "vllm_url": f"http://127.0.0.1:{free_port()}",
         "home": str(home),
+        # One secret for the shared stack and every service a test starts beside it with its
+        # own home: the held-out split and vLLM's key derive from it.
+        "secret": TEST_SECRET,
         "proxy": {
             "host": "127.0.0.1",
             "port": free_port(),
             "redact_patterns": [r"[\w.+-]+@[\w-]+\.[\w.]+"],
+            # The tests check which arm and version answered.
+            "expose_arm": True,
             **proxy,
         },
         "aliases": {ALIAS: {"base_model": BASE_MODEL}},
@@ -184,6 +206,7 @@ def start_embedded(tmp_path_factory: pytest.TempPathFactory) -> Embedded:
         for model in (BASE_MODEL, f"{ALIAS}@v1", f"{ALIAS}@v2"):
             httpx.post(
                 f"{settings.vllm_url}/v1/chat/completions",
+                headers=vllm_headers(settings),
                 timeout=300,
                 json={
                     "model": model,

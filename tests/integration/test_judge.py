@@ -147,7 +147,8 @@ def test_traffic_becomes_scored_groups_and_heldout_prompts(
     alias = "jt-groups"
     questions = QUESTIONS[:6]
     assert any(
-        is_heldout(prompt_hash([{"role": "user", "content": q}], None), 0.3) for q in questions
+        is_heldout(embedded.secret, prompt_hash([{"role": "user", "content": q}], None), 0.3)
+        for q in questions
     ), "pick questions so that some are held out"
     config = judge_config(embedded, tmp_path, alias)
     sent = send_traffic(embedded, alias, questions)
@@ -155,7 +156,7 @@ def test_traffic_becomes_scored_groups_and_heldout_prompts(
         groups, heldout = outputs_for(embedded, set(sent), timeout_s=300)
 
     held_hashes = {h.prompt_hash for h in heldout}
-    expected_held = {digest for digest in sent.values() if is_heldout(digest, 0.3)}
+    expected_held = {digest for digest in sent.values() if is_heldout(embedded.secret, digest, 0.3)}
     assert held_hashes == expected_held
     assert len(groups) + len(heldout) == len(sent), "every traffic record was handled"
     for group in groups:
@@ -175,6 +176,7 @@ def assert_logprobs_match_vllm(env: Embedded, group: ScoredGroup) -> None:
     sample = group.samples[0]
     response = httpx.post(
         f"{env.settings.vllm_url}/v1/completions",
+        headers=env.vllm_headers,
         timeout=60,
         json={
             "model": BASE_MODEL,
@@ -248,7 +250,7 @@ def test_judge_model_unreachable_drops_and_counts_then_recovers(
     train = [
         q
         for q in QUESTIONS
-        if not is_heldout(prompt_hash([{"role": "user", "content": q}], None), 0.3)
+        if not is_heldout(embedded.secret, prompt_hash([{"role": "user", "content": q}], None), 0.3)
     ]
     with running_judge(config, tmp_path / "state"):
         down = send_traffic(embedded, alias, train[:2])

@@ -258,6 +258,7 @@ def vllm_serves(env: Embedded, served_name: str) -> bool:
     """vLLM itself answers as `served_name` (its resolver loads the adapter from the store)."""
     response = httpx.post(
         f"{env.settings.vllm_url}/v1/chat/completions",
+        headers=env.vllm_headers,
         json={"model": served_name, "messages": HELDOUT[0]["messages"], "max_tokens": 1},
         timeout=60,
     )
@@ -270,6 +271,7 @@ def policy(embedded: Embedded) -> BasePolicy:
     # The learner trains on these ids: they must be the prompt vLLM itself would see.
     reply = httpx.post(
         f"{embedded.settings.vllm_url}/v1/chat/completions",
+        headers=embedded.vllm_headers,
         json={
             "model": BASE_MODEL,
             "messages": TRAIN[0]["messages"],
@@ -298,7 +300,9 @@ def base_answers(embedded: Embedded) -> list[str]:
         return reply.json()["choices"][0]["message"]["content"] or ""
 
     async def answer_all() -> list[str]:
-        async with httpx.AsyncClient(base_url=embedded.settings.vllm_url, timeout=120) as client:
+        async with httpx.AsyncClient(
+            base_url=embedded.settings.vllm_url, headers=embedded.vllm_headers, timeout=120
+        ) as client:
             return list(await asyncio.gather(*(answer(client, p) for p in TRAIN)))
 
     return asyncio.run(answer_all())

@@ -56,7 +56,7 @@ UNSEEN = generate_prompts(528)[400:]
 MARGIN = 0.04
 
 
-def traffic_batches() -> list[list[dict[str, Any]]]:
+def traffic_batches(secret: bytes) -> list[list[dict[str, Any]]]:
     """What users send, one batch per round: the first holds exactly GATE_PAIRS prompts the
     judge will hold out (its split is a hash of the prompt) and GROUPS it will sample groups
     for; each later one GROUPS more group prompts. So a round runs only when the test sends its
@@ -65,7 +65,7 @@ def traffic_batches() -> list[list[dict[str, Any]]]:
     grouped: list[dict[str, Any]] = []
     held: list[dict[str, Any]] = []
     for prompt in PROMPTS[:256]:
-        if is_heldout(prompt_hash(prompt["messages"], None), HELDOUT_FRACTION):
+        if is_heldout(secret, prompt_hash(prompt["messages"], None), HELDOUT_FRACTION):
             held.append(prompt)
         else:
             grouped.append(prompt)
@@ -162,7 +162,9 @@ def greedy_score(env: Embedded, model: str, prompts: list[dict[str, Any]]) -> fl
     """Mean demo verifier score of `model`'s greedy answers, straight from vLLM."""
 
     async def run() -> list[float]:
-        async with httpx.AsyncClient(base_url=env.settings.vllm_url, timeout=300) as client:
+        async with httpx.AsyncClient(
+            base_url=env.settings.vllm_url, headers=env.vllm_headers, timeout=300
+        ) as client:
             limit = asyncio.Semaphore(8)
 
             async def one(prompt: dict[str, Any]) -> float:
@@ -203,7 +205,7 @@ def test_the_loop_promotes_a_version_that_beats_the_base_on_unseen_prompts(
         # One round's gain is near what the gate can show (measured with 48 pairs: win rates
         # 0.51-0.64, CI low 0.41-0.56): it rejects some rounds, and the loop goes on with fresh
         # groups.
-        for attempt, batch in enumerate(traffic_batches(), start=1):
+        for attempt, batch in enumerate(traffic_batches(embedded.secret), start=1):
             send_demo_traffic(embedded, alias, batch)
             outcomes = wait_for_event(
                 settings, alias, {"canary", "reject"}, count=attempt, timeout_s=1200

@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from ratchet.dev.processes import wait_until
-from ratchet.records import TRAFFIC_TOPIC, TrafficRecord, hash_api_key
+from ratchet.records import TRAFFIC_TOPIC, TrafficRecord
+from ratchet.secrets import hash_api_key, server_secret
 from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded
 
 pytestmark = pytest.mark.integration
@@ -73,7 +74,7 @@ def test_secrets_and_redacted_text_never_reach_kafka(
     logged = record.to_json().decode()
     assert "jane@example.com" not in logged and "[REDACTED]" in logged
     assert "sk-test-key" not in logged
-    assert record.api_key_hash == hash_api_key("sk-test-key")
+    assert record.api_key_hash == hash_api_key(server_secret(base_route.settings), "sk-test-key")
 
 
 def test_stream_with_usage_is_assembled(base_route: Embedded, client: openai.OpenAI) -> None:
@@ -282,8 +283,31 @@ def test_adapter_admin_routes_are_not_reachable(base_route: Embedded) -> None:
         )
         assert response.status_code in (404, 405), path
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
-    served = httpx.get(f"{base_route.settings.vllm_url}/v1/models").json()["data"]
+    served = httpx.get(
+        f"{base_route.settings.vllm_url}/v1/models", headers=base_route.vllm_headers
+    ).json()["data"]
     assert "evil" not in {m["id"] for m in served}
+
+
+def test_vllm_itself_requires_its_key(base_route: Embedded) -> None:
+    """Anything that reaches vLLM's port directly, past the proxy, can neither generate nor load
+    or unload adapters without the key; its health check stays open for probes."""
+    vllm = base_route.settings.vllm_url
+    adapter = {"lora_name": "evil", "lora_path": "/tmp"}
+    for method, path, body in (
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/chat/completions", {"model": BASE_MODEL, "messages": MESSAGES}),
+        ("POST", "/v1/load_lora_adapter", adapter),
+        ("POST", "/v1/unload_lora_adapter", adapter),
+        ("POST", "/adapters", adapter),
+        ("POST", "/tokenize", {"model": BASE_MODEL, "prompt": "hi"}),
+    ):
+        for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+            response = httpx.request(method, f"{vllm}{path}", json=body, headers=headers)
+            assert response.status_code == 401, (method, path, headers, response.text[:200])
+    assert httpx.get(f"{vllm}/health").status_code == 200
+    keyed = httpx.get(f"{vllm}/v1/models", headers=base_route.vllm_headers)
+    assert keyed.status_code == 200 and BASE_MODEL in {m["id"] for m in keyed.json()["data"]}
 
 
 def test_upstream_rejection_is_reshaped(base_route: Embedded) -> None:

@@ -173,7 +173,7 @@ def test_each_canary_arm_answers_as_its_version_does_alone(base_route: Embedded)
         return response.json()["choices"][0]["message"]["content"]
 
     vllm = f"{env.settings.vllm_url}/v1/chat/completions"
-    with httpx.Client(timeout=120) as client:
+    with httpx.Client(timeout=120, headers=env.vllm_headers) as client:
         for version in (3, 4, 5, 6, 1):  # all four slots taken; v1 is used last
             answer(client, vllm, f"{ALIAS}@v{version}", prompts[0])
         alone = {

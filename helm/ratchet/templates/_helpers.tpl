@@ -169,6 +169,36 @@ Names of the Secrets the pods read (the chart's own, or the ones the user manage
 {{- if .Values.proxy.existingSecret }}{{ .Values.proxy.adminKeyKey }}{{ else }}admin-key{{ end }}
 {{- end }}
 
+{{/*
+The server secret (RATCHET_SECRET) and vLLM's API key: the chart's Secret, or the user's.
+*/}}
+{{- define "ratchet.serverSecretName" -}}
+{{- .Values.secret.existingSecret | default (printf "%s-server" (include "ratchet.fullname" .)) }}
+{{- end }}
+
+{{- define "ratchet.serverSecretWritten" -}}
+{{- if and .Values.secret.create (not .Values.secret.existingSecret) }}true{{ end }}
+{{- end }}
+
+{{- define "ratchet.serverSecretKey" -}}
+{{- if .Values.secret.existingSecret }}{{ .Values.secret.secretKey }}{{ else }}ratchet-secret{{ end }}
+{{- end }}
+
+{{- define "ratchet.vllmApiKeyKey" -}}
+{{- if .Values.secret.existingSecret }}{{ .Values.secret.vllmApiKeyKey }}{{ else }}vllm-api-key{{ end }}
+{{- end }}
+
+{{/*
+vLLM's API key from that Secret, as an env entry: include with (dict "ctx" $ "name" "VLLM_API_KEY").
+*/}}
+{{- define "ratchet.vllmApiKeyEnv" -}}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "ratchet.serverSecretName" .ctx }}
+      key: {{ include "ratchet.vllmApiKeyKey" .ctx }}
+{{- end }}
+
 {{- define "ratchet.kafkaSasl" -}}
 {{- if .Values.kafka.sasl.mechanism }}true{{ end }}
 {{- end }}
@@ -260,6 +290,9 @@ Values that the schema cannot check alone; each failure says what to set.
 {{- end }}
 {{- if and (not .Values.vllm.enabled) (not .Values.vllm.url) }}
 {{- fail "vllm.enabled is false but vllm.url is empty: set vllm.url to your vLLM's address (e.g. http://vllm.inference:8000)" }}
+{{- end }}
+{{- if and (not .Values.secret.create) (not .Values.secret.existingSecret) }}
+{{- fail "secret.create is false and secret.existingSecret is empty: every component needs the server secret and vLLM's API key. Set secret.existingSecret to a Secret holding them (keys secret.secretKey and secret.vllmApiKeyKey), or secret.create=true" }}
 {{- end }}
 {{- if and .Values.proxy.enabled (not .Values.proxy.existingSecret) (not .Values.proxy.apiKeys) }}
 {{- fail "proxy.apiKeys is empty and proxy.existingSecret is not set: the proxy refuses to listen on the pod network without API keys. Set proxy.apiKeys (e.g. --set proxy.apiKeys[0]=sk-...) or proxy.existingSecret" }}
@@ -374,6 +407,36 @@ checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha
 {{- if include "ratchet.chartSecretNeeded" . }}
 checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256sum }}
 {{- end }}
+{{- with include "ratchet.serverSecretChecksum" . }}
+{{ . }}
+{{- end }}
+{{- end }}
+
+{{/*
+The data of the chart's server Secret, as JSON: the values already in the cluster (lookup, on
+upgrade) or random ones, drawn once per render and shared by every template that asks, so the
+Secret and the checksums of the pods that read it agree.
+*/}}
+{{- define "ratchet.serverSecretData" -}}
+{{- if not (hasKey .Values.secret "__drawn") }}
+{{- $existing := (lookup "v1" "Secret" .Release.Namespace (include "ratchet.serverSecretName" .)).data | default dict }}
+{{- $secret := get $existing "ratchet-secret" | default (randAlphaNum 64 | b64enc) }}
+{{- $vllmKey := get $existing "vllm-api-key" | default (randAlphaNum 48 | b64enc) }}
+{{- $_ := set .Values.secret "__drawn" (dict "ratchet-secret" $secret "vllm-api-key" $vllmKey) }}
+{{- end }}
+{{- get .Values.secret "__drawn" | toJson }}
+{{- end }}
+
+{{/*
+Rolls a pod when the chart's server Secret changes: only when its values do, since upgrades read
+them back (a render without a cluster draws new ones every time, and rolls every time). A
+Secret the user manages is invisible to the chart: after rotating it, restart vLLM and the
+services together.
+*/}}
+{{- define "ratchet.serverSecretChecksum" -}}
+{{- if include "ratchet.serverSecretWritten" . -}}
+checksum/server-secret: {{ include "ratchet.serverSecretData" . | sha256sum }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -382,6 +445,14 @@ Environment of every Ratchet container: secrets as RATCHET_* variables, never in
 {{- define "ratchet.env" -}}
 - name: RATCHET_CONFIG
   value: /etc/ratchet/ratchet.yaml
+# Keys client-key hashes, the held-out split and canary stickiness: the same in every pod.
+- name: RATCHET_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "ratchet.serverSecretName" . }}
+      key: {{ include "ratchet.serverSecretKey" . }}
+# Sent to vLLM on every call (the proxy, the judge's sampling and judge model, the gate).
+{{ include "ratchet.vllmApiKeyEnv" (dict "ctx" . "name" "RATCHET_VLLM_API_KEY") }}
 - name: HOME
   value: /tmp
 - name: PYTHONUNBUFFERED

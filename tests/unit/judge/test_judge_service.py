@@ -14,9 +14,9 @@ from judge.metrics import JudgeMetrics
 from judge.sampler import SamplingError, parse_group, prompt_of, sampling_body
 from judge.scoring import GroupScorer, ScoringError
 from judge.service import JudgeService, Skip, fraction_of, group_id_of, is_heldout
-from ratchet.records import TrafficRecord
+from ratchet.records import HeldoutPrompt, TrafficRecord, prompt_hash
 from ratchet.rewards.ruler import JudgeReplyError, JudgeRequest, JudgeScores
-from ratchet.settings import AliasConfig, JudgeSettings, RewardConfig
+from ratchet.settings import AliasConfig, JudgeSettings, RatchetSettings, RewardConfig
 
 PROMPT = [{"role": "user", "content": "q"}]
 
@@ -34,20 +34,69 @@ def test_prompt_ends_at_the_last_user_or_tool_turn() -> None:
     assert prompt_of([{"role": "system", "content": "s"}]) is None
 
 
+SECRET = b"the server secret"
+
+
 def test_heldout_split_is_deterministic_and_near_the_fraction() -> None:
     digests = [f"{i:064x}" for i in range(4000)]
-    held = [d for d in digests if is_heldout(d, 0.1)]
-    assert held == [d for d in digests if is_heldout(d, 0.1)]
+    held = [d for d in digests if is_heldout(SECRET, d, 0.1)]
+    assert held == [d for d in digests if is_heldout(SECRET, d, 0.1)]
     assert 0.08 < len(held) / len(digests) < 0.12
-    assert not any(is_heldout(d, 0.0) for d in digests)
+    assert not any(is_heldout(SECRET, d, 0.0) for d in digests)
     # Raising the fraction only adds prompts to the held-out side, never moves one out.
-    assert set(held) <= {d for d in digests if is_heldout(d, 0.2)}
+    assert set(held) <= {d for d in digests if is_heldout(SECRET, d, 0.2)}
+
+
+def test_a_client_cannot_aim_prompts_at_the_heldout_split() -> None:
+    """A client that picks prompts it expects to be held out (by the public hash the split used
+    to be, or by a guessed secret) lands them there no more often than the fraction: the split
+    is keyed with the server secret."""
+    digests = [prompt_hash([{"role": "user", "content": f"crafted {i}"}]) for i in range(40_000)]
+    aimed_public = [d for d in digests if fraction_of("heldout:" + d) < 0.1]
+    aimed_guess = [d for d in digests if is_heldout(b"a guess at the secret", d, 0.1)]
+    for aimed in (aimed_public, aimed_guess):
+        assert len(aimed) > 3000  # the attacker's chosen prompts
+        landed = sum(is_heldout(SECRET, d, 0.1) for d in aimed) / len(aimed)
+        # Binomial(n ~ 4000, 0.1): 3 sigmas is about 0.014.
+        assert 0.085 < landed < 0.115, landed
 
 
 def test_group_id_is_stable_per_record_and_version() -> None:
     assert group_id_of("req-1", 3) == group_id_of("req-1", 3)
     assert group_id_of("req-1", 3) != group_id_of("req-1", 4) != group_id_of("req-2", 3)
     assert 0 <= fraction_of("x") < 1
+
+
+def held_out_request(secret: bytes, fraction: float) -> list[dict[str, str]]:
+    """A prompt the split holds out under this secret."""
+    for i in range(10_000):
+        messages = [{"role": "user", "content": f"q{i}"}]
+        if is_heldout(secret, prompt_hash(messages), fraction):
+            return messages
+    raise AssertionError("no held-out prompt found")
+
+
+def judge_for(secret: bytes, config: AliasConfig) -> JudgeService:
+    service = JudgeService.__new__(JudgeService)
+    service.settings = RatchetSettings(aliases={"support": config})
+    service.secret = secret
+    service.metrics = JudgeMetrics()
+    return service
+
+
+def test_a_held_out_prompt_carries_the_servers_request_id_and_the_key() -> None:
+    config = AliasConfig(learning={"heldout_fraction": 0.5, "dedup_window_s": 0})
+    messages = held_out_request(SECRET, 0.5)
+    record = traffic(
+        request_id="3f2a" * 8,
+        client_request_id="chosen-by-the-client",
+        api_key_hash="hmac-sha256:abc",
+        request={"messages": messages},
+    )
+    [held], marks = asyncio.run(judge_for(SECRET, config)._handle(None, record))  # type: ignore[arg-type]
+    assert isinstance(held, HeldoutPrompt)
+    assert held.traffic_request_id == "3f2a" * 8 and held.api_key_hash == "hmac-sha256:abc"
+    assert held.prompt_hash == prompt_hash(messages) and marks
 
 
 def traffic(**overrides: Any) -> TrafficRecord:

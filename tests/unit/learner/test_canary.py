@@ -116,7 +116,16 @@ def watcher_for(settings: RatchetSettings, lifecycle: Lifecycle) -> CanaryWatche
     return watcher
 
 
-def traffic(arm: str, version: int, status: int = 200, rid: str | None = None) -> Any:
+def traffic(
+    arm: str,
+    version: int,
+    status: int = 200,
+    rid: str | None = None,
+    code: str | None = None,
+    key: str | None = None,
+) -> Any:
+    """A traffic record as the consumer reads it; ``code`` is the proxy's error code."""
+    error = None if code is None else {"message": "m", "type": "t", "param": None, "code": code}
     record = TrafficRecord(
         request_id=rid or "req",
         endpoint="chat.completions",
@@ -128,13 +137,15 @@ def traffic(arm: str, version: int, status: int = 200, rid: str | None = None) -
         request={"messages": [{"role": "user", "content": "hi"}]},
         response_id=rid,
         status=status,
+        error=error,
         latency_ms=12.0,
+        api_key_hash=key,
     )
     return SimpleNamespace(topic=TRAFFIC_TOPIC, value=record.to_json())
 
 
-def feedback(completion_id: str, score: float) -> Any:
-    record = FeedbackRecord(completion_id=completion_id, score=score)
+def feedback(completion_id: str, score: float, key: str | None = None) -> Any:
+    record = FeedbackRecord(completion_id=completion_id, score=score, api_key_hash=key)
     return SimpleNamespace(topic=FEEDBACK_TOPIC, value=record.to_json())
 
 
@@ -186,7 +197,7 @@ def test_an_error_rate_excess_rolls_the_canary_back(
     start_canary(lifecycle)
     watcher = watcher_for(settings, lifecycle)
     messages = [traffic("active", 1) for _ in range(20)]
-    messages += [traffic("canary", 2, status=500) for _ in range(2)]
+    messages += [traffic("canary", 2, status=502, code="upstream_error") for _ in range(2)]
     messages += [traffic("canary", 2) for _ in range(8)]
     watcher.count(messages)
     watcher.check()
@@ -213,6 +224,57 @@ def test_client_errors_are_not_the_canarys_fault(
     age_canary(lifecycle, LATE)
     watcher.check()
     assert route_of(lifecycle) == (2, None)
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "counted"),
+    [
+        (502, "upstream_error", True),  # vLLM answered 5xx, or dropped the answer or stream
+        (502, "adapter_unavailable", True),  # vLLM could not load the version
+        (503, "upstream_unavailable", True),  # vLLM unreachable
+        (504, "upstream_timeout", False),  # a client asking for a huge max_tokens provokes it
+        (400, "upstream_rejected", False),  # vLLM refused the client's request
+        (400, "invalid_value", False),
+        (413, "request_too_large", False),
+        (429, "rate_limit_exceeded", False),
+        (500, "internal_error", False),  # the proxy's own fault, not the version's
+        (503, "queue_full", False),
+        (500, None, False),  # no code: nothing says the model server failed
+    ],
+)
+def test_only_upstream_failures_are_the_canarys_errors(
+    settings: RatchetSettings, lifecycle: Lifecycle, status: int, code: str | None, counted: bool
+) -> None:
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    watcher.count([traffic("canary", 2, status=status, code=code) for _ in range(4)])
+    _, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
+    assert stats["canary"].requests == 4
+    assert stats["canary"].errors == (4 if counted else 0)
+
+
+def test_feedback_counts_once_and_only_from_the_key_that_got_the_answer(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    watcher.count([traffic("canary", 2, rid="c1", key="alice"), traffic("active", 1, rid="a1")])
+    watcher.count(
+        [
+            feedback("c1", 0.0, key="mallory"),  # not the key that got the answer
+            feedback("c1", 0.0),  # no key at all
+            feedback("c1", 1.0, key="alice"),
+            feedback("c1", 0.0, key="alice"),  # a second rating of the same completion
+            feedback("a1", 0.5),  # served without auth, rated without auth
+        ]
+    )
+    _, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
+    assert (stats["canary"].feedback, stats["canary"].feedback_sum) == (1, 1.0)
+    assert (stats["active"].feedback, stats["active"].feedback_sum) == (1, 0.5)
+    # A later exchange reusing a completion id does not take it over.
+    watcher.count([traffic("canary", 2, rid="a1", key="mallory"), feedback("a1", 0.0, "mallory")])
+    _, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
+    assert stats["active"].feedback == 1 and stats["canary"].feedback == 1
 
 
 def test_a_feedback_drop_rolls_the_canary_back(
@@ -278,7 +340,8 @@ def test_a_canary_set_by_hand_is_not_judged(
 def test_check_exports_the_canarys_state(settings: RatchetSettings, lifecycle: Lifecycle) -> None:
     start_canary(lifecycle)
     watcher = watcher_for(settings, lifecycle)
-    watcher.count([traffic("canary", 2, status=503)] + [traffic("canary", 2)] * 3)
+    failed = traffic("canary", 2, status=503, code="upstream_unavailable")
+    watcher.count([failed] + [traffic("canary", 2)] * 3)
     watcher.check()
     sample = watcher.metrics.registry.get_sample_value
     assert sample("ratchet_learner_canary_version", {"alias": ALIAS}) == 2

@@ -14,6 +14,7 @@ import pytest
 import redis
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
+from learner.heldout import HeldoutPool
 from learner.round import trained_key
 from learner.service import LearnerService, baseline_length_key
 from ratchet.records import GROUPS_TOPIC, HeldoutPrompt, Sample, ScoredGroup
@@ -37,6 +38,7 @@ def group(
     texts: tuple[str, ...] | None = None,
     length: int = 4,
     alias: str = ALIAS,
+    key: str | None = None,
 ) -> ScoredGroup:
     texts = texts or tuple(f"answer {i}" for i in range(len(rewards)))
     samples = [
@@ -58,6 +60,7 @@ def group(
         samples=samples,
         rewards=list(rewards),
         traffic_request_id=f"req-{gid}",
+        api_key_hash=key,
     )
 
 
@@ -181,6 +184,93 @@ def test_the_oldest_waiting_group_overflows(service: LearnerService) -> None:
     assert metric(service, "ratchet_learner_groups_total", alias=ALIAS, outcome="overflow") == 2
 
 
+def test_a_flood_overflows_its_own_groups_not_the_others(service: LearnerService) -> None:
+    assert service.take(group("honest", key="alice"), TP0, 0) == "waiting"
+    for i in range(5):
+        assert service.take(group(f"flood{i}", key="mallory"), TP0, 1 + i) == "waiting"
+    # max_waiting_groups = 3: the key with the most waiting loses its oldest each time.
+    assert waiting_ids(service) == ["honest", "flood3", "flood4"]
+    assert metric(service, "ratchet_learner_groups_total", alias=ALIAS, outcome="overflow") == 3
+
+
+# --- one key's share of a round ---------------------------------------------------------------
+
+
+@pytest.fixture
+def shared(redis_url: str, tmp_path: Path) -> LearnerService:
+    """A learner with rounds of 8, room for 100 waiting groups, and gate prompts from 4 keys."""
+    settings = RatchetSettings(
+        redis_url=redis_url,
+        home=tmp_path,
+        kafka_bootstrap_servers="127.0.0.1:1",
+        aliases={
+            ALIAS: AliasConfig(
+                gate=GateConfig(min_pairs=4, max_pairs=8),
+                learning=LearningConfig(max_key_share=0.25),
+            )
+        },
+        learner=LearnerSettings(batch_groups=8, min_groups=2, max_waiting_groups=100),
+    )
+    service = LearnerService(settings, base_model_path=Path("unused"))
+    service.lifecycle.sink = None
+    service.refresh_routes()
+    for i in range(8):
+        service.add_heldout(heldout(f"h{i}", key=f"key-{i % 4}"))
+    return service
+
+
+def test_a_flooding_key_fills_at_most_its_share_of_a_round(
+    shared: LearnerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = shared
+    trained: list[list[str]] = []
+
+    def run(alias: str, route: Any, groups: list[ScoredGroup], heldout: Any) -> Any:
+        trained.append([g.group_id for g in groups])
+
+    monkeypatch.setattr(service.rounds, "run", run)
+    for i in range(40):  # the flood arrives first
+        service.take(group(f"flood{i}", key="mallory"), TP0, i)
+    for name in ("alice", "bob", "carol"):
+        for i in range(2):
+            service.take(group(f"{name}{i}", key=name), TP0, 100)
+    assert service.ready(ALIAS)  # 8 can be taken: 2 from each of the four keys
+    service.run_round(ALIAS)
+    [round_groups] = trained
+    assert sorted(round_groups) == sorted(
+        ["flood0", "flood1", "alice0", "alice1", "bob0", "bob1", "carol0", "carol1"]
+    )
+    # The flood's surplus waits for later rounds, counted as held back.
+    assert waiting_ids(service) == [f"flood{i}" for i in range(2, 40)]
+    assert metric(service, "ratchet_learner_groups_deferred_total", alias=ALIAS) == 38
+
+
+def test_a_flood_alone_beside_one_group_is_not_a_full_round(shared: LearnerService) -> None:
+    service = shared
+    for i in range(40):
+        service.take(group(f"flood{i}", key="mallory"), TP0, i)
+    service.take(group("alice0", key="alice"), TP0, 50)
+    assert not service.ready(ALIAS)  # 2 usable (1 + 1) of batch_groups 8
+    service.waiting[ALIAS][0].arrived -= 601  # past interval_s with min_groups 2
+    assert service.ready(ALIAS)
+
+
+def test_no_round_while_the_gate_would_judge_mostly_one_keys_prompts(
+    shared: LearnerService,
+) -> None:
+    service = shared
+    service.heldout[ALIAS] = HeldoutPool(capacity=1000)  # room for the whole flood
+    for i in range(100):
+        service.add_heldout(heldout(f"flood{i}", key="mallory"))
+    service.add_heldout(heldout("h-alice", key="alice"))
+    for i in range(8):
+        service.take(group(f"g{i}", key=f"key-{i}"), TP0, i)
+    assert not service.ready(ALIAS)  # 2 fair pairs (1 + 1) of gate.min_pairs 4
+    service.add_heldout(heldout("h-bob", key="bob"))
+    service.add_heldout(heldout("h-carol", key="carol"))
+    assert service.ready(ALIAS)  # 4 keys: 1 pair each
+
+
 # --- versions and the held-out pool -----------------------------------------------------------
 
 
@@ -195,9 +285,11 @@ def test_next_version_is_above_every_version_in_the_store(
     assert service.rounds.next_version("frozen") == 1  # per alias
 
 
-def heldout(h: str) -> HeldoutPrompt:
+def heldout(h: str, key: str | None = None) -> HeldoutPrompt:
     messages = [{"role": "user", "content": h}]
-    return HeldoutPrompt(prompt_hash=h, alias=ALIAS, prompt_messages=messages, traffic_request_id=h)
+    return HeldoutPrompt(
+        prompt_hash=h, alias=ALIAS, prompt_messages=messages, traffic_request_id=h, api_key_hash=key
+    )
 
 
 def test_the_held_out_pool_keeps_the_newest_distinct_prompts(service: LearnerService) -> None:

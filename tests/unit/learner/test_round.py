@@ -12,6 +12,7 @@ import pytest
 
 from learner.canary import read_counts
 from learner.gate import GateError, GateResult
+from learner.heldout import HeldoutPool
 from learner.round import RoundReport, Rounds, trained_key
 from learner.service import LearnerService
 from learner.trainer import RoundStats
@@ -74,6 +75,13 @@ def heldout(h: str) -> HeldoutPrompt:
     )
 
 
+def pool_of(*hashes: str) -> HeldoutPool:
+    pool = HeldoutPool(capacity=1000)
+    for h in hashes:
+        pool.add(heldout(h))
+    return pool
+
+
 def verdict(passed: bool) -> GateResult:
     return GateResult(passed, "scripted", 3, 0.9 if passed else 0.2, 0.8, 1.0, 0.5, 2)
 
@@ -121,11 +129,10 @@ def script_gate(
     return asked
 
 
-def run(rounds: Rounds, live: int = 0) -> RoundReport:
+def run(rounds: Rounds, live: int = 0, pool: HeldoutPool | None = None) -> RoundReport:
     route = rounds.lifecycle.writer.read(ALIAS) or AliasRoute(alias=ALIAS, base_model="base")
     assert route.active == live
-    heldout_pool = [heldout(h) for h in ("h1", "h2", "h3")]
-    return rounds.run(ALIAS, route, [group("g1"), group("g2")], heldout_pool)
+    return rounds.run(ALIAS, route, [group("g1"), group("g2")], pool or pool_of("h1", "h2", "h3"))
 
 
 def kinds(rounds: Rounds) -> list[str]:
@@ -143,8 +150,10 @@ def test_a_rejected_candidate_is_written_marked_and_its_groups_spent(
     asked = script_gate(rounds, monkeypatch, verdict(passed=False))
     report = run(rounds)
     assert (report.version, report.outcome) == (1, "rejected")
-    # The gate compares the candidate with the live base model on the newest max_pairs prompts.
-    assert asked == [(["h2", "h3"], "support@v1", "base")]
+    # The gate compares the candidate with the live base model on max_pairs held-out prompts.
+    [(prompts, candidate, incumbent)] = asked
+    assert len(set(prompts)) == 2 and set(prompts) <= {"h1", "h2", "h3"}
+    assert (candidate, incumbent) == ("support@v1", "base")
     trainer = rounds.trainer()
     assert trainer.loaded == [None] and trainer.trained == [["g1", "g2"]]  # type: ignore[attr-defined]
     assert rounds.store.meta(ALIAS, 1)["group_ids"] == ["g1", "g2"]
@@ -193,3 +202,19 @@ def test_a_gate_that_fails_rejects_the_candidate(
     assert report.outcome == "rejected" and not report.gate.passed
     assert report.gate.reason == "gate failed: the verifier failed on a held-out prompt"
     assert metric(rounds, "ratchet_learner_failures_total", cause="gate") == 1
+
+
+def test_each_round_draws_its_gate_prompts_at_random_from_the_whole_pool(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not the newest prompts: a flood of fresh held-out prompts cannot decide what the gate
+    sees. The draw is seeded by the candidate's version, so each round draws afresh."""
+    rounds = make_rounds(redis_url, tmp_path, canary_weight=0.1)
+    asked = script_gate(rounds, monkeypatch, verdict(passed=False))
+    pool = pool_of(*(f"h{i:03d}" for i in range(200)))  # oldest first
+    for _ in range(5):
+        run(rounds, pool=pool)
+    draws = [prompts for prompts, _, _ in asked]
+    assert all(len(set(d)) == 2 for d in draws)  # gate.max_pairs = 2
+    assert len({tuple(d) for d in draws}) == 5
+    assert any(h < "h100" for d in draws for h in d)  # the older half is drawn from too

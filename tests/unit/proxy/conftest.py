@@ -1,12 +1,14 @@
 """The real proxy app in-process, in front of a small aiohttp server standing in for vLLM.
 
-A test sets ``upstream["handler"]`` to what vLLM should answer on /v1/chat/completions. Kafka's
-and Redis's ports are closed: records land in the proxy's spool under the test's tmp_path.
+A test sets ``upstream["handler"]`` to what vLLM should answer on /v1/chat/completions (and
+/v1/completions), and ``upstream["max_model_len"]`` to the context length /v1/models reports.
+Kafka's and Redis's ports are closed: records land in the proxy's spool under the test's tmp_path.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +31,19 @@ async def _no_handler(_: web.Request) -> web.Response:
 
 @pytest.fixture
 async def upstream() -> AsyncIterator[dict[str, Any]]:
-    routes: dict[str, Any] = {"handler": _no_handler}
+    routes: dict[str, Any] = {"handler": _no_handler, "max_model_len": 2048}
 
     async def dispatch(request: web.Request) -> web.StreamResponse:
         return await routes["handler"](request)
 
+    async def models(_: web.Request) -> web.Response:
+        card = {"id": "smollm2-135m-instruct", "max_model_len": routes["max_model_len"]}
+        return web.json_response({"object": "list", "data": [card]})
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", dispatch)
+    app.router.add_post("/v1/completions", dispatch)
+    app.router.add_get("/v1/models", models)
     app.router.add_get("/health", _health)
     # A handler still running at the end (a hang) is cancelled, not waited for.
     runner = web.AppRunner(app, shutdown_timeout=0.1)
@@ -47,19 +55,33 @@ async def upstream() -> AsyncIterator[dict[str, Any]]:
     await runner.cleanup()
 
 
+ProxyFactory = Callable[..., AbstractAsyncContextManager[tuple[httpx.AsyncClient, Any]]]
+
+
 @pytest.fixture
-async def proxy(
-    upstream: dict[str, Any], tmp_path: Path
-) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
-    settings = RatchetSettings(
-        home=tmp_path,  # its own spool; the broker's port is closed, so records land there
-        kafka_bootstrap_servers=f"127.0.0.1:{closed_port()}",
-        redis_url=f"redis://127.0.0.1:{closed_port()}/0",
-        vllm_url=upstream["url"],
-        proxy={"upstream_timeout_s": 0.5},
-    )
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
-            yield client, app.state.ratchet
+def proxy_with(upstream: dict[str, Any], tmp_path: Path) -> ProxyFactory:
+    """``async with proxy_with(**proxy_settings) as (client, state)``: the app in front of the
+    fake vLLM, with these proxy settings."""
+
+    @asynccontextmanager
+    async def running(**proxy: Any) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+        settings = RatchetSettings(
+            home=tmp_path,  # its own spool; the broker's port is closed, so records land there
+            kafka_bootstrap_servers=f"127.0.0.1:{closed_port()}",
+            redis_url=f"redis://127.0.0.1:{closed_port()}/0",
+            vllm_url=upstream["url"],
+            proxy={"upstream_timeout_s": 0.5, **proxy},
+        )
+        app = create_app(settings)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+                yield client, app.state.ratchet
+
+    return running
+
+
+@pytest.fixture
+async def proxy(proxy_with: ProxyFactory) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    async with proxy_with() as running:
+        yield running

@@ -9,12 +9,17 @@ import pytest
 
 from proxy.errors import ProxyError
 from proxy.validation import (
+    FALLBACK_MAX_TOKENS,
+    RequestLimits,
     check_alias,
     check_chat,
     check_completion,
+    check_depth,
     check_feedback,
+    check_limits,
     unknown_alias,
 )
+from ratchet.settings import ProxySettings
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -105,7 +110,7 @@ CHAT_CASES: list[tuple[dict[str, Any], str, str]] = [
     (chat(n=-1), "n", "invalid_type"),
     (chat(n=1.5), "n", "invalid_type"),
     (chat(n=True), "n", "invalid_type"),
-    (chat(n=129), "n", "invalid_type"),
+    (chat(best_of=0), "best_of", "invalid_type"),
     (chat(n="2"), "n", "invalid_type"),
     (chat(max_tokens=0), "max_tokens", "invalid_type"),
     (chat(max_tokens=10.0), "max_tokens", "invalid_type"),
@@ -291,3 +296,111 @@ def test_check_feedback_accepts(payload: dict[str, Any], expected: tuple) -> Non
     result = check_feedback(payload)
     assert result == expected
     assert isinstance(result[1], float)
+
+
+# ---- limits -------------------------------------------------------------------------------------
+
+
+def limits(**proxy: Any) -> RequestLimits:
+    return RequestLimits.from_settings(ProxySettings(**proxy))
+
+
+def over(payload: dict[str, Any], endpoint: str, lim: RequestLimits) -> ProxyError:
+    with pytest.raises(ProxyError) as info:
+        check_limits(payload, endpoint, lim)
+    return info.value
+
+
+CHAT, CMPL = "chat.completions", "completions"
+LIMIT_CASES: list[tuple[dict[str, Any], str, dict[str, Any], str, str]] = [
+    # (payload, endpoint, settings, param, the setting the message names)
+    (chat(messages=MSG * 5), CHAT, {"max_messages": 4}, "messages", "proxy.max_messages"),
+    (chat(n=17), CHAT, {}, "n", "proxy.max_n"),
+    (chat(n=3), CHAT, {"max_n": 2}, "n", "proxy.max_n"),
+    (chat(best_of=3), CHAT, {"max_n": 2}, "best_of", "proxy.max_n"),
+    (cmpl(n=129), CMPL, {"max_n": 128, "max_choices": 4096}, "n", "proxy.max_n"),
+    (cmpl(prompt=["a"] * 65), CMPL, {}, "n", "proxy.max_choices"),
+    (cmpl(prompt=["a"] * 9, n=8), CMPL, {}, "n", "proxy.max_choices"),
+    (cmpl(prompt=[[1, 2]] * 5, best_of=2), CMPL, {"max_choices": 9}, "n", "proxy.max_choices"),
+    (chat(n=5), CHAT, {"max_choices": 4}, "n", "proxy.max_choices"),
+    (chat(max_tokens=10**9), CHAT, {}, "max_tokens", "proxy.max_tokens"),
+    (chat(max_tokens=101), CHAT, {"max_tokens": 100}, "max_tokens", "proxy.max_tokens"),
+    (
+        chat(max_completion_tokens=101),
+        CHAT,
+        {"max_tokens": 100},
+        "max_completion_tokens",
+        "proxy.max_tokens",
+    ),
+    (cmpl(max_tokens=FALLBACK_MAX_TOKENS + 1), CMPL, {}, "max_tokens", "proxy.max_tokens"),
+]
+
+
+@pytest.mark.parametrize(
+    ("payload", "endpoint", "settings", "param", "setting"),
+    LIMIT_CASES,
+    ids=[f"{c[3]}-{i}" for i, c in enumerate(LIMIT_CASES)],
+)
+def test_limits_refuse_naming_the_setting(
+    payload: dict[str, Any], endpoint: str, settings: dict[str, Any], param: str, setting: str
+) -> None:
+    err = over(payload, endpoint, limits(**settings))
+    assert_envelope(err, 400, param, "limit_exceeded")
+    assert setting in err.message
+
+
+@pytest.mark.parametrize(
+    ("payload", "endpoint", "settings"),
+    [
+        (chat(messages=MSG * 4), CHAT, {"max_messages": 4}),
+        (chat(n=16, max_tokens=FALLBACK_MAX_TOKENS), CHAT, {}),
+        (cmpl(prompt=["a"] * 8, n=8), CMPL, {}),
+        (cmpl(prompt=list(range(5000)), n=16), CMPL, {}),  # token ids: one prompt
+        (cmpl(prompt="x", n=None, max_tokens=None), CMPL, {}),
+        (chat(max_tokens=100, max_completion_tokens=100), CHAT, {"max_tokens": 100}),
+    ],
+)
+def test_limits_accept_up_to_the_setting(
+    payload: dict[str, Any], endpoint: str, settings: dict[str, Any]
+) -> None:
+    check_limits(payload, endpoint, limits(**settings))
+
+
+def test_max_tokens_defaults_to_the_model_context() -> None:
+    lim = limits()
+    lim.set_model_context(2048)
+    check_limits(chat(max_tokens=2048), CHAT, lim)
+    err = over(chat(max_tokens=2049), CHAT, lim)
+    assert "2048" in err.message and "context" in err.message
+    # A configured limit wins over the model's context.
+    lim = limits(max_tokens=4096)
+    lim.set_model_context(2048)
+    check_limits(chat(max_tokens=4096), CHAT, lim)
+
+
+def nested(depth: int) -> dict[str, Any]:
+    """A body whose deepest container is at `depth` (the body itself is depth 1)."""
+    inner: Any = []
+    for _ in range(depth - 2):
+        inner = [inner]
+    return {"model": "support", "x": inner} if depth > 1 else {}
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 10, 64])
+def test_depth_at_the_limit_passes(depth: int) -> None:
+    check_depth(nested(depth), 64)
+
+
+@pytest.mark.parametrize("depth", [65, 200, 1000])
+def test_depth_past_the_limit_is_refused(depth: int) -> None:
+    with pytest.raises(ProxyError) as info:
+        check_depth(nested(depth), 64)
+    assert_envelope(info.value, 400, None, "json_too_deep")
+    assert "proxy.max_json_depth" in info.value.message
+
+
+def test_depth_counts_every_branch_and_dicts() -> None:
+    wide = {"a": [1, "s", None, {"b": [{"c": {}}]}], "z": 1.5}  # depth 6 on one branch
+    check_depth(wide, 6)
+    with pytest.raises(ProxyError):
+        check_depth(wide, 5)

@@ -23,10 +23,12 @@ from ratchet.records import (
     ScoredGroup,
     TrafficRecord,
     decode,
-    hash_api_key,
     prompt_hash,
     skipped_records,
 )
+from ratchet.secrets import hash_api_key
+
+SECRET = b"unit-test-server-secret"
 
 MESSAGES = [
     {"role": "system", "content": "be brief"},
@@ -53,7 +55,7 @@ def traffic() -> TrafficRecord:
         status=200,
         latency_ms=12.5,
         ttft_ms=3.25,
-        api_key_hash=hash_api_key("sk-secret"),
+        api_key_hash=hash_api_key(SECRET, "sk-secret"),
         user="u-1",
     )
 
@@ -208,25 +210,35 @@ def test_decode_ignores_unknown_fields_of_a_known_schema() -> None:
     assert skipped_total() == before
 
 
-def test_hash_api_key() -> None:
+def test_hash_api_key_is_keyed_by_the_server_secret() -> None:
     key = "sk-live-0123456789abcdef"
-    hashed = hash_api_key(key)
+    hashed = hash_api_key(SECRET, key)
     assert hashed is not None
     assert key not in hashed
     assert "0123456789abcdef" not in hashed
-    assert hashed.startswith("sha256:")
-    assert len(hashed) == len("sha256:") + 64
-    assert hash_api_key(key) == hashed
-    assert hash_api_key(key + "x") != hashed
-    assert hash_api_key(None) is None
-    assert hash_api_key("") is None
+    assert hashed.startswith("hmac-sha256:")
+    assert len(hashed) == len("hmac-sha256:") + 64
+    assert hash_api_key(SECRET, key) == hashed
+    assert hash_api_key(SECRET, key + "x") != hashed
+    # Keyed: the same key under another secret is another hash, and neither is the plain
+    # SHA-256 anyone could compute from a guessed key.
+    assert hash_api_key(b"another-server-secret", key) != hashed
+    assert hashlib.sha256(key.encode()).hexdigest() not in hashed
+    assert hash_api_key(SECRET, None) is None
+    assert hash_api_key(SECRET, "") is None
+
+
+def test_records_no_longer_offer_an_unkeyed_hash() -> None:
+    import ratchet.records
+
+    assert not hasattr(ratchet.records, "hash_api_key")
 
 
 def test_record_json_never_contains_key() -> None:
     raw = traffic().to_json()
     assert b"sk-secret" not in raw
-    key_hash = hash_api_key("sk-secret")
-    assert key_hash is not None and key_hash.encode() in raw
+    hashed = hash_api_key(SECRET, "sk-secret")
+    assert hashed is not None and hashed.encode() in raw
 
 
 def test_prompt_hash_stable_and_order_sensitive() -> None:

@@ -1,7 +1,10 @@
-"""ratchet.registry.AliasRoute: arm choice, sticky cohorts, hash round trip, served names."""
+"""ratchet.registry.AliasRoute: arm choice, sticky cohorts (keyed with the server secret and the
+caller's API key, so a client can neither choose nor predict its arm), hash round trip, served
+names."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from dataclasses import replace
@@ -12,6 +15,8 @@ import pytest
 from ratchet.registry import AliasRoute, alias_key, history_key, served_name
 
 KEYS = [f"user-{i}" for i in range(20_000)]
+SECRET = b"the server secret"
+KEY_A = "hmac-sha256:" + "a" * 64  # the caller's API key hash
 
 
 def route(**fields: Any) -> AliasRoute:
@@ -20,33 +25,46 @@ def route(**fields: Any) -> AliasRoute:
     return AliasRoute(**base)
 
 
+def pick(
+    r: AliasRoute, sticky: str | None, key_hash: str | None = KEY_A, secret: bytes = SECRET
+) -> tuple[int, str]:
+    return r.pick(sticky, key_hash=key_hash, secret=secret)
+
+
+def cohort(
+    r: AliasRoute, key_hash: str | None = KEY_A, secret: bytes = SECRET, keys: list[str] = KEYS
+) -> set[str]:
+    """The sticky values that land on the canary."""
+    return {k for k in keys if pick(r, k, key_hash, secret)[1] == "canary"}
+
+
 def test_no_canary_always_active() -> None:
     r = route()
-    assert r.pick(None) == (3, "active")
-    assert all(r.pick(k) == (3, "active") for k in KEYS[:500])
+    assert pick(r, None) == (3, "active")
+    assert all(pick(r, k) == (3, "active") for k in KEYS[:500])
 
 
 def test_zero_weight_canary_always_active() -> None:
     r = route(canary=4, canary_weight=0.0)
-    assert all(r.pick(k) == (3, "active") for k in KEYS[:500])
-    assert all(r.pick(None) == (3, "active") for _ in range(200))
+    assert all(pick(r, k) == (3, "active") for k in KEYS[:500])
+    assert all(pick(r, None) == (3, "active") for _ in range(200))
 
 
 def test_full_weight_canary_always_canary() -> None:
     r = route(canary=4, canary_weight=1.0)
-    assert all(r.pick(k) == (4, "canary") for k in KEYS[:500])
-    assert all(r.pick(None) == (4, "canary") for _ in range(200))
+    assert all(pick(r, k) == (4, "canary") for k in KEYS[:500])
+    assert all(pick(r, None) == (4, "canary") for _ in range(200))
 
 
 def test_sticky_key_gives_the_same_arm() -> None:
     r = route(canary=4, canary_weight=0.5)
     for key in KEYS[:300]:
-        first = r.pick(key)
+        first = pick(r, key)
         assert first in ((3, "active"), (4, "canary"))
-        assert all(r.pick(key) == first for _ in range(5))
+        assert all(pick(r, key) == first for _ in range(5))
     # A fresh but equal route object (another proxy replica) agrees.
     twin = route(canary=4, canary_weight=0.5)
-    assert [twin.pick(k) for k in KEYS[:300]] == [r.pick(k) for k in KEYS[:300]]
+    assert [pick(twin, k) for k in KEYS[:300]] == [pick(r, k) for k in KEYS[:300]]
 
 
 def _within(count: int, n: int, p: float, sigmas: float = 3.0) -> bool:
@@ -55,14 +73,14 @@ def _within(count: int, n: int, p: float, sigmas: float = 3.0) -> bool:
 
 def test_canary_share_matches_weight() -> None:
     r = route(canary=4, canary_weight=0.2)
-    canary = sum(1 for k in KEYS if r.pick(k)[1] == "canary")
+    canary = sum(1 for k in KEYS if pick(r, k)[1] == "canary")
     assert _within(canary, len(KEYS), 0.2), canary
 
 
 def test_canary_share_without_sticky_key() -> None:
     random.seed(1234)
     r = route(canary=4, canary_weight=0.2)
-    canary = sum(1 for _ in range(20_000) if r.pick(None)[1] == "canary")
+    canary = sum(1 for _ in range(20_000) if pick(r, None)[1] == "canary")
     assert _within(canary, 20_000, 0.2), canary
 
 
@@ -70,16 +88,16 @@ def test_raising_weight_only_adds_users_to_the_canary() -> None:
     """Ramping a canary up keeps everyone already on it there (same hash, larger threshold)."""
     low = route(canary=4, canary_weight=0.1)
     high = route(canary=4, canary_weight=0.3)
-    low_cohort = {k for k in KEYS if low.pick(k)[1] == "canary"}
-    high_cohort = {k for k in KEYS if high.pick(k)[1] == "canary"}
+    low_cohort = {k for k in KEYS if pick(low, k)[1] == "canary"}
+    high_cohort = {k for k in KEYS if pick(high, k)[1] == "canary"}
     assert low_cohort < high_cohort
 
 
 def test_new_canary_version_reshuffles_cohort() -> None:
     v4 = route(canary=4, canary_weight=0.2)
     v5 = route(canary=5, canary_weight=0.2)
-    cohort4 = {k for k in KEYS if v4.pick(k)[1] == "canary"}
-    cohort5 = {k for k in KEYS if v5.pick(k)[1] == "canary"}
+    cohort4 = {k for k in KEYS if pick(v4, k)[1] == "canary"}
+    cohort5 = {k for k in KEYS if pick(v5, k)[1] == "canary"}
     n = len(KEYS)
     assert _within(len(cohort5), n, 0.2)
     # Independent draws: the overlap is about 0.2 * 0.2 of users, not 0.2.
@@ -90,9 +108,50 @@ def test_new_canary_version_reshuffles_cohort() -> None:
 def test_cohort_depends_on_alias() -> None:
     a = route(canary=4, canary_weight=0.2)
     b = route(alias="billing", canary=4, canary_weight=0.2)
-    cohort_a = {k for k in KEYS if a.pick(k)[1] == "canary"}
-    cohort_b = {k for k in KEYS if b.pick(k)[1] == "canary"}
+    cohort_a = {k for k in KEYS if pick(a, k)[1] == "canary"}
+    cohort_b = {k for k in KEYS if pick(b, k)[1] == "canary"}
     assert _within(len(cohort_a & cohort_b), len(KEYS), 0.04)
+
+
+def test_a_client_cannot_predict_its_arm_without_the_secret() -> None:
+    """The arm of a sticky value is a keyed hash under the server secret: under another secret
+    (all a client can guess) the cohort is drawn afresh, so knowing which values land on the
+    canary under one secret says nothing about another."""
+    r = route(canary=4, canary_weight=0.2)
+    ours = cohort(r)
+    guessed = cohort(r, secret=b"a guess at the secret")
+    n = len(KEYS)
+    assert _within(len(ours), n, 0.2) and _within(len(guessed), n, 0.2)
+    assert _within(len(ours & guessed), n, 0.04), len(ours & guessed)
+    # Nor by the unkeyed hash of the sticky value that chose the arm before.
+    unkeyed = {
+        k
+        for k in KEYS
+        if int.from_bytes(
+            hashlib.blake2b(f"support\0{4}\0{k}".encode(), digest_size=8).digest(), "big"
+        )
+        / 2**64
+        < 0.2
+    }
+    assert _within(len(ours & unkeyed), n, 0.04), len(ours & unkeyed)
+
+
+def test_the_same_sticky_value_under_two_keys_is_drawn_independently() -> None:
+    """Two API keys sending the same user id do not share an arm: one client cannot learn (or
+    pick) another's arm by copying its sticky value."""
+    r = route(canary=4, canary_weight=0.5)
+    other = "hmac-sha256:" + "b" * 64
+    agree = sum(1 for k in KEYS if pick(r, k) == pick(r, k, key_hash=other))
+    # Independent draws agree on half of the values at weight 0.5, not on all of them.
+    assert _within(agree, len(KEYS), 0.5), agree
+    # Without auth every caller has no key hash: stickiness still holds per value.
+    assert all(pick(r, k, key_hash=None) == pick(r, k, key_hash=None) for k in KEYS[:200])
+
+
+def test_on_canary() -> None:
+    assert not route().on_canary
+    assert not route(canary=4, canary_weight=0.0).on_canary
+    assert route(canary=4, canary_weight=0.1).on_canary
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,8 @@ import orjson
 import pytest
 
 from proxy.log.exchange import REDACTED, Exchange, Redactor, assemble_stream
-from ratchet.records import TRAFFIC_TOPIC, TrafficRecord, decode, hash_api_key
+from ratchet.records import TRAFFIC_TOPIC, TrafficRecord, decode
+from ratchet.secrets import hash_api_key
 
 
 def sse(events: list[dict[str, Any]], done: bool = True) -> bytes:
@@ -30,6 +31,7 @@ def chat_chunk(index: int, delta: dict[str, Any], finish: str | None = None, **e
     return {"id": "chatcmpl-7", "object": "chat.completion.chunk", "choices": [choice]}
 
 
+SECRET = b"unit-test-server-secret"
 USAGE = {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16}
 USAGE_CHUNK = {"id": "chatcmpl-7", "object": "chat.completion.chunk", "choices": [], "usage": USAGE}
 
@@ -278,7 +280,7 @@ def exchange(**overrides: Any) -> Exchange:
             "user": "end-user-1",
         },
         stream=False,
-        api_key_hash=hash_api_key("sk-very-secret-key"),
+        api_key_hash=hash_api_key(SECRET, "sk-very-secret-key"),
         redactor=Redactor([r"[\w.+-]+@[\w-]+\.[\w.]+"]),
         status=200,
         latency_ms=12.34567,
@@ -396,10 +398,10 @@ def test_record_has_key_hash_not_key() -> None:
     ex = exchange(response_body=orjson.dumps(NON_STREAM_BODY))
     value = ex.to_record().to_json()
     assert b"sk-very-secret-key" not in value
-    assert orjson.loads(value)["api_key_hash"] == hash_api_key("sk-very-secret-key")
+    assert orjson.loads(value)["api_key_hash"] == hash_api_key(SECRET, "sk-very-secret-key")
     back = decode(TRAFFIC_TOPIC, value)
     assert isinstance(back, TrafficRecord)
-    assert back.api_key_hash == hash_api_key("sk-very-secret-key")
+    assert back.api_key_hash == hash_api_key(SECRET, "sk-very-secret-key")
     assert back.choices[0]["message"]["content"] == f"hello {REDACTED}"
 
 

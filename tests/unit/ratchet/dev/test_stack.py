@@ -95,3 +95,28 @@ def test_part_that_dies_later_is_caught_by_check(tmp_path: Path) -> None:
         stack.check()
     assert "bye" in failed.value.log_tail
     stack.stop()
+
+
+def test_vllm_requires_the_key_the_services_derive(tmp_path: Path) -> None:
+    """The embedded vLLM gets the key every service derives from the same settings, through
+    its environment (never argv, which `ps` shows), and the guard that puts every route but
+    /health and /metrics behind it."""
+    import importlib
+
+    from ratchet.dev.stack import GUARD_MIDDLEWARE, vllm_part
+    from ratchet.secrets import vllm_api_key
+    from ratchet.settings import RatchetSettings
+
+    settings = RatchetSettings(home=tmp_path)
+    part = vllm_part(settings, tmp_path / "model", "smollm2-135m-instruct")
+    key = vllm_api_key(settings)
+    assert part.env["VLLM_API_KEY"] == key
+    assert not any(key in arg for arg in part.command)
+    assert "--api-key" not in part.command
+    assert part.command[part.command.index("--middleware") + 1] == GUARD_MIDDLEWARE
+    module, _, name = GUARD_MIDDLEWARE.rpartition(".")
+    assert callable(getattr(importlib.import_module(module), name))
+    # A second service on this machine (a fresh settings object) derives the same key.
+    assert vllm_api_key(RatchetSettings(home=tmp_path)) == key
+    configured = RatchetSettings(home=tmp_path, vllm_api_key="configured-key")
+    assert vllm_part(configured, tmp_path / "m", "b").env["VLLM_API_KEY"] == "configured-key"

@@ -21,6 +21,7 @@ from ratchet.rewards.judge_call import (
 )
 from ratchet.rewards.ruler import JudgeReplyError, JudgeRequest, JudgeScores, build_judge_request
 from ratchet.settings import JudgeSettings, RatchetSettings
+from tests.unit.ratchet.dev.keyed_vllm import keyed_vllm
 
 PROMPT = [{"role": "user", "content": "q"}]
 ANSWERS = [{"role": "assistant", "content": t} for t in ("A", "B")]
@@ -41,6 +42,60 @@ def test_judge_endpoint_defaults_and_overrides() -> None:
         "api_base": "http://judge:9/v1",
         "api_key": "sk-j",
     }
+
+
+VLLM_BASE = "http://vllm:8401/v1"
+VLLM_KEY = "vllm-key"
+
+
+@pytest.mark.parametrize(
+    ("settings", "model", "expected"),
+    [
+        # Ratchet's own vLLM, by default or named explicitly (any trailing slash): its key.
+        (JudgeSettings(), "hosted_vllm/m", {"api_base": VLLM_BASE, "api_key": VLLM_KEY}),
+        (
+            JudgeSettings(judge_api_base=VLLM_BASE + "/"),
+            "openai/m",
+            {"api_base": VLLM_BASE + "/", "api_key": VLLM_KEY},
+        ),
+        # An explicit judge key wins, even at vLLM's address.
+        (
+            JudgeSettings(judge_api_base=VLLM_BASE, judge_api_key="sk-j"),
+            "hosted_vllm/m",
+            {"api_base": VLLM_BASE, "api_key": "sk-j"},
+        ),
+        # Anywhere else vLLM's key never goes: another vLLM, a hosted provider.
+        (
+            JudgeSettings(judge_api_base="http://other-vllm:8000/v1"),
+            "hosted_vllm/m",
+            {"api_base": "http://other-vllm:8000/v1", "api_key": "unused"},
+        ),
+        (JudgeSettings(), "openai/gpt-4o-mini", {}),
+        (
+            JudgeSettings(judge_api_base="https://api.example.com/v1"),
+            "openai/gpt-4o-mini",
+            {"api_base": "https://api.example.com/v1"},
+        ),
+    ],
+)
+def test_vllms_key_goes_to_vllm_only(
+    settings: JudgeSettings, model: str, expected: dict[str, str]
+) -> None:
+    assert judge_endpoint(settings, model, VLLM_BASE, VLLM_KEY) == expected
+    assert JudgeModel.of(settings, model, VLLM_BASE, VLLM_KEY).endpoint == expected
+
+
+def test_litellm_sends_vllms_key_as_a_bearer_token() -> None:
+    """The real litellm call, to a stand-in vLLM that refuses calls without its key."""
+    req = request()
+    with keyed_vllm(VLLM_KEY) as vllm:
+        judge = JudgeModel.of(JudgeSettings(), "hosted_vllm/m", vllm.url + "/v1", VLLM_KEY)
+        verdict = asyncio.run(ask_judge_once(req, judge))
+        assert sorted(verdict.scores) == [0.0, 1.0]
+        assert vllm.seen == [("POST", "/v1/chat/completions", f"Bearer {VLLM_KEY}")]
+        wrong = JudgeModel.of(JudgeSettings(), "hosted_vllm/m", vllm.url + "/v1", "wrong")
+        with pytest.raises(Exception, match=r"401|Unauthorized"):
+            asyncio.run(ask_judge_once(req, wrong))
 
 
 def test_judge_model_takes_its_bounds_from_the_settings() -> None:

@@ -1,0 +1,47 @@
+"""``POST /v1/feedback``: a rating of one completion, accepted once, from the key that got it
+(the check is proxy/completions.py's). Written to ``ratchet.feedback`` as a FeedbackRecord."""
+
+from __future__ import annotations
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response
+
+from proxy.completions import CompletionOwners
+from proxy.errors import ProxyError
+from proxy.state import ProxyState, read_json
+from proxy.validation import check_feedback
+from ratchet.records import FeedbackRecord
+
+
+async def rate(state: ProxyState, owners: CompletionOwners, request: Request) -> Response:
+    """``POST /v1/feedback``: a FeedbackRecord, once per completion, from its owner only."""
+    key_hash = state.authenticate(request)
+    payload, _ = await read_json(request, state.limits)
+    completion_id, score, thumbs, comment = check_feedback(payload)
+    await owners.claim_rating(completion_id, key_hash)
+    record = FeedbackRecord(
+        completion_id=completion_id,
+        score=score,
+        thumbs=thumbs,
+        comment=comment,
+        api_key_hash=key_hash,
+    )
+    if not state.traffic_log.submit(record, key=completion_id):
+        owners.ratings.labels("queue_full").inc()
+        await owners.release_rating(completion_id)
+        raise ProxyError(
+            503,
+            "feedback queue is full; retry shortly",
+            type="server_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
+    owners.ratings.labels("accepted").inc()
+    accepted = {
+        "object": "feedback",
+        "completion_id": completion_id,
+        "score": score,
+        "status": "accepted",
+    }
+    return Response(orjson.dumps(accepted), media_type="application/json")

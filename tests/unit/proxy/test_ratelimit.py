@@ -1,0 +1,400 @@
+"""Per-key rate limits and token budgets, against a real Redis shared by two "replicas".
+
+Buckets refill on Redis's clock, so waits are asserted as retry-after values (whole seconds,
+rounded up) and the one refill that is waited for is polled with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import redis
+from aiohttp import web
+
+from proxy import ratelimit
+from proxy.app import create_app
+from proxy.buckets import KEY_PREFIX, total_tokens
+from proxy.errors import ProxyError
+from proxy.metrics import ProxyMetrics
+from proxy.ratelimit import RateLimiter
+from ratchet.dev.processes import free_port as closed_port
+from ratchet.settings import ConfigError, RateLimitSettings, load_settings
+
+KEY_A, KEY_B = "hmac-sha256:aaaa", "hmac-sha256:bbbb"
+DAY_MS = 86_400_000
+
+
+def answer_using(tokens: int) -> bytes:
+    usage = {"prompt_tokens": tokens - 1, "completion_tokens": 1, "total_tokens": tokens}
+    choice = {"index": 0, "message": {"role": "assistant", "content": "ok"}}
+    return orjson.dumps(
+        {"id": "c1", "object": "chat.completion", "choices": [choice], "usage": usage}
+    )
+
+
+class Replicas:
+    """Limiters made for one test, closed at its end; each is one proxy replica's."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.redis_url = redis_url
+        self.made: list[RateLimiter] = []
+        self.metrics: dict[int, ProxyMetrics] = {}
+
+    def __call__(self, per_key: bool = True, url: str | None = None, **limits: Any) -> RateLimiter:
+        metrics = ProxyMetrics()
+        limits.setdefault("timeout_s", 1.0)  # the test machine is loaded; failing open is tested
+        limiter = RateLimiter(RateLimitSettings(**limits), url or self.redis_url, metrics, per_key)
+        self.made.append(limiter)
+        self.metrics[id(limiter)] = metrics
+        return limiter
+
+    def count(self, limiter: RateLimiter, metric: str, **labels: str) -> float | None:
+        return self.metrics[id(limiter)].registry.get_sample_value(metric, labels)
+
+
+@pytest.fixture
+async def replica(redis_url: str) -> AsyncIterator[Replicas]:
+    replicas = Replicas(redis_url)
+    yield replicas
+    for limiter in replicas.made:
+        await limiter.close()
+
+
+async def refusal(limiter: RateLimiter, key_hash: str | None) -> ProxyError:
+    with pytest.raises(ProxyError) as caught:
+        await limiter.admit(key_hash)
+    return caught.value
+
+
+def retry_after(error: ProxyError) -> int:
+    assert error.headers is not None
+    return int(error.headers["retry-after"])
+
+
+async def test_the_request_limit_holds_across_two_replicas(replica: Replicas) -> None:
+    first = replica(requests_per_minute=60, burst=3)
+    second = replica(requests_per_minute=60, burst=3)
+    for limiter in (first, second, first):
+        await limiter.admit(KEY_A)
+    for limiter in (second, first):
+        error = await refusal(limiter, KEY_A)
+        assert error.status == 429
+        assert error.body()["error"]["code"] == "rate_limit_exceeded"
+        assert error.body()["error"]["type"] == "requests"
+        assert "proxy.rate_limit.requests_per_minute" in error.body()["error"]["message"]
+        # A burst of 3 refills at 1 a second: the next request fits in at most a second.
+        assert retry_after(error) == 1
+
+
+async def test_concurrent_requests_on_two_replicas_get_exactly_the_burst(
+    replica: Replicas,
+) -> None:
+    first = replica(requests_per_minute=1, burst=30)
+    second = replica(requests_per_minute=1, burst=30)
+    calls = [limiter.admit(KEY_A) for _ in range(50) for limiter in (first, second)]
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    assert sum(outcome is None for outcome in outcomes) == 30
+    assert all(isinstance(o, ProxyError) for o in outcomes if o is not None)
+
+
+async def test_a_redis_that_forgot_the_scripts_or_dropped_us_is_used_again(
+    replica: Replicas, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ratelimit, "UNAVAILABLE_BACKOFF_S", 0.0)
+    limiter = replica(requests_per_minute=60, burst=2)
+    await limiter.admit(KEY_A)
+    server = redis.Redis.from_url(redis_url)
+    server.script_flush()  # as after a restart
+    server.client_kill_filter(_type="normal", skipme=True)
+    deadline = time.monotonic() + 5
+    while True:  # the first call may still find the dropped connection, and fail open
+        try:
+            await limiter.admit(KEY_A)
+        except ProxyError:
+            break
+        assert time.monotonic() < deadline, "the limit was never enforced again"
+
+
+async def test_a_key_far_from_its_limit_does_not_wait_and_is_still_counted(
+    replica: Replicas,
+) -> None:
+    limiter = replica(requests_per_minute=1, burst=10)
+    await limiter.admit(KEY_A)  # the first waits: nothing is known of the bucket yet
+    assert limiter.ask(KEY_A) is None  # 9 of 10 left: no need to wait
+    admitted = 2
+    while True:
+        try:
+            await limiter.admit(KEY_A)
+        except ProxyError:
+            break
+        admitted += 1
+    assert admitted == 10  # every request was taken from the bucket in Redis
+    overshoot = "ratchet_proxy_ratelimit_overshoot_total"
+    assert replica.count(limiter, overshoot, limit="requests_per_minute") == 0
+
+
+async def test_a_replica_serves_at_most_one_request_past_a_limit_others_drained(
+    replica: Replicas,
+) -> None:
+    first = replica(requests_per_minute=1, burst=4)
+    await first.admit(KEY_A)  # first's view: 3 of 4 left
+    for _ in range(3):  # other replicas take the rest meanwhile
+        await replica(requests_per_minute=1, burst=4).admit(KEY_A)
+    assert first.ask(KEY_A) is None  # first still believes the key far from its limit
+    overshoot = "ratchet_proxy_ratelimit_overshoot_total"
+    deadline = time.monotonic() + 5
+    while not replica.count(first, overshoot, limit="requests_per_minute"):
+        assert time.monotonic() < deadline, "Redis's answer never came"
+        await asyncio.sleep(0.01)
+    await refusal(first, KEY_A)  # and no more
+
+
+async def test_two_busy_replicas_pass_a_limit_by_at_most_their_unconfirmed_share(
+    replica: Replicas,
+) -> None:
+    first = replica(requests_per_minute=1, burst=400)
+    second = replica(requests_per_minute=1, burst=400)
+    assert first.fast_max == 4  # 1% of the burst may be let through before Redis confirms
+    admitted = 0
+
+    async def hammer(limiter: RateLimiter) -> None:
+        nonlocal admitted
+        for _ in range(400):
+            try:
+                await limiter.admit(KEY_A)
+                admitted += 1
+            except ProxyError:
+                pass
+            await asyncio.sleep(0)  # answers come in between, as between real requests
+
+    await asyncio.gather(hammer(first), hammer(second))
+    assert 400 <= admitted <= 400 + 2 * first.fast_max
+    await first.drain()
+    await second.drain()
+    overshoot = "ratchet_proxy_ratelimit_overshoot_total"
+    counted = sum(
+        replica.count(r, overshoot, limit="requests_per_minute") or 0 for r in (first, second)
+    )
+    assert (admitted > 400) <= (counted > 0)  # going past the limit is never silent
+
+
+async def test_retry_after_is_the_wait_rounded_up(replica: Replicas) -> None:
+    slow = replica(requests_per_minute=6, burst=1)  # one request every 10 s
+    await slow.admit(KEY_A)
+    assert retry_after(await refusal(slow, KEY_A)) == 10
+
+    fast = replica(requests_per_minute=120, burst=1)  # one request every 0.5 s
+    await fast.admit(KEY_B)
+    refused_at = time.monotonic()
+    assert retry_after(await refusal(fast, KEY_B)) == 1
+    deadline = refused_at + 3
+    while True:
+        try:
+            await fast.admit(KEY_B)
+            break
+        except ProxyError:
+            assert time.monotonic() < deadline, "the bucket never refilled"
+    waited = time.monotonic() - refused_at
+    assert 0.3 < waited <= 1.0, waited  # not before the bucket refilled, not after retry-after
+
+
+async def test_a_token_budget_charged_after_the_answer_refuses_the_next_request(
+    replica: Replicas,
+) -> None:
+    first = replica(tokens_per_minute=100)
+    second = replica(tokens_per_minute=100)
+    await first.admit(KEY_A)
+    await first.admit(KEY_A)  # the budget is only charged after an answer
+    first.charge(KEY_A, answer_using(150))
+    # No wait: the key's next request takes the charge to Redis ahead of its own check.
+    for limiter in (first, second):
+        error = await refusal(limiter, KEY_A)
+        assert error.body()["error"]["type"] == "tokens"
+        assert "proxy.rate_limit.tokens_per_minute" in error.body()["error"]["message"]
+        # 150 of 100 spent: 51 tokens to refill at 0.6 s each, about 30.6 s.
+        assert retry_after(error) in (30, 31)
+
+
+async def test_a_charge_reaches_the_other_replicas_without_another_request(
+    replica: Replicas,
+) -> None:
+    first = replica(tokens_per_minute=100)
+    second = replica(tokens_per_minute=100)
+    first.charge(KEY_A, answer_using(150))
+    charged_at = time.monotonic()
+    while True:
+        try:
+            await second.admit(KEY_A)
+        except ProxyError:
+            break
+        assert time.monotonic() < charged_at + 5, "the charge never reached Redis"
+    assert time.monotonic() - charged_at < 1.0  # sent after CHARGE_DELAY_S, not much later
+
+
+async def test_the_day_budget_waits_for_its_refill(replica: Replicas, redis_url: str) -> None:
+    limiter = replica(tokens_per_minute=1_000, tokens_per_day=100)
+    limiter.charge(KEY_A, answer_using(150))
+    await limiter.drain()
+    error = await refusal(limiter, KEY_A)
+    assert "proxy.rate_limit.tokens_per_day" in error.body()["error"]["message"]
+    expected_s = math.ceil(51 * DAY_MS / 100 / 1000)
+    assert expected_s - 2 <= retry_after(error) <= expected_s
+    # Each bucket's key lives until the bucket is full again, and no longer.
+    ttl_ms = redis.Redis.from_url(redis_url).pttl(f"{KEY_PREFIX}{KEY_A}:tokens_per_day")
+    assert 149 * DAY_MS / 100 < ttl_ms <= 150 * DAY_MS / 100
+
+
+async def test_no_key_spends_another_keys_budget(replica: Replicas) -> None:
+    limiter = replica(requests_per_minute=60, burst=1, tokens_per_minute=100)
+    await limiter.admit(KEY_A)
+    await refusal(limiter, KEY_A)
+    await limiter.admit(KEY_B)  # its own requests bucket
+
+    tokens = replica(tokens_per_minute=100)
+    tokens.charge(KEY_A, answer_using(500))
+    await tokens.drain()
+    await refusal(tokens, KEY_A)
+    await tokens.admit(KEY_B)  # its own token budget
+
+
+async def test_without_auth_every_caller_shares_one_bucket(replica: Replicas) -> None:
+    # Any key is accepted without auth: one per request must not buy a fresh bucket.
+    limiter = replica(per_key=False, requests_per_minute=60, burst=1)
+    await limiter.admit(KEY_A)
+    error = await refusal(limiter, KEY_B)
+    assert "all callers together" in error.body()["error"]["message"]
+    await refusal(limiter, None)
+
+
+@pytest.fixture
+def silent_redis() -> Iterator[str]:
+    """A port that accepts connections and never answers: Redis hung or the network lost."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(64)
+        yield f"redis://127.0.0.1:{server.getsockname()[1]}/0"
+
+
+@pytest.mark.parametrize("down", ["refused", "silent"])
+async def test_redis_down_fails_open_quickly_and_is_counted(
+    replica: Replicas, silent_redis: str, down: str
+) -> None:
+    url = silent_redis if down == "silent" else f"redis://127.0.0.1:{closed_port()}/0"
+    limiter = replica(url=url, requests_per_minute=1, burst=1, tokens_per_day=1, timeout_s=0.05)
+    started = time.monotonic()
+    for _ in range(3):  # served, though the limit is one request
+        await limiter.admit(KEY_A)
+    assert time.monotonic() - started < 0.5
+    unavailable = "ratchet_proxy_ratelimit_unavailable_total"
+    assert replica.count(limiter, unavailable, call="admit") == 3
+    limiter.charge(KEY_A, answer_using(10))
+    await limiter.drain()
+    assert replica.count(limiter, unavailable, call="charge") == 1
+
+
+async def test_refusals_are_remembered_and_counted_by_limit(
+    replica: Replicas, redis_url: str
+) -> None:
+    limiter = replica(requests_per_minute=6, burst=1)
+    server = redis.Redis.from_url(redis_url)
+    server.config_resetstat()
+    await limiter.admit(KEY_A)
+    for _ in range(3):
+        await refusal(limiter, KEY_A)
+    refused = "ratchet_proxy_ratelimit_refused_total"
+    assert replica.count(limiter, refused, limit="requests_per_minute") == 3
+    # Only the admitted request asked Redis: its answer said the bucket was empty, and a key
+    # that keeps knocking costs Redis nothing.
+    assert server.info("commandstats")["cmdstat_evalsha"]["calls"] == 1
+
+
+def test_total_tokens_reads_usage_without_parsing() -> None:
+    assert total_tokens(answer_using(39)) == 39
+    spaced = b'{"choices": [], "usage": {"prompt_tokens": 3, "total_tokens" : 12}}'
+    assert total_tokens(spaced) == 12
+    stream = (
+        b'data: {"choices":[{"delta":{"content":"\\"total_tokens\\": 999"}}],"usage":null}\n\n'
+        b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,'
+        b'"total_tokens":7}}\n\ndata: [DONE]\n\n'
+    )
+    assert total_tokens(stream) == 7
+    # A client's text cannot pose as usage: inside a JSON string its quotes are escaped.
+    cut_short = b'data: {"choices":[{"delta":{"content":"\\"total_tokens\\":999"}}]}\n\n'
+    assert total_tokens(cut_short) == 0
+
+
+def test_settings_come_from_the_environment_and_burst_needs_a_rate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RATCHET_PROXY__RATE_LIMIT__REQUESTS_PER_MINUTE", "600")
+    monkeypatch.setenv("RATCHET_PROXY__RATE_LIMIT__TOKENS_PER_DAY", "1000000")
+    limits = load_settings().proxy.rate_limit
+    assert (limits.requests_per_minute, limits.tokens_per_day) == (600, 1_000_000)
+    assert limits.tokens_per_minute is None
+    monkeypatch.delenv("RATCHET_PROXY__RATE_LIMIT__REQUESTS_PER_MINUTE")
+    monkeypatch.setenv("RATCHET_PROXY__RATE_LIMIT__BURST", "5")
+    with pytest.raises(ConfigError, match="requests_per_minute is not"):
+        load_settings()
+
+
+# ---- through the proxy -------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def limited_proxy(
+    upstream: dict[str, Any], redis_url: str, tmp_path: Path
+) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    async def answer(_: web.Request) -> web.Response:
+        return web.Response(body=answer_using(150), content_type="application/json")
+
+    upstream["handler"] = answer
+    app = create_app(
+        load_settings(
+            home=tmp_path,
+            kafka_bootstrap_servers=f"127.0.0.1:{closed_port()}",
+            redis_url=redis_url,
+            vllm_url=upstream["url"],
+            proxy={
+                "api_keys": ["sk-a", "sk-b"],
+                "rate_limit": {"tokens_per_minute": 100, "timeout_s": 1.0},
+            },
+        )
+    )
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            yield client, app.state.ratchet
+
+
+async def test_the_proxy_answers_429_with_retry_after_once_the_budget_is_spent(
+    limited_proxy: tuple[httpx.AsyncClient, Any],
+) -> None:
+    client, state = limited_proxy
+    body = {"model": "support", "messages": [{"role": "user", "content": "hi"}]}
+
+    def as_key(key: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {key}"}
+
+    first = await client.post("/v1/chat/completions", json=body, headers=as_key("sk-a"))
+    assert first.status_code == 200, first.text
+    await state.rate_limiter.drain()
+    refused = await client.post("/v1/chat/completions", json=body, headers=as_key("sk-a"))
+    assert refused.status_code == 429
+    assert int(refused.headers["retry-after"]) in (30, 31)
+    error = refused.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["code"]) == ("tokens", "rate_limit_exceeded")
+    assert "proxy.rate_limit.tokens_per_minute" in error["message"]
+    other = await client.post("/v1/chat/completions", json=body, headers=as_key("sk-b"))
+    assert other.status_code == 200, other.text
+    metrics = (await client.get("/metrics")).text
+    assert 'ratchet_proxy_ratelimit_refused_total{limit="tokens_per_minute"} 1.0' in metrics
