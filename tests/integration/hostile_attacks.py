@@ -57,6 +57,8 @@ KEYED = {
     "max_choices": 8,
     "max_messages": 8,
     "max_tokens": 64,
+    # The session's proxy shows arms to the tests; a public one must not.
+    "expose_arm": False,
 }
 LIMITED = {"api_keys": [RL_A, RL_B, RL_C, RL_NORMAL], "rate_limit": {"requests_per_minute": 2}}
 ARM_HEADERS = ("x-ratchet-canary-arm", "x-ratchet-version", "x-ratchet-served-name")

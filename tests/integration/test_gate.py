@@ -57,8 +57,10 @@ def gate_settings(env: Embedded, judge_api_base: str, gate_concurrency: int) -> 
 
 
 @asynccontextmanager
-async def recording_judge(vllm_url: str, seen: list[dict[str, Any]]) -> AsyncIterator[str]:
-    """A pass-through to vLLM's /v1 that keeps each judge request body; yields its /v1 URL."""
+async def recording_judge(env: Embedded, seen: list[dict[str, Any]]) -> AsyncIterator[str]:
+    """A pass-through to vLLM's /v1 that keeps each judge request body; yields its /v1 URL.
+    It adds vLLM's key, as a judge endpoint of its own would hold its own."""
+    vllm_url = env.settings.vllm_url
 
     async def forward(request: web.Request) -> web.Response:
         body = await request.read()
@@ -68,7 +70,7 @@ async def recording_judge(vllm_url: str, seen: list[dict[str, Any]]) -> AsyncIte
             session.post(
                 f"{vllm_url}/v1/{request.match_info['path']}",
                 data=body,
-                headers={"content-type": "application/json"},
+                headers={"content-type": "application/json", **env.vllm_headers},
             ) as reply,
         ):
             return web.Response(
@@ -97,7 +99,7 @@ def test_ruler_gate_judges_each_differing_pair_in_both_orders(embedded: Embedded
     seen: list[dict[str, Any]] = []
 
     async def evaluate() -> GateResult:
-        async with recording_judge(embedded.settings.vllm_url, seen) as judge_url:
+        async with recording_judge(embedded, seen) as judge_url:
             gate = Gate(gate_settings(embedded, judge_url, gate_concurrency=4))
             # A random test adapter against the base: their answers differ.
             return await gate.evaluate(ALIAS, ruler_alias(), PROMPTS, f"{ALIAS}@v1", BASE_MODEL)

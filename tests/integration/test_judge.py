@@ -28,6 +28,7 @@ from ratchet.records import (
     prompt_hash,
 )
 from ratchet.registry import AliasRoute
+from ratchet.secrets import vllm_api_key
 from tests.integration.conftest import BASE_MODEL, Embedded, free_port
 
 pytestmark = pytest.mark.integration
@@ -244,6 +245,8 @@ def test_judge_model_unreachable_drops_and_counts_then_recovers(
         tmp_path,
         alias,
         judge_api_base=f"http://127.0.0.1:{switch.port}/v1",
+        # A judge endpoint other than Ratchet's vLLM gets no key by default; this one is vLLM.
+        judge_api_key=vllm_api_key(embedded.settings),
         judge_timeout_s=20,
     )
     port = yaml.safe_load(config.read_text())["judge"]["metrics_port"]
