@@ -51,7 +51,9 @@ class Replicas:
 
     def __call__(self, per_key: bool = True, url: str | None = None, **limits: Any) -> RateLimiter:
         metrics = ProxyMetrics()
-        limits.setdefault("timeout_s", 1.0)  # the test machine is loaded; failing open is tested
+        limits.setdefault(
+            "timeout_s", 5.0
+        )  # the test machine may be loaded; failing open is tested
         limiter = RateLimiter(RateLimitSettings(**limits), url or self.redis_url, metrics, per_key)
         self.made.append(limiter)
         self.metrics[id(limiter)] = metrics
@@ -365,7 +367,7 @@ async def limited_proxy(
             vllm_url=upstream["url"],
             proxy={
                 "api_keys": ["sk-a", "sk-b"],
-                "rate_limit": {"tokens_per_minute": 100, "timeout_s": 1.0},
+                "rate_limit": {"tokens_per_minute": 100, "timeout_s": 5.0},
             },
         )
     )
