@@ -97,6 +97,12 @@ def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> P
         str(port),
         "--max-model-len",
         "2048",
+        # The CPU build's engine dies when a seeded request's prefill is split over two steps
+        # ("CPU Generator does not use offset"): any client's `seed` could stop it. Unsplit, a
+        # prefill waits for a step with room; one step holds the longest (2048 tokens).
+        "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        "2048",
         "--enable-lora",
         "--max-loras",
         "4",

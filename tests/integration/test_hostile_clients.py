@@ -9,11 +9,13 @@ answer /healthz (a normal request too after every tenth row) and have logged no 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
-from tests.integration.conftest import Embedded
+from tests.integration.conftest import ALIAS, Embedded
 from tests.integration.hostile_attacks import (
     ADMIN,
     FEEDBACK,
@@ -397,3 +399,30 @@ def test_nothing_left_in_flight_and_no_internal_error(hostile: Env) -> None:
     """After all of it: no request left counted in flight, no 500 counted, and no traceback in
     the logs of the proxies this module started."""
     assert_all_clean(hostile)
+
+
+def test_seeded_sampling_beside_long_prompts_leaves_vllm_serving(embedded: Embedded) -> None:
+    """A client's ``seed`` at temperature > 0 gives its request a generator in vLLM, and the CPU
+    build's engine dies when such a request's prefill is split over two steps (a CPU generator
+    cannot be rewound). Six seeded long prompts at once overflow one step's 2048 tokens; the dev
+    stack runs vLLM without chunked prefill, so none is split and all are answered."""
+    padding = " ".join(f"word{i}" for i in range(340))  # about 700 tokens
+
+    async def send() -> list[int]:
+        async with httpx.AsyncClient(base_url=embedded.proxy_url, timeout=300) as client:
+
+            async def one(index: int) -> int:
+                body = {
+                    "model": ALIAS,
+                    "messages": [{"role": "user", "content": f"{index} {padding}"}],
+                    "max_tokens": 4,
+                    "temperature": 1.0,
+                    "seed": index,
+                }
+                return (await client.post("/v1/chat/completions", json=body)).status_code
+
+            return list(await asyncio.gather(*(one(index) for index in range(6))))
+
+    assert asyncio.run(send()) == [200] * 6
+    health = httpx.get(f"{embedded.settings.vllm_url}/health", timeout=30)
+    assert health.status_code == 200
