@@ -7,6 +7,7 @@ behaviour log-probabilities, so the learner never re-tokenises anything.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +43,20 @@ def prompt_of(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
     return None
 
 
+def group_seed(seed: int, prompt_digest: str, version: int) -> int:
+    """vLLM's seed for one group (``sampling.seed`` set): the same prompt on the same version
+    gets the same seed. Under 2**30, as vLLM seeds the k-th answer of a group with seed + k."""
+    mixed = hashlib.sha256(f"{seed}\0{prompt_digest}\0{version}".encode()).digest()
+    return int.from_bytes(mixed[:4], "big") >> 2
+
+
 def sampling_body(
     served_name: str,
     prompt: list[dict[str, Any]],
     request: dict[str, Any],
     group_size: int,
     sampling: SamplingConfig,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": served_name,
@@ -59,6 +68,8 @@ def sampling_body(
         "logprobs": True,
         "return_token_ids": True,
     }
+    if seed is not None:
+        body["seed"] = seed
     # Tool definitions (and how the client asked to use them) travel with the prompt.
     for key in ("tools", "tool_choice", "response_format"):
         if request.get(key) is not None:

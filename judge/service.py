@@ -30,7 +30,7 @@ from kafka.errors import KafkaError
 from prometheus_client import start_http_server
 
 from judge.metrics import JudgeMetrics
-from judge.sampler import SamplingError, prompt_of, sample_group, sampling_body
+from judge.sampler import SamplingError, group_seed, prompt_of, sample_group, sampling_body
 from judge.scoring import GroupScorer, ScoringError
 from ratchet.bus import ensure_topics, make_consumer
 from ratchet.records import (
@@ -148,8 +148,10 @@ class JudgeService:
             # The learner would drop the group: don't spend vLLM and judge time sampling it.
             raise Skip("learning_paused")
         served = served_name(record.alias, route.active, route.base_model)
+        sampling = config.sampling
+        seed = None if sampling.seed is None else group_seed(sampling.seed, digest, route.active)
         body = sampling_body(
-            served, prompt, record.request, config.learning.group_size, config.sampling
+            served, prompt, record.request, config.learning.group_size, sampling, seed
         )
         with self.metrics.sample_latency.labels(record.alias).time():
             group = await sample_group(

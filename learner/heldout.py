@@ -60,6 +60,8 @@ class HeldoutPool:
 
     def draw(self, max_pairs: int, share: float, seed: str) -> list[HeldoutPrompt]:
         """A gate's prompts: up to ``max_pairs`` at random from the whole pool, no key above
-        its share. The same seed over the same pool gives the same draw."""
+        its share. The same seed over a pool of the same prompts gives the same draw, in
+        whatever order they arrived."""
         rng = random.Random(seed)
-        return fair_sample(self.prompts(), lambda p: key_of(p.api_key_hash), max_pairs, share, rng)
+        prompts = sorted(self._prompts.values(), key=lambda p: p.prompt_hash)
+        return fair_sample(prompts, lambda p: key_of(p.api_key_hash), max_pairs, share, rng)

@@ -14,7 +14,8 @@ Data flow of a round:
   context but is not trained on). Groups whose rewards are all equal carry no signal (zero
   advantages) and are dropped before any compute is spent on them, as DAPO's dynamic sampling
   does.
-* The kept groups are shuffled (seeded by ``seed`` and the round number) and dealt into
+* The kept groups are put in an order of their content (not of their arrival, which the judge's
+  timing decides), then shuffled (seeded by ``seed`` and the round number) and dealt into
   ``steps_per_round`` mini-batches of whole groups (one PPO epoch; the stream wraps when a round
   has fewer groups than steps), so a step's advantages are centred within it. vLLM's logprobs are
   the old policy of every step's importance ratio, so no extra forward pass recomputes them.
@@ -303,6 +304,7 @@ class LoraGRPOLearner:
         """steps_per_round optimizer steps of GRPO on the groups; see the module docstring."""
         start = time.perf_counter()
         cfg = self.train.loss
+        groups = sorted(groups, key=content_order)
         packed = pack_groups(groups, cfg.scale_rewards)
         informative = torch.tensor(
             [bool(g.rewards) and max(g.rewards) > min(g.rewards) for g in groups], dtype=torch.bool
@@ -402,6 +404,12 @@ class LoraGRPOLearner:
 def _mean_reward(groups: list[ScoredGroup]) -> float:
     rewards = [r for g in groups for r in g.rewards]
     return sum(rewards) / len(rewards) if rewards else math.nan
+
+
+def content_order(group: ScoredGroup) -> tuple[list[int], list[list[int]]]:
+    """A group's place in a round: by its prompt's tokens, then its samples'. The same groups
+    then train the same candidate however the judge's timing ordered them."""
+    return group.prompt_token_ids, [sample.token_ids for sample in group.samples]
 
 
 class _Accumulator:

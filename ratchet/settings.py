@@ -101,6 +101,9 @@ class SamplingConfig(_Section):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     max_tokens: int = Field(default=256, ge=1)
+    # Set: each group is sampled with a vLLM seed mixed from this, the prompt and the live
+    # version, so a prompt sampled again gives the same group (replayable runs). None: unseeded.
+    seed: int | None = Field(default=None, ge=0)
 
 
 class GateConfig(_Section):

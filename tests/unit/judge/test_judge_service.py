@@ -11,12 +11,18 @@ import pytest
 
 from judge import calibrate as cal
 from judge.metrics import JudgeMetrics
-from judge.sampler import SamplingError, parse_group, prompt_of, sampling_body
+from judge.sampler import SamplingError, group_seed, parse_group, prompt_of, sampling_body
 from judge.scoring import GroupScorer, ScoringError
 from judge.service import JudgeService, Skip, fraction_of, group_id_of, is_heldout
 from ratchet.records import HeldoutPrompt, TrafficRecord, prompt_hash
 from ratchet.rewards.ruler import JudgeReplyError, JudgeRequest, JudgeScores
-from ratchet.settings import AliasConfig, JudgeSettings, RatchetSettings, RewardConfig
+from ratchet.settings import (
+    AliasConfig,
+    JudgeSettings,
+    RatchetSettings,
+    RewardConfig,
+    SamplingConfig,
+)
 
 PROMPT = [{"role": "user", "content": "q"}]
 
@@ -165,6 +171,24 @@ def test_sampling_body_asks_for_token_ids_and_logprobs_and_keeps_tools() -> None
     assert body["tools"] == request["tools"] and body["tool_choice"] == "auto"
     # The alias's sampling settings, not the client's, decide how the group is drawn.
     assert body["temperature"] == 1.0
+
+
+def test_a_seeded_group_is_seeded_by_prompt_and_version() -> None:
+    assert "seed" not in sampling_body("support@v2", PROMPT, {}, 4, AliasConfig().sampling)
+    seed = group_seed(0, "digest-a", 2)
+    assert (
+        sampling_body("support@v2", PROMPT, {"seed": 7}, 4, SamplingConfig(), seed)["seed"] == seed
+    )
+    # The same prompt on the same version: the same seed; anything else: another one.
+    assert seed == group_seed(0, "digest-a", 2)
+    others = {
+        group_seed(1, "digest-a", 2),
+        group_seed(0, "digest-b", 2),
+        group_seed(0, "digest-a", 3),
+    }
+    assert seed not in others and len(others) == 3
+    # vLLM seeds a group's k-th answer with seed + k: room under 2**31 for any group.
+    assert all(0 <= s < 2**30 for s in (seed, *others))
 
 
 def vllm_choice(index: int, ids: list[int], content: str | None = "x") -> dict[str, Any]:

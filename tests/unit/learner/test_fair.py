@@ -120,6 +120,11 @@ def test_the_gate_draws_at_random_from_the_pools_whole_history() -> None:
     assert drawn != [p.prompt_hash for p in pool.draw(40, 0.25, "0:support:8")]  # per round
     # Not the newest 40: old prompts are drawn as often as new ones.
     assert sum(h < "p200" for h in drawn) >= 10
+    # The same prompts arrived in another order: the same draw.
+    shuffled = HeldoutPool(capacity=1000)
+    for i in reversed(range(400)):
+        shuffled.add(prompt(f"p{i:03d}", f"key-{i % 8}"))
+    assert drawn == [p.prompt_hash for p in shuffled.draw(40, 0.25, "0:support:7")]
 
 
 def test_a_key_gets_at_most_its_share_of_the_gates_pairs() -> None:
