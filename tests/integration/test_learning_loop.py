@@ -10,6 +10,7 @@ vLLM, scored by the same verifier.
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import subprocess
 import sys
@@ -245,6 +246,9 @@ def test_the_loop_promotes_a_version_that_beats_the_base_on_unseen_prompts(
     base = greedy_score(embedded, BASE_MODEL, UNSEEN)
     better = greedy_score(embedded, f"{alias}@v{candidate}", UNSEEN)
     print(f"unseen demo prompts, greedy verifier score: base {base:.3f}, v{candidate} {better:.3f}")
+    # Kept beside the run's logs, to compare runs.
+    figures = {"groups": len(kept), "gate": gate, "base": base, "candidate": better}
+    (tmp_path / "figures.json").write_text(json.dumps(figures))
     assert better >= base + MARGIN, (base, better, gate)
 
 

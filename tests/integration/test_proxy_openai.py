@@ -257,11 +257,16 @@ def test_feedback_is_written(base_route: Embedded, client: openai.OpenAI) -> Non
     from ratchet.records import FEEDBACK_TOPIC, FeedbackRecord
 
     completion = client.chat.completions.create(model=ALIAS, messages=MESSAGES, max_tokens=4)
+    feedback = {"completion_id": completion.id, "thumbs": "down", "comment": "too short"}
+    # Only the key that got the answer may rate it, also with auth off (any other: 404).
+    stranger = httpx.post(f"{base_route.proxy_url}/v1/feedback", json=feedback)
+    assert stranger.status_code == 404, stranger.text
     response = httpx.post(
         f"{base_route.proxy_url}/v1/feedback",
-        json={"completion_id": completion.id, "thumbs": "down", "comment": "too short"},
+        json=feedback,
+        headers={"authorization": f"Bearer {client.api_key}"},
     )
-    assert response.status_code == 200
+    assert response.status_code == 200, response.text
     records = base_route.find_records(
         FEEDBACK_TOPIC, lambda r: isinstance(r, FeedbackRecord) and r.completion_id == completion.id
     )
