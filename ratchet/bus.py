@@ -50,6 +50,8 @@ def make_consumer(
         "group_id": group_id,
         "enable_auto_commit": False,
         "auto_offset_reset": "earliest",
+        "session_timeout_ms": kafka.session_timeout_ms,
+        "heartbeat_interval_ms": kafka.session_timeout_ms // 3,
         **kafka.client_options(),
     }
     return KafkaConsumer(*topics, **{**options, **extra})  # a caller's option wins

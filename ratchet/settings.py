@@ -171,6 +171,10 @@ class KafkaSettings(_Section):
     compression: Literal["gzip", "snappy", "lz4", "zstd", "none"] = "gzip"
     # Idempotent producing needs broker support (InitProducerId); "auto" probes for it.
     idempotence: Literal["auto", "on", "off"] = "auto"
+    # How long a consumer group member may go silent before the broker drops it (heartbeats
+    # every third of it). A restarted judge or learner waits about this long for its group;
+    # kafka-python's 10 s made each join wait 20 s or more on Tansu.
+    session_timeout_ms: int = Field(default=6000, ge=3000, le=300_000)
 
     def client_options(self) -> dict[str, Any]:
         """Connection options shared by kafka-python producers, consumers and admin clients."""

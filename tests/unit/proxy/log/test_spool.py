@@ -317,3 +317,14 @@ def test_make_consumer_lets_a_caller_override_its_defaults(
     bus.make_consumer("b:9092", KafkaSettings(), ["t"], "g", auto_offset_reset="latest")
     assert seen["auto_offset_reset"] == "latest"  # was a TypeError: given twice
     assert seen["enable_auto_commit"] is False and seen["group_id"] == "g"
+
+
+def test_consumers_take_the_session_timeout_and_heartbeat_at_a_third_of_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ratchet.settings import KafkaSettings
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(bus, "KafkaConsumer", lambda *topics, **options: seen.update(options))
+    bus.make_consumer("b:9092", KafkaSettings(session_timeout_ms=9000), ["t"], "g")
+    assert (seen["session_timeout_ms"], seen["heartbeat_interval_ms"]) == (9000, 3000)
