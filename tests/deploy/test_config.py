@@ -122,12 +122,15 @@ def test_rendered_config_loads_with_the_proxy_env(
         assert settings.proxy.admin_key is not None
         assert settings.aliases["sql"].reward.ruler_weight == 0.3
         assert settings.kafka.topic_retention_ms == 86_400_000
+        assert settings.kafka.session_timeout_ms == 10_000
     elif values_file == "existing-secrets":
         assert keys == ["sk-SENTINEL-op-1"]
         assert redis["password"] == "SENTINEL-op-redis"
         assert kafka["sasl_plain_password"] == "SENTINEL-op-kafka"
     else:
         assert "password" not in redis
+        default = ratchet_settings.KafkaSettings().session_timeout_ms
+        assert settings.kafka.session_timeout_ms == default
         assert kafka == {"security_protocol": "PLAINTEXT"}
 
 

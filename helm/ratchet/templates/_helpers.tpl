@@ -340,7 +340,7 @@ Secrets never appear here: they come in as RATCHET_* environment variables.
 */}}
 {{- define "ratchet.config" -}}
 {{- $served := include "ratchet.servedName" . }}
-{{- $kafka := dict "security_protocol" .Values.kafka.securityProtocol "topic_partitions" (int .Values.kafka.topics.partitions) "topic_replication" (int .Values.kafka.topics.replication) "topic_retention_ms" (int64 .Values.kafka.topics.retentionMs) "compression" .Values.kafka.compression "idempotence" .Values.kafka.idempotence }}
+{{- $kafka := dict "security_protocol" .Values.kafka.securityProtocol "topic_partitions" (int .Values.kafka.topics.partitions) "topic_replication" (int .Values.kafka.topics.replication) "topic_retention_ms" (int64 .Values.kafka.topics.retentionMs) "compression" .Values.kafka.compression "idempotence" .Values.kafka.idempotence "session_timeout_ms" (int .Values.kafka.sessionTimeoutMs) }}
 {{- if .Values.kafka.sasl.mechanism }}
 {{- $_ := set $kafka "sasl_mechanism" .Values.kafka.sasl.mechanism }}
 {{- $_ := set $kafka "sasl_username" .Values.kafka.sasl.username }}
