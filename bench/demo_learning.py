@@ -217,8 +217,7 @@ async def sample_groups(
     async with aiohttp.ClientSession() as session:
 
         async def one(i: int, prompt: dict[str, Any]) -> ScoredGroup:
-            body = sampling_body(served, prompt["messages"], {}, cfg.k, sampling)
-            body["seed"] = seed + i
+            body = sampling_body(served, prompt["messages"], {}, cfg.k, sampling, seed + i)
             async with limit:
                 group = parse_group(await chat(session, url, body), cfg.k)
             rewards = [run_verifier(reward, prompt["messages"], s.message) for s in group.samples]

@@ -63,5 +63,5 @@ class HeldoutPool:
         its share. The same seed over a pool of the same prompts gives the same draw, in
         whatever order they arrived."""
         rng = random.Random(seed)
-        prompts = sorted(self._prompts.values(), key=lambda p: p.prompt_hash)
+        prompts = sorted(self.prompts(), key=lambda p: p.prompt_hash)
         return fair_sample(prompts, lambda p: key_of(p.api_key_hash), max_pairs, share, rng)

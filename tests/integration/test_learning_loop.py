@@ -185,7 +185,7 @@ def greedy_score(env: Embedded, model: str, prompts: list[dict[str, Any]]) -> fl
     return statistics.fmean(asyncio.run(run()))
 
 
-def judged_output(env: Embedded, alias: str) -> tuple[list[ScoredGroup], int]:
+def judged_output(env: Embedded, alias: str) -> list[ScoredGroup]:
     """Wait for the judge's groups of GROUPS prompts and its GATE_PAIRS held-out prompts."""
     groups = env.find_records(
         GROUPS_TOPIC, lambda r: isinstance(r, ScoredGroup) and r.alias == alias, GROUPS, 900
@@ -194,7 +194,7 @@ def judged_output(env: Embedded, alias: str) -> tuple[list[ScoredGroup], int]:
         HELDOUT_TOPIC, lambda r: isinstance(r, HeldoutPrompt) and r.alias == alias, GATE_PAIRS, 60
     )
     assert len(groups) == GROUPS and len(held) == GATE_PAIRS, (len(groups), len(held))
-    return [g for g in groups if isinstance(g, ScoredGroup)], len(held)
+    return [g for g in groups if isinstance(g, ScoredGroup)]
 
 
 # Sampling 32 groups, a round of training, a 96-pair gate, the canary and the evaluation share
@@ -215,7 +215,7 @@ def test_the_loop_promotes_a_version_that_beats_the_base_on_unseen_prompts(
     judge.start()
     try:
         send_demo_traffic(embedded, alias, held + grouped)
-        groups, _ = judged_output(embedded, alias)
+        groups = judged_output(embedded, alias)
     finally:
         judge.stop()
     kept = [g for g in groups if max(g.rewards) > min(g.rewards)]

@@ -51,9 +51,8 @@ class Replicas:
 
     def __call__(self, per_key: bool = True, url: str | None = None, **limits: Any) -> RateLimiter:
         metrics = ProxyMetrics()
-        limits.setdefault(
-            "timeout_s", 5.0
-        )  # the test machine may be loaded; failing open is tested
+        # The test machine may be loaded; failing open is tested on its own.
+        limits.setdefault("timeout_s", 5.0)
         limiter = RateLimiter(RateLimitSettings(**limits), url or self.redis_url, metrics, per_key)
         self.made.append(limiter)
         self.metrics[id(limiter)] = metrics
