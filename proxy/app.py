@@ -147,6 +147,9 @@ def _add_health_routes(app: FastAPI, state: ProxyState) -> None:
             "kafka": state.traffic_log.connected,
             "registry": state.routing.connected,
             "registry_age_s": round(min(state.routing.age_s, 1e9), 3),
+            # Served from anyway; stale or invalid means routing changes are not arriving.
+            "registry_stale": state.routing.stale,
+            "routing_invalid": sorted(state.routing.invalid.now),
             "log_queue_depth": state.traffic_log.depth,
             "spooled": state.traffic_log.spooled,
         }

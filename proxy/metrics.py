@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from proxy.log.pipe import TrafficLog
+from proxy.routing import RoutingCache
 
 # Sub-millisecond buckets at the low end: the proxy's own overhead lives there.
 _LATENCY_BUCKETS = (
@@ -138,17 +139,18 @@ class ProxyMetrics:
             counter = self._requests[key] = self.requests.labels(*key)
         counter.inc()
 
-    def watch_log(self, traffic_log: TrafficLog, registry_age: Callable[[], float]) -> None:
-        """Export the log worker's counts and the routing table's age, read at scrape time."""
-        self.registry.register(_LogCollector(traffic_log, registry_age))
+    def watch_log(self, traffic_log: TrafficLog, routing: RoutingCache) -> None:
+        """Export the log worker's counts and the routing table's state, read at scrape time."""
+        self.registry.register(_LogCollector(traffic_log, routing))
 
 
 class _LogCollector(Collector):
-    """The log worker's counters as it last reported them, read at scrape time."""
+    """The log worker's counters as it last reported them, and the routing table's age and
+    invalid aliases, read at scrape time."""
 
-    def __init__(self, traffic_log: TrafficLog, registry_age: Callable[[], float]) -> None:
+    def __init__(self, traffic_log: TrafficLog, routing: RoutingCache) -> None:
         self.traffic_log = traffic_log
-        self.registry_age = registry_age
+        self.routing = routing
 
     def collect(self) -> Iterator[Metric]:
         p = self.traffic_log
@@ -156,7 +158,8 @@ class _LogCollector(Collector):
             "ratchet_proxy_log_records",
             "Traffic and feedback records by outcome: sent (acknowledged by Kafka), spooled "
             "(written to disk while Kafka was away), replayed (sent from the spool), dropped "
-            "(lost: queue full or spool unwritable)",
+            "(lost: queue full or spool unwritable), dead_lettered (refused by the broker for "
+            "what they are, e.g. too large: on ratchet.deadletter)",
             labels=["outcome"],
         )
         for outcome, value in (
@@ -164,9 +167,20 @@ class _LogCollector(Collector):
             ("spooled", p.spooled),
             ("replayed", p.replayed),
             ("dropped", p.dropped),
+            ("dead_lettered", p.dead_lettered),
         ):
             records.add_metric([outcome], value)
         yield records
+        dropped = CounterMetricFamily(
+            "ratchet_proxy_log_dropped_records",
+            "Dropped records (outcome=dropped above) by reason: spool_full (the spool holds "
+            "proxy.spool_max_bytes while Kafka is away), other (log queue full, spool unwritable, "
+            "a log worker that died)",
+            labels=["reason"],
+        )
+        dropped.add_metric(["spool_full"], p.spool_full)
+        dropped.add_metric(["other"], max(0, p.dropped - p.spool_full))
+        yield dropped
         yield GaugeMetricFamily(
             "ratchet_proxy_log_queue_depth",
             "Records accepted and not yet sent or spooled (pipe, proxy and log worker)",
@@ -180,5 +194,10 @@ class _LogCollector(Collector):
         yield GaugeMetricFamily(
             "ratchet_proxy_registry_age_seconds",
             "Seconds since the routing table was last read from Redis",
-            self.registry_age(),
+            min(self.routing.age_s, 1e9),
+        )
+        yield GaugeMetricFamily(
+            "ratchet_proxy_routing_invalid_aliases",
+            "Aliases whose Redis hash is invalid: each keeps its last valid route",
+            len(self.routing.invalid.now),
         )

@@ -11,7 +11,15 @@ import time
 import redis
 import redis.asyncio as aioredis
 
-from ratchet.registry import CHANNEL, AliasRoute, alias_key, decode_hash
+from ratchet.registry import (
+    CHANNEL,
+    AliasRoute,
+    InvalidRoutes,
+    RoutingTable,
+    alias_key,
+    alias_of_key,
+    decode_hash,
+)
 from ratchet.settings import AliasConfig
 
 log = logging.getLogger(__name__)
@@ -22,7 +30,8 @@ class RoutingCache:
 
     Loaded in full at start and every ``refresh_s``; each message on ``ratchet:registry`` reloads
     its alias at once. While Redis is unreachable the last table keeps serving and ``age_s``
-    grows, which is exported as a metric.
+    grows, which is exported as a metric; past ``stale_after_s`` the table is reported stale. An
+    alias whose hash is invalid keeps its last valid route and is listed in ``invalid``.
     """
 
     def __init__(self, redis_url: str, aliases: dict[str, AliasConfig], refresh_s: float) -> None:
@@ -35,13 +44,27 @@ class RoutingCache:
         self.routes: dict[str, AliasRoute] = {
             name: AliasRoute(alias=name, base_model=cfg.base_model) for name, cfg in aliases.items()
         }
+        self.invalid = InvalidRoutes()
         self.loaded_at: float | None = None
-        self.connected = False
+        self.readable = False
+        self.subscribed = False
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def age_s(self) -> float:
         return float("inf") if self.loaded_at is None else time.monotonic() - self.loaded_at
+
+    @property
+    def connected(self) -> bool:
+        """Redis answers and the change channel is subscribed: a route written now reaches this
+        proxy at once, not at the next full refresh."""
+        return self.readable and self.subscribed
+
+    @property
+    def stale(self) -> bool:
+        """True once the table has gone unread for three refreshes (Redis away, or a refresh
+        failing): the proxy still serves it, and says so."""
+        return self.age_s > 3 * self._refresh_s
 
     async def start(self) -> None:
         try:
@@ -64,33 +87,27 @@ class RoutingCache:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._redis.aclose()
 
-    def _default_base(self, alias: str) -> str:
-        config = self._aliases.get(alias)
-        return config.base_model if config else ""
-
     async def load_alias(self, alias: str) -> None:
         raw = decode_hash(await self._redis.hgetall(alias_key(alias)))
-        if raw:
-            self.routes[alias] = AliasRoute.from_hash(alias, raw, self._default_base(alias))
-        elif alias not in self._aliases:
+        if not raw and alias not in self._aliases:
             self.routes.pop(alias, None)
+            return
+        table = RoutingTable.build({alias: raw}, self._aliases, self.routes)
+        self.routes[alias] = table.routes[alias]
+        invalid = {name: why for name, why in self.invalid.now.items() if name != alias}
+        self.invalid.update(invalid | table.invalid)
 
     async def load_all(self) -> None:
-        routes = {
-            name: AliasRoute(alias=name, base_model=cfg.base_model)
-            for name, cfg in self._aliases.items()
-        }
+        hashes = {}
         async for key in self._redis.scan_iter(match="ratchet:alias:*", count=500):
-            key = key.decode()
-            if key.endswith(":history"):
-                continue
-            name = key.removeprefix("ratchet:alias:")
-            raw = decode_hash(await self._redis.hgetall(key))
-            if raw:
-                routes[name] = AliasRoute.from_hash(name, raw, self._default_base(name))
-        self.routes = routes
+            name = alias_of_key(key)
+            if name is not None:
+                hashes[name] = decode_hash(await self._redis.hgetall(alias_key(name)))
+        table = RoutingTable.build(hashes, self._aliases, self.routes)
+        self.routes = table.routes
+        self.invalid.update(table.invalid)
         self.loaded_at = time.monotonic()
-        self.connected = True
+        self.readable = True
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -98,9 +115,13 @@ class RoutingCache:
             try:
                 await self.load_all()
             except (redis.RedisError, OSError) as exc:
-                if self.connected:
+                if self.readable:
                     log.warning("routing registry unreachable (%s); serving the last table", exc)
-                self.connected = False
+                self.readable = False
+            except Exception:
+                # Never let the table freeze silently: log, keep serving, try again next time
+                # (the table's age, in /readyz and the metrics, shows it is not moving).
+                log.exception("routing refresh failed; serving the last table")
 
     async def _listen(self) -> None:
         backoff = 0.2
@@ -110,18 +131,20 @@ class RoutingCache:
                 await pubsub.subscribe(CHANNEL)
                 # Changes made while we were disconnected are caught by this full reload.
                 await self.load_all()
+                self.subscribed = True
                 backoff = 0.2
                 async for message in pubsub.listen():
                     if message.get("type") != "message":
                         continue
-                    await self.load_alias(message["data"].decode())
+                    await self.load_alias(message["data"].decode(errors="replace"))
                     self.loaded_at = time.monotonic()
             except asyncio.CancelledError:
                 raise
             except (redis.RedisError, OSError) as exc:
-                if self.connected:
+                if self.subscribed:
                     log.warning("registry subscription lost (%s); retrying", exc)
-                self.connected = False
+                self.subscribed = False
+                self.readable = False
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
             finally:

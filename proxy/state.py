@@ -17,7 +17,7 @@ from proxy.ratelimit import RateLimiter
 from proxy.routing import RoutingCache
 from proxy.upstream import Upstream
 from proxy.validation import RequestLimits, check_depth, json_too_deep
-from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC
+from ratchet.records import DEADLETTER_TOPIC, FEEDBACK_TOPIC, TRAFFIC_TOPIC
 from ratchet.secrets import hash_api_key, server_secret, vllm_api_key
 from ratchet.settings import RatchetSettings
 
@@ -42,8 +42,10 @@ class ProxyState:
             kafka=settings.kafka,
             # One spool per proxy address, so proxies sharing a state dir never share a file.
             spool_dir=settings.spool_dir / f"proxy-{settings.proxy.port}",
-            topics=[TRAFFIC_TOPIC, FEEDBACK_TOPIC],
+            topics=[TRAFFIC_TOPIC, FEEDBACK_TOPIC, DEADLETTER_TOPIC],
             queue_size=settings.proxy.log_queue_size,
+            max_record_bytes=settings.proxy.max_record_bytes,
+            spool_max_bytes=settings.proxy.spool_max_bytes,
             redact_patterns=settings.proxy.redact_patterns,
         )
         self.traffic_log = TrafficLog(
@@ -71,7 +73,7 @@ class ProxyState:
         self.log_rates = {name: cfg.log_rate for name, cfg in settings.aliases.items()}
         # Who got each completion, so only that key may rate it, once (proxy/completions.py).
         self.completions = CompletionOwners(settings.redis_url, self.metrics.registry)
-        self.metrics.watch_log(self.traffic_log, lambda: min(self.routing.age_s, 1e9))
+        self.metrics.watch_log(self.traffic_log, self.routing)
 
     def authenticate(self, request: Request) -> str | None:
         """Return the hash of the caller's key; 401 when keys are required and this one isn't."""

@@ -9,15 +9,15 @@ truth; the Kafka event is the audit trail for dashboards, sent after Redis is wr
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
-from ratchet.records import EVENTS_TOPIC, LifecycleEvent
-from ratchet.registry import AliasRoute, RegistryWriter
+from ratchet.records import DeadLetter, LifecycleEvent
+from ratchet.registry import AliasRoute, InvalidRoute, RegistryWriter, RouteContended
 from ratchet.settings import RatchetSettings
 from ratchet.store import AdapterStore
 
@@ -29,14 +29,15 @@ class LifecycleError(Exception):
 
 
 class EventSink:
-    """Sends LifecycleEvents to ``ratchet.events`` and waits for the broker's ack."""
+    """Sends LifecycleEvents to ``ratchet.events`` (and dead letters to ``ratchet.deadletter``)
+    and waits for the broker's ack."""
 
     def __init__(self, settings: RatchetSettings, timeout_s: float = 10.0) -> None:
         self.settings = settings
         self.timeout_s = timeout_s
         self._producer: KafkaProducer | None = None
 
-    def send(self, events: list[LifecycleEvent]) -> None:
+    def send(self, events: Sequence[LifecycleEvent | DeadLetter]) -> None:
         """Raise KafkaError when the broker does not take them within the timeout."""
         if not events:
             return
@@ -49,10 +50,7 @@ class EventSink:
                 request_timeout_ms=int(self.timeout_s * 1000),
                 **s.kafka.client_options(),
             )
-        futures = [
-            self._producer.send(EVENTS_TOPIC, key=e.alias.encode(), value=e.to_json())
-            for e in events
-        ]
+        futures = [self._producer.send(e.TOPIC, key=e.key(), value=e.to_json()) for e in events]
         self._producer.flush(timeout=self.timeout_s)
         for future in futures:
             future.get(timeout=0)
@@ -74,12 +72,17 @@ class Lifecycle:
         self.store = store
         self.sink = sink
         self.actor = actor
-        self.unsent: list[LifecycleEvent] = []  # events Redis has and Kafka has not taken yet
+        # Events Redis has and Kafka has not taken yet, and the dead letters of records the
+        # service gave up on: both must reach Kafka before the consumer's offsets move past them.
+        self.unsent: list[LifecycleEvent | DeadLetter] = []
 
     # --- reading --------------------------------------------------------------------------------
 
     def route(self, alias: str) -> AliasRoute:
-        route = self.writer.read(alias)
+        try:
+            route = self.writer.read(alias)
+        except InvalidRoute as exc:
+            raise LifecycleError(f"{exc}: fix or delete that hash first") from exc
         if route is None:
             raise LifecycleError(f"unknown alias {alias!r}: add it to ratchet.yaml first")
         return route
@@ -104,16 +107,36 @@ class Lifecycle:
     def event(self, alias: str, kind: str, **fields: Any) -> LifecycleEvent:
         return LifecycleEvent(alias=alias, kind=kind, actor=self.actor, **fields)
 
-    def record(
-        self,
-        event: LifecycleEvent,
-        route: AliasRoute | None = None,
-        also: Callable[[Any], None] | None = None,
-    ) -> None:
-        """Write the event (and the route change) to Redis, then send it to Kafka."""
-        self.writer.write(route, event, alias=event.alias, also=also)
+    def record(self, event: LifecycleEvent, also: Callable[[Any], None] | None = None) -> None:
+        """Write an event that changes no route to the alias's history, then send it to Kafka.
+        (A route change goes through :meth:`change`.)"""
+        self.writer.write(None, event, alias=event.alias, also=also)
         self.unsent.append(event)
         self.flush_events(raise_errors=False)
+
+    def change(
+        self,
+        alias: str,
+        compute: Callable[[AliasRoute], tuple[AliasRoute, LifecycleEvent]],
+        also: Callable[[Any], None] | None = None,
+    ) -> tuple[AliasRoute, LifecycleEvent]:
+        """A route change computed from the route as it is when written (RegistryWriter.change:
+        recomputed if another writer got there first), then its event sent to Kafka."""
+
+        def known(route: AliasRoute | None) -> tuple[AliasRoute, LifecycleEvent]:
+            if route is None:
+                raise LifecycleError(f"unknown alias {alias!r}: add it to ratchet.yaml first")
+            return compute(route)
+
+        try:
+            new, event = self.writer.change(alias, known, also)
+        except InvalidRoute as exc:
+            raise LifecycleError(f"{exc}: fix or delete that hash first") from exc
+        except RouteContended as exc:
+            raise LifecycleError(str(exc)) from exc
+        self.unsent.append(event)
+        self.flush_events(raise_errors=False)
+        return new, event
 
     def flush_events(self, raise_errors: bool = True) -> bool:
         """Send the events Kafka has not taken yet; True when none are left."""
@@ -140,16 +163,19 @@ class Lifecycle:
         detail: dict[str, Any],
         also: Callable[[Any], None] | None = None,
     ) -> None:
-        route = self.route(alias)
-        self._check_servable(alias, version)
-        event = self.event(
-            alias,
-            "canary",
-            version=version,
-            previous_version=route.active,
-            detail={"weight": weight, **detail},
-        )
-        self.record(event, replace(route, canary=version, canary_weight=weight), also)
+
+        def compute(route: AliasRoute) -> tuple[AliasRoute, LifecycleEvent]:
+            self._check_servable(alias, version)
+            event = self.event(
+                alias,
+                "canary",
+                version=version,
+                previous_version=route.active,
+                detail={"weight": weight, **detail},
+            )
+            return replace(route, canary=version, canary_weight=weight), event
+
+        self.change(alias, compute, also)
 
     def promote(
         self,
@@ -160,15 +186,21 @@ class Lifecycle:
         also: Callable[[Any], None] | None = None,
     ) -> AliasRoute:
         """Make ``version`` the active one and end any canary."""
-        route = self.route(alias)
-        self._check_servable(alias, version, force)
-        if route.active == version and route.canary is None:
-            raise LifecycleError(f"{alias} already serves v{version}")
-        new = replace(route, active=version, canary=None, canary_weight=0.0)
-        event = self.event(
-            alias, "promote", version=version, previous_version=route.active, detail=detail or {}
-        )
-        self.record(event, new, also)
+
+        def compute(route: AliasRoute) -> tuple[AliasRoute, LifecycleEvent]:
+            self._check_servable(alias, version, force)
+            if route.active == version and route.canary is None:
+                raise LifecycleError(f"{alias} already serves v{version}")
+            event = self.event(
+                alias,
+                "promote",
+                version=version,
+                previous_version=route.active,
+                detail=detail or {},
+            )
+            return replace(route, active=version, canary=None, canary_weight=0.0), event
+
+        new, event = self.change(alias, compute, also)
         if version > 0:
             self.store.mark(alias, version, "promoted", {"by": self.actor, "ts": event.ts})
         return new
@@ -183,45 +215,48 @@ class Lifecycle:
         """Mark a candidate rejected: it stays in the store and is never served."""
         self.store.mark(alias, version, "rejected", detail)
         event = self.event(alias, "reject", version=version, detail=detail)
-        self.record(event, None, also)
+        self.record(event, also)
 
     def rollback(self, alias: str, reason: str) -> AliasRoute:
         """One step back, at once: end the canary if there is one, else restore the version that
         was live before the active one."""
-        route = self.route(alias)
-        if route.canary is not None:
-            bad = route.canary
-            new = replace(route, canary=None, canary_weight=0.0)
-            restored = route.active
-        else:
-            previous = self.previous_active(alias, route.active)
-            if previous is None:
-                raise LifecycleError(
-                    f"{alias} serves v{route.active} and has no earlier version to roll back to"
-                )
-            bad, restored = route.active, previous
-            new = replace(route, active=previous)
-        event = self.event(
-            alias, "rollback", version=restored, previous_version=bad, detail={"reason": reason}
-        )
-        self.record(event, new)
-        if bad > 0:
+
+        def compute(route: AliasRoute) -> tuple[AliasRoute, LifecycleEvent]:
+            if route.canary is not None:
+                bad, restored = route.canary, route.active
+                new = replace(route, canary=None, canary_weight=0.0)
+            else:
+                previous = self.previous_active(alias, route.active)
+                if previous is None:
+                    raise LifecycleError(
+                        f"{alias} serves v{route.active} and has no earlier version to roll back to"
+                    )
+                bad, restored = route.active, previous
+                new = replace(route, active=previous)
+            event = self.event(
+                alias, "rollback", version=restored, previous_version=bad, detail={"reason": reason}
+            )
+            return new, event
+
+        new, event = self.change(alias, compute)
+        bad = event.previous_version
+        if bad:
             self.store.mark(alias, bad, "rolled_back", {"reason": reason, "ts": event.ts})
         return new
 
     def pause(self, alias: str, reason: str, detail: dict[str, Any] | None = None) -> AliasRoute:
-        route = self.route(alias)
         event = self.event(alias, "pause", detail={"reason": reason, **(detail or {})})
-        new = replace(route, paused=True)
-        self.record(event, new)
+        new, _ = self.change(alias, lambda route: (replace(route, paused=True), event))
         return new
 
     def resume(self, alias: str) -> AliasRoute:
-        route = self.route(alias)
-        if not route.paused:
-            raise LifecycleError(f"learning for {alias} is not paused")
-        new = replace(route, paused=False)
-        self.record(self.event(alias, "resume"), new)
+
+        def compute(route: AliasRoute) -> tuple[AliasRoute, LifecycleEvent]:
+            if not route.paused:
+                raise LifecycleError(f"learning for {alias} is not paused")
+            return replace(route, paused=False), self.event(alias, "resume")
+
+        new, _ = self.change(alias, compute)
         return new
 
     def _check_servable(self, alias: str, version: int, force: bool = False) -> None:

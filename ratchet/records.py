@@ -12,7 +12,7 @@ import hashlib
 import logging
 from collections import Counter
 from datetime import UTC, datetime
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -24,6 +24,10 @@ FEEDBACK_TOPIC = "ratchet.feedback"
 GROUPS_TOPIC = "ratchet.groups"
 HELDOUT_TOPIC = "ratchet.heldout"
 EVENTS_TOPIC = "ratchet.events"
+DEADLETTER_TOPIC = "ratchet.deadletter"
+
+# A dead letter keeps this much of the original value; value_bytes says how much there was.
+DEADLETTER_VALUE_MAX = 64 * 1024
 
 # The longest client x-request-id kept (as a correlation field only); the rest is cut off.
 CLIENT_REQUEST_ID_MAX = 128
@@ -89,6 +93,11 @@ class TrafficRecord(Record):
     ttft_ms: float | None = None
     api_key_hash: str | None = None
     user: str | None = None
+    # Set when the record was cut to fit proxy.max_record_bytes: what was cut ("logprobs",
+    # "answer", "request"), and the size of the whole record in bytes. A cut request is not
+    # the prompt the model saw, so the judge does not learn from it.
+    truncated: list[str] = []
+    original_bytes: int | None = None
 
 
 class FeedbackRecord(Record):
@@ -158,10 +167,93 @@ class LifecycleEvent(Record):
     actor: str = "ratchet"
     detail: dict[str, Any] = {}
 
+    def key(self) -> bytes:
+        return self.alias.encode()
+
+
+class DeadLetter(Record):
+    """A record a consumer could not handle: counted, kept here for a person, never retried.
+
+    ``value`` is the original value as text, cut at DEADLETTER_VALUE_MAX bytes (``value_bytes``
+    is its whole size); ``source_topic``, ``partition`` and ``offset`` point at the original.
+    """
+
+    SCHEMA = "dead_letter/1"
+    TOPIC = DEADLETTER_TOPIC
+
+    source_topic: str
+    partition: int | None = None
+    offset: int | None = None
+    consumer: str  # the consumer group that gave up on it
+    reason: str  # malformed, invalid (schema validation), handler_error (the consumer's own code)
+    error: str = ""
+    value: str
+    value_bytes: int
+
+    @classmethod
+    def of(
+        cls,
+        topic: str,
+        value: bytes,
+        consumer: str,
+        reason: str,
+        error: str = "",
+        partition: int | None = None,
+        offset: int | None = None,
+    ) -> DeadLetter:
+        return cls(
+            source_topic=topic,
+            partition=partition,
+            offset=offset,
+            consumer=consumer,
+            reason=reason,
+            error=error[:1000],
+            value=value[:DEADLETTER_VALUE_MAX].decode(errors="replace"),
+            value_bytes=len(value),
+        )
+
+    @classmethod
+    def of_message(
+        cls, message: SourceMessage, consumer: str, reason: str, error: str = ""
+    ) -> DeadLetter:
+        """The dead letter of a consumed message."""
+        return cls.of(
+            message.topic,
+            message.value,
+            consumer,
+            reason,
+            error,
+            partition=message.partition,
+            offset=message.offset,
+        )
+
+    def key(self) -> bytes:
+        return f"{self.source_topic}:{self.partition}:{self.offset}".encode()
+
+
+class SourceMessage(Protocol):
+    """What a dead letter needs of a consumed message (kafka-python's ConsumerRecord has it)."""
+
+    @property
+    def topic(self) -> str: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def value(self) -> bytes: ...
+
 
 RECORD_TYPES: dict[str, type[Record]] = {
     cls.TOPIC: cls
-    for cls in (TrafficRecord, FeedbackRecord, ScoredGroup, HeldoutPrompt, LifecycleEvent)
+    for cls in (
+        TrafficRecord,
+        FeedbackRecord,
+        ScoredGroup,
+        HeldoutPrompt,
+        LifecycleEvent,
+        DeadLetter,
+    )
 }
 ALL_TOPICS = tuple(RECORD_TYPES)
 
@@ -171,21 +263,29 @@ skipped_records: Counter[str] = Counter()
 
 def decode(topic: str, value: bytes) -> Record | None:
     """Parse a topic's value; None (and a counted warning) for unknown schemas or bad records."""
+    record = parse(topic, value)
+    return record if isinstance(record, Record) else None
+
+
+def parse(topic: str, value: bytes) -> Record | str:
+    """Parse a topic's value, or say why not: ``malformed`` (not JSON), ``unknown_schema``
+    (another record type or version: skipped, as the contract says) or ``invalid`` (the schema's
+    fields do not validate). Each is counted in ``skipped_records`` and logged."""
     record_type = RECORD_TYPES.get(topic)
     try:
         data = orjson.loads(value)
     except orjson.JSONDecodeError:
         skipped_records["malformed"] += 1
         log.warning("skipping a malformed record on %s", topic)
-        return None
+        return "malformed"
     schema = data.get("schema") if isinstance(data, dict) else None
     if record_type is None or schema != record_type.SCHEMA:
         skipped_records["unknown_schema"] += 1
         log.warning("skipping a record of unknown schema %r on %s", schema, topic)
-        return None
+        return "unknown_schema"
     try:
         return record_type.model_validate(data)
     except ValidationError as exc:
         skipped_records["invalid"] += 1
         log.warning("skipping an invalid %s record: %s", record_type.SCHEMA, exc.error_count())
-        return None
+        return "invalid"

@@ -9,6 +9,7 @@ cache (``proxy/routing.py``).
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -36,6 +37,39 @@ def alias_key(alias: str) -> str:
 
 def history_key(alias: str) -> str:
     return f"ratchet:alias:{alias}:history"
+
+
+CHANGE_ATTEMPTS = 50
+
+
+class RouteContended(RuntimeError):
+    """A route that changed under every attempt to change it."""
+
+
+class InvalidRoute(ValueError):
+    """An alias's hash in Redis that does not describe a route (say, a field written by hand)."""
+
+
+def _version_field(alias: str, field: str, value: str) -> int:
+    try:
+        version = int(value)
+    except ValueError:
+        version = -1
+    if version < 0:
+        raise InvalidRoute(f"{alias_key(alias)}: {field} is {value!r}, not a version number >= 0")
+    return version
+
+
+def _weight_field(alias: str, value: str) -> float:
+    try:
+        weight = float(value)
+    except ValueError:
+        weight = math.nan
+    if not 0.0 <= weight <= 1.0:  # NaN fails this too
+        raise InvalidRoute(
+            f"{alias_key(alias)}: canary_weight is {value!r}, not a number in [0, 1]"
+        )
+    return weight
 
 
 def served_name(alias: str, version: int, base_model: str) -> str:
@@ -92,13 +126,14 @@ class AliasRoute:
 
     @classmethod
     def from_hash(cls, alias: str, data: dict[str, str], default_base: str) -> AliasRoute:
+        """The route a hash describes; :class:`InvalidRoute` naming the field if it does not."""
         canary = data.get("canary") or ""
         return cls(
             alias=alias,
             base_model=data.get("base_model") or default_base,
-            active=int(data.get("active") or 0),
-            canary=int(canary) if canary else None,
-            canary_weight=float(data.get("canary_weight") or 0.0),
+            active=_version_field(alias, "active", data.get("active") or "0"),
+            canary=_version_field(alias, "canary", canary) if canary else None,
+            canary_weight=_weight_field(alias, data.get("canary_weight") or "0"),
             paused=data.get("paused") == "1",
             updated_at=data.get("updated_at"),
         )
@@ -106,9 +141,70 @@ class AliasRoute:
 
 def decode_hash(raw: dict[Any, Any]) -> dict[str, str]:
     return {
-        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+        (k.decode(errors="replace") if isinstance(k, bytes) else k): (
+            v.decode(errors="replace") if isinstance(v, bytes) else v
+        )
         for k, v in raw.items()
     }
+
+
+def alias_of_key(key: bytes | str) -> str | None:
+    """The alias a ``ratchet:alias:*`` key routes, or None for its history list."""
+    name = key.decode(errors="replace") if isinstance(key, bytes) else key
+    if name.endswith(":history"):
+        return None
+    return name.removeprefix("ratchet:alias:")
+
+
+@dataclass
+class RoutingTable:
+    """Routes built from the aliases' hashes. One invalid hash never costs the others their
+    route: its alias keeps the route it had (``previous``), or its ratchet.yaml default, and is
+    listed in ``invalid`` with why."""
+
+    routes: dict[str, AliasRoute]
+    invalid: dict[str, str]
+
+    @classmethod
+    def build(
+        cls,
+        hashes: dict[str, dict[str, str]],
+        aliases: dict[str, AliasConfig],
+        previous: dict[str, AliasRoute] | None = None,
+    ) -> RoutingTable:
+        routes = {
+            name: AliasRoute(alias=name, base_model=cfg.base_model) for name, cfg in aliases.items()
+        }
+        invalid: dict[str, str] = {}
+        for name, data in hashes.items():
+            if not data:
+                continue
+            config = aliases.get(name)
+            try:
+                routes[name] = AliasRoute.from_hash(name, data, config.base_model if config else "")
+            except InvalidRoute as exc:
+                invalid[name] = str(exc)
+                if previous and name in previous:
+                    routes[name] = previous[name]
+        return cls(routes, invalid)
+
+
+class InvalidRoutes:
+    """Which aliases' hashes are invalid now, logged once when one turns invalid (or its reason
+    changes) and once when it is fixed: a refresh every second must not flood the log."""
+
+    def __init__(self) -> None:
+        self.now: dict[str, str] = {}
+
+    def update(self, invalid: dict[str, str]) -> list[str]:
+        """Take the latest table's ``invalid``; return the aliases newly invalid."""
+        new = [alias for alias, why in invalid.items() if self.now.get(alias) != why]
+        for alias in new:
+            log.warning("alias %s skipped, its last valid route kept: %s", alias, invalid[alias])
+        for alias in self.now.keys() - invalid.keys():
+            log.info("alias %s: its route is valid again", alias)
+        self.now = dict(invalid)
+        return new
 
 
 class RegistryWriter:
@@ -119,26 +215,62 @@ class RegistryWriter:
         self.aliases = aliases
 
     def read(self, alias: str) -> AliasRoute | None:
-        raw = decode_hash(self.redis.hgetall(alias_key(alias)))
+        return self._route_of(alias, decode_hash(self.redis.hgetall(alias_key(alias))))
+
+    def _route_of(self, alias: str, raw: dict[str, str]) -> AliasRoute | None:
         config = self.aliases.get(alias)
         if not raw:
             return AliasRoute(alias=alias, base_model=config.base_model) if config else None
         return AliasRoute.from_hash(alias, raw, config.base_model if config else "")
 
-    def read_all(self) -> dict[str, AliasRoute]:
-        routes = {
-            name: AliasRoute(alias=name, base_model=cfg.base_model)
-            for name, cfg in self.aliases.items()
-        }
+    def change(
+        self,
+        alias: str,
+        compute: Callable[[AliasRoute | None], tuple[AliasRoute, LifecycleEvent]],
+        also: Callable[[Any], None] | None = None,
+        replace_invalid: bool = False,
+    ) -> tuple[AliasRoute, LifecycleEvent]:
+        """Read the alias's route, ``compute`` the new one (and its event) from it, and write
+        both only if nobody changed the route in between (WATCH, then MULTI); if someone did,
+        read again and compute again. So a promotion computed before a concurrent pause cannot
+        write the route back unpaused. ``compute`` may raise to give up.
+
+        An invalid hash raises InvalidRoute, unless ``replace_invalid`` (an operator's explicit
+        ``ratchet alias set``): then the change starts from the alias's defaults and repairs it.
+        """
+        key = alias_key(alias)
+        for _ in range(CHANGE_ATTEMPTS):
+            with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(key)  # type: ignore[no-untyped-call]
+                    raw = decode_hash(pipe.hgetall(key))
+                    route, event = compute(self._current(alias, raw, replace_invalid))
+                    pipe.multi()
+                    written = self._queue(pipe, alias, route, event, also)
+                    pipe.execute()
+                except redis.WatchError:
+                    continue
+            assert written is not None
+            return written, event
+        raise RouteContended(f"{key} kept changing; {CHANGE_ATTEMPTS} attempts gave up")
+
+    def _current(self, alias: str, raw: dict[str, str], replace_invalid: bool) -> AliasRoute | None:
+        try:
+            return self._route_of(alias, raw)
+        except InvalidRoute:
+            if not replace_invalid:
+                raise
+            config = self.aliases.get(alias)
+            base = raw.get("base_model") or (config.base_model if config else "")
+            return AliasRoute(alias=alias, base_model=base)
+
+    def read_all(self, previous: dict[str, AliasRoute] | None = None) -> RoutingTable:
+        hashes = {}
         for key in self.redis.scan_iter(match="ratchet:alias:*", count=500):
-            key = key.decode()
-            if key.endswith(":history"):
-                continue
-            name = key.removeprefix("ratchet:alias:")
-            route = self.read(name)
-            if route is not None:
-                routes[name] = route
-        return routes
+            name = alias_of_key(key)
+            if name is not None:
+                hashes[name] = decode_hash(self.redis.hgetall(alias_key(name)))
+        return RoutingTable.build(hashes, self.aliases, previous)
 
     def write(
         self,
@@ -158,6 +290,19 @@ class RegistryWriter:
         if name is None:
             raise ValueError("write() needs a route, an alias or an event")
         pipe = self.redis.pipeline(transaction=True)
+        route = self._queue(pipe, name, route, event, also)
+        pipe.execute()
+        return route
+
+    def _queue(
+        self,
+        pipe: Any,
+        name: str,
+        route: AliasRoute | None,
+        event: LifecycleEvent | None,
+        also: Callable[[Any], None] | None,
+    ) -> AliasRoute | None:
+        """Queue one change's commands into a MULTI; the route as it will be stored."""
         if route is not None:
             route = replace(route, updated_at=utc_now())
             # redis types a hash's fields as any encodable value; a dict's key type is invariant.
@@ -170,7 +315,6 @@ class RegistryWriter:
             also(pipe)
         if route is not None:
             pipe.publish(CHANNEL, name)
-        pipe.execute()
         return route
 
     def history(self, alias: str, limit: int = 20) -> list[dict[str, Any]]:

@@ -254,6 +254,14 @@ class ProxySettings(_Section):
     # A non-streamed answer is held whole in memory and copied to the log: past this, refused;
     # a stream's log copy past this is dropped (the exchange is counted, not logged).
     max_answer_bytes: int = Field(default=16 * 1024 * 1024, ge=65536, le=1 << 30)
+    # The largest record the log worker produces. A bigger one (a long request, or an answer
+    # with n, top_logprobs or prompt_logprobs) is stored cut down and marked `truncated`,
+    # never dropped and never blocking others. Keep it below the broker's message.max.bytes
+    # (Kafka's default is 1 MiB); the producer's request limit is set 64 KiB above it.
+    max_record_bytes: int = Field(default=900 * 1024, ge=64 * 1024, le=64 * 1024 * 1024)
+    # The disk spool's bound while Kafka is away: past it, newer records are dropped and counted
+    # (reason spool_full) and the oldest kept, so an outage never fills the volume.
+    spool_max_bytes: int = Field(default=1024 * 1024 * 1024, ge=1 << 20, le=1 << 40)
     # Bytes waiting for the log worker (on top of log_queue_size records): the pipe's memory.
     log_queue_bytes: int = Field(default=128 * 1024 * 1024, ge=1 << 20, le=1 << 34)
     # Slow clients (proxy/connection.py): the request line and headers must arrive within

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ratchet.durable import fsync_dir, fsync_file, fsync_tree
+
 META_FILE = "ratchet.json"
 # What became of a version after it was written (gated, rejected, promoted, rolled back). Kept
 # apart from ratchet.json so the adapter and its provenance stay immutable.
@@ -68,7 +70,10 @@ class AdapterStore:
             config["base_model_name_or_path"] = base_model_path
             config_path.write_text(json.dumps(config, indent=2))
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+            # On disk before it is visible: after a crash the name shows a whole adapter or none.
+            fsync_tree(tmp)
             tmp.rename(final)
+            fsync_dir(self.root)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return final
@@ -84,7 +89,9 @@ class AdapterStore:
             raise FileNotFoundError(f"{folder.name} is not in the store")
         tmp = folder / f".{STATUS_FILE}.{uuid.uuid4().hex[:8]}"
         tmp.write_text(json.dumps({"status": status, **detail}, indent=2, sort_keys=True))
+        fsync_file(tmp)
         tmp.replace(folder / STATUS_FILE)  # atomic: a reader sees the old status or the new one
+        fsync_dir(folder)
 
     def status(self, alias: str, version: int) -> dict[str, Any] | None:
         path = self.path(alias, version) / STATUS_FILE

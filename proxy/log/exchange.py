@@ -179,3 +179,63 @@ class Exchange:
             api_key_hash=self.api_key_hash,
             user=user if isinstance(user, str) else None,
         )
+
+
+# Strings shorter than this are never cut: cutting many short ones saves little and garbles all.
+CUT_STRINGS_OVER = 256
+CUT_MARK = "…[truncated]"
+
+
+def bounded(record: TrafficRecord, max_bytes: int) -> bytes:
+    """The record's JSON in at most ``max_bytes``, cut down in steps until it fits: first the
+    answers' logprobs (n x top_logprobs is where most size comes from), then the long strings of
+    the answers, then those of the request, then the request and answers whole. What was cut is
+    listed in ``truncated``, with the whole record's size in ``original_bytes``."""
+    value = record.to_json()
+    if len(value) <= max_bytes:
+        return value
+    original = len(value)
+    record = record.model_copy(update={"truncated": [], "original_bytes": original})
+    for part, cut, times in _CUTS:
+        record.truncated.append(part)
+        for _ in range(times):  # each time, the long strings to half their length
+            cut(record)
+            value = record.to_json()
+            if len(value) <= max_bytes:
+                return value
+    record.request, record.choices = {}, []
+    record.truncated.append("all")
+    return record.to_json()
+
+
+def _drop_logprobs(record: TrafficRecord) -> None:
+    record.choices = [{k: v for k, v in c.items() if k != "logprobs"} for c in record.choices]
+    record.request = {k: v for k, v in record.request.items() if k != "prompt_logprobs"}
+
+
+def _cut_answers(record: TrafficRecord) -> None:
+    record.choices = _halve_long_strings(record.choices)
+
+
+def _cut_request(record: TrafficRecord) -> None:
+    record.request = _halve_long_strings(record.request)
+
+
+_CUTS = (
+    ("logprobs", _drop_logprobs, 1),
+    ("answer", _cut_answers, 16),
+    ("request", _cut_request, 16),
+)
+
+
+def _halve_long_strings(value: Any) -> Any:
+    """``value`` with every string longer than CUT_STRINGS_OVER cut to half, and marked."""
+    if isinstance(value, str):
+        if len(value) <= CUT_STRINGS_OVER:
+            return value
+        return value[: len(value) // 2] + CUT_MARK
+    if isinstance(value, list):
+        return [_halve_long_strings(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _halve_long_strings(item) for key, item in value.items()}
+    return value

@@ -34,6 +34,8 @@ from ratchet.records import Record
 log = logging.getLogger(__name__)
 
 RESTART_DELAY_S = 1.0
+# The worker's counters that carry on across restarts (a new worker counts from zero).
+WORKER_TOTALS = ("sent", "spooled", "replayed", "dead_lettered", "spool_full")
 # Frames are written to the pipe this long after the first of them, together: the write (and
 # the worker it wakes up) then never sits between vLLM's answer and the client, and the worker
 # wakes once per batch instead of once per request.
@@ -43,7 +45,8 @@ DEFAULT_MAX_BYTES = 128 * 1024 * 1024
 
 class TrafficLog:
     """Counters mirror the worker's RecordProducer (``sent``, ``spooled``, ``replayed``,
-    ``dropped``, ``spool_pending``, ``connected``), plus what this side dropped itself."""
+    ``dead_lettered``, ``dropped``, ``spool_pending``, ``connected``), plus what this side
+    dropped itself."""
 
     def __init__(
         self,
@@ -57,7 +60,8 @@ class TrafficLog:
         self.max_bytes = max_bytes
         self.on_tokens = on_tokens
         self.on_state = on_state
-        self.sent = self.spooled = self.replayed = self.spool_pending = 0
+        self.sent = self.spooled = self.replayed = self.dead_lettered = self.spool_pending = 0
+        self.spool_full = 0  # of the dropped: records the worker's spool had no room for
         self.connected = False
         self.restarts = 0
         self._dropped_here = 0
@@ -66,7 +70,7 @@ class TrafficLog:
         self._written = 0  # frames written to the running worker
         self._received = 0  # of those, read by it (as of its last report)
         self._worker_depth = 0
-        self._worker_totals = dict.fromkeys(("sent", "spooled", "replayed"), 0)
+        self._worker_totals = dict.fromkeys(WORKER_TOTALS, 0)
         self._backlog: deque[bytes] = deque()  # frames waiting for a worker
         self._batch: list[bytes] = []  # frames waiting for the next flush
         self._waiting_bytes = 0  # in _batch and _backlog
@@ -172,7 +176,7 @@ class TrafficLog:
             start_new_session=True,  # stops when we say so, not on a signal to our group
         )
         self._written = self._received = self._worker_depth = 0
-        self._worker_totals = dict.fromkeys(("sent", "spooled", "replayed"), 0)
+        self._worker_totals = dict.fromkeys(WORKER_TOTALS, 0)
         assert self._process.stdin is not None
         self._process.stdin.write(encode_frame(CONFIG, b"", b"", pickle.dumps(self.config)))
         while self._backlog:

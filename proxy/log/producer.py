@@ -21,16 +21,36 @@ from pathlib import Path
 from typing import Any
 
 from kafka import KafkaProducer
-from kafka.errors import KafkaError
+from kafka.errors import (
+    CorruptRecordError,
+    InvalidRecordError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+)
 
 from proxy.log.spool import OutgoingRecord, Spool
 from ratchet.bus import ensure_topics
+from ratchet.records import DEADLETTER_TOPIC, DeadLetter
 from ratchet.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 
 # None wakes the producer thread to stop.
 QueueItem = OutgoingRecord | None
+
+# What the broker (or the client, before sending) refuses for the record itself: sending it
+# again can only fail again, so it goes to ratchet.deadletter instead of back to the spool.
+REFUSED_RECORD = (
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    InvalidRecordError,
+    CorruptRecordError,
+)
+DEAD_LETTER_CONSUMER = "proxy.log"  # who gave up on a record, in its dead letter
+# kafka-python's own limit on one request, above the largest record the worker writes
+# (proxy.max_record_bytes) by room for the batch's framing.
+REQUEST_HEADROOM_BYTES = 64 * 1024
 
 
 class RecordProducer:
@@ -48,6 +68,8 @@ class RecordProducer:
         spool_dir: Path,
         topics: list[str],
         queue_size: int = 10_000,
+        max_record_bytes: int = 1024 * 1024 - REQUEST_HEADROOM_BYTES,
+        spool_max_bytes: int | None = None,
         batch_size: int = 500,
         linger_s: float = 0.05,
         on_state: Callable[[bool], None] | None = None,
@@ -56,16 +78,19 @@ class RecordProducer:
         self.kafka = kafka
         self.topics = topics
         self.queue: queue.Queue[QueueItem] = queue.Queue(maxsize=queue_size)
+        self.max_record_bytes = max_record_bytes
         self.batch_size = batch_size
         # Gather records for this long before a send: one flush per record costs ~1 ms of
         # kafka-python CPU, which the request path then feels through the GIL.
         self.linger_s = linger_s
-        self.spool = Spool(spool_dir)
+        self.spool = Spool(spool_dir, max_bytes=spool_max_bytes)
         self.on_state = on_state
         self.sent = 0
         self.spooled = 0
         self.replayed = 0
         self.dropped = 0
+        self.dead_lettered = 0  # refused by the broker for what they are; on ratchet.deadletter
+        self.spool_full = 0  # of ``dropped``: records the spool had no room for
         self.connected = False
         self._producer: KafkaProducer | None = None
         self._stop = threading.Event()
@@ -73,6 +98,11 @@ class RecordProducer:
         self._lock = threading.Lock()
         self._abandoned = False
         self._inflight: list[OutgoingRecord] = []
+        # A connection attempt with nothing in flight can take bootstrap_timeout_ms with the
+        # broker away; close() does not wait for it: it takes the queue over (under _lock,
+        # while _connecting) and the thread, once the attempt ends, stops without touching it.
+        self._connecting = False
+        self._handed_over = False
         self._next_connect_at = 0.0
         self._thread = threading.Thread(target=self._run, name="ratchet-producer", daemon=True)
 
@@ -99,8 +129,8 @@ class RecordProducer:
             # Wake the thread; if the queue is full it wakes on its own within 0.5 s.
             with contextlib.suppress(queue.Full):
                 self.queue.put_nowait(None)
-            self._thread.join(timeout_s)
-        stuck = self._thread.is_alive()
+            self._join_thread(timeout_s)
+        stuck = self._thread.is_alive() and not self._handed_over
         if stuck:
             log.error("producer thread did not stop in %.0fs; spooling the rest", timeout_s)
         with self._lock:
@@ -122,13 +152,24 @@ class RecordProducer:
             with contextlib.suppress(KafkaError):
                 self._producer.close(timeout=2)
 
+    def _join_thread(self, timeout_s: float) -> None:
+        """Wait for the thread to send or spool what it holds, or take over from a connection
+        attempt that holds nothing."""
+        deadline = time.monotonic() + timeout_s
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            with self._lock:
+                if self._connecting and not self._inflight:
+                    self._handed_over = True
+                    return
+            self._thread.join(0.02)
+
     @property
     def depth(self) -> int:
         return self.queue.qsize()
 
     # ---- producer thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
+        while not self._handed_over:
             batch = self._take_batch()
             stopping = self._stop.is_set()
             if batch:
@@ -182,23 +223,32 @@ class RecordProducer:
 
     def _append_to_spool(self, batch: list[OutgoingRecord]) -> None:
         try:
-            self.spool.append(batch)
-            self.spooled += len(batch)
+            written = self.spool.append(batch)
         except OSError as exc:
             self.dropped += len(batch)
             log.error("cannot write %d records to the spool (%s); dropped", len(batch), exc)
+            return
+        self.spooled += written
+        if written < len(batch):
+            if not self.spool_full:
+                log.error(
+                    "the spool holds proxy.spool_max_bytes (%d bytes): newer records are dropped "
+                    "until Kafka takes the backlog",
+                    self.spool.max_bytes,
+                )
+            self.spool_full += len(batch) - written
+            self.dropped += len(batch) - written
 
     def _try_replay(self) -> None:
         # Only read the spool back once the broker answers, and not while shutting down:
         # what is on disk stays there for the next start.
-        if self._stop.is_set() or not self._connect():
+        if self._stop.is_set() or not self._connect() or self._handed_over:
             return
         for path, records in self.spool.drain():
             if records and not self._send(records):
                 return
             self.replayed += len(records)
-            path.unlink(missing_ok=True)
-            self.spool.pending = max(0, self.spool.pending - len(records))
+            self.spool.remove(path, len(records))
         log.info("spool replayed; back to producing directly")
 
     def _connect(self) -> bool:
@@ -208,6 +258,8 @@ class RecordProducer:
         if now < self._next_connect_at:
             return False
         self._next_connect_at = now + 1.0
+        with self._lock:
+            self._connecting = True
         try:
             ensure_topics(self.bootstrap, self.kafka, self.topics)
             self._producer = self._make_producer()
@@ -215,6 +267,9 @@ class RecordProducer:
             log.debug("broker unreachable: %s", exc)
             self._set_state(False)
             return False
+        finally:
+            with self._lock:
+                self._connecting = False
         self._set_state(True)
         return True
 
@@ -225,6 +280,7 @@ class RecordProducer:
             acks="all",
             compression_type=compression,
             linger_ms=5,
+            max_request_size=self.max_record_bytes + REQUEST_HEADROOM_BYTES,
             max_block_ms=2000,
             request_timeout_ms=5000,
             delivery_timeout_ms=8000,
@@ -248,18 +304,45 @@ class RecordProducer:
             return False  # shutting down with no broker: spool now instead of trying again
         if not self._connect():
             return False
-        assert self._producer is not None
         try:
-            futures = [self._producer.send(r.topic, key=r.key, value=r.value) for r in batch]
-            self._producer.flush(timeout=10)
-            for future in futures:
-                future.get(timeout=0)
+            refused = self._produce(batch)
+            letters = [_dead_letter(record, exc) for record, exc in refused]
+            lost = self._produce(letters) if letters else []
         except (KafkaError, OSError, AssertionError) as exc:
             log.warning("kafka send failed (%s); spooling until the broker is back", exc)
             self._reset()
             return False
-        self.sent += len(batch)
+        for record, why in refused:
+            log.error(
+                "kafka refused a %d-byte record on %s (%s)", len(record.value), record.topic, why
+            )
+        for _, why in lost:
+            log.error("kafka refused a dead letter too (%s); dropped", why)
+        self.sent += len(batch) - len(refused)
+        self.dead_lettered += len(letters) - len(lost)
+        self.dropped += len(lost)
         return True
+
+    def _produce(self, batch: list[OutgoingRecord]) -> list[tuple[OutgoingRecord, KafkaError]]:
+        """Send and wait for every ack. Records refused for what they are come back; any other
+        failure raises, and the caller spools the whole batch."""
+        assert self._producer is not None
+        refused: list[tuple[OutgoingRecord, KafkaError]] = []
+        futures = []
+        for record in batch:
+            try:
+                futures.append(
+                    (record, self._producer.send(record.topic, key=record.key, value=record.value))
+                )
+            except REFUSED_RECORD as too_large:  # kafka-python checks the size before sending
+                refused.append((record, too_large))
+        self._producer.flush(timeout=10)
+        for record, future in futures:
+            try:
+                future.get(timeout=0)
+            except REFUSED_RECORD as refusal:
+                refused.append((record, refusal))
+        return refused
 
     def _reset(self) -> None:
         if self._producer is not None:
@@ -273,3 +356,9 @@ class RecordProducer:
             self.connected = connected
             if self.on_state:
                 self.on_state(connected)
+
+
+def _dead_letter(record: OutgoingRecord, exc: KafkaError) -> OutgoingRecord:
+    error = f"{type(exc).__name__}: {exc}"
+    letter = DeadLetter.of(record.topic, record.value, DEAD_LETTER_CONSUMER, "refused", error)
+    return OutgoingRecord(DEADLETTER_TOPIC, letter.key(), letter.to_json())

@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 
+from ratchet.durable import fsync_dir
+
 log = logging.getLogger(__name__)
 
 
@@ -25,13 +27,22 @@ class Spool:
     """An append-only, line-per-record file of records waiting for the broker.
 
     Segments are numbered files; the writer appends to the newest, replay reads the oldest first
-    and deletes a segment only after every record in it was acknowledged.
+    and deletes a segment only after every record in it was acknowledged. At most ``max_bytes``
+    are kept: past it, :meth:`append` writes no more and the newest records are the caller's to
+    count as dropped, so a long outage keeps the oldest records and never fills the volume.
     """
 
-    def __init__(self, directory: Path, segment_bytes: int = 16 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        segment_bytes: int = 16 * 1024 * 1024,
+        max_bytes: int | None = None,
+    ) -> None:
         self.directory = directory
         self.directory.mkdir(parents=True, exist_ok=True)
         self.segment_bytes = segment_bytes
+        self.max_bytes = max_bytes
+        self.bytes = sum(path.stat().st_size for path in self.segments())
         self._file: Any = None
         self._file_path: Path | None = None
         # Records on disk not yet replayed (a gauge for dashboards); counted once at start.
@@ -51,9 +62,12 @@ class Spool:
         # A counter, not a directory scan: this is asked for every batch the producer sends.
         return self.pending == 0
 
-    def append(self, records: list[OutgoingRecord]) -> None:
+    def append(self, records: list[OutgoingRecord]) -> int:
+        """Write records in order, durably, until ``max_bytes`` would be passed; return how many
+        were written (the rest, the newest, were not)."""
         if self._file is None or self._file.tell() >= self.segment_bytes:
             self._roll()
+        written = 0
         for record in records:
             line = orjson.dumps(
                 {
@@ -62,10 +76,23 @@ class Spool:
                     "value": record.value.decode(),
                 }
             )
+            if self.max_bytes is not None and self.bytes + len(line) + 1 > self.max_bytes:
+                break
             self._file.write(line + b"\n")
+            self.bytes += len(line) + 1
+            written += 1
         self._file.flush()
         os.fsync(self._file.fileno())
-        self.pending += len(records)
+        self.pending += written
+        return written
+
+    def remove(self, path: Path, records: int) -> None:
+        """A replayed segment, acknowledged by Kafka: gone from disk and from the counts."""
+        size = path.stat().st_size if path.exists() else 0
+        path.unlink(missing_ok=True)
+        fsync_dir(self.directory)
+        self.bytes = max(0, self.bytes - size)
+        self.pending = max(0, self.pending - records)
 
     def _roll(self) -> None:
         self.close()
@@ -73,6 +100,7 @@ class Spool:
         number = int(existing[-1].stem.split("-")[1]) + 1 if existing else 0
         self._file_path = self.directory / f"spool-{number:09d}.jsonl"
         self._file = self._file_path.open("ab")
+        fsync_dir(self.directory)  # the new segment's name survives a crash with its records
 
     def close(self) -> None:
         if self._file is not None:

@@ -53,6 +53,8 @@ class WorkerConfig:
     spool_dir: Path
     topics: list[str]
     queue_size: int
+    max_record_bytes: int = 900 * 1024
+    spool_max_bytes: int | None = None
     redact_patterns: list[str] = field(default_factory=list)
     report_s: float = 0.2
 
@@ -116,6 +118,8 @@ class Worker:
             config.spool_dir,
             topics=config.topics,
             queue_size=config.queue_size,
+            max_record_bytes=config.max_record_bytes,
+            spool_max_bytes=config.spool_max_bytes,
         )
         self.received = 0
         self._tokens: Counter[tuple[str, str, str, str]] = Counter()
@@ -155,7 +159,7 @@ class Worker:
             raise ValueError(f"unknown frame kind {kind}")
 
     def handle_exchange(self, fields: dict[str, Any], request: bytes, answer: bytes) -> None:
-        from proxy.log.exchange import Exchange
+        from proxy.log.exchange import Exchange, bounded
         from proxy.log.spool import OutgoingRecord
         from ratchet.records import TRAFFIC_TOPIC
 
@@ -172,9 +176,8 @@ class Worker:
             record = exchange.to_record()
             record.ts = _iso(started_at)  # when the request arrived, not when it was logged
             self.count_tokens(labels, record.input_tokens, record.output_tokens)
-            self.producer.submit(
-                OutgoingRecord(TRAFFIC_TOPIC, exchange.request_id.encode(), record.to_json())
-            )
+            value = bounded(record, self.config.max_record_bytes)
+            self.producer.submit(OutgoingRecord(TRAFFIC_TOPIC, exchange.request_id.encode(), value))
         else:  # sampled out by log_rate: counted, never parsed in full
             self.count_tokens(labels, *exchange.usage())
 
@@ -198,6 +201,8 @@ class Worker:
                 "spooled": p.spooled,
                 "replayed": p.replayed,
                 "dropped": p.dropped,
+                "dead_lettered": p.dead_lettered,
+                "spool_full": p.spool_full,
                 "depth": p.depth,
                 "spool_pending": p.spool.pending,
                 "connected": p.connected,

@@ -41,32 +41,39 @@ def alias_set(
     if weight is not None and not 0.0 <= weight <= 1.0:
         console.print("[red]--weight must be in [0, 1][/red]")
         raise typer.Exit(2)
-    writer = RegistryWriter(settings.redis_url, settings.aliases)
-    route = writer.read(alias)
-    if route is None:
-        console.print(f"[red]unknown alias {alias!r}: add it to ratchet.yaml first[/red]")
+    if active is not None and active < 0:
+        console.print("[red]--active must be >= 0[/red]")
         raise typer.Exit(2)
-    new = route
-    if active is not None:
-        if active < 0:
-            console.print("[red]--active must be >= 0[/red]")
-            raise typer.Exit(2)
-        new = replace(new, active=active)
-    if canary is not None:
-        new = replace(new, canary=None if canary.lower() == "none" else int(canary))
-        if new.canary is None:
-            new = replace(new, canary_weight=0.0)
-    if weight is not None:
-        new = replace(new, canary_weight=weight)
-    event = LifecycleEvent(
-        alias=alias,
-        kind="route",
-        version=new.active,
-        previous_version=route.active,
-        actor="cli",
-        detail={"canary": new.canary, "canary_weight": new.canary_weight},
-    )
-    writer.write(new, event)
+
+    def compute(route: AliasRoute | None) -> tuple[AliasRoute, LifecycleEvent]:
+        if route is None:
+            raise LookupError(f"unknown alias {alias!r}: add it to ratchet.yaml first")
+        new = route
+        if active is not None:
+            new = replace(new, active=active)
+        if canary is not None:
+            new = replace(new, canary=None if canary.lower() == "none" else int(canary))
+            if new.canary is None:
+                new = replace(new, canary_weight=0.0)
+        if weight is not None:
+            new = replace(new, canary_weight=weight)
+        event = LifecycleEvent(
+            alias=alias,
+            kind="route",
+            version=new.active,
+            previous_version=route.active,
+            actor="cli",
+            detail={"canary": new.canary, "canary_weight": new.canary_weight},
+        )
+        return new, event
+
+    writer = RegistryWriter(settings.redis_url, settings.aliases)
+    try:
+        # From the route as it is when written; an invalid hash is replaced, from the defaults.
+        new, _ = writer.change(alias, compute, replace_invalid=True)
+    except (LookupError, ValueError) as exc:  # InvalidRoute is a ValueError too
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
     print_routes({alias: new})
 
 
@@ -85,7 +92,10 @@ def read_routes(
     from ratchet.registry import RegistryWriter
 
     writer = RegistryWriter(settings.redis_url, settings.aliases)
-    routes = writer.read_all()
+    table = writer.read_all()
+    for why in table.invalid.values():
+        console.print(f"[yellow]{why}: fix or delete that hash; shown with its defaults[/yellow]")
+    routes = table.routes
     if alias is not None:
         if alias not in routes:
             console.print(f"[red]unknown alias {alias!r}[/red]")

@@ -7,6 +7,7 @@ trees in reverse. A part that dies is reported with its log's tail instead of be
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import json
@@ -80,6 +81,18 @@ def wait_until(
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not within {timeout_s:g}s")
         time.sleep(interval_s)
+
+
+async def wait_until_async(
+    condition: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.02
+) -> None:
+    """:func:`wait_until` for a test running on an event loop: the loop keeps serving while it
+    polls."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s:g}s")
+        await asyncio.sleep(interval_s)
 
 
 def http_ok(url: str) -> bool:

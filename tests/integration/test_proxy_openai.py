@@ -6,15 +6,20 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from proxy.log.producer import RecordProducer
+from proxy.log.spool import OutgoingRecord
 from ratchet.dev.processes import wait_until
-from ratchet.records import TRAFFIC_TOPIC, TrafficRecord
+from ratchet.records import DEADLETTER_TOPIC, TRAFFIC_TOPIC, DeadLetter, TrafficRecord
 from ratchet.secrets import hash_api_key, server_secret
+from ratchet.settings import ProxySettings
 from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded
+from tests.records import build_traffic_record
 
 pytestmark = pytest.mark.integration
 MESSAGES = [{"role": "user", "content": "Name one colour."}]
@@ -383,3 +388,68 @@ def test_metrics_move_with_each_request(base_route: Embedded) -> None:
     )
     text = httpx.get(f"{env.proxy_url}/metrics").text
     assert re.search(r"^ratchet_proxy_log_queue_depth \d", text, re.MULTILINE), text
+
+
+def test_an_answer_too_large_for_kafka_is_logged_cut_and_blocks_nothing(
+    base_route: Embedded, client: openai.OpenAI
+) -> None:
+    """16 answers of 64 tokens with 20 top logprobs each: over 1 MB as a record, above Kafka's
+    1 MiB.
+    It is stored cut to proxy.max_record_bytes, and the records after it still arrive."""
+    limit = ProxySettings().max_record_bytes
+    raw = client.chat.completions.with_raw_response.create(
+        model=ALIAS,
+        messages=MESSAGES,
+        n=16,
+        max_tokens=64,
+        logprobs=True,
+        top_logprobs=20,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},  # every answer its full length
+    )
+    assert len(raw.parse().choices) == 16
+    after = [
+        client.chat.completions.with_raw_response.create(
+            model=ALIAS, messages=MESSAGES, max_tokens=4
+        ).headers["x-request-id"]
+        for _ in range(5)
+    ]
+    big = traffic_record(base_route, raw.headers["x-request-id"])
+    assert big.truncated and big.truncated[0] == "logprobs", big.truncated
+    assert big.original_bytes is not None and big.original_bytes > limit
+    assert len(big.to_json()) <= limit
+    assert len(big.choices) == 16 and all("logprobs" not in c for c in big.choices)
+    for request_id in after:
+        traffic_record(base_route, request_id)
+
+
+def test_a_record_the_broker_refuses_is_dead_lettered_and_the_next_delivered(
+    embedded: Embedded, tmp_path: Path
+) -> None:
+    """Past the producer's request limit kafka-python refuses a record for what it is: sending it
+    again can only fail again, so it goes to ratchet.deadletter, not to the spool."""
+    producer = RecordProducer(
+        embedded.settings.kafka_bootstrap_servers,
+        embedded.settings.kafka,
+        tmp_path / "spool",
+        topics=[TRAFFIC_TOPIC, DEADLETTER_TOPIC],
+        max_record_bytes=64 * 1024,
+    )
+    huge = OutgoingRecord(TRAFFIC_TOPIC, b"refused", b'"' + b"x" * 300_000 + b'"')
+    small = build_traffic_record(request_id="after-the-refused-one", alias=ALIAS)
+    producer.start()
+    try:
+        producer.submit(huge)
+        producer.submit(OutgoingRecord(TRAFFIC_TOPIC, b"after", small.to_json()))
+        wait_until(lambda: producer.sent == 1 and producer.dead_lettered == 1, 60, "delivery")
+    finally:
+        producer.close()
+    assert producer.spooled == 0 and producer.dropped == 0
+    traffic_record(embedded, "after-the-refused-one")
+    [letter] = embedded.find_records(
+        DEADLETTER_TOPIC,
+        lambda r: isinstance(r, DeadLetter) and r.value_bytes == len(huge.value),
+    )
+    assert isinstance(letter, DeadLetter)
+    assert (letter.source_topic, letter.reason) == (TRAFFIC_TOPIC, "refused")
+    assert "MessageSizeTooLarge" in letter.error and len(letter.value) <= 64 * 1024

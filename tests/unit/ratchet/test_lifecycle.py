@@ -15,7 +15,7 @@ from kafka.errors import KafkaTimeoutError
 
 from ratchet.lifecycle import Lifecycle, LifecycleError
 from ratchet.records import LifecycleEvent
-from ratchet.registry import CHANNEL, RegistryWriter
+from ratchet.registry import CHANNEL, AliasRoute, InvalidRoute, RegistryWriter, alias_key
 from ratchet.settings import AliasConfig
 from ratchet.store import AdapterStore
 
@@ -282,3 +282,51 @@ def test_events_wait_for_kafka_after_redis_is_written(
 def test_without_a_sink_the_redis_history_is_the_record(life: Lifecycle) -> None:
     life.promote(ALIAS, 1)
     assert life.unsent == [] and life.flush_events() is True
+
+
+# --- concurrent writers -----------------------------------------------------------------------
+
+
+def test_a_change_computed_before_a_concurrent_pause_keeps_the_pause(
+    life: Lifecycle, writer: RegistryWriter, redis_url: str
+) -> None:
+    """The learner computes a promotion from the route it read; an operator pauses the alias
+    before the promotion is written. The write must not put the route back unpaused: it is
+    computed again from the paused route."""
+    operator = Lifecycle(RegistryWriter(redis_url, writer.aliases), life.store, sink=None)
+    seen: list[bool] = []
+
+    def promote_to_2(route: AliasRoute) -> tuple[AliasRoute, LifecycleEvent]:
+        seen.append(route.paused)
+        if len(seen) == 1:
+            operator.pause(ALIAS, "manual")  # lands between our read and our write
+        return replace(route, active=2), life.event(ALIAS, "promote", version=2)
+
+    new, _ = life.change(ALIAS, promote_to_2)
+    assert seen == [False, True]
+    route = writer.read(ALIAS)
+    assert route is not None and route.paused and route.active == 2 and new == route
+    assert [k for k, _, _ in kinds(writer)] == ["promote", "pause"]
+
+
+def test_a_change_to_an_invalid_hash_is_refused_by_name(
+    life: Lifecycle, writer: RegistryWriter
+) -> None:
+    writer.redis.hset(alias_key(ALIAS), "active", "two")
+    with pytest.raises(LifecycleError, match="active is 'two'"):
+        life.pause(ALIAS, "manual")
+
+
+def test_an_operators_route_write_replaces_an_invalid_hash(writer: RegistryWriter) -> None:
+    """`ratchet alias set` is how an operator repairs the hash: it starts from the defaults."""
+    writer.redis.hset(alias_key(ALIAS), mapping={"active": "two", "base_model": "base"})
+
+    def serve_3(route: AliasRoute | None) -> tuple[AliasRoute, LifecycleEvent]:
+        assert route is not None
+        return replace(route, active=3), LifecycleEvent(alias=ALIAS, kind="route", version=3)
+
+    with pytest.raises(InvalidRoute):
+        writer.change(ALIAS, serve_3)
+    writer.change(ALIAS, serve_3, replace_invalid=True)
+    route = writer.read(ALIAS)
+    assert route is not None and (route.active, route.base_model, route.canary) == (3, "base", None)

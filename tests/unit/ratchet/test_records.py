@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import hashlib
 from datetime import UTC, datetime
+from types import SimpleNamespace
 
 import orjson
 import pytest
 
 from ratchet.records import (
     ALL_TOPICS,
+    DEADLETTER_TOPIC,
+    DEADLETTER_VALUE_MAX,
     EVENTS_TOPIC,
     FEEDBACK_TOPIC,
     GROUPS_TOPIC,
     HELDOUT_TOPIC,
     TRAFFIC_TOPIC,
+    DeadLetter,
     FeedbackRecord,
     HeldoutPrompt,
     LifecycleEvent,
@@ -23,10 +27,12 @@ from ratchet.records import (
     ScoredGroup,
     TrafficRecord,
     decode,
+    parse,
     prompt_hash,
     skipped_records,
 )
 from ratchet.secrets import hash_api_key
+from tests.records import build_traffic_record
 
 SECRET = b"unit-test-server-secret"
 
@@ -37,11 +43,8 @@ MESSAGES = [
 
 
 def traffic() -> TrafficRecord:
-    return TrafficRecord(
+    return build_traffic_record(
         request_id="req-1",
-        endpoint="chat.completions",
-        alias="support",
-        request_model="support",
         response_model="support@v3",
         version=3,
         canary_arm="canary",
@@ -103,12 +106,24 @@ def event() -> LifecycleEvent:
     )
 
 
+def message(value: bytes) -> SimpleNamespace:
+    """What kafka-python hands a consumer, as far as a dead letter needs it."""
+    return SimpleNamespace(topic=TRAFFIC_TOPIC, partition=2, offset=41, value=value)
+
+
+def dead_letter() -> DeadLetter:
+    return DeadLetter.of_message(
+        message(b'{"schema": "traffic/1"}'), "judge", "invalid", "no alias"
+    )
+
+
 EXPECTED = [
     (traffic, TRAFFIC_TOPIC, "traffic/1"),
     (feedback, FEEDBACK_TOPIC, "feedback/1"),
     (group, GROUPS_TOPIC, "scored_group/1"),
     (heldout, HELDOUT_TOPIC, "heldout_prompt/1"),
     (event, EVENTS_TOPIC, "lifecycle_event/1"),
+    (dead_letter, DEADLETTER_TOPIC, "dead_letter/1"),
 ]
 
 
@@ -267,3 +282,26 @@ def test_prompt_hash_is_a_fixed_function() -> None:
     )
     blob = b'{"messages":[{"content":"hi","role":"user"}],"tools":[]}'
     assert prompt_hash([{"role": "user", "content": "hi"}]) == hashlib.sha256(blob).hexdigest()
+
+
+def test_a_dead_letter_points_at_its_original_and_keeps_a_bounded_copy() -> None:
+    huge = b"\xff" + b"x" * (2 * DEADLETTER_VALUE_MAX)  # not UTF-8 either
+    letter = DeadLetter.of_message(message(huge), "judge", "malformed", "e" * 5000)
+    assert (letter.source_topic, letter.partition, letter.offset) == (TRAFFIC_TOPIC, 2, 41)
+    assert letter.key() == f"{TRAFFIC_TOPIC}:2:41".encode()
+    assert letter.value_bytes == len(huge)
+    assert len(letter.value.encode()) <= DEADLETTER_VALUE_MAX + 2  # U+FFFD for the first byte
+    assert len(letter.error) == 1000
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (b"{not json", "malformed"),
+        (b'{"schema": "traffic/99"}', "unknown_schema"),
+        (b'{"schema": "traffic/1", "alias": 3}', "invalid"),
+    ],
+)
+def test_parse_says_why_a_value_is_not_a_record(value: bytes, why: str) -> None:
+    assert parse(TRAFFIC_TOPIC, value) == why
+    assert decode(TRAFFIC_TOPIC, value) is None

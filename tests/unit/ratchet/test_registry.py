@@ -5,6 +5,7 @@ names."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import random
 from dataclasses import replace
@@ -12,7 +13,16 @@ from typing import Any
 
 import pytest
 
-from ratchet.registry import AliasRoute, alias_key, history_key, served_name
+from ratchet.registry import (
+    AliasRoute,
+    InvalidRoute,
+    InvalidRoutes,
+    RoutingTable,
+    alias_key,
+    history_key,
+    served_name,
+)
+from ratchet.settings import AliasConfig
 
 KEYS = [f"user-{i}" for i in range(20_000)]
 SECRET = b"the server secret"
@@ -192,3 +202,50 @@ def test_served_name() -> None:
 def test_redis_keys() -> None:
     assert alias_key("support") == "ratchet:alias:support"
     assert history_key("support") == "ratchet:alias:support:history"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("active", "three"),
+        ("active", "-1"),
+        ("canary", "1.5"),
+        ("canary_weight", "lots"),
+        ("canary_weight", "nan"),
+        ("canary_weight", "1.01"),
+        ("canary_weight", "-0.2"),
+    ],
+)
+def test_an_invalid_field_is_refused_by_name(field: str, value: str) -> None:
+    data = {**route(canary=4, canary_weight=0.2).to_hash(), field: value}
+    with pytest.raises(InvalidRoute) as refused:
+        AliasRoute.from_hash("support", data, "base-m")
+    assert f"ratchet:alias:support: {field} is {value!r}" in str(refused.value)
+
+
+def test_one_invalid_hash_keeps_its_last_route_and_costs_the_others_nothing() -> None:
+    aliases = {"support": AliasConfig(base_model="base-m")}
+    hashes = {
+        "support": {"active": "x"},
+        "sales": {"active": "2", "base_model": "b"},
+        "new": {"canary_weight": "nope"},
+    }
+    last = route(alias="support", active=3)
+    table = RoutingTable.build(hashes, aliases, previous={"support": last})
+    assert table.routes["support"] == last  # kept, not reset to v0
+    assert table.routes["sales"].active == 2
+    assert "new" not in table.routes  # no valid route ever seen: not routed
+    assert set(table.invalid) == {"support", "new"}
+    # Without a last route, a configured alias falls back to its ratchet.yaml default.
+    assert RoutingTable.build(hashes, aliases).routes["support"].active == 0
+
+
+def test_an_invalid_route_is_logged_once_until_it_changes(caplog: pytest.LogCaptureFixture) -> None:
+    invalid = InvalidRoutes()
+    with caplog.at_level(logging.INFO, logger="ratchet.registry"):
+        assert invalid.update({"a": "why"}) == ["a"]
+        assert invalid.update({"a": "why"}) == []
+        assert invalid.update({"a": "another"}) == ["a"]
+        assert invalid.update({}) == []
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 3 and "valid again" in messages[-1], messages

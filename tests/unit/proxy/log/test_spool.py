@@ -16,6 +16,7 @@ from proxy.log.producer import RecordProducer
 from proxy.log.spool import OutgoingRecord, Spool
 from ratchet import bus
 from ratchet.dev.processes import free_port as closed_port
+from ratchet.dev.processes import wait_until
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord, Record
 from ratchet.settings import KafkaSettings
 
@@ -268,6 +269,30 @@ def test_close_on_timeout_still_spools_everything_in_order(
     assert after_close == [f"c{i}" for i in range(10)]
 
 
+def test_close_does_not_wait_out_a_connection_attempt_that_holds_nothing(
+    tmp_path: Path, fast_refusal: Refusal
+) -> None:
+    """With the broker away, the thread spends seconds in each connection attempt. close() takes
+    the queue over instead of waiting, and the thread, when its attempt ends, leaves it alone."""
+    fast_refusal.delay = 1.5
+    p = producer(tmp_path, queue_size=100)
+    p.start()
+    wait_until(lambda: fast_refusal.attempts > 0, 2, "the first connection attempt", 0.01)
+    for i in range(10):
+        p.submit(outgoing(feedback(i), f"c{i}"))
+    started = time.monotonic()
+    try:
+        p.close(timeout_s=10)
+        took = time.monotonic() - started
+        after_close = [r.key.decode() for r in on_disk(tmp_path)]
+    finally:
+        p._thread.join(5)
+    assert took < 1.0, f"close() waited {took:.2f}s for a connection attempt"
+    assert after_close == [f"c{i}" for i in range(10)]
+    assert [r.key.decode() for r in on_disk(tmp_path)] == after_close, "the thread wrote after"
+    assert p.spooled == 10 and p.dropped == 0
+
+
 def test_submit_after_close_is_not_silently_lost(tmp_path: Path, fast_refusal: Refusal) -> None:
     """A record submitted after close() is either refused (and counted) or still written."""
     p = producer(tmp_path)
@@ -328,3 +353,33 @@ def test_consumers_take_the_session_timeout_and_heartbeat_at_a_third_of_it(
     monkeypatch.setattr(bus, "KafkaConsumer", lambda *topics, **options: seen.update(options))
     bus.make_consumer("b:9092", KafkaSettings(session_timeout_ms=9000), ["t"], "g")
     assert (seen["session_timeout_ms"], seen["heartbeat_interval_ms"]) == (9000, 3000)
+
+
+def test_a_full_spool_keeps_the_oldest_and_refuses_the_rest(tmp_path: Path) -> None:
+    one_line = (
+        len(orjson.dumps({"topic": TRAFFIC_TOPIC, "key": "k0", "value": rec(0).value.decode()})) + 1
+    )
+    spool = Spool(tmp_path / "spool", max_bytes=10 * one_line)
+    assert spool.append([rec(i) for i in range(4)]) == 4
+    assert spool.append([rec(i) for i in range(4, 20)]) == 6  # in order, until it is full
+    assert spool.bytes == 10 * one_line and spool.pending == 10
+    spool.close()
+    again = Spool(tmp_path / "spool", max_bytes=10 * one_line)  # a restart counts what is there
+    assert again.bytes == 10 * one_line and again.append([rec(99)]) == 0
+    segments = list(again.drain())
+    assert numbers([r for _, records in segments for r in records]) == list(range(10))
+    for path, records in segments:
+        again.remove(path, len(records))
+    assert again.bytes == 0 and again.pending == 0 and not again.segments()
+    assert again.append([rec(99)]) == 1
+
+
+def test_the_producer_counts_what_a_full_spool_drops(tmp_path: Path, fast_refusal: Refusal) -> None:
+    p = producer(tmp_path, queue_size=1000, spool_max_bytes=4096)
+    for i in range(100):
+        p.submit(outgoing(feedback(i), f"c{i}"))
+    p.start()
+    p.close()
+    kept = [r.key.decode() for r in on_disk(tmp_path)]
+    assert 0 < len(kept) < 100 and kept == [f"c{i}" for i in range(len(kept))]  # the oldest
+    assert p.spooled == len(kept) and p.spool_full == p.dropped == 100 - len(kept)

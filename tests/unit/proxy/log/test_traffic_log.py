@@ -4,11 +4,9 @@ is covered by tests/integration (test_proxy, test_faults)."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 import os
 import signal
-import time
 from pathlib import Path
 
 import orjson
@@ -25,6 +23,7 @@ from proxy.log.worker import (
     read_frame,
 )
 from ratchet.dev.processes import free_port as closed_port
+from ratchet.dev.processes import wait_until_async
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord
 from ratchet.settings import KafkaSettings
 
@@ -78,13 +77,6 @@ def spooled(tmp_path: Path) -> list[tuple[str, bytes | None, dict[str, object]]]
     ]
 
 
-async def wait_until(condition: object, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
 def test_frames_read_back_as_written_and_a_torn_frame_is_the_end() -> None:
     frames = encode_frame(EXCHANGE, b'{"a":1}', b"request", b"answer") + encode_frame(
         RECORD, b"{}", b"", b"value"
@@ -110,7 +102,7 @@ async def test_exchanges_and_feedback_become_records_with_tokens_reported(tmp_pa
     )
     assert log.submit_exchange(meta("r2", stream=True), body, stream)
     assert log.submit(FeedbackRecord(completion_id="c2", score=0.5), key="c2")
-    await wait_until(lambda: log.spooled == 3)
+    await wait_until_async(lambda: log.spooled == 3, 30, "log.spooled == 3")
     await log.close()
     assert log.depth == 0 and log.dropped == 0
 
@@ -139,14 +131,14 @@ async def test_a_killed_worker_is_replaced_and_its_loss_counted(tmp_path: Path) 
     body, answer = orjson.dumps(CHAT), orjson.dumps(ANSWER)
     for i in range(5):
         log.submit_exchange(meta(f"before-{i}"), body, answer)
-    await wait_until(lambda: log.spooled == 5)
+    await wait_until_async(lambda: log.spooled == 5, 30, "log.spooled == 5")
     process = log._process
     assert process is not None
     os.kill(process.pid, signal.SIGKILL)
-    await wait_until(lambda: log.restarts == 1)
+    await wait_until_async(lambda: log.restarts == 1, 30, "log.restarts == 1")
     for i in range(5):  # taken while the new worker starts, then handed to it
         log.submit_exchange(meta(f"after-{i}"), body, answer)
-    await wait_until(lambda: log.spooled == 10)
+    await wait_until_async(lambda: log.spooled == 10, 30, "log.spooled == 10")
     await log.close()
     keys = sorted(key for _, key, _ in spooled(tmp_path) if key is not None)
     assert keys == sorted(f"{when}-{i}".encode() for when in ("before", "after") for i in range(5))
@@ -161,7 +153,7 @@ async def test_nothing_is_taken_once_closing_and_a_full_queue_refuses(tmp_path: 
     assert not log.submit(FeedbackRecord(completion_id="c3", score=1.0), key="c3")
     assert log.dropped == 1 and log.depth == 3
     await log.start()
-    await wait_until(lambda: log.spooled == 3)
+    await wait_until_async(lambda: log.spooled == 3, 30, "log.spooled == 3")
     await log.close()
     assert not log.submit(FeedbackRecord(completion_id="late", score=1.0), key="late")
     assert log.dropped == 2
@@ -179,6 +171,8 @@ async def test_a_frame_the_worker_cannot_read_is_dropped_and_counted(
     process.stdin.write(encode_frame(kind, b"{not json", b"", b""))
     log._written += 1
     log.submit(FeedbackRecord(completion_id="ok", score=1.0), key="ok")
-    await wait_until(lambda: log.spooled == 1 and log.dropped == 1)
+    await wait_until_async(
+        lambda: log.spooled == 1 and log.dropped == 1, 30, "log.spooled == 1 and log.dropped == 1"
+    )
     await log.close()
     assert log.restarts == 0

@@ -1,0 +1,93 @@
+"""The proxy's routing table against a real Redis: a hash someone wrote by hand costs its alias
+nothing but its updates, costs the other aliases nothing, and shows in /readyz and /metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from proxy.app import create_app
+from proxy.routing import RoutingCache
+from ratchet.dev.processes import free_port as closed_port
+from ratchet.dev.processes import wait_until_async
+from ratchet.registry import CHANNEL, AliasRoute, RegistryWriter, alias_key
+from ratchet.settings import RatchetSettings
+
+
+async def test_an_invalid_hash_freezes_only_its_own_alias(redis_url: str) -> None:
+    writer = RegistryWriter(redis_url, {})
+    writer.write(AliasRoute(alias="good", base_model="b", active=1))
+    writer.write(AliasRoute(alias="bad", base_model="b", active=1))
+    cache = RoutingCache(redis_url, {}, refresh_s=0.05)
+    await cache.start()
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        assert cache.routes["bad"].active == 1
+        raw.hset(alias_key("bad"), "active", "two")
+        raw.publish(CHANNEL, "bad")
+        await wait_until_async(
+            lambda: "bad" in cache.invalid.now, 5, "the invalid hash to be noticed"
+        )
+        assert cache.routes["bad"].active == 1  # its last valid route keeps serving
+        # The table keeps refreshing: the other alias's change arrives.
+        raw.hset(alias_key("good"), "active", "5")
+        await wait_until_async(
+            lambda: cache.routes["good"].active == 5, 5, "the refresh to carry on"
+        )
+        assert not cache.stale
+        raw.hset(alias_key("bad"), "active", "3")
+        raw.publish(CHANNEL, "bad")
+        await wait_until_async(
+            lambda: cache.routes["bad"].active == 3, 5, "the fixed hash to be read"
+        )
+        assert not cache.invalid.now
+    finally:
+        raw.close()
+        await cache.close()
+
+
+async def test_readyz_and_metrics_name_the_invalid_alias(
+    redis_url: str, upstream: dict[str, Any], tmp_path: Path
+) -> None:
+    redis.Redis.from_url(redis_url).hset(alias_key("bad"), mapping={"canary_weight": "lots"})
+    settings = RatchetSettings(
+        home=tmp_path,
+        kafka_bootstrap_servers=f"127.0.0.1:{closed_port()}",
+        redis_url=redis_url,
+        vllm_url=upstream["url"],
+    )
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            ready = (await client.get("/readyz")).json()
+            metrics = (await client.get("/metrics")).text
+    assert ready["routing_invalid"] == ["bad"] and ready["registry_stale"] is False, ready
+    assert "ratchet_proxy_routing_invalid_aliases 1.0" in metrics
+
+
+async def test_readyz_says_the_table_is_stale_while_redis_is_away(proxy: Any) -> None:
+    client, _ = proxy
+    ready = (await client.get("/readyz")).json()
+    assert ready["registry"] is False and ready["registry_stale"] is True, ready
+
+
+async def test_connected_means_a_write_arrives_without_waiting_for_a_refresh(
+    redis_url: str,
+) -> None:
+    writer = RegistryWriter(redis_url, {})
+    writer.write(AliasRoute(alias="sub", base_model="b", active=1))
+    cache = RoutingCache(redis_url, {}, refresh_s=3600)  # no full refresh during the test
+    await cache.start()
+    try:
+        assert cache.readable  # read at start, before the subscription is up
+        await wait_until_async(lambda: cache.connected, 5, "the change channel subscribed")
+        writer.write(AliasRoute(alias="sub", base_model="b", active=2))
+        await wait_until_async(
+            lambda: cache.routes["sub"].active == 2, 2, "the write to arrive by pub/sub"
+        )
+    finally:
+        await cache.close()
