@@ -7,6 +7,7 @@ ratchet/rewards/; this module adds the judge's dedupe of identical answers and i
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -124,10 +125,10 @@ class GroupScorer:
         key = "ratchet:judge:cache:" + cache_key(
             prompt, tools, unique, reward.rubric, reward.judge_model
         )
-        cached = await self._cache_get(key)
+        cached = cached_verdict(await self._cache_get(key), len(unique))
         if cached is not None:
             self.metrics.cache_hits.labels(alias).inc()
-            scores, explanations = cached["scores"], cached["explanations"]
+            scores, explanations = cached
         else:
             scores, explanations = await self._judge(alias, reward, prompt, tools, unique)
             await self._cache_set(key, {"scores": scores, "explanations": explanations})
@@ -170,17 +171,35 @@ class GroupScorer:
             raise ScoringError(exc.cause) from None
         return parsed.scores, parsed.explanations
 
-    async def _cache_get(self, key: str) -> dict[str, Any] | None:
+    async def _cache_get(self, key: str) -> bytes | None:
         if self.cache is None:
             return None
         try:
             raw = await self.cache.get(key)
         except (redis.RedisError, OSError):
             return None  # no cache is slower, never wrong
-        return orjson.loads(raw) if raw else None
+        return raw.encode() if isinstance(raw, str) else raw
 
     async def _cache_set(self, key: str, value: dict[str, Any]) -> None:
         if self.cache is None:
             return
         with contextlib.suppress(redis.RedisError, OSError):
             await self.cache.set(key, orjson.dumps(value), ex=self.settings.cache_ttl_s)
+
+
+def cached_verdict(raw: bytes | None, count: int) -> tuple[list[float], list[str]] | None:
+    """A cached verdict on ``count`` answers, or None: absent, or not one (written by hand or by
+    another version), which is a miss: the group is judged again and the entry overwritten."""
+    if not raw:
+        return None
+    try:
+        data = orjson.loads(raw)
+        scores = [float(score) for score in data["scores"]]
+        explanations = [str(text) for text in data["explanations"]]
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+    if len(scores) != count or len(explanations) != count:
+        return None
+    if not all(math.isfinite(score) for score in scores):
+        return None
+    return scores, explanations

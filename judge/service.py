@@ -34,17 +34,20 @@ from judge.sampler import SamplingError, group_seed, prompt_of, sample_group, sa
 from judge.scoring import GroupScorer, ScoringError
 from ratchet.bus import ensure_topics, make_consumer
 from ratchet.records import (
+    DEADLETTER_TOPIC,
     GROUPS_TOPIC,
     HELDOUT_TOPIC,
     TRAFFIC_TOPIC,
+    DeadLetter,
     HeldoutPrompt,
     Record,
     ScoredGroup,
+    SourceMessage,
     TrafficRecord,
-    decode,
+    parse,
     prompt_hash,
 )
-from ratchet.registry import AliasRoute, alias_key, decode_hash, served_name
+from ratchet.registry import AliasRoute, InvalidRoute, alias_key, decode_hash, served_name
 from ratchet.secrets import keyed_hash, server_secret, vllm_api_key
 from ratchet.settings import AliasConfig, RatchetSettings
 
@@ -97,13 +100,23 @@ class JudgeService:
 
     # ---- one traffic record ------------------------------------------------------------------
     async def handle(
-        self, session: aiohttp.ClientSession, value: bytes
+        self, session: aiohttp.ClientSession, message: SourceMessage
     ) -> tuple[list[Record], list[SeenMark]]:
-        """Return (records to produce, prompts to mark as seen once those are produced)."""
-        record = decode(TRAFFIC_TOPIC, value)
+        """Return (records to produce, prompts to mark as seen once those are produced).
+
+        Whatever goes wrong with one record stays with it: a value that is not a traffic record,
+        or one this code fails on, is counted and dead-lettered, and the batch goes on (its
+        offsets are committed with the rest, so it is never read again)."""
+        record = parse(TRAFFIC_TOPIC, message.value)
+        if isinstance(record, str):  # malformed, invalid or another schema; counted by parse
+            if record == "unknown_schema":  # a newer producer's record: skipped, per contract
+                return [], []
+            self.metrics.failures.labels("-", record).inc()
+            return [self._dead_letter(message, record)], []
         if not isinstance(record, TrafficRecord):
             return [], []
-        alias = record.alias
+        # A poison record's alias must not become a metric label of its own.
+        alias = record.alias if record.alias in self.settings.aliases else "-"
         try:
             async with self.limit:
                 self.metrics.in_flight.inc()
@@ -116,7 +129,14 @@ class JudgeService:
         except (SamplingError, ScoringError) as exc:
             self.metrics.failures.labels(alias, exc.cause).inc()
             log.warning("group for %s dropped: %s (%s)", record.request_id, exc.cause, exc)
+        except Exception as exc:
+            log.exception("traffic record %s could not be judged; dead-lettered", message.offset)
+            self.metrics.failures.labels(alias, "handler_error").inc()
+            return [self._dead_letter(message, "handler_error", f"{type(exc).__name__}: {exc}")], []
         return [], []
+
+    def _dead_letter(self, message: SourceMessage, reason: str, error: str = "") -> DeadLetter:
+        return DeadLetter.of_message(message, self.settings.judge.consumer_group, reason, error)
 
     async def _handle(
         self, session: aiohttp.ClientSession, record: TrafficRecord
@@ -193,6 +213,8 @@ class JudgeService:
             raise Skip("failed_exchange")
         if record.endpoint != "chat.completions":
             raise Skip("not_chat")
+        if {"request", "all"} & set(record.truncated):
+            raise Skip("truncated_prompt")  # cut to fit Kafka: not the prompt the model saw
         if fraction_of("sample:" + record.request_id) >= config.learning.sample_rate:
             raise Skip("sampled_out")
         if (record.input_tokens or 0) > config.learning.max_prompt_tokens:
@@ -229,7 +251,8 @@ class JudgeService:
             pass  # a prompt not marked may be judged again; that costs time, loses nothing
 
     async def _route(self, alias: str, config: AliasConfig) -> AliasRoute:
-        """The live version, from Redis; the last one read while Redis is away."""
+        """The live version, from Redis; the last one read while Redis is away or while the
+        alias's hash is invalid."""
         try:
             data = decode_hash(await self.redis.hgetall(alias_key(alias)))
             route = (
@@ -239,6 +262,10 @@ class JudgeService:
             )
             self.routes[alias] = route
         except (redis.RedisError, OSError):
+            route = self.routes.get(alias) or AliasRoute(alias=alias, base_model=config.base_model)
+        except InvalidRoute as exc:
+            log.warning("%s; sampling from its last valid route", exc)
+            self.metrics.failures.labels(alias, "invalid_route").inc()
             route = self.routes.get(alias) or AliasRoute(alias=alias, base_model=config.base_model)
         return route
 
@@ -258,7 +285,7 @@ class JudgeService:
                 batch = await loop.run_in_executor(None, self._poll)
                 if not batch:
                     continue
-                results = await asyncio.gather(*(self.handle(session, v) for v in batch))
+                results = await asyncio.gather(*(self.handle(session, m) for m in batch))
                 outputs = [r for records, _ in results for r in records]
                 seen = [k for _, keys in results for k in keys]
                 # Produce, wait for acks, then commit: never the other way round.
@@ -271,7 +298,8 @@ class JudgeService:
         s = self.settings
         while True:
             try:
-                ensure_topics(s.kafka_bootstrap_servers, s.kafka, [GROUPS_TOPIC, HELDOUT_TOPIC])
+                topics = [GROUPS_TOPIC, HELDOUT_TOPIC, DEADLETTER_TOPIC]
+                ensure_topics(s.kafka_bootstrap_servers, s.kafka, topics)
                 self.producer = KafkaProducer(
                     bootstrap_servers=s.kafka_bootstrap_servers,
                     acks="all",
@@ -295,9 +323,9 @@ class JudgeService:
                     raise SystemExit(0) from None
                 time.sleep(1.0)
 
-    def _poll(self) -> list[bytes]:
+    def _poll(self) -> list[SourceMessage]:
         polled = self.consumer.poll(timeout_ms=1000, max_records=self.settings.judge.poll_records)
-        return [m.value for messages in polled.values() for m in messages]
+        return [m for messages in polled.values() for m in messages]
 
     def _produce_and_commit(self, outputs: list[Record]) -> None:
         while True:
@@ -327,6 +355,8 @@ def _key_of(record: Record) -> bytes:
         return record.alias.encode()
     if isinstance(record, HeldoutPrompt):
         return record.prompt_hash.encode()
+    if isinstance(record, DeadLetter):
+        return record.key()
     raise TypeError(type(record))
 
 

@@ -171,7 +171,9 @@ class CanaryWatcher:
                         auto_offset_reset="latest",  # only traffic from now on can judge a canary
                     )
                 if time.monotonic() - last_check >= self.settings.learner.canary_check_s:
-                    self.routes = self.lifecycle.writer.read_all()
+                    # An alias whose hash is invalid gets no decision until it is fixed.
+                    table = self.lifecycle.writer.read_all(self.routes)
+                    self.routes = {a: r for a, r in table.routes.items() if a not in table.invalid}
                     self.check()
                     last_check = time.monotonic()
                 polled = consumer.poll(timeout_ms=500, max_records=500)

@@ -45,6 +45,18 @@ def next_version_key(alias: str) -> str:
     return f"ratchet:learner:{alias}:next_version"
 
 
+# KEYS[1]: the counter; ARGV[1]: the highest version in the store. Returns the new version.
+NEXT_VERSION_SCRIPT = """
+local version = redis.call('INCR', KEYS[1])
+local floor = tonumber(ARGV[1])
+if version <= floor then
+  version = floor + 1
+  redis.call('SET', KEYS[1], version)
+end
+return version
+"""
+
+
 def trained_key(alias: str) -> str:
     """Sorted set of the group ids whose round outcome is stored (score: when)."""
     return f"ratchet:learner:{alias}:trained"
@@ -107,13 +119,11 @@ class Rounds:
         return self._trainer
 
     def next_version(self, alias: str) -> int:
-        """A version number no other learner will use (Redis INCR), above any in the store."""
+        """A version number no other learner will use, above any in the store. One script, so
+        the counter only ever moves up: a learner that finds it behind the store (Redis lost
+        it) lifts it, and never sets it back below what another learner has taken since."""
         existing = max(self.store.versions(alias), default=0)
-        version = int(self.redis.incr(next_version_key(alias)))
-        if version <= existing:
-            self.redis.set(next_version_key(alias), existing)
-            version = int(self.redis.incr(next_version_key(alias)))
-        return version
+        return int(self.redis.eval(NEXT_VERSION_SCRIPT, 1, next_version_key(alias), existing))
 
     # --- the steps --------------------------------------------------------------------------
 

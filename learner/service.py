@@ -49,11 +49,13 @@ from ratchet.records import (
     ALL_TOPICS,
     GROUPS_TOPIC,
     HELDOUT_TOPIC,
+    DeadLetter,
     HeldoutPrompt,
     ScoredGroup,
-    decode,
+    SourceMessage,
+    parse,
 )
-from ratchet.registry import AliasRoute, RegistryWriter
+from ratchet.registry import AliasRoute, InvalidRoutes, RegistryWriter
 from ratchet.settings import RatchetSettings
 from ratchet.store import AdapterStore
 
@@ -94,6 +96,7 @@ class LearnerService:
         )
         self.read_up_to: dict[TopicPartition, int] = {}  # next offset after the last one read
         self.routes: dict[str, AliasRoute] = {}
+        self.invalid_routes = InvalidRoutes()  # no round for these until their hash is fixed
         self.routes_read_at = 0.0
         self.paused_reason: dict[str, str] = {}  # the label of each alias's paused metric
         self._lineage: dict[tuple[str, int], int | None] = {}
@@ -166,6 +169,8 @@ class LearnerService:
         waiting = self.waiting.get(alias) or []
         route = self.routes.get(alias)
         if not waiting or route is None or route.paused or route.canary is not None:
+            return False
+        if alias in self.invalid_routes.now:
             return False
         config = self.settings.aliases[alias]
         share = config.learning.max_key_share
@@ -265,27 +270,71 @@ class LearnerService:
         assert self.groups_consumer is not None and self.heldout_consumer is not None
         for messages in self.heldout_consumer.poll(timeout_ms=0, max_records=1000).values():
             for message in messages:
-                record = decode(HELDOUT_TOPIC, message.value)
+                record = parse(HELDOUT_TOPIC, message.value)
                 if isinstance(record, HeldoutPrompt):
                     self.add_heldout(record)
+                elif isinstance(record, str) and record != "unknown_schema":
+                    # Read without a group from the start each time: only counted, not
+                    # dead-lettered again on every restart.
+                    self.metrics.failures.labels("-", f"heldout_{record}").inc()
         polled = self.groups_consumer.poll(timeout_ms=1000, max_records=256)
         if not polled:
             return
         self.refresh_routes()
         for tp, messages in polled.items():
             for message in messages:
+                try:
+                    self.intake(message, tp)
+                except (KafkaError, redis.RedisError, OSError):
+                    # An outage: read this message and the rest of the batch again once the
+                    # step is retried, instead of reading on past them.
+                    self._rewind(polled)
+                    raise
                 self.read_up_to[tp] = message.offset + 1
-                record = decode(GROUPS_TOPIC, message.value)
-                if not isinstance(record, ScoredGroup):
-                    continue
-                outcome = self.take(record, tp, message.offset)
-                if outcome != "waiting":
-                    self.metrics.groups.labels(record.alias, outcome).inc()
         for alias, waiting in self.waiting.items():
             self.metrics.waiting.labels(alias).set(len(waiting))
 
+    def intake(self, message: SourceMessage, tp: TopicPartition) -> None:
+        """One message of ratchet.groups: taken, dropped with a counted outcome, or (when it is
+        not a group, or this code fails on it) dead-lettered, so it can never stop the others."""
+        record = parse(GROUPS_TOPIC, message.value)
+        if isinstance(record, str):  # counted by parse; another schema is skipped, per contract
+            if record != "unknown_schema":
+                self.dead_letter(message, "-", record)
+            return
+        if not isinstance(record, ScoredGroup):
+            return
+        alias = record.alias if record.alias in self.settings.aliases else "-"
+        try:
+            outcome = self.take(record, tp, message.offset)
+        except (KafkaError, redis.RedisError, OSError):
+            raise  # an outage, not this record's fault
+        except Exception as exc:
+            log.exception("group at offset %d could not be taken; dead-lettered", message.offset)
+            self.dead_letter(message, alias, "handler_error", f"{type(exc).__name__}: {exc}")
+            return
+        if outcome != "waiting":
+            self.metrics.groups.labels(record.alias, outcome).inc()
+
+    def _rewind(self, polled: dict[TopicPartition, list[SourceMessage]]) -> None:
+        assert self.groups_consumer is not None
+        for tp, messages in polled.items():
+            first_unread = next(
+                (m.offset for m in messages if m.offset >= self.read_up_to.get(tp, 0)), None
+            )
+            if first_unread is not None:
+                self.groups_consumer.seek(tp, first_unread)
+
+    def dead_letter(self, message: SourceMessage, alias: str, reason: str, error: str = "") -> None:
+        self.metrics.failures.labels(alias, reason).inc()
+        consumer = self.settings.learner.consumer_group
+        self.lifecycle.unsent.append(DeadLetter.of_message(message, consumer, reason, error))
+
     def refresh_routes(self) -> None:
-        self.routes = self.writer.read_all()
+        table = self.writer.read_all(self.routes)
+        self.routes = table.routes
+        for alias in self.invalid_routes.update(table.invalid):
+            self.metrics.failures.labels(alias, "invalid_route").inc()
         self.routes_read_at = time.monotonic()
         for alias, route in self.routes.items():
             self.metrics.active_version.labels(alias).set(route.active)

@@ -16,13 +16,17 @@ import httpx
 import openai
 import pytest
 import yaml
+from kafka import KafkaProducer
 
 from judge.service import is_heldout
 from ratchet.dev.processes import Stack, wait_until
 from ratchet.dev.stack import judge_part
 from ratchet.records import (
+    DEADLETTER_TOPIC,
     GROUPS_TOPIC,
     HELDOUT_TOPIC,
+    TRAFFIC_TOPIC,
+    DeadLetter,
     HeldoutPrompt,
     ScoredGroup,
     prompt_hash,
@@ -30,6 +34,7 @@ from ratchet.records import (
 from ratchet.registry import AliasRoute
 from ratchet.secrets import vllm_api_key
 from tests.integration.conftest import BASE_MODEL, Embedded, free_port
+from tests.records import build_traffic_record
 
 pytestmark = pytest.mark.integration
 
@@ -152,9 +157,17 @@ def test_traffic_becomes_scored_groups_and_heldout_prompts(
         for q in questions
     ), "pick questions so that some are held out"
     config = judge_config(embedded, tmp_path, alias)
+    poison = produce_poison(embedded, alias)  # in the same batches as the real traffic
     sent = send_traffic(embedded, alias, questions)
     with running_judge(config, tmp_path / "state"):
         groups, heldout = outputs_for(embedded, set(sent), timeout_s=300)
+        letters = embedded.find_records(
+            DEADLETTER_TOPIC,
+            lambda r: isinstance(r, DeadLetter) and r.consumer == f"judge-{alias}",
+            count=len(poison),
+        )
+    # The poison was counted and kept, not retried: every real record was handled too.
+    assert sorted((r.reason, r.value) for r in letters) == sorted(poison)  # type: ignore[union-attr]
 
     held_hashes = {h.prompt_hash for h in heldout}
     expected_held = {digest for digest in sent.values() if is_heldout(embedded.secret, digest, 0.3)}
@@ -170,6 +183,21 @@ def test_traffic_becomes_scored_groups_and_heldout_prompts(
         for sample in group.samples:
             assert len(sample.token_ids) == len(sample.logprobs) > 0
     assert_logprobs_match_vllm(embedded, groups[0])
+
+
+def produce_poison(env: Embedded, alias: str) -> list[tuple[str, str]]:
+    """A value that is not JSON, and a traffic record that validates but whose messages are a
+    string; (reason, value) of the dead letter each must become."""
+    broken = build_traffic_record(
+        request_id=f"{alias}-poison", alias=alias, request={"messages": "a string, not a list"}
+    ).to_json()
+    values = [(b"{not json", "malformed"), (broken, "handler_error")]
+    producer = KafkaProducer(bootstrap_servers=env.settings.kafka_bootstrap_servers, acks="all")
+    for value, _ in values:
+        producer.send(TRAFFIC_TOPIC, key=b"poison", value=value)
+    producer.flush(30)
+    producer.close()
+    return [(reason, value.decode()) for value, reason in values]
 
 
 def assert_logprobs_match_vllm(env: Embedded, group: ScoredGroup) -> None:
@@ -247,7 +275,9 @@ def test_judge_model_unreachable_drops_and_counts_then_recovers(
         judge_api_base=f"http://127.0.0.1:{switch.port}/v1",
         # A judge endpoint other than Ratchet's vLLM gets no key by default; this one is vLLM.
         judge_api_key=vllm_api_key(embedded.settings),
-        judge_timeout_s=20,
+        # Closed, the switch refuses at once; open, a structured judge reply on a busy 2-core
+        # machine took over 20 s once in a full suite (judge_timeout, and that group was lost).
+        judge_timeout_s=90,
     )
     port = yaml.safe_load(config.read_text())["judge"]["metrics_port"]
     train = [

@@ -122,7 +122,11 @@ def loop_config(env: Embedded, home: Path, alias: str, batch_groups: int = GROUP
 
 
 def send_demo_traffic(
-    env: Embedded, alias: str, prompts: list[dict[str, Any]], feedback: bool = False
+    env: Embedded,
+    alias: str,
+    prompts: list[dict[str, Any]],
+    feedback: bool = False,
+    max_tokens: int = 64,
 ) -> dict[str, int]:
     """What `ratchet demo` does: each prompt through the proxy with the official client. With
     `feedback`, each answer's verifier score goes back as the user's feedback. Returns how many
@@ -138,7 +142,7 @@ def send_demo_traffic(
                 raw = await client.chat.completions.with_raw_response.create(
                     model=alias,
                     messages=prompt["messages"],
-                    max_tokens=64,
+                    max_tokens=max_tokens,
                     temperature=0.0,
                     user=f"user-{i}",  # canary assignment is sticky per user
                 )
@@ -158,31 +162,34 @@ def send_demo_traffic(
     return arms
 
 
-def greedy_score(env: Embedded, model: str, prompts: list[dict[str, Any]]) -> float:
-    """Mean demo verifier score of `model`'s greedy answers, straight from vLLM."""
+def greedy_scores(env: Embedded, models: list[str], prompts: list[dict[str, Any]]) -> list[float]:
+    """Each model's mean demo verifier score of its greedy answers, straight from vLLM. The
+    models answer side by side, so vLLM batches them together."""
 
-    async def run() -> list[float]:
+    async def run(client: httpx.AsyncClient, limit: asyncio.Semaphore, model: str) -> float:
+        async def one(prompt: dict[str, Any]) -> float:
+            body = {
+                "model": model,
+                "messages": prompt["messages"],
+                "max_tokens": 64,
+                "temperature": 0.0,
+            }
+            async with limit:
+                reply = await client.post("/v1/chat/completions", json=body)
+            reply.raise_for_status()
+            message = reply.json()["choices"][0]["message"]
+            return extraction_reward(prompt["messages"], message)
+
+        return statistics.fmean(await asyncio.gather(*(one(p) for p in prompts)))
+
+    async def run_all() -> list[float]:
         async with httpx.AsyncClient(
             base_url=env.settings.vllm_url, headers=env.vllm_headers, timeout=300
         ) as client:
-            limit = asyncio.Semaphore(8)
+            limit = asyncio.Semaphore(8 * len(models))
+            return list(await asyncio.gather(*(run(client, limit, m) for m in models)))
 
-            async def one(prompt: dict[str, Any]) -> float:
-                body = {
-                    "model": model,
-                    "messages": prompt["messages"],
-                    "max_tokens": 64,
-                    "temperature": 0.0,
-                }
-                async with limit:
-                    reply = await client.post("/v1/chat/completions", json=body)
-                reply.raise_for_status()
-                message = reply.json()["choices"][0]["message"]
-                return extraction_reward(prompt["messages"], message)
-
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
-
-    return statistics.fmean(asyncio.run(run()))
+    return asyncio.run(run_all())
 
 
 def judged_output(env: Embedded, alias: str) -> list[ScoredGroup]:
@@ -214,7 +221,8 @@ def test_the_loop_promotes_a_version_that_beats_the_base_on_unseen_prompts(
     judge = Stack([judge_part(load_settings(judge_config), judge_config)], tmp_path / "judge")
     judge.start()
     try:
-        send_demo_traffic(embedded, alias, held + grouped)
+        # The judge samples from the prompts alone: the answers users got need not be long.
+        send_demo_traffic(embedded, alias, held + grouped, max_tokens=8)
         groups = judged_output(embedded, alias)
     finally:
         judge.stop()
@@ -243,8 +251,7 @@ def test_the_loop_promotes_a_version_that_beats_the_base_on_unseen_prompts(
     assert promote["kind"] == "promote" and promote["version"] == candidate, promote
     assert served_by(embedded, alias) == f"{alias}@v{candidate}"
 
-    base = greedy_score(embedded, BASE_MODEL, UNSEEN)
-    better = greedy_score(embedded, f"{alias}@v{candidate}", UNSEEN)
+    base, better = greedy_scores(embedded, [BASE_MODEL, f"{alias}@v{candidate}"], UNSEEN)
     print(f"unseen demo prompts, greedy verifier score: base {base:.3f}, v{candidate} {better:.3f}")
     # Kept beside the run's logs, to compare runs.
     figures = {"groups": len(kept), "gate": gate, "base": base, "candidate": better}

@@ -5,16 +5,19 @@ statistics."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import redis
 
 from judge import calibrate as cal
 from judge.metrics import JudgeMetrics
 from judge.sampler import SamplingError, group_seed, parse_group, prompt_of, sampling_body
-from judge.scoring import GroupScorer, ScoringError
+from judge.scoring import GroupScorer, ScoringError, cached_verdict
 from judge.service import JudgeService, Skip, fraction_of, group_id_of, is_heldout
-from ratchet.records import HeldoutPrompt, TrafficRecord, prompt_hash
+from ratchet.records import TRAFFIC_TOPIC, DeadLetter, HeldoutPrompt, TrafficRecord, prompt_hash
+from ratchet.registry import AliasRoute, RegistryWriter, alias_key
 from ratchet.rewards.ruler import JudgeReplyError, JudgeRequest, JudgeScores
 from ratchet.settings import (
     AliasConfig,
@@ -23,6 +26,7 @@ from ratchet.settings import (
     RewardConfig,
     SamplingConfig,
 )
+from tests.records import build_traffic_record
 
 PROMPT = [{"role": "user", "content": "q"}]
 
@@ -106,21 +110,9 @@ def test_a_held_out_prompt_carries_the_servers_request_id_and_the_key() -> None:
 
 
 def traffic(**overrides: Any) -> TrafficRecord:
-    fields: dict[str, Any] = dict(
-        request_id="r1",
-        endpoint="chat.completions",
-        alias="support",
-        request_model="support",
-        response_model="m",
-        version=0,
-        canary_arm="active",
-        status=200,
-        latency_ms=1.0,
-        request={"messages": PROMPT},
-        input_tokens=10,
+    return build_traffic_record(
+        **{"request": {"messages": PROMPT}, "input_tokens": 10, **overrides}
     )
-    fields.update(overrides)
-    return TrafficRecord(**fields)
 
 
 @pytest.mark.parametrize(
@@ -130,6 +122,7 @@ def traffic(**overrides: Any) -> TrafficRecord:
         (traffic(alias="other"), None, "learning_disabled"),
         (traffic(status=503), AliasConfig(), "failed_exchange"),
         (traffic(endpoint="completions"), AliasConfig(), "not_chat"),
+        (traffic(truncated=["logprobs", "answer", "request"]), AliasConfig(), "truncated_prompt"),
         (traffic(), AliasConfig(learning={"sample_rate": 0.0}), "sampled_out"),
         (traffic(input_tokens=5000), AliasConfig(), "prompt_too_long"),
         (
@@ -356,3 +349,92 @@ def test_labels_file_errors_name_the_line(tmp_path: Any) -> None:
     )
     with pytest.raises(ValueError, match=r"labels\.jsonl:2"):
         cal.load_labels(path)
+
+
+def test_an_invalid_route_samples_from_the_last_valid_one(redis_url: str) -> None:
+    """A field written by hand into the alias's hash is counted; the judge goes on sampling from
+    the version it last read instead of stopping on every batch."""
+    config = AliasConfig()
+    settings = RatchetSettings(redis_url=redis_url, aliases={"support": config})
+    service = JudgeService(settings)
+    writer = RegistryWriter(redis_url, settings.aliases)
+    writer.write(AliasRoute(alias="support", base_model=config.base_model, active=2))
+
+    async def route() -> AliasRoute:
+        return await service._route("support", config)
+
+    async def both() -> tuple[AliasRoute, AliasRoute]:
+        first = await route()
+        redis.Redis.from_url(redis_url).hset(alias_key("support"), "active", "two")
+        second = await route()
+        await service.redis.aclose()
+        return first, second
+
+    first, second = asyncio.run(both())
+    assert first.active == 2 and second == first
+    samples = service.metrics.registry.get_sample_value(
+        "ratchet_judge_failures_total", {"alias": "support", "cause": "invalid_route"}
+    )
+    assert samples == 1.0
+
+
+def polled(value: bytes) -> SimpleNamespace:
+    """A consumed message as kafka-python hands it over, as far as the judge reads it."""
+    return SimpleNamespace(topic=TRAFFIC_TOPIC, partition=0, offset=7, value=value)
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        (b"{not json", "malformed"),
+        (b'{"schema": "traffic/1", "alias": "support"}', "invalid"),
+        # Parses, but is not what the judge expects: a string where the messages go.
+        (traffic(request={"messages": "hi"}).to_json(), "handler_error"),
+    ],
+)
+def test_a_poison_record_is_dead_lettered_and_counted(value: bytes, reason: str) -> None:
+    service = judge_for(SECRET, AliasConfig(learning={"heldout_fraction": 0.0}))
+    service.limit = asyncio.Semaphore(1)
+
+    async def handle() -> tuple[list[Any], list[Any]]:
+        return await service.handle(None, polled(value))  # type: ignore[arg-type]
+
+    records, seen = asyncio.run(handle())
+    [letter] = records
+    assert isinstance(letter, DeadLetter) and seen == []
+    assert (letter.reason, letter.source_topic, letter.offset) == (reason, TRAFFIC_TOPIC, 7)
+    assert letter.value.encode() == value and letter.consumer == "ratchet-judge"
+    alias = "support" if reason == "handler_error" else "-"
+    failures = service.metrics.registry.get_sample_value(
+        "ratchet_judge_failures_total", {"alias": alias, "cause": reason}
+    )
+    assert failures == 1.0
+
+
+def test_a_record_of_another_schema_is_skipped_not_dead_lettered() -> None:
+    service = judge_for(SECRET, AliasConfig())
+    service.limit = asyncio.Semaphore(1)
+    value = b'{"schema": "traffic/2", "alias": "support"}'
+    records, _ = asyncio.run(service.handle(None, polled(value)))  # type: ignore[arg-type]
+    assert records == []
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"not json",
+        b'{"scores": [1.0]}',
+        b'{"scores": "ab", "explanations": ["a", "b"]}',
+        b'{"scores": [1.0, "x"], "explanations": ["a", "b"]}',
+        b'{"scores": [1.0, NaN], "explanations": ["a", "b"]}',
+        b'{"scores": [1.0], "explanations": ["a"]}',
+        b"[1, 2]",
+    ],
+)
+def test_a_malformed_cached_verdict_is_a_miss(raw: bytes) -> None:
+    assert cached_verdict(raw, 2) is None
+
+
+def test_a_cached_verdict_is_read_back() -> None:
+    raw = b'{"scores": [1, 0.25], "explanations": ["good", "meh"]}'
+    assert cached_verdict(raw, 2) == ([1.0, 0.25], ["good", "meh"])

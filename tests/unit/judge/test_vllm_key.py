@@ -18,6 +18,7 @@ from ratchet.dev.processes import free_port
 from ratchet.records import ScoredGroup, TrafficRecord
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import AliasConfig, RatchetSettings
+from tests.records import build_traffic_record
 from tests.unit.ratchet.dev.keyed_vllm import keyed_vllm
 
 KEY = "vllm-key-for-the-judge"
@@ -43,19 +44,8 @@ def test_sampling_with_a_wrong_key_is_refused_and_counted_as_such() -> None:
 
 
 def traffic() -> TrafficRecord:
-    return TrafficRecord(
-        request_id="r1",
-        endpoint="chat.completions",
-        alias="support",
-        request_model="support",
-        response_model="m",
-        version=0,
-        canary_arm="active",
-        status=200,
-        latency_ms=1.0,
-        request={"messages": [{"role": "user", "content": "What is 2 + 2?"}]},
-        input_tokens=10,
-    )
+    question = {"role": "user", "content": "What is 2 + 2?"}
+    return build_traffic_record(request={"messages": [question]}, input_tokens=10)
 
 
 def judge_service(vllm_url: str, **judge: Any) -> JudgeService:

@@ -112,7 +112,7 @@ def start_canary(lifecycle: Lifecycle, version: int = 2) -> None:
 
 def watcher_for(settings: RatchetSettings, lifecycle: Lifecycle) -> CanaryWatcher:
     watcher = CanaryWatcher(settings, lifecycle, LearnerMetrics(), threading.Event())
-    watcher.routes = lifecycle.writer.read_all()
+    watcher.routes = lifecycle.writer.read_all().routes
     return watcher
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,9 +16,10 @@ import redis
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from learner.heldout import HeldoutPool
-from learner.round import trained_key
+from learner.round import next_version_key, trained_key
 from learner.service import LearnerService, baseline_length_key
-from ratchet.records import GROUPS_TOPIC, HeldoutPrompt, Sample, ScoredGroup
+from ratchet.records import GROUPS_TOPIC, DeadLetter, HeldoutPrompt, Sample, ScoredGroup
+from ratchet.registry import alias_key
 from ratchet.settings import (
     AliasConfig,
     GateConfig,
@@ -285,6 +287,18 @@ def test_next_version_is_above_every_version_in_the_store(
     assert service.rounds.next_version("frozen") == 1  # per alias
 
 
+def test_a_learner_behind_the_store_never_sets_the_counter_back(
+    service: LearnerService, settings: RatchetSettings
+) -> None:
+    """A learner whose store listing is old (say, 3) while others have taken up to 7 must not
+    reset the counter to 3: versions 4 to 7 would be handed out twice."""
+    add_versions(service, (1, 0), (2, 1), (3, 2))
+    service.redis.set(next_version_key(ALIAS), 7)  # taken by other learners meanwhile
+    assert service.rounds.next_version(ALIAS) == 8
+    service.redis.set(next_version_key(ALIAS), 1)  # Redis lost the counter
+    assert service.rounds.next_version(ALIAS) == 4  # lifted above the store
+
+
 def heldout(h: str, key: str | None = None) -> HeldoutPrompt:
     messages = [{"role": "user", "content": h}]
     return HeldoutPrompt(
@@ -499,3 +513,70 @@ def test_a_pause_by_an_operator_is_picked_up_with_its_reason(service: LearnerSer
     service.refresh_routes()
     assert ALIAS not in service.paused_reason
     assert metric(service, "ratchet_learner_paused", alias=ALIAS, reason="investigating") is None
+
+
+def test_no_round_while_the_aliases_hash_is_invalid(gateable: LearnerService) -> None:
+    """A field written by hand into the alias's hash must neither crash the learner's refresh nor
+    let a round decide on a route nobody can read; fixed, the alias learns again."""
+    service = gateable
+    for i in range(3):
+        service.take(group(f"g{i}"), TP0, i)
+    service.refresh_routes()
+    assert service.ready(ALIAS)
+    service.writer.redis.hset(alias_key(ALIAS), "canary_weight", "lots")
+    service.refresh_routes()
+    assert list(service.invalid_routes.now) == [ALIAS]
+    assert not service.ready(ALIAS)
+    assert metric(service, "ratchet_learner_failures_total", alias=ALIAS, cause="invalid_route")
+    service.writer.redis.hset(alias_key(ALIAS), "canary_weight", "0.0")
+    service.refresh_routes()
+    assert not service.invalid_routes.now and service.ready(ALIAS)
+
+
+# --- records the learner cannot use -----------------------------------------------------------
+
+
+def message(value: bytes, offset: int = 5) -> SimpleNamespace:
+    return SimpleNamespace(topic=GROUPS_TOPIC, partition=0, offset=offset, value=value)
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [(b"{not json", "malformed"), (b'{"schema": "scored_group/1", "alias": 1}', "invalid")],
+)
+def test_a_value_that_is_not_a_group_is_dead_lettered(
+    service: LearnerService, value: bytes, reason: str
+) -> None:
+    service.intake(message(value), TP0)
+    [letter] = service.lifecycle.unsent
+    assert isinstance(letter, DeadLetter)
+    assert (letter.reason, letter.offset, letter.consumer) == (reason, 5, "ratchet-learner")
+    assert metric(service, "ratchet_learner_failures_total", alias="-", cause=reason) == 1.0
+
+
+def test_a_group_the_learner_fails_on_is_dead_lettered_and_the_next_is_taken(
+    service: LearnerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(group: ScoredGroup) -> bool:
+        raise TypeError("a bug that only this group finds")
+
+    monkeypatch.setattr("learner.service.is_collapsed", broken)
+    service.intake(message(group("g0").to_json()), TP0)
+    monkeypatch.undo()
+    service.intake(message(group("g1").to_json(), offset=6), TP0)
+    [letter] = service.lifecycle.unsent
+    assert isinstance(letter, DeadLetter) and letter.reason == "handler_error"
+    assert "TypeError: a bug" in letter.error
+    assert waiting_ids(service) == ["g1"]
+
+
+def test_an_outage_while_taking_a_group_is_not_the_groups_fault(
+    service: LearnerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def away(*_: Any) -> None:
+        raise redis.ConnectionError("redis is away")
+
+    monkeypatch.setattr(service.redis, "zscore", away)
+    with pytest.raises(redis.ConnectionError):
+        service.intake(message(group("g0").to_json()), TP0)
+    assert service.lifecycle.unsent == []
