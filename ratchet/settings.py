@@ -371,7 +371,9 @@ class LearnerSettings(_Section):
     # Where the learner's base weights are (the value vLLM was started with as --model, which is
     # also what each adapter's base_model_name_or_path must say). Empty: the embedded model.
     base_model_path: str | None = None
-    gate_concurrency: int = Field(default=4, ge=1, le=256)
+    # Gate answers in flight at once. vLLM batches them: on the CPU build, 48 greedy answers of 64
+    # tokens take 43 s at 4, 27 s at 16, 24 s at 48 (measured); a GPU gains more.
+    gate_concurrency: int = Field(default=16, ge=1, le=256)
     gate_timeout_s: float = Field(default=120.0, gt=0)
     # Held-out prompts kept per alias for the gate; when full, the key holding the most loses
     # its oldest, so a flood from one key cannot push the others' prompts out.

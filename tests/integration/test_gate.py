@@ -100,7 +100,7 @@ def test_ruler_gate_judges_each_differing_pair_in_both_orders(embedded: Embedded
 
     async def evaluate() -> GateResult:
         async with recording_judge(embedded, seen) as judge_url:
-            gate = Gate(gate_settings(embedded, judge_url, gate_concurrency=4))
+            gate = Gate(gate_settings(embedded, judge_url, gate_concurrency=16))
             # A random test adapter against the base: their answers differ.
             return await gate.evaluate(ALIAS, ruler_alias(), PROMPTS, f"{ALIAS}@v1", BASE_MODEL)
 

@@ -176,10 +176,16 @@ def produce(env: Embedded, records: list[Record]) -> None:
 
 
 def learner_config(
-    env: Embedded, home: Path, alias: str, canary: dict[str, Any] | None = None, **learner: Any
+    env: Embedded,
+    home: Path,
+    alias: str,
+    canary: dict[str, Any] | None = None,
+    gate_tokens: int = 64,
+    **learner: Any,
 ) -> Path:
     """The session stack's addresses and adapter store, one demo alias, its own consumer group;
-    no canary unless `canary` says."""
+    no canary unless `canary` says. The gate answers with up to `gate_tokens` (64: a whole JSON
+    answer, so the verdict means something)."""
     config = yaml.safe_load(env.config_path.read_text())
     config["home"] = str(home)
     config["store_dir"] = str(env.settings.store_dir)  # where vLLM's resolver finds adapters
@@ -209,7 +215,7 @@ def learner_config(
         alias: {
             "base_model": BASE_MODEL,
             "reward": {"kind": "verifier", "verifier": "ratchet.demo:extraction_reward"},
-            "gate": {"min_pairs": 16, "max_pairs": len(HELDOUT), "max_tokens": 64},
+            "gate": {"min_pairs": 16, "max_pairs": len(HELDOUT), "max_tokens": gate_tokens},
             "canary": canary or {"weight": 0.0},
         }
     }
@@ -385,8 +391,8 @@ def test_learner_killed_mid_round_neither_loses_groups_nor_promotes_twice(
 ) -> None:
     alias = "lt-crash"
     # Either verdict will do here, so a short round: a dozen groups, started as soon as they
-    # are in. The gate stays as long as the others', so the kill lands while it runs.
-    config = learner_config(embedded, tmp_path, alias, min_groups=4)
+    # are in, and a gate of short answers (still seconds long: the kill lands while it runs).
+    config = learner_config(embedded, tmp_path, alias, gate_tokens=16, min_groups=4)
     settings = load_settings(config)
     embedded.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
     groups = better_groups(policy, alias, base_answers, count=12)

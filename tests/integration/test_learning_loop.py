@@ -98,7 +98,7 @@ def loop_config(env: Embedded, home: Path, alias: str, batch_groups: int = GROUP
         "learning_rate": 1e-3,
         "lora_rank": 8,
         "lora_alpha": 16,
-        "gate_concurrency": 16,
+        "gate_concurrency": 48,  # the loop test's 96-pair gate: vLLM batches more at once
         "seed": SEED,
     }
     config["aliases"] = {
@@ -186,7 +186,7 @@ def greedy_scores(env: Embedded, models: list[str], prompts: list[dict[str, Any]
         async with httpx.AsyncClient(
             base_url=env.settings.vllm_url, headers=env.vllm_headers, timeout=300
         ) as client:
-            limit = asyncio.Semaphore(8 * len(models))
+            limit = asyncio.Semaphore(24 * len(models))
             return list(await asyncio.gather(*(run(client, limit, m) for m in models)))
 
     return asyncio.run(run_all())
