@@ -159,7 +159,9 @@ class _LogCollector(Collector):
             "Traffic and feedback records by outcome: sent (acknowledged by Kafka), spooled "
             "(written to disk while Kafka was away), replayed (sent from the spool), dropped "
             "(lost: queue full or spool unwritable), dead_lettered (refused by the broker for "
-            "what they are, e.g. too large: on ratchet.deadletter)",
+            "what they are, e.g. too large: on ratchet.deadletter), recovered (left unsent in a "
+            "killed log worker's journal, spooled by the next), resent (read by a log worker "
+            "that was killed before making them durable, handed to the next)",
             labels=["outcome"],
         )
         for outcome, value in (
@@ -168,6 +170,8 @@ class _LogCollector(Collector):
             ("replayed", p.replayed),
             ("dropped", p.dropped),
             ("dead_lettered", p.dead_lettered),
+            ("recovered", p.recovered),
+            ("resent", p.resent),
         ):
             records.add_metric([outcome], value)
         yield records
@@ -175,7 +179,7 @@ class _LogCollector(Collector):
             "ratchet_proxy_log_dropped_records",
             "Dropped records (outcome=dropped above) by reason: spool_full (the spool holds "
             "proxy.spool_max_bytes while Kafka is away), other (log queue full, spool unwritable, "
-            "a log worker that died)",
+            "a frame two log workers died holding)",
             labels=["reason"],
         )
         dropped.add_metric(["spool_full"], p.spool_full)

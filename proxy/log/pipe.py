@@ -6,9 +6,11 @@ The worker (proxy/log/worker.py) builds the records, produces them to Kafka or s
 disk, and reports its counters back a few times a second; they are what ``/metrics`` and
 ``/readyz`` show.
 
-If the worker dies, frames wait here (up to ``queue_size``) while a new one starts; a frame the
-dead worker had read but not yet sent is lost and counted as dropped (the worker reports what it
-received, so the count is exact up to its last report).
+If the worker dies, frames wait here (up to ``queue_size``) while a new one starts. Each frame
+written to a worker is kept here until the worker reports it received, which it does only once
+the frame's records are durable in its journal (proxy/log/journal.py); the frames a dead worker
+never confirmed go to its replacement first, and the replacement spools what the journal holds.
+A frame two workers in a row died holding is dropped and counted: it may be what kills them.
 
 What waits on this side (the batch, the backlog and the pipe transport's write buffer) is bounded
 in bytes too, by ``max_bytes`` (proxy.log_queue_bytes): frames carry whole requests and answers,
@@ -35,7 +37,9 @@ log = logging.getLogger(__name__)
 
 RESTART_DELAY_S = 1.0
 # The worker's counters that carry on across restarts (a new worker counts from zero).
-WORKER_TOTALS = ("sent", "spooled", "replayed", "dead_lettered", "spool_full")
+WORKER_TOTALS = ("sent", "spooled", "replayed", "dead_lettered", "spool_full", "recovered")
+# Handed to this many workers at most: a frame that every one of them died holding is dropped.
+MAX_FRAME_ATTEMPTS = 2
 # Frames are written to the pipe this long after the first of them, together: the write (and
 # the worker it wakes up) then never sits between vLLM's answer and the client, and the worker
 # wakes once per batch instead of once per request.
@@ -61,6 +65,8 @@ class TrafficLog:
         self.on_tokens = on_tokens
         self.on_state = on_state
         self.sent = self.spooled = self.replayed = self.dead_lettered = self.spool_pending = 0
+        self.recovered = 0  # records a killed worker journaled, spooled by the next
+        self.resent = 0  # frames a killed worker never confirmed, handed to the next
         self.spool_full = 0  # of the dropped: records the worker's spool had no room for
         self.connected = False
         self.restarts = 0
@@ -71,7 +77,12 @@ class TrafficLog:
         self._received = 0  # of those, read by it (as of its last report)
         self._worker_depth = 0
         self._worker_totals = dict.fromkeys(WORKER_TOTALS, 0)
-        self._backlog: deque[bytes] = deque()  # frames waiting for a worker
+        # Frames waiting for a worker, with how many workers each was handed to before.
+        self._backlog: deque[tuple[bytes, int]] = deque()
+        # Frames written to the running worker and not yet reported received, oldest first,
+        # with how many workers each was handed to.
+        self._unconfirmed: deque[tuple[bytes, int]] = deque()
+        self._unconfirmed_bytes = 0
         self._batch: list[bytes] = []  # frames waiting for the next flush
         self._waiting_bytes = 0  # in _batch and _backlog
         self._flush_at: asyncio.TimerHandle | None = None
@@ -108,11 +119,12 @@ class TrafficLog:
         frames, self._batch = self._batch, []
         process = self._process
         if process is None or process.stdin is None or process.stdin.is_closing():
-            self._backlog.extend(frames)
+            self._backlog.extend((frame, 0) for frame in frames)
             return
         self._waiting_bytes -= sum(map(len, frames))
         process.stdin.write(b"".join(frames))  # the transport buffers what the pipe can't take
-        self._written += len(frames)
+        for frame in frames:
+            self._handed(frame, 1)
 
     # ---- counters ----------------------------------------------------------------------------
     @property
@@ -121,14 +133,26 @@ class TrafficLog:
         waiting_here = len(self._batch) + len(self._backlog)
         return waiting_here + (self._written - self._received) + self._worker_depth
 
+    def _handed(self, frame: bytes, attempt: int) -> None:
+        """``frame`` was written to the running worker; keep it until confirmed."""
+        self._unconfirmed.append((frame, attempt))
+        self._unconfirmed_bytes += len(frame)
+        self._written += 1
+
+    def _confirm(self, received: int) -> None:
+        for _ in range(min(received - self._received, len(self._unconfirmed))):
+            frame, _ = self._unconfirmed.popleft()
+            self._unconfirmed_bytes -= len(frame)
+        self._received = received
+
     @property
     def buffered_bytes(self) -> int:
-        """Bytes of frames held in this process: not yet flushed, waiting for a worker, or in
-        the pipe transport's write buffer."""
+        """Bytes of frames held in this process: not yet flushed, waiting for a worker, or
+        written to it and not yet confirmed (which covers the pipe transport's buffer)."""
         process = self._process
         stdin = process.stdin if process is not None else None
         in_pipe = stdin.transport.get_write_buffer_size() if stdin is not None else 0
-        return self._waiting_bytes + in_pipe
+        return self._waiting_bytes + max(in_pipe, self._unconfirmed_bytes)
 
     @property
     def dropped(self) -> int:
@@ -180,10 +204,25 @@ class TrafficLog:
         assert self._process.stdin is not None
         self._process.stdin.write(encode_frame(CONFIG, b"", b"", pickle.dumps(self.config)))
         while self._backlog:
-            frame = self._backlog.popleft()
+            frame, attempts = self._backlog.popleft()
             self._waiting_bytes -= len(frame)
             self._process.stdin.write(frame)
-            self._written += 1
+            self._handed(frame, attempts + 1)
+
+    def _take_back_unconfirmed(self) -> int:
+        """The dead worker's unconfirmed frames go first to the next one; return how many were
+        dropped instead, for having been handed to MAX_FRAME_ATTEMPTS workers already."""
+        dropped = 0
+        for frame, attempt in reversed(self._unconfirmed):
+            if attempt >= MAX_FRAME_ATTEMPTS:
+                dropped += 1
+                continue
+            self._backlog.appendleft((frame, attempt))
+            self._waiting_bytes += len(frame)
+            self.resent += 1
+        self._unconfirmed.clear()
+        self._unconfirmed_bytes = 0
+        return dropped
 
     async def _watch(self) -> None:
         """Read the worker's reports; when it dies uninvited, count its loss and start another."""
@@ -194,16 +233,30 @@ class TrafficLog:
                 self._apply(orjson.loads(line))
             code = await process.wait()
             self._process = None  # frames wait in the backlog from here on
-            lost = self._written - self._received + self._worker_depth
             self._dropped_by_dead += self._worker_dropped
             self._worker_dropped = 0
+            # What it held is unconfirmed here (taken back below) or in its journal.
+            self._written = self._received = self._worker_depth = 0
             if self._closing and code == 0:
                 return
-            self._dropped_by_dead += lost
             if self._closing:
-                log.error("log worker exited with %s while stopping; %d records lost", code, lost)
+                # No worker comes after it now; what it journaled is spooled at the next start.
+                lost = len(self._unconfirmed)
+                self._dropped_by_dead += lost
+                self._unconfirmed.clear()
+                self._unconfirmed_bytes = 0
+                log.error("log worker exited with %s while stopping; %d frames lost", code, lost)
                 return
-            log.error("log worker exited with %s; at most %d records lost; restarting", code, lost)
+            unconfirmed = len(self._unconfirmed)
+            lost = self._take_back_unconfirmed()
+            self._dropped_by_dead += lost
+            log.error(
+                "log worker exited with %s; %d frames it had not made durable go to the next one "
+                "(%d dropped after two deaths); restarting",
+                code,
+                unconfirmed - lost,
+                lost,
+            )
             self._set_state(False)
             self.restarts += 1
             await asyncio.sleep(RESTART_DELAY_S)
@@ -213,7 +266,7 @@ class TrafficLog:
                 self._process.stdin.close()
 
     def _apply(self, report: dict[str, Any]) -> None:
-        self._received = report["received"]
+        self._confirm(report["received"])
         self._worker_depth = report["depth"]
         # A restarted worker counts from zero; these totals carry on across workers.
         for name, before in self._worker_totals.items():

@@ -73,6 +73,7 @@ class RecordProducer:
         batch_size: int = 500,
         linger_s: float = 0.05,
         on_state: Callable[[bool], None] | None = None,
+        on_settled: Callable[[list[OutgoingRecord]], None] | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.kafka = kafka
@@ -85,12 +86,16 @@ class RecordProducer:
         self.linger_s = linger_s
         self.spool = Spool(spool_dir, max_bytes=spool_max_bytes)
         self.on_state = on_state
+        # Told of records that reached their end here: acknowledged, dead-lettered, spooled or
+        # counted dropped (the worker's journal forgets them then).
+        self.on_settled = on_settled
         self.sent = 0
         self.spooled = 0
         self.replayed = 0
         self.dropped = 0
         self.dead_lettered = 0  # refused by the broker for what they are; on ratchet.deadletter
         self.spool_full = 0  # of ``dropped``: records the spool had no room for
+        self.recovered = 0  # left by a killed worker in its journal, spooled by this one
         self.connected = False
         self._producer: KafkaProducer | None = None
         self._stop = threading.Event()
@@ -112,15 +117,23 @@ class RecordProducer:
 
     def submit(self, record: OutgoingRecord) -> bool:
         """Queue a record; never blocks. False (and a counted drop) when the queue is full."""
-        if self._stop.is_set():  # closed: nothing would send it, so refuse and count it
-            self.dropped += 1
-            return False
-        try:
-            self.queue.put_nowait(record)
-            return True
-        except queue.Full:
-            self.dropped += 1
-            return False
+        if not self._stop.is_set():  # closed: nothing would send it, so refuse and count it
+            try:
+                self.queue.put_nowait(record)
+                return True
+            except queue.Full:
+                pass
+        self.dropped += 1
+        self._settled([record])
+        return False
+
+    def adopt(self, records: list[OutgoingRecord]) -> None:
+        """Records an earlier worker accepted and never settled: into the spool, which is
+        replayed before anything new. Call before :meth:`start`."""
+        with self._lock:
+            spooled = self.spooled
+            self._append_to_spool(records)
+            self.recovered += self.spooled - spooled
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Send or spool everything still queued, then stop. Nothing accepted is left behind."""
@@ -147,6 +160,7 @@ class RecordProducer:
                     rest.append(item)
             if rest:
                 self._append_to_spool(rest)
+                self._settled(rest)
             self.spool.close()
         if self._producer is not None:
             with contextlib.suppress(KafkaError):
@@ -208,18 +222,26 @@ class RecordProducer:
     def _deliver(self, batch: list[OutgoingRecord]) -> None:
         # Keep order: while older records wait on disk, newer ones queue up behind them.
         if not self.spool.is_empty():
-            self._spool(batch)
+            if self._spool(batch):
+                self._settled(batch)
             self._try_replay()
             return
         self._inflight = batch
-        if not self._send(batch):
-            self._spool(batch)
+        if self._send(batch) or self._spool(batch):
+            self._settled(batch)
         self._inflight = []
 
-    def _spool(self, batch: list[OutgoingRecord]) -> None:
+    def _spool(self, batch: list[OutgoingRecord]) -> bool:
+        """Append to the spool; False once close() has taken it over (and this batch with it)."""
         with self._lock:
-            if not self._abandoned:
-                self._append_to_spool(batch)
+            if self._abandoned:
+                return False
+            self._append_to_spool(batch)
+            return True
+
+    def _settled(self, records: list[OutgoingRecord]) -> None:
+        if self.on_settled is not None:
+            self.on_settled(records)
 
     def _append_to_spool(self, batch: list[OutgoingRecord]) -> None:
         try:

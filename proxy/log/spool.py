@@ -21,6 +21,35 @@ class OutgoingRecord:
     topic: str
     key: bytes | None
     value: bytes
+    segment: int | None = None  # the journal segment holding it (proxy/log/journal.py)
+
+
+def encode_line(record: OutgoingRecord) -> bytes:
+    """One record as one line of a spool or journal segment."""
+    line = orjson.dumps(
+        {
+            "topic": record.topic,
+            "key": record.key.decode() if record.key is not None else None,
+            "value": record.value.decode(),
+        }
+    )
+    return line + b"\n"
+
+
+def read_segment(path: Path) -> list[OutgoingRecord]:
+    """A segment's records, in order. Only a crash mid-write leaves a torn last line; it was
+    never durable, so nobody was told it was accepted, and skipping it loses nothing."""
+    records = []
+    with path.open("rb") as fh:
+        for line in fh:
+            try:
+                item = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                log.warning("skipping a torn line in %s", path.name)
+                continue
+            key = item["key"].encode() if item["key"] is not None else None
+            records.append(OutgoingRecord(item["topic"], key, item["value"].encode()))
+    return records
 
 
 class Spool:
@@ -69,17 +98,11 @@ class Spool:
             self._roll()
         written = 0
         for record in records:
-            line = orjson.dumps(
-                {
-                    "topic": record.topic,
-                    "key": record.key.decode() if record.key is not None else None,
-                    "value": record.value.decode(),
-                }
-            )
-            if self.max_bytes is not None and self.bytes + len(line) + 1 > self.max_bytes:
+            line = encode_line(record)
+            if self.max_bytes is not None and self.bytes + len(line) > self.max_bytes:
                 break
-            self._file.write(line + b"\n")
-            self.bytes += len(line) + 1
+            self._file.write(line)
+            self.bytes += len(line)
             written += 1
         self._file.flush()
         os.fsync(self._file.fileno())
@@ -111,18 +134,6 @@ class Spool:
         """Yield each segment's records, oldest first. The writer moves to a new segment first."""
         self.close()
         for path in self.segments():
-            records = []
-            with path.open("rb") as fh:
-                for line in fh:
-                    try:
-                        item = orjson.loads(line)
-                    except orjson.JSONDecodeError:
-                        # Only a crash mid-write leaves a torn last line; it was never accepted
-                        # as durable, so skipping it loses nothing that was acknowledged.
-                        log.warning("skipping a torn line in %s", path.name)
-                        continue
-                    key = item["key"].encode() if item["key"] is not None else None
-                    records.append(OutgoingRecord(item["topic"], key, item["value"].encode()))
-            yield path, records
+            yield path, read_segment(path)
         if not self.segments():
             self.pending = 0  # torn lines were counted at start but never replayed

@@ -13,11 +13,15 @@ Parent -> child, on the child's stdin: frames ``<u32 size><u8 kind><u32 meta><u3
 exchange's fields, a: the request body as the client sent it, b: the answer's bytes as vLLM sent
 them) and RECORD frames (meta: topic and key, b: the record's JSON).
 
+Every record is journaled (proxy/log/journal.py) before it is queued, and a frame counts as
+received only once its records are fsynced there, so a killed worker loses nothing: the proxy
+resends the frames it never confirmed, and the next worker spools what the journal holds.
+
 Child -> parent, on its stdout: one JSON status line every ``report_s`` and a last one at exit:
-frames received, the producer's counters, and the tokens counted since the previous line (the
-proxy adds those to its token metric). End of stdin means the proxy is gone or stopping: the
-child sends or spools everything it holds, reports, and exits. It runs in its own session so a
-Ctrl-C aimed at the proxy's process group cannot cut that short.
+frames received (durably), the producer's counters, and the tokens counted since the previous
+line (the proxy adds those to its token metric). End of stdin means the proxy is gone or
+stopping: the child sends or spools everything it holds, reports, and exits. It runs in its own
+session so a Ctrl-C aimed at the proxy's process group cannot cut that short.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from proxy.log.spool import OutgoingRecord
 from ratchet.settings import KafkaSettings
 
 CONFIG, EXCHANGE, RECORD = 0, 1, 2
@@ -108,10 +113,12 @@ class Worker:
 
     def __init__(self, config: WorkerConfig, report: BinaryIO) -> None:
         from proxy.log.exchange import Redactor
+        from proxy.log.journal import Journal
         from proxy.log.producer import RecordProducer
 
         self.config = config
         self.redactor = Redactor(config.redact_patterns)
+        self.journal = Journal(config.spool_dir / "journal")
         self.producer = RecordProducer(
             config.bootstrap,
             config.kafka,
@@ -120,8 +127,11 @@ class Worker:
             queue_size=config.queue_size,
             max_record_bytes=config.max_record_bytes,
             spool_max_bytes=config.spool_max_bytes,
+            on_settled=self.journal.settle,
         )
-        self.received = 0
+        self.read = 0  # frames read from the pipe
+        self.received = 0  # of those, the ones whose records are durable in the journal
+        self._journal_failing = False
         self._tokens: Counter[tuple[str, str, str, str]] = Counter()
         self._lock = threading.Lock()
         self._report = report
@@ -129,30 +139,51 @@ class Worker:
         self._reporter = threading.Thread(target=self._report_loop, name="report", daemon=True)
 
     def run(self, frames: BinaryIO) -> None:
+        self.recover()
         self.producer.start()
         self._reporter.start()
         try:
             while (frame := read_frame(frames)) is not None:
-                self.received += 1
                 try:
                     self.handle(*frame)
                 except Exception:
                     # One frame that cannot be read must not stop the worker for all the others.
                     self.producer.dropped += 1
                     log.exception("could not turn a frame into a record; dropped")
+                self.read += 1
         finally:
             self.producer.close()
             self._stop.set()
             self._reporter.join(5)
             self.report()
+            self.journal.close()
+
+    def recover(self) -> None:
+        """Spool what a killed worker journaled and never settled, ahead of anything new."""
+        for path, records in self.journal.take_leftovers():
+            if records:
+                self.producer.adopt(records)
+                log.warning("recovered %d records a stopped worker left in %s", len(records), path)
+            self.journal.discard(path)
+
+    def accept(self, record: OutgoingRecord) -> None:
+        """Journal the record, then queue it for Kafka."""
+        try:
+            self.journal.append(record)
+        except OSError as exc:
+            # Still sent, just not crash-proof: a full or failing disk must not stop logging.
+            if not self._journal_failing:
+                log.error("cannot write the journal (%s); records are not crash-safe", exc)
+            self._journal_failing = True
+        else:
+            self._journal_failing = False
+        self.producer.submit(record)
 
     def handle(self, kind: int, meta: bytes, a: bytes, b: bytes) -> None:
-        from proxy.log.spool import OutgoingRecord
-
         if kind == RECORD:
             fields = orjson.loads(meta)
             key = fields["key"].encode() if fields.get("key") is not None else None
-            self.producer.submit(OutgoingRecord(fields["topic"], key, b))
+            self.accept(OutgoingRecord(fields["topic"], key, b))
         elif kind == EXCHANGE:
             self.handle_exchange(orjson.loads(meta), a, b)
         else:
@@ -160,7 +191,6 @@ class Worker:
 
     def handle_exchange(self, fields: dict[str, Any], request: bytes, answer: bytes) -> None:
         from proxy.log.exchange import Exchange, bounded
-        from proxy.log.spool import OutgoingRecord
         from ratchet.records import TRAFFIC_TOPIC
 
         started_at = fields.pop("started_at")
@@ -177,7 +207,7 @@ class Worker:
             record.ts = _iso(started_at)  # when the request arrived, not when it was logged
             self.count_tokens(labels, record.input_tokens, record.output_tokens)
             value = bounded(record, self.config.max_record_bytes)
-            self.producer.submit(OutgoingRecord(TRAFFIC_TOPIC, exchange.request_id.encode(), value))
+            self.accept(OutgoingRecord(TRAFFIC_TOPIC, exchange.request_id.encode(), value))
         else:  # sampled out by log_rate: counted, never parsed in full
             self.count_tokens(labels, *exchange.usage())
 
@@ -191,12 +221,14 @@ class Worker:
                 self._tokens[(*labels, "output")] += output_tokens
 
     def report(self) -> None:
+        self.sync()
         with self._lock:
             tokens, self._tokens = self._tokens, Counter()
         p = self.producer
         line = orjson.dumps(
             {
                 "received": self.received,
+                "recovered": p.recovered,
                 "sent": p.sent,
                 "spooled": p.spooled,
                 "replayed": p.replayed,
@@ -212,6 +244,17 @@ class Worker:
         with contextlib.suppress(OSError, ValueError):  # the parent is gone: nobody to tell
             self._report.write(line + b"\n")
             self._report.flush()
+
+    def sync(self) -> None:
+        """fsync the journal; every frame read before it is then received."""
+        read = self.read  # each of these frames was journaled before it was counted read
+        try:
+            self.journal.sync()
+        except OSError as exc:
+            if not self._journal_failing:
+                log.error("cannot fsync the journal (%s); records are not crash-safe", exc)
+            self._journal_failing = True
+        self.received = read
 
     def _report_loop(self) -> None:
         while not self._stop.wait(self.config.report_s):

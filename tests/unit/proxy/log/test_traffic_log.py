@@ -4,9 +4,13 @@ is covered by tests/integration (test_proxy, test_faults)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import io
 import os
 import signal
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -168,11 +172,59 @@ async def test_a_frame_the_worker_cannot_read_is_dropped_and_counted(
     await log.start()
     process = log._process
     assert process is not None and process.stdin is not None
-    process.stdin.write(encode_frame(kind, b"{not json", b"", b""))
-    log._written += 1
+    frame = encode_frame(kind, b"{not json", b"", b"")
+    process.stdin.write(frame)
+    log._handed(frame, 1)
     log.submit(FeedbackRecord(completion_id="ok", score=1.0), key="ok")
     await wait_until_async(
         lambda: log.spooled == 1 and log.dropped == 1, 30, "log.spooled == 1 and log.dropped == 1"
     )
     await log.close()
     assert log.restarts == 0
+
+
+@contextlib.contextmanager
+def silent_broker() -> Iterator[str]:
+    """A port that accepts connections and never answers: every connection attempt by the
+    worker's producer takes its full 2 s bootstrap timeout, holding the records it was given."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def test_a_worker_killed_holding_records_loses_none_of_them(tmp_path: Path) -> None:
+    with silent_broker() as bootstrap:
+        log = TrafficLog(dataclasses.replace(config(tmp_path), bootstrap=bootstrap))
+        await log.start()
+        body, answer = orjson.dumps(CHAT), orjson.dumps(ANSWER)
+        for i in range(20):
+            log.submit_exchange(meta(f"held-{i}"), body, answer)
+        # Durable (reported received) while the producer is still connecting: nothing is sent
+        # or spooled yet, so without the journal all 20 die with the worker.
+        await wait_until_async(lambda: log._received == 20, 10, "20 frames made durable")
+        assert log.spooled == 0
+        process = log._process
+        assert process is not None
+        os.kill(process.pid, signal.SIGKILL)
+        await wait_until_async(lambda: log.restarts == 1, 30, "log.restarts == 1")
+        await wait_until_async(lambda: log.recovered == 20, 30, "the journal spooled")
+        # Frames it read but never made durable are handed to the next worker instead.
+        for i in range(5):
+            log.submit_exchange(meta(f"unread-{i}"), body, answer)
+        log._flush()
+        process = log._process
+        assert process is not None
+        os.kill(process.pid, signal.SIGKILL)
+        await wait_until_async(lambda: log.restarts == 2, 30, "log.restarts == 2")
+        await log.close()
+    keys = [key for _, key, _ in spooled(tmp_path) if key is not None]
+    expected = {f"held-{i}".encode() for i in range(20)}
+    expected |= {f"unread-{i}".encode() for i in range(5)}
+    assert set(keys) == expected  # duplicates allowed (at least once), losses not
+    assert log.dropped == 0
+    assert log.resent + log.recovered >= 25
+    assert not list((tmp_path / "spool" / "journal").glob("journal-*"))  # all settled at stop
