@@ -65,8 +65,8 @@ def test_a_short_chaos_soak_loses_nothing(base_route: Embedded, tmp_path: Path) 
             settings,
             stacks,
             ALIAS,
-            seconds=110,
-            fault_every_s=18,
+            seconds=90,  # a fault every 15 s: each of the five once
+            fault_every_s=15,
             hold_s=3,
             faults=FAULTS,
             huge_answer=False,
