@@ -76,7 +76,10 @@ def print_report(console: Console, report: SoakReport) -> None:
         ("LOST", len(report.lost)),
         ("ratings accepted", report.ratings_accepted),
         ("ratings lost", len(report.ratings_lost)),
-        *((f"poison dead-lettered from {t}", n) for t, n in report.poison_dead_lettered.items()),
+        *(
+            (f"poison on {t}: sent, dead-lettered", f"{n}, {report.poison_dead_lettered.get(t, 0)}")
+            for t, n in report.poison_sent.items()
+        ),
         (
             "5 MB answer",
             f"{report.huge_answer.get('status')} (try {report.huge_answer.get('attempt')})",
@@ -130,11 +133,13 @@ def main() -> None:
     parser.add_argument("--hold", type=float, default=10.0, help="seconds a part stays down")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/soak.json"))
+    parser.add_argument("--home", type=Path, help="keep the stack's home (and its logs) here")
     args = parser.parse_args()
     console = Console()
 
     with tempfile.TemporaryDirectory(prefix="ratchet-soak-") as tmp:
-        home = Path(tmp)
+        home = args.home or Path(tmp)
+        home.mkdir(parents=True, exist_ok=True)
         config = soak_config(home)
         settings = load_settings(config)
         model = prepare_model(default_home())

@@ -424,7 +424,8 @@ class Soak:
         while self.clock() < self.seconds / 3:
             await asyncio.sleep(0.5)
         messages = [{"role": "user", "content": "Write a long story about a lighthouse."}]
-        for attempt in range(5):  # vLLM may be down at that moment
+        attempt = 0
+        while self.clock() < self.seconds:  # vLLM may die under it: ask again once it is back
             exchange = await self._exchange(
                 client,
                 -1,
@@ -438,10 +439,19 @@ class Soak:
                 extra_body={"ignore_eos": True},
             )
             self.exchanges.append(exchange)
-            self.huge = {"attempt": attempt + 1, **asdict(exchange)}
+            attempt += 1
+            self.huge = {"attempt": attempt, **asdict(exchange)}
             if exchange.status == 200:
                 return
-            await asyncio.sleep(5)
+            while self.clock() < self.seconds and not await self._vllm_ready():
+                await asyncio.sleep(2)
+
+    async def _vllm_ready(self) -> bool:
+        try:
+            async with httpx.AsyncClient(timeout=2) as http:
+                return (await http.get(f"{self.settings.vllm_url}/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def _poison(self) -> None:
         producer = KafkaProducer(bootstrap_servers=self.settings.kafka_bootstrap_servers)
@@ -454,8 +464,9 @@ class Soak:
             producer.close(5)
 
     def _settle(self) -> None:
-        """Wait for the stack to deliver what it holds: every part ready, the proxy's queue
-        and spool empty, and the reader caught up with every answer."""
+        """Wait for the stack to deliver what it holds: every part ready, the reader caught up
+        with every answer and rating, and the poison on the judge's and the learner's topics
+        dead-lettered (a learner in a round reads nothing until it ends)."""
         expected = {e.request_id for e in self.exchanges if e.status == 200 and e.request_id}
         ratings = {e.completion_id for e in self.exchanges if e.rated and e.completion_id}
         with contextlib.suppress(TimeoutError):
@@ -465,6 +476,16 @@ class Soak:
                 lambda: expected <= self.reader.traffic.keys() and ratings <= self.reader.feedback,
                 180,
                 "every record read",
+                1.0,
+            )
+        with contextlib.suppress(TimeoutError):
+            wait_until(
+                lambda: all(
+                    self.reader.poison[t] >= self.poison_sent[t]
+                    for t in (TRAFFIC_TOPIC, GROUPS_TOPIC)
+                ),
+                300,
+                "the poison dead-lettered",
                 1.0,
             )
 
