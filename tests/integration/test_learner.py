@@ -181,11 +181,12 @@ def learner_config(
     alias: str,
     canary: dict[str, Any] | None = None,
     gate_tokens: int = 64,
+    gate: dict[str, Any] | None = None,
     **learner: Any,
 ) -> Path:
     """The session stack's addresses and adapter store, one demo alias, its own consumer group;
     no canary unless `canary` says. The gate answers with up to `gate_tokens` (64: a whole JSON
-    answer, so the verdict means something)."""
+    answer, so the verdict means something); `gate` overrides its other settings."""
     config = yaml.safe_load(env.config_path.read_text())
     config["home"] = str(home)
     config["store_dir"] = str(env.settings.store_dir)  # where vLLM's resolver finds adapters
@@ -215,7 +216,12 @@ def learner_config(
         alias: {
             "base_model": BASE_MODEL,
             "reward": {"kind": "verifier", "verifier": "ratchet.demo:extraction_reward"},
-            "gate": {"min_pairs": 16, "max_pairs": len(HELDOUT), "max_tokens": gate_tokens},
+            "gate": {
+                "min_pairs": 16,
+                "max_pairs": len(HELDOUT),
+                "max_tokens": gate_tokens,
+                **(gate or {}),
+            },
             "canary": canary or {"weight": 0.0},
         }
     }
@@ -390,9 +396,12 @@ def test_learner_killed_mid_round_neither_loses_groups_nor_promotes_twice(
     embedded: Embedded, policy: BasePolicy, base_answers: list[str], tmp_path: Path
 ) -> None:
     alias = "lt-crash"
-    # Either verdict will do here, so a short round: a dozen groups, started as soon as they
-    # are in, and a gate of short answers (still seconds long: the kill lands while it runs).
-    config = learner_config(embedded, tmp_path, alias, gate_tokens=16, min_groups=4)
+    # Either verdict will do here, so a short round: a dozen groups in 4 steps, started as soon
+    # as they are in, and a gate of short answers (still seconds long: the kill lands while it
+    # runs).
+    config = learner_config(
+        embedded, tmp_path, alias, gate_tokens=16, min_groups=4, steps_per_round=4
+    )
     settings = load_settings(config)
     embedded.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
     groups = better_groups(policy, alias, base_answers, count=12)
@@ -468,10 +477,25 @@ def test_a_canary_users_dislike_is_rolled_back_by_itself(
 ) -> None:
     alias = "lt-canary"
     canary = {"weight": 0.5, "min_requests": 16, "min_feedback": 4, "max_feedback_drop": 0.1}
-    config = learner_config(embedded, tmp_path, alias, canary=canary)
+    # What is under test is the canary, not the candidate: any candidate the learner puts on
+    # canary will do. So a round of a dozen groups (those whose rewards differ) in 2 steps, and
+    # a gate of 8 short pairs that passes anything not worse on every pair (threshold 0); users
+    # then decide.
+    gate = {"min_pairs": 8, "max_pairs": 8, "threshold": 0.0}
+    config = learner_config(
+        embedded,
+        tmp_path,
+        alias,
+        canary=canary,
+        gate_tokens=16,
+        gate=gate,
+        steps_per_round=2,
+        min_groups=4,
+    )
     settings = load_settings(config)
     embedded.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
-    produce(embedded, [*heldout_prompts(alias), *better_groups(policy, alias, base_answers)])
+    groups = better_groups(policy, alias, base_answers, count=12)
+    produce(embedded, [*heldout_prompts(alias), *groups])
 
     with running_learner(config, tmp_path / "state"):
         [started] = wait_for_event(settings, alias, {"canary"})

@@ -127,15 +127,16 @@ def send_demo_traffic(
     prompts: list[dict[str, Any]],
     feedback: bool = False,
     max_tokens: int = 64,
+    concurrency: int = 4,
 ) -> dict[str, int]:
-    """What `ratchet demo` does: each prompt through the proxy with the official client. With
-    `feedback`, each answer's verifier score goes back as the user's feedback. Returns how many
-    answers each canary arm gave."""
+    """What `ratchet demo` does: each prompt through the proxy with the official client,
+    `concurrency` at a time. With `feedback`, each answer's verifier score goes back as the
+    user's feedback. Returns how many answers each canary arm gave."""
     arms: dict[str, int] = {}
 
     async def run() -> None:
         client = openai.AsyncOpenAI(base_url=f"{env.proxy_url}/v1", api_key="k", max_retries=0)
-        limit = asyncio.Semaphore(4)
+        limit = asyncio.Semaphore(concurrency)
 
         async def one(i: int, prompt: dict[str, Any]) -> None:
             async with limit:
@@ -242,7 +243,8 @@ def test_the_loop_promotes_a_version_that_beats_the_base_on_unseen_prompts(
         assert outcome["kind"] == "canary", gate
         assert gate["pairs"] == GATE_PAIRS and gate["ci_low"] > 0.5, gate
         candidate = outcome["version"]
-        arms = send_demo_traffic(embedded, alias, CANARY_TRAFFIC, feedback=True)
+        # Nothing is sampled any more while users try the canary: vLLM may batch all of them.
+        arms = send_demo_traffic(embedded, alias, CANARY_TRAFFIC, feedback=True, concurrency=16)
         assert arms.get("canary", 0) >= 16 and arms.get("active", 0) >= 16, arms
         promote = wait_for_event(settings, alias, {"promote", "rollback"}, timeout_s=120)[0]
     finally:
