@@ -385,7 +385,13 @@ def run_checks(args: argparse.Namespace, report: Report, home: Path) -> None:
             services(report, host, ports, containers, etc)
         finally:
             for container in containers.values():
-                logs = podman("logs", "--tail", "5", container, check=False).strip()
+                logs = subprocess.run(
+                    ["podman", "logs", "--tail", "5", container],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    check=False,
+                ).stdout.strip()
                 print(f"--- {container}, last lines of its log ---\n{logs}", flush=True)
                 podman("rm", "--force", "--time", "20", container, check=False)
     finally:
@@ -423,7 +429,14 @@ def services(
 
 
 def ready(container: str, proxy: str) -> str:
+    """Ready, and its log worker connected to Kafka (it connects after the first readiness)."""
     wait_http(container, f"{proxy}/readyz", 120)
+
+    def kafka() -> bool:
+        body = httpx.get(f"{proxy}/readyz", timeout=5).json()
+        return bool(body["ready"] and body["kafka"])
+
+    wait_until(kafka, 60, "the proxy's /readyz to show kafka: true", interval_s=0.5)
     return httpx.get(f"{proxy}/readyz", timeout=5).text.strip()
 
 
