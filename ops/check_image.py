@@ -48,7 +48,11 @@ ROOT = Path(__file__).resolve().parents[1]
 VERSION = "0.1.0"
 ALIAS = "support"
 BASE_MODEL = "smollm2-135m-instruct"
-UID = 10001  # the chart's podSecurityContext.runAsUser / runAsGroup
+# What the chart's pods run as: podSecurityContext and securityContext of its values.
+CHART = yaml.safe_load((ROOT / "helm" / "ratchet" / "values.yaml").read_text())
+UID = int(CHART["podSecurityContext"]["runAsUser"])
+GID = int(CHART["podSecurityContext"]["runAsGroup"])
+READ_ONLY = bool(CHART["securityContext"]["readOnlyRootFilesystem"])
 API_KEY = "sk-check-image"
 NAME = f"ratchet-check-{os.getpid()}"
 
@@ -109,7 +113,7 @@ def build(learner: bool) -> None:
 def image_facts(report: Report, image: str) -> None:
     size = int(podman("image", "inspect", "--format", "{{.Size}}", image).strip())
     user = podman("image", "inspect", "--format", "{{.Config.User}}", image).strip()
-    report.check(f"image {image}", user == f"{UID}:{UID}", f"{size / 1e6:.0f} MB, USER {user}")
+    report.check(f"image {image}", user == f"{UID}:{GID}", f"{size / 1e6:.0f} MB, USER {user}")
     # The SBOM: every Python distribution in the image's venv, as pip reports it.
     listing = podman(
         "run", "--rm", *podman_run_flags(), "--network", "none", "--entrypoint", "pip",
@@ -194,7 +198,7 @@ def container_config(host: Host, ports: dict[str, int]) -> Path:
 def owned_dir(path: Path) -> str:
     """A writable volume, as the chart's emptyDir with fsGroup 10001 is."""
     path.mkdir(parents=True, exist_ok=True)
-    os.chown(path, UID, UID)
+    os.chown(path, UID, GID)
     path.chmod(0o2770)
     return str(path)
 
@@ -226,16 +230,21 @@ def run_service(host: Host, name: str, image: str, etc: Path) -> str:
         ]
         env["HF_HOME"] = "/models-cache"
         extra = ["--shm-size", "1g"]
+    # An env file rather than --env: the secret and keys stay out of `ps` (the chart: a Secret).
+    env_file = host.home / f"{name}.env"
+    env_file.touch(mode=0o600)
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
     container = f"{NAME}-{name}"
     podman(
         "run", "--detach", "--name", container, *podman_run_flags(),
         "--network", "host",
         # securityContext: runAsUser/runAsGroup, readOnlyRootFilesystem, drop ALL,
         # allowPrivilegeEscalation false; seccompProfile RuntimeDefault is podman's default.
-        "--user", f"{UID}:{UID}", "--read-only", "--read-only-tmpfs=false",
+        "--user", f"{UID}:{GID}",
+        *(["--read-only", "--read-only-tmpfs=false"] if READ_ONLY else []),
         "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
         *[a for v in volumes for a in ("--volume", v)],
-        *[a for k, v in env.items() for a in ("--env", f"{k}={v}")],
+        "--env-file", str(env_file),
         *extra,
         "--entrypoint", "ratchet", image, name, "--config", "/etc/ratchet/ratchet.yaml",
     )  # fmt: skip
@@ -247,7 +256,7 @@ def check_process(report: Report, container: str) -> None:
     pid = podman("inspect", "--format", "{{.State.Pid}}", container).strip()
     pids = [pid, *descendants(pid)]
     uids = {p: status_ids(p) for p in pids}
-    ok = all(ids == {str(UID)} for ids in uids.values())
+    ok = all(ids == {str(UID), str(GID)} for ids in uids.values())
     detail = ", ".join(f"pid {p} uid/gid {'/'.join(sorted(i))}" for p, i in uids.items())
     report.check(f"{container} user", ok, detail)
     readonly = podman("inspect", "--format", "{{.HostConfig.ReadonlyRootfs}}", container).strip()
@@ -263,7 +272,9 @@ def check_process(report: Report, container: str) -> None:
     ).strip()
     report.check(
         f"{container} read-only root",
-        readonly == "true" and "Read-only file system" in probe.stderr and writable == "ok",
+        readonly == str(READ_ONLY).lower()
+        and ("Read-only file system" in probe.stderr) == READ_ONLY
+        and writable == "ok",
         f"ReadonlyRootfs={readonly}; root writing /etc: {probe.stderr.strip() or 'allowed'}; "
         f"/tmp and /var/lib/ratchet writable: {writable == 'ok'}",
     )
@@ -459,6 +470,10 @@ def main() -> int:
         return 2
     if shutil.which("runc") is None:
         subprocess.run(["apt-get", "install", "-y", "-qq", "runc"], check=True)
+    tools = [subprocess.run([t, "--version"], capture_output=True, text=True).stdout.strip()
+             for t in ("buildah", "podman", "runc")]  # fmt: skip
+    print(" | ".join(t.splitlines()[0] for t in tools if t), flush=True)
+    started = time.monotonic()
     if not args.skip_build:
         build(learner=not args.no_learner)
     report = Report()
@@ -471,10 +486,11 @@ def main() -> int:
         report.check("run", False, f"{type(exc).__name__}: {exc}")
     finally:
         shutil.rmtree(home, ignore_errors=True)
+    took = f"{time.monotonic() - started:.0f} s"
     if report.failures:
-        print(f"FAILED: {', '.join(report.failures)}")
+        print(f"FAILED ({took}): {', '.join(report.failures)}")
         return 1
-    print("all checks passed")
+    print(f"all checks passed ({took})")
     return 0
 
 
