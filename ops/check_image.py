@@ -104,10 +104,13 @@ class Report:
 
 
 def build(learner: bool) -> None:
+    env = dict(os.environ)
     for extra in [""] + (["--learner"] if learner else []):
         start = time.monotonic()
-        subprocess.run(["ops/build-image.sh", *([extra] if extra else [])], cwd=ROOT, check=True)
+        command = ["ops/build-image.sh", *([extra] if extra else [])]
+        subprocess.run(command, cwd=ROOT, env=env, check=True)
         print(f"build {extra or '(proxy, judge)'}: {time.monotonic() - start:.0f} s", flush=True)
+        env.pop("REBUILD_BASE", None)  # one fresh base is enough for both images
 
 
 def image_facts(report: Report, image: str) -> None:
@@ -468,7 +471,8 @@ def main() -> int:
     if os.geteuid() != 0:
         print("run as root: podman's system storage, and the volumes are chowned to 10001")
         return 2
-    if shutil.which("runc") is None:
+    if shutil.which("runc") is None:  # podman's runtime here (see podman_run_flags)
+        subprocess.run(["apt-get", "update", "-qq"], check=True)
         subprocess.run(["apt-get", "install", "-y", "-qq", "runc"], check=True)
     tools = [subprocess.run([t, "--version"], capture_output=True, text=True).stdout.strip()
              for t in ("buildah", "podman", "runc")]  # fmt: skip
