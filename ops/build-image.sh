@@ -112,9 +112,9 @@ start=$SECONDS
 # --isolation chroot: RUN steps without an OCI runtime. Here both fail to start a container:
 # crun refuses cgroups in hybrid mode (v1 controllers plus hugetlb on the v2 hierarchy), and
 # runc cannot apply the rlimits podman asks for (nofile 1048576 over this VM's hard 20000, with
-# no CAP_SYS_RESOURCE to raise it). --network host: RUN steps only need egress to PyPI, and this
-# skips a bridge (netavark, iptables) a CI VM may not allow. --pull=false: a local base is in no
-# registry.
+# no CAP_SYS_RESOURCE to raise it). --network host: RUN steps only need egress to PyPI, and need
+# no bridge (netavark, iptables; one works here, a CI VM may refuse it). --pull=false: a local
+# base is in no registry. --force-rm: a failed build leaves no working container behind.
 buildah bud \
   --isolation "${BUILDAH_ISOLATION:-chroot}" \
   --file ops/Dockerfile \
@@ -122,6 +122,7 @@ buildah bud \
   --network host \
   --pull=false \
   --layers \
+  --force-rm \
   "${volumes[@]}" \
   "${build_args[@]}" \
   --tag "$IMAGE" \
