@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ from ratchet.secrets import vllm_api_key
 from ratchet.settings import default_home, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
-VERSION = "0.1.0"
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 ALIAS = "support"
 BASE_MODEL = "smollm2-135m-instruct"
 # What the chart's pods run as: podSecurityContext and securityContext of its values.
