@@ -49,9 +49,10 @@ make_base() {
   # shellcheck disable=SC2064  # expand now: the paths are local to this function
   trap "rm -rf '$root' '$tarball'" RETURN
   echo "==> debootstrap bookworm (minbase) into $root"
+  # debootstrap's own default mirror unless DEBIAN_MIRROR names another.
   debootstrap --variant=minbase \
     --include=python3,python3-venv,python-is-python3,ca-certificates,passwd \
-    bookworm "$root" "${DEBIAN_MIRROR:-http://deb.debian.org/debian}" >/dev/null
+    bookworm "$root" ${DEBIAN_MIRROR:+"$DEBIAN_MIRROR"} >/dev/null
   # Package indexes and caches are build-time only; an image needs none of them.
   rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin "$root"/var/cache/apt/archives/*.deb \
     "$root"/var/cache/debconf/*-old
@@ -85,8 +86,8 @@ if [ "$learner" = 1 ]; then
     TORCH_FIND_LINKS="$(pip config get global.find-links 2>/dev/null || true)"
   fi
   if [ -n "$TORCH_FIND_LINKS" ] && compgen -G "$TORCH_FIND_LINKS/torch-${TORCH_VERSION}-*.whl" >/dev/null; then
-    # torch's own dependencies (sympy, networkx, ...) still come from PyPI.
-    TORCH_INDEX_URL="${TORCH_INDEX_URL:-https://pypi.org/simple}"
+    # Empty: pip's default index, where torch's own dependencies (sympy, networkx, ...) are.
+    TORCH_INDEX_URL="${TORCH_INDEX_URL:-}"
     volumes+=(-v "$TORCH_FIND_LINKS:$TORCH_FIND_LINKS:ro")
     build_args+=(--build-arg "TORCH_FIND_LINKS=$TORCH_FIND_LINKS")
   else
