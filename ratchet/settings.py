@@ -386,6 +386,10 @@ class LearnerSettings(_Section):
     # ...or the round's mean answer length grew this many times over the alias's first round.
     max_length_growth: float = Field(default=3.0, gt=1.0)
     canary_check_s: float = Field(default=2.0, gt=0)
+    # Each alias's rounds and canary decisions are run by one learner replica at a time: the one
+    # holding the alias's Redis lease, renewed every third of this. A replica that dies frees
+    # its aliases after this long; one that stalls longer loses them (its writes are fenced).
+    lease_ttl_s: float = Field(default=30.0, ge=0.5, le=3600)
 
 
 class RatchetSettings(BaseSettings):
