@@ -331,6 +331,10 @@ class JudgeSettings(_Section):
     judge_max_tokens: int = Field(default=1024, ge=16)
     cache_ttl_s: int = Field(default=7 * 24 * 3600, ge=1)
     sample_timeout_s: float = Field(default=300.0, gt=0)
+    # A traffic record whose outputs Kafka acknowledged is marked judged in Redis for this long,
+    # so the judge replica that re-reads an uncommitted batch (after a crash or a rebalance)
+    # skips it instead of judging it twice. 0 turns the marks off.
+    done_ttl_s: int = Field(default=3600, ge=0, le=30 * 24 * 3600)
 
 
 class LearnerSettings(_Section):
