@@ -106,6 +106,8 @@ class LearnerService:
         self._starved: set[str] = set()  # aliases told to wait for held-out prompts (logged once)
         self.groups_consumer: KafkaConsumer | None = None
         self.heldout_consumer: KafkaConsumer | None = None
+        self._revoked: set[TopicPartition] = set()  # by a rebalance, see revoked()
+        self._revoked_lock = threading.Lock()
         self.lease_keeper = LeaseKeeper()
         self.leases = AliasLeases(
             self.redis, settings.learner.lease_ttl_s, self.lease_keeper, self.metrics, "round"
@@ -311,19 +313,25 @@ class LearnerService:
             )
 
     def revoked(self, partitions: set[TopicPartition]) -> None:
-        """Partitions of ratchet.groups another learner takes over: commit what is settled, then
-        forget their waiting groups (the new owner reads them from the committed offset)."""
-        try:
-            if self.lifecycle.flush_events(raise_errors=False):
-                self.commit_offsets()
-        except KafkaError as exc:  # not committed: the new owner drops what was trained
-            log.warning("could not commit before a rebalance (%s)", exc)
+        """Partitions of ratchet.groups another learner takes over, noted here and forgotten by
+        the loop's next poll. kafka-python calls this from its IO thread, which must not block
+        (a commit here would fail the rebalance) and must not touch what a round is using."""
+        with self._revoked_lock:
+            self._revoked |= partitions
+        log.info("ratchet.groups partitions revoked: %s", sorted(tp.partition for tp in partitions))
+
+    def forget_revoked(self) -> None:
+        """Forget the revoked partitions' waiting groups: the new owner reads them again from the
+        committed offset (and drops those whose round outcome is stored by then)."""
+        with self._revoked_lock:
+            partitions, self._revoked = self._revoked, set()
+        if not partitions:
+            return
         for alias, waiting in self.waiting.items():
             self.waiting[alias] = [w for w in waiting if w.partition not in partitions]
             self.metrics.waiting.labels(alias).set(len(self.waiting[alias]))
         for tp in partitions:
             self.read_up_to.pop(tp, None)
-        log.info("ratchet.groups partitions revoked: %s", sorted(tp.partition for tp in partitions))
 
     def poll(self) -> None:
         assert self.groups_consumer is not None and self.heldout_consumer is not None
@@ -337,6 +345,7 @@ class LearnerService:
                     # dead-lettered again on every restart.
                     self.metrics.failures.labels("-", f"heldout_{record}").inc()
         polled = self.groups_consumer.poll(timeout_ms=1000, max_records=256)
+        self.forget_revoked()
         if not polled:
             return
         self.refresh_routes()
