@@ -1,9 +1,12 @@
 """`ratchet judge`: turns the traffic log into scored groups and held-out prompts.
 
 One batch at a time: poll traffic records, work on them concurrently (filter, split, sample,
-score), produce every output and wait for the broker's acks, and only then commit the batch's
-offsets. A judge killed mid-batch therefore re-reads the batch on restart (at least once); each
-group's id is derived from its traffic record and version, so the learner can drop repeats.
+score), produce every output and wait for the broker's acks, mark their traffic records judged in
+Redis, and only then commit the batch's offsets. A judge killed mid-batch therefore re-reads the
+batch on restart (at least once), and so does the replica that takes its partitions over; a
+record already marked judged (``ratchet:judge:done:<request id>``) is skipped, so only one killed
+between its broker's acks and that mark is judged twice. Each group's id is derived from its
+traffic record and version, so the learner drops such a repeat too.
 
 What a client controls does not steer the split: the traffic record's id is the proxy's own (not
 the client's ``x-request-id``), and which prompts are held out for the gate is a keyed hash under
@@ -26,7 +29,7 @@ import aiohttp
 import redis
 import redis.asyncio as aioredis
 from kafka import KafkaProducer
-from kafka.errors import KafkaError
+from kafka.errors import CommitFailedError, KafkaError
 from prometheus_client import start_http_server
 
 from judge.metrics import JudgeMetrics
@@ -62,6 +65,11 @@ def fraction_of(text: str) -> float:
 def is_heldout(secret: bytes, prompt_digest: str, fraction: float) -> bool:
     """Whether a prompt is kept for the gate: stable, and unpredictable without the secret."""
     return int(keyed_hash(secret, "heldout", prompt_digest)[:16], 16) / 2**64 < fraction
+
+
+def done_key(request_id: str) -> str:
+    """String: set (with judge.done_ttl_s) once the record's outputs are acknowledged by Kafka."""
+    return f"ratchet:judge:done:{request_id}"
 
 
 def group_id_of(request_id: str, version: int) -> str:
@@ -144,6 +152,8 @@ class JudgeService:
         config = self.settings.aliases.get(record.alias)
         prompt, tools = self._eligible(record, config)
         assert config is not None
+        if await self._done(record.request_id):
+            raise Skip("already_judged")  # by a judge killed before committing, or rebalanced
         digest = prompt_hash(prompt, tools)
         seen = SeenMark(
             f"ratchet:judge:seen:{record.alias}:{digest}", config.learning.dedup_window_s
@@ -240,6 +250,27 @@ class JudgeService:
         except (redis.RedisError, OSError):
             return False  # without Redis a repeat may be judged twice; nothing is lost
 
+    async def _done(self, request_id: str) -> bool:
+        if not self.settings.judge.done_ttl_s:
+            return False
+        try:
+            return bool(await self.redis.exists(done_key(request_id)))
+        except (redis.RedisError, OSError):
+            return False  # without Redis a re-read record may be judged twice; nothing is lost
+
+    async def _mark_done(self, outputs: list[Record]) -> None:
+        ttl = self.settings.judge.done_ttl_s
+        ids = {r.traffic_request_id for r in outputs if isinstance(r, ScoredGroup | HeldoutPrompt)}
+        if not ttl or not ids:
+            return
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for request_id in ids:
+                pipe.set(done_key(request_id), b"1", ex=ttl)
+            await pipe.execute()
+        except (redis.RedisError, OSError) as exc:
+            log.warning("could not mark %d records judged (%s)", len(ids), exc)
+
     async def _mark_seen(self, marks: list[SeenMark]) -> None:
         try:
             pipe = self.redis.pipeline(transaction=False)
@@ -289,7 +320,9 @@ class JudgeService:
                 outputs = [r for records, _ in results for r in records]
                 seen = [k for _, keys in results for k in keys]
                 # Produce, wait for acks, then commit: never the other way round.
-                await loop.run_in_executor(None, self._produce_and_commit, outputs)
+                await loop.run_in_executor(None, self._produce, outputs)
+                await self._mark_done(outputs)
+                await loop.run_in_executor(None, self._commit)
                 await self._mark_seen(seen)
         await loop.run_in_executor(None, self._close)
         await self.redis.aclose()
@@ -327,7 +360,8 @@ class JudgeService:
         polled = self.consumer.poll(timeout_ms=1000, max_records=self.settings.judge.poll_records)
         return [m for messages in polled.values() for m in messages]
 
-    def _produce_and_commit(self, outputs: list[Record]) -> None:
+    def _produce(self, outputs: list[Record]) -> None:
+        """Send a batch's outputs and wait for the broker's acks, retrying until they land."""
         while True:
             try:
                 futures = [
@@ -336,13 +370,29 @@ class JudgeService:
                 self.producer.flush(timeout=30)
                 for future in futures:
                     future.get(timeout=0)
-                self.consumer.commit()
                 return
             except KafkaError as exc:
                 # Not committed: the same batch stays ours to finish. Retry until it lands.
-                log.warning("could not produce/commit a batch (%s); retrying", exc)
+                log.warning("could not produce a batch (%s); retrying", exc)
                 if self.stopping.is_set():
                     return  # uncommitted: the next judge re-reads this batch
+                time.sleep(1.0)
+
+    def _commit(self) -> None:
+        while True:
+            try:
+                self.consumer.commit()
+                return
+            except CommitFailedError as exc:
+                # The group rebalanced while we worked: these partitions are another judge's now.
+                # It re-reads the batch and skips what we marked judged; retrying cannot succeed.
+                log.warning("batch not committed, the group rebalanced (%s)", exc)
+                self.metrics.failures.labels("-", "commit_rebalanced").inc()
+                return
+            except KafkaError as exc:
+                log.warning("could not commit a batch (%s); retrying", exc)
+                if self.stopping.is_set():
+                    return
                 time.sleep(1.0)
 
     def _close(self) -> None:

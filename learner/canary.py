@@ -10,6 +10,13 @@ restarted learner carries on counting. Once the canary arm has ``min_requests``,
 active arm's beyond the configured margin, else promote. Feedback lags the answers it rates, so
 a canary without ``min_feedback`` ratings on both arms waits up to ``feedback_wait_s`` for them
 before it is judged on error rate alone.
+
+Every learner replica runs a watcher. Their consumer group splits the topics' partitions between
+them, so each record is counted once, into the shared counts; which arm a completion id was
+answered by is shared too (``ratchet:canary:completion:<id>``), because its feedback may be read
+by another replica than its traffic record. Only the replica holding the alias's lease
+(learner/leases.py) decides, and only on the canary it read: a second decision finds the canary
+gone and changes nothing.
 """
 
 from __future__ import annotations
@@ -17,15 +24,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis
 from kafka.errors import KafkaError
 
+from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
 from ratchet.bus import make_consumer
+from ratchet.lease import LeaseKeeper, LeaseLost
 from ratchet.lifecycle import Lifecycle, LifecycleError
 from ratchet.records import (
     FEEDBACK_TOPIC,
@@ -40,11 +48,11 @@ from ratchet.settings import CanaryConfig, RatchetSettings
 log = logging.getLogger(__name__)
 
 ARMS = ("active", "canary")
-# Completion ids of canary-time exchanges, so later feedback can be credited to its arm.
-_MAX_REMEMBERED = 100_000
+# How long a canary-time completion id is remembered for its feedback to be credited to its arm.
+COMPLETION_TTL_S = 3600
+RATED = b"rated"
 
 Verdict = Literal["wait", "promote", "rollback"]
-Completion = tuple[str, int, str, str | None]  # alias, version, arm, key hash
 
 # The error codes (proxy/upstream.py) that count against an arm: the model server failed (502
 # upstream_error: it answered 5xx, or dropped the answer or the stream), could not load the
@@ -61,6 +69,22 @@ def is_upstream_failure(record: TrafficRecord) -> bool:
 
 def canary_key(alias: str) -> str:
     return f"ratchet:canary:{alias}"
+
+
+def completion_key(completion_id: str) -> str:
+    """String "<alias>\\t<version>\\t<arm>\\t<key hash>" of a canary-time completion, "rated"
+    once its feedback is counted; expires after COMPLETION_TTL_S."""
+    return f"ratchet:canary:completion:{completion_id}"
+
+
+# KEYS[1]: a completion; ARGV[1]: its value as read. Marks it rated if nobody did meanwhile.
+CLAIM_RATING_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], 'rated', 'KEEPTTL')
+  return 1
+end
+return 0
+"""
 
 
 def reset_counts(pipe: Any, alias: str, version: int) -> None:
@@ -146,15 +170,16 @@ class CanaryWatcher:
         lifecycle: Lifecycle,
         metrics: LearnerMetrics,
         stopping: threading.Event,
+        leases: AliasLeases | None = None,
     ) -> None:
         self.settings = settings
         self.lifecycle = lifecycle
         self.redis = lifecycle.writer.redis
         self.metrics = metrics
         self.stopping = stopping
-        # completion id -> (alias, version, arm, key hash) of canary-time exchanges; None once
-        # rated (kept, so that a later exchange reusing the id cannot claim it again)
-        self.completions: OrderedDict[str, Completion | None] = OrderedDict()
+        self.leases = leases or AliasLeases(
+            self.redis, settings.learner.lease_ttl_s, LeaseKeeper(), metrics, "canary"
+        )
         self.routes: dict[str, AliasRoute] = {}
 
     def run(self) -> None:
@@ -189,6 +214,8 @@ class CanaryWatcher:
     def count(self, messages: list[Any]) -> None:
         """Add a batch of traffic and feedback records to the running canaries' counts."""
         increments: dict[str, dict[str, float]] = {}
+        # Completion ids of canary-time exchanges, claimed in order before any later feedback.
+        claims = self.redis.pipeline(transaction=False)
         for message in messages:
             record = decode(message.topic, message.value)
             if isinstance(record, TrafficRecord):
@@ -199,28 +226,26 @@ class CanaryWatcher:
                 add[f"{arm}_requests"] = add.get(f"{arm}_requests", 0) + 1
                 if is_upstream_failure(record):
                     add[f"{arm}_errors"] = add.get(f"{arm}_errors", 0) + 1
-                if record.response_id and record.response_id not in self.completions:
+                if record.response_id:
                     # The first exchange to claim an id keeps it (as the proxy's owner record).
-                    self.completions[record.response_id] = (
-                        record.alias,
-                        record.version,
-                        arm,
-                        record.api_key_hash,
+                    claim = "\t".join(
+                        (record.alias, str(record.version), arm, record.api_key_hash or "")
                     )
-                    while len(self.completions) > _MAX_REMEMBERED:
-                        self.completions.popitem(last=False)
+                    claims.set(
+                        completion_key(record.response_id), claim, nx=True, ex=COMPLETION_TTL_S
+                    )
             elif isinstance(record, FeedbackRecord):
-                known = self.completions.get(record.completion_id)
-                # Only the key that got the answer rates it, once (the proxy checks it too).
-                if known is None or known[3] != record.api_key_hash:
+                claims.execute()
+                known = self._claim_rating(record)
+                if known is None:
                     continue
-                self.completions[record.completion_id] = None
-                alias, version, arm, _ = known
+                alias, version, arm = known
                 if self._arm_of(alias, version, arm) is None:
                     continue  # feedback on an exchange from before this canary
                 add = increments.setdefault(alias, {})
                 add[f"{arm}_feedback"] = add.get(f"{arm}_feedback", 0) + 1
                 add[f"{arm}_feedback_sum"] = add.get(f"{arm}_feedback_sum", 0.0) + record.score
+        claims.execute()
         if not increments:
             return
         pipe = self.redis.pipeline(transaction=False)
@@ -231,6 +256,20 @@ class CanaryWatcher:
                 else:
                     pipe.hincrby(canary_key(alias), field, int(value))
         pipe.execute()
+
+    def _claim_rating(self, record: FeedbackRecord) -> tuple[str, int, str] | None:
+        """(alias, version, arm) of the rated completion, if this is its first rating and from
+        the key that got it (the proxy checks that too); marks it rated for every replica."""
+        key = completion_key(record.completion_id)
+        raw = self.redis.get(key)
+        if not isinstance(raw, bytes) or raw == RATED:
+            return None
+        alias, version, arm, key_hash = raw.decode(errors="replace").split("\t")
+        if (key_hash or None) != record.api_key_hash:
+            return None
+        if not self.redis.eval(CLAIM_RATING_SCRIPT, 1, key, raw):
+            return None  # another replica counted it first
+        return alias, int(version), arm
 
     def _arm_of(self, alias: str, version: int, arm: str) -> str | None:
         """The arm to credit, if the exchange belongs to the alias's running canary."""
@@ -258,16 +297,31 @@ class CanaryWatcher:
                 self.metrics.canary_error_rate.labels(alias, arm).set(stats[arm].error_rate)
             age_s = time.time() - started
             verdict, reason = canary_verdict(stats["active"], stats["canary"], config.canary, age_s)
-            if verdict == "wait":
-                continue
-            detail = {"reason": reason, **{arm: vars(stats[arm]) for arm in ARMS}}
+            if verdict != "wait":
+                self.decide(alias, route.canary, verdict, reason, stats)
+
+    def decide(
+        self, alias: str, canary: int, verdict: Verdict, reason: str, stats: dict[str, ArmStats]
+    ) -> None:
+        """Promote or roll back ``canary``, under the alias's lease and only if it is still the
+        canary: another replica's watcher may have decided already."""
+        detail = {"reason": reason, **{arm: vars(stats[arm]) for arm in ARMS}}
+        with self.leases.hold(alias) as lease:
+            if lease is None:
+                return  # another learner is deciding (or running a round): its call
             try:
-                if verdict == "promote":
-                    self.lifecycle.promote(alias, route.canary, {"via": "canary", **detail})
-                    log.info("%s: canary v%d promoted (%s)", alias, route.canary, reason)
-                else:
-                    self.lifecycle.rollback(alias, reason)
-                    self.metrics.rollbacks.labels(alias, reason.split(":", 1)[0]).inc()
-                    log.warning("%s: canary v%d rolled back (%s)", alias, route.canary, reason)
+                with self.lifecycle.fenced(lease):
+                    if verdict == "promote":
+                        self.lifecycle.promote(
+                            alias, canary, {"via": "canary", **detail}, from_canary=True
+                        )
+                        log.info("%s: canary v%d promoted (%s)", alias, canary, reason)
+                    else:
+                        self.lifecycle.rollback(alias, reason, canary=canary)
+                        self.metrics.rollbacks.labels(alias, reason.split(":", 1)[0]).inc()
+                        log.warning("%s: canary v%d rolled back (%s)", alias, canary, reason)
+            except LeaseLost as exc:
+                self.metrics.lease_lost.labels(alias, "canary").inc()
+                log.warning("%s: canary decision abandoned: %s", alias, exc)
             except LifecycleError as exc:
                 log.warning("%s: canary decision not applied: %s", alias, exc)

@@ -127,6 +127,27 @@ class LearnerMetrics:
             ("alias",),
             registry=r,
         )
+        self.lease_held = Gauge(
+            "ratchet_learner_lease_held",
+            "1 while this learner holds the alias's lease (running a round or deciding its "
+            "canary); across replicas at most one reports 1 per alias",
+            ("alias",),
+            registry=r,
+        )
+        self.lease_waits = Counter(
+            "ratchet_learner_lease_busy_total",
+            "Times a round or canary decision waited because another learner held the alias's "
+            "lease, by what waited (round, canary)",
+            ("alias", "what"),
+            registry=r,
+        )
+        self.lease_lost = Counter(
+            "ratchet_learner_lease_lost_total",
+            "Rounds or canary decisions abandoned because the alias's lease was lost mid-way "
+            "(the learner stalled past learner.lease_ttl_s, or Redis lost the key)",
+            ("alias", "what"),
+            registry=r,
+        )
         self.failures = Counter(
             "ratchet_learner_failures_total",
             "Rounds or gates that failed, by cause",

@@ -5,11 +5,12 @@ The main loop reads ``ratchet.groups`` (a consumer group, manual commits) and ``
 counted by reason (duplicate id, all-equal rewards, sampled by a version more than
 ``max_staleness`` promotions behind the live one, learning paused or off), or waits for its
 alias's next round. A round (learner/round.py) runs when ``batch_groups`` wait, or ``interval_s``
-after the oldest one arrived with at least ``min_groups`` waiting, and never while the alias has a
-canary. No API key fills more than ``learning.max_key_share`` of a round (learner/fair.py): its
-surplus groups wait for later rounds (counted), and when too many wait, the key with the most
-loses its oldest. A partition's offset is committed only past groups whose round outcome is
-stored.
+after the oldest one arrived with at least ``min_groups`` waiting, never while the alias has a
+canary, and only in the learner replica holding the alias's lease (learner/leases.py), which
+first drops the groups another replica has trained meanwhile. No API key fills more than
+``learning.max_key_share`` of a round (learner/fair.py): its surplus groups wait for later rounds
+(counted), and when too many wait, the key with the most loses its oldest. A partition's offset
+is committed only past groups whose round outcome is stored, and only while it is assigned here.
 Canaries are watched by learner/canary.py in a thread of their own; the guard (learner/guard.py)
 pauses an alias's learning after a round that shows reward hacking or collapse.
 """
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
-from kafka import KafkaConsumer
+from kafka import ConsumerRebalanceListener, KafkaConsumer
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 from prometheus_client import start_http_server
@@ -41,9 +42,11 @@ from learner.guard import (
     runaway_length,
 )
 from learner.heldout import HeldoutPool
+from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
 from learner.round import RoundReport, Rounds, trained_key
 from ratchet.bus import ensure_topics, make_consumer
+from ratchet.lease import LeaseKeeper, LeaseLost
 from ratchet.lifecycle import EventSink, Lifecycle, LifecycleError
 from ratchet.records import (
     ALL_TOPICS,
@@ -103,6 +106,12 @@ class LearnerService:
         self._starved: set[str] = set()  # aliases told to wait for held-out prompts (logged once)
         self.groups_consumer: KafkaConsumer | None = None
         self.heldout_consumer: KafkaConsumer | None = None
+        self._revoked: set[TopicPartition] = set()  # by a rebalance, see revoked()
+        self._revoked_lock = threading.Lock()
+        self.lease_keeper = LeaseKeeper()
+        self.leases = AliasLeases(
+            self.redis, settings.learner.lease_ttl_s, self.lease_keeper, self.metrics, "round"
+        )
 
     # --- intake ---------------------------------------------------------------------------------
 
@@ -218,14 +227,48 @@ class LearnerService:
         data would otherwise fail the same way forever) and leaves its groups uncommitted."""
         try:
             return [self.run_round(alias)]
-        except (KafkaError, redis.RedisError, OSError):
-            raise  # an outage: the loop retries once the part is back
+        except (KafkaError, redis.RedisError, OSError, LeaseLost):
+            raise  # an outage (retried once the part is back), or the alias is another's now
         except Exception as exc:
             log.exception("%s: round failed", alias)
             self.metrics.failures.labels(alias, "round").inc()
             self.metrics.rounds.labels(alias, "failed").inc()
             self.pause(alias, f"round_failed: {type(exc).__name__}: {str(exc)[:200]}")
             return []
+
+    def leased_round(self, alias: str) -> list[RoundReport]:
+        """A round under the alias's lease; none if another learner holds it. Whatever another
+        replica did before we got the lease (a round on the same groups, a promotion) is read
+        first, and every write of this round is fenced by the lease."""
+        with self.leases.hold(alias) as lease:
+            if lease is None:
+                return []
+            self.refresh_routes()
+            self.drop_trained(alias)
+            if not self.ready(alias):
+                return []
+            try:
+                with self.lifecycle.fenced(lease):
+                    return self.guarded_round(alias)
+            except LeaseLost as exc:
+                # Stalled past the TTL: another learner may be on this alias now. Its groups stay
+                # waiting; those it trains are dropped at our next try.
+                log.warning("%s: round abandoned: %s", alias, exc)
+                self.metrics.lease_lost.labels(alias, "round").inc()
+                return []
+
+    def drop_trained(self, alias: str) -> None:
+        """Drop waiting groups whose round outcome is stored (by another learner, which read
+        them too before a rebalance moved their partition)."""
+        waiting = self.waiting.get(alias) or []
+        if not waiting:
+            return
+        scores = self.redis.zmscore(trained_key(alias), [w.group.group_id for w in waiting])
+        keep = [w for w, score in zip(waiting, scores, strict=True) if score is None]
+        if len(keep) < len(waiting):
+            self.metrics.groups.labels(alias, "duplicate").inc(len(waiting) - len(keep))
+            self.waiting[alias] = keep
+            self.metrics.waiting.labels(alias).set(len(keep))
 
     def guard(self, alias: str, groups: list[ScoredGroup]) -> None:
         """Pause the alias's learning when the signs of reward hacking or collapse show."""
@@ -255,16 +298,40 @@ class LearnerService:
     # --- the loop -------------------------------------------------------------------------------
 
     def commit_offsets(self) -> None:
-        """Commit each partition up to its oldest group still waiting (or all it has read)."""
+        """Commit each partition up to its oldest group still waiting (or all it has read); only
+        partitions assigned to us: another learner's offsets are its own."""
         assert self.groups_consumer is not None
         oldest: dict[TopicPartition, int] = dict(self.read_up_to)
         for waiting in self.waiting.values():
             for w in waiting:
                 oldest[w.partition] = min(oldest.get(w.partition, w.offset), w.offset)
+        assigned = self.groups_consumer.assignment()
+        oldest = {tp: offset for tp, offset in oldest.items() if tp in assigned}
         if oldest:
             self.groups_consumer.commit(
                 {tp: OffsetAndMetadata(offset, "", -1) for tp, offset in oldest.items()}
             )
+
+    def revoked(self, partitions: set[TopicPartition]) -> None:
+        """Partitions of ratchet.groups another learner takes over, noted here and forgotten by
+        the loop's next poll. kafka-python calls this from its IO thread, which must not block
+        (a commit here would fail the rebalance) and must not touch what a round is using."""
+        with self._revoked_lock:
+            self._revoked |= partitions
+        log.info("ratchet.groups partitions revoked: %s", sorted(tp.partition for tp in partitions))
+
+    def forget_revoked(self) -> None:
+        """Forget the revoked partitions' waiting groups: the new owner reads them again from the
+        committed offset (and drops those whose round outcome is stored by then)."""
+        with self._revoked_lock:
+            partitions, self._revoked = self._revoked, set()
+        if not partitions:
+            return
+        for alias, waiting in self.waiting.items():
+            self.waiting[alias] = [w for w in waiting if w.partition not in partitions]
+            self.metrics.waiting.labels(alias).set(len(self.waiting[alias]))
+        for tp in partitions:
+            self.read_up_to.pop(tp, None)
 
     def poll(self) -> None:
         assert self.groups_consumer is not None and self.heldout_consumer is not None
@@ -278,6 +345,7 @@ class LearnerService:
                     # dead-lettered again on every restart.
                     self.metrics.failures.labels("-", f"heldout_{record}").inc()
         polled = self.groups_consumer.poll(timeout_ms=1000, max_records=256)
+        self.forget_revoked()
         if not polled:
             return
         self.refresh_routes()
@@ -359,11 +427,12 @@ class LearnerService:
         self.groups_consumer = make_consumer(
             s.kafka_bootstrap_servers,
             s.kafka,
-            [GROUPS_TOPIC],
+            [],
             s.learner.consumer_group,
             # A round takes minutes on CPU; the coordinator must not evict us meanwhile.
             max_poll_interval_ms=60 * 60 * 1000,
         )
+        self.groups_consumer.subscribe([GROUPS_TOPIC], listener=Revoked(self))
         self.heldout_consumer = make_consumer(
             s.kafka_bootstrap_servers, s.kafka, [HELDOUT_TOPIC], None
         )
@@ -378,7 +447,7 @@ class LearnerService:
             if self.ready(alias):
                 self.refresh_routes()
                 if self.ready(alias):
-                    reports += self.guarded_round(alias)
+                    reports += self.leased_round(alias)
         # Events first: a round's outcome is in Redis; its events must reach Kafka before the
         # offsets move on (retried here until they do).
         if self.lifecycle.flush_events(raise_errors=False):
@@ -406,6 +475,7 @@ class LearnerService:
                 self.metrics.failures.labels("-", type(exc).__name__).inc()
                 time.sleep(1.0)
         watcher.join(timeout=10)
+        self.lease_keeper.stop()
         for consumer in (self.groups_consumer, self.heldout_consumer):
             if consumer is not None:
                 consumer.close()
@@ -424,15 +494,32 @@ class LearnerService:
         return False
 
     def _start_canary_watcher(self) -> threading.Thread:
+        leases = AliasLeases(
+            self.redis, self.settings.learner.lease_ttl_s, self.lease_keeper, self.metrics, "canary"
+        )
         watcher = CanaryWatcher(
             self.settings,
             Lifecycle(self.writer, self.store, EventSink(self.settings), actor="canary"),
             self.metrics,
             self.stopping,
+            leases,
         )
         thread = threading.Thread(target=watcher.run, name="canary", daemon=True)
         thread.start()
         return thread
+
+
+class Revoked(ConsumerRebalanceListener):
+    """Tells the service which partitions of ratchet.groups it lost in a rebalance."""
+
+    def __init__(self, service: LearnerService) -> None:
+        self.service = service
+
+    def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        self.service.revoked(set(revoked))
+
+    def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        log.info("ratchet.groups partitions assigned: %s", sorted(tp.partition for tp in assigned))
 
 
 def serve(settings: RatchetSettings) -> None:

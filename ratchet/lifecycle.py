@@ -8,14 +8,16 @@ truth; the Kafka event is the audit trail for dashboards, sent after Redis is wr
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
+from ratchet.lease import Lease
 from ratchet.records import DeadLetter, LifecycleEvent
 from ratchet.registry import AliasRoute, InvalidRoute, RegistryWriter, RouteContended
 from ratchet.settings import RatchetSettings
@@ -75,6 +77,18 @@ class Lifecycle:
         # Events Redis has and Kafka has not taken yet, and the dead letters of records the
         # service gave up on: both must reach Kafka before the consumer's offsets move past them.
         self.unsent: list[LifecycleEvent | DeadLetter] = []
+        # While set (see fenced), every change is written only if this lease is still held.
+        self.fence: Lease | None = None
+
+    @contextlib.contextmanager
+    def fenced(self, lease: Lease) -> Iterator[None]:
+        """Within the block, each write checks the lease in its own transaction and raises
+        LeaseLost instead of writing when its holder has lost it. One Lifecycle per thread."""
+        self.fence = lease
+        try:
+            yield
+        finally:
+            self.fence = None
 
     # --- reading --------------------------------------------------------------------------------
 
@@ -110,7 +124,7 @@ class Lifecycle:
     def record(self, event: LifecycleEvent, also: Callable[[Any], None] | None = None) -> None:
         """Write an event that changes no route to the alias's history, then send it to Kafka.
         (A route change goes through :meth:`change`.)"""
-        self.writer.write(None, event, alias=event.alias, also=also)
+        self.writer.write(None, event, alias=event.alias, also=also, fence=self.fence)
         self.unsent.append(event)
         self.flush_events(raise_errors=False)
 
@@ -129,7 +143,7 @@ class Lifecycle:
             return compute(route)
 
         try:
-            new, event = self.writer.change(alias, known, also)
+            new, event = self.writer.change(alias, known, also, fence=self.fence)
         except InvalidRoute as exc:
             raise LifecycleError(f"{exc}: fix or delete that hash first") from exc
         except RouteContended as exc:
@@ -184,13 +198,18 @@ class Lifecycle:
         detail: dict[str, Any] | None = None,
         force: bool = False,
         also: Callable[[Any], None] | None = None,
+        from_canary: bool = False,
     ) -> AliasRoute:
-        """Make ``version`` the active one and end any canary."""
+        """Make ``version`` the active one and end any canary. ``from_canary``: only if
+        ``version`` is still the alias's canary (a decision made on a route read earlier must not
+        bring back a canary that was rolled back meanwhile)."""
 
         def compute(route: AliasRoute) -> tuple[AliasRoute, LifecycleEvent]:
             self._check_servable(alias, version, force)
             if route.active == version and route.canary is None:
                 raise LifecycleError(f"{alias} already serves v{version}")
+            if from_canary and route.canary != version:
+                raise LifecycleError(f"v{version} is no longer {alias}'s canary")
             event = self.event(
                 alias,
                 "promote",
@@ -217,11 +236,14 @@ class Lifecycle:
         event = self.event(alias, "reject", version=version, detail=detail)
         self.record(event, also)
 
-    def rollback(self, alias: str, reason: str) -> AliasRoute:
+    def rollback(self, alias: str, reason: str, canary: int | None = None) -> AliasRoute:
         """One step back, at once: end the canary if there is one, else restore the version that
-        was live before the active one."""
+        was live before the active one. ``canary``: end that canary, and do nothing else (a second
+        decision on the same canary must not roll the active version back too)."""
 
         def compute(route: AliasRoute) -> tuple[AliasRoute, LifecycleEvent]:
+            if canary is not None and route.canary != canary:
+                raise LifecycleError(f"v{canary} is no longer {alias}'s canary")
             if route.canary is not None:
                 bad, restored = route.canary, route.active
                 new = replace(route, canary=None, canary_weight=0.0)

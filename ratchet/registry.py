@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import redis
 
+from ratchet.lease import Lease
 from ratchet.records import LifecycleEvent, utc_now
 from ratchet.secrets import keyed_hash
 from ratchet.settings import AliasConfig
@@ -229,6 +230,7 @@ class RegistryWriter:
         compute: Callable[[AliasRoute | None], tuple[AliasRoute, LifecycleEvent]],
         also: Callable[[Any], None] | None = None,
         replace_invalid: bool = False,
+        fence: Lease | None = None,
     ) -> tuple[AliasRoute, LifecycleEvent]:
         """Read the alias's route, ``compute`` the new one (and its event) from it, and write
         both only if nobody changed the route in between (WATCH, then MULTI); if someone did,
@@ -237,12 +239,17 @@ class RegistryWriter:
 
         An invalid hash raises InvalidRoute, unless ``replace_invalid`` (an operator's explicit
         ``ratchet alias set``): then the change starts from the alias's defaults and repairs it.
+
+        With a ``fence``, the lease's key is watched too and must hold the lease's token: a
+        holder whose lease expired or was taken gets LeaseLost and writes nothing.
         """
         key = alias_key(alias)
         for _ in range(CHANGE_ATTEMPTS):
             with self.redis.pipeline(transaction=True) as pipe:
                 try:
-                    pipe.watch(key)  # type: ignore[no-untyped-call]
+                    pipe.watch(key, *([fence.key] if fence else []))  # type: ignore[no-untyped-call]
+                    if fence is not None:
+                        fence.check(pipe.get(fence.key))
                     raw = decode_hash(pipe.hgetall(key))
                     route, event = compute(self._current(alias, raw, replace_invalid))
                     pipe.multi()
@@ -279,20 +286,35 @@ class RegistryWriter:
         *,
         alias: str | None = None,
         also: Callable[[Any], None] | None = None,
+        fence: Lease | None = None,
     ) -> AliasRoute | None:
         """Change a route and/or append an event to the alias's history, in one transaction.
 
         ``route=None`` appends the event only (``alias`` names whose history). ``also(pipe)`` may
         queue more commands into the same MULTI, so a caller's own state (the learner's trained
-        group ids) is stored atomically with the outcome it belongs to.
+        group ids) is stored atomically with the outcome it belongs to. With a ``fence`` it is
+        written only while that lease is held (LeaseLost otherwise), as in :meth:`change`.
         """
         name = route.alias if route is not None else alias or (event.alias if event else None)
         if name is None:
             raise ValueError("write() needs a route, an alias or an event")
-        pipe = self.redis.pipeline(transaction=True)
-        route = self._queue(pipe, name, route, event, also)
-        pipe.execute()
-        return route
+        if fence is None:
+            pipe = self.redis.pipeline(transaction=True)
+            route = self._queue(pipe, name, route, event, also)
+            pipe.execute()
+            return route
+        for _ in range(CHANGE_ATTEMPTS):
+            with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(fence.key)  # type: ignore[no-untyped-call]
+                    fence.check(pipe.get(fence.key))
+                    pipe.multi()
+                    written = self._queue(pipe, name, route, event, also)
+                    pipe.execute()
+                except redis.WatchError:
+                    continue  # renewed or taken meanwhile: check again
+            return written
+        raise RouteContended(f"{fence.key} kept changing; {CHANGE_ATTEMPTS} attempts gave up")
 
     def _queue(
         self,

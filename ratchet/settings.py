@@ -331,6 +331,10 @@ class JudgeSettings(_Section):
     judge_max_tokens: int = Field(default=1024, ge=16)
     cache_ttl_s: int = Field(default=7 * 24 * 3600, ge=1)
     sample_timeout_s: float = Field(default=300.0, gt=0)
+    # A traffic record whose outputs Kafka acknowledged is marked judged in Redis for this long,
+    # so the judge replica that re-reads an uncommitted batch (after a crash or a rebalance)
+    # skips it instead of judging it twice. 0 turns the marks off.
+    done_ttl_s: int = Field(default=3600, ge=0, le=30 * 24 * 3600)
 
 
 class LearnerSettings(_Section):
@@ -386,6 +390,10 @@ class LearnerSettings(_Section):
     # ...or the round's mean answer length grew this many times over the alias's first round.
     max_length_growth: float = Field(default=3.0, gt=1.0)
     canary_check_s: float = Field(default=2.0, gt=0)
+    # Each alias's rounds and canary decisions are run by one learner replica at a time: the one
+    # holding the alias's Redis lease, renewed every third of this. A replica that dies frees
+    # its aliases after this long; one that stalls longer loses them (its writes are fenced).
+    lease_ttl_s: float = Field(default=30.0, ge=0.5, le=3600)
 
 
 class RatchetSettings(BaseSettings):

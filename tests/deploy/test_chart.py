@@ -70,6 +70,7 @@ def test_components_switch_on_and_off(rendered: dict[str, Rendered]) -> None:
         f"PodDisruptionBudget/{FULLNAME}-proxy",
         f"Deployment/{FULLNAME}-judge",
         f"Service/{FULLNAME}-judge",
+        f"PodDisruptionBudget/{FULLNAME}-judge",
         f"Deployment/{FULLNAME}-learner",
         f"Service/{FULLNAME}-learner",
         f"Deployment/{FULLNAME}-vllm",
@@ -563,6 +564,34 @@ def test_tls_ca_secrets_are_mounted_where_the_config_points(
     assert mounts["kafka-ca"] == "/etc/ratchet/kafka-ca"
     assert volumes["redis-ca"]["secret"]["secretName"] == "redis-ca"
     assert mounts["redis-ca"] == "/etc/ratchet/redis-ca"
+
+
+def test_judges_and_learners_scale_out_with_budgets(
+    chart: helm.Chart, rendered: dict[str, Rendered]
+) -> None:
+    """Two judges share ratchet.traffic by default; learners scale when asked (each alias is
+    leased to one of them), rolled one at a time without a surge, under a budget."""
+    defaults = rendered["defaults"]
+    judge = defaults.get("Deployment", f"{FULLNAME}-judge")
+    assert judge["spec"]["replicas"] == 2
+    pdb = defaults.get("PodDisruptionBudget", f"{FULLNAME}-judge")["spec"]
+    assert pdb["maxUnavailable"] == 1
+    assert _selects(pdb["selector"], judge["spec"]["template"]["metadata"])
+    assert defaults.config["judge"]["done_ttl_s"] == 3600
+    assert defaults.config["learner"]["lease_ttl_s"] == 30.0
+    assert not defaults.has("PodDisruptionBudget", f"{FULLNAME}-learner")  # one learner
+
+    values = load_values("defaults")
+    two = render(chart, {**values, "learner": {"replicaCount": 2, "config": {"lease_ttl_s": 10}}})
+    learner = two.get("Deployment", f"{FULLNAME}-learner")
+    assert learner["spec"]["replicas"] == 2
+    assert learner["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    }
+    pdb = two.get("PodDisruptionBudget", f"{FULLNAME}-learner")["spec"]
+    assert _selects(pdb["selector"], learner["spec"]["template"]["metadata"])
+    assert two.config["learner"]["lease_ttl_s"] == 10
 
 
 def test_hpa_pdb_and_service_monitors(rendered: dict[str, Rendered]) -> None:

@@ -15,7 +15,14 @@ from judge import calibrate as cal
 from judge.metrics import JudgeMetrics
 from judge.sampler import SamplingError, group_seed, parse_group, prompt_of, sampling_body
 from judge.scoring import GroupScorer, ScoringError, cached_verdict
-from judge.service import JudgeService, Skip, fraction_of, group_id_of, is_heldout
+from judge.service import (
+    JudgeService,
+    Skip,
+    done_key,
+    fraction_of,
+    group_id_of,
+    is_heldout,
+)
 from ratchet.records import TRAFFIC_TOPIC, DeadLetter, HeldoutPrompt, TrafficRecord, prompt_hash
 from ratchet.registry import AliasRoute, RegistryWriter, alias_key
 from ratchet.rewards.ruler import JudgeReplyError, JudgeRequest, JudgeScores
@@ -88,7 +95,10 @@ def held_out_request(secret: bytes, fraction: float) -> list[dict[str, str]]:
 
 def judge_for(secret: bytes, config: AliasConfig) -> JudgeService:
     service = JudgeService.__new__(JudgeService)
-    service.settings = RatchetSettings(aliases={"support": config})
+    # No Redis here: no marks of judged records.
+    service.settings = RatchetSettings(
+        aliases={"support": config}, judge=JudgeSettings(done_ttl_s=0)
+    )
     service.secret = secret
     service.metrics = JudgeMetrics()
     return service
@@ -376,6 +386,30 @@ def test_an_invalid_route_samples_from_the_last_valid_one(redis_url: str) -> Non
         "ratchet_judge_failures_total", {"alias": "support", "cause": "invalid_route"}
     )
     assert samples == 1.0
+
+
+def test_a_record_another_replica_judged_is_skipped(redis_url: str) -> None:
+    """A judge re-reading a batch another replica finished but never committed (it was killed,
+    or the group rebalanced) skips each record whose outputs Kafka acknowledged."""
+    config = AliasConfig(learning={"heldout_fraction": 0.5, "dedup_window_s": 0})
+    settings = RatchetSettings(
+        redis_url=redis_url, secret="a-test-secret", aliases={"support": config}
+    )
+    first, second = JudgeService(settings), JudgeService(settings)
+    record = traffic(request={"messages": held_out_request(first.secret, 0.5)})
+
+    async def both() -> None:
+        outputs, _ = await first._handle(None, record)  # type: ignore[arg-type]
+        assert [type(r) for r in outputs] == [HeldoutPrompt]
+        await first._mark_done(outputs)
+        with pytest.raises(Skip) as skipped:
+            await second._handle(None, record)  # type: ignore[arg-type]
+        assert skipped.value.reason == "already_judged"
+        assert await second.redis.ttl(done_key(record.request_id)) > 0
+        await first.redis.aclose()
+        await second.redis.aclose()
+
+    asyncio.run(both())
 
 
 def polled(value: bytes) -> SimpleNamespace:

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from learner.canary import ArmStats, CanaryWatcher, canary_verdict, read_counts, reset_counts
+from learner.leases import lease_key
 from learner.metrics import LearnerMetrics
+from ratchet.lease import Lease
 from ratchet.lifecycle import Lifecycle
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord, TrafficRecord
 from ratchet.registry import RegistryWriter
@@ -335,6 +337,62 @@ def test_a_canary_set_by_hand_is_not_judged(
     lifecycle.writer.redis.hset(f"ratchet:canary:{ALIAS}", "version", 3)
     watcher.check()
     assert route_of(lifecycle) == (1, 2)
+
+
+def test_feedback_read_by_another_replica_is_credited_to_its_arm(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    """Traffic and feedback are keyed differently, so one replica's watcher may read an answer
+    and another its rating: the arm is found through Redis, and the rating counts once."""
+    start_canary(lifecycle)
+    first, second = watcher_for(settings, lifecycle), watcher_for(settings, lifecycle)
+    first.count([traffic("canary", 2, rid="c1", key="alice")])
+    second.count([feedback("c1", 0.25, key="alice")])
+    first.count([feedback("c1", 0.0, key="alice")])  # the same rating read again elsewhere
+    _, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
+    assert (stats["canary"].feedback, stats["canary"].feedback_sum) == (1, 0.25)
+
+
+def test_two_replicas_decide_a_canary_once(settings: RatchetSettings, lifecycle: Lifecycle) -> None:
+    """Both watchers see the same failing canary; one rolls it back, the other, deciding on the
+    route it read before, must not roll the active version back as well."""
+    start_canary(lifecycle)
+    first, second = watcher_for(settings, lifecycle), watcher_for(settings, lifecycle)
+    first.count(healthy_traffic(10) + [traffic("canary", 2, status=502, code="upstream_error")] * 5)
+    first.check()
+    assert route_of(lifecycle) == (1, None)
+    second.check()  # its routes still show v2 on canary
+    assert route_of(lifecycle) == (1, None)
+    kinds = [e["kind"] for e in lifecycle.writer.history(ALIAS)]
+    assert kinds.count("rollback") == 1, kinds
+
+
+def test_a_stale_promotion_does_not_bring_back_a_rolled_back_canary(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    age_canary(lifecycle, LATE)
+    lifecycle.rollback(ALIAS, "manual")
+    watcher.count(healthy_traffic(10))  # counted against the route it read: v2 on canary
+    watcher.check()
+    assert route_of(lifecycle) == (1, None)
+
+
+def test_no_decision_while_another_learner_holds_the_alias(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    watcher.count(healthy_traffic(10))
+    age_canary(lifecycle, LATE)
+    other = Lease(lifecycle.writer.redis, lease_key(ALIAS), 5)
+    assert other.acquire()
+    watcher.check()
+    assert route_of(lifecycle) == (1, 2)
+    other.release()
+    watcher.check()
+    assert route_of(lifecycle) == (2, None)
 
 
 def test_check_exports_the_canarys_state(settings: RatchetSettings, lifecycle: Lifecycle) -> None:

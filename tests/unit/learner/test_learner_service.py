@@ -16,8 +16,10 @@ import redis
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from learner.heldout import HeldoutPool
+from learner.leases import lease_key
 from learner.round import next_version_key, trained_key
 from learner.service import LearnerService, baseline_length_key
+from ratchet.lease import Lease
 from ratchet.records import GROUPS_TOPIC, DeadLetter, HeldoutPrompt, Sample, ScoredGroup
 from ratchet.registry import alias_key
 from ratchet.settings import (
@@ -355,6 +357,62 @@ def test_a_round_is_due_when_the_oldest_group_has_waited_long_enough(
     assert service.ready(ALIAS)
 
 
+def test_no_round_while_another_learner_holds_the_alias(
+    gateable: LearnerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = gateable
+    for i in range(3):
+        service.take(group(f"g{i}"), TP0, i)
+    rounds: list[str] = []
+    monkeypatch.setattr(service, "run_round", lambda alias: rounds.append(alias))
+    other = Lease(service.redis, lease_key(ALIAS), 5)
+    assert other.acquire()
+    assert service.leased_round(ALIAS) == []
+    assert rounds == []
+    assert metric(service, "ratchet_learner_lease_busy_total", alias=ALIAS, what="round") == 1
+    other.release()
+    service.leased_round(ALIAS)
+    assert rounds == [ALIAS]
+    assert not service.redis.exists(lease_key(ALIAS))  # released after the round
+    assert metric(service, "ratchet_learner_lease_held", alias=ALIAS) == 0
+
+
+def test_groups_another_learner_trained_are_dropped_before_a_round(
+    gateable: LearnerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = gateable
+    for i in range(3):
+        service.take(group(f"g{i}"), TP0, i)
+    # Another learner read them too (before a rebalance) and stored its round's outcome.
+    service.redis.zadd(trained_key(ALIAS), {"g0": time.time(), "g1": time.time()})
+    rounds: list[str] = []
+    monkeypatch.setattr(service, "run_round", lambda alias: rounds.append(alias))
+    assert service.leased_round(ALIAS) == []
+    assert rounds == []  # one group left: no longer a full batch
+    assert waiting_ids(service) == ["g2"]
+    assert metric(service, "ratchet_learner_groups_total", alias=ALIAS, outcome="duplicate") == 2
+
+
+def test_a_round_whose_lease_is_lost_writes_nothing_and_does_not_pause(
+    gateable: LearnerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = gateable
+    for i in range(3):
+        service.take(group(f"g{i}"), TP0, i)
+
+    def stalled_round(alias: str) -> Any:
+        service.redis.set(lease_key(alias), "another-learner")  # ours expired meanwhile
+        service.lifecycle.record(service.lifecycle.event(alias, "candidate", version=7))
+
+    monkeypatch.setattr(service, "run_round", stalled_round)
+    assert service.leased_round(ALIAS) == []
+    assert service.writer.history(ALIAS) == []
+    assert not route_paused(service)
+    assert waiting_ids(service) == ["g0", "g1", "g2"]
+    assert metric(service, "ratchet_learner_lease_lost_total", alias=ALIAS, what="round") == 1
+    assert service.redis.get(lease_key(ALIAS)) == b"another-learner"  # not released: not ours
+
+
 def test_no_round_while_paused_or_on_canary(gateable: LearnerService) -> None:
     service = gateable
     add_versions(service, (1, 0))
@@ -375,8 +433,12 @@ def test_no_round_while_paused_or_on_canary(gateable: LearnerService) -> None:
 
 
 class FakeConsumer:
-    def __init__(self) -> None:
+    def __init__(self, assigned: tuple[TopicPartition, ...] = (TP0, TP1)) -> None:
         self.commits: list[dict[TopicPartition, OffsetAndMetadata]] = []
+        self.assigned = set(assigned)
+
+    def assignment(self) -> set[TopicPartition]:
+        return self.assigned
 
     def commit(self, offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
         self.commits.append(offsets)
@@ -398,6 +460,28 @@ def test_offsets_stop_at_the_oldest_group_still_waiting(service: LearnerService)
     service.waiting[ALIAS].clear()  # the round that used them is stored
     service.commit_offsets()
     assert consumer.last() == {TP0: 10, TP1: 7}
+
+
+def test_only_assigned_partitions_are_committed(service: LearnerService) -> None:
+    consumer = FakeConsumer(assigned=(TP1,))
+    service.groups_consumer = consumer  # type: ignore[assignment]
+    service.read_up_to = {TP0: 10, TP1: 7}
+    service.commit_offsets()
+    assert consumer.last() == {TP1: 7}  # TP0 is another learner's now: its offsets are its own
+
+
+def test_revoked_partitions_forget_their_groups(service: LearnerService) -> None:
+    consumer = FakeConsumer()
+    service.groups_consumer = consumer  # type: ignore[assignment]
+    service.read_up_to = {TP0: 10, TP1: 7}
+    service.take(group("g0"), TP0, 4)
+    service.take(group("g1"), TP1, 5)
+    service.revoked({TP0})
+    assert consumer.commits == []  # from kafka-python's IO thread: nothing that blocks
+    assert waiting_ids(service) == ["g0", "g1"]  # a round may be using them
+    service.forget_revoked()  # the loop's next poll
+    assert waiting_ids(service) == ["g1"]
+    assert service.read_up_to == {TP1: 7}
 
 
 def test_no_commit_before_anything_was_read(service: LearnerService) -> None:

@@ -353,3 +353,25 @@ def test_the_packaged_config_loads_and_repeats_no_default(tmp_path: Path) -> Non
     assert set(settings.aliases) == {"support", "demo"}
     assert settings.aliases["demo"].reward.verifier == "ratchet.demo:extraction_reward"
     assert _repeated_defaults(yaml.safe_load(text), RatchetSettings(), "") == []
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "named"),
+    [
+        ("RATCHET_LEARNER__LEASE_TTL_S", "0.1", "learner.lease_ttl_s"),
+        ("RATCHET_JUDGE__DONE_TTL_S", "-1", "judge.done_ttl_s"),
+    ],
+)
+def test_replica_settings_are_checked_by_name(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, named: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert named in str(info.value) and variable in str(info.value)
+
+
+def test_replica_settings_defaults() -> None:
+    settings = load_settings()
+    assert settings.learner.lease_ttl_s == 30.0
+    assert settings.judge.done_ttl_s == 3600
