@@ -319,8 +319,11 @@ class JudgeService:
                 results = await asyncio.gather(*(self.handle(session, m) for m in batch))
                 outputs = [r for records, _ in results for r in records]
                 seen = [k for _, keys in results for k in keys]
-                # Produce, wait for acks, then commit: never the other way round.
-                await loop.run_in_executor(None, self._produce, outputs)
+                # Produce, wait for acks, then commit: never the other way round. A batch not
+                # acknowledged (stopping during a broker outage) is neither marked nor committed:
+                # the next judge must read it again and not skip it.
+                if not await loop.run_in_executor(None, self._produce, outputs):
+                    break
                 await self._mark_done(outputs)
                 await loop.run_in_executor(None, self._commit)
                 await self._mark_seen(seen)
@@ -360,8 +363,9 @@ class JudgeService:
         polled = self.consumer.poll(timeout_ms=1000, max_records=self.settings.judge.poll_records)
         return [m for messages in polled.values() for m in messages]
 
-    def _produce(self, outputs: list[Record]) -> None:
-        """Send a batch's outputs and wait for the broker's acks, retrying until they land."""
+    def _produce(self, outputs: list[Record]) -> bool:
+        """Send a batch's outputs and wait for the broker's acks, retrying until they land.
+        False: stopped before they did."""
         while True:
             try:
                 futures = [
@@ -370,12 +374,12 @@ class JudgeService:
                 self.producer.flush(timeout=30)
                 for future in futures:
                     future.get(timeout=0)
-                return
+                return True
             except KafkaError as exc:
                 # Not committed: the same batch stays ours to finish. Retry until it lands.
                 log.warning("could not produce a batch (%s); retrying", exc)
                 if self.stopping.is_set():
-                    return  # uncommitted: the next judge re-reads this batch
+                    return False  # uncommitted: the next judge re-reads this batch
                 time.sleep(1.0)
 
     def _commit(self) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import redis
+from kafka.errors import KafkaTimeoutError
 
 from judge import calibrate as cal
 from judge.metrics import JudgeMetrics
@@ -23,6 +24,7 @@ from judge.service import (
     group_id_of,
     is_heldout,
 )
+from ratchet.dev.processes import free_port
 from ratchet.records import TRAFFIC_TOPIC, DeadLetter, HeldoutPrompt, TrafficRecord, prompt_hash
 from ratchet.registry import AliasRoute, RegistryWriter, alias_key
 from ratchet.rewards.ruler import JudgeReplyError, JudgeRequest, JudgeScores
@@ -410,6 +412,47 @@ def test_a_record_another_replica_judged_is_skipped(redis_url: str) -> None:
         await second.redis.aclose()
 
     asyncio.run(both())
+
+
+def test_a_batch_kafka_never_acknowledged_is_neither_marked_nor_committed(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopped while the broker is away, the judge gives its batch up: the next judge (or the
+    replica that takes the partition) must read it again and judge it, not skip it as judged."""
+    config = AliasConfig(learning={"heldout_fraction": 0.5, "dedup_window_s": 0})
+    settings = RatchetSettings(
+        redis_url=redis_url,
+        secret="a-test-secret",
+        aliases={"support": config},
+        judge=JudgeSettings(metrics_port=free_port()),
+    )
+    service = JudgeService(settings)
+    record = traffic(request={"messages": held_out_request(service.secret, 0.5)})
+    batches = [[polled(record.to_json())]]
+    committed: list[bool] = []
+
+    class BrokerAway:
+        def send(self, *args: Any, **kwargs: Any) -> None:
+            service.stopping.set()  # SIGTERM while the broker is away
+            raise KafkaTimeoutError("broker away")
+
+        def close(self, timeout: float | None = None) -> None:
+            pass
+
+    class Consumer:
+        def commit(self) -> None:
+            committed.append(True)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(service, "_connect", lambda: None)
+    monkeypatch.setattr(service, "_poll", lambda: batches.pop() if batches else [])
+    service.producer, service.consumer = BrokerAway(), Consumer()
+    asyncio.run(service.run())
+
+    assert not batches and not committed
+    assert not redis.Redis.from_url(redis_url).exists(done_key(record.request_id))
 
 
 def polled(value: bytes) -> SimpleNamespace:
