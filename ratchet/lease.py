@@ -147,12 +147,20 @@ class LeaseKeeper:
                 leases = list(self._leases.values())
             for lease in leases:
                 try:
-                    renewed = lease.renew()
-                except (redis.RedisError, OSError) as exc:
-                    log.warning("could not renew %s (%s); retrying", lease.key, exc)
-                    continue
-                if not renewed:
-                    log.warning("lease %s lost: it expired or another holder took it", lease.key)
-                    self.drop(lease)
-                    if self.on_lost is not None:
-                        self.on_lost(lease)
+                    self._renew(lease)
+                except Exception:  # the thread must outlive any one lease's failure
+                    log.exception("renewing %s failed; retrying", lease.key)
+
+    def _renew(self, lease: Lease) -> None:
+        try:
+            renewed = lease.renew()
+        except (redis.RedisError, OSError) as exc:
+            log.warning("could not renew %s (%s); retrying", lease.key, exc)
+            return
+        with self._lock:
+            if renewed or id(lease) not in self._leases:
+                return  # renewed, or released (and dropped) while we asked: nothing was lost
+            self._leases.pop(id(lease), None)
+        log.warning("lease %s lost: it expired or another holder took it", lease.key)
+        if self.on_lost is not None:
+            self.on_lost(lease)

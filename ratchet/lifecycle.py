@@ -84,11 +84,11 @@ class Lifecycle:
     def fenced(self, lease: Lease) -> Iterator[None]:
         """Within the block, each write checks the lease in its own transaction and raises
         LeaseLost instead of writing when its holder has lost it. One Lifecycle per thread."""
-        self.fence = lease
+        previous, self.fence = self.fence, lease
         try:
             yield
         finally:
-            self.fence = None
+            self.fence = previous
 
     # --- reading --------------------------------------------------------------------------------
 
@@ -124,7 +124,10 @@ class Lifecycle:
     def record(self, event: LifecycleEvent, also: Callable[[Any], None] | None = None) -> None:
         """Write an event that changes no route to the alias's history, then send it to Kafka.
         (A route change goes through :meth:`change`.)"""
-        self.writer.write(None, event, alias=event.alias, also=also, fence=self.fence)
+        try:
+            self.writer.write(None, event, alias=event.alias, also=also, fence=self.fence)
+        except RouteContended as exc:
+            raise LifecycleError(str(exc)) from exc
         self.unsent.append(event)
         self.flush_events(raise_errors=False)
 

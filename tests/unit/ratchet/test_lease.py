@@ -65,11 +65,13 @@ def test_a_renewal_extends_the_ttl(client: redis.Redis) -> None:
 
 def test_the_keeper_keeps_a_lease_past_its_ttl_until_dropped(client: redis.Redis) -> None:
     keeper = LeaseKeeper()
-    lease, other = Lease(client, KEY, 0.3), Lease(client, KEY, 0.3)
+    # A TTL of 1 s (renewed every third of it): a busy 2-core machine can starve a thread for
+    # a few tenths of a second, which must not look like a lost lease here.
+    lease, other = Lease(client, KEY, 1.0), Lease(client, KEY, 1.0)
     assert lease.acquire()
     keeper.keep(lease)
     try:
-        deadline = time.monotonic() + 1.0  # three TTLs
+        deadline = time.monotonic() + 2.5  # past two TTLs
         while time.monotonic() < deadline:
             assert not other.acquire()
             time.sleep(0.05)
