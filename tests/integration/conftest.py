@@ -230,6 +230,9 @@ def embedded_start(
     if not any("embedded" in item.fixturenames for item in request.session.items):
         yield None
         return
+    # The session's temporary folder is made here, before the thread: two threads making it
+    # at once (this one and a first test's tmp_path) can each make one, and mktemp then fails.
+    tmp_path_factory.getbasetemp()
     with ThreadPoolExecutor(1, thread_name_prefix="embedded-start") as pool:
         started = pool.submit(start_embedded, tmp_path_factory)
         try:
