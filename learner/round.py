@@ -128,6 +128,7 @@ class Rounds:
     # --- the steps --------------------------------------------------------------------------
 
     def train(self, alias: str, live: int, groups: list[ScoredGroup]) -> RoundStats:
+        log.info("%s: round on %d groups from v%d: training", alias, len(groups), live)
         trainer = self.trainer()
         started = time.perf_counter()
         trainer.load_adapter(self.store.path(alias, live) if live > 0 else None)
@@ -183,6 +184,9 @@ class Rounds:
         # Seeded by the version: each round draws afresh, and a round's draw can be replayed.
         prompts = heldout.draw(
             config.gate.max_pairs, config.learning.max_key_share, f"{seed}:{alias}:{version}"
+        )
+        log.info(
+            "%s: gating v%d against v%d on %d held-out pairs", alias, version, live, len(prompts)
         )
         try:
             result = asyncio.run(

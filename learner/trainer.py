@@ -320,8 +320,16 @@ class LoraGRPOLearner:
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # LoRA dropout: seeded by the round
             torch.manual_seed(self.train.seed * 1_000_003 + self.rounds)
-            for step_rows in plan:
+            for k, step_rows in enumerate(plan, 1):
                 self._step(batch, step_rows, lengths, acc)
+                log.info(
+                    "round %d: step %d/%d done, %d tokens so far, %.1f s",
+                    self.rounds,
+                    k,
+                    len(plan),
+                    acc.total_tokens,
+                    time.perf_counter() - start,
+                )
         self.optimizer_steps += len(plan) - acc.skipped
         self.groups_seen += int(informative.sum())
         stats = acc.finish(
