@@ -1,0 +1,147 @@
+"""What the learner is doing for each alias, and how many groups it still needs.
+
+The learner replica that runs an alias's rounds publishes a :class:`LearnerProgress` in Redis
+(``ratchet:learner:<alias>:progress``, a hash with a TTL, so a learner that dies stops being
+believed). ``ratchet status`` and the console show it; the judge reads it for backpressure
+(:func:`sampling_decision`): it samples for an alias only while the groups produced and not yet
+trained on are fewer than a bound, and, on a machine where sampling and training share the
+cores, not while a round trains.
+
+"Not yet trained on" is counted across every judge and learner replica by two Redis counters:
+each judge adds the groups Kafka acknowledged to ``ratchet:judge:<alias>:groups_produced``, the
+learner adds the groups it has read (whatever became of them) to the progress hash's ``read``
+field. Pending groups = produced - read (still in Kafka) + the learner's ``waiting`` ones. A
+learner that re-reads uncommitted groups after a restart counts them twice, so the judge then
+samples a little more than the bound, never less than needed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+import redis
+
+Phase = Literal["idle", "waiting_heldout", "train", "write", "gate", "settle"]
+PHASES: tuple[Phase, ...] = ("idle", "waiting_heldout", "train", "write", "gate", "settle")
+# Phases in which the learner's process is busy computing (what a shared machine must not share).
+BUSY_PHASES = frozenset({"train", "write"})
+# A progress hash not rewritten for this long belongs to a dead or stalled learner. Longer than
+# one optimizer step on a CPU (tens of seconds), which is the longest the learner goes silent.
+PROGRESS_TTL_S = 300
+
+
+def progress_key(alias: str) -> str:
+    """Hash: the alias's :class:`LearnerProgress`, written by the learner holding its lease."""
+    return f"ratchet:learner:{alias}:progress"
+
+
+def produced_key(alias: str) -> str:
+    """String counter: groups the judges produced for the alias (Kafka acknowledged them)."""
+    return f"ratchet:judge:{alias}:groups_produced"
+
+
+@dataclass(frozen=True)
+class LearnerProgress:
+    """One alias as the learner sees it. Times are Unix seconds."""
+
+    alias: str
+    phase: Phase = "idle"
+    waiting: int = 0  # usable groups read and waiting for the next round
+    read: int = 0  # groups read from ratchet.groups, ever (the counter the judge subtracts)
+    batch_groups: int = 0  # groups a round trains on
+    heldout: int = 0  # held-out prompts in the gate's pool
+    version: int = 0  # the live version a round trains from, then the candidate's
+    step: int = 0  # train: optimizer steps done; gate: pairs answered
+    steps: int = 0  # train: steps in the round; gate: pairs drawn
+    detail: str = ""  # one line for people: loss and tokens/s, or the running win rate
+    round_started_at: float = 0.0
+    updated_at: float = 0.0
+
+    def to_hash(self) -> dict[str, str]:
+        return {k: str(v) for k, v in asdict(self).items() if k not in ("alias", "read")}
+
+    @classmethod
+    def from_hash(cls, alias: str, raw: dict[Any, Any]) -> LearnerProgress | None:
+        """None for an empty or unreadable hash (a newer learner's format, or a hand edit)."""
+        data = {
+            (k.decode() if isinstance(k, bytes) else k): (
+                v.decode(errors="replace") if isinstance(v, bytes) else v
+            )
+            for k, v in raw.items()
+        }
+        if not data:
+            return None
+        values: dict[str, Any] = {"alias": alias}
+        try:
+            for f in fields(cls):
+                if f.name == "alias" or f.name not in data:
+                    continue
+                kind = type(getattr(cls, f.name, ""))
+                values[f.name] = kind(float(data[f.name])) if kind is int else kind(data[f.name])
+        except ValueError:
+            return None
+        if values.get("phase", "idle") not in PHASES:
+            return None
+        return cls(**values)
+
+    @property
+    def busy(self) -> bool:
+        return self.phase in BUSY_PHASES
+
+    def describe(self, now: float | None = None) -> str:
+        """One line for ``ratchet status``."""
+        now = time.time() if now is None else now
+        if self.phase in ("idle", "waiting_heldout"):
+            text = f"{self.phase}: {self.waiting}/{self.batch_groups} groups"
+            if self.phase == "waiting_heldout":
+                text += f", {self.heldout} held-out prompts"
+            return text
+        took = f"{now - self.round_started_at:.0f}s" if self.round_started_at else "?"
+        counted = f" {self.step}/{self.steps}" if self.steps else ""
+        text = f"round v{self.version}, {self.phase}{counted}, {took} in"
+        return f"{text}: {self.detail}" if self.detail else text
+
+
+def publish(client: redis.Redis, progress: LearnerProgress, read_delta: int = 0) -> None:
+    """Write the alias's progress (and add ``read_delta`` to its read counter) with its TTL."""
+    key = progress_key(progress.alias)
+    pipe = client.pipeline(transaction=True)
+    pipe.hset(key, mapping={**progress.to_hash(), "updated_at": str(time.time())})
+    if read_delta:
+        pipe.hincrby(key, "read", read_delta)
+    pipe.expire(key, PROGRESS_TTL_S)
+    pipe.execute()
+
+
+def read_progress(client: redis.Redis, alias: str) -> LearnerProgress | None:
+    return LearnerProgress.from_hash(alias, client.hgetall(progress_key(alias)))
+
+
+@dataclass(frozen=True)
+class SamplingDecision:
+    sample: bool
+    reason: str  # why not, for the judge's skip counter: "backpressure" or "learner_training"
+    pending: int  # groups produced and not yet trained on, as far as Redis knows
+
+
+def sampling_decision(
+    progress: LearnerProgress | None,
+    produced: int,
+    max_pending: int,
+    pause_while_training: bool,
+) -> SamplingDecision:
+    """Whether a judge should sample a group for the alias now.
+
+    ``produced``: the alias's groups_produced counter; ``max_pending``: the bound on groups
+    produced and not yet trained on (0: no bound). Without a live learner's progress there is
+    nothing to go by, so the judge samples (the groups wait in Kafka for the learner)."""
+    if progress is None:
+        return SamplingDecision(True, "", 0)
+    pending = max(0, produced - progress.read) + progress.waiting
+    if pause_while_training and progress.busy:
+        return SamplingDecision(False, "learner_training", pending)
+    if max_pending and pending >= max_pending:
+        return SamplingDecision(False, "backpressure", pending)
+    return SamplingDecision(True, "", pending)
