@@ -78,8 +78,8 @@ class LearnerProgress:
             for f in fields(cls):
                 if f.name == "alias" or f.name not in data:
                     continue
-                kind = type(getattr(cls, f.name, ""))
-                values[f.name] = kind(float(data[f.name])) if kind is int else kind(data[f.name])
+                kind = _FIELD_KINDS[f.name]
+                values[f.name] = int(float(data[f.name])) if kind is int else kind(data[f.name])
         except ValueError:
             return None
         if values.get("phase", "idle") not in PHASES:
@@ -104,11 +104,17 @@ class LearnerProgress:
         return f"{text}: {self.detail}" if self.detail else text
 
 
+_FIELD_KINDS: dict[str, type] = {
+    f.name: type(f.default) for f in fields(LearnerProgress) if f.name != "alias"
+}
+
+
 def publish(client: redis.Redis, progress: LearnerProgress, read_delta: int = 0) -> None:
     """Write the alias's progress (and add ``read_delta`` to its read counter) with its TTL."""
     key = progress_key(progress.alias)
     pipe = client.pipeline(transaction=True)
-    pipe.hset(key, mapping={**progress.to_hash(), "updated_at": str(time.time())})
+    mapping: dict[Any, Any] = {**progress.to_hash(), "updated_at": str(time.time())}
+    pipe.hset(key, mapping=mapping)
     if read_delta:
         pipe.hincrby(key, "read", read_delta)
     pipe.expire(key, PROGRESS_TTL_S)
