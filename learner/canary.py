@@ -9,7 +9,8 @@ restarted learner carries on counting. Once the canary arm has ``min_requests``,
 :func:`canary_verdict` decides: roll back if its error rate or its feedback is worse than the
 active arm's beyond the configured margin, else promote. Feedback lags the answers it rates, so
 a canary without ``min_feedback`` ratings on both arms waits up to ``feedback_wait_s`` for them
-before it is judged on error rate alone.
+before it is judged on error rate alone — unless neither arm has a single rating while the active
+arm has answered :data:`UNRATED_AFTER` times ``min_requests``: an alias whose users don't rate.
 
 Every learner replica runs a watcher. Their consumer group splits the topics' partitions between
 them, so each record is counted once, into the shared counts; which arm a completion id was
@@ -53,6 +54,10 @@ COMPLETION_TTL_S = 3600
 RATED = b"rated"
 
 Verdict = Literal["wait", "promote", "rollback"]
+
+# With no rating on either arm by the time the active arm has this many times canary.min_requests
+# answers, a canary does not wait feedback_wait_s for ratings (see canary_verdict).
+UNRATED_AFTER = 4
 
 # The error codes (proxy/upstream.py) that count against an arm: the model server failed (502
 # upstream_error: it answered 5xx, or dropped the answer or the stream), could not load the
@@ -122,7 +127,14 @@ def canary_verdict(
             f"(+{excess:.3f} > {config.max_error_rate_increase})"
         )
     rated = active.feedback >= config.min_feedback and canary.feedback >= config.min_feedback
-    if not rated and age_s < config.feedback_wait_s:
+    # Not one rating on either arm while the active arm answered several times the canary's
+    # minimum: this alias's users do not rate, and waiting for feedback would only delay.
+    unrated = (
+        active.feedback == 0
+        and canary.feedback == 0
+        and active.requests >= UNRATED_AFTER * config.min_requests
+    )
+    if not rated and not unrated and age_s < config.feedback_wait_s:
         return "wait", (
             f"feedback {canary.feedback} (canary) and {active.feedback} (active) of "
             f"{config.min_feedback}; deciding without it after {config.feedback_wait_s:.0f} s"

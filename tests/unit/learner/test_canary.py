@@ -77,6 +77,19 @@ def test_the_verdict_waits_for_feedback_then_decides_without_it() -> None:
     assert verdict == "promote"
 
 
+def test_the_verdict_does_not_wait_for_ratings_an_alias_never_gets() -> None:
+    # At weight 0.1 the active arm answers about nine times the canary's requests: not one
+    # rating among them means this alias's users don't rate.
+    canary = ArmStats(10)
+    verdict, reason = canary_verdict(ArmStats(39), canary, CONFIG, 0.0)
+    assert verdict == "wait" and "feedback 0 (canary)" in reason
+    verdict, _ = canary_verdict(ArmStats(40), canary, CONFIG, 0.0)
+    assert verdict == "promote"
+    # One rating anywhere, and the canary waits for enough of them as before.
+    verdict, _ = canary_verdict(ArmStats(90, feedback=1, feedback_sum=1.0), canary, CONFIG, 0.0)
+    assert verdict == "wait"
+
+
 # --- the watcher ------------------------------------------------------------------------------
 
 
