@@ -86,8 +86,8 @@ class SequentialTest:
     reason: str = ""
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.theta < 1.0:
-            raise ValueError(f"theta must lie in (0, 1), not {self.theta}")
+        if not 0.0 <= self.theta <= 1.0:
+            raise ValueError(f"theta must lie in [0, 1], not {self.theta}")
         if not 0.0 < self.alpha < 1.0:
             raise ValueError(f"alpha must lie in (0, 1), not {self.alpha}")
         if self.min_n < 1 or self.max_n < self.min_n:
@@ -175,16 +175,25 @@ class SequentialTest:
 
     def _decide(self) -> tuple[Decision, str]:
         level = f"{1 - self.alpha:.0%}"
+        # The boundaries are exact: outcomes in [0, 1] with mean <= 0 are all 0, so one outcome
+        # above 0 refutes it for certain (and one below 1 refutes mean >= 1).
+        if self.theta == 0.0 and self.total > 0.0 and self.n >= self.min_n:
+            return "pass", "an outcome above 0 refutes a mean of 0"
+        if self.theta == 1.0 and self.total < self.n:
+            return "fail", "an outcome below 1 refutes a mean of 1"
         if self.best_lower > self.theta and self.n >= self.min_n:
             return "pass", f"{level} lower bound {self.lower:.3f} > {self.theta}"
         if self.best_upper < self.theta:
             return "fail", f"{level} upper bound {self.upper:.3f} < {self.theta}"
         # Futility: the most evidence the remaining outcomes could add, even all ones.
-        reachable = self.evidence + (self.max_n - self.n) * BET_CAP * (1.0 - self.theta)
+        remaining = self.max_n - self.n
+        reachable = self.evidence + remaining * BET_CAP * (1.0 - self.theta)
+        if self.theta == 0.0 and remaining > 0:
+            reachable = math.inf
         if self.best_lower <= self.theta and reachable < self.threshold:
             if self.n >= self.max_n:
                 return "fail", f"inconclusive after {self.n} (max {self.max_n})"
-            return "fail", f"futile: {self.max_n - self.n} more could not reach the evidence"
+            return "fail", f"futile: {remaining} more could not reach the evidence"
         if self.n >= self.max_n:
             return "fail", f"inconclusive after {self.n} (max {self.max_n})"
         return "continue", ""

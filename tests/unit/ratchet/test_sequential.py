@@ -123,6 +123,18 @@ def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError):
         SequentialTest(theta=0.5).update(float("nan"))
     with pytest.raises(ValueError):
-        SequentialTest(theta=1.0)
+        SequentialTest(theta=1.5)
     with pytest.raises(ValueError):
         SequentialTest(theta=0.5, min_n=10, max_n=5)
+
+
+def test_the_boundaries_are_exact() -> None:
+    """A threshold of 0 passes anything not worse on every pair (once min_n are seen); a
+    threshold of 1 can never pass."""
+    zero = SequentialTest(theta=0.0, max_n=8, min_n=2)
+    assert zero.update(0.5) == "continue"  # below the floor
+    assert zero.update(0.0) == "pass"
+    losing = SequentialTest(theta=0.0, max_n=3)
+    assert [losing.update(0.0) for _ in range(3)] == ["continue", "continue", "fail"]
+    one = SequentialTest(theta=1.0, max_n=8)
+    assert one.update(1.0) == "fail"  # nothing can be above 1: futile at once
