@@ -24,7 +24,7 @@ LoRA, each round:
 4. evaluate (not part of the round's time): every held-out prompt answered greedily
    (temperature 0) by the candidate and scored by the shipped verifier, paired with the base's
    greedy answer: mean score of each, and the win rate (candidate better 1, tie 0.5, worse 0) with
-   a 95% percentile-bootstrap interval over prompts (the demo gate's ``bootstrap_samples``
+   a 95% percentile-bootstrap interval over prompts (``BOOTSTRAP_SAMPLES``
    resamples, seeded; the gate's own functions from learner/gate.py). ``strict`` is the
    share of held-out answers that are one JSON object and nothing else, scored by fields.
 
@@ -273,11 +273,15 @@ async def evaluate(url: str, served: str, prompts: list[dict[str, Any]], max_tok
     )
 
 
+# Resamples for the held-out win rate's interval (the gate itself now decides sequentially).
+BOOTSTRAP_SAMPLES = 2000
+
+
 def win_rate(cand: list[float], base: list[float], seed: int = 0) -> tuple[float, float, float]:
     """The gate's own statistic: paired win rate (better 1, tie 0.5, worse 0) and its 95%
     percentile-bootstrap interval (learner/gate.py)."""
     wins = [verifier_outcome(c, b) for c, b in zip(cand, base, strict=True)]
-    low, high = bootstrap_interval(wins, samples=SHIPPED_DEMO.gate.bootstrap_samples, seed=seed)
+    low, high = bootstrap_interval(wins, samples=BOOTSTRAP_SAMPLES, seed=seed)
     return statistics.fmean(wins), low, high
 
 

@@ -9,15 +9,19 @@ differs only because the weights do). Each prompt gives one paired outcome for t
   prefers the first answer it reads cannot promote anything;
 * mixed: ``ruler_weight`` x the RULER outcome + the rest x the verifier outcome.
 
-The win rate is the mean outcome, and its 95% interval a percentile bootstrap over prompts. The
-candidate passes when at least ``min_pairs`` pairs were compared and the interval's lower end is
-above ``threshold``. The pure part (:func:`decide` and below) is tested without a model.
+The pairs are answered in their drawn order, a wave of ``learner.gate_concurrency`` at a time
+(so vLLM batches), and their outcomes feed an always-valid sequential test of the win rate
+against ``threshold`` (:mod:`ratchet.sequential`): the gate stops as soon as the test passes
+(at least ``min_pairs`` pairs, false-promotion rate at most ``alpha``), fails (significantly
+worse, or a pass is out of reach), or the drawn pairs run out. The pure part (:func:`decide`
+and below) is tested without a model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,6 +34,7 @@ from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, judge_score
 from ratchet.rewards.ruler import JudgeRequest, build_judge_request
 from ratchet.rewards.verifiers import VerifierError, load_verifier, run_verifier
 from ratchet.secrets import vllm_api_key
+from ratchet.sequential import SequentialTest
 from ratchet.settings import AliasConfig, GateConfig, RatchetSettings
 
 log = logging.getLogger(__name__)
@@ -50,6 +55,12 @@ class GateResult:
     candidate_score: float | None = None  # mean verifier score on the held-out prompts
     incumbent_score: float | None = None
     failed_pairs: int = 0  # prompts one of the versions could not answer, or not judged
+    # The sequential test: log-capital of the bet that the candidate is better (a pass needs
+    # log(1/alpha)); ci_low/ci_high above are its time-uniform bounds, each at 1 - alpha.
+    evidence: float | None = None
+    alpha: float | None = None
+    drawn: int = 0  # held-out pairs drawn for this gate
+    stopped_early: bool = False  # decided before every drawn pair was scored
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,7 +86,8 @@ def pairwise_outcome(first_order: float, second_order: float) -> float:
 def bootstrap_interval(
     outcomes: list[float], samples: int, seed: int, level: float = 0.95
 ) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean outcome (resampling prompts with replacement)."""
+    """Percentile bootstrap interval of the mean outcome (resampling prompts with replacement).
+    For evaluations of a fixed size (the benches); the gate itself decides sequentially."""
     if not outcomes:
         raise ValueError("no outcomes to bootstrap")
     values = np.asarray(outcomes, dtype=np.float64)
@@ -86,35 +98,82 @@ def bootstrap_interval(
     return float(low), float(high)
 
 
-def decide(
-    outcomes: list[float],
+def sequential_test(gate: GateConfig, drawn: int) -> SequentialTest:
+    """The test a gate of ``drawn`` pairs runs; its futility bound counts on at most those."""
+    return SequentialTest(
+        theta=gate.threshold,
+        alpha=gate.alpha,
+        max_n=max(drawn, gate.min_pairs, 1),
+        min_n=gate.min_pairs,
+    )
+
+
+def conclude(
+    test: SequentialTest,
     gate: GateConfig,
-    seed: int = 0,
+    drawn: int,
     candidate_score: float | None = None,
     incumbent_score: float | None = None,
     failed_pairs: int = 0,
 ) -> GateResult:
-    """Promote only with enough pairs and a 95% lower bound above the threshold."""
-    common = {
-        "pairs": len(outcomes),
+    """The gate's verdict once the test decided or the drawn pairs ran out."""
+    pairs = test.n
+    common: dict[str, Any] = {
+        "pairs": pairs,
         "threshold": gate.threshold,
         "min_pairs": gate.min_pairs,
         "candidate_score": candidate_score,
         "incumbent_score": incumbent_score,
         "failed_pairs": failed_pairs,
+        "alpha": gate.alpha,
+        "drawn": drawn,
     }
-    if not outcomes:
-        unmeasured = {"win_rate": None, "ci_low": None, "ci_high": None}
-        return GateResult(False, "no held-out pairs", **unmeasured, **common)  # type: ignore[arg-type]
-    win_rate = sum(outcomes) / len(outcomes)
-    low, high = bootstrap_interval(outcomes, gate.bootstrap_samples, seed)
-    if len(outcomes) < gate.min_pairs:
-        passed, reason = False, f"{len(outcomes)} held-out pairs, fewer than {gate.min_pairs}"
-    elif low > gate.threshold:
-        passed, reason = True, f"win rate {win_rate:.3f}, 95% CI low {low:.3f} > {gate.threshold}"
+    if not pairs:
+        unmeasured: dict[str, Any] = {"win_rate": None, "ci_low": None, "ci_high": None}
+        return GateResult(False, "no held-out pairs", **unmeasured, **common)
+    win_rate = test.total / pairs
+    measured: dict[str, Any] = {
+        "win_rate": win_rate,
+        "ci_low": test.lower,
+        "ci_high": test.upper,
+        "evidence": test.evidence,
+        "stopped_early": test.decision != "continue" and pairs + failed_pairs < drawn,
+    }
+    head = f"win rate {win_rate:.3f} on {pairs} pairs"
+    if drawn < gate.min_pairs:  # no pass was possible: say why, not that it was futile
+        return GateResult(
+            False,
+            f"{drawn} held-out pairs drawn, fewer than {gate.min_pairs}",
+            **measured,
+            **common,
+        )
+    if test.decision == "pass":
+        return GateResult(True, f"{head}: {test.reason}", **measured, **common)
+    if test.decision == "fail":
+        return GateResult(False, f"{head}: {test.reason}", **measured, **common)
+    if pairs < gate.min_pairs:
+        reason = f"{pairs} held-out pairs, fewer than {gate.min_pairs}"
     else:
-        passed, reason = False, f"win rate {win_rate:.3f}, 95% CI low {low:.3f} <= {gate.threshold}"
-    return GateResult(passed, reason, win_rate=win_rate, ci_low=low, ci_high=high, **common)  # type: ignore[arg-type]
+        reason = f"{head}: undecided, {drawn} drawn ({test.lower:.3f} <= {gate.threshold})"
+    return GateResult(False, reason, **measured, **common)
+
+
+def decide(
+    outcomes: list[float],
+    gate: GateConfig,
+    drawn: int | None = None,
+    candidate_score: float | None = None,
+    incumbent_score: float | None = None,
+    failed_pairs: int = 0,
+) -> GateResult:
+    """Feed ``outcomes`` in order to the sequential test until it decides; ``drawn`` (default:
+    the outcomes and failed pairs) bounds how many the gate could have seen."""
+    drawn = len(outcomes) + failed_pairs if drawn is None else drawn
+    test = sequential_test(gate, drawn)
+    for outcome in outcomes:
+        if test.update(outcome) != "continue":
+            break
+    return conclude(test, gate, drawn, candidate_score, incumbent_score, failed_pairs)
 
 
 def answer_message(choice: dict[str, Any]) -> dict[str, Any]:
@@ -126,12 +185,28 @@ def answer_message(choice: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
-def _mean(values: list[float] | None) -> float | None:
+def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+Progress = Callable[[int, int, float], None]
+
+
+@dataclass
+class Scored:
+    """One pair's outcome, None when it could not be answered or judged."""
+
+    outcome: float | None
+    candidate_score: float | None = None
+    incumbent_score: float | None = None
 
 
 class GateError(Exception):
     pass
+
+
+async def _none() -> None:
+    return None
 
 
 class Gate:
@@ -150,44 +225,97 @@ class Gate:
         candidate: str,
         incumbent: str,
         seed: int = 0,
+        progress: Progress | None = None,
     ) -> GateResult:
-        """``candidate`` and ``incumbent`` are served names (``alias@vN`` or the base model)."""
+        """``candidate`` and ``incumbent`` are served names (``alias@vN`` or the base model).
+        ``progress(pairs scored, pairs drawn, running win rate)`` is called after each wave."""
         # A fresh limit per call: an asyncio.Semaphore is bound to the first event loop it waits
         # on, and the learner runs each round's gate in a new one (asyncio.run).
         self.limit = asyncio.Semaphore(self.settings.learner.gate_concurrency)
+        wave = self.settings.learner.gate_concurrency
+        test = sequential_test(config.gate, len(prompts))
+        failed, cand_scores, inc_scores = 0, [], []
         timeout = aiohttp.ClientTimeout(total=self.settings.learner.gate_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            answered = await asyncio.gather(
-                *(self._pair(session, p, config.gate, candidate, incumbent, seed) for p in prompts)
-            )
-        pairs = [(p, a) for p, a in zip(prompts, answered, strict=True) if a is not None]
-        failed = len(prompts) - len(pairs)
+            for start in range(0, len(prompts), wave):
+                for scored in await self._wave(
+                    session, config, prompts[start : start + wave], candidate, incumbent, seed
+                ):
+                    if scored.outcome is None:
+                        failed += 1
+                        continue
+                    if scored.candidate_score is not None:
+                        cand_scores.append(scored.candidate_score)
+                        inc_scores.append(scored.incumbent_score or 0.0)
+                    if test.update(scored.outcome) != "continue":
+                        break
+                win_rate = test.total / test.n if test.n else 0.0
+                log.info(
+                    "gate %s vs %s: pair %d/%d, win rate %.3f, evidence %.2f of %.2f",
+                    candidate,
+                    incumbent,
+                    test.n + failed,
+                    len(prompts),
+                    win_rate,
+                    test.evidence,
+                    test.threshold,
+                )
+                if progress is not None:
+                    progress(test.n, len(prompts), win_rate)
+                if test.decision != "continue":
+                    break
+        return conclude(
+            test, config.gate, len(prompts), _mean(cand_scores), _mean(inc_scores), failed
+        )
+
+    async def _wave(
+        self,
+        session: aiohttp.ClientSession,
+        config: AliasConfig,
+        prompts: list[HeldoutPrompt],
+        candidate: str,
+        incumbent: str,
+        seed: int,
+    ) -> list[Scored]:
+        """Both versions' answers to ``prompts`` and each pair's outcome, in the drawn order."""
+        answered = await asyncio.gather(
+            *(self._pair(session, p, config.gate, candidate, incumbent, seed) for p in prompts)
+        )
         reward = config.reward
-        cand_scores = inc_scores = verified = None
+        verified: list[Scored | None] = [None] * len(prompts)
         if reward.kind in ("verifier", "mixed"):
             assert reward.verifier is not None
             verifier = load_verifier(reward.verifier)
-            try:
-                cand_scores = [run_verifier(verifier, p.prompt_messages, a[0]) for p, a in pairs]
-                inc_scores = [run_verifier(verifier, p.prompt_messages, a[1]) for p, a in pairs]
-            except VerifierError as exc:
-                raise GateError(f"the verifier failed on a held-out prompt: {exc}") from exc
-            verified = [
-                verifier_outcome(c, i) for c, i in zip(cand_scores, inc_scores, strict=True)
-            ]
+            for i, (prompt, answers) in enumerate(zip(prompts, answered, strict=True)):
+                if answers is None:
+                    continue
+                try:
+                    c = run_verifier(verifier, prompt.prompt_messages, answers[0])
+                    n = run_verifier(verifier, prompt.prompt_messages, answers[1])
+                except VerifierError as exc:
+                    raise GateError(f"the verifier failed on a held-out prompt: {exc}") from exc
+                verified[i] = Scored(verifier_outcome(c, n), c, n)
         if reward.kind == "verifier":
-            assert verified is not None
-            outcomes = verified
-        else:
-            judged = await asyncio.gather(*(self._judge_pair(config, p, a, seed) for p, a in pairs))
-            ruler = {i: outcome for i, outcome in enumerate(judged) if outcome is not None}
-            failed += len(pairs) - len(ruler)
-            w = 1.0 if verified is None else reward.ruler_weight
-            outcomes = [
-                w * outcome + (1.0 - w) * (verified[i] if verified is not None else 0.0)
-                for i, outcome in ruler.items()
-            ]
-        return decide(outcomes, config.gate, seed, _mean(cand_scores), _mean(inc_scores), failed)
+            return [v or Scored(None) for v in verified]
+        judged = await asyncio.gather(
+            *(
+                self._judge_pair(config, p, a, seed) if a is not None else _none()
+                for p, a in zip(prompts, answered, strict=True)
+            )
+        )
+        w = 1.0 if reward.kind == "ruler" else reward.ruler_weight
+        out = []
+        for ruler, v in zip(judged, verified, strict=True):
+            if ruler is None:
+                out.append(Scored(None))
+            elif v is None:
+                out.append(Scored(w * ruler))
+            else:
+                assert v.outcome is not None
+                out.append(
+                    Scored(w * ruler + (1.0 - w) * v.outcome, v.candidate_score, v.incumbent_score)
+                )
+        return out
 
     async def _pair(
         self,

@@ -401,8 +401,8 @@ BAD_VALUES = [
     ),
     (
         "aliases",
-        {"support": {"gate": {"bootstrap_samples": 10}}},
-        ["/aliases/support/gate/bootstrap_samples", "minimum"],
+        {"support": {"gate": {"alpha": 0.5}}},
+        ["/aliases/support/gate/alpha", "exclusiveMaximum"],
     ),
 ]
 

@@ -115,7 +115,6 @@ def replica_config(env: Embedded, home: Path) -> Path:
             "max_pairs": 2,
             "max_tokens": 8,
             "threshold": 0.0,
-            "bootstrap_samples": 100,
         },
         "canary": {"weight": 0.0},
     }

@@ -1,4 +1,4 @@
-"""The promotion gate: the pure decision (outcomes, bootstrap, decide) and Gate.evaluate against a
+"""The promotion gate: the pure decision (outcomes, the sequential test) and Gate.evaluate against a
 small aiohttp server standing in for vLLM's /v1/chat/completions.
 
 The stand-in answers by model name: ``good`` reproduces the prompt's ``EXPECTED: {...}`` object,
@@ -28,7 +28,6 @@ from aiohttp import web
 from learner.gate import (
     Gate,
     GateError,
-    bootstrap_interval,
     decide,
     pairwise_outcome,
     verifier_outcome,
@@ -114,7 +113,10 @@ def prompts(count: int, tag: str = "") -> list[HeldoutPrompt]:
     return out
 
 
-GATE = GateConfig(min_pairs=8, max_pairs=64, threshold=0.5, bootstrap_samples=200, max_tokens=64)
+GATE = GateConfig(min_pairs=8, max_pairs=64, threshold=0.5, max_tokens=64)
+# All wins pass the sequential test (alpha 0.05, threshold 0.5) at the 14th pair; all losses
+# fail it there.
+DECISIVE = 14
 
 
 def verifier_alias(gate: GateConfig = GATE) -> AliasConfig:
@@ -128,8 +130,15 @@ def make_gate(url: str, concurrency: int = 4) -> Gate:
     return Gate(settings)
 
 
-def evaluate(gate: Gate, config: AliasConfig, held: list[HeldoutPrompt], cand: str, inc: str):
-    return asyncio.run(gate.evaluate("support", config, held, cand, inc, seed=7))
+def evaluate(
+    gate: Gate,
+    config: AliasConfig,
+    held: list[HeldoutPrompt],
+    cand: str,
+    inc: str,
+    progress: Callable[[int, int, float], None] | None = None,
+):
+    return asyncio.run(gate.evaluate("support", config, held, cand, inc, seed=7, progress=progress))
 
 
 # --- the pure part ----------------------------------------------------------------------------
@@ -151,35 +160,51 @@ def test_pairwise_outcome_counts_only_agreeing_orders() -> None:
     assert pairwise_outcome(0.4, 0.0) == 0.5
 
 
-def test_bootstrap_interval_brackets_the_mean_and_is_reproducible() -> None:
-    outcomes = [1.0] * 30 + [0.0] * 10
-    low, high = bootstrap_interval(outcomes, samples=2000, seed=3)
-    assert low < 0.75 < high
-    assert low > 0.55 and high < 0.95
-    assert bootstrap_interval(outcomes, samples=2000, seed=3) == (low, high)
-    assert bootstrap_interval([1.0] * 5, samples=500, seed=0) == (1.0, 1.0)
-    with pytest.raises(ValueError):
-        bootstrap_interval([], samples=500, seed=0)
-
-
 def test_decide_passes_only_with_enough_pairs_and_a_lower_bound_above_threshold() -> None:
-    gate = GateConfig(min_pairs=10, max_pairs=64, threshold=0.5, bootstrap_samples=500)
-    passed = decide([1.0] * 20, gate)
-    assert passed.passed and passed.win_rate == 1.0 and passed.ci_low == 1.0
-    assert passed.pairs == 20
+    gate = GateConfig(min_pairs=20, max_pairs=64, threshold=0.5)
+    passed = decide([1.0] * 40, gate)
+    # The floor holds the pass back to min_pairs, then it stops: the rest are not needed.
+    assert passed.passed and passed.pairs == 20 and passed.stopped_early
+    assert passed.win_rate == 1.0 and passed.ci_low is not None and passed.ci_low > 0.5
+    assert passed.evidence is not None and passed.evidence >= 3.0  # log(1/0.05)
+    assert passed.alpha == 0.05 and passed.drawn == 40
 
-    too_few = decide([1.0] * 9, gate)
+    too_few = decide([1.0] * 19, gate)
     assert not too_few.passed
-    assert "fewer than 10" in too_few.reason
+    assert "fewer than 20" in too_few.reason
 
     ties = decide([0.5] * 40, gate)
-    assert not ties.passed and ties.win_rate == 0.5 and ties.ci_low == 0.5
+    assert not ties.passed and ties.win_rate == 0.5
+    assert ties.ci_low is not None and ties.ci_low < 0.5 < (ties.ci_high or 0.0)
 
-    # A win rate above the threshold whose interval still reaches below it does not pass.
-    noisy = decide([1.0, 0.0] * 8 + [1.0] * 2, gate)
+    # A win rate above the threshold whose bound still reaches below it does not pass.
+    noisy = decide([1.0, 0.0, 1.0, 0.5] * 10, gate)
     assert noisy.win_rate is not None and noisy.win_rate > 0.5
     assert noisy.ci_low is not None and noisy.ci_low <= 0.5
     assert not noisy.passed
+
+
+def test_decide_stops_on_a_clearly_worse_candidate() -> None:
+    worse = decide([0.0] * 64, GATE)
+    assert not worse.passed and worse.pairs == DECISIVE and worse.stopped_early
+    assert worse.ci_high is not None and worse.ci_high < 0.5
+    assert "upper bound" in worse.reason
+
+
+def test_decide_gives_up_when_a_pass_is_out_of_reach() -> None:
+    # Ties, then too few pairs left for even all wins to reach the evidence a pass needs.
+    futile = decide([0.5] * 64, GATE)
+    assert not futile.passed and futile.stopped_early and futile.pairs < 64
+    assert "futile" in futile.reason
+    # With more pairs drawn than the outcomes so far, the same ties are not futile yet.
+    assert not decide([0.5] * 20, GATE, drawn=64).stopped_early
+
+
+def test_decide_reads_outcomes_in_order() -> None:
+    wins_first = decide([1.0] * DECISIVE + [0.0] * 30, GATE)
+    assert wins_first.passed and wins_first.pairs == DECISIVE
+    losses_first = decide([0.0] * DECISIVE + [1.0] * 30, GATE)
+    assert not losses_first.passed and losses_first.pairs == DECISIVE
 
 
 def test_decide_without_pairs_is_a_result_not_a_crash() -> None:
@@ -193,21 +218,34 @@ def test_decide_without_pairs_is_a_result_not_a_crash() -> None:
 # --- Gate.evaluate against the stand-in vLLM --------------------------------------------------
 
 
-def test_a_better_candidate_passes(vllm: StandIn) -> None:
-    result = evaluate(make_gate(vllm.url), verifier_alias(), prompts(10), "good", "bad")
+def test_a_better_candidate_passes_and_stops_early(vllm: StandIn) -> None:
+    seen: list[tuple[int, int, float]] = []
+    result = evaluate(
+        make_gate(vllm.url, concurrency=4),
+        verifier_alias(),
+        prompts(40),
+        "good",
+        "bad",
+        progress=lambda *update: seen.append(update),
+    )
     assert result.passed, result.reason
-    assert result.pairs == 10 and result.failed_pairs == 0
+    assert result.pairs == DECISIVE and result.failed_pairs == 0 and result.drawn == 40
+    assert result.stopped_early and result.ci_low is not None and result.ci_low > 0.5
     assert result.win_rate == 1.0
     assert result.candidate_score == 1.0 and result.incumbent_score == 0.0
-    # Both versions answered every prompt, greedily, with the gate's settings.
-    assert sorted(r["model"] for r in vllm.requests) == ["bad"] * 10 + ["good"] * 10
+    # Waves of 4 pairs in draw order until the 14th pair passed: 4 waves, 16 prompts answered
+    # by each version (greedily, with the gate's settings), and none of the other 24.
+    assert seen == [(4, 40, 1.0), (8, 40, 1.0), (12, 40, 1.0), (14, 40, 1.0)]
+    assert sorted(r["model"] for r in vllm.requests) == ["bad"] * 16 + ["good"] * 16
+    asked = {r["messages"][-1]["content"] for r in vllm.requests}
+    assert asked == {p.prompt_messages[-1]["content"] for p in prompts(16)}
     assert all(r["temperature"] == 0.0 and r["max_tokens"] == 64 for r in vllm.requests)
     assert all(r["seed"] == 7 for r in vllm.requests)
 
 
-def test_a_worse_candidate_fails(vllm: StandIn) -> None:
-    result = evaluate(make_gate(vllm.url), verifier_alias(), prompts(10), "bad", "good")
-    assert not result.passed
+def test_a_worse_candidate_fails_early(vllm: StandIn) -> None:
+    result = evaluate(make_gate(vllm.url), verifier_alias(), prompts(40), "bad", "good")
+    assert not result.passed and result.stopped_early and result.pairs == DECISIVE
     assert result.win_rate == 0.0
     assert result.candidate_score == 0.0 and result.incumbent_score == 1.0
 
@@ -215,13 +253,13 @@ def test_a_worse_candidate_fails(vllm: StandIn) -> None:
 def test_the_same_answers_tie_and_fail(vllm: StandIn) -> None:
     result = evaluate(make_gate(vllm.url), verifier_alias(), prompts(10), "good", "good")
     assert not result.passed
-    assert result.win_rate == 0.5 and result.ci_low == 0.5
+    assert result.win_rate == 0.5 and result.ci_low is not None and result.ci_low < 0.5
 
 
 def test_too_few_held_out_prompts_fail_even_when_all_are_won(vllm: StandIn) -> None:
     result = evaluate(make_gate(vllm.url), verifier_alias(), prompts(5), "good", "bad")
     assert not result.passed
-    assert result.win_rate == 1.0 and result.pairs == 5
+    assert result.win_rate == 1.0 and "5 held-out pairs drawn, fewer than 8" in result.reason
 
 
 def test_an_unanswerable_candidate_gives_failed_pairs_and_no_pass(vllm: StandIn) -> None:
@@ -232,10 +270,10 @@ def test_an_unanswerable_candidate_gives_failed_pairs_and_no_pass(vllm: StandIn)
 
 
 def test_prompts_without_an_answer_are_counted_and_left_out(vllm: StandIn) -> None:
-    held = prompts(10) + prompts(3, tag="UNANSWERABLE")
+    held = prompts(3, tag="UNANSWERABLE") + prompts(20)
     result = evaluate(make_gate(vllm.url), verifier_alias(), held, "good", "bad")
     assert result.passed, result.reason
-    assert result.pairs == 10 and result.failed_pairs == 3
+    assert result.pairs == DECISIVE and result.failed_pairs == 3
 
 
 def test_tools_are_sent_with_the_prompt(vllm: StandIn) -> None:
@@ -262,8 +300,8 @@ def test_one_gate_serves_many_rounds(vllm: StandIn) -> None:
     loop, and the gate's concurrency limit must work in all of them."""
     gate = make_gate(vllm.url, concurrency=1)
     for _ in range(2):
-        result = evaluate(gate, verifier_alias(), prompts(10), "good", "bad")
-        assert result.passed and result.pairs == 10
+        result = evaluate(gate, verifier_alias(), prompts(20), "good", "bad")
+        assert result.passed and result.pairs == DECISIVE
 
 
 # --- RULER: both presentation orders --------------------------------------------------------
@@ -347,8 +385,8 @@ def test_ruler_gate_counts_unjudged_pairs_as_failed(
         return [0.9, 0.2]  # the candidate, in both orders
 
     install_judge(monkeypatch, judge)
-    result = evaluate(make_gate(vllm.url), RULER_ALIAS, prompts(10), "good", "bad")
-    assert result.pairs == 9 and result.failed_pairs == 1
+    result = evaluate(make_gate(vllm.url), RULER_ALIAS, prompts(20), "good", "bad")
+    assert result.pairs == DECISIVE and result.failed_pairs == 1
     assert result.win_rate == 1.0 and result.passed
 
 
@@ -359,7 +397,7 @@ def test_mixed_gate_weighs_ruler_and_verifier(
     config = AliasConfig(
         reward=RewardConfig(kind="mixed", verifier=VERIFIER, ruler_weight=0.25), gate=GATE
     )
-    result = evaluate(make_gate(vllm.url), config, prompts(10), "good", "bad")
+    result = evaluate(make_gate(vllm.url), config, prompts(24), "good", "bad")
     # 0.25 x 0.5 (RULER tie) + 0.75 x 1.0 (the verifier prefers the candidate)
     assert result.win_rate == pytest.approx(0.875)
     assert result.passed

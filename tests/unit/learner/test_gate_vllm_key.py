@@ -19,7 +19,7 @@ KEY = "vllm-key-for-the-gate"
 PAIRS = 3
 ALIAS = AliasConfig(
     reward={"kind": "ruler", "judge_model": "hosted_vllm/m"},
-    gate={"min_pairs": PAIRS, "max_pairs": PAIRS, "bootstrap_samples": 100},
+    gate={"min_pairs": PAIRS, "max_pairs": PAIRS},
 )
 
 
