@@ -56,6 +56,24 @@ is each trainer's best measured round (interference only ever adds time; the med
 rounds are printed beside it). On CUDA
 every clock read is preceded by ``torch.cuda.synchronize()``.
 
+Memory (``--memory``)
+--------------------
+Peak resident memory of one round, chunked LM head (learner/batch.py: ``LOGPROB_CHUNK``
+positions at a time, each chunk checkpointed) against the whole-micro-batch head it replaced
+(every completion position's float32 logits and log-softmax kept for backward), at each round
+size of ``--memory-groups`` (default 16 and 64 groups of ``--group-size`` x ``--completion-len``
+tokens, 256 by default)::
+
+    .venv/bin/python bench/learner_step.py --memory [--memory-groups 16,64]
+
+Each (round size, head) pair runs in a fresh subprocess (``ru_maxrss`` is a high-water mark of
+the whole process): it loads the model, builds the synthetic round (behaviour logprobs set to a
+constant: the memory of a step does not depend on their values), records ``ru_maxrss``, trains
+one round of ``--steps`` optimizer steps with ``LearnerSettings``' ``micro_batch_tokens`` and
+records it again. Printed: the peaks, the training's share above the loaded model, and
+chunked / unchunked.
+Results go to ``--out`` as ``learner_memory.json``.
+
 Results go to ``--out`` as ``learner_step.json`` and, when matplotlib is installed,
 ``learner_step.png``. On a shared CPU, the 1-minute load average before and after is recorded;
 by default the CPU run uses as many threads as the load average leaves cores free (at least
@@ -455,6 +473,114 @@ def metadata(args: argparse.Namespace, device: torch.device, dtype: torch.dtype)
     }
 
 
+# ---- memory -------------------------------------------------------------------------------------
+
+
+def _whole_head_logprobs(
+    head: Any,
+    hidden: torch.Tensor,
+    rows: torch.Tensor,
+    sources: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int,
+) -> torch.Tensor:
+    """The head as it was before chunking: every completion position at once, kept for
+    backward."""
+    return -F.cross_entropy(head(hidden[rows, sources]).float(), targets, reduction="none")
+
+
+def max_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def memory_child(args: argparse.Namespace) -> int:
+    """One round in this fresh process; prints its peaks as one JSON line."""
+    import learner.batch as batch_module
+
+    if args.memory_child == "unchunked":
+        batch_module._chunked_head_logprobs = _whole_head_logprobs  # type: ignore[assignment]
+    settings = LearnerSettings(seed=args.seed, steps_per_round=args.steps)
+    learner = LoraGRPOLearner(
+        args.model_path, lora_settings(settings), train_settings(settings), device="cpu"
+    )
+    groups = synthetic_groups(args, learner.model.get_base_model().config.vocab_size)
+    for group in groups:
+        for sample in group.samples:
+            sample.logprobs = [-2.0] * len(sample.token_ids)
+    loaded = max_rss_mib()
+    stats = learner.train_round(groups)
+    result = {
+        "head": args.memory_child,
+        "groups": args.groups,
+        "loaded_mib": loaded,
+        "peak_mib": max_rss_mib(),
+        "completion_tokens": stats.completion_tokens,
+        "steps": stats.steps,
+        "seconds": stats.seconds,
+        "micro_batch_tokens": settings.micro_batch_tokens,
+        "logprob_chunk": batch_module.LOGPROB_CHUNK,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+def memory_bench(args: argparse.Namespace) -> int:
+    """Each round size, unchunked then chunked head, each in a fresh subprocess."""
+    import subprocess
+
+    runs = []
+    for groups in args.memory_groups:
+        for head in ("unchunked", "chunked"):
+            command = [
+                sys.executable, __file__, "--memory-child", head, "--groups", str(groups),
+                "--group-size", str(args.group_size), "--prompt-len", str(args.prompt_len),
+                "--completion-len", str(args.completion_len), "--seed", str(args.seed),
+                "--model-path", str(args.model_path), "--threads", str(args.threads),
+                "--steps", str(args.steps),
+            ]  # fmt: skip
+            out = subprocess.run(command, capture_output=True, text=True, check=False)
+            if out.returncode != 0:
+                console.print(f"[red]{head} x {groups} groups failed:[/]\n{out.stderr[-3000:]}")
+                return 1
+            run = json.loads(out.stdout.strip().splitlines()[-1])
+            runs.append(run)
+            console.print(
+                f"{groups} groups, {head}: peak {run['peak_mib']:.0f} MiB "
+                f"(model loaded {run['loaded_mib']:.0f} MiB), {run['seconds']:.0f} s"
+            )
+    table = Table(title="peak resident memory of one round (ru_maxrss, fresh process each)")
+    for column in ("groups", "completion tokens", "unchunked MiB", "chunked MiB",
+                   "training: unchunked", "training: chunked", "chunked / unchunked"):  # fmt: skip
+        table.add_column(column, justify="right")
+    summary = []
+    for groups in args.memory_groups:
+        old, new = (next(r for r in runs if r["groups"] == groups and r["head"] == h)
+                    for h in ("unchunked", "chunked"))  # fmt: skip
+        row = {
+            "groups": groups,
+            "unchunked_peak_mib": old["peak_mib"],
+            "chunked_peak_mib": new["peak_mib"],
+            "unchunked_training_mib": old["peak_mib"] - old["loaded_mib"],
+            "chunked_training_mib": new["peak_mib"] - new["loaded_mib"],
+            "ratio_chunked_over_unchunked": new["peak_mib"] / old["peak_mib"],
+        }
+        summary.append(row)
+        table.add_row(
+            str(groups), str(new["completion_tokens"]), f"{old['peak_mib']:.0f}",
+            f"{new['peak_mib']:.0f}", f"{row['unchunked_training_mib']:.0f}",
+            f"{row['chunked_training_mib']:.0f}", f"{row['ratio_chunked_over_unchunked']:.2f}",
+        )  # fmt: skip
+    console.print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "learner_memory.json"
+    meta = {"load_avg": os.getloadavg()[0], "torch": torch.__version__, "cpus": os.cpu_count()}
+    path.write_text(json.dumps({"meta": meta, "runs": runs, "summary": summary}, indent=2))
+    console.print(f"wrote {path}")
+    return 0
+
+
 # ---- main ---------------------------------------------------------------------------------------
 
 
@@ -493,7 +619,21 @@ def parse_args() -> argparse.Namespace:
         "--threads", type=int, default=0, help="CPU threads (0: the cores the load average leaves)"
     )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument(
+        "--memory", action="store_true", help="peak memory of one round, chunked vs unchunked"
+    )
+    parser.add_argument(
+        "--memory-groups",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[16, 64],
+        help="round sizes of --memory, comma-separated",
+    )
+    parser.add_argument("--memory-child", choices=("chunked", "unchunked"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory or args.memory_child:  # one round as the learner runs it, on the CPU
+        args.device = "cpu"
+        args.prompt_len = args.prompt_len or 64
+        args.completion_len = args.completion_len or 256
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     gpu = args.device == "cuda"
@@ -528,6 +668,10 @@ def main() -> int:
         # OpenMP threads that spin against other busy processes are far slower than fewer.
         free = (os.cpu_count() or 1) - round(os.getloadavg()[0])
         torch.set_num_threads(args.threads or max(1, min(torch.get_num_threads(), free)))
+    if args.memory_child:
+        return memory_child(args)
+    if args.memory:
+        return memory_bench(args)
     device = torch.device(args.device)
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)

@@ -21,16 +21,20 @@ for the prompt and answer lengths the judge samples (``learning.max_prompt_token
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from learner.loss import ScaleRewards, group_advantages
 from ratchet.records import ScoredGroup
 
 PROMPT_SEGMENT, PAD_SEGMENT = 0, -1
+# Completion positions whose logits exist at once (see token_logprobs): 200 MB of float32
+# logits at a 49,152-token vocabulary, small beside the backbone's activations of a micro-batch.
+LOGPROB_CHUNK = 1024
 
 
 @dataclass
@@ -156,9 +160,15 @@ def shared_prompt_mask(segment_ids: Tensor) -> Tensor:
     return (causal & ((key == PROMPT_SEGMENT) | (key == query)))[:, None]
 
 
-def token_logprobs(model: nn.Module, batch: Batch) -> Tensor:
+def token_logprobs(model: nn.Module, batch: Batch, chunk: int = LOGPROB_CHUNK) -> Tensor:
     """log p(input_ids[r, t] | its prompt and its own earlier tokens) on completion positions,
-    0 elsewhere; (R, T) float32, with grad when the model has any."""
+    0 elsewhere; (R, T) float32, with grad when the model has any.
+
+    The LM head runs on ``chunk`` completion positions at a time, each chunk under a
+    non-reentrant checkpoint: a chunk's (chunk x vocab) logits and log-softmax are freed once
+    its logprobs are picked, and backward recomputes them chunk by chunk. Without it, every
+    completion position of the micro-batch would keep two float32 (positions x vocab) tensors
+    alive until backward (49,152 columns for SmolLM2: 400 MB per 1,024 positions)."""
     # Any: transformers' models are typed as plain nn.Modules, whose attributes are Tensors.
     peft_or_plain: Any = model
     causal_lm: Any = (
@@ -178,11 +188,43 @@ def token_logprobs(model: nn.Module, batch: Batch) -> Tensor:
         # Only the positions that predict a completion token go through the LM head.
         backbone = getattr(causal_lm, causal_lm.base_model_prefix)
         hidden = backbone(**inputs).last_hidden_state
-        logits = causal_lm.get_output_embeddings()(hidden[rows, sources])
+        head = causal_lm.get_output_embeddings()
+        picked = _chunked_head_logprobs(head, hidden, rows, sources, targets, chunk)
     else:  # logit soft-capping or scaling lives in the model's own forward
         logits = model(**inputs).logits[rows, sources]
-    picked = -F.cross_entropy(logits.float(), targets, reduction="none")
+        picked = -F.cross_entropy(logits.float(), targets, reduction="none")
     return picked.new_zeros(mask.shape).masked_scatter(mask, picked)
+
+
+def _chunked_head_logprobs(
+    head: nn.Module,
+    hidden: Tensor,
+    rows: Tensor,
+    sources: Tensor,
+    targets: Tensor,
+    chunk: int,
+) -> Tensor:
+    """The targets' logprobs under ``head(hidden[rows, sources])``, ``chunk`` positions at a
+    time; with grad, each chunk is checkpointed (see :func:`token_logprobs`)."""
+
+    def logprobs(positions: Tensor, wanted: Tensor) -> Tensor:
+        return -F.cross_entropy(head(positions).float(), wanted, reduction="none")
+
+    grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in head.parameters())
+    )
+    pieces = []
+    for start in range(0, targets.numel(), max(1, chunk)):
+        end = start + chunk
+        positions = hidden[rows[start:end], sources[start:end]]
+        if grad:
+            piece = checkpoint(logprobs, positions, targets[start:end], use_reentrant=False)
+            pieces.append(cast(Tensor, piece))
+        else:
+            pieces.append(logprobs(positions, targets[start:end]))
+    if not pieces:
+        return hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(pieces)
 
 
 def _plain_lm_head(causal_lm: nn.Module) -> bool:

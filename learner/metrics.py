@@ -76,6 +76,39 @@ class LearnerMetrics:
             ("alias",),
             registry=r,
         )
+        self.round_phase = Gauge(
+            "ratchet_learner_round_phase",
+            "1 for the phase the alias is in (idle, waiting_heldout, train, write, gate, settle), "
+            "0 for the others",
+            ("alias", "phase"),
+            registry=r,
+        )
+        self.round_step = Gauge(
+            "ratchet_learner_round_step",
+            "Progress within the running phase: optimizer steps done (train), pairs answered "
+            "(gate); 0 between rounds",
+            ("alias",),
+            registry=r,
+        )
+        self.round_steps = Gauge(
+            "ratchet_learner_round_steps",
+            "What the running phase counts to: optimizer steps in the round (train), pairs drawn "
+            "(gate); 0 between rounds",
+            ("alias",),
+            registry=r,
+        )
+        self.step_loss = Gauge(
+            "ratchet_learner_step_loss",
+            "Token-mean loss of the last optimizer step",
+            ("alias",),
+            registry=r,
+        )
+        self.progress_errors = Counter(
+            "ratchet_learner_progress_errors_total",
+            "Writes of the alias's progress to Redis that failed (the loop and the round go on)",
+            ("alias",),
+            registry=r,
+        )
         self.gate_win_rate = Gauge(
             "ratchet_learner_gate_win_rate",
             "Win rate of the last gated candidate against the live version",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,16 @@ from learner.canary import reset_counts
 from learner.gate import Gate, GateError, GateResult
 from learner.heldout import HeldoutPool
 from learner.metrics import LearnerMetrics
-from learner.trainer import LoraGRPOLearner, RoundStats, lora_settings, train_settings
+from learner.reporter import ProgressReporter
+from learner.trainer import (
+    LoraGRPOLearner,
+    RoundStats,
+    StepProgress,
+    lora_settings,
+    train_settings,
+)
 from ratchet.lifecycle import Lifecycle
+from ratchet.progress import LearnerProgress, Phase
 from ratchet.records import ScoredGroup
 from ratchet.registry import AliasRoute, served_name
 from ratchet.settings import AliasConfig, RatchetSettings
@@ -91,6 +99,9 @@ class Rounds:
         self.metrics = metrics
         self.gate = Gate(settings)
         self._trainer: LoraGRPOLearner | None = None
+        # Shared with the service's loop: one throttle and one view of what Redis holds.
+        self.progress = ProgressReporter(self.redis, metrics)
+        self._progress: dict[str, LearnerProgress] = {}  # each running round's, as reported
 
     def run(
         self,
@@ -98,14 +109,51 @@ class Rounds:
         route: AliasRoute,
         groups: list[ScoredGroup],
         heldout: HeldoutPool,
+        waiting: int | None = None,
     ) -> RoundReport:
-        """A round on ``groups``, gated on prompts drawn from the alias's ``heldout`` pool."""
+        """A round on ``groups``, gated on prompts drawn from the alias's ``heldout`` pool.
+        ``waiting``: the alias's groups waiting, the round's included (default: the round's).
+        Each phase is published as the alias's progress, and ``idle`` once the round is over,
+        however it ended."""
         config = self.settings.aliases[alias]
-        stats = self.train(alias, route.active, groups)
-        version = self.write(alias, route.active, groups, stats)
-        result = self.gate_candidate(alias, config, route, version, heldout)
-        outcome = self.settle(alias, config, version, groups, stats, result)
+        waiting = len(groups) if waiting is None else waiting
+        self._progress[alias] = LearnerProgress(
+            alias,
+            waiting=waiting,
+            batch_groups=self.settings.learner.batch_groups,
+            heldout=len(heldout),
+            version=route.active,
+            round_started_at=time.time(),
+        )
+        left = waiting  # a round that fails leaves its groups waiting
+        try:
+            stats = self.train(alias, route.active, groups)
+            version = self.write(alias, route.active, groups, stats)
+            result = self.gate_candidate(alias, config, route, version, heldout)
+            outcome = self.settle(alias, config, version, groups, stats, result)
+            left = max(0, waiting - len(groups))
+        finally:
+            self.report(alias, "idle", waiting=left, round_started_at=0.0)
+            del self._progress[alias]
         return RoundReport(alias, version, stats, result, outcome)
+
+    def report(self, alias: str, phase: Phase | None = None, **changes: Any) -> None:
+        """Publish the running round's progress with these changes; a new phase resets its
+        counters and detail, and is logged."""
+        current = self._progress.get(alias)
+        if current is None:  # no round of ours runs for the alias
+            return
+        if phase is not None and phase != current.phase:
+            changes = {"step": 0, "steps": 0, "detail": "", **changes, "phase": phase}
+        progress = replace(current, **changes)
+        self._progress[alias] = progress
+        if progress.phase != current.phase:
+            log.info("%s: %s", alias, progress.describe())
+        self.progress.report(progress)
+
+    def report_gate_pair(self, alias: str, answered: int, detail: str) -> None:
+        """The gate's progress: ``answered`` of the pairs drawn, and its running result."""
+        self.report(alias, step=answered, detail=detail)
 
     def trainer(self) -> LoraGRPOLearner:
         if self._trainer is None:
@@ -131,8 +179,15 @@ class Rounds:
         log.info("%s: round on %d groups from v%d: training", alias, len(groups), live)
         trainer = self.trainer()
         started = time.perf_counter()
+        steps = self.settings.learner.steps_per_round
+        self.report(alias, "train", steps=steps)
         trainer.load_adapter(self.store.path(alias, live) if live > 0 else None)
-        stats = trainer.train_round(groups)
+
+        def on_step(step: StepProgress) -> None:
+            self.metrics.step_loss.labels(alias).set(step.loss)
+            self.report(alias, step=step.step, steps=step.steps, detail=step.line())
+
+        stats = trainer.train_round(groups, on_step)
         self.metrics.round_seconds.labels(alias, "train").observe(time.perf_counter() - started)
         m = self.metrics
         m.train_reward.labels(alias).set(stats.mean_reward)
@@ -146,6 +201,7 @@ class Rounds:
     def write(self, alias: str, live: int, groups: list[ScoredGroup], stats: RoundStats) -> int:
         """The candidate written to the store as the next version, and its ``candidate`` event."""
         version = self.next_version(alias)
+        self.report(alias, "write", version=version)
         self.trainer().save_candidate(
             self.store,
             alias,
@@ -188,6 +244,7 @@ class Rounds:
         log.info(
             "%s: gating v%d against v%d on %d held-out pairs", alias, version, live, len(prompts)
         )
+        self.report(alias, "gate", steps=len(prompts))
         try:
             result = asyncio.run(
                 self.gate.evaluate(
@@ -233,6 +290,7 @@ class Rounds:
     ) -> str:
         """Reject, start a canary or promote, in one transaction with the groups marked trained."""
         ids = [g.group_id for g in groups]
+        self.report(alias, "settle", detail=result.reason)
 
         def mark_trained(pipe: Any) -> None:
             now = time.time()

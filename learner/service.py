@@ -48,6 +48,7 @@ from learner.round import RoundReport, Rounds, trained_key
 from ratchet.bus import ensure_topics, make_consumer
 from ratchet.lease import LeaseKeeper, LeaseLost
 from ratchet.lifecycle import EventSink, Lifecycle, LifecycleError
+from ratchet.progress import LearnerProgress
 from ratchet.records import (
     ALL_TOPICS,
     GROUPS_TOPIC,
@@ -104,6 +105,8 @@ class LearnerService:
         self.paused_reason: dict[str, str] = {}  # the label of each alias's paused metric
         self._lineage: dict[tuple[str, int], int | None] = {}
         self._starved: set[str] = set()  # aliases told to wait for held-out prompts (logged once)
+        self.read_counts: Counter[str] = Counter()  # groups read per alias, not yet published
+        self._reporting: set[str] = set()  # aliases whose progress this replica publishes
         self.groups_consumer: KafkaConsumer | None = None
         self.heldout_consumer: KafkaConsumer | None = None
         self._revoked: set[TopicPartition] = set()  # by a rebalance, see revoked()
@@ -213,7 +216,9 @@ class LearnerService:
             waiting, key_of_waiting, self.settings.learner.batch_groups, share
         )
         groups = [w.group for w in batch]
-        report = self.rounds.run(alias, self.routes[alias], groups, self.heldout[alias])
+        report = self.rounds.run(
+            alias, self.routes[alias], groups, self.heldout[alias], waiting=len(waiting)
+        )
         spent = {id(w) for w in batch}
         self.waiting[alias] = [w for w in waiting if id(w) not in spent]
         self.metrics.deferred.labels(alias).inc(passed_over)
@@ -352,26 +357,29 @@ class LearnerService:
         for tp, messages in polled.items():
             for message in messages:
                 try:
-                    self.intake(message, tp)
+                    alias = self.intake(message, tp)
                 except (KafkaError, redis.RedisError, OSError):
                     # An outage: read this message and the rest of the batch again once the
                     # step is retried, instead of reading on past them.
                     self._rewind(polled)
                     raise
                 self.read_up_to[tp] = message.offset + 1
+                if alias is not None:
+                    self.read_counts[alias] += 1
         for alias, waiting in self.waiting.items():
             self.metrics.waiting.labels(alias).set(len(waiting))
 
-    def intake(self, message: SourceMessage, tp: TopicPartition) -> None:
+    def intake(self, message: SourceMessage, tp: TopicPartition) -> str | None:
         """One message of ratchet.groups: taken, dropped with a counted outcome, or (when it is
-        not a group, or this code fails on it) dead-lettered, so it can never stop the others."""
+        not a group, or this code fails on it) dead-lettered, so it can never stop the others.
+        Returns the configured alias of the group read, whatever became of it."""
         record = parse(GROUPS_TOPIC, message.value)
         if isinstance(record, str):  # counted by parse; another schema is skipped, per contract
             if record != "unknown_schema":
                 self.dead_letter(message, "-", record)
-            return
+            return None
         if not isinstance(record, ScoredGroup):
-            return
+            return None
         alias = record.alias if record.alias in self.settings.aliases else "-"
         try:
             outcome = self.take(record, tp, message.offset)
@@ -380,9 +388,10 @@ class LearnerService:
         except Exception as exc:
             log.exception("group at offset %d could not be taken; dead-lettered", message.offset)
             self.dead_letter(message, alias, "handler_error", f"{type(exc).__name__}: {exc}")
-            return
+            return None if alias == "-" else alias
         if outcome != "waiting":
             self.metrics.groups.labels(record.alias, outcome).inc()
+        return None if alias == "-" else alias
 
     def _rewind(self, polled: dict[TopicPartition, list[SourceMessage]]) -> None:
         assert self.groups_consumer is not None
@@ -442,17 +451,43 @@ class LearnerService:
         self.poll()
         if time.monotonic() - self.routes_read_at >= 1.0:
             self.refresh_routes()  # operators' pauses and promotions show in the metrics too
+        due = [alias for alias in list(self.waiting) if self.ready(alias)]
+        self.publish_progress()  # before any round: the judge learns of the reads at once
         reports = []
-        for alias in list(self.waiting):
+        for alias in due:
+            self.refresh_routes()
             if self.ready(alias):
-                self.refresh_routes()
-                if self.ready(alias):
-                    reports += self.leased_round(alias)
+                reports += self.leased_round(alias)
         # Events first: a round's outcome is in Redis; its events must reach Kafka before the
         # offsets move on (retried here until they do).
         if self.lifecycle.flush_events(raise_errors=False):
             self.commit_offsets()
         return reports
+
+    def publish_progress(self) -> None:
+        """Each alias's progress between rounds, with the groups read since the last call. Only
+        for aliases this replica reads or holds groups of (their partition is ours), and once
+        more when it stops, so its hash does not claim groups it no longer holds."""
+        reads, self.read_counts = self.read_counts, Counter()
+        for alias in self.settings.aliases:
+            waiting = len(self.waiting.get(alias) or ())
+            read = reads.get(alias, 0)
+            if not (read or waiting or alias in self._reporting):
+                continue
+            if read or waiting:
+                self._reporting.add(alias)
+            else:
+                self._reporting.discard(alias)
+            route = self.routes.get(alias)
+            progress = LearnerProgress(
+                alias,
+                phase="waiting_heldout" if waiting and alias in self._starved else "idle",
+                waiting=waiting,
+                batch_groups=self.settings.learner.batch_groups,
+                heldout=len(self.heldout[alias]),
+                version=route.active if route else 0,
+            )
+            self.rounds.progress.report(progress, read_delta=read)
 
     def run(self) -> None:
         s = self.settings.learner

@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -300,8 +301,11 @@ class LoraGRPOLearner:
 
     # --- training ----------------------------------------------------------------------------
 
-    def train_round(self, groups: list[ScoredGroup]) -> RoundStats:
-        """steps_per_round optimizer steps of GRPO on the groups; see the module docstring."""
+    def train_round(
+        self, groups: list[ScoredGroup], on_step: StepCallback | None = None
+    ) -> RoundStats:
+        """steps_per_round optimizer steps of GRPO on the groups; see the module docstring.
+        After each step its line is logged and ``on_step`` (if given) called with it."""
         start = time.perf_counter()
         cfg = self.train.loss
         groups = sorted(groups, key=content_order)
@@ -309,7 +313,9 @@ class LoraGRPOLearner:
         informative = torch.tensor(
             [bool(g.rewards) and max(g.rewards) > min(g.rewards) for g in groups], dtype=torch.bool
         )
-        packed = packed.select(informative.nonzero().flatten())  # rows are groups
+        kept = informative.nonzero().flatten()
+        packed = packed.select(kept)  # rows are groups
+        kept_groups = [groups[i] for i in kept.tolist()]
         lengths = packed.lengths  # on the CPU: planning never waits for the device
         batch = packed.to(self.device)
         self.rounds += 1
@@ -318,18 +324,24 @@ class LoraGRPOLearner:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         devices = [self.device] if self.device.type == "cuda" else []
+        tokens = 0
         with torch.random.fork_rng(devices=devices):  # LoRA dropout: seeded by the round
             torch.manual_seed(self.train.seed * 1_000_003 + self.rounds)
             for k, step_rows in enumerate(plan, 1):
-                self._step(batch, step_rows, lengths, acc)
-                log.info(
-                    "round %d: step %d/%d done, %d tokens so far, %.1f s",
-                    self.rounds,
-                    k,
-                    len(plan),
-                    acc.total_tokens,
-                    time.perf_counter() - start,
+                step_loss, step_tokens = self._step(batch, step_rows, lengths, acc)
+                tokens += step_tokens
+                progress = StepProgress(
+                    round=self.rounds,
+                    step=k,
+                    steps=len(plan),
+                    loss=step_loss,
+                    reward=_mean_reward([kept_groups[i] for i in step_rows.tolist()]),
+                    completion_tokens=tokens,
+                    seconds=time.perf_counter() - start,
                 )
+                log.info("%s", progress.line())
+                if on_step is not None:
+                    on_step(progress)
         self.optimizer_steps += len(plan) - acc.skipped
         self.groups_seen += int(informative.sum())
         stats = acc.finish(
@@ -346,10 +358,15 @@ class LoraGRPOLearner:
         self.last_round = stats
         return stats
 
-    def _step(self, batch: Batch, step_rows: Tensor, lengths: Tensor, acc: _Accumulator) -> None:
-        """One optimizer step: micro-batches accumulate the gradient of the step's token mean."""
+    def _step(
+        self, batch: Batch, step_rows: Tensor, lengths: Tensor, acc: _Accumulator
+    ) -> tuple[float, int]:
+        """One optimizer step: micro-batches accumulate the gradient of the step's token mean.
+        Returns that token-mean loss and the step's completion tokens."""
         cfg = self.train.loss
-        step_tokens = batch.completion_mask[step_rows.to(self.device)].sum().clamp(min=1)
+        count = batch.completion_mask[step_rows.to(self.device)].sum()
+        step_tokens = count.clamp(min=1)
+        step_loss = torch.zeros((), device=self.device, dtype=torch.float64)
         for rows in self._micro_batches(step_rows, lengths):
             micro = batch.select(rows, int(lengths[rows].max()))
             with self._autocast():
@@ -366,7 +383,9 @@ class LoraGRPOLearner:
                 cfg,
                 ref,
             )
-            (loss * (stats["num_tokens"] / step_tokens)).backward()
+            share = stats["num_tokens"] / step_tokens
+            (loss * share).backward()
+            step_loss += loss.detach().double() * share
             acc.add(loss.detach(), stats, int(lengths[rows].sum()))
         max_norm = self.train.max_grad_norm if self.train.max_grad_norm > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
@@ -377,6 +396,9 @@ class LoraGRPOLearner:
             acc.skipped += 1
             log.warning("round %d: skipped a step with a non-finite gradient", self.rounds)
         self.optimizer.zero_grad(set_to_none=True)
+        # One more sync a step, for its log line; the step's work is done by now anyway.
+        loss_value, tokens = torch.stack([step_loss, count.double()]).tolist()
+        return loss_value, int(tokens)
 
     def _plan_steps(self, n: int) -> list[Tensor]:
         """steps_per_round mini-batches of rows (groups): seeded shuffles, dealt evenly,
@@ -418,6 +440,32 @@ def content_order(group: ScoredGroup) -> tuple[list[int], list[list[int]]]:
     """A group's place in a round: by its prompt's tokens, then its samples'. The same groups
     then train the same candidate however the judge's timing ordered them."""
     return group.prompt_token_ids, [sample.token_ids for sample in group.samples]
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    """What one optimizer step of a round did, for its log line and the alias's progress."""
+
+    round: int
+    step: int  # 1-based
+    steps: int
+    loss: float  # token mean over the step's completion tokens (policy + KL)
+    reward: float  # mean reward of the step's groups' samples
+    completion_tokens: int  # trained on so far in the round
+    seconds: float  # since the round started (packing included)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        return (
+            f"round {self.round}: step {self.step}/{self.steps} loss {self.loss:.4f}, "
+            f"reward {self.reward:.3f}, {self.tokens_per_second:.1f} tokens/s"
+        )
+
+
+StepCallback = Callable[[StepProgress], None]
 
 
 class _Accumulator:

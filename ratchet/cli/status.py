@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from ratchet.cli.app import AliasArgument, ConfigOption, app, console, settings_or_exit
 from ratchet.cli.routing import read_routes
+
+if TYPE_CHECKING:
+    import redis
 
 
 @app.command()
@@ -18,13 +21,15 @@ def status(
     rounds: Annotated[int, typer.Option(help="rounds to show per alias")] = 3,
     config: ConfigOption = None,
 ) -> None:
-    """Per alias: active version, canary, pause, the last rounds with reward and gate result."""
+    """Per alias: active version, canary, pause, what the learner is doing, the last rounds
+    with reward and gate result."""
     from ratchet.cli.report import learner_lag, rounds_of
 
     settings = settings_or_exit(config)
     writer, routes = read_routes(settings, alias)
     table = Table()
-    for column in ("alias", "active", "canary", "learning", "last rounds (reward, gate)"):
+    columns = ("alias", "active", "canary", "learning", "learner", "last rounds (reward, gate)")
+    for column in columns:
         table.add_column(column)
     for name, route in sorted(routes.items()):
         history = writer.history(name, limit=500)
@@ -45,13 +50,28 @@ def status(
                 None,
             )
             learning += f": {reason}" if reason else ""
-        table.add_row(name, f"v{route.active}", canary, learning, "\n".join(lines) or "-")
+        table.add_row(
+            name,
+            f"v{route.active}",
+            canary,
+            learning,
+            learner_line(writer.redis, name),
+            "\n".join(lines) or "-",
+        )
     console.print(table)
     lag = learner_lag(settings)
     console.print(
         "Learner queue lag: "
         + ("unknown (Kafka unreachable)" if lag is None else f"{lag} groups not yet committed")
     )
+
+
+def learner_line(client: redis.Redis, alias: str) -> str:
+    """The alias's learner progress in one line; its hash expires when no learner renews it."""
+    from ratchet.progress import read_progress
+
+    progress = read_progress(client, alias)
+    return "no learner progress" if progress is None else progress.describe()
 
 
 @app.command()

@@ -20,6 +20,7 @@ from learner.leases import lease_key
 from learner.round import next_version_key, trained_key
 from learner.service import LearnerService, baseline_length_key
 from ratchet.lease import Lease
+from ratchet.progress import LearnerProgress, progress_key, read_progress
 from ratchet.records import GROUPS_TOPIC, DeadLetter, HeldoutPrompt, Sample, ScoredGroup
 from ratchet.registry import alias_key
 from ratchet.settings import (
@@ -229,7 +230,9 @@ def test_a_flooding_key_fills_at_most_its_share_of_a_round(
     service = shared
     trained: list[list[str]] = []
 
-    def run(alias: str, route: Any, groups: list[ScoredGroup], heldout: Any) -> Any:
+    def run(
+        alias: str, route: Any, groups: list[ScoredGroup], heldout: Any, waiting: int = 0
+    ) -> Any:
         trained.append([g.group_id for g in groups])
 
     monkeypatch.setattr(service.rounds, "run", run)
@@ -664,3 +667,73 @@ def test_an_outage_while_taking_a_group_is_not_the_groups_fault(
     with pytest.raises(redis.ConnectionError):
         service.intake(message(group("g0").to_json()), TP0)
     assert service.lifecycle.unsent == []
+
+
+# --- progress ---------------------------------------------------------------------------------
+
+
+class PollingConsumer(FakeConsumer):
+    """Hands out the given batches, one per poll, then nothing."""
+
+    def __init__(self, *batches: dict[TopicPartition, list[Any]]) -> None:
+        super().__init__()
+        self.batches = list(batches)
+
+    def poll(self, timeout_ms: int = 0, max_records: int = 0) -> dict[TopicPartition, list[Any]]:
+        return self.batches.pop(0) if self.batches else {}
+
+
+def polling(service: LearnerService, *batches: dict[TopicPartition, list[Any]]) -> None:
+    service.groups_consumer = PollingConsumer(*batches)  # type: ignore[assignment]
+    service.heldout_consumer = PollingConsumer()  # type: ignore[assignment]
+
+
+def progress_of(service: LearnerService, alias: str = ALIAS) -> LearnerProgress | None:
+    return read_progress(service.redis, alias)
+
+
+def test_the_loop_publishes_what_it_read_and_why_it_waits(service: LearnerService) -> None:
+    # Three groups read: two wait, one is a duplicate; no held-out prompts yet.
+    batch = [message(group(gid).to_json(), offset=i) for i, gid in enumerate(("g0", "g1", "g0"))]
+    polling(service, {TP0: batch})
+    service.step()
+    progress = progress_of(service)
+    assert progress is not None
+    assert (progress.phase, progress.waiting, progress.read) == ("waiting_heldout", 2, 3)
+    assert (progress.batch_groups, progress.heldout) == (3, 0)
+    assert progress.describe() == "waiting_heldout: 2/3 groups, 0 held-out prompts"
+    assert progress_of(service, "frozen") is None  # nothing read of it here: not ours to publish
+    phase = metric(service, "ratchet_learner_round_phase", alias=ALIAS, phase="waiting_heldout")
+    assert phase == 1
+
+
+def test_groups_read_and_dropped_still_count_as_read(service: LearnerService) -> None:
+    flat = group("g0", rewards=(0.5, 0.5))  # zero spread: dropped
+    polling(service, {TP0: [message(flat.to_json(), offset=0)]})
+    service.step()
+    progress = progress_of(service)
+    assert progress is not None and (progress.phase, progress.waiting, progress.read) == (
+        "idle", 0, 1,
+    )  # fmt: skip
+    # Nothing read nor waiting any more: this replica stops publishing the alias.
+    service.redis.delete(progress_key(ALIAS))
+    service.step()
+    assert progress_of(service) is None
+
+
+def test_a_redis_error_while_publishing_does_not_fail_the_loop(
+    service: LearnerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def away(*_: Any, **__: Any) -> None:
+        raise redis.ConnectionError("redis is away")
+
+    polling(service, {TP0: [message(group("g0").to_json(), offset=0)]})
+    monkeypatch.setattr("learner.reporter.publish", away)
+    service.step()
+    assert metric(service, "ratchet_learner_progress_errors_total", alias=ALIAS) == 1
+    assert waiting_ids(service) == ["g0"]
+    monkeypatch.undo()
+    service.rounds.progress.clock = lambda: time.monotonic() + 10  # past the throttle
+    service.step()
+    progress = progress_of(service)
+    assert progress is not None and progress.read == 1  # the read was kept for the next write

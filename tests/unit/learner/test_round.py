@@ -15,7 +15,8 @@ from learner.gate import GateError, GateResult
 from learner.heldout import HeldoutPool
 from learner.round import RoundReport, Rounds, trained_key
 from learner.service import LearnerService
-from learner.trainer import RoundStats
+from learner.trainer import RoundStats, StepCallback, StepProgress
+from ratchet.progress import LearnerProgress, read_progress
 from ratchet.records import HeldoutPrompt, ScoredGroup
 from ratchet.registry import AliasRoute
 from ratchet.settings import AliasConfig, CanaryConfig, GateConfig, RatchetSettings
@@ -29,12 +30,21 @@ class StandInTrainer:
     def __init__(self) -> None:
         self.loaded: list[Path | None] = []
         self.trained: list[list[str]] = []
+        self.fail: Exception | None = None
 
     def load_adapter(self, folder: Path | None) -> None:
         self.loaded.append(folder)
 
-    def train_round(self, groups: list[ScoredGroup]) -> RoundStats:
+    def train_round(
+        self, groups: list[ScoredGroup], on_step: StepCallback | None = None
+    ) -> RoundStats:
         self.trained.append([g.group_id for g in groups])
+        if self.fail is not None:
+            raise self.fail
+        for k in (1, 2):
+            if on_step is not None:
+                on_step(StepProgress(1, k, 2, loss=0.5 / k, reward=0.25, completion_tokens=20 * k,
+                                     seconds=1.0 * k))  # fmt: skip
         nan = float("nan")
         return RoundStats(
             round=1, steps=2, groups=len(groups), groups_skipped=0, samples=2 * len(groups),
@@ -218,3 +228,68 @@ def test_each_round_draws_its_gate_prompts_at_random_from_the_whole_pool(
     assert all(len(set(d)) == 2 for d in draws)  # gate.max_pairs = 2
     assert len({tuple(d) for d in draws}) == 5
     assert any(h < "h100" for d in draws for h in d)  # the older half is drawn from too
+
+
+# --- progress -----------------------------------------------------------------------------------
+
+
+def record_progress(
+    rounds: Rounds, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[LearnerProgress], list[LearnerProgress | None]]:
+    """Everything the round reports, and what Redis holds after each report."""
+    reported: list[LearnerProgress] = []
+    stored: list[LearnerProgress | None] = []
+    report = rounds.progress.report
+
+    def spy(progress: LearnerProgress, read_delta: int = 0) -> bool:
+        reported.append(progress)
+        written = report(progress, read_delta)
+        stored.append(read_progress(rounds.redis, ALIAS))
+        return written
+
+    monkeypatch.setattr(rounds.progress, "report", spy)
+    return reported, stored
+
+
+def test_a_round_publishes_each_phase_in_order_then_idle(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rounds = make_rounds(redis_url, tmp_path, canary_weight=0.1)
+    script_gate(rounds, monkeypatch, verdict(passed=False))
+    reported, stored = record_progress(rounds, monkeypatch)
+    route = AliasRoute(alias=ALIAS, base_model="base")
+    rounds.run(ALIAS, route, [group("g1"), group("g2")], pool_of("h1", "h2", "h3"), waiting=5)
+
+    phases = [p.phase for p in reported]
+    assert [ph for i, ph in enumerate(phases) if i == 0 or phases[i - 1] != ph] == [
+        "train", "write", "gate", "settle", "idle",
+    ]  # fmt: skip
+    train = [p for p in reported if p.phase == "train"]
+    # steps_per_round (4) until the trainer says how many steps it planned (2 here)
+    assert [(p.step, p.steps) for p in train] == [(0, 4), (1, 2), (2, 2)]
+    assert train[-1].detail == "round 1: step 2/2 loss 0.2500, reward 0.250, 20.0 tokens/s"
+    assert all(p.version == 0 for p in train)  # trains from the live version...
+    gate = next(p for p in reported if p.phase == "gate")
+    assert (gate.version, gate.step, gate.steps) == (1, 0, 2)  # ...then is the candidate's
+    assert all(p.waiting == 5 and p.batch_groups == 16 and p.heldout == 3 for p in reported[:-1])
+    # Every phase reached Redis when it began (steps within one phase may be throttled).
+    for progress, held in zip(reported, stored, strict=True):
+        if progress.phase != "train" or progress.step == 0:
+            assert held is not None and held.phase == progress.phase
+    final = read_progress(rounds.redis, ALIAS)
+    assert final is not None and (final.phase, final.waiting) == ("idle", 3)  # 5 - the round's 2
+    assert metric(rounds, "ratchet_learner_round_phase", phase="idle") == 1
+    assert metric(rounds, "ratchet_learner_round_phase", phase="train") == 0
+    assert metric(rounds, "ratchet_learner_step_loss") == 0.25
+
+
+def test_a_round_that_fails_goes_back_to_idle_with_its_groups_waiting(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rounds = make_rounds(redis_url, tmp_path, canary_weight=0.1)
+    rounds.trainer().fail = RuntimeError("out of memory")  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError):
+        rounds.run(ALIAS, AliasRoute(alias=ALIAS, base_model="base"), [group("g1")], pool_of("h"))
+    final = read_progress(rounds.redis, ALIAS)
+    assert final is not None and (final.phase, final.waiting) == ("idle", 1)
+    assert metric(rounds, "ratchet_learner_round_phase", phase="train") == 0

@@ -7,6 +7,7 @@ with the real SmolLM2-135M-Instruct.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import MISSING, asdict, fields, replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from learner.trainer import (
     OPTIMIZER_FILE,
     LoraGRPOLearner,
     LoraSettings,
+    StepProgress,
     TrainSettings,
     lora_settings,
     train_settings,
@@ -239,6 +241,53 @@ def test_logprobs_of_own_samples_equal_those_recorded_when_sampling(tiny_model: 
     with torch.no_grad():
         ours = token_logprobs(learner.model, batch)[batch.completion_mask]
     torch.testing.assert_close(ours, recorded.flatten(), rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_logprobs_and_their_lora_grads_equal_the_whole_head_at_once(
+    tiny_model: Path,
+) -> None:
+    """The LM head in checkpointed chunks (a ragged last one too) gives the values and LoRA
+    gradients of projecting every completion position at once."""
+    learner = LoraGRPOLearner(tiny_model, small_lora(), train(), device="cpu")
+    with torch.no_grad():  # a fresh LoRA's B is 0, which would leave A without a gradient
+        gen = torch.Generator().manual_seed(11)
+        for param in learner.params:
+            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+    batch = pack_groups(random_groups(4, n=3, k=4), "group")
+    n = int(batch.completion_mask.sum())
+    weights = torch.randn(batch.completion_mask.shape, generator=gen)
+
+    def reference() -> torch.Tensor:
+        """Every completion position through the model's own forward (full logits)."""
+        mask = batch.completion_mask
+        logits = learner.model(
+            input_ids=batch.input_ids,
+            attention_mask=shared_prompt_mask(batch.segment_ids),
+            position_ids=batch.position_ids,
+        ).logits
+        picked = logits[mask.nonzero()[:, 0], batch.predicted_at[mask]].log_softmax(-1)
+        picked = picked.gather(1, batch.input_ids[mask][:, None]).squeeze(1)
+        return picked.new_zeros(mask.shape).masked_scatter(mask, picked)
+
+    def values_and_grads(compute: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        learner.model.zero_grad(set_to_none=True)
+        logprobs = compute()
+        (logprobs * weights).sum().backward()
+        grads = [p.grad.detach().clone() for p in learner.params if p.grad is not None]
+        assert len(grads) == len(learner.params)
+        return logprobs.detach(), grads
+
+    learner.model.eval()  # no LoRA dropout: the passes must see the same function
+    expected, expected_grads = values_and_grads(reference)
+    assert n > 7 and n % 7  # several chunks, the last one shorter
+    for chunk in (7, n, 10 * n):
+        got, grads = values_and_grads(lambda c=chunk: token_logprobs(learner.model, batch, c))
+        torch.testing.assert_close(got, expected, rtol=0.0, atol=1e-5)
+        assert_same(grads, expected_grads, atol=1e-5)
+    with torch.no_grad():  # the reference (KL) pass: no checkpoint, same values
+        torch.testing.assert_close(
+            token_logprobs(learner.model, batch, 7), expected, atol=1e-5, rtol=0.0
+        )
 
 
 # --- training ------------------------------------------------------------------------------------
@@ -465,3 +514,30 @@ def test_saved_folder_is_a_vllm_loadable_adapter_of_the_real_model(tmp_path: Pat
     assert meta["parent_version"] == 2 and meta["data"] == "test"
     assert meta["optimizer_steps"] == 4 and meta["last_round"]["samples"] == 2
     assert meta["lora"]["target_modules"] == "all-linear"
+
+
+def test_each_step_is_logged_and_reported_with_its_loss_reward_and_rate(
+    tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    groups = random_groups(6, n=3)
+    learner = LoraGRPOLearner(tiny_model, small_lora(), train(steps_per_round=3), "cpu")
+    steps: list[StepProgress] = []
+    with caplog.at_level("INFO", logger="learner.trainer"):
+        stats = learner.train_round(groups, steps.append)
+    assert [(s.round, s.step, s.steps) for s in steps] == [(1, 1, 3), (1, 2, 3), (1, 3, 3)]
+    # One group a step: its reward is that group's mean; the steps' losses make the round's.
+    assert sorted(s.reward for s in steps) == pytest.approx(
+        sorted(sum(g.rewards) / len(g.rewards) for g in groups)
+    )
+    tokens = [
+        b.completion_tokens - a
+        for a, b in zip([0] + [s.completion_tokens for s in steps[:-1]], steps, strict=True)
+    ]
+    assert steps[-1].completion_tokens == stats.completion_tokens
+    weighted = sum(s.loss * n for s, n in zip(steps, tokens, strict=True)) / sum(tokens)
+    assert weighted == pytest.approx(stats.loss, abs=1e-6)
+    lines = [r.getMessage() for r in caplog.records if ": step " in r.getMessage()]
+    assert lines == [s.line() for s in steps]
+    assert re.fullmatch(
+        r"round 1: step 3/3 loss -?\d+\.\d{4}, reward \d\.\d{3}, \d+\.\d tokens/s", lines[-1]
+    )

@@ -1,0 +1,43 @@
+"""`ratchet status` against a real Redis: each alias's learner progress, or its absence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+from typer.testing import CliRunner
+
+import ratchet.cli  # noqa: F401  (registers the commands on the app)
+from ratchet.cli.app import app
+from ratchet.progress import LearnerProgress, publish
+
+
+@pytest.fixture
+def configured(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> redis.Redis:
+    Path("ratchet.yaml").write_text(
+        "aliases:\n  support: {base_model: base}\n  billing: {base_model: base}\n"
+    )
+    monkeypatch.setenv("RATCHET_REDIS_URL", redis_url)
+    monkeypatch.setattr("ratchet.cli.report.learner_lag", lambda settings: 0)  # no Kafka here
+    return redis.Redis.from_url(redis_url)
+
+
+def test_status_shows_each_aliases_learner_progress(configured: redis.Redis) -> None:
+    progress = LearnerProgress(
+        "support",
+        phase="train",
+        version=2,
+        step=3,
+        steps=4,
+        detail="round 5: step 3/4 loss 0.1200, reward 0.500, 88.0 tokens/s",
+        round_started_at=1.0,
+    )
+    publish(configured, progress)
+    result = CliRunner().invoke(app, ["status"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    [support] = [line for line in result.output.splitlines() if "support" in line]
+    assert "round v2, train 3/4" in support
+    assert "step 3/4 loss 0.1200, reward 0.500, 88.0 tokens/s" in support
+    [billing] = [line for line in result.output.splitlines() if "billing" in line]
+    assert "no learner progress" in billing  # never published (or expired)
