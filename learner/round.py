@@ -254,6 +254,9 @@ class Rounds:
                     served_name(alias, version, route.base_model),
                     served_name(alias, live, route.base_model),
                     seed=seed,
+                    progress=lambda scored, drawn, win_rate: self.report_gate_pair(
+                        alias, scored, f"win rate {win_rate:.3f} after {scored} of {drawn} pairs"
+                    ),
                 )
             )
         except GateError as exc:

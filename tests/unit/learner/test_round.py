@@ -5,6 +5,7 @@ itself is tests/unit/learner/test_trainer.py) and the gate's verdict is scripted
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -129,8 +130,11 @@ def script_gate(
         cand: str,
         inc: str,
         seed: int,
+        progress: Callable[[int, int, float], None] | None = None,
     ) -> GateResult:
         asked.append(([p.prompt_hash for p in prompts], cand, inc))
+        if progress is not None:
+            progress(1, len(prompts), 1.0)  # as the real gate does after each wave
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
@@ -271,6 +275,8 @@ def test_a_round_publishes_each_phase_in_order_then_idle(
     assert all(p.version == 0 for p in train)  # trains from the live version...
     gate = next(p for p in reported if p.phase == "gate")
     assert (gate.version, gate.step, gate.steps) == (1, 0, 2)  # ...then is the candidate's
+    answered = [p for p in reported if p.phase == "gate"][-1]  # the gate's per-wave callback
+    assert answered.step == 1 and answered.detail == "win rate 1.000 after 1 of 2 pairs"
     assert all(p.waiting == 5 and p.batch_groups == 16 and p.heldout == 3 for p in reported[:-1])
     # Every phase reached Redis when it began (steps within one phase may be throttled).
     for progress, held in zip(reported, stored, strict=True):
