@@ -11,13 +11,12 @@ right spans, not knowledge.
 
 from __future__ import annotations
 
-import copy
 import random
 import re
 from functools import cache
 from typing import Any
 
-from ratchet.tasks.common import lcs_share, task_data, user_turn
+from ratchet.tasks.common import lcs_share, prompt_loader, task_data, user_turn
 
 __all__ = ["bullets_reward", "expected_items", "generate_prompts", "load_prompts"]
 
@@ -73,14 +72,8 @@ def generate_prompts(count: int = DEFAULT_COUNT, seed: int = DEFAULT_SEED) -> li
     return out
 
 
-@cache
-def _prompts() -> tuple[dict[str, Any], ...]:
-    return tuple(generate_prompts())
-
-
-def load_prompts() -> list[dict[str, Any]]:
-    """The task's prompt set, generated at load (seeded, so always the same), in a fixed order."""
-    return copy.deepcopy(list(_prompts()))  # a caller may edit its copy
+# Generated at load (seeded, so always the same set, in a fixed order).
+load_prompts = prompt_loader(generate_prompts)
 
 
 @cache

@@ -3,9 +3,25 @@ how a verifier finds that data again, and an order-aware partial-credit measure.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+from functools import cache
 from typing import Any
 
-__all__ = ["lcs_share", "task_data", "user_turn"]
+__all__ = ["lcs_share", "prompt_loader", "task_data", "user_turn"]
+
+Prompts = list[dict[str, Any]]
+
+
+def prompt_loader(generate: Callable[[], Prompts]) -> Callable[[], Prompts]:
+    """A task's ``load_prompts``: its seeded prompt set, generated once, a fresh copy per call
+    (a caller may edit its copy)."""
+    made = cache(lambda: tuple(generate()))
+
+    def load_prompts() -> Prompts:
+        return copy.deepcopy(list(made()))
+
+    return load_prompts
 
 
 def user_turn(instruction: str, marker: str, data: str) -> list[dict[str, Any]]:
