@@ -184,6 +184,10 @@ class Watcher:
                 "active": active,
                 "groups": metric(judge, "ratchet_judge_groups_total", **a),
                 "heldout": metric(judge, "ratchet_judge_heldout_total", **a),
+                # GRPO learns only from groups whose rewards differ
+                "zero_spread": metric(judge, "ratchet_judge_zero_variance_total", **a),
+                "reward_sum": metric(judge, "ratchet_judge_reward_sum", **a),
+                "rewards": metric(judge, "ratchet_judge_reward_count", **a),
                 "rounds": metric(learner, "ratchet_learner_rounds_total", **a),
                 "rejected": metric(learner, "ratchet_learner_rounds_total", result="rejected", **a),
                 "trained_tokens": metric(learner, "ratchet_learner_trained_tokens_total", **a),
@@ -293,6 +297,8 @@ def run_task(task: Task, args: argparse.Namespace, console: Console) -> dict[str
         config = loop_config(home, task, parse_sets(args.set))
         settings = load_settings(config)
         stack = embedded_stack(settings, config, prepare_model(default_home(), quiet=True))
+        for part in stack.parts:  # a busy machine imports torch slowly; this is no health test
+            part.ready_timeout_s = max(part.ready_timeout_s, 600)
         start(stack, settings, console)
         try:
             watcher = Watcher(settings, task.name, stack)
@@ -399,6 +405,13 @@ def report(
         "rejected": watch.last("rejected"),
         "groups": watch.last("groups"),
         "judge_groups_per_minute": watch.last("groups") / minutes if minutes else 0.0,
+        # the live version's sampled answers, as the judge scored them
+        "judge_sample_reward_mean": (
+            watch.last("reward_sum") / watch.last("rewards") if watch.last("rewards") else None
+        ),
+        "judge_zero_spread_share": (
+            watch.last("zero_spread") / watch.last("groups") if watch.last("groups") else None
+        ),
         "learner_tokens_per_second": (
             watch.last("trained_tokens") / watch.last("train_s") if watch.last("train_s") else None
         ),
@@ -428,7 +441,7 @@ def print_table(console: Console, results: list[dict[str, Any]], minutes: float)
     table = Table(title=f"The loop with its defaults, {minutes:g} minutes of traffic per task")
     for column in (
         "task", "first promotion (min)", "base", "promoted", "lift [95% CI]", "rounds (rejected)",
-        "judge groups/min", "learner tok/s", "learner peak RSS",
+        "judge groups/min", "zero-spread groups", "learner tok/s", "learner peak RSS",
     ):  # fmt: skip
         table.add_column(column, justify="left" if column == "task" else "right")
     for r in results:
@@ -448,6 +461,7 @@ def print_table(console: Console, results: list[dict[str, Any]], minutes: float)
             ci,
             f"{r['rounds']:.0f} ({r['rejected']:.0f})",
             _fmt(r["judge_groups_per_minute"], ".1f"),
+            _fmt(r["judge_zero_spread_share"], ".0%"),
             _fmt(r["learner_tokens_per_second"], ".0f"),
             f"{r['learner_peak_rss_bytes'] / 2**30:.2f} GiB",
         )
