@@ -27,9 +27,13 @@ INSTRUCTION = (
     "in the order given. Reply with only the list."
 )
 MARKER = "\n\nText: "
-ITEMS_WEIGHT = 0.6  # the items, in order, on bulleted lines of any common marker
-DASH_WEIGHT = 0.2  # every item line starts with "- " as asked
-ALONE_WEIGHT = 0.2  # and the reply holds nothing but those lines
+# Measured (SmolLM2-135M-Instruct, temperature 1.0): it mostly copies the sentence or writes a
+# numbered list, and a reward for list lines alone was 0 for 8 groups in 9. So a quarter is for
+# naming the items at all, wherever they are; the rest is the shape that was asked for.
+ANYWHERE_WEIGHT = 0.25  # the items named in the reply, in order, wherever they are
+LINES_WEIGHT = 0.35  # the items, in order, each on a list line of any common marker
+DASH_WEIGHT = 0.2  # every list line starts with "- " as asked
+ALONE_WEIGHT = 0.2  # and the reply holds nothing but list lines
 
 _ITEMS = (
     "a map", "sunscreen", "a torch", "two towels", "a rain jacket", "some snacks", "a notebook",
@@ -102,21 +106,30 @@ def _norm(text: str) -> str:
 def bullets_reward(prompt_messages: list[dict[str, Any]], sample: dict[str, Any]) -> float:
     """How well the reply is the asked-for list, in [0, 1].
 
-    ``ITEMS_WEIGHT`` x the items on bulleted or numbered lines (any common marker), compared in
-    order with the expected ones (longest common subsequence over the longer list; case and a
-    trailing full stop do not matter); ``DASH_WEIGHT`` when every such line starts with ``- ``
-    and ``ALONE_WEIGHT`` when the reply has no other non-empty line. A reply without a single
-    list line scores 0.
+    ``ANYWHERE_WEIGHT`` x the expected items the reply names anywhere, in order (longest common
+    subsequence of the items in the order they first occur in the reply); ``LINES_WEIGHT`` x the
+    same for the items of bulleted or numbered lines (any common marker), one item per line,
+    extra lines costing their share; ``DASH_WEIGHT`` when there are list lines and every one
+    starts with ``- ``; ``ALONE_WEIGHT`` when there are list lines and no other non-empty line.
+    Case and a trailing full stop do not matter.
     """
     want = [_norm(i) for i in expected_items(prompt_messages)]
     content = sample.get("content")
-    lines = [ln for ln in (content if isinstance(content, str) else "")[:8000].splitlines()]
-    lines = [ln for ln in lines if ln.strip()]
+    text = (content if isinstance(content, str) else "")[:8000]
+    folded = text.casefold()
+    found = sorted((folded.find(i), i) for i in set(want) if i in folded)
+    anywhere = lcs_share([i for _, i in found], want) if found else 0.0
+    lines = [ln for ln in text.splitlines() if ln.strip()]
     listed = [(ln, m.group(1)) for ln in lines if (m := _MARKERS.match(ln))]
     if not listed:
-        return 0.0
-    share = lcs_share([_norm(text) for _, text in listed], want)
+        return ANYWHERE_WEIGHT * anywhere
+    on_lines = lcs_share([_norm(item) for _, item in listed], want)
     dashes = all(ln.lstrip().startswith("- ") for ln, _ in listed)
     alone = len(listed) == len(lines)
-    score = ITEMS_WEIGHT * share + DASH_WEIGHT * dashes + ALONE_WEIGHT * alone
+    score = (
+        ANYWHERE_WEIGHT * anywhere
+        + LINES_WEIGHT * on_lines
+        + DASH_WEIGHT * dashes
+        + ALONE_WEIGHT * alone
+    )
     return min(1.0, score)  # the weights sum to 1, which floats can overshoot

@@ -138,6 +138,13 @@ def test_bullets_reward_grades_items_dashes_and_nothing_else() -> None:
     assert reward(messages, answer("\n".join(f"- {i}" for i in want[:3]))) == pytest.approx(
         0.6 * 3 / 4 + 0.4
     )
-    # The sentence copied: no list line at all.
-    assert reward(messages, answer(messages[0]["content"].rpartition("Text: ")[2])) == 0.0
-    assert reward(messages, answer(json.dumps(want))) == 0.0
+    # The sentence copied, or the items as JSON: every item named in order, but no list line.
+    sentence = messages[0]["content"].rpartition("Text: ")[2]
+    assert reward(messages, answer(sentence)) == pytest.approx(bullets.ANYWHERE_WEIGHT)
+    assert reward(messages, answer(json.dumps(want))) == pytest.approx(bullets.ANYWHERE_WEIGHT)
+    # Named out of order: half of the items in order.
+    scrambled = ", ".join([want[1], want[0], want[3], want[2]])
+    assert reward(messages, answer(scrambled)) == pytest.approx(bullets.ANYWHERE_WEIGHT / 2)
+    # A list, but of other things: only the shape earns.
+    assert reward(messages, answer("- apples\n- pears")) == pytest.approx(0.4)
+    assert reward(messages, answer("I do not know.")) == 0.0
