@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.loop_speed import lift, loop_config, metric, parse_sets, proc_memory
+from bench.loop_speed import lift, loop_config, parse_sets
+from bench.loop_watch import metric, proc_memory
 from ratchet.settings import AliasConfig, LearnerSettings, load_settings
 from ratchet.tasks import TASKS
 
