@@ -4,6 +4,10 @@ Run it from the repository root (CPU, the embedded model; needs no Kafka or Redi
 
     .venv/bin/python bench/demo_learning.py --config shipped --rounds 2
 
+``--task sorting`` (any of ``ratchet.tasks.TASKS``) uses that task's prompts and verifier instead
+of the demo's; ``--base-only`` then measures a task's base rates (greedy mean, and the spread of
+``--base-groups`` groups sampled at the config's temperature).
+
 Method
 ------
 One vLLM (the embedded stack's CPU build, started by ``ratchet.dev.stack.vllm_part`` on a free port,
