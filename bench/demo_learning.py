@@ -4,6 +4,10 @@ Run it from the repository root (CPU, the embedded model; needs no Kafka or Redi
 
     .venv/bin/python bench/demo_learning.py --config shipped --rounds 2
 
+``--task sorting`` (any of ``ratchet.tasks.TASKS``) uses that task's prompts and verifier instead
+of the demo's; ``--base-only`` then measures a task's base rates (greedy mean, and the spread of
+``--base-groups`` groups sampled at the config's temperature).
+
 Method
 ------
 One vLLM (the embedded stack's CPU build, started by ``ratchet.dev.stack.vllm_part`` on a free port,
@@ -57,13 +61,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from judge.sampler import parse_group, sampling_body
 from learner.gate import bootstrap_interval, verifier_outcome
 from ratchet import demo
-from ratchet.demo import expected_fields, extraction_reward, load_prompts
+from ratchet.demo import expected_fields, extraction_reward
 from ratchet.dev.config import default_config_text
 from ratchet.dev.processes import free_port
 from ratchet.records import ScoredGroup
 from ratchet.rewards.ruler import strip_code_fence
 from ratchet.rewards.verifiers import Verifier, run_verifier
-from ratchet.settings import AliasConfig, LearnerSettings
+from ratchet.secrets import vllm_api_key
+from ratchet.settings import AliasConfig, LearnerSettings, RatchetSettings
+from ratchet.tasks import TASKS, get_task
 
 BASE = "smollm2-135m-instruct"
 T = TypeVar("T")
@@ -148,10 +154,10 @@ class VLLM:
     def __init__(self, home: Path, model_path: Path, threads: int, dtype: str | None) -> None:
         from ratchet.dev.processes import Stack
         from ratchet.dev.stack import vllm_part
-        from ratchet.settings import RatchetSettings
 
         self.url = f"http://127.0.0.1:{free_port()}"
         settings = RatchetSettings(vllm_url=self.url, home=home)
+        self.headers = vllm_headers(settings)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         part = vllm_part(settings, model_path, BASE)
         if dtype:  # the embedded stack serves float32, as the learner computes
@@ -186,11 +192,21 @@ class VLLM:
         raise AssertionError("unreachable")
 
 
-async def chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
+def vllm_headers(settings: RatchetSettings) -> dict[str, str]:
+    """What a direct call to the stack's vLLM sends: it requires its key on every route."""
+    return {"Authorization": f"Bearer {vllm_api_key(settings)}"}
+
+
+async def chat(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> dict[str, Any]:
     async with session.post(
         url + "/v1/chat/completions",
         data=orjson.dumps(body),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **(headers or {})},
         timeout=aiohttp.ClientTimeout(total=900),
     ) as resp:
         payload = await resp.read()
@@ -207,11 +223,14 @@ async def sample_groups(
     prompts: list[dict[str, Any]],
     cfg: Config,
     seed: int,
+    headers: dict[str, str] | None = None,
+    verifier: Verifier | None = None,
 ) -> list[ScoredGroup]:
+    """``verifier`` (another task's) replaces ``cfg.reward``."""
     from ratchet.settings import SamplingConfig
 
     sampling = SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_tokens)
-    reward = REWARDS[cfg.reward]
+    reward = verifier or REWARDS[cfg.reward]
     limit = asyncio.Semaphore(max(1, PREFILL_BUDGET // (cfg.k * PROMPT_TOKENS)))
 
     async with aiohttp.ClientSession() as session:
@@ -219,7 +238,7 @@ async def sample_groups(
         async def one(i: int, prompt: dict[str, Any]) -> ScoredGroup:
             body = sampling_body(served, prompt["messages"], {}, cfg.k, sampling, seed + i)
             async with limit:
-                group = parse_group(await chat(session, url, body), cfg.k)
+                group = parse_group(await chat(session, url, body, headers), cfg.k)
             rewards = [run_verifier(reward, prompt["messages"], s.message) for s in group.samples]
             return ScoredGroup(
                 group_id=f"{alias}-{seed}-{i}",
@@ -238,15 +257,25 @@ async def sample_groups(
 
 @dataclass
 class Eval:
-    scores: list[float]  # the shipped verifier
-    strict: list[float]  # strict_reward
+    scores: list[float]  # the task's verifier
+    strict: list[float]  # strict_reward for the demo, else the same as scores
     texts: list[str]
     seconds: float = 0.0
 
 
-async def evaluate(url: str, served: str, prompts: list[dict[str, Any]], max_tokens: int) -> Eval:
-    """Greedy answers: no seed is needed (nor given, see PREFILL_BUDGET)."""
-    limit = asyncio.Semaphore(16)
+async def evaluate(
+    url: str,
+    served: str,
+    prompts: list[dict[str, Any]],
+    max_tokens: int,
+    headers: dict[str, str] | None = None,
+    verifier: Verifier = extraction_reward,
+    strict: Verifier | None = strict_reward,
+    concurrency: int = 16,
+) -> Eval:
+    """Greedy answers scored by ``verifier`` (the demo's by default): no seed is needed (nor
+    given, see PREFILL_BUDGET). ``strict`` is a second score; None: the same as the first."""
+    limit = asyncio.Semaphore(concurrency)
     t0 = time.perf_counter()
     async with aiohttp.ClientSession() as session:
 
@@ -258,16 +287,18 @@ async def evaluate(url: str, served: str, prompts: list[dict[str, Any]], max_tok
                 "max_tokens": max_tokens,
             }
             async with limit:
-                data = await chat(session, url, body)
+                data = await chat(session, url, body, headers)
             return data["choices"][0]["message"]
 
         messages = await asyncio.gather(*(one(p) for p in prompts))
+    scores = [
+        run_verifier(verifier, p["messages"], m) for p, m in zip(prompts, messages, strict=True)
+    ]
     return Eval(
-        [
-            run_verifier(extraction_reward, p["messages"], m)
-            for p, m in zip(prompts, messages, strict=True)
-        ],
-        [strict_reward(p["messages"], m) for p, m in zip(prompts, messages, strict=True)],
+        scores,
+        scores
+        if strict is None
+        else [strict(p["messages"], m) for p, m in zip(prompts, messages, strict=True)],
         [m.get("content") or "" for m in messages],
         time.perf_counter() - t0,
     )
@@ -310,7 +341,10 @@ def run_config(
     base: Eval,
     heldout: list[dict[str, Any]],
     rounds: int,
+    verifier: Verifier | None = None,
+    strict: Verifier | None = strict_reward,
 ) -> list[dict[str, Any]]:
+    """``verifier`` and ``strict``: another task's (see :func:`main`); None: the demo's."""
     import torch
 
     from learner.trainer import LoraGRPOLearner, lora_settings, train_settings
@@ -346,7 +380,7 @@ def run_config(
         t0 = time.perf_counter()
         groups = vllm.run(
             lambda p=picked, s=seed, v=served, n=version: sample_groups(
-                vllm.url, v, n, alias, p, cfg, s
+                vllm.url, v, n, alias, p, cfg, s, vllm.headers, verifier
             )
         )
         t1 = time.perf_counter()
@@ -355,7 +389,17 @@ def run_config(
         learner.save_candidate(store, alias, rnd, version, {"demo_config": asdict(cfg)})
         served, version = f"{alias}@v{rnd}", rnd
         t3 = time.perf_counter()
-        cand = vllm.run(lambda v=served: evaluate(vllm.url, v, heldout, cfg.max_tokens))
+        cand = vllm.run(
+            lambda v=served: evaluate(
+                vllm.url,
+                v,
+                heldout,
+                cfg.max_tokens,
+                vllm.headers,
+                verifier or extraction_reward,
+                strict,
+            )
+        )
         rate, low, high = win_rate(cand.scores, base.scores)
         row = {
             "config": name,
@@ -448,6 +492,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--config", action="append", default=[], help=f"of {sorted(CONFIGS)}")
     parser.add_argument("--set", action="append", default=[], help="field=value, every config")
+    parser.add_argument(
+        "--task", default="demo", help=f"of {sorted(TASKS)} (its prompts and verifier)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--heldout", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
@@ -459,6 +506,7 @@ def main() -> None:
     parser.add_argument(
         "--base-only", action="store_true", help="only score the base: greedy and one round"
     )
+    parser.add_argument("--base-groups", type=int, default=16, help="groups --base-only samples")
     args = parser.parse_args()
 
     import torch
@@ -469,7 +517,11 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model_path = args.model_path or prepare_model(default_home(), quiet=True)
-    prompts = load_prompts()
+    task = get_task(args.task)
+    prompts = task.load_prompts()
+    # The demo keeps its own two scores; another task is scored by its verifier alone.
+    verifier = extraction_reward if task.name == "demo" else task.reward()
+    strict = strict_reward if task.name == "demo" else None
     train, heldout = prompts[: -args.heldout], prompts[-args.heldout :]
     overrides = parse_overrides(args.set)
     names = args.config or ["shipped"]
@@ -485,7 +537,11 @@ def main() -> None:
                 cfg = replace(CONFIGS[name], **overrides)
                 results["configs"][name] = asdict(cfg)
                 if cfg.max_tokens not in base_evals:
-                    base = vllm.run(lambda c=cfg: evaluate(vllm.url, BASE, heldout, c.max_tokens))
+                    base = vllm.run(
+                        lambda c=cfg: evaluate(
+                            vllm.url, BASE, heldout, c.max_tokens, vllm.headers, verifier, strict
+                        )
+                    )
                     base_evals[cfg.max_tokens] = base
                     results["base"][cfg.max_tokens] = {
                         "heldout": statistics.fmean(base.scores),
@@ -495,11 +551,22 @@ def main() -> None:
                     print(f"base greedy, max_tokens {cfg.max_tokens}: {results['base']}")
                 if args.base_only:
                     groups = vllm.run(
-                        lambda c=cfg: sample_groups(vllm.url, BASE, 0, "demo", train[:16], c, 1)
+                        lambda c=cfg: sample_groups(
+                            vllm.url,
+                            BASE,
+                            0,
+                            task.name,
+                            train[: args.base_groups],
+                            c,
+                            1,
+                            vllm.headers,
+                            verifier,
+                        )
                     )
                     print(name, json.dumps(group_stats(groups)))
+                    print("greedy examples:", json.dumps(base_evals[cfg.max_tokens].texts[:3]))
                     for g in groups[:2]:
-                        print(g.prompt_messages[-1]["content"].rpartition("Message: ")[2])
+                        print(g.prompt_messages[-1]["content"].rpartition("\n\n")[2])
                         for s, r in zip(g.samples, g.rewards, strict=True):
                             print(f"  {r:.2f} {s.text[:100]!r}")
                     continue
@@ -513,6 +580,8 @@ def main() -> None:
                     base_evals[cfg.max_tokens],
                     heldout,
                     args.rounds,
+                    verifier,
+                    strict,
                 )
         finally:
             vllm.stop()

@@ -1,0 +1,63 @@
+"""The bundled tasks: each a seeded prompt set and a verifier, so the loop can be measured on
+tasks nobody tuned it for (``bench/loop_speed.py``, ``bench/demo_learning.py --task``).
+
+:data:`TASKS` maps a task's name to its :class:`Task`; the demo (``ratchet.demo``) is listed by
+reference. A task's prompts are ``{"messages": [...], "expected": ...}``; ``expected`` is for
+people reading the set: each verifier recovers the ground truth from the prompt itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ratchet import demo
+from ratchet.rewards.verifiers import Verifier, load_verifier
+from ratchet.tasks import bullets, sorting
+
+__all__ = ["TASKS", "Task", "get_task"]
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str  # also a valid alias name
+    verifier: str  # "package.module:function", as ratchet.yaml's reward.verifier names it
+    load_prompts: Callable[[], list[dict[str, Any]]]
+    description: str  # one line
+
+    def reward(self) -> Verifier:
+        return load_verifier(self.verifier)
+
+
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in (
+        Task(
+            "demo",
+            "ratchet.demo:extraction_reward",
+            demo.load_prompts,
+            "extraction: order details out of a short customer message, as a JSON object",
+        ),
+        Task(
+            "sorting",
+            "ratchet.tasks.sorting:sorting_reward",
+            sorting.load_prompts,
+            "correctness: 4 to 6 numbers sorted from smallest to largest, comma-separated",
+        ),
+        Task(
+            "bullets",
+            "ratchet.tasks.bullets:bullets_reward",
+            bullets.load_prompts,
+            'format: the items a sentence names as a "- " bulleted list, in order, nothing else',
+        ),
+    )
+}
+
+
+def get_task(name: str) -> Task:
+    """The task called ``name``; KeyError listing the known ones."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise KeyError(f"no task {name!r}; tasks are {sorted(TASKS)}") from None

@@ -1,0 +1,150 @@
+"""The bundled tasks: seeded prompt sets with no answer in them, verifiers that recover the ground
+truth from the prompt, grade partial answers in between, and never raise on any reply text."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from typing import Any
+
+import pytest
+
+from ratchet.rewards.verifiers import run_verifier
+from ratchet.tasks import TASKS, Task, bullets, get_task, sorting
+from ratchet.tasks.common import lcs_share
+
+
+def answer(content: Any) -> dict[str, Any]:
+    return {"role": "assistant", "content": content}
+
+
+@pytest.mark.parametrize("task", TASKS.values(), ids=list(TASKS))
+def test_every_task_has_at_least_400_distinct_prompts_and_a_loadable_verifier(task: Task) -> None:
+    prompts = task.load_prompts()
+    users = [p["messages"][-1]["content"] for p in prompts]
+    assert len(set(users)) == len(users) >= 400
+    assert task.load_prompts() == prompts  # a fixed order, the same every load
+    assert task.name == task.name.lower() and " " not in task.name  # usable as an alias
+    assert task.reward() is not None and task.description
+
+
+@pytest.mark.parametrize("task", TASKS.values(), ids=list(TASKS))
+def test_verifiers_never_raise_on_arbitrary_replies(task: Task) -> None:
+    """Garbage, huge, empty or non-string replies: a reward in [0, 1] through the judge's own
+    runner (which raises VerifierError on an exception or an out-of-range value)."""
+    rng = random.Random(7)
+    junk: list[Any] = [
+        "",
+        None,
+        42,
+        ["- a"],
+        "{",
+        "9" * 5000,
+        "- " * 3000,
+        "\n".join("- x" for _ in range(2000)),
+        "1, 2, 3," * 500,
+        "```json\n{}\n```",
+    ]
+    junk += ["".join(rng.choices(string.printable, k=rng.randint(1, 300))) for _ in range(200)]
+    for prompt in task.load_prompts()[:5]:
+        for content in junk:
+            assert 0.0 <= run_verifier(task.reward(), prompt["messages"], answer(content)) <= 1.0
+
+
+def test_get_task_names_the_known_tasks() -> None:
+    assert get_task("sorting") is TASKS["sorting"]
+    with pytest.raises(KeyError, match="bullets"):
+        get_task("nope")
+    assert TASKS["demo"].verifier == "ratchet.demo:extraction_reward"
+
+
+@pytest.mark.parametrize("module", [sorting, bullets])
+def test_generators_are_seeded_and_the_answer_is_not_in_the_prompt(module: Any) -> None:
+    assert module.generate_prompts(5, seed=1) == module.generate_prompts(5, seed=1)
+    assert module.generate_prompts(5, seed=1) != module.generate_prompts(5, seed=2)
+    for prompt in module.load_prompts():
+        text = prompt["messages"][-1]["content"]
+        if module is sorting:
+            assert ", ".join(map(str, prompt["expected"])) not in text  # never given sorted
+        else:
+            assert "\n- " not in text  # never given as the list
+
+
+@pytest.mark.parametrize("reward", [sorting.sorting_reward, bullets.bullets_reward])
+def test_a_prompt_the_task_did_not_write_is_a_broken_setup_not_a_bad_answer(reward: Any) -> None:
+    mine = (sorting if reward is sorting.sorting_reward else bullets).load_prompts()[0]["messages"]
+    for messages in (
+        [],
+        [{"role": "user", "content": None}],
+        [{"role": "user", "content": "Sort these: 3, 1"}],
+        [{"role": "user", "content": mine[0]["content"] + " and 7"}],
+    ):
+        with pytest.raises(ValueError):
+            reward(messages, answer("1, 3"))
+
+
+def test_lcs_share() -> None:
+    assert lcs_share([1, 2, 3], [1, 2, 3]) == 1.0
+    assert lcs_share([], [1]) == lcs_share([1], []) == 0.0
+    assert lcs_share([2, 1, 3], [1, 2, 3]) == pytest.approx(2 / 3)
+    assert lcs_share([1, 2, 3, 4], [1, 2, 3]) == pytest.approx(3 / 4)  # an extra one costs too
+
+
+# --- sorting ---------------------------------------------------------------------------------
+
+
+def test_sorting_reward_grades_order_and_format() -> None:
+    prompt = next(p for p in sorting.load_prompts() if len(p["expected"]) == 5)
+    messages, want = prompt["messages"], prompt["expected"]
+    assert sorting.expected_order(messages) == want
+    listed = ", ".join(map(str, want))
+    reward = sorting.sorting_reward
+    assert reward(messages, answer(listed)) == pytest.approx(1.0)
+    assert reward(messages, answer(listed.replace(", ", ",") + ".")) == pytest.approx(1.0)
+    # Right, but with prose around it: no format credit.
+    assert reward(messages, answer(f"Sorted: {listed}")) == pytest.approx(0.8)
+    # Two neighbours swapped: 4 of 5 in order.
+    swapped = [want[1], want[0], *want[2:]]
+    assert reward(messages, answer(", ".join(map(str, swapped)))) == pytest.approx(
+        0.8 * 4 / 5 + 0.2
+    )
+    # The numbers as the prompt gave them (not sorted: the generator never writes sorted lists).
+    given = messages[0]["content"].rpartition("Numbers: ")[2]
+    assert 0.0 < reward(messages, answer(given)) < 1.0
+    assert reward(messages, answer("I cannot sort numbers.")) == 0.0
+    assert reward(messages, answer(", ".join(map(str, reversed(want))))) < 0.5
+
+
+# --- bullets ---------------------------------------------------------------------------------
+
+
+def test_bullets_reward_grades_items_dashes_and_nothing_else() -> None:
+    prompt = next(p for p in bullets.load_prompts() if len(p["expected"]) == 4)
+    messages, want = prompt["messages"], prompt["expected"]
+    assert bullets.expected_items(messages) == want
+    reward = bullets.bullets_reward
+    dashed = "\n".join(f"- {i}" for i in want)
+    assert reward(messages, answer(dashed)) == pytest.approx(1.0)
+    # Case and a closing full stop do not matter; blank lines neither.
+    loose = "\n\n".join(f"- {i.capitalize()}." for i in want)
+    assert reward(messages, answer(loose)) == pytest.approx(1.0)
+    # Another marker: the items count, the asked-for dash does not.
+    assert reward(messages, answer(dashed.replace("- ", "* "))) == pytest.approx(0.8)
+    assert reward(messages, answer(dashed.replace("- ", "1. "))) == pytest.approx(0.8)
+    # A line of prose before the list.
+    assert reward(messages, answer("Here is the list:\n" + dashed)) == pytest.approx(0.8)
+    # One item missing: 3 of 4.
+    assert reward(messages, answer("\n".join(f"- {i}" for i in want[:3]))) == pytest.approx(
+        0.6 * 3 / 4 + 0.4
+    )
+    # The sentence copied, or the items as JSON: every item named in order, but no list line.
+    sentence = messages[0]["content"].rpartition("Text: ")[2]
+    assert reward(messages, answer(sentence)) == pytest.approx(bullets.ANYWHERE_WEIGHT)
+    assert reward(messages, answer(json.dumps(want))) == pytest.approx(bullets.ANYWHERE_WEIGHT)
+    # Named out of order: half of the items in order.
+    scrambled = ", ".join([want[1], want[0], want[3], want[2]])
+    assert reward(messages, answer(scrambled)) == pytest.approx(bullets.ANYWHERE_WEIGHT / 2)
+    # A list, but of other things: only the shape earns.
+    assert reward(messages, answer("- apples\n- pears")) == pytest.approx(0.4)
+    assert reward(messages, answer("I do not know.")) == 0.0
