@@ -325,6 +325,9 @@ class JudgeSettings(_Section):
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(default=8402, ge=1, le=65535)
     # Groups sampled and judged at once; the judge model and vLLM see this many calls in flight.
+    # Measured on the 2-core machine (bench/judge_sampling.py, demo prompts, K=4, automatic
+    # max_tokens 64, a shared and loaded machine): 4.7, 8.0, 12.7 and 12.5 groups/min at 1, 2, 4
+    # and 8; past 4 a group only waits longer. A GPU vLLM batches far more: raise it there.
     concurrency: int = Field(default=4, ge=1, le=256)
     poll_records: int = Field(default=16, ge=1)
     # Where litellm reaches the judge model; empty means the embedded vLLM (vllm_url + /v1).
