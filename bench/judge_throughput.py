@@ -1,5 +1,8 @@
 """Judge throughput: groups per minute with RULER, against a pointwise judge, at 1, 4 and 16 calls.
 
+This measures scoring; the other half of a group's cost, sampling its K answers from vLLM
+(groups/min per ``judge.concurrency``, prefill against decode), is ``bench/judge_sampling.py``.
+
 Run it from the repository root, with the embedded vLLM up (this script never starts one)::
 
     .venv/bin/python bench/judge_throughput.py [--groups 8] [--group-size 4] [--concurrency 1,4,16]

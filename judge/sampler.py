@@ -8,6 +8,8 @@ behaviour log-probabilities, so the learner never re-tokenises anything.
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,9 @@ from ratchet.settings import SamplingConfig
 
 # The turns that end a prompt: what follows them is the model's answer.
 PROMPT_END_ROLES = frozenset({"user", "tool"})
+# Served answer lengths the judge keeps per alias to size max_tokens: enough for a steady 95th
+# percentile, few enough to follow a task whose answers change.
+LENGTH_WINDOW = 256
 
 
 class SamplingError(Exception):
@@ -50,6 +55,44 @@ def group_seed(seed: int, prompt_digest: str, version: int) -> int:
     return int.from_bytes(mixed[:4], "big") >> 2
 
 
+def client_max_tokens(request: dict[str, Any]) -> int | None:
+    """The answer length the client allowed (the smaller of ``max_completion_tokens`` and
+    ``max_tokens`` when both are set); None when it set neither."""
+    caps = [
+        value
+        for key in ("max_completion_tokens", "max_tokens")
+        if isinstance(value := request.get(key), int) and not isinstance(value, bool) and value > 0
+    ]
+    return min(caps) if caps else None
+
+
+def auto_max_tokens(lengths: Sequence[int], client_cap: int | None, cap: int) -> int:
+    """Sampling's max_tokens drawn from the alias's own served answers (``lengths``, in tokens).
+
+    A group should hold answers as long as the ones the alias serves, no longer: a constant 256
+    made a short-answer task sample 4x the tokens it needed, and decode time is most of a group's
+    cost. So: 1.25 x the 95th percentile of the window (room for a longer answer to be the better
+    one), rounded up to a multiple of 16, at least 16; never more than the client itself allowed
+    for this request, nor than ``cap`` (``sampling.max_tokens_cap``). Without any served length
+    yet, the most those two bounds allow."""
+    limit = cap if client_cap is None else min(cap, client_cap)
+    if not lengths:
+        return limit
+    ordered = sorted(lengths)
+    p95 = ordered[math.ceil(0.95 * len(ordered)) - 1]  # nearest rank
+    wanted = max(16, math.ceil(1.25 * p95 / 16) * 16)
+    return min(limit, wanted)
+
+
+def sampling_max_tokens(
+    sampling: SamplingConfig, request: dict[str, Any], lengths: Sequence[int]
+) -> int:
+    """An explicit ``sampling.max_tokens`` wins; otherwise :func:`auto_max_tokens`."""
+    if sampling.max_tokens is not None:
+        return sampling.max_tokens
+    return auto_max_tokens(lengths, client_max_tokens(request), sampling.max_tokens_cap)
+
+
 def sampling_body(
     served_name: str,
     prompt: list[dict[str, Any]],
@@ -57,14 +100,19 @@ def sampling_body(
     group_size: int,
     sampling: SamplingConfig,
     seed: int | None = None,
+    max_tokens: int | None = None,
 ) -> dict[str, Any]:
+    """One request for the whole group: ``n`` answers share the prompt's prefill in vLLM.
+    ``max_tokens``: from :func:`sampling_max_tokens` (None: that rule with no served lengths)."""
     body: dict[str, Any] = {
         "model": served_name,
         "messages": prompt,
         "n": group_size,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
-        "max_tokens": sampling.max_tokens,
+        "max_tokens": (
+            sampling_max_tokens(sampling, request, []) if max_tokens is None else max_tokens
+        ),
         "logprobs": True,
         "return_token_ids": True,
     }

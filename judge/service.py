@@ -1,8 +1,11 @@
 """`ratchet judge`: turns the traffic log into scored groups and held-out prompts.
 
-One batch at a time: poll traffic records, work on them concurrently (filter, split, sample,
-score), produce every output and wait for the broker's acks, mark their traffic records judged in
-Redis, and only then commit the batch's offsets. A judge killed mid-batch therefore re-reads the
+One batch at a time: poll traffic records and classify each (filter, dedupe, split) without
+sampling anything; produce the batch's held-out prompts (and dead letters) at once and wait for
+the broker's acks, so the gate's pool never waits on sampling; then sample and score the rest
+concurrently, as far as the learner needs groups (judge/backpressure.py), and produce those. Each
+delivery marks its traffic records judged in Redis, and the batch's offsets are committed only
+once everything it produced is acknowledged. A judge killed mid-batch therefore re-reads the
 batch on restart (at least once), and so does the replica that takes its partitions over; a
 record already marked judged (``ratchet:judge:done:<request id>``) is skipped, so only one killed
 between its broker's acks and that mark is judged twice. Each group's id is derived from its
@@ -22,24 +25,28 @@ import hashlib
 import logging
 import signal
 import statistics
-import time
+from collections import Counter, deque
 from typing import Any, NamedTuple
 
 import aiohttp
 import redis
 import redis.asyncio as aioredis
-from kafka import KafkaProducer
-from kafka.errors import CommitFailedError, KafkaError
 from prometheus_client import start_http_server
 
+from judge.backpressure import Backpressure
+from judge.kafka_io import JudgeKafka
 from judge.metrics import JudgeMetrics
-from judge.sampler import SamplingError, group_seed, prompt_of, sample_group, sampling_body
+from judge.sampler import (
+    LENGTH_WINDOW,
+    SamplingError,
+    group_seed,
+    prompt_of,
+    sample_group,
+    sampling_body,
+    sampling_max_tokens,
+)
 from judge.scoring import GroupScorer, ScoringError
-from ratchet.bus import ensure_topics, make_consumer
 from ratchet.records import (
-    DEADLETTER_TOPIC,
-    GROUPS_TOPIC,
-    HELDOUT_TOPIC,
     TRAFFIC_TOPIC,
     DeadLetter,
     HeldoutPrompt,
@@ -81,12 +88,32 @@ class SeenMark(NamedTuple):
     window_s: int
 
 
+class Ready(NamedTuple):
+    """A held-out prompt or a dead letter: produced before the batch samples anything."""
+
+    record: Record
+    seen: SeenMark | None
+
+
+class ToSample(NamedTuple):
+    """An eligible, training-side traffic record: its group is sampled after the held-out ones
+    are delivered."""
+
+    message: SourceMessage
+    record: TrafficRecord
+    config: AliasConfig
+    prompt: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    digest: str
+    seen: SeenMark
+
+
 class Skip(Exception):
     def __init__(self, reason: str) -> None:
         self.reason = reason
 
 
-class JudgeService:
+class JudgeService(JudgeKafka):
     def __init__(self, settings: RatchetSettings) -> None:
         self.settings = settings
         self.secret = server_secret(settings)
@@ -104,13 +131,19 @@ class JudgeService:
         )
         self.routes: dict[str, AliasRoute] = {}
         self.limit = asyncio.Semaphore(settings.judge.concurrency)
+        self.backpressure = Backpressure(
+            self.redis,
+            settings.judge.max_pending_rounds * settings.learner.batch_groups,
+            settings.judge.pause_while_training,
+        )
+        self.answer_lengths: dict[str, deque[int]] = {}
         self.stopping = asyncio.Event()
 
-    # ---- one traffic record ------------------------------------------------------------------
-    async def handle(
-        self, session: aiohttp.ClientSession, message: SourceMessage
-    ) -> tuple[list[Record], list[SeenMark]]:
-        """Return (records to produce, prompts to mark as seen once those are produced).
+    # ---- one traffic record: classified first, sampled later ----------------------------------
+    async def classify(self, message: SourceMessage) -> Ready | ToSample | None:
+        """What a traffic record becomes, without sampling anything: a held-out prompt or a dead
+        letter (``Ready``, produced before the batch samples), a group to sample (``ToSample``),
+        or nothing (skipped, counted).
 
         Whatever goes wrong with one record stays with it: a value that is not a traffic record,
         or one this code fails on, is counted and dead-lettered, and the batch goes on (its
@@ -118,70 +151,111 @@ class JudgeService:
         record = parse(TRAFFIC_TOPIC, message.value)
         if isinstance(record, str):  # malformed, invalid or another schema; counted by parse
             if record == "unknown_schema":  # a newer producer's record: skipped, per contract
-                return [], []
+                return None
             self.metrics.failures.labels("-", record).inc()
-            return [self._dead_letter(message, record)], []
+            return Ready(self._dead_letter(message, record), None)
         if not isinstance(record, TrafficRecord):
-            return [], []
-        # A poison record's alias must not become a metric label of its own.
-        alias = record.alias if record.alias in self.settings.aliases else "-"
+            return None
         try:
-            async with self.limit:
-                self.metrics.in_flight.inc()
-                try:
-                    return await self._handle(session, record)
-                finally:
-                    self.metrics.in_flight.dec()
+            return await self._classify(record, message)
         except Skip as skip:
-            self.metrics.skipped.labels(alias, skip.reason).inc()
-        except (SamplingError, ScoringError) as exc:
-            self.metrics.failures.labels(alias, exc.cause).inc()
-            log.warning("group for %s dropped: %s (%s)", record.request_id, exc.cause, exc)
+            self.metrics.skipped.labels(self._label(record.alias), skip.reason).inc()
         except Exception as exc:
-            log.exception("traffic record %s could not be judged; dead-lettered", message.offset)
-            self.metrics.failures.labels(alias, "handler_error").inc()
-            return [self._dead_letter(message, "handler_error", f"{type(exc).__name__}: {exc}")], []
-        return [], []
+            return Ready(self._handler_error(message, record.alias, exc), None)
+        return None
 
-    def _dead_letter(self, message: SourceMessage, reason: str, error: str = "") -> DeadLetter:
-        return DeadLetter.of_message(message, self.settings.judge.consumer_group, reason, error)
-
-    async def _handle(
-        self, session: aiohttp.ClientSession, record: TrafficRecord
-    ) -> tuple[list[Record], list[SeenMark]]:
+    async def _classify(self, record: TrafficRecord, message: SourceMessage) -> Ready | ToSample:
         config = self.settings.aliases.get(record.alias)
         prompt, tools = self._eligible(record, config)
         assert config is not None
         if await self._done(record.request_id):
             raise Skip("already_judged")  # by a judge killed before committing, or rebalanced
+        if record.output_tokens:
+            self._lengths(record.alias).append(record.output_tokens)
         digest = prompt_hash(prompt, tools)
         seen = SeenMark(
             f"ratchet:judge:seen:{record.alias}:{digest}", config.learning.dedup_window_s
         )
         if seen.window_s and await self._seen(seen.key):
             raise Skip("recent_duplicate")
-        if is_heldout(self.secret, digest, config.learning.heldout_fraction):
-            self.metrics.heldout.labels(record.alias).inc()
-            return [
-                HeldoutPrompt(
-                    prompt_hash=digest,
-                    alias=record.alias,
-                    prompt_messages=prompt,
-                    tools=tools,
-                    traffic_request_id=record.request_id,
-                    api_key_hash=record.api_key_hash,
-                )
-            ], [seen]
+        if not is_heldout(self.secret, digest, config.learning.heldout_fraction):
+            return ToSample(message, record, config, prompt, tools, digest, seen)
+        self.metrics.heldout.labels(record.alias).inc()
+        held = HeldoutPrompt(
+            prompt_hash=digest,
+            alias=record.alias,
+            prompt_messages=prompt,
+            tools=tools,
+            traffic_request_id=record.request_id,
+            api_key_hash=record.api_key_hash,
+            served_output_tokens=record.output_tokens,
+        )
+        return Ready(held, seen)
 
+    async def group_for(self, session: aiohttp.ClientSession, work: ToSample) -> Record | None:
+        """The record's scored group (a dead letter if this code fails on it), or None: skipped
+        (backpressure, a paused alias) or dropped (sampling or scoring failed), counted."""
+        alias = work.record.alias
+        async with self.limit:
+            try:
+                decision = await self.backpressure.clear(alias)
+                if not decision.sample:
+                    raise Skip(decision.reason)  # not marked seen: sampled when it comes again
+                self.metrics.in_flight.inc()
+                try:
+                    return await self._sample_and_score(session, work)
+                except BaseException:
+                    self.backpressure.release(alias)
+                    raise
+                finally:
+                    self.metrics.in_flight.dec()
+            except Skip as skip:
+                self.metrics.skipped.labels(alias, skip.reason).inc()
+            except (SamplingError, ScoringError) as exc:
+                self.metrics.failures.labels(alias, exc.cause).inc()
+                log.warning("group for %s dropped: %s (%s)", work.record.request_id, exc.cause, exc)
+            except Exception as exc:
+                return self._handler_error(work.message, alias, exc)
+        return None
+
+    def _label(self, alias: str) -> str:
+        # A poison record's alias must not become a metric label of its own.
+        return alias if alias in self.settings.aliases else "-"
+
+    def _handler_error(self, message: SourceMessage, alias: str, exc: Exception) -> DeadLetter:
+        log.exception("traffic record %s could not be judged; dead-lettered", message.offset)
+        self.metrics.failures.labels(self._label(alias), "handler_error").inc()
+        return self._dead_letter(message, "handler_error", f"{type(exc).__name__}: {exc}")
+
+    def _dead_letter(self, message: SourceMessage, reason: str, error: str = "") -> DeadLetter:
+        return DeadLetter.of_message(message, self.settings.judge.consumer_group, reason, error)
+
+    def _lengths(self, alias: str) -> deque[int]:
+        """The alias's recent served answer lengths (tokens), for sampling's max_tokens."""
+        return self.answer_lengths.setdefault(alias, deque(maxlen=LENGTH_WINDOW))
+
+    async def _sample_and_score(
+        self, session: aiohttp.ClientSession, work: ToSample
+    ) -> ScoredGroup:
+        record, config = work.record, work.config
         route = await self._route(record.alias, config)
         if route.paused:
             # The learner would drop the group: don't spend vLLM and judge time sampling it.
             raise Skip("learning_paused")
         served = served_name(record.alias, route.active, route.base_model)
         sampling = config.sampling
-        seed = None if sampling.seed is None else group_seed(sampling.seed, digest, route.active)
+        seed = (
+            None if sampling.seed is None else group_seed(sampling.seed, work.digest, route.active)
+        )
+        max_tokens = sampling_max_tokens(sampling, record.request, self._lengths(record.alias))
         body = sampling_body(
-            served, prompt, record.request, config.learning.group_size, sampling, seed
+            served,
+            work.prompt,
+            record.request,
+            config.learning.group_size,
+            sampling,
+            seed,
+            max_tokens,
         )
         with self.metrics.sample_latency.labels(record.alias).time():
             group = await sample_group(
@@ -192,16 +266,17 @@ class JudgeService:
                 self.vllm_key,
             )
         score = await self.scorer.score(
-            record.alias, config.reward, prompt, tools, [s.message for s in group.samples]
+            record.alias, config.reward, work.prompt, work.tools, [s.message for s in group.samples]
         )
         self._observe(record.alias, score.rewards)
-        scored = ScoredGroup(
+        self.metrics.groups.labels(record.alias).inc()
+        return ScoredGroup(
             group_id=group_id_of(record.request_id, route.active),
             alias=record.alias,
             version=route.active,
             response_model=served,
-            prompt_messages=prompt,
-            tools=tools,
+            prompt_messages=work.prompt,
+            tools=work.tools,
             prompt_token_ids=group.prompt_token_ids,
             samples=group.samples,
             rewards=score.rewards,
@@ -211,8 +286,6 @@ class JudgeService:
             traffic_request_id=record.request_id,
             api_key_hash=record.api_key_hash,
         )
-        self.metrics.groups.labels(record.alias).inc()
-        return [scored], [seen]
 
     def _eligible(
         self, record: TrafficRecord, config: AliasConfig | None
@@ -314,104 +387,49 @@ class JudgeService:
         async with aiohttp.ClientSession() as session:
             while not self.stopping.is_set():
                 batch = await loop.run_in_executor(None, self._poll)
-                if not batch:
-                    continue
-                results = await asyncio.gather(*(self.handle(session, m) for m in batch))
-                outputs = [r for records, _ in results for r in records]
-                seen = [k for _, keys in results for k in keys]
-                # Produce, wait for acks, then commit: never the other way round. A batch not
-                # acknowledged (stopping during a broker outage) is neither marked nor committed:
-                # the next judge must read it again and not skip it.
-                if not await loop.run_in_executor(None, self._produce, outputs):
+                if batch and not await self.judge_batch(session, batch):
                     break
-                await self._mark_done(outputs)
-                await loop.run_in_executor(None, self._commit)
-                await self._mark_seen(seen)
         await loop.run_in_executor(None, self._close)
         await self.redis.aclose()
 
-    def _connect(self) -> None:
-        s = self.settings
-        while True:
-            try:
-                topics = [GROUPS_TOPIC, HELDOUT_TOPIC, DEADLETTER_TOPIC]
-                ensure_topics(s.kafka_bootstrap_servers, s.kafka, topics)
-                self.producer = KafkaProducer(
-                    bootstrap_servers=s.kafka_bootstrap_servers,
-                    acks="all",
-                    linger_ms=5,
-                    compression_type=None if s.kafka.compression == "none" else s.kafka.compression,
-                    **s.kafka.client_options(),
-                )
-                self.consumer = make_consumer(
-                    s.kafka_bootstrap_servers,
-                    s.kafka,
-                    [TRAFFIC_TOPIC],
-                    s.judge.consumer_group,
-                    max_poll_records=s.judge.poll_records,
-                    # Groups take seconds each on CPU; don't let the group coordinator evict us.
-                    max_poll_interval_ms=30 * 60 * 1000,
-                )
-                return
-            except KafkaError as exc:
-                log.warning("kafka unreachable (%s); retrying", exc)
-                if self.stopping.is_set():
-                    raise SystemExit(0) from None
-                time.sleep(1.0)
+    async def judge_batch(self, session: aiohttp.ClientSession, batch: list[SourceMessage]) -> bool:
+        """Classify every record, deliver the held-out prompts (and dead letters) at once, then
+        sample and score the rest and deliver those groups; commit the batch's offsets only when
+        everything it produced is acknowledged. False: stopped before that (nothing committed).
 
-    def _poll(self) -> list[SourceMessage]:
-        polled = self.consumer.poll(timeout_ms=1000, max_records=self.settings.judge.poll_records)
-        return [m for messages in polled.values() for m in messages]
+        Held-out prompts never wait on sampling: the learner starts no round before
+        ``gate.min_pairs`` of them have arrived, and a batch's sampling takes minutes on a CPU."""
+        loop = asyncio.get_running_loop()
+        triaged = await asyncio.gather(*(self.classify(m) for m in batch))
+        ready = [t for t in triaged if isinstance(t, Ready)]
+        if not await self._deliver([r.record for r in ready]):
+            return False
+        await self._mark_seen([r.seen for r in ready if r.seen is not None])
+        work = [t for t in triaged if isinstance(t, ToSample)]
+        results = await asyncio.gather(*(self.group_for(session, w) for w in work))
+        outputs = [r for r in results if r is not None]
+        if not await self._deliver(outputs):
+            return False
+        await self.backpressure.count_produced(
+            Counter(r.alias for r in outputs if isinstance(r, ScoredGroup))
+        )
+        await loop.run_in_executor(None, self._commit)
+        await self._mark_seen(
+            [w.seen for w, r in zip(work, results, strict=True) if isinstance(r, ScoredGroup)]
+        )
+        return True
 
-    def _produce(self, outputs: list[Record]) -> bool:
-        """Send a batch's outputs and wait for the broker's acks, retrying until they land.
-        False: stopped before they did."""
-        while True:
-            try:
-                futures = [
-                    self.producer.send(r.TOPIC, key=_key_of(r), value=r.to_json()) for r in outputs
-                ]
-                self.producer.flush(timeout=30)
-                for future in futures:
-                    future.get(timeout=0)
-                return True
-            except KafkaError as exc:
-                # Not committed: the same batch stays ours to finish. Retry until it lands.
-                log.warning("could not produce a batch (%s); retrying", exc)
-                if self.stopping.is_set():
-                    return False  # uncommitted: the next judge re-reads this batch
-                time.sleep(1.0)
-
-    def _commit(self) -> None:
-        while True:
-            try:
-                self.consumer.commit()
-                return
-            except CommitFailedError as exc:
-                # The group rebalanced while we worked: these partitions are another judge's now.
-                # It re-reads the batch and skips what we marked judged; retrying cannot succeed.
-                log.warning("batch not committed, the group rebalanced (%s)", exc)
-                self.metrics.failures.labels("-", "commit_rebalanced").inc()
-                return
-            except KafkaError as exc:
-                log.warning("could not commit a batch (%s); retrying", exc)
-                if self.stopping.is_set():
-                    return
-                time.sleep(1.0)
-
-    def _close(self) -> None:
-        self.consumer.close()
-        self.producer.close(timeout=5)
-
-
-def _key_of(record: Record) -> bytes:
-    if isinstance(record, ScoredGroup):
-        return record.alias.encode()
-    if isinstance(record, HeldoutPrompt):
-        return record.prompt_hash.encode()
-    if isinstance(record, DeadLetter):
-        return record.key()
-    raise TypeError(type(record))
+    async def _deliver(self, outputs: list[Record]) -> bool:
+        """Produce and wait for the broker's acks, then mark their traffic records judged. A
+        batch not acknowledged (stopping during a broker outage) is neither marked nor
+        committed: the next judge must read it again and not skip it."""
+        if not outputs:
+            return True
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(None, self._produce, outputs):
+            return False
+        await self._mark_done(outputs)
+        return True
 
 
 def serve(settings: RatchetSettings) -> None:

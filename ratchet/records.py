@@ -152,6 +152,9 @@ class HeldoutPrompt(Record):
     tools: list[dict[str, Any]] | None = None
     traffic_request_id: str
     api_key_hash: str | None = None  # whose prompt it is, as for ScoredGroup
+    # The served answer's length in tokens (None: unknown, or a record from before this field),
+    # so the gate can size its own max_tokens to the task's answers.
+    served_output_tokens: int | None = None
 
 
 class LifecycleEvent(Record):

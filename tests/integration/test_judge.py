@@ -321,3 +321,80 @@ def test_judge_killed_mid_batch_skips_no_traffic(embedded: Embedded, tmp_path: P
         groups, heldout = outputs_for(embedded, set(sent), timeout_s=400)
     handled = {g.traffic_request_id for g in groups} | {h.traffic_request_id for h in heldout}
     assert handled == set(sent), f"skipped: {set(sent) - handled}"
+
+
+def split(env: Embedded, questions: list[str]) -> tuple[list[str], list[str]]:
+    """(held-out, training) questions under the stack's secret and the tests' fraction 0.3."""
+    held = [
+        q
+        for q in questions
+        if is_heldout(env.secret, prompt_hash([{"role": "user", "content": q}], None), 0.3)
+    ]
+    return held, [q for q in questions if q not in held]
+
+
+def test_heldout_prompts_arrive_while_the_batch_is_still_sampling(
+    embedded: Embedded, tmp_path: Path
+) -> None:
+    """The batch's held-out prompts are produced before its groups are sampled: one group at a
+    time, with answers of up to 64 tokens and RULER, the batch's groups take minutes here; the
+    held-out prompts must not wait for them."""
+    alias = "jt-early"
+    held, train = split(embedded, QUESTIONS)
+    assert held and len(train) >= 4, "pick questions so that both sides are populated"
+    # One batch holds every record of the topic so far, so none of ours waits for another batch.
+    config = judge_config(embedded, tmp_path, alias, concurrency=1, poll_records=1000)
+    settings = yaml.safe_load(config.read_text())
+    settings["aliases"][alias]["sampling"]["max_tokens"] = 64
+    config.write_text(yaml.safe_dump(settings))
+    port = settings["judge"]["metrics_port"]
+    sent = send_traffic(embedded, alias, held + train)  # before the judge: one batch
+    held_ids = {rid for rid, digest in sent.items() if is_heldout(embedded.secret, digest, 0.3)}
+    with running_judge(config, tmp_path / "state"):
+        found = embedded.find_records(
+            HELDOUT_TOPIC,
+            lambda r: isinstance(r, HeldoutPrompt) and r.traffic_request_id in held_ids,
+            count=len(held_ids),
+            timeout_s=180,
+        )
+        groups_then = metric(port, "ratchet_judge_groups_total")
+        prompts = [r for r in found if isinstance(r, HeldoutPrompt)]
+        assert {r.traffic_request_id for r in prompts} == held_ids
+        assert groups_then < len(train), "held-out prompts waited for the batch's sampling"
+        assert all(r.served_output_tokens for r in prompts)
+        groups, _ = outputs_for(embedded, set(sent) - held_ids, timeout_s=600)
+    assert len(groups) == len(train)
+
+
+def test_the_judge_stops_sampling_while_the_learner_has_enough_groups(
+    embedded: Embedded, tmp_path: Path
+) -> None:
+    """A learner whose progress says a round's worth of groups is waiting stops the judge's
+    sampling (counted as backpressure, prompts not marked seen); cleared, the same prompts are
+    sampled when they come again, and the shared produced counter counts them."""
+    import redis
+
+    from ratchet.progress import LearnerProgress, produced_key, progress_key, publish
+
+    alias = "jt-pressure"
+    _, train = split(embedded, QUESTIONS)
+    config = judge_config(embedded, tmp_path, alias, max_pending_rounds=1)
+    settings = yaml.safe_load(config.read_text())
+    settings["aliases"][alias]["learning"]["dedup_window_s"] = 600
+    config.write_text(yaml.safe_dump(settings))
+    port = settings["judge"]["metrics_port"]
+    client = redis.Redis.from_url(embedded.settings.redis_url)
+    publish(client, LearnerProgress(alias=alias, waiting=10_000, batch_groups=32))
+    skipped = f'ratchet_judge_skipped_total{{alias="{alias}",reason="backpressure"}}'
+    with running_judge(config, tmp_path / "state"):
+        refused = send_traffic(embedded, alias, train[:3])
+        wait_until(lambda: metric(port, skipped) >= 3, 180, "three records skipped")
+        assert metric(port, "ratchet_judge_groups_total") == 0
+        assert not client.exists(produced_key(alias))
+
+        client.delete(progress_key(alias))  # the learner caught up (or went away)
+        again = send_traffic(embedded, alias, train[:2])  # the same prompts, not marked seen
+        groups, _ = outputs_for(embedded, set(again), timeout_s=300)
+        assert {g.traffic_request_id for g in groups} == set(again)
+        wait_until(lambda: int(client.get(produced_key(alias)) or 0) == 2, 30, "2 groups counted")
+    assert not set(refused) & {g.traffic_request_id for g in groups}

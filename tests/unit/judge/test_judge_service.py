@@ -14,10 +14,21 @@ from kafka.errors import KafkaTimeoutError
 
 from judge import calibrate as cal
 from judge.metrics import JudgeMetrics
-from judge.sampler import SamplingError, group_seed, parse_group, prompt_of, sampling_body
+from judge.sampler import (
+    LENGTH_WINDOW,
+    SamplingError,
+    auto_max_tokens,
+    client_max_tokens,
+    group_seed,
+    parse_group,
+    prompt_of,
+    sampling_body,
+    sampling_max_tokens,
+)
 from judge.scoring import GroupScorer, ScoringError, cached_verdict
 from judge.service import (
     JudgeService,
+    Ready,
     Skip,
     done_key,
     fraction_of,
@@ -103,6 +114,7 @@ def judge_for(secret: bytes, config: AliasConfig) -> JudgeService:
     )
     service.secret = secret
     service.metrics = JudgeMetrics()
+    service.answer_lengths = {}
     return service
 
 
@@ -115,10 +127,13 @@ def test_a_held_out_prompt_carries_the_servers_request_id_and_the_key() -> None:
         api_key_hash="hmac-sha256:abc",
         request={"messages": messages},
     )
-    [held], marks = asyncio.run(judge_for(SECRET, config)._handle(None, record))  # type: ignore[arg-type]
+    ready = asyncio.run(judge_for(SECRET, config).classify(polled(record.to_json())))
+    assert isinstance(ready, Ready)
+    held = ready.record
     assert isinstance(held, HeldoutPrompt)
     assert held.traffic_request_id == "3f2a" * 8 and held.api_key_hash == "hmac-sha256:abc"
-    assert held.prompt_hash == prompt_hash(messages) and marks
+    assert held.prompt_hash == prompt_hash(messages) and ready.seen
+    assert held.served_output_tokens == record.output_tokens
 
 
 def traffic(**overrides: Any) -> TrafficRecord:
@@ -194,6 +209,46 @@ def test_a_seeded_group_is_seeded_by_prompt_and_version() -> None:
     assert seed not in others and len(others) == 3
     # vLLM seeds a group's k-th answer with seed + k: room under 2**31 for any group.
     assert all(0 <= s < 2**30 for s in (seed, *others))
+
+
+@pytest.mark.parametrize(
+    ("lengths", "client_cap", "cap", "expected"),
+    [
+        ([], None, 1024, 1024),  # nothing served yet: the cap
+        ([], 100, 1024, 100),  # ...or what the client allowed
+        ([10] * 18 + [40] * 2, None, 1024, 64),  # p95 = 40 -> 50 -> rounded up to 64
+        (list(range(1, 101)), None, 1024, 128),  # p95 = 95 -> 118.75 -> 128
+        ([3, 4, 5], None, 1024, 16),  # at least 16
+        ([300] * 10, 200, 1024, 200),  # never above the client's own max_tokens
+        ([900] * 10, None, 1024, 1024),  # never above the cap
+    ],
+)
+def test_automatic_max_tokens_follows_the_served_answers(
+    lengths: list[int], client_cap: int | None, cap: int, expected: int
+) -> None:
+    assert auto_max_tokens(lengths, client_cap, cap) == expected
+
+
+def test_max_tokens_reads_the_clients_cap_and_an_explicit_setting_wins() -> None:
+    assert client_max_tokens({"max_tokens": 300, "max_completion_tokens": 120}) == 120
+    assert client_max_tokens({"max_tokens": True}) is None and client_max_tokens({}) is None
+    window = [40] * 20
+    assert sampling_max_tokens(SamplingConfig(), {"max_tokens": 32}, window) == 32
+    assert sampling_max_tokens(SamplingConfig(), {}, window) == 64
+    assert sampling_max_tokens(SamplingConfig(max_tokens_cap=48), {}, window) == 48
+    assert sampling_max_tokens(SamplingConfig(max_tokens=256), {"max_tokens": 32}, window) == 256
+    body = sampling_body("m", PROMPT, {}, 4, SamplingConfig(), None, 64)
+    assert body["max_tokens"] == 64 and body["n"] == 4  # one request shares the prompt
+
+
+def test_the_judge_keeps_a_bounded_window_of_served_lengths_per_alias() -> None:
+    config = AliasConfig(learning={"heldout_fraction": 0.0, "dedup_window_s": 0})
+    service = judge_for(SECRET, config)
+    for i in range(LENGTH_WINDOW + 10):
+        record = traffic(request_id=f"r{i}", output_tokens=i + 1)
+        asyncio.run(service.classify(polled(record.to_json())))
+    window = service._lengths("support")
+    assert len(window) == LENGTH_WINDOW and window[-1] == LENGTH_WINDOW + 10
 
 
 def vllm_choice(index: int, ids: list[int], content: str | None = "x") -> dict[str, Any]:
@@ -401,11 +456,11 @@ def test_a_record_another_replica_judged_is_skipped(redis_url: str) -> None:
     record = traffic(request={"messages": held_out_request(first.secret, 0.5)})
 
     async def both() -> None:
-        outputs, _ = await first._handle(None, record)  # type: ignore[arg-type]
-        assert [type(r) for r in outputs] == [HeldoutPrompt]
-        await first._mark_done(outputs)
+        ready = await first.classify(polled(record.to_json()))
+        assert isinstance(ready, Ready) and isinstance(ready.record, HeldoutPrompt)
+        await first._mark_done([ready.record])
         with pytest.raises(Skip) as skipped:
-            await second._handle(None, record)  # type: ignore[arg-type]
+            await second._classify(record, polled(record.to_json()))
         assert skipped.value.reason == "already_judged"
         assert await second.redis.ttl(done_key(record.request_id)) > 0
         await first.redis.aclose()
@@ -471,14 +526,10 @@ def polled(value: bytes) -> SimpleNamespace:
 )
 def test_a_poison_record_is_dead_lettered_and_counted(value: bytes, reason: str) -> None:
     service = judge_for(SECRET, AliasConfig(learning={"heldout_fraction": 0.0}))
-    service.limit = asyncio.Semaphore(1)
-
-    async def handle() -> tuple[list[Any], list[Any]]:
-        return await service.handle(None, polled(value))  # type: ignore[arg-type]
-
-    records, seen = asyncio.run(handle())
-    [letter] = records
-    assert isinstance(letter, DeadLetter) and seen == []
+    ready = asyncio.run(service.classify(polled(value)))
+    assert isinstance(ready, Ready) and ready.seen is None
+    letter = ready.record
+    assert isinstance(letter, DeadLetter)
     assert (letter.reason, letter.source_topic, letter.offset) == (reason, TRAFFIC_TOPIC, 7)
     assert letter.value.encode() == value and letter.consumer == "ratchet-judge"
     alias = "support" if reason == "handler_error" else "-"
@@ -490,10 +541,8 @@ def test_a_poison_record_is_dead_lettered_and_counted(value: bytes, reason: str)
 
 def test_a_record_of_another_schema_is_skipped_not_dead_lettered() -> None:
     service = judge_for(SECRET, AliasConfig())
-    service.limit = asyncio.Semaphore(1)
     value = b'{"schema": "traffic/2", "alias": "support"}'
-    records, _ = asyncio.run(service.handle(None, polled(value)))  # type: ignore[arg-type]
-    assert records == []
+    assert asyncio.run(service.classify(polled(value))) is None
 
 
 @pytest.mark.parametrize(

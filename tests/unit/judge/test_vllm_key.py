@@ -7,15 +7,16 @@ real vLLM requires it is for the integration tests."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 import pytest
 
 from judge.sampler import SamplingError, sample_group
-from judge.service import JudgeService
+from judge.service import JudgeService, ToSample
 from ratchet.dev.processes import free_port
-from ratchet.records import ScoredGroup, TrafficRecord
+from ratchet.records import TRAFFIC_TOPIC, ScoredGroup, TrafficRecord
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import AliasConfig, RatchetSettings
 from tests.records import build_traffic_record
@@ -65,10 +66,14 @@ def judge_service(vllm_url: str, **judge: Any) -> JudgeService:
 
 
 async def handle(service: JudgeService) -> list[Any]:
+    record = traffic()
+    message = SimpleNamespace(topic=TRAFFIC_TOPIC, partition=0, offset=0, value=record.to_json())
     async with aiohttp.ClientSession() as session:
-        records, _ = await service._handle(session, traffic())
+        work = await service.classify(message)
+        assert isinstance(work, ToSample)
+        group = await service.group_for(session, work)
     await service.redis.aclose()
-    return records
+    return [group]
 
 
 def test_the_judge_samples_and_judges_with_vllms_key() -> None:

@@ -1,0 +1,278 @@
+"""One batch through the judge, against a real Redis, with Kafka and vLLM replaced: held-out
+prompts are delivered before any sampling ends, backpressure skips (and counts) without marking
+a prompt seen, and the shared produced counter moves by the groups Kafka acknowledged."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import redis
+
+from judge.backpressure import Backpressure
+from judge.sampler import SamplingError
+from judge.service import JudgeService, ToSample, is_heldout
+from ratchet.progress import LearnerProgress, produced_key, progress_key, publish
+from ratchet.records import TRAFFIC_TOPIC, HeldoutPrompt, Record, ScoredGroup, prompt_hash
+from ratchet.settings import AliasConfig, JudgeSettings, LearnerSettings, RatchetSettings
+from tests.records import build_traffic_record
+
+SECRET = "a-test-secret"
+ALIAS = "support"
+
+
+def service_for(redis_url: str, **judge: Any) -> JudgeService:
+    config = AliasConfig(learning={"heldout_fraction": 0.5, "dedup_window_s": 600})
+    settings = RatchetSettings(
+        redis_url=redis_url,
+        secret=SECRET,
+        aliases={ALIAS: config},
+        judge=JudgeSettings(**judge),
+        learner=LearnerSettings(batch_groups=4),
+    )
+    return JudgeService(settings)
+
+
+def prompts(service: JudgeService, heldout: bool, count: int) -> list[list[dict[str, str]]]:
+    """``count`` prompts on the given side of the split under the service's secret."""
+    found = []
+    for i in range(10_000):
+        messages = [{"role": "user", "content": f"q{i}"}]
+        if is_heldout(service.secret, prompt_hash(messages), 0.5) == heldout:
+            found.append(messages)
+            if len(found) == count:
+                return found
+    raise AssertionError("not enough prompts")
+
+
+def message(request_id: str, messages: list[dict[str, str]], output_tokens: int = 20) -> Any:
+    record = build_traffic_record(
+        request_id=request_id,
+        request={"messages": messages},
+        input_tokens=10,
+        output_tokens=output_tokens,
+    )
+    return SimpleNamespace(topic=TRAFFIC_TOPIC, partition=0, offset=1, value=record.to_json())
+
+
+def group_of(work: ToSample) -> ScoredGroup:
+    return ScoredGroup(
+        group_id=work.record.request_id,
+        alias=work.record.alias,
+        version=0,
+        response_model="m",
+        prompt_messages=work.prompt,
+        prompt_token_ids=[1],
+        samples=[],
+        rewards=[],
+        traffic_request_id=work.record.request_id,
+    )
+
+
+class FakeKafka:
+    """Records what the judge produced (in order) and whether it committed."""
+
+    def __init__(self, service: JudgeService, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.produced: list[list[Record]] = []
+        self.commits = 0
+        self.on_produce: Callable[[list[Record]], None] = lambda outputs: None
+        monkeypatch.setattr(service, "_produce", self._produce)
+        monkeypatch.setattr(service, "_commit", self._commit)
+
+    def _produce(self, outputs: list[Record]) -> bool:
+        self.produced.append(outputs)
+        self.on_produce(outputs)
+        return True
+
+    def _commit(self) -> None:
+        self.commits += 1
+
+
+def run_batch(
+    service: JudgeService,
+    batch: list[Any],
+    sampler: Callable[[Any, ToSample], Awaitable[ScoredGroup]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> bool:
+    monkeypatch.setattr(service, "_sample_and_score", sampler)
+
+    async def go() -> bool:
+        try:
+            return await asyncio.wait_for(service.judge_batch(None, batch), 20)  # type: ignore[arg-type]
+        finally:
+            await service.redis.aclose()
+
+    return asyncio.run(go())
+
+
+def skipped(service: JudgeService, reason: str) -> float:
+    value = service.metrics.registry.get_sample_value(
+        "ratchet_judge_skipped_total", {"alias": ALIAS, "reason": reason}
+    )
+    return value or 0.0
+
+
+def test_held_out_prompts_are_delivered_before_sampling_ends(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sampler that cannot finish until the held-out prompt has been produced: the batch only
+    completes if held-out prompts do not wait for the batch's sampling."""
+    service = service_for(redis_url)
+    kafka = FakeKafka(service, monkeypatch)
+    [held] = prompts(service, True, 1)
+    train = prompts(service, False, 2)
+    delivered = threading.Event()
+
+    def on_produce(outputs: list[Record]) -> None:
+        if any(isinstance(r, HeldoutPrompt) for r in outputs):
+            delivered.set()
+
+    async def slow_sampler(session: Any, work: ToSample) -> ScoredGroup:
+        # Sampling does not end before the held-out prompt is produced (a sampler that would
+        # wait for it forever under the old order fails here after 10 s).
+        assert await asyncio.to_thread(delivered.wait, 10), "held-out prompt waited on sampling"
+        return group_of(work)
+
+    kafka.on_produce = on_produce
+    batch = [
+        message("t0", train[0]),
+        message("h0", held, output_tokens=37),
+        message("t1", train[1]),
+    ]
+    assert run_batch(service, batch, slow_sampler, monkeypatch)
+
+    first, second = kafka.produced
+    [held_out] = first
+    assert isinstance(held_out, HeldoutPrompt) and held_out.served_output_tokens == 37
+    assert sorted(r.traffic_request_id for r in second if isinstance(r, ScoredGroup)) == [
+        "t0",
+        "t1",
+    ]
+    assert kafka.commits == 1
+    client = redis.Redis.from_url(redis_url)
+    # Held-out and sampled prompts alike are marked seen once delivered.
+    for messages in (held, *train):
+        assert client.exists(f"ratchet:judge:seen:{ALIAS}:{prompt_hash(messages)}")
+
+
+def publish_progress(redis_url: str, **fields: Any) -> None:
+    publish(redis.Redis.from_url(redis_url), LearnerProgress(alias=ALIAS, **fields))
+
+
+async def never_called(session: Any, work: ToSample) -> ScoredGroup:
+    raise AssertionError("sampled despite backpressure")
+
+
+@pytest.mark.parametrize(
+    ("progress", "judge", "reason"),
+    [
+        # 2 rounds x 4 groups pending: the bound (max_pending_rounds 2 x batch_groups 4) is met.
+        ({"waiting": 8, "batch_groups": 4}, {}, "backpressure"),
+        ({"phase": "train"}, {"pause_while_training": True}, "learner_training"),
+    ],
+)
+def test_backpressure_skips_counts_and_does_not_mark_seen(
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    progress: dict[str, Any],
+    judge: dict[str, Any],
+    reason: str,
+) -> None:
+    service = service_for(redis_url, **judge)
+    kafka = FakeKafka(service, monkeypatch)
+    publish_progress(redis_url, **progress)
+    [train] = prompts(service, False, 1)
+    assert run_batch(service, [message("t0", train)], never_called, monkeypatch)
+
+    assert skipped(service, reason) == 1.0
+    assert kafka.produced == [[]] or kafka.produced == []
+    assert kafka.commits == 1  # the record is passed over: its offset is committed
+    client = redis.Redis.from_url(redis_url)
+    assert not client.exists(f"ratchet:judge:seen:{ALIAS}:{prompt_hash(train)}")
+    assert not client.exists("ratchet:judge:done:t0")
+
+
+def test_the_produced_counter_moves_by_the_acknowledged_groups(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = service_for(redis_url)
+    FakeKafka(service, monkeypatch)
+    client = redis.Redis.from_url(redis_url)
+    client.set(produced_key(ALIAS), 5)  # other judges' groups
+    train = prompts(service, False, 3)
+
+    async def sampler(session: Any, work: ToSample) -> ScoredGroup:
+        if work.record.request_id == "t2":
+            raise SamplingError("vllm_unavailable", "down")
+        return group_of(work)
+
+    batch = [message(f"t{i}", p) for i, p in enumerate(train)]
+    assert run_batch(service, batch, sampler, monkeypatch)
+    assert int(client.get(produced_key(ALIAS)) or 0) == 5 + 2  # the failed group is not counted
+    assert service.backpressure.cleared[ALIAS] == 0
+
+
+def test_groups_never_acknowledged_are_not_counted(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = service_for(redis_url)
+    kafka = FakeKafka(service, monkeypatch)
+    monkeypatch.setattr(service, "_produce", lambda outputs: False)  # stopped, broker away
+    [train] = prompts(service, False, 1)
+
+    async def sampler(session: Any, work: ToSample) -> ScoredGroup:
+        return group_of(work)
+
+    assert not run_batch(service, [message("t0", train)], sampler, monkeypatch)
+    assert not redis.Redis.from_url(redis_url).exists(produced_key(ALIAS))
+    assert kafka.commits == 0
+
+
+# ---- the decision's inputs, cached ---------------------------------------------------------------
+def test_backpressure_reads_redis_at_most_once_a_second_and_counts_its_own_groups(
+    redis_url: str,
+) -> None:
+    now = [100.0]
+    client = redis.Redis.from_url(redis_url)
+    publish(client, LearnerProgress(alias=ALIAS, waiting=1))
+
+    async def go() -> list[tuple[bool, int]]:
+        import redis.asyncio as aioredis
+
+        async_client = aioredis.Redis.from_url(redis_url)
+        gate = Backpressure(
+            async_client, max_pending=3, pause_while_training=False, clock=lambda: now[0]
+        )
+        seen = []
+        for _ in range(3):  # 1 waiting + 2 cleared here = 3: the third is refused
+            decision = await gate.clear(ALIAS)
+            seen.append((decision.sample, decision.pending))
+        client.delete(progress_key(ALIAS))  # the learner's hash expired...
+        seen.append(((await gate.clear(ALIAS)).sample, -1))  # ...but the cache holds a second
+        now[0] += 1.5
+        seen.append(((await gate.clear(ALIAS)).sample, -1))  # no live learner: sample
+        await async_client.aclose()
+        return seen
+
+    assert asyncio.run(go()) == [(True, 1), (True, 2), (False, 3), (False, -1), (True, -1)]
+
+
+def test_without_redis_the_judge_samples() -> None:
+    import redis.asyncio as aioredis
+
+    from ratchet.dev.processes import free_port
+
+    async def go() -> bool:
+        client = aioredis.Redis.from_url(
+            f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=1
+        )
+        gate = Backpressure(client, max_pending=1, pause_while_training=True)
+        sample = (await gate.clear(ALIAS)).sample
+        await client.aclose()
+        return sample
+
+    assert asyncio.run(go())
