@@ -8,7 +8,6 @@ behaviour log-probabilities, so the learner never re-tokenises anything.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from ratchet.answer_length import auto_max_tokens
 from ratchet.records import Sample
 from ratchet.settings import SamplingConfig
 
@@ -64,24 +64,6 @@ def client_max_tokens(request: dict[str, Any]) -> int | None:
         if isinstance(value := request.get(key), int) and not isinstance(value, bool) and value > 0
     ]
     return min(caps) if caps else None
-
-
-def auto_max_tokens(lengths: Sequence[int], client_cap: int | None, cap: int) -> int:
-    """Sampling's max_tokens drawn from the alias's own served answers (``lengths``, in tokens).
-
-    A group should hold answers as long as the ones the alias serves, no longer: a constant 256
-    made a short-answer task sample 4x the tokens it needed, and decode time is most of a group's
-    cost. So: 1.25 x the 95th percentile of the window (room for a longer answer to be the better
-    one), rounded up to a multiple of 16, at least 16; never more than the client itself allowed
-    for this request, nor than ``cap`` (``sampling.max_tokens_cap``). Without any served length
-    yet, the most those two bounds allow."""
-    limit = cap if client_cap is None else min(cap, client_cap)
-    if not lengths:
-        return limit
-    ordered = sorted(lengths)
-    p95 = ordered[math.ceil(0.95 * len(ordered)) - 1]  # nearest rank
-    wanted = max(16, math.ceil(1.25 * p95 / 16) * 16)
-    return min(limit, wanted)
 
 
 def sampling_max_tokens(

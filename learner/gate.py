@@ -29,6 +29,7 @@ import aiohttp
 import numpy as np
 import orjson
 
+from ratchet.answer_length import auto_max_tokens
 from ratchet.records import HeldoutPrompt
 from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, judge_scores
 from ratchet.rewards.ruler import JudgeRequest, build_judge_request
@@ -96,6 +97,17 @@ def bootstrap_interval(
     tail = (1.0 - level) / 2.0
     low, high = np.quantile(means, [tail, 1.0 - tail])
     return float(low), float(high)
+
+
+def answer_max_tokens(config: AliasConfig, prompts: list[HeldoutPrompt]) -> int:
+    """The gate's max_tokens: ``gate.max_tokens``, else ``sampling.max_tokens``, else drawn
+    from the served answer lengths of the prompts drawn, as the judge draws a group's."""
+    if config.gate.max_tokens is not None:
+        return config.gate.max_tokens
+    if config.sampling.max_tokens is not None:
+        return config.sampling.max_tokens
+    served = [p.served_output_tokens for p in prompts if p.served_output_tokens is not None]
+    return auto_max_tokens(served, None, config.sampling.max_tokens_cap)
 
 
 def sequential_test(gate: GateConfig, drawn: int) -> SequentialTest:
@@ -233,6 +245,8 @@ class Gate:
         # on, and the learner runs each round's gate in a new one (asyncio.run).
         self.limit = asyncio.Semaphore(self.settings.learner.gate_concurrency)
         wave = self.settings.learner.gate_concurrency
+        gate = config.gate.model_copy(update={"max_tokens": answer_max_tokens(config, prompts)})
+        config = config.model_copy(update={"gate": gate})
         test = sequential_test(config.gate, len(prompts))
         failed, cand_scores, inc_scores = 0, [], []
         timeout = aiohttp.ClientTimeout(total=self.settings.learner.gate_timeout_s)

@@ -100,10 +100,10 @@ class SamplingConfig(_Section):
 
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    # None: drawn from the alias's own served answer lengths (judge/sampler.py auto_max_tokens),
+    # None: drawn from the alias's own served answer lengths (ratchet/answer_length.py),
     # so a short-answer task does not sample 4x the tokens it needs. A number wins over that.
     max_tokens: int | None = Field(default=None, ge=1)
-    # The most the automatic max_tokens may be, whatever the served answers' lengths.
+    # The most the automatic max_tokens (of groups and of the gate's answers) may be.
     max_tokens_cap: int = Field(default=1024, ge=16)
     # Set: each group is sampled with a vLLM seed mixed from this, the prompt and the live
     # version, so a prompt sampled again gives the same group (replayable runs). None: unseeded.
@@ -130,7 +130,9 @@ class GateConfig(_Section):
     alpha: float = Field(default=0.05, gt=0.0, lt=0.5)
     # 0 = greedy: both versions answer each prompt deterministically.
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-    max_tokens: int = Field(default=256, ge=1)
+    # None: from the served answer lengths of the prompts drawn (as sampling.max_tokens), so the
+    # pairs are cut where the groups the candidate trained on were.
+    max_tokens: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _pairs_fit(self) -> GateConfig:

@@ -17,7 +17,6 @@ from judge.metrics import JudgeMetrics
 from judge.sampler import (
     LENGTH_WINDOW,
     SamplingError,
-    auto_max_tokens,
     client_max_tokens,
     group_seed,
     parse_group,
@@ -35,6 +34,7 @@ from judge.service import (
     group_id_of,
     is_heldout,
 )
+from ratchet.answer_length import auto_max_tokens
 from ratchet.dev.processes import free_port
 from ratchet.records import TRAFFIC_TOPIC, DeadLetter, HeldoutPrompt, TrafficRecord, prompt_hash
 from ratchet.registry import AliasRoute, RegistryWriter, alias_key

@@ -28,6 +28,7 @@ from aiohttp import web
 from learner.gate import (
     Gate,
     GateError,
+    answer_max_tokens,
     decide,
     pairwise_outcome,
     verifier_outcome,
@@ -423,3 +424,24 @@ def test_judge_once_reads_scores_back_in_the_callers_order(
     monkeypatch.setattr(litellm, "acompletion", acompletion)
     assert judge_pair((CANDIDATE, INCUMBENT)) == 0.5
     assert judge_pair((INCUMBENT, CANDIDATE)) == 0.5
+
+
+def test_the_gate_cuts_answers_where_the_alias_served_them() -> None:
+    def held(tokens: int | None) -> HeldoutPrompt:
+        return HeldoutPrompt(
+            prompt_hash=f"h{tokens}",
+            alias="a",
+            prompt_messages=[{"role": "user", "content": "x"}],
+            traffic_request_id="r",
+            served_output_tokens=tokens,
+        )
+
+    prompts = [held(n) for n in (10, 20, 40, None)]
+    # 1.25 x the 95th percentile of the served lengths (40), rounded up to 16s: 64
+    assert answer_max_tokens(AliasConfig(), prompts) == 64
+    # none known: the cap, as the judge samples a new alias's first groups
+    assert answer_max_tokens(AliasConfig(), [held(None)]) == 1024
+    # an explicit sampling.max_tokens, then gate.max_tokens, win
+    assert answer_max_tokens(AliasConfig(sampling={"max_tokens": 48}), prompts) == 48
+    config = AliasConfig(sampling={"max_tokens": 48}, gate={"max_tokens": 32})
+    assert answer_max_tokens(config, prompts) == 32
