@@ -107,7 +107,8 @@ SHIPPED = Config(
     k=SHIPPED_DEMO.learning.group_size,
     groups=SHIPPED_LEARNER.batch_groups,
     steps=SHIPPED_LEARNER.steps_per_round,
-    max_tokens=SHIPPED_DEMO.sampling.max_tokens,
+    # Automatic by default (the served answers' lengths); demo answers are under 64 tokens.
+    max_tokens=SHIPPED_DEMO.sampling.max_tokens or 64,
     temperature=SHIPPED_DEMO.sampling.temperature,
     scale_rewards=SHIPPED_LEARNER.scale_rewards,
     reward="shipped",

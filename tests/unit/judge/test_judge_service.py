@@ -190,7 +190,7 @@ def test_sampling_body_asks_for_token_ids_and_logprobs_and_keeps_tools() -> None
     assert body["logprobs"] is True and body["return_token_ids"] is True
     assert body["tools"] == request["tools"] and body["tool_choice"] == "auto"
     # The alias's sampling settings, not the client's, decide how the group is drawn.
-    assert body["temperature"] == 1.0
+    assert body["temperature"] == SamplingConfig().temperature
 
 
 def test_a_seeded_group_is_seeded_by_prompt_and_version() -> None:

@@ -269,15 +269,16 @@ def test_a_round_publishes_each_phase_in_order_then_idle(
         "train", "write", "gate", "settle", "idle",
     ]  # fmt: skip
     train = [p for p in reported if p.phase == "train"]
-    # steps_per_round (4) until the trainer says how many steps it planned (2 here)
-    assert [(p.step, p.steps) for p in train] == [(0, 4), (1, 2), (2, 2)]
+    # steps_per_round until the trainer says how many steps it planned (2 here)
+    planned, batch = rounds.settings.learner.steps_per_round, rounds.settings.learner.batch_groups
+    assert [(p.step, p.steps) for p in train] == [(0, planned), (1, 2), (2, 2)]
     assert train[-1].detail == "round 1: step 2/2 loss 0.2500, reward 0.250, 20.0 tokens/s"
     assert all(p.version == 0 for p in train)  # trains from the live version...
     gate = next(p for p in reported if p.phase == "gate")
     assert (gate.version, gate.step, gate.steps) == (1, 0, 2)  # ...then is the candidate's
     answered = [p for p in reported if p.phase == "gate"][-1]  # the gate's per-wave callback
     assert answered.step == 1 and answered.detail == "win rate 1.000 after 1 of 2 pairs"
-    assert all(p.waiting == 5 and p.batch_groups == 16 and p.heldout == 3 for p in reported[:-1])
+    assert all(p.waiting == 5 and p.batch_groups == batch and p.heldout == 3 for p in reported[:-1])
     # Every phase reached Redis when it began (steps within one phase may be throttled).
     for progress, held in zip(reported, stored, strict=True):
         if progress.phase != "train" or progress.step == 0:

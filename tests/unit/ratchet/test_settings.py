@@ -49,7 +49,7 @@ def test_defaults(tmp_path: Path) -> None:
     assert support.base_model == DEFAULT_BASE_MODEL
     assert support.reward.kind == "ruler"
     assert support.reward.verifier is None
-    assert support.learning.group_size == 4
+    assert support.learning.group_size == 6
     assert support.gate.min_pairs == 32
     assert support.canary.weight == pytest.approx(0.1)
     assert s.kafka.security_protocol == "PLAINTEXT"
@@ -59,6 +59,19 @@ def test_defaults(tmp_path: Path) -> None:
     assert s.store_dir == home / "adapters"
     assert s.state_dir == home / "state"
     assert s.spool_dir == home / "state" / "spool"
+
+
+def test_the_packaged_config_tunes_nothing_per_task() -> None:
+    """`ratchet up`'s ratchet.yaml leaves learning to the defaults: a user who starts from it and
+    one who starts from an empty file get the same loop, and the demo gets what a new task gets."""
+    import yaml
+
+    from ratchet.dev.config import default_config_text
+
+    packaged = yaml.safe_load(default_config_text())
+    assert "learner" not in packaged
+    for name, alias in packaged["aliases"].items():
+        assert set(alias) <= {"reward"}, name
 
 
 def test_explicit_dirs_are_not_derived(tmp_path: Path) -> None:

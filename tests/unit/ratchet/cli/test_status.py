@@ -9,7 +9,7 @@ import redis
 from typer.testing import CliRunner
 
 import ratchet.cli  # noqa: F401  (registers the commands on the app)
-from ratchet.cli.app import app
+from ratchet.cli.app import app, console
 from ratchet.progress import LearnerProgress, publish
 
 
@@ -23,7 +23,9 @@ def configured(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> redis.Redis:
     return redis.Redis.from_url(redis_url)
 
 
-def test_status_shows_each_aliases_learner_progress(configured: redis.Redis) -> None:
+def test_status_shows_each_aliases_learner_progress(
+    configured: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
     progress = LearnerProgress(
         "support",
         phase="train",
@@ -34,7 +36,9 @@ def test_status_shows_each_aliases_learner_progress(configured: redis.Redis) -> 
         round_started_at=1.0,
     )
     publish(configured, progress)
-    result = CliRunner().invoke(app, ["status"], env={"COLUMNS": "400"})
+    # The console's width was fixed when it was made (at import): widen it, or rich wraps cells.
+    monkeypatch.setattr(console, "width", 400)
+    result = CliRunner().invoke(app, ["status"])
     assert result.exit_code == 0, result.output
     [support] = [line for line in result.output.splitlines() if "support" in line]
     assert "round v2, train 3/4" in support
