@@ -63,6 +63,7 @@ from ratchet.settings import RatchetSettings, default_home, load_settings
 from ratchet.tasks import TASKS, Task, get_task
 
 BASE = "smollm2-135m-instruct"
+BOOTSTRAP_SAMPLES = 2000  # resamples of the lift's interval
 
 
 # --- the config ------------------------------------------------------------------------------
@@ -155,14 +156,17 @@ def lift(candidate: list[float], base: list[float], samples: int) -> dict[str, f
 
 
 def score(
-    settings: RatchetSettings, task: Task, served: str, prompts: list[dict[str, Any]]
+    settings: RatchetSettings,
+    task: Task,
+    served: str,
+    prompts: list[dict[str, Any]],
+    max_tokens: int,
 ) -> list[float]:
-    gate = settings.aliases[task.name].gate
     make = evaluate(
         settings.vllm_url,
         served,
         prompts,
-        gate.max_tokens,
+        max_tokens,
         vllm_headers(settings),
         task.reward(),
         None,
@@ -203,7 +207,9 @@ def run_task(task: Task, args: argparse.Namespace, console: Console) -> dict[str
             watcher.watch.peak_rss = max(watcher.watch.peak_rss, peak)
             for name in ("proxy", "judge", "learner"):  # the evaluation has vLLM to itself
                 stack.stop_part(name)
-            return report(settings, task, watcher.watch, held, counts, console)
+            return report(
+                settings, task, watcher.watch, held, counts, console, args.traffic_max_tokens
+            )
         finally:
             stack.stop()
 
@@ -278,6 +284,7 @@ def report(
     held: list[dict[str, Any]],
     counts: dict[str, int],
     console: Console,
+    max_tokens: int,
 ) -> dict[str, Any]:
     minutes = (watch.timeline[-1]["t"] if watch.timeline else 0.0) / 60
     candidates = [
@@ -285,7 +292,8 @@ def report(
     ]
     version = watch.promoted or (candidates[-1] if candidates else None)
     console.print(f"scoring base{f' and v{version}' if version else ''} on {len(held)} prompts ...")
-    base = score(settings, task, BASE, held)
+    # Cut where the traffic's answers were: base and promoted alike.
+    base = score(settings, task, BASE, held, max_tokens)
     result: dict[str, Any] = {
         "task": task.name,
         "verifier": task.verifier,
@@ -319,10 +327,9 @@ def report(
         "events": watch.events,
     }
     if version:
-        promoted = score(settings, task, f"{task.name}@v{version}", held)
-        gate = settings.aliases[task.name].gate
+        promoted = score(settings, task, f"{task.name}@v{version}", held, max_tokens)
         result |= {"promoted_score": statistics.fmean(promoted)}
-        result |= lift(promoted, base, gate.bootstrap_samples)
+        result |= lift(promoted, base, BOOTSTRAP_SAMPLES)
     return result
 
 
