@@ -337,7 +337,9 @@ def test_gate_rejects_worse_promotes_better_and_rollback_restores(
         worse = reject["version"]
         gate = next(e for e in history(settings, alias) if e["kind"] == "gate")["detail"]
         assert not gate["passed"] and gate["win_rate"] <= 0.5, gate
-        assert gate["pairs"] == len(HELDOUT)
+        # The sequential gate stops once a pass is out of reach: a worse candidate costs fewer
+        # pairs than were drawn.
+        assert gate["pairs"] == len(HELDOUT) or (gate["stopped_early"] and gate["pairs"] >= 1)
         assert gate["candidate_score"] <= gate["incumbent_score"], gate
         assert store.is_rejected(alias, worse)
         # The rejected version is never served, though vLLM could serve it.
