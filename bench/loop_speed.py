@@ -64,6 +64,7 @@ from ratchet.tasks import TASKS, Task, get_task
 
 BASE = "smollm2-135m-instruct"
 BOOTSTRAP_SAMPLES = 2000  # resamples of the lift's interval
+PASSED = ("canary", "promote")  # lifecycle events of a candidate that passed its gate
 
 
 # --- the config ------------------------------------------------------------------------------
@@ -301,6 +302,10 @@ def report(
         "minutes_to_first_promotion": (
             round(watch.first_promotion_s / 60, 2) if watch.first_promotion_s is not None else None
         ),
+        # the first candidate through the gate (its canary start, or its promotion at weight 0)
+        "minutes_to_first_gate_pass": next(
+            (round(e["bench_s"] / 60, 2) for e in watch.events if e["kind"] in PASSED), None
+        ),
         "evaluated_version": version,
         "evaluated_is_promoted": watch.promoted is not None,
         "eval_prompts": len(held),
@@ -343,7 +348,7 @@ def _fmt(value: Any, spec: str = ".2f", none: str = "-") -> str:
 def print_table(console: Console, results: list[dict[str, Any]], minutes: float) -> None:
     table = Table(title=f"The loop with its defaults, {minutes:g} minutes of traffic per task")
     for column in (
-        "task", "first promotion (min)", "base", "promoted", "lift [95% CI]", "rounds (rejected)",
+        "task", "gate pass (min)", "first promotion (min)", "base", "promoted", "lift [95% CI]", "rounds (rejected)",
         "judge groups/min", "zero-spread groups", "learner tok/s", "learner peak RSS",
     ):  # fmt: skip
         table.add_column(column, justify="left" if column == "task" else "right")
@@ -358,6 +363,7 @@ def print_table(console: Console, results: list[dict[str, Any]], minutes: float)
         )
         table.add_row(
             r["task"],
+            _fmt(r["minutes_to_first_gate_pass"], ".1f"),
             _fmt(r["minutes_to_first_promotion"], ".1f", f"none in {r['minutes_run']:.1f}"),
             _fmt(r["base_score"], ".3f"),
             cand,
