@@ -348,8 +348,9 @@ def _fmt(value: Any, spec: str = ".2f", none: str = "-") -> str:
 def print_table(console: Console, results: list[dict[str, Any]], minutes: float) -> None:
     table = Table(title=f"The loop with its defaults, {minutes:g} minutes of traffic per task")
     for column in (
-        "task", "gate pass (min)", "first promotion (min)", "base", "promoted", "lift [95% CI]", "rounds (rejected)",
-        "judge groups/min", "zero-spread groups", "learner tok/s", "learner peak RSS",
+        "task", "gate pass (min)", "first promotion (min)", "base", "promoted", "lift [95% CI]",
+        "rounds (rejected)", "judge groups/min", "zero-spread groups", "learner tok/s",
+        "learner peak RSS",
     ):  # fmt: skip
         table.add_column(column, justify="left" if column == "task" else "right")
     for r in results:
