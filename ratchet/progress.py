@@ -150,4 +150,8 @@ def sampling_decision(
         return SamplingDecision(False, "learner_training", pending)
     if max_pending and pending >= max_pending:
         return SamplingDecision(False, "backpressure", pending)
+    if progress.phase == "waiting_heldout" and pending >= progress.batch_groups > 0:
+        # A round's groups are in and it waits for held-out prompts, which only traffic brings:
+        # more groups would not start it sooner, and would take vLLM from that traffic.
+        return SamplingDecision(False, "backpressure", pending)
     return SamplingDecision(True, "", pending)
