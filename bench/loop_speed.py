@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.demo_learning import evaluate, vllm_headers
 from bench.loop_watch import Watch, Watcher, proc_memory
 from learner.gate import bootstrap_interval
+from ratchet.dev.config import default_config_text
 from ratchet.dev.model import prepare_model
 from ratchet.dev.processes import Stack, free_port
 from ratchet.dev.stack import create_topics, embedded_stack
@@ -84,13 +85,15 @@ def parse_sets(items: list[str]) -> list[tuple[list[str], Any]]:
 def loop_config(home: Path, task: Task, sets: list[tuple[list[str], Any]]) -> Path:
     """The task's alias with only its verifier; the rest is what the stack needs to run in
     ``home`` on free ports. Checked by loading it, so a bad ``--set`` fails before any start."""
+    # The embedded stack's own deployment settings (what `ratchet up` writes), not its aliases.
+    packaged = yaml.safe_load(default_config_text())
     config: dict[str, Any] = {
         "home": str(home),
         "kafka_bootstrap_servers": f"127.0.0.1:{free_port()}",
         "redis_url": f"redis://127.0.0.1:{free_port()}/0",
         "vllm_url": f"http://127.0.0.1:{free_port()}",
         "proxy": {"host": "127.0.0.1", "port": free_port()},
-        "judge": {"metrics_port": free_port()},
+        "judge": {**packaged.get("judge", {}), "metrics_port": free_port()},
         "learner": {"metrics_port": free_port()},
         "aliases": {task.name: {"reward": {"kind": "verifier", "verifier": task.verifier}}},
     }
