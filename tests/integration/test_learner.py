@@ -220,6 +220,10 @@ def learner_config(
                 "min_pairs": 16,
                 "max_pairs": len(HELDOUT),
                 "max_tokens": gate_tokens,
+                # 24 held-out prompts can only show a very large gain at the default alpha
+                # (0.05); these tests check the gate's mechanics, not its power, so they accept
+                # a 30% false-pass rate (the better candidate wins 0.72 of its first 16 pairs).
+                "alpha": 0.3,
                 **(gate or {}),
             },
             "canary": canary or {"weight": 0.0},
