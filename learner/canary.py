@@ -3,14 +3,16 @@
 While an alias has a canary, the watcher reads ``ratchet.traffic`` and ``ratchet.feedback`` and
 counts, per arm (the proxy marks each exchange ``active`` or ``canary``), requests, upstream
 failures (:data:`UPSTREAM_FAILURES`: what the model server did, never what a client provoked),
-and user feedback scores (one per completion, from the key that got it). The counts live in
-Redis (``ratchet:canary:<alias>``), reset in the same transaction that starts the canary, so a
-restarted learner carries on counting. Once the canary arm has ``min_requests``,
-:func:`canary_verdict` decides: roll back if its error rate or its feedback is worse than the
-active arm's beyond the configured margin, else promote. Feedback lags the answers it rates, so
-a canary without ``min_feedback`` ratings on both arms waits up to ``feedback_wait_s`` for them
-before it is judged on error rate alone — unless neither arm has a single rating while the active
-arm has answered :data:`UNRATED_AFTER` times ``min_requests``: an alias whose users don't rate.
+and user ratings (one per completion, from the key that got it). The counts live in Redis
+(``ratchet:canary:<alias>``), each arm's ratings in arrival order beside them
+(``ratchet:canary:<alias>:ratings:<arm>``), all reset in the same transaction that starts the
+canary, so a restarted learner carries on counting. Once the canary arm has ``min_requests``,
+:func:`canary_verdict` decides: roll back if its error rate is worse than the active arm's beyond
+the configured margin; otherwise the ratings' sequential test (learner/canary_ratings.py)
+promotes or rolls back as soon as it can. Ratings lag the answers they rate, so a canary the
+test has not decided waits up to ``feedback_wait_s``, then is judged on error rate and the
+ratings' point estimate — at once if neither arm has a single rating while the active arm has
+answered :data:`UNRATED_AFTER` times ``min_requests``: an alias whose users don't rate.
 
 Every learner replica runs a watcher. Their consumer group splits the topics' partitions between
 them, so each record is counted once, into the shared counts; which arm a completion id was
@@ -31,6 +33,8 @@ from typing import Any, Literal
 import redis
 from kafka.errors import KafkaError
 
+from learner.canary_ratings import Rating, mean_drop, rating_test
+from learner.fair import key_of
 from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
 from ratchet.bus import make_consumer
@@ -44,7 +48,8 @@ from ratchet.records import (
     decode,
 )
 from ratchet.registry import AliasRoute, decode_hash
-from ratchet.settings import CanaryConfig, RatchetSettings
+from ratchet.sequential import SequentialTest
+from ratchet.settings import AliasConfig, CanaryConfig, RatchetSettings
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,9 @@ Verdict = Literal["wait", "promote", "rollback"]
 # With no rating on either arm by the time the active arm has this many times canary.min_requests
 # answers, a canary does not wait feedback_wait_s for ratings (see canary_verdict).
 UNRATED_AFTER = 4
+# Each arm's rating list keeps this many times canary.max_rating_pairs ratings (room for those the
+# per-key cap leaves out).
+RATINGS_KEPT = 4
 
 # The error codes (proxy/upstream.py) that count against an arm: the model server failed (502
 # upstream_error: it answered 5xx, or dropped the answer or the stream), could not load the
@@ -74,6 +82,11 @@ def is_upstream_failure(record: TrafficRecord) -> bool:
 
 def canary_key(alias: str) -> str:
     return f"ratchet:canary:{alias}"
+
+
+def ratings_key(alias: str, arm: str) -> str:
+    """List of an arm's counted ratings, oldest first (:meth:`Rating.encode`)."""
+    return f"ratchet:canary:{alias}:ratings:{arm}"
 
 
 def completion_key(completion_id: str) -> str:
@@ -94,7 +107,7 @@ return 0
 
 def reset_counts(pipe: Any, alias: str, version: int) -> None:
     """Queue the commands that start counting a new canary (into the caller's transaction)."""
-    pipe.delete(canary_key(alias))
+    pipe.delete(canary_key(alias), *(ratings_key(alias, arm) for arm in ARMS))
     pipe.hset(canary_key(alias), mapping={"version": version, "started": time.time()})
 
 
@@ -115,9 +128,14 @@ class ArmStats:
 
 
 def canary_verdict(
-    active: ArmStats, canary: ArmStats, config: CanaryConfig, age_s: float
+    active: ArmStats,
+    canary: ArmStats,
+    config: CanaryConfig,
+    age_s: float,
+    ratings: SequentialTest,
 ) -> tuple[Verdict, str]:
-    """What to do with a canary that has been running for ``age_s`` seconds, and why."""
+    """What to do with a canary that has been running for ``age_s`` seconds, and why.
+    ``ratings`` is the sequential test over the arms' rating pairs so far."""
     if canary.requests < config.min_requests:
         return "wait", f"{canary.requests} of {config.min_requests} canary requests"
     excess = canary.error_rate - active.error_rate
@@ -126,32 +144,50 @@ def canary_verdict(
             f"error_rate: canary {canary.error_rate:.3f} vs active {active.error_rate:.3f} "
             f"(+{excess:.3f} > {config.max_error_rate_increase})"
         )
-    rated = active.feedback >= config.min_feedback and canary.feedback >= config.min_feedback
+    if ratings.decision == "pass":
+        return "promote", f"ratings: not worse by {config.max_feedback_drop}: {_evidence(ratings)}"
+    if ratings.decision == "fail":
+        return "rollback", f"ratings: {ratings.reason}: {_evidence(ratings)}"
     # Not one rating on either arm while the active arm answered several times the canary's
-    # minimum: this alias's users do not rate, and waiting for feedback would only delay.
+    # minimum: this alias's users do not rate, and waiting for ratings would only delay.
     unrated = (
         active.feedback == 0
         and canary.feedback == 0
         and active.requests >= UNRATED_AFTER * config.min_requests
     )
-    if not rated and not unrated and age_s < config.feedback_wait_s:
+    if not unrated and age_s < config.feedback_wait_s:
         return "wait", (
-            f"feedback {canary.feedback} (canary) and {active.feedback} (active) of "
-            f"{config.min_feedback}; deciding without it after {config.feedback_wait_s:.0f} s"
+            f"ratings undecided ({_evidence(ratings)}); deciding without them after "
+            f"{config.feedback_wait_s:.0f} s"
         )
-    if rated:
-        assert active.feedback_mean is not None and canary.feedback_mean is not None
-        drop = active.feedback_mean - canary.feedback_mean
-        if drop > config.max_feedback_drop:
-            return "rollback", (
-                f"feedback: canary {canary.feedback_mean:.3f} vs active "
-                f"{active.feedback_mean:.3f} (-{drop:.3f} > {config.max_feedback_drop})"
-            )
+    drop = mean_drop(ratings)
+    if drop is not None and drop > config.max_feedback_drop:
+        return "rollback", (
+            f"feedback: canary's mean rating {drop:.3f} below active's "
+            f"(> {config.max_feedback_drop}) when the wait ran out; {_evidence(ratings)}"
+        )
     return "promote", (
         f"{canary.requests} canary requests, error rate {canary.error_rate:.3f} "
-        f"(active {active.error_rate:.3f}), feedback {canary.feedback_mean} "
-        f"(active {active.feedback_mean})"
+        f"(active {active.error_rate:.3f}); ratings undecided ({_evidence(ratings)})"
     )
+
+
+def _evidence(test: SequentialTest) -> str:
+    if test.n == 0:
+        return "no rating pairs"
+    return (
+        f"{test.n} rating pairs, win-share {test.mean:.3f} in [{test.lower:.3f}, {test.upper:.3f}] "
+        f"vs {test.theta:.3f}, evidence {test.evidence:.2f}/{test.threshold:.2f}"
+    )
+
+
+def read_ratings(client: redis.Redis, alias: str, config: AliasConfig) -> SequentialTest:
+    """The ratings' sequential test, replayed from the arms' stored ratings."""
+    arms = [
+        [Rating.decode(raw) for raw in client.lrange(ratings_key(alias, arm), 0, -1)]
+        for arm in ARMS
+    ]
+    return rating_test(arms[0], arms[1], config.canary, config.feedback.max_share)
 
 
 def read_counts(
@@ -226,6 +262,7 @@ class CanaryWatcher:
     def count(self, messages: list[Any]) -> None:
         """Add a batch of traffic and feedback records to the running canaries' counts."""
         increments: dict[str, dict[str, float]] = {}
+        ratings: list[tuple[str, str, Rating]] = []  # (alias, arm, rating), in arrival order
         # Completion ids of canary-time exchanges, claimed in order before any later feedback.
         claims = self.redis.pipeline(transaction=False)
         for message in messages:
@@ -257,10 +294,17 @@ class CanaryWatcher:
                 add = increments.setdefault(alias, {})
                 add[f"{arm}_feedback"] = add.get(f"{arm}_feedback", 0) + 1
                 add[f"{arm}_feedback_sum"] = add.get(f"{arm}_feedback_sum", 0.0) + record.score
+                ratings.append((alias, arm, Rating(key_of(record.api_key_hash), record.score)))
         claims.execute()
         if not increments:
             return
         pipe = self.redis.pipeline(transaction=False)
+        for alias, arm, rating in ratings:
+            pipe.rpush(ratings_key(alias, arm), rating.encode())
+            # The test reads at most max_rating_pairs per arm after the per-key cap; keep room
+            # for the ratings the cap leaves out, and no more.
+            kept = RATINGS_KEPT * self._max_rating_pairs(alias)
+            pipe.ltrim(ratings_key(alias, arm), 0, kept - 1)
         for alias, fields in increments.items():
             for field, value in fields.items():
                 if field.endswith("_sum"):
@@ -282,6 +326,10 @@ class CanaryWatcher:
         if not self.redis.eval(CLAIM_RATING_SCRIPT, 1, key, raw):
             return None  # another replica counted it first
         return alias, int(version), arm
+
+    def _max_rating_pairs(self, alias: str) -> int:
+        config = self.settings.aliases.get(alias)
+        return (config.canary if config else CanaryConfig()).max_rating_pairs
 
     def _arm_of(self, alias: str, version: int, arm: str) -> str | None:
         """The arm to credit, if the exchange belongs to the alias's running canary."""
@@ -307,17 +355,32 @@ class CanaryWatcher:
             for arm in ARMS:
                 self.metrics.canary_requests.labels(alias, arm).set(stats[arm].requests)
                 self.metrics.canary_error_rate.labels(alias, arm).set(stats[arm].error_rate)
+            ratings = read_ratings(self.redis, alias, config)
+            self.metrics.canary_rating_pairs.labels(alias).set(ratings.n)
+            self.metrics.canary_rating_evidence.labels(alias).set(ratings.evidence)
             age_s = time.time() - started
-            verdict, reason = canary_verdict(stats["active"], stats["canary"], config.canary, age_s)
+            verdict, reason = canary_verdict(
+                stats["active"], stats["canary"], config.canary, age_s, ratings
+            )
             if verdict != "wait":
-                self.decide(alias, route.canary, verdict, reason, stats)
+                self.decide(alias, route.canary, verdict, reason, stats, ratings)
 
     def decide(
-        self, alias: str, canary: int, verdict: Verdict, reason: str, stats: dict[str, ArmStats]
+        self,
+        alias: str,
+        canary: int,
+        verdict: Verdict,
+        reason: str,
+        stats: dict[str, ArmStats],
+        ratings: SequentialTest,
     ) -> None:
         """Promote or roll back ``canary``, under the alias's lease and only if it is still the
         canary: another replica's watcher may have decided already."""
-        detail = {"reason": reason, **{arm: vars(stats[arm]) for arm in ARMS}}
+        detail = {
+            "reason": reason,
+            **{arm: vars(stats[arm]) for arm in ARMS},
+            "ratings": ratings.summary(),
+        }
         with self.leases.hold(alias) as lease:
             if lease is None:
                 return  # another learner is deciding (or running a round): its call
@@ -329,7 +392,7 @@ class CanaryWatcher:
                         )
                         log.info("%s: canary v%d promoted (%s)", alias, canary, reason)
                     else:
-                        self.lifecycle.rollback(alias, reason, canary=canary)
+                        self.lifecycle.rollback(alias, reason, canary=canary, detail=detail)
                         self.metrics.rollbacks.labels(alias, reason.split(":", 1)[0]).inc()
                         log.warning("%s: canary v%d rolled back (%s)", alias, canary, reason)
             except LeaseLost as exc:

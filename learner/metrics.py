@@ -136,6 +136,40 @@ class LearnerMetrics:
             ("alias", "arm"),
             registry=r,
         )
+        self.ratings_joined = Counter(
+            "ratchet_learner_ratings_joined_total",
+            "Traffic and feedback records of feedback aliases by what the join made of them: "
+            "stored (an answer awaiting its rating), pending (a rating awaiting its answer), "
+            "joined, duplicate, wrong_key, no_answer",
+            ("outcome",),
+            registry=r,
+        )
+        self.reward_model_auc = Gauge(
+            "ratchet_learner_reward_model_auc",
+            "Held-out AUC of the alias's newest reward model (it gives rewards only above "
+            "feedback.min_auc)",
+            ("alias",),
+            registry=r,
+        )
+        self.reward_model_version = Gauge(
+            "ratchet_learner_reward_model_version",
+            "The alias's newest reward model version (0: none)",
+            ("alias",),
+            registry=r,
+        )
+        self.canary_rating_pairs = Gauge(
+            "ratchet_learner_canary_rating_pairs",
+            "Rating pairs (one rating from each arm) the running canary's sequential test has seen",
+            ("alias",),
+            registry=r,
+        )
+        self.canary_rating_evidence = Gauge(
+            "ratchet_learner_canary_rating_evidence",
+            "Log-evidence that the canary's ratings are not worse than the active arm's "
+            "(it promotes at log(1/canary.alpha))",
+            ("alias",),
+            registry=r,
+        )
         self.canary_error_rate = Gauge(
             "ratchet_learner_canary_error_rate",
             "Server error rate of each arm during the running canary",

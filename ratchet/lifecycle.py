@@ -239,10 +239,17 @@ class Lifecycle:
         event = self.event(alias, "reject", version=version, detail=detail)
         self.record(event, also)
 
-    def rollback(self, alias: str, reason: str, canary: int | None = None) -> AliasRoute:
+    def rollback(
+        self,
+        alias: str,
+        reason: str,
+        canary: int | None = None,
+        detail: dict[str, Any] | None = None,
+    ) -> AliasRoute:
         """One step back, at once: end the canary if there is one, else restore the version that
         was live before the active one. ``canary``: end that canary, and do nothing else (a second
-        decision on the same canary must not roll the active version back too)."""
+        decision on the same canary must not roll the active version back too). ``detail``: the
+        evidence, kept in the event beside the reason."""
 
         def compute(route: AliasRoute) -> tuple[AliasRoute, LifecycleEvent]:
             if canary is not None and route.canary != canary:
@@ -259,7 +266,11 @@ class Lifecycle:
                 bad, restored = route.active, previous
                 new = replace(route, active=previous)
             event = self.event(
-                alias, "rollback", version=restored, previous_version=bad, detail={"reason": reason}
+                alias,
+                "rollback",
+                version=restored,
+                previous_version=bad,
+                detail={**(detail or {}), "reason": reason},
             )
             return new, event
 

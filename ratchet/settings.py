@@ -59,7 +59,8 @@ class _Section(BaseModel):
 
 
 class RewardConfig(_Section):
-    kind: Literal["ruler", "verifier", "mixed"] = "ruler"
+    # feedback: a reward model learned from users' ratings (ratchet/rewards/reward_model.py).
+    kind: Literal["ruler", "verifier", "mixed", "feedback"] = "ruler"
     rubric: str = DEFAULT_RUBRIC
     judge_model: str = f"hosted_vllm/{DEFAULT_BASE_MODEL}"
     verifier: str | None = Field(
@@ -158,14 +159,51 @@ class CanaryConfig(_Section):
     min_requests: int = Field(default=50, ge=1)
     # Roll back when the canary's server error rate exceeds the active arm's by more than this.
     max_error_rate_increase: float = Field(default=0.02, ge=0.0, le=1.0)
-    # Roll back when the canary's mean user feedback is lower by more than this (both arms need
-    # min_feedback scores before feedback counts).
-    max_feedback_drop: float = Field(default=0.1, ge=0.0, le=1.0)
+    # Ratings decide with a sequential test (learner/canary_ratings.py): promote once the
+    # canary's mean rating is significantly no more than this below the active arm's, roll back
+    # once it is significantly more.
+    max_feedback_drop: float = Field(default=0.1, ge=0.0, lt=1.0)
+    # No promotion on ratings before this many rating pairs (one rating from each arm).
     min_feedback: int = Field(default=10, ge=1)
-    # Feedback arrives after the answer it rates: once the canary has min_requests, wait up to
-    # this long (from the canary's start) for both arms' min_feedback before deciding on error
-    # rate alone. 0 decides at min_requests with whatever feedback has arrived.
+    # The chance that ratings promote a canary worse than max_feedback_drop.
+    alpha: float = Field(default=0.05, gt=0.0, lt=0.5)
+    # Rating pairs after which a test that has not shown the canary not worse rolls it back.
+    # Thumbs ratings of two equal arms need about 500 pairs to show a drop below 0.1 (simulated:
+    # 91% pass by 1024, 28% by 256); a clearly better or worse canary is decided in about 50.
+    max_rating_pairs: int = Field(default=1024, ge=1)
+    # Ratings arrive after the answers they rate: once the canary has min_requests, wait up to
+    # this long (from the canary's start) for the ratings to decide, then decide on error rate
+    # and the ratings' point estimate. 0 decides at min_requests with what has arrived.
     feedback_wait_s: float = Field(default=300.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _rating_pairs_fit(self) -> CanaryConfig:
+        if self.max_rating_pairs < self.min_feedback:
+            raise ValueError(
+                f"canary.max_rating_pairs ({self.max_rating_pairs}) is below "
+                f"canary.min_feedback ({self.min_feedback}): ratings could never promote; "
+                "raise max_rating_pairs or lower min_feedback"
+            )
+        return self
+
+
+class FeedbackConfig(_Section):
+    """What users' ratings may do for an alias."""
+
+    # The most of a canary arm's ratings (and of a reward model's training set) one API key's
+    # ratings may be: one client cannot steer what the alias learns or promotes.
+    max_share: float = Field(default=0.2, gt=0.0, le=1.0)
+    # With reward.kind feedback: a reward model is (re)trained once this many new ratings have
+    # been joined with the answers they rate.
+    retrain_every: int = Field(default=64, ge=1)
+    # ... and used for rewards only while its AUC on ratings it never trained on is above this.
+    min_auc: float = Field(default=0.65, ge=0.5, lt=1.0)
+    # Share of the rated prompts kept out of training to evaluate the reward model.
+    eval_fraction: float = Field(default=0.25, gt=0.0, lt=1.0)
+    # How long an answer waits for its rating (and a rating for its answer's traffic record).
+    join_ttl_s: int = Field(default=24 * 3600, ge=60)
+    # Joined ratings kept per alias for training (the newest).
+    max_ratings: int = Field(default=20_000, ge=1)
 
 
 class AliasConfig(_Section):
@@ -177,6 +215,17 @@ class AliasConfig(_Section):
     sampling: SamplingConfig = SamplingConfig()
     gate: GateConfig = GateConfig()
     canary: CanaryConfig = CanaryConfig()
+    feedback: FeedbackConfig = FeedbackConfig()
+
+    @model_validator(mode="after")
+    def _feedback_needs_a_canary(self) -> AliasConfig:
+        if self.reward.kind == "feedback" and self.canary.weight == 0:
+            raise ValueError(
+                "reward.kind is 'feedback' but canary.weight is 0: a candidate trained against "
+                "the reward model can fool the gate that uses the same model, so live ratings "
+                "must decide; set canary.weight above 0 (for example 0.1)"
+            )
+        return self
 
 
 class KafkaSettings(_Section):
@@ -409,6 +458,11 @@ class LearnerSettings(_Section):
     kl_beta: float = Field(default=0.0, ge=0.0)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Torch's CPU threads for training. Empty: torch's default, every core. On a machine that
+    # also serves vLLM, fewer: torch's threads meet at a barrier after every op, so one thread
+    # starved by vLLM stalls them all (measured: a round's step 50x slower than alone). The
+    # embedded stack sets what vLLM leaves free.
+    cpu_threads: int | None = Field(default=None, ge=1)
     # Where the learner's base weights are (the value vLLM was started with as --model, which is
     # also what each adapter's base_model_name_or_path must say). Empty: the embedded model.
     base_model_path: str | None = None

@@ -79,6 +79,15 @@ def redis_part(redis_url: str, data_dir: Path) -> Part:
     )
 
 
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def vllm_threads() -> int:
+    """vLLM's CPU threads: every core but one, which the proxy, judge and learner share."""
+    return int(os.environ.get("OMP_NUM_THREADS") or max(1, cpu_count() - 1))
+
+
 def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> Part:
     host, port = host_port(settings.vllm_url, 8401)
     assert settings.store_dir is not None
@@ -143,9 +152,7 @@ def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> P
         # a running stack) then starve each other, and the proxy and judge lose that core; let
         # the OS schedule instead, with one core left for everything else.
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-        "OMP_NUM_THREADS": os.environ.get(
-            "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1))
-        ),
+        "OMP_NUM_THREADS": str(vllm_threads()),
         "VLLM_NO_USAGE_STATS": "1",
         "HF_HUB_OFFLINE": "1",
     }
@@ -192,7 +199,10 @@ def learner_part(settings: RatchetSettings, config: Path | None) -> Part:
     s = settings.learner
     metrics = f"http://{s.metrics_host}:{s.metrics_port}/metrics"
     # A round in progress finishes its optimizer step before the process exits.
-    return service_part("learner", config, metrics, metrics, stop_timeout_s=60)
+    part = service_part("learner", config, metrics, metrics, stop_timeout_s=60)
+    if s.cpu_threads is None:  # the cores vLLM's threads leave (vllm_part)
+        part.env = {"RATCHET_LEARNER__CPU_THREADS": str(max(1, cpu_count() - vllm_threads()))}
+    return part
 
 
 def embedded_stack(

@@ -48,6 +48,7 @@ pytestmark = pytest.mark.integration
 PROMPTS = load_prompts()
 HELDOUT_FRACTION = 0.45  # of PROMPTS[:256]: about half held out, the rest for groups (keyed hash)
 GROUPS, GATE_PAIRS = 32, 96  # group prompts sent; the gate's held-out prompts
+GATE_MIN_PAIRS = 48
 SEED = 0  # the judge's sampling seed and the learner's
 CANARY_TRAFFIC = PROMPTS[256:320]  # sent while the candidate is on canary, with feedback
 # The test's own evaluation: demo prompts no part of the loop ever saw, from the same generator
@@ -111,9 +112,18 @@ def loop_config(env: Embedded, home: Path, alias: str, batch_groups: int = GROUP
                 "dedup_window_s": 0,
             },
             "sampling": {"temperature": 0.7, "max_tokens": 64, "seed": SEED},
-            "gate": {"min_pairs": GATE_PAIRS, "max_pairs": GATE_PAIRS, "max_tokens": 64},
+            # The sequential gate may pass from GATE_MIN_PAIRS on (measured: its evidence passed
+            # at 48 of 96 pairs); a pair lost to a dropped connection must not fail the test.
+            "gate": {"min_pairs": GATE_MIN_PAIRS, "max_pairs": GATE_PAIRS, "max_tokens": 64},
             # Users' feedback (here: the verifier's score of the answer they got) decides too.
-            "canary": {"weight": 0.5, "min_requests": 16, "min_feedback": 8},
+            # The ratings' sequential test decides if it can; a minute after the canary starts
+            # their mean so far does (64 canary-time answers give about 32 pairs).
+            "canary": {
+                "weight": 0.5,
+                "min_requests": 16,
+                "min_feedback": 8,
+                "feedback_wait_s": 60,
+            },
         }
     }
     path = home / f"loop-{batch_groups}.yaml"
@@ -241,12 +251,13 @@ def test_the_loop_promotes_a_version_that_beats_the_base_on_unseen_prompts(
         gate = next(e["detail"] for e in events if e["kind"] == "gate")
         print(f"gate: win rate {gate['win_rate']:.3f}, CI low {gate['ci_low']:.3f}")
         assert outcome["kind"] == "canary", gate
-        assert gate["pairs"] == GATE_PAIRS and gate["ci_low"] > 0.5, gate
+        assert GATE_MIN_PAIRS <= gate["pairs"] <= GATE_PAIRS and gate["ci_low"] > 0.5, gate
         candidate = outcome["version"]
         # Nothing is sampled any more while users try the canary: vLLM may batch all of them.
         arms = send_demo_traffic(embedded, alias, CANARY_TRAFFIC, feedback=True, concurrency=16)
         assert arms.get("canary", 0) >= 16 and arms.get("active", 0) >= 16, arms
-        promote = wait_for_event(settings, alias, {"promote", "rollback"}, timeout_s=120)[0]
+        promote = wait_for_event(settings, alias, {"promote", "rollback"}, timeout_s=180)[0]
+        print(f"canary: {promote['detail'].get('reason')}")
     finally:
         stack.stop()
 

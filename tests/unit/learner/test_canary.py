@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from learner.canary import ArmStats, CanaryWatcher, canary_verdict, read_counts, reset_counts
+from learner.canary_ratings import Rating, rating_test
 from learner.leases import lease_key
 from learner.metrics import LearnerMetrics
 from ratchet.lease import Lease
@@ -38,42 +39,66 @@ LATE = 61.0  # a canary age past CONFIG's wait for feedback
 # --- the verdict ------------------------------------------------------------------------------
 
 
+def ratings(active: list[float], canary: list[float], config: CanaryConfig = CONFIG) -> Any:
+    """The sequential test after these ratings, each from its own key."""
+    return rating_test(
+        [Rating(f"a{i}", x) for i, x in enumerate(active)],
+        [Rating(f"c{i}", x) for i, x in enumerate(canary)],
+        config,
+        max_share=0.2,
+    )
+
+
+NONE = ratings([], [])
+
+
 def test_the_verdict_waits_for_enough_canary_requests() -> None:
-    verdict, reason = canary_verdict(ArmStats(100), ArmStats(9, errors=9), CONFIG, LATE)
+    verdict, reason = canary_verdict(ArmStats(100), ArmStats(9, errors=9), CONFIG, LATE, NONE)
     assert verdict == "wait" and "9 of 10" in reason
 
 
 def test_the_verdict_rolls_back_on_an_error_rate_excess() -> None:
-    # An error rate excess does not wait for feedback.
-    verdict, reason = canary_verdict(ArmStats(100, errors=1), ArmStats(10, errors=1), CONFIG, 0.0)
+    # An error rate excess does not wait for ratings, and good ratings do not outweigh it.
+    good = ratings([0.0] * 20, [1.0] * 20)
+    assert good.decision == "pass"
+    verdict, reason = canary_verdict(
+        ArmStats(100, errors=1), ArmStats(10, errors=1), CONFIG, 0.0, good
+    )
     assert verdict == "rollback" and reason.startswith("error_rate:")
     # At the margin exactly (0.05 more), not beyond it: the canary is fine.
-    verdict, _ = canary_verdict(ArmStats(100), ArmStats(100, errors=5), CONFIG, LATE)
+    verdict, _ = canary_verdict(ArmStats(100), ArmStats(100, errors=5), CONFIG, LATE, NONE)
     assert verdict == "promote"
 
 
-def test_the_verdict_rolls_back_on_a_feedback_drop() -> None:
-    active = ArmStats(100, feedback=4, feedback_sum=3.6)  # mean 0.9
-    canary = ArmStats(10, feedback=4, feedback_sum=2.4)
-    verdict, reason = canary_verdict(active, canary, CONFIG, 0.0)
-    assert verdict == "rollback" and reason.startswith("feedback:")
-    canary = ArmStats(10, feedback=4, feedback_sum=3.0)
-    verdict, _ = canary_verdict(active, canary, CONFIG, 0.0)
-    assert verdict == "promote"  # mean 0.75: a drop of 0.15 is within the margin
+def test_the_verdict_follows_the_ratings_test_as_soon_as_it_decides() -> None:
+    active = ArmStats(100, feedback=20, feedback_sum=18.0)
+    canary = ArmStats(10, feedback=20, feedback_sum=2.0)
+    worse = ratings([0.9] * 40, [0.1] * 40)
+    assert worse.decision == "fail"
+    verdict, reason = canary_verdict(active, canary, CONFIG, 0.0, worse)
+    assert verdict == "rollback" and reason.startswith("ratings:") and "22 rating pairs" in reason
+    same = ratings([0.9] * 80, [0.9] * 80)  # no worse: the margin (0.2) is cleared
+    assert same.decision == "pass"
+    verdict, reason = canary_verdict(active, canary, CONFIG, 0.0, same)
+    assert verdict == "promote" and reason.startswith("ratings: not worse by 0.2")
 
 
-def test_the_verdict_waits_for_feedback_then_decides_without_it() -> None:
-    # Feedback comes after the answers it rates: at min_requests the canary's ratings may still
+def test_the_verdict_waits_for_ratings_then_decides_on_their_point_estimate() -> None:
+    # Ratings come after the answers they rate: at min_requests the canary's ratings may still
     # be on their way, and promoting then would ignore them.
-    active = ArmStats(100, feedback=50, feedback_sum=50.0)
-    canary = ArmStats(10, feedback=2, feedback_sum=0.0)
-    verdict, reason = canary_verdict(active, canary, CONFIG, 59.0)
-    assert verdict == "wait" and "feedback 2 (canary)" in reason
-    # Past feedback_wait_s, too little feedback does not count: error rate alone decides.
-    verdict, _ = canary_verdict(active, canary, CONFIG, LATE)
+    active, canary = ArmStats(100, feedback=2, feedback_sum=2.0), ArmStats(10, feedback=2)
+    early = ratings([1.0, 1.0], [0.0, 0.0])
+    assert early.decision == "continue"
+    verdict, reason = canary_verdict(active, canary, CONFIG, 59.0, early)
+    assert verdict == "wait" and "ratings undecided (2 rating pairs" in reason
+    # Past feedback_wait_s the point estimate decides: a drop of 1.0 is beyond 0.2.
+    verdict, reason = canary_verdict(active, canary, CONFIG, LATE, early)
+    assert verdict == "rollback" and reason.startswith("feedback:")
+    mild = ratings([0.8, 0.8], [0.7, 0.7])
+    verdict, _ = canary_verdict(active, canary, CONFIG, LATE, mild)
     assert verdict == "promote"
     no_wait = CONFIG.model_copy(update={"feedback_wait_s": 0.0})
-    verdict, _ = canary_verdict(active, canary, no_wait, 0.0)
+    verdict, _ = canary_verdict(active, canary, no_wait, 0.0, NONE)
     assert verdict == "promote"
 
 
@@ -81,12 +106,13 @@ def test_the_verdict_does_not_wait_for_ratings_an_alias_never_gets() -> None:
     # At weight 0.1 the active arm answers about nine times the canary's requests: not one
     # rating among them means this alias's users don't rate.
     canary = ArmStats(10)
-    verdict, reason = canary_verdict(ArmStats(39), canary, CONFIG, 0.0)
-    assert verdict == "wait" and "feedback 0 (canary)" in reason
-    verdict, _ = canary_verdict(ArmStats(40), canary, CONFIG, 0.0)
+    verdict, reason = canary_verdict(ArmStats(39), canary, CONFIG, 0.0, NONE)
+    assert verdict == "wait" and "no rating pairs" in reason
+    verdict, _ = canary_verdict(ArmStats(40), canary, CONFIG, 0.0, NONE)
     assert verdict == "promote"
-    # One rating anywhere, and the canary waits for enough of them as before.
-    verdict, _ = canary_verdict(ArmStats(90, feedback=1, feedback_sum=1.0), canary, CONFIG, 0.0)
+    # One rating anywhere, and the canary waits for the ratings as before.
+    rated = ArmStats(90, feedback=1, feedback_sum=1.0)
+    verdict, _ = canary_verdict(rated, canary, CONFIG, 0.0, ratings([1.0], []))
     assert verdict == "wait"
 
 
@@ -292,24 +318,54 @@ def test_feedback_counts_once_and_only_from_the_key_that_got_the_answer(
     assert stats["active"].feedback == 1 and stats["canary"].feedback == 1
 
 
-def test_a_feedback_drop_rolls_the_canary_back(
+def test_a_ratings_drop_rolls_the_canary_back_once_the_test_is_sure(
     settings: RatchetSettings, lifecycle: Lifecycle
 ) -> None:
     start_canary(lifecycle)
     watcher = watcher_for(settings, lifecycle)
     watcher.count(
-        [traffic("active", 1, rid=f"a{i}") for i in range(10)]
-        + [traffic("canary", 2, rid=f"c{i}") for i in range(10)]
+        [traffic("active", 1, rid=f"a{i}", key=f"k{i}") for i in range(20)]
+        + [traffic("canary", 2, rid=f"c{i}", key=f"k{i}") for i in range(20)]
     )
-    watcher.count(
-        [feedback(f"a{i}", 1.0) for i in range(3)] + [feedback(f"c{i}", 0.0) for i in range(3)]
-    )
+    rate = [feedback(f"a{i}", 1.0, f"k{i}") for i in range(3)]
+    watcher.count(rate + [feedback(f"c{i}", 0.0, f"k{i}") for i in range(3)])
     _, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
     assert (stats["active"].feedback, stats["active"].feedback_sum) == (3, 3.0)
     assert (stats["canary"].feedback, stats["canary"].feedback_sum) == (3, 0.0)
     watcher.check()
+    assert route_of(lifecycle) == (1, 2)  # three pairs are not yet evidence at alpha 0.05
+    # A restarted watcher replays the stored ratings, and the rest make the test sure.
+    watcher = watcher_for(settings, lifecycle)
+    rate = [feedback(f"a{i}", 1.0, f"k{i}") for i in range(3, 20)]
+    watcher.count(rate + [feedback(f"c{i}", 0.0, f"k{i}") for i in range(3, 20)])
+    watcher.check()
     assert route_of(lifecycle) == (1, None)
-    assert lifecycle.writer.history(ALIAS)[0]["detail"]["reason"].startswith("feedback:")
+    detail = lifecycle.writer.history(ALIAS)[0]["detail"]
+    assert detail["reason"].startswith("ratings:"), detail
+    assert detail["ratings"]["decision"] == "fail" and detail["ratings"]["n"] <= 20
+
+
+def test_one_key_cannot_outvote_the_others_on_the_canary(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    """A key counts for at most ceil(max_share * max_rating_pairs) ratings per arm."""
+    config = AliasConfig(
+        canary=CONFIG.model_copy(update={"max_rating_pairs": 20}), feedback={"max_share": 0.1}
+    )
+    settings = settings.model_copy(update={"aliases": {ALIAS: config}})
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    watcher.count(
+        [traffic("active", 1, rid=f"a{i}", key=f"k{i}") for i in range(30)]
+        + [traffic("canary", 2, rid=f"c{i}", key="mallory") for i in range(30)]
+    )
+    # Mallory rates the canary's 30 answers 1.0 and the active arm's users rate 0.5: only
+    # mallory's first 2 ratings count, so the canary cannot be promoted on them.
+    watcher.count([feedback(f"c{i}", 1.0, "mallory") for i in range(30)])
+    watcher.count([feedback(f"a{i}", 0.5, f"k{i}") for i in range(30)])
+    watcher.check()
+    assert route_of(lifecycle) == (1, 2)
+    assert watcher.metrics.canary_rating_pairs.labels(ALIAS)._value.get() == 2
 
 
 def test_records_outside_the_canary_are_not_counted(
