@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -82,9 +83,13 @@ def parse_sets(items: list[str]) -> list[tuple[list[str], Any]]:
     return out
 
 
-def loop_config(home: Path, task: Task, sets: list[tuple[list[str], Any]]) -> Path:
+def loop_config(
+    home: Path, task: Task, sets: list[tuple[list[str], Any]], model_path: Path
+) -> Path:
     """The task's alias with only its verifier; the rest is what the stack needs to run in
-    ``home`` on free ports. Checked by loading it, so a bad ``--set`` fails before any start."""
+    ``home`` on free ports. Checked by loading it, so a bad ``--set`` fails before any start.
+    ``model_path``: the model vLLM serves, shared by the tasks; the learner must name the same
+    folder as its adapters' base, or vLLM's resolver refuses them."""
     # The embedded stack's own deployment settings (what `ratchet up` writes), not its aliases.
     packaged = yaml.safe_load(default_config_text())
     config: dict[str, Any] = {
@@ -94,7 +99,7 @@ def loop_config(home: Path, task: Task, sets: list[tuple[list[str], Any]]) -> Pa
         "vllm_url": f"http://127.0.0.1:{free_port()}",
         "proxy": {"host": "127.0.0.1", "port": free_port()},
         "judge": {**packaged.get("judge", {}), "metrics_port": free_port()},
-        "learner": {"metrics_port": free_port()},
+        "learner": {"metrics_port": free_port(), "base_model_path": str(model_path)},
         "aliases": {task.name: {"reward": {"kind": "verifier", "verifier": task.verifier}}},
     }
     for path, value in sets:
@@ -198,9 +203,10 @@ def run_task(task: Task, args: argparse.Namespace, console: Console) -> dict[str
     with tempfile.TemporaryDirectory(prefix=f"ratchet-loop-{task.name}-") as tmp:
         home = args.home / task.name if args.home else Path(tmp)
         home.mkdir(parents=True, exist_ok=True)
-        config = loop_config(home, task, parse_sets(args.set))
+        model_path = prepare_model(default_home(), quiet=True)
+        config = loop_config(home, task, parse_sets(args.set), model_path)
         settings = load_settings(config)
-        stack = embedded_stack(settings, config, prepare_model(default_home(), quiet=True))
+        stack = embedded_stack(settings, config, model_path)
         for part in stack.parts:  # a busy machine imports torch slowly; this is no health test
             part.ready_timeout_s = max(part.ready_timeout_s, 600)
         start(stack, settings, console)
@@ -426,6 +432,10 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument(
@@ -441,6 +451,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/loop_speed.json"))
     parser.add_argument("--home", type=Path, help="keep each task's stack home (and logs) here")
     args = parser.parse_args()
+    # SIGTERM (a `kill`, a CI timeout) unwinds like Ctrl-C, so each task's stack is stopped.
+    signal.signal(signal.SIGTERM, _interrupt)
     tasks = [get_task(name.strip()) for name in args.tasks.split(",") if name.strip()]
     parse_sets(args.set)  # a malformed one fails now, not after a stack has started
     console = Console() if sys.stdout.isatty() else Console(width=200)  # a log keeps the table

@@ -14,15 +14,19 @@ from bench.loop_watch import metric, proc_memory
 from ratchet.settings import AliasConfig, LearnerSettings, load_settings
 from ratchet.tasks import TASKS
 
+MODEL = Path("/models/smollm2-135m-instruct")
+
 
 def test_the_task_alias_gets_only_its_verifier_and_defaults_otherwise(tmp_path: Path) -> None:
     task = TASKS["sorting"]
-    settings = load_settings(loop_config(tmp_path, task, []))
+    settings = load_settings(loop_config(tmp_path, task, [], MODEL))
     alias = settings.aliases[task.name]
     assert alias.reward.kind == "verifier" and alias.reward.verifier == task.verifier
     default = AliasConfig()
     assert alias.model_dump(exclude={"reward"}) == default.model_dump(exclude={"reward"})
-    ignore = {"metrics_port"}
+    # The learner names the folder vLLM serves as its adapters' base, or vLLM refuses them.
+    assert settings.learner.base_model_path == str(MODEL)
+    ignore = {"metrics_port", "base_model_path"}
     assert settings.learner.model_dump(exclude=ignore) == LearnerSettings().model_dump(
         exclude=ignore
     )
@@ -33,7 +37,7 @@ def test_set_overrides_the_task_alias_and_any_section(tmp_path: Path) -> None:
     sets = parse_sets(
         ["alias.learning.group_size=6", "learner.learning_rate=1e-3", "alias.gate.min_pairs=16"]
     )
-    settings = load_settings(loop_config(tmp_path, TASKS["bullets"], sets))
+    settings = load_settings(loop_config(tmp_path, TASKS["bullets"], sets, MODEL))
     assert settings.aliases["bullets"].learning.group_size == 6
     assert settings.aliases["bullets"].gate.min_pairs == 16
     assert settings.learner.learning_rate == pytest.approx(1e-3)
@@ -45,7 +49,7 @@ def test_a_bad_set_fails_before_anything_starts(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         parse_sets(["learner.learning_rate"])
     with pytest.raises(Exception, match="learning_rat"):
-        loop_config(tmp_path, TASKS["demo"], parse_sets(["learner.learning_rat=1"]))
+        loop_config(tmp_path, TASKS["demo"], parse_sets(["learner.learning_rat=1"]), MODEL)
 
 
 def test_lift_is_the_mean_paired_difference_with_an_interval_around_it() -> None:
