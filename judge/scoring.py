@@ -1,4 +1,4 @@
-"""Scoring a sampled group: RULER (cached), a verifier, or both.
+"""Scoring a sampled group: RULER (cached), a verifier, both, or the alias's reward model.
 
 The request, the reply, the judge call with its retries and the verifier checks live in
 ratchet/rewards/; this module adds the judge's dedupe of identical answers and its Redis cache.
@@ -6,6 +6,7 @@ ratchet/rewards/; this module adds the judge's dedupe of identical answers and i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import random
@@ -18,6 +19,12 @@ import redis.asyncio as aioredis
 
 from judge.metrics import JudgeMetrics
 from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, ask_judge_once, judge_scores
+from ratchet.rewards.reward_model import (
+    RewardModels,
+    RewardModelUnavailable,
+    RewardStatus,
+    status_key,
+)
 from ratchet.rewards.ruler import JudgeRequest, JudgeScores, build_judge_request, cache_key
 from ratchet.rewards.ruler import rubric_hash as hash_rubric
 from ratchet.rewards.verifiers import VerifierError, combine, load_verifier, run_verifier
@@ -59,6 +66,7 @@ class GroupScorer:
         cache: aioredis.Redis | None,
         metrics: JudgeMetrics,
         default_api_key: str | None = None,
+        reward_models: RewardModels | None = None,
     ) -> None:
         self.settings = settings
         self.default_api_base = default_api_base
@@ -66,6 +74,7 @@ class GroupScorer:
         self.default_api_key = default_api_key
         self.cache = cache
         self.metrics = metrics
+        self.reward_models = reward_models  # for reward.kind feedback
 
     async def score(
         self,
@@ -75,6 +84,8 @@ class GroupScorer:
         tools: list[dict[str, Any]] | None,
         samples: list[dict[str, Any]],
     ) -> GroupScore:
+        if reward.kind == "feedback":
+            return await self.learned(alias, prompt, samples)
         ruler_scores: list[float] | None = None
         verified: list[float] | None = None
         explanations = [""] * len(samples)
@@ -88,6 +99,32 @@ class GroupScorer:
             explanations=explanations,
             judge_model=judged_by,
             rubric_hash=hash_rubric(reward.rubric) if ruler_scores is not None else None,
+        )
+
+    async def reward_status(self, alias: str) -> RewardStatus | None:
+        """The alias's reward model status (ratchet/rewards/reward_model.py), None if unknown."""
+        if self.cache is None:
+            return None
+        try:
+            return RewardStatus.from_hash(await self.cache.hgetall(status_key(alias)))
+        except (redis.RedisError, OSError):
+            return None
+
+    async def learned(
+        self, alias: str, prompt: list[dict[str, Any]], samples: list[dict[str, Any]]
+    ) -> GroupScore:
+        """The alias's live reward model scores the K answers in one forward pass."""
+        if self.reward_models is None:
+            raise ScoringError("no_reward_model", "the judge was started without reward models")
+        status = await self.reward_status(alias)
+        texts = [str(sample.get("content") or "") for sample in samples]
+        models = self.reward_models
+        try:
+            rewards, name = await asyncio.to_thread(models.score, alias, status, prompt, texts)
+        except RewardModelUnavailable as exc:
+            raise ScoringError("no_reward_model", str(exc)) from None
+        return GroupScore(
+            rewards=rewards, explanations=[""] * len(samples), judge_model=name, rubric_hash=None
         )
 
     def verify(

@@ -26,6 +26,7 @@ import logging
 import signal
 import statistics
 from collections import Counter, deque
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import aiohttp
@@ -58,6 +59,7 @@ from ratchet.records import (
     prompt_hash,
 )
 from ratchet.registry import AliasRoute, InvalidRoute, alias_key, decode_hash, served_name
+from ratchet.rewards.reward_model import RewardModels
 from ratchet.secrets import keyed_hash, server_secret, vllm_api_key
 from ratchet.settings import AliasConfig, RatchetSettings
 
@@ -128,6 +130,7 @@ class JudgeService(JudgeKafka):
             self.redis,
             self.metrics,
             self.vllm_key,
+            reward_models(settings),
         )
         self.routes: dict[str, AliasRoute] = {}
         self.limit = asyncio.Semaphore(settings.judge.concurrency)
@@ -242,6 +245,11 @@ class JudgeService(JudgeKafka):
         if route.paused:
             # The learner would drop the group: don't spend vLLM and judge time sampling it.
             raise Skip("learning_paused")
+        if config.reward.kind == "feedback":
+            status = await self.scorer.reward_status(record.alias)
+            if status is None or not status.usable:
+                # Nothing could score it yet; not marked seen, so it is sampled when it recurs.
+                raise Skip("no_reward_model")
         served = served_name(record.alias, route.active, route.base_model)
         sampling = config.sampling
         seed = (
@@ -430,6 +438,18 @@ class JudgeService(JudgeKafka):
             return False
         await self._mark_done(outputs)
         return True
+
+
+def reward_models(settings: RatchetSettings) -> RewardModels | None:
+    """The reward models of aliases that learn from ratings, if any: the base model is read
+    from the learner's path (or the embedded model), on first use."""
+    if not any(c.reward.kind == "feedback" for c in settings.aliases.values()):
+        return None
+    from ratchet.dev.model import prepare_model
+
+    assert settings.store_dir is not None
+    path = settings.learner.base_model_path
+    return RewardModels(settings.store_dir, Path(path) if path else prepare_model(settings.home))
 
 
 def serve(settings: RatchetSettings) -> None:

@@ -1,21 +1,14 @@
 """Packing judged groups into training rows, and scoring those rows under a model.
 
-A group's K samples answer the same prompt, so :func:`pack_groups` writes each group as ONE row:
-the prompt once, then every sample's completion after it::
-
-    row:       p0 p1 p2 | a0 a1 a2 | b0 b1 | c0 c1 c2 c3 | pad pad
-    segment:    0  0  0 |  1  1  1 |  2  2 |  3  3  3  3 |  -1  -1
-    position:   0  1  2 |  3  4  5 |  3  4 |  3  4  5  6 |   0   0
-
-:func:`token_logprobs` runs the model on such rows with an attention mask under which a token
-sees the prompt and the earlier tokens of its own completion, never another sample's, and with
-each completion's positions starting where the prompt ends: every completion token gets exactly
-the logprob it has in its own (prompt + completion) sequence, while the prompt is computed once
-instead of K times. With SmolLM2's demo prompts (78 tokens) and K = 6 answers of about 45 tokens
-that is 2.1x fewer tokens forwarded and back-propagated. The mask is (T x T) per row, so a row
-costs attention memory quadratic in its length, which is small beside the K-fold prompt it saves
-for the prompt and answer lengths the judge samples (``learning.max_prompt_tokens``,
-``sampling.max_tokens``).
+A group's K samples answer the same prompt, so :func:`pack_groups` writes each group as ONE row,
+the prompt once and then every sample's completion (the layout of ratchet/rewards/packing.py).
+:func:`token_logprobs` runs the model on such rows under the shared-prompt attention mask: every
+completion token gets exactly the logprob it has in its own (prompt + completion) sequence, while
+the prompt is computed once instead of K times. With SmolLM2's demo prompts (78 tokens) and
+K = 6 answers of about 45 tokens that is 2.1x fewer tokens forwarded and back-propagated. The
+mask is (T x T) per row, so a row costs attention memory quadratic in its length, which is small
+beside the K-fold prompt it saves for the prompt and answer lengths the judge samples
+(``learning.max_prompt_tokens``, ``sampling.max_tokens``).
 """
 
 from __future__ import annotations
@@ -30,8 +23,9 @@ from torch.utils.checkpoint import checkpoint
 
 from learner.loss import ScaleRewards, group_advantages
 from ratchet.records import ScoredGroup
+from ratchet.rewards.packing import PAD_SEGMENT, padded, row_layout, shared_prompt_mask
 
-PROMPT_SEGMENT, PAD_SEGMENT = 0, -1
+__all__ = ["Batch", "pack_groups", "shared_prompt_mask", "token_logprobs"]
 # Completion positions whose logits exist at once (see token_logprobs): 200 MB of float32
 # logits at a 49,152-token vocabulary, small beside the backbone's activations of a micro-batch.
 LOGPROB_CHUNK = 1024
@@ -89,21 +83,19 @@ def pack_groups(groups: list[ScoredGroup], scale: ScaleRewards, pad_token_id: in
         if not prompt:
             raise ValueError(f"group {group.group_id} has no prompt tokens")
         p = len(prompt)
-        row, pos, seg, pred = list(prompt), list(range(p)), [PROMPT_SEGMENT] * p, [0] * p
-        lps, owner = [0.0] * p, [-1] * p
-        for k, (sample, reward) in enumerate(zip(group.samples, group.rewards, strict=True)):
+        row, pos, seg = row_layout(prompt, [sample.token_ids for sample in group.samples])
+        pred, lps, owner = [0] * p, [0.0] * p, [-1] * p
+        start = p
+        for sample, reward in zip(group.samples, group.rewards, strict=True):
             n = len(sample.token_ids)
             if len(sample.logprobs) != n:
                 raise ValueError(
                     f"group {group.group_id}: a sample has {n} tokens but "
                     f"{len(sample.logprobs)} logprobs"
                 )
-            start = len(row)
-            row += sample.token_ids
-            pos += range(p, p + n)
-            seg += [k + 1] * n
             # the first token is predicted by the prompt's last, the others by their own previous
             pred += [p - 1, *range(start, start + n - 1)] if n else []
+            start += n
             lps += sample.logprobs
             owner += [len(rewards)] * n
             rewards.append(float(reward))
@@ -117,13 +109,6 @@ def pack_groups(groups: list[ScoredGroup], scale: ScaleRewards, pad_token_id: in
 
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
     width = int(lengths.max()) if rows else 0
-
-    def padded(values: list[list[int]], fill: int) -> Tensor:
-        out = torch.full((len(values), width), fill, dtype=torch.long)
-        for i, v in enumerate(values):
-            out[i, : len(v)] = torch.tensor(v, dtype=torch.long)
-        return out
-
     owner_t = padded(sample_of_token, -1)
     lp_t = torch.zeros((len(rows), width), dtype=torch.float32)
     for i, lp in enumerate(behaviour):
@@ -148,16 +133,6 @@ def pack_groups(groups: list[ScoredGroup], scale: ScaleRewards, pad_token_id: in
         samples=torch.tensor([len(g.samples) for g in groups], dtype=torch.long),
         lengths=lengths,
     )
-
-
-def shared_prompt_mask(segment_ids: Tensor) -> Tensor:
-    """(R, 1, T, T) boolean attention mask, True where query t may attend to key s: s <= t, and
-    s is in the prompt or in t's own completion. Padding attends to the prompt (its output is
-    never read) and nothing real attends to padding."""
-    t = segment_ids.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
-    query, key = segment_ids[:, :, None], segment_ids[:, None, :]
-    return (causal & ((key == PROMPT_SEGMENT) | (key == query)))[:, None]
 
 
 def token_logprobs(model: nn.Module, batch: Batch, chunk: int = LOGPROB_CHUNK) -> Tensor:

@@ -31,18 +31,15 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis
-from kafka.errors import KafkaError
 
 from learner.canary_ratings import Rating, mean_drop, rating_test
+from learner.exchanges import read_exchanges
 from learner.fair import key_of
 from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
-from ratchet.bus import make_consumer
 from ratchet.lease import LeaseKeeper, LeaseLost
 from ratchet.lifecycle import Lifecycle, LifecycleError
 from ratchet.records import (
-    FEEDBACK_TOPIC,
-    TRAFFIC_TOPIC,
     FeedbackRecord,
     TrafficRecord,
     decode,
@@ -229,35 +226,20 @@ class CanaryWatcher:
             self.redis, settings.learner.lease_ttl_s, LeaseKeeper(), metrics, "canary"
         )
         self.routes: dict[str, AliasRoute] = {}
+        self._last_check = 0.0
 
     def run(self) -> None:
-        consumer = None
-        last_check = 0.0
-        while not self.stopping.is_set():
-            try:
-                if consumer is None:
-                    consumer = make_consumer(
-                        self.settings.kafka_bootstrap_servers,
-                        self.settings.kafka,
-                        [TRAFFIC_TOPIC, FEEDBACK_TOPIC],
-                        self.settings.learner.consumer_group + "-canary",
-                        auto_offset_reset="latest",  # only traffic from now on can judge a canary
-                    )
-                if time.monotonic() - last_check >= self.settings.learner.canary_check_s:
-                    # An alias whose hash is invalid gets no decision until it is fixed.
-                    table = self.lifecycle.writer.read_all(self.routes)
-                    self.routes = {a: r for a, r in table.routes.items() if a not in table.invalid}
-                    self.check()
-                    last_check = time.monotonic()
-                polled = consumer.poll(timeout_ms=500, max_records=500)
-                self.count([m for messages in polled.values() for m in messages])
-                if polled:
-                    consumer.commit()
-            except (KafkaError, redis.RedisError, OSError) as exc:
-                log.warning("canary watcher: %s; retrying", exc)
-                time.sleep(1.0)
-        if consumer is not None:
-            consumer.close()
+        # Only traffic from now on can judge a canary: a new group starts at the end.
+        read_exchanges(self.settings, "-canary", "latest", self.stopping, self.count, self.tick)
+
+    def tick(self) -> None:
+        if time.monotonic() - self._last_check < self.settings.learner.canary_check_s:
+            return
+        # An alias whose hash is invalid gets no decision until it is fixed.
+        table = self.lifecycle.writer.read_all(self.routes)
+        self.routes = {a: r for a, r in table.routes.items() if a not in table.invalid}
+        self.check()
+        self._last_check = time.monotonic()
 
     def count(self, messages: list[Any]) -> None:
         """Add a batch of traffic and feedback records to the running canaries' counts."""

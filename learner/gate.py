@@ -7,7 +7,10 @@ differs only because the weights do). Each prompt gives one paired outcome for t
 * RULER: the judge sees the two answers side by side twice, in both presentation orders; a win
   (or a loss) counts only when both orders agree, anything else is a tie, so a judge that simply
   prefers the first answer it reads cannot promote anything;
-* mixed: ``ruler_weight`` x the RULER outcome + the rest x the verifier outcome.
+* mixed: ``ruler_weight`` x the RULER outcome + the rest x the verifier outcome;
+* feedback: as a verifier, with the alias's live reward model scoring both answers (pointwise,
+  one forward pass for the pair). A candidate trained against that model can fool it, so a
+  feedback alias always goes through a canary that live ratings decide.
 
 The pairs are answered in their drawn order, a wave of ``learner.gate_concurrency`` at a time
 (so vLLM batches), and their outcomes feed an always-valid sequential test of the win rate
@@ -32,6 +35,11 @@ import orjson
 from ratchet.answer_length import auto_max_tokens
 from ratchet.records import HeldoutPrompt
 from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, judge_scores
+from ratchet.rewards.reward_model import (
+    RewardModels,
+    RewardModelUnavailable,
+    RewardStatus,
+)
 from ratchet.rewards.ruler import JudgeRequest, build_judge_request
 from ratchet.rewards.verifiers import VerifierError, load_verifier, run_verifier
 from ratchet.secrets import vllm_api_key
@@ -41,6 +49,7 @@ from ratchet.settings import AliasConfig, GateConfig, RatchetSettings
 log = logging.getLogger(__name__)
 
 TIE_TOLERANCE = 1e-9
+ANSWER_ATTEMPTS = 2  # per answer, against a dropped connection
 
 
 @dataclass(frozen=True)
@@ -224,10 +233,18 @@ async def _none() -> None:
 class Gate:
     """Answers held-out prompts with both versions through vLLM, then scores the pairs."""
 
-    def __init__(self, settings: RatchetSettings) -> None:
+    def __init__(
+        self,
+        settings: RatchetSettings,
+        reward_models: RewardModels | None = None,
+        reward_status: Callable[[str], RewardStatus | None] | None = None,
+    ) -> None:
         self.settings = settings
         self.vllm_key = vllm_api_key(settings)  # vLLM's key, for its answers and as the judge
         self.limit = asyncio.Semaphore(settings.learner.gate_concurrency)
+        # For feedback aliases: the models, and where their live status is read from.
+        self.reward_models = reward_models
+        self.reward_status = reward_status
 
     async def evaluate(
         self,
@@ -296,6 +313,8 @@ class Gate:
             *(self._pair(session, p, config.gate, candidate, incumbent, seed) for p in prompts)
         )
         reward = config.reward
+        if reward.kind == "feedback":
+            return await asyncio.to_thread(self._reward_model_scored, config, prompts, answered)
         verified: list[Scored | None] = [None] * len(prompts)
         if reward.kind in ("verifier", "mixed"):
             assert reward.verifier is not None
@@ -329,6 +348,30 @@ class Gate:
                 out.append(
                     Scored(w * ruler + (1.0 - w) * v.outcome, v.candidate_score, v.incumbent_score)
                 )
+        return out
+
+    def _reward_model_scored(
+        self,
+        config: AliasConfig,
+        prompts: list[HeldoutPrompt],
+        answered: list[tuple[dict[str, Any], dict[str, Any]] | None],
+    ) -> list[Scored]:
+        """Each pair scored by the alias's live reward model: 1, 0 or 0.5 as a verifier's."""
+        if self.reward_models is None or self.reward_status is None:
+            raise GateError("a feedback alias's gate needs the reward models")
+        alias = prompts[0].alias if prompts else ""
+        status = self.reward_status(alias)
+        out = []
+        for prompt, answers in zip(prompts, answered, strict=True):
+            if answers is None:
+                out.append(Scored(None))
+                continue
+            texts = [str(a.get("content") or "") for a in answers]
+            try:
+                (c, n), _ = self.reward_models.score(alias, status, prompt.prompt_messages, texts)
+            except RewardModelUnavailable as exc:
+                raise GateError(str(exc)) from exc
+            out.append(Scored(verifier_outcome(c, n), c, n))
         return out
 
     async def _pair(
@@ -368,13 +411,23 @@ class Gate:
             body["tools"] = prompt.tools
         url = self.settings.vllm_url.rstrip("/") + "/v1/chat/completions"
         headers = {"content-type": "application/json", "authorization": f"Bearer {self.vllm_key}"}
-        async with (
-            self.limit,
-            session.post(url, data=orjson.dumps(body), headers=headers) as response,
-        ):
-            payload = await response.read()
-            if response.status != 200:
-                raise GateError(f"{served}: vLLM answered {response.status}: {payload[:200]!r}")
+        for attempt in range(ANSWER_ATTEMPTS):
+            try:
+                async with (
+                    self.limit,
+                    session.post(url, data=orjson.dumps(body), headers=headers) as response,
+                ):
+                    payload = await response.read()
+                    if response.status != 200:
+                        raise GateError(
+                            f"{served}: vLLM answered {response.status}: {payload[:200]!r}"
+                        )
+                break
+            except aiohttp.ClientConnectionError:
+                # A pooled keep-alive connection the server had closed ("Can not write request
+                # body"): seen losing one pair of a 96-pair gate. Another connection answers.
+                if attempt == ANSWER_ATTEMPTS - 1:
+                    raise
         try:
             choices = orjson.loads(payload).get("choices") or []
         except (orjson.JSONDecodeError, AttributeError) as exc:

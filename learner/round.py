@@ -41,6 +41,7 @@ from ratchet.lifecycle import Lifecycle
 from ratchet.progress import LearnerProgress, Phase
 from ratchet.records import ScoredGroup
 from ratchet.registry import AliasRoute, served_name
+from ratchet.rewards.reward_model import RewardModels, RewardStatus
 from ratchet.settings import AliasConfig, RatchetSettings
 from ratchet.store import AdapterStore
 
@@ -97,7 +98,12 @@ class Rounds:
         self.lifecycle = lifecycle
         self.redis = lifecycle.writer.redis
         self.metrics = metrics
-        self.gate = Gate(settings)
+        assert settings.store_dir is not None
+        self.gate = Gate(
+            settings,
+            RewardModels(settings.store_dir, base_model_path),
+            lambda alias: RewardStatus.read(self.redis, alias),
+        )
         self._trainer: LoraGRPOLearner | None = None
         # Shared with the service's loop: one throttle and one view of what Redis holds.
         self.progress = ProgressReporter(self.redis, metrics)
@@ -159,6 +165,10 @@ class Rounds:
         if self._trainer is None:
             s = self.settings.learner
             device = None if s.device == "auto" else s.device
+            if s.cpu_threads is not None:
+                import torch
+
+                torch.set_num_threads(s.cpu_threads)
             self._trainer = LoraGRPOLearner(
                 self.base_model_path, lora_settings(s), train_settings(s), device=device
             )

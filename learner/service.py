@@ -44,6 +44,7 @@ from learner.guard import (
 from learner.heldout import HeldoutPool
 from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
+from learner.reward_training import RatingsCollector, RewardTrainer
 from learner.round import RoundReport, Rounds, trained_key
 from ratchet.bus import ensure_topics, make_consumer
 from ratchet.lease import LeaseKeeper, LeaseLost
@@ -497,11 +498,14 @@ class LearnerService:
         if not self._connect_until_up():
             return
         watcher = self._start_canary_watcher()
+        collector = self._start_ratings_collector()
         log.info("learner consuming %s as group %s", GROUPS_TOPIC, s.consumer_group)
         while not self.stopping.is_set():
             if not watcher.is_alive():
                 # Without its watcher no canary would ever end: exit, the supervisor restarts us.
                 raise SystemExit("the canary watcher thread died; see the log above")
+            if collector is not None and not collector.is_alive():
+                raise SystemExit("the ratings collector thread died; see the log above")
             try:
                 self.step()
             except (KafkaError, redis.RedisError, OSError, LifecycleError) as exc:
@@ -510,6 +514,8 @@ class LearnerService:
                 self.metrics.failures.labels("-", type(exc).__name__).inc()
                 time.sleep(1.0)
         watcher.join(timeout=10)
+        if collector is not None:
+            collector.join(timeout=10)
         self.lease_keeper.stop()
         for consumer in (self.groups_consumer, self.heldout_consumer):
             if consumer is not None:
@@ -540,6 +546,28 @@ class LearnerService:
             leases,
         )
         thread = threading.Thread(target=watcher.run, name="canary", daemon=True)
+        thread.start()
+        return thread
+
+    def _start_ratings_collector(self) -> threading.Thread | None:
+        """For aliases that learn from ratings: join them with answers, train reward models."""
+        if not any(c.reward.kind == "feedback" for c in self.settings.aliases.values()):
+            return None
+        collector = RatingsCollector(
+            self.settings,
+            self.redis,
+            RewardTrainer(self.settings, self.redis, self.store, self.rounds.base_model_path),
+            AliasLeases(
+                self.redis,
+                self.settings.learner.lease_ttl_s,
+                self.lease_keeper,
+                self.metrics,
+                "reward_model",
+            ),
+            self.metrics,
+            self.stopping,
+        )
+        thread = threading.Thread(target=collector.run, name="ratings", daemon=True)
         thread.start()
         return thread
 

@@ -56,27 +56,48 @@ class AdapterStore:
         meta: dict[str, Any],
     ) -> Path:
         """Write a new version atomically. ``write_adapter(folder)`` saves the PEFT files."""
-        final = self.path(alias, version)
+
+        def write_files(folder: Path) -> None:
+            write_adapter(folder)
+            config_path = folder / "adapter_config.json"
+            config = json.loads(config_path.read_text())
+            # vLLM's resolver only loads adapters whose base is exactly its --model value.
+            config["base_model_name_or_path"] = base_model_path
+            config_path.write_text(json.dumps(config, indent=2))
+
+        return self.write_folder(alias, version, write_files, meta)
+
+    def write_folder(
+        self, name: str, version: int, write_files: Callable[[Path], None], meta: dict[str, Any]
+    ) -> Path:
+        """Write ``<name>@v<version>/`` atomically: ``write_files(folder)``, then ``ratchet.json``.
+        Also what holds an alias's reward models (``<alias>.reward@v<N>``)."""
+        final = self.path(name, version)
         if final.exists():
             raise FileExistsError(f"{final.name} exists; versions are immutable")
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
         try:
             tmp.mkdir()
-            write_adapter(tmp)
-            config_path = tmp / "adapter_config.json"
-            config = json.loads(config_path.read_text())
-            # vLLM's resolver only loads adapters whose base is exactly its --model value.
-            config["base_model_name_or_path"] = base_model_path
-            config_path.write_text(json.dumps(config, indent=2))
+            write_files(tmp)
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
-            # On disk before it is visible: after a crash the name shows a whole adapter or none.
+            # On disk before it is visible: after a crash the name shows a whole version or none.
             fsync_tree(tmp)
             tmp.rename(final)
             fsync_dir(self.root)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return final
+
+    def folder_versions(self, name: str) -> list[int]:
+        """Versions of ``name`` with a complete folder (its ratchet.json is written last)."""
+        found = []
+        if self.root.is_dir():
+            for entry in self.root.iterdir():
+                match = _VERSION_DIR.match(entry.name)
+                if match and match["alias"] == name and (entry / META_FILE).is_file():
+                    found.append(int(match["version"]))
+        return sorted(found)
 
     def meta(self, alias: str, version: int) -> dict[str, Any]:
         meta: dict[str, Any] = json.loads((self.path(alias, version) / META_FILE).read_text())

@@ -50,6 +50,9 @@ def status(
                 None,
             )
             learning += f": {reason}" if reason else ""
+        alias_config = settings.aliases.get(name)
+        if alias_config is not None and alias_config.reward.kind == "feedback":
+            learning += "\n" + reward_model_line(writer.redis, name)
         table.add_row(
             name,
             f"v{route.active}",
@@ -64,6 +67,21 @@ def status(
         "Learner queue lag: "
         + ("unknown (Kafka unreachable)" if lag is None else f"{lag} groups not yet committed")
     )
+
+
+def reward_model_line(client: redis.Redis, alias: str) -> str:
+    """Why a feedback alias learns or waits: its reward model's held-out quality."""
+    from ratchet.rewards.reward_model import RewardStatus, reward_model_name
+
+    status = RewardStatus.read(client, alias)
+    if status is None:
+        return "waiting: no reward model yet (users' ratings are being collected)"
+    if status.version == 0:
+        return f"waiting: no reward model yet ({status.reason})"
+    name = reward_model_name(alias, status.version)
+    if not status.usable:
+        return f"waiting: {name}: {status.reason}"
+    return f"rewards from {name}: {status.reason}"
 
 
 def learner_line(client: redis.Redis, alias: str) -> str:

@@ -45,3 +45,37 @@ def test_status_shows_each_aliases_learner_progress(
     assert "step 3/4 loss 0.1200, reward 0.500, 88.0 tokens/s" in support
     [billing] = [line for line in result.output.splitlines() if "billing" in line]
     assert "no learner progress" in billing  # never published (or expired)
+
+
+def test_status_says_why_a_feedback_alias_waits_for_its_reward_model(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ratchet.rewards.reward_model import RewardStatus
+
+    Path("ratchet.yaml").write_text(
+        "aliases:\n  rated:\n    base_model: base\n    reward: {kind: feedback}\n"
+        "  judged: {base_model: base}\n"
+    )
+    monkeypatch.setenv("RATCHET_REDIS_URL", redis_url)
+    monkeypatch.setattr("ratchet.cli.report.learner_lag", lambda settings: 0)
+    monkeypatch.setattr(console, "width", 400)
+    client = redis.Redis.from_url(redis_url)
+    from ratchet.registry import AliasRoute, RegistryWriter
+
+    writer = RegistryWriter(redis_url, {})
+    for alias in ("rated", "judged"):
+        writer.write(AliasRoute(alias=alias, base_model="base"))
+
+    def output() -> str:
+        result = CliRunner().invoke(app, ["status"])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    assert "waiting: no reward model yet (users' ratings are being collected)" in output()
+    low = RewardStatus(2, usable=False, reason="held-out AUC 0.580 on 40 ratings, not above 0.65")
+    low.write(client, "rated")
+    assert "waiting: rated.reward@v2: held-out AUC 0.580" in output()
+    RewardStatus(3, usable=True, reason="held-out AUC 0.810 on 52 ratings").write(client, "rated")
+    text = output()
+    assert "rewards from rated.reward@v3: held-out AUC 0.810" in text
+    assert "reward model" not in next(line for line in text.splitlines() if "judged" in line)

@@ -1,0 +1,207 @@
+"""Training an alias's reward model from its users' ratings, and the thread that feeds it.
+
+:class:`RatingsCollector` reads ``ratchet.traffic`` and ``ratchet.feedback`` from the start (as
+its own consumer group), joins ratings with the answers they rate (learner/ratings.py), and once
+an alias with ``reward.kind: feedback`` has ``feedback.retrain_every`` new joined ratings,
+:class:`RewardTrainer` trains a new version under the alias's lease:
+
+1. split the ratings by prompt: ``feedback.eval_fraction`` of the prompts are never trained on;
+2. cap each API key at ``feedback.max_share`` of the training set (learner/fair.py);
+3. fit the head on the frozen base model's features (ratchet/rewards/reward_model.py);
+4. evaluate on the held-out ratings: AUC with a bootstrap interval, pairwise accuracy;
+5. write ``<alias>.reward@v<N>`` to the store (atomic, immutable, with its counts and metrics),
+   then the alias's RewardStatus in Redis: usable only while the AUC is above
+   ``feedback.min_auc``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from learner.exchanges import read_exchanges
+from learner.fair import fair_select, key_of
+from learner.leases import AliasLeases
+from learner.metrics import LearnerMetrics
+from learner.ratings import RatingsJoin, new_ratings_key, read_ratings
+from ratchet.records import FeedbackRecord, TrafficRecord, decode
+from ratchet.rewards.reward_model import (
+    POSITIVE,
+    AnswerFeatures,
+    RatedAnswer,
+    RewardStatus,
+    evaluate,
+    fit_head,
+    is_eval_rating,
+    reward_store_name,
+    write_meta,
+)
+from ratchet.settings import RatchetSettings
+from ratchet.store import AdapterStore
+
+log = logging.getLogger(__name__)
+
+FEATURE_CACHE = 50_000  # rated answers whose features are kept between retrains
+
+
+class RewardTrainer:
+    """Trains and publishes reward model versions (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: RatchetSettings,
+        client: redis.Redis,
+        store: AdapterStore,
+        base_model_path: Path,
+    ) -> None:
+        self.settings = settings
+        self.redis = client
+        self.store = store
+        self.base_model_path = base_model_path
+        self._features: AnswerFeatures | None = None
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+
+    @property
+    def features(self) -> AnswerFeatures:
+        if self._features is None:
+            self._features = AnswerFeatures(self.base_model_path)
+        return self._features
+
+    def due(self, alias: str) -> bool:
+        config = self.settings.aliases[alias]
+        raw = self.redis.get(new_ratings_key(alias))
+        return int(raw or 0) >= config.feedback.retrain_every
+
+    def rows(self, answers: list[RatedAnswer]) -> Any:
+        """Features of rated answers, computed once per completion and cached."""
+        import torch
+
+        missing = [a for a in answers if a.completion_id not in self._cache]
+        if missing:
+            for answer, row in zip(missing, self.features.rated(missing), strict=True):
+                self._cache[answer.completion_id] = row
+                if len(self._cache) > FEATURE_CACHE:
+                    self._cache.popitem(last=False)
+        return torch.stack([self._cache[a.completion_id] for a in answers])
+
+    def train(self, alias: str) -> RewardStatus:
+        config = self.settings.aliases[alias].feedback
+        started = time.monotonic()
+        answers = read_ratings(self.redis, alias)
+        consumed = int(self.redis.get(new_ratings_key(alias)) or 0)
+        held = [a for a in answers if is_eval_rating(a.prompt_hash, config.eval_fraction)]
+        pool = [a for a in answers if not is_eval_rating(a.prompt_hash, config.eval_fraction)]
+        trained, passed_over = fair_select(
+            pool, lambda a: key_of(a.key or None), len(pool), config.max_share
+        )
+        why = _cannot_train(trained, held)
+        if why is not None:
+            self.redis.decrby(new_ratings_key(alias), consumed)
+            status = RewardStatus(version=0, usable=False, reason=why)
+            status.write(self.redis, alias)
+            log.info("%s: reward model not trained: %s", alias, why)
+            return status
+        head = fit_head(self.rows(trained), trained)
+        result = evaluate(head.predict(self.rows(held)), held)
+        keys = len({a.key for a in trained})
+        meta = write_meta(result, len(trained), keys, str(self.base_model_path))
+        meta["trained_on"]["passed_over_for_key_share"] = passed_over
+        name = reward_store_name(alias)
+        version = max(self.store.folder_versions(name), default=0) + 1
+        self.store.write_folder(name, version, head.save, meta)
+        usable = (
+            result.auc is not None and result.auc > self.settings.aliases[alias].feedback.min_auc
+        )
+        reason = (
+            f"held-out AUC {result.auc:.3f} on {result.ratings} ratings"
+            if result.auc is not None
+            else "no held-out AUC"
+        )
+        if not usable:
+            reason += f", not above feedback.min_auc {config.min_auc}"
+        status = RewardStatus(
+            version=version,
+            usable=usable,
+            reason=reason,
+            auc=result.auc,
+            trained_ratings=len(trained),
+            eval_ratings=len(held),
+        )
+        pipe = self.redis.pipeline(transaction=True)
+        status.write(pipe, alias)
+        pipe.decrby(new_ratings_key(alias), consumed)
+        pipe.execute()
+        log.info(
+            "%s: reward model v%d trained on %d ratings in %.1fs: %s (usable: %s)",
+            alias,
+            version,
+            len(trained),
+            time.monotonic() - started,
+            reason,
+            usable,
+        )
+        return status
+
+
+def _cannot_train(trained: list[RatedAnswer], held: list[RatedAnswer]) -> str | None:
+    for what, answers in (("training", trained), ("held-out", held)):
+        scores = [a.score for a in answers]
+        if not any(s >= POSITIVE for s in scores) or not any(s < POSITIVE for s in scores):
+            return f"the {what} ratings ({len(answers)}) need both good and bad ones"
+    return None
+
+
+class RatingsCollector:
+    """Joins ratings with answers, and retrains reward models when due. Runs in its own thread."""
+
+    def __init__(
+        self,
+        settings: RatchetSettings,
+        client: redis.Redis,
+        trainer: RewardTrainer,
+        leases: AliasLeases,
+        metrics: LearnerMetrics,
+        stopping: threading.Event,
+    ) -> None:
+        self.settings = settings
+        self.join = RatingsJoin(settings, client)
+        self.trainer = trainer
+        self.leases = leases
+        self.metrics = metrics
+        self.stopping = stopping
+
+    def run(self) -> None:
+        # Every rating is training data: a new group starts at the beginning.
+        read_exchanges(
+            self.settings, "-ratings", "earliest", self.stopping, self.take, self.retrain_due
+        )
+
+    def take(self, messages: list[Any]) -> None:
+        for message in messages:
+            record = decode(message.topic, message.value)
+            if isinstance(record, TrafficRecord):
+                outcome = self.join.on_traffic(record)
+            elif isinstance(record, FeedbackRecord):
+                outcome = self.join.on_feedback(record)
+            else:
+                continue  # another schema or malformed: counted by decode's caller elsewhere
+            if outcome != "not_feedback_alias":
+                self.metrics.ratings_joined.labels(outcome).inc()
+
+    def retrain_due(self) -> None:
+        for alias in sorted(self.join.feedback_aliases()):
+            if self.stopping.is_set() or not self.trainer.due(alias):
+                continue
+            with self.leases.hold(alias) as lease:
+                if lease is None:
+                    continue  # another replica trains it (or runs a round): its turn
+                status = self.trainer.train(alias)
+                self.metrics.reward_model_version.labels(alias).set(status.version)
+                if status.auc is not None:
+                    self.metrics.reward_model_auc.labels(alias).set(status.auc)

@@ -1,0 +1,467 @@
+"""The learned reward model: what users' ratings say about an answer, as a score in [0, 1].
+
+Shared by the learner, which trains it on rated exchanges, and the judge and the gate, which score
+answers with it. A version is immutable, in the adapter store as ``<alias>.reward@v<N>/``
+(:data:`HEAD_FILE` and ``ratchet.json`` with its training counts and held-out metrics).
+
+The model. The base model, frozen, reads the prompt and the answer; the answer's last-layer hidden
+states give two feature vectors, their mean over the answer's tokens and the last token's, and a
+linear head on those (standardised) gives a logit ``z``; the predicted rating is ``sigmoid(z)``.
+Every answer of a group is read in ONE forward pass with the prompt computed once
+(ratchet/rewards/packing.py), so scoring a group of K costs one pass over the prompt and the K
+answers. Only the head (2 x hidden + 1 weights) is trained, on features computed once per rating:
+seconds on a CPU, where training the base too would cost minutes per retrain and overfit a few
+hundred ratings.
+
+The loss, over ratings ``y_i`` in [0, 1] (thumbs: 0 or 1) with logits ``z_i``::
+
+    L = mean_i BCE(sigmoid(z_i), y_i)                                  (pointwise)
+      + mean_{(i, j): same prompt, y_i > y_j} -log sigmoid(z_i - z_j)  (pairwise, Bradley-Terry)
+      + l2 * |w|^2
+
+The pairwise term uses what several ratings of one prompt say beyond their levels: which answer
+the users preferred.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HEAD_FILE = "reward_head.safetensors"
+REWARD_SUFFIX = ".reward"  # the store name of an alias's reward models: <alias>.reward@v<N>
+POSITIVE = 0.5  # a rating at or above this counts as positive for the AUC
+
+
+def reward_store_name(alias: str) -> str:
+    return f"{alias}{REWARD_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class RatedAnswer:
+    """One served answer joined with its rating."""
+
+    prompt_messages: list[dict[str, Any]]
+    answer: str
+    score: float
+    key: str  # who rated it (API key hash)
+    prompt_hash: str
+    completion_id: str
+
+
+def is_eval_rating(prompt_hash: str, fraction: float) -> bool:
+    """Whether a rating is kept out of training, to evaluate the model: decided by its prompt,
+    so answers to one prompt stay together (the pairwise accuracy needs them) and every retrain
+    splits alike."""
+    digest = hashlib.sha256(prompt_hash.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+# --- metrics (pure) ------------------------------------------------------------------------------
+
+
+def auc(predictions: Sequence[float], scores: Sequence[float]) -> float | None:
+    """Area under the ROC curve of ``predictions`` for ratings >= :data:`POSITIVE` (the chance
+    that a positive answer outranks a negative one, ties half); None without both kinds."""
+    pos = [p for p, y in zip(predictions, scores, strict=True) if y >= POSITIVE]
+    neg = [p for p, y in zip(predictions, scores, strict=True) if y < POSITIVE]
+    if not pos or not neg:
+        return None
+    p, n = np.asarray(pos)[:, None], np.asarray(neg)[None, :]
+    return float(((p > n).sum() + 0.5 * (p == n).sum()) / (len(pos) * len(neg)))
+
+
+def preference_pairs(answers: Sequence[RatedAnswer]) -> list[tuple[int, int]]:
+    """(better, worse) indices of answers to the same prompt with different ratings."""
+    by_prompt: dict[str, list[int]] = {}
+    for i, answer in enumerate(answers):
+        by_prompt.setdefault(answer.prompt_hash, []).append(i)
+    pairs = []
+    for indices in by_prompt.values():
+        for a in indices:
+            for b in indices:
+                if answers[a].score > answers[b].score:
+                    pairs.append((a, b))
+    return pairs
+
+
+def pairwise_accuracy(
+    predictions: Sequence[float], pairs: Sequence[tuple[int, int]]
+) -> float | None:
+    if not pairs:
+        return None
+    return float(
+        sum(
+            1.0
+            if predictions[a] > predictions[b]
+            else 0.5
+            if predictions[a] == predictions[b]
+            else 0.0
+            for a, b in pairs
+        )
+        / len(pairs)
+    )
+
+
+def bootstrap_metric(
+    predictions: Sequence[float],
+    scores: Sequence[float],
+    samples: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of the AUC, resampling ratings with replacement."""
+    rng = np.random.default_rng(seed)
+    n = len(predictions)
+    if n == 0:
+        return None
+    pred, y = np.asarray(predictions), np.asarray(scores)
+    values = []
+    for _ in range(samples):
+        pick = rng.integers(0, n, size=n)
+        value = auc(pred[pick].tolist(), y[pick].tolist())
+        if value is not None:
+            values.append(value)
+    if not values:
+        return None
+    tail = (1.0 - level) / 2.0
+    low, high = np.quantile(values, [tail, 1.0 - tail])
+    return float(low), float(high)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The reward model on ratings it never trained on."""
+
+    ratings: int
+    auc: float | None
+    auc_interval: tuple[float, float] | None
+    pairs: int
+    pairwise_accuracy: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ratings": self.ratings,
+            "auc": self.auc,
+            "auc_interval": list(self.auc_interval) if self.auc_interval else None,
+            "pairs": self.pairs,
+            "pairwise_accuracy": self.pairwise_accuracy,
+        }
+
+
+def evaluate(predictions: Sequence[float], answers: Sequence[RatedAnswer]) -> Evaluation:
+    scores = [a.score for a in answers]
+    pairs = preference_pairs(answers)
+    return Evaluation(
+        ratings=len(answers),
+        auc=auc(predictions, scores),
+        auc_interval=bootstrap_metric(predictions, scores),
+        pairs=len(pairs),
+        pairwise_accuracy=pairwise_accuracy(predictions, pairs),
+    )
+
+
+# --- the head (torch) ----------------------------------------------------------------------------
+
+
+@dataclass
+class RewardHead:
+    """A linear head on standardised features: ``z = w . (f - mean) / std + b``."""
+
+    weight: Any  # torch.Tensor (F,)
+    bias: float
+    mean: Any  # torch.Tensor (F,)
+    std: Any  # torch.Tensor (F,)
+
+    def logits(self, features: Any) -> Any:
+        return ((features - self.mean) / self.std) @ self.weight + self.bias
+
+    def predict(self, features: Any) -> list[float]:
+        import torch
+
+        with torch.no_grad():
+            return torch.sigmoid(self.logits(features)).tolist()
+
+    def save(self, folder: Path) -> None:
+        import torch
+        from safetensors.torch import save_file
+
+        tensors = {
+            "weight": self.weight.detach().contiguous(),
+            "bias": torch.tensor([self.bias]),
+            "mean": self.mean.contiguous(),
+            "std": self.std.contiguous(),
+        }
+        save_file(tensors, str(folder / HEAD_FILE))
+
+    @classmethod
+    def load(cls, folder: Path) -> RewardHead:
+        from safetensors.torch import load_file
+
+        t = load_file(str(folder / HEAD_FILE))
+        return cls(weight=t["weight"], bias=float(t["bias"][0]), mean=t["mean"], std=t["std"])
+
+
+def reward_loss(
+    logits: Any, scores: Any, pairs: Sequence[tuple[int, int]], weight: Any, l2: float
+) -> Any:
+    """The loss of the module docstring on one fixed batch (tested on a fixed set)."""
+    import torch
+    import torch.nn.functional as F
+
+    loss = F.binary_cross_entropy_with_logits(logits, scores)
+    if pairs:
+        better = torch.tensor([a for a, _ in pairs])
+        worse = torch.tensor([b for _, b in pairs])
+        loss = loss - F.logsigmoid(logits[better] - logits[worse]).mean()
+    return loss + l2 * (weight**2).sum()
+
+
+def fit_head(
+    features: Any,
+    answers: Sequence[RatedAnswer],
+    l2: float = 1e-3,
+    steps: int = 200,
+    seed: int = 0,
+) -> RewardHead:
+    """Train the head on (features, ratings): full-batch L-BFGS, deterministic given the seed."""
+    import torch
+
+    if len(answers) != features.shape[0]:
+        raise ValueError(f"{features.shape[0]} feature rows for {len(answers)} ratings")
+    features = features.detach().double()
+    mean = features.mean(dim=0)
+    std = features.std(dim=0, unbiased=False).clamp(min=1e-6)
+    x = (features - mean) / std
+    y = torch.tensor([a.score for a in answers], dtype=torch.float64)
+    pairs = preference_pairs(answers)
+    generator = torch.Generator().manual_seed(seed)
+    weight = (
+        torch.randn(x.shape[1], generator=generator, dtype=torch.float64) * 1e-3
+    ).requires_grad_()
+    prior = min(max(float(y.mean()), 1e-3), 1 - 1e-3)
+    bias = torch.tensor(math.log(prior / (1 - prior)), dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.LBFGS(
+        [weight, bias], lr=1.0, max_iter=steps, line_search_fn="strong_wolfe"
+    )
+
+    def closure() -> Any:
+        optimizer.zero_grad()
+        loss = reward_loss(x @ weight + bias, y, pairs, weight, l2)
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)  # type: ignore[no-untyped-call]
+    return RewardHead(
+        weight=weight.detach().float(),
+        bias=float(bias.detach()),
+        mean=mean.float(),
+        std=std.float(),
+    )
+
+
+# --- features: the frozen base model reads (prompt, answers) --------------------------------------
+
+
+class AnswerFeatures:
+    """The frozen base model's features of answers to a prompt, a group in one forward pass."""
+
+    def __init__(self, base_model_path: Path, max_tokens: int = 2048) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(base_model_path)
+        model = AutoModelForCausalLM.from_pretrained(
+            base_model_path, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        self.backbone = getattr(model, model.base_model_prefix).eval()
+        self.max_tokens = max_tokens
+        self.size = 2 * int(model.config.hidden_size)
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def answer_ids(self, answer: str) -> list[int]:
+        ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
+        return list(ids) or [int(self.tokenizer.eos_token_id or 0)]
+
+    def group(self, messages: list[dict[str, Any]], answers: Sequence[str]) -> Any:
+        """(K, F) features of K answers to one prompt: one forward pass, the prompt once."""
+        import torch
+
+        from ratchet.rewards.packing import pack_shared_prompt, shared_prompt_mask
+
+        prompt = self.prompt_ids(messages)
+        answer_ids = [self.answer_ids(a) for a in answers]
+        # Bound a row: the prompt's head is kept (the instruction), and each answer's start.
+        budget = max(16, (self.max_tokens - min(len(prompt), self.max_tokens // 2)) // len(answers))
+        prompt = prompt[: self.max_tokens // 2]
+        answer_ids = [ids[:budget] for ids in answer_ids]
+        rows = pack_shared_prompt([prompt], [answer_ids])
+        with torch.no_grad():
+            hidden = self.backbone(
+                input_ids=rows.input_ids,
+                attention_mask=shared_prompt_mask(rows.segment_ids),
+                position_ids=rows.position_ids,
+                use_cache=False,
+            ).last_hidden_state[0]
+        out = []
+        for k, end in enumerate(rows.answer_ends[0]):
+            start = end - len(answer_ids[k]) + 1
+            out.append(torch.cat([hidden[start : end + 1].mean(dim=0), hidden[end]]))
+        return torch.stack(out)
+
+    def rated(self, answers: Sequence[RatedAnswer]) -> Any:
+        """(N, F) features of rated answers, those to one prompt read together."""
+        import torch
+
+        by_prompt: dict[str, list[int]] = {}
+        for i, a in enumerate(answers):
+            by_prompt.setdefault(a.prompt_hash, []).append(i)
+        out = torch.zeros((len(answers), self.size))
+        for indices in by_prompt.values():
+            first = answers[indices[0]]
+            feats = self.group(first.prompt_messages, [answers[i].answer for i in indices])
+            out[indices] = feats
+        return out
+
+
+class RewardModel:
+    """A reward model version: the features and a trained head. ``score`` answers of a prompt."""
+
+    def __init__(self, features: AnswerFeatures, head: RewardHead, name: str) -> None:
+        self.features = features
+        self.head = head
+        self.name = name  # <alias>.reward@v<N>
+
+    def score(self, messages: list[dict[str, Any]], answers: Sequence[str]) -> list[float]:
+        return self.head.predict(self.features.group(messages, answers))
+
+
+def write_meta(evaluation: Evaluation, trained: int, keys: int, base_model: str) -> dict[str, Any]:
+    return {
+        "kind": "reward_model",
+        "base_model": base_model,
+        "features": "frozen base, last layer: answer mean and last token",
+        "trained_on": {"ratings": trained, "keys": keys},
+        "heldout": evaluation.to_dict(),
+    }
+
+
+# --- the live reward model of an alias: its status in Redis, its files in the store --------------
+
+
+def status_key(alias: str) -> str:
+    """Hash: the alias's newest reward model and whether it may give rewards (RewardStatus)."""
+    return f"ratchet:feedback:{alias}:reward"
+
+
+@dataclass(frozen=True)
+class RewardStatus:
+    """What the learner last trained for an alias; written by it, read by judge, gate, status."""
+
+    version: int
+    usable: bool
+    reason: str
+    auc: float | None = None
+    trained_ratings: int = 0
+    eval_ratings: int = 0
+
+    def to_hash(self) -> dict[str, str]:
+        return {
+            "version": str(self.version),
+            "usable": "1" if self.usable else "0",
+            "reason": self.reason,
+            "auc": "" if self.auc is None else repr(self.auc),
+            "trained_ratings": str(self.trained_ratings),
+            "eval_ratings": str(self.eval_ratings),
+        }
+
+    def write(self, client: Any, alias: str) -> None:
+        """Into a (synchronous) Redis client or pipeline."""
+        mapping: dict[Any, Any] = self.to_hash()
+        client.hset(status_key(alias), mapping=mapping)
+
+    @classmethod
+    def read(cls, client: Any, alias: str) -> RewardStatus | None:
+        """From a (synchronous) Redis client."""
+        return cls.from_hash(client.hgetall(status_key(alias)))
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[Any, Any]) -> RewardStatus | None:
+        data = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in raw.items()
+        }
+        if not data.get("version"):
+            return None
+        return cls(
+            version=int(data["version"]),
+            usable=data.get("usable") == "1",
+            reason=data.get("reason", ""),
+            auc=float(data["auc"]) if data.get("auc") else None,
+            trained_ratings=int(data.get("trained_ratings") or 0),
+            eval_ratings=int(data.get("eval_ratings") or 0),
+        )
+
+
+def reward_model_name(alias: str, version: int) -> str:
+    """What a ScoredGroup's judge_model says when this reward model scored it."""
+    return f"{reward_store_name(alias)}@v{version}"
+
+
+class RewardModelUnavailable(Exception):
+    """No reward model of the alias may give rewards yet (none trained, or its AUC too low)."""
+
+
+class RewardModels:
+    """Score answers with an alias's live reward model. The base model is loaded once, on first
+    use; each version's head is read from the store once."""
+
+    def __init__(self, store_root: Path, base_model_path: Path) -> None:
+        self.store_root = store_root
+        self.base_model_path = base_model_path
+        self._features: AnswerFeatures | None = None
+        self._heads: dict[tuple[str, int], RewardHead] = {}
+
+    @property
+    def features(self) -> AnswerFeatures:
+        if self._features is None:
+            self._features = AnswerFeatures(self.base_model_path)
+        return self._features
+
+    def head(self, alias: str, version: int) -> RewardHead:
+        key = (alias, version)
+        if key not in self._heads:
+            folder = self.store_root / f"{reward_store_name(alias)}@v{version}"
+            self._heads[key] = RewardHead.load(folder)
+        return self._heads[key]
+
+    def score(
+        self,
+        alias: str,
+        status: RewardStatus | None,
+        messages: list[dict[str, Any]],
+        answers: Sequence[str],
+    ) -> tuple[list[float], str]:
+        """(each answer's predicted rating, the model's name); answers of one prompt are read in
+        one forward pass. RewardModelUnavailable when the alias has no usable model."""
+        if status is None:
+            raise RewardModelUnavailable(f"{alias} has no reward model yet")
+        if not status.usable:
+            raise RewardModelUnavailable(
+                f"{alias}'s reward model v{status.version}: {status.reason}"
+            )
+        head = self.head(alias, status.version)
+        return head.predict(self.features.group(messages, answers)), reward_model_name(
+            alias, status.version
+        )

@@ -1,0 +1,193 @@
+"""The loop learns from users' ratings alone: no verifier, no LLM judge.
+
+Users are a script. They send the bulleted-list task's prompts through the proxy with the
+official client and rate every answer through ``POST /v1/feedback`` by a criterion only the
+script knows (the task's verifier, which no part of the loop is configured with). The alias says
+only ``reward: {kind: feedback}``. The learner joins the ratings with the answers, trains a
+reward model, and once its held-out AUC clears ``feedback.min_auc`` the judge scores groups with
+it; a round trains, the gate compares with the reward model, and the canary is decided by the
+users' live ratings. The promoted version is then compared with the base on prompts no part of
+the loop saw, by the script's criterion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+import yaml
+
+from ratchet.dev.processes import Stack
+from ratchet.dev.stack import judge_part, learner_part
+from ratchet.registry import AliasRoute
+from ratchet.rewards.reward_model import RewardStatus
+from ratchet.settings import load_settings
+from ratchet.tasks.bullets import bullets_reward, load_prompts
+from tests.integration.conftest import BASE_MODEL, Embedded, free_port
+from tests.integration.test_learner import served_by, wait_for_event
+
+pytestmark = pytest.mark.integration
+
+ALIAS = "lt-rated"
+PROMPTS = load_prompts()
+FIRST_TRAFFIC = PROMPTS[:192]  # rated; they train the reward model and fill the held-out pool
+CANARY_TRAFFIC = PROMPTS[192:256]  # rated while a candidate is on canary
+UNSEEN = PROMPTS[400:464]  # the script's own evaluation: never sent through the proxy
+GROUPS = 24
+# The promoted version's mean greedy score by the users' criterion on UNSEEN must beat the
+# base's by this much.
+MARGIN = 0.05
+
+
+def config_for(env: Embedded, home: Path) -> Path:
+    config = yaml.safe_load(env.config_path.read_text())
+    config["home"] = str(home)
+    config["store_dir"] = str(env.settings.store_dir)
+    config["judge"] = {"consumer_group": "judge-rated", "metrics_port": free_port()}
+    config["learner"] = {
+        "consumer_group": "learner-rated",
+        "metrics_port": free_port(),
+        "base_model_path": str(env.model_path),
+        "batch_groups": GROUPS,
+        "min_groups": GROUPS,
+    }
+    config["aliases"] = {
+        ALIAS: {
+            "base_model": BASE_MODEL,
+            "reward": {"kind": "feedback"},
+            "feedback": {"retrain_every": 96},
+            "learning": {"dedup_window_s": 0},
+            "gate": {"min_pairs": 32, "max_pairs": 64},
+            "canary": {
+                "weight": 0.5,
+                "min_requests": 16,
+                "min_feedback": 8,
+                "feedback_wait_s": 60,
+            },
+        }
+    }
+    path = home / "rated.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def users(
+    env: Embedded, prompts: list[dict[str, Any]], concurrency: int = 8, temperature: float = 1.0
+) -> dict[str, int]:
+    """Each prompt through the proxy, its answer rated by the users' hidden criterion. Users
+    are eight API keys (a key's ratings count for at most feedback.max_share). Returns the
+    answers each canary arm gave."""
+    arms: dict[str, int] = {}
+
+    async def run() -> None:
+        clients = [
+            openai.AsyncOpenAI(base_url=f"{env.proxy_url}/v1", api_key=f"user-{u}", max_retries=2)
+            for u in range(8)
+        ]
+        limit = asyncio.Semaphore(concurrency)
+
+        async def one(i: int, prompt: dict[str, Any]) -> None:
+            client = clients[i % len(clients)]
+            async with limit:
+                raw = await client.chat.completions.with_raw_response.create(
+                    model=ALIAS,
+                    messages=prompt["messages"],
+                    max_tokens=64,
+                    temperature=temperature,
+                    user=f"user-{i}",
+                )
+            arm = raw.headers["x-ratchet-canary-arm"]
+            arms[arm] = arms.get(arm, 0) + 1
+            answer = raw.parse()
+            score = bullets_reward(prompt["messages"], answer.choices[0].message.to_dict())
+            await client.post(
+                "/feedback", body={"completion_id": answer.id, "score": score}, cast_to=object
+            )
+
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        for client in clients:
+            await client.close()
+
+    asyncio.run(run())
+    return arms
+
+
+def greedy_scores(env: Embedded, models: list[str]) -> list[float]:
+    async def run(client: httpx.AsyncClient, model: str) -> float:
+        async def one(prompt: dict[str, Any]) -> float:
+            body = {"model": model, "messages": prompt["messages"], "max_tokens": 64}
+            reply = await client.post("/v1/chat/completions", json={**body, "temperature": 0.0})
+            reply.raise_for_status()
+            return bullets_reward(prompt["messages"], reply.json()["choices"][0]["message"])
+
+        return statistics.fmean(await asyncio.gather(*(one(p) for p in UNSEEN)))
+
+    async def run_all() -> list[float]:
+        async with httpx.AsyncClient(
+            base_url=env.settings.vllm_url, headers=env.vllm_headers, timeout=300
+        ) as client:
+            return list(await asyncio.gather(*(run(client, m) for m in models)))
+
+    return asyncio.run(run_all())
+
+
+def wait_for_reward_model(env: Embedded, timeout_s: float) -> RewardStatus:
+    client = redis.Redis.from_url(env.settings.redis_url)
+    deadline = time.monotonic() + timeout_s
+    status = None
+    while time.monotonic() < deadline:
+        status = RewardStatus.read(client, ALIAS)
+        if status is not None and status.usable:
+            return status
+        time.sleep(0.5)
+    raise TimeoutError(f"no usable reward model in {timeout_s}s: {status}")
+
+
+# The bar of issue 14: within 40 minutes on the 2-core machine.
+@pytest.mark.timeout(2400)
+def test_the_loop_learns_from_ratings_alone(embedded: Embedded, tmp_path: Path) -> None:
+    config = config_for(embedded, tmp_path)
+    settings = load_settings(config)
+    embedded.registry.write(AliasRoute(alias=ALIAS, base_model=BASE_MODEL))
+    embedded.wait_for_proxy_route(ALIAS)
+    services = Stack(
+        [judge_part(settings, config), learner_part(settings, config)], tmp_path / "services"
+    )
+    services.start()
+    try:
+        started = time.monotonic()
+        # Users' first answers, rated: the reward model's training data. Nothing can score a
+        # group yet, so the judge only holds prompts out for the gate meanwhile.
+        users(embedded, FIRST_TRAFFIC)
+        status = wait_for_reward_model(embedded, timeout_s=600)
+        print(f"reward model v{status.version}: {status.reason}")
+        # The same users come back: now the judge samples groups and the reward model scores
+        # them. Traffic goes on until the candidate is on canary or rejected.
+        outcome: list[dict[str, Any]] = []
+        while not outcome and time.monotonic() - started < 1800:
+            users(embedded, FIRST_TRAFFIC[: GROUPS * 2], temperature=0.7)
+            try:
+                outcome = wait_for_event(settings, ALIAS, {"canary", "reject"}, timeout_s=120)
+            except TimeoutError:
+                continue
+        assert outcome and outcome[0]["kind"] == "canary", outcome
+        candidate = outcome[0]["version"]
+        arms = users(embedded, CANARY_TRAFFIC, concurrency=16, temperature=0.0)
+        assert arms.get("canary", 0) >= 16, arms
+        [decided] = wait_for_event(settings, ALIAS, {"promote", "rollback"}, timeout_s=300)
+        print(f"canary: {decided['detail'].get('reason')}")
+    finally:
+        services.stop()
+
+    assert decided["kind"] == "promote" and decided["version"] == candidate, decided
+    assert served_by(embedded, ALIAS) == f"{ALIAS}@v{candidate}"
+    base, better = greedy_scores(embedded, [BASE_MODEL, f"{ALIAS}@v{candidate}"])
+    print(f"unseen prompts, users' criterion: base {base:.3f}, v{candidate} {better:.3f}")
+    assert better >= base + MARGIN, (base, better)

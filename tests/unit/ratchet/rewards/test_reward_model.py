@@ -1,0 +1,134 @@
+"""The learned reward model: its metrics and loss on fixed sets, the head's training, and the
+features of the real embedded model read a group in one pass exactly as answer by answer."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from ratchet.rewards.reward_model import (
+    AnswerFeatures,
+    RatedAnswer,
+    RewardHead,
+    auc,
+    evaluate,
+    fit_head,
+    is_eval_rating,
+    pairwise_accuracy,
+    preference_pairs,
+    reward_loss,
+)
+from ratchet.settings import default_home
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def rated(prompt: str, answer: str, score: float, key: str = "k") -> RatedAnswer:
+    return RatedAnswer(
+        prompt_messages=[{"role": "user", "content": prompt}],
+        answer=answer,
+        score=score,
+        key=key,
+        prompt_hash=prompt,
+        completion_id=f"{prompt}/{answer}",
+    )
+
+
+# --- metrics and loss on fixed sets --------------------------------------------------------------
+
+
+def test_auc_is_the_chance_a_positive_outranks_a_negative() -> None:
+    assert auc([0.9, 0.8, 0.1, 0.2], [1, 1, 0, 0]) == 1.0
+    assert auc([0.1, 0.2, 0.9, 0.8], [1, 1, 0, 0]) == 0.0
+    assert auc([0.5, 0.5], [1, 0]) == 0.5  # a tie counts half
+    assert auc([0.9, 0.3, 0.6], [1, 0, 0]) == 1.0
+    assert auc([0.9, 0.3, 0.6], [1, 1, 0]) == 0.5
+    assert auc([0.9], [1]) is None  # no negative: undefined
+
+
+def test_preference_pairs_come_from_one_prompts_differently_rated_answers() -> None:
+    answers = [
+        rated("p", "a", 1.0),
+        rated("p", "b", 0.0),
+        rated("q", "c", 0.0),
+        rated("p", "d", 1.0),
+    ]
+    assert sorted(preference_pairs(answers)) == [(0, 1), (3, 1)]
+    assert pairwise_accuracy([0.9, 0.1, 0.5, 0.05], [(0, 1), (3, 1)]) == 0.5
+    assert pairwise_accuracy([0.9, 0.1], []) is None
+
+
+def test_the_loss_on_a_fixed_batch() -> None:
+    logits = torch.tensor([2.0, -1.0, 0.0], dtype=torch.float64)
+    scores = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    weight = torch.tensor([0.5, -0.5], dtype=torch.float64)
+    pointwise = (math.log1p(math.exp(-2.0)) + math.log1p(math.exp(-1.0)) + math.log(2.0)) / 3
+    pairwise = (math.log1p(math.exp(-3.0)) + math.log1p(math.exp(-1.0))) / 2  # (0,1) and (2,1)
+    got = reward_loss(logits, scores, [(0, 1), (2, 1)], weight, l2=0.1)
+    assert float(got) == pytest.approx(pointwise + pairwise + 0.1 * 0.5)
+
+
+def test_the_eval_split_is_by_prompt_and_stable() -> None:
+    held = [is_eval_rating(f"prompt-{i}", 0.2) for i in range(2000)]
+    assert 0.17 < sum(held) / len(held) < 0.23
+    assert held == [is_eval_rating(f"prompt-{i}", 0.2) for i in range(2000)]
+
+
+def test_the_head_learns_a_direction_and_its_heldout_metrics_say_so() -> None:
+    """Ratings follow one hidden feature (with noise); the head, trained on 200, ranks 200 more."""
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+
+    def dataset(n: int, tag: str) -> tuple[torch.Tensor, list[RatedAnswer]]:
+        features = torch.randn(n, 16, generator=gen)
+        answers = []
+        for i in range(n):
+            p = 1 / (1 + math.exp(-3 * float(features[i, 3])))
+            score = float(rng.random() < p)
+            answers.append(rated(f"{tag}{i // 2}", f"a{i}", score, key=f"k{i % 7}"))
+        return features, answers
+
+    train_x, train_y = dataset(200, "t")
+    test_x, test_y = dataset(200, "e")
+    head = fit_head(train_x, train_y, l2=1e-2)
+    assert int(head.weight.abs().argmax()) == 3
+    result = evaluate(head.predict(test_x), test_y)
+    assert result.ratings == 200 and result.auc is not None and result.auc > 0.8
+    assert result.auc_interval is not None and result.auc_interval[0] > 0.7
+    assert result.pairwise_accuracy is not None and result.pairwise_accuracy > 0.7
+    # A head of the wrong sign ranks them backwards: the metric is not a constant.
+    flipped = RewardHead(-head.weight, -head.bias, head.mean, head.std)
+    assert evaluate(flipped.predict(test_x), test_y).auc < 0.2  # type: ignore[operator]
+
+
+def test_a_head_round_trips_through_its_file(tmp_path: Path) -> None:
+    head = RewardHead(
+        torch.tensor([1.0, -2.0]), 0.5, torch.tensor([0.1, 0.2]), torch.tensor([1.0, 2.0])
+    )
+    head.save(tmp_path)
+    loaded = RewardHead.load(tmp_path)
+    x = torch.tensor([[0.3, -0.4], [1.0, 2.0]])
+    assert loaded.predict(x) == pytest.approx(head.predict(x))
+
+
+# --- features of the real model ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def features() -> AnswerFeatures:
+    from ratchet.dev.model import prepare_model
+
+    return AnswerFeatures(prepare_model(default_home(), quiet=True))
+
+
+def test_a_group_read_at_once_equals_each_answer_read_alone(features: AnswerFeatures) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}]
+    answers = ["Blue.", "The sky is blue, and so is the sea.", "red"]
+    together = features.group(messages, answers)
+    assert together.shape == (3, features.size)
+    alone = torch.cat([features.group(messages, [a]) for a in answers])
+    assert torch.allclose(together, alone, atol=1e-4)
