@@ -32,12 +32,12 @@ from learner.metrics import LearnerMetrics
 from learner.ratings import RatingsJoin, new_ratings_key, read_ratings
 from ratchet.records import FeedbackRecord, TrafficRecord, decode
 from ratchet.rewards.reward_model import (
-    POSITIVE,
     AnswerFeatures,
     RatedAnswer,
     RewardStatus,
     evaluate,
     fit_head,
+    good_ratings,
     is_eval_rating,
     reward_store_name,
     write_meta,
@@ -151,8 +151,7 @@ class RewardTrainer:
 
 def _cannot_train(trained: list[RatedAnswer], held: list[RatedAnswer]) -> str | None:
     for what, answers in (("training", trained), ("held-out", held)):
-        scores = [a.score for a in answers]
-        if not any(s >= POSITIVE for s in scores) or not any(s < POSITIVE for s in scores):
+        if good_ratings([a.score for a in answers]) is None:
             return f"the {what} ratings ({len(answers)}) need both good and bad ones"
     return None
 
@@ -198,9 +197,11 @@ class RatingsCollector:
         for alias in sorted(self.join.feedback_aliases()):
             if self.stopping.is_set() or not self.trainer.due(alias):
                 continue
-            with self.leases.hold(alias) as lease:
+            # A lease of its own (<alias>.reward): training a reward model must not hold up the
+            # alias's rounds and canary decisions, which read only the finished versions.
+            with self.leases.hold(reward_store_name(alias)) as lease:
                 if lease is None:
-                    continue  # another replica trains it (or runs a round): its turn
+                    continue  # another replica trains it: its turn
                 status = self.trainer.train(alias)
                 self.metrics.reward_model_version.labels(alias).set(status.version)
                 if status.auc is not None:

@@ -165,10 +165,6 @@ class Rounds:
         if self._trainer is None:
             s = self.settings.learner
             device = None if s.device == "auto" else s.device
-            if s.cpu_threads is not None:
-                import torch
-
-                torch.set_num_threads(s.cpu_threads)
             self._trainer = LoraGRPOLearner(
                 self.base_model_path, lora_settings(s), train_settings(s), device=device
             )

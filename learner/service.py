@@ -589,6 +589,10 @@ def serve(settings: RatchetSettings) -> None:
     from ratchet.dev.model import prepare_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if settings.learner.cpu_threads is not None:  # for every model the learner runs
+        import torch
+
+        torch.set_num_threads(settings.learner.cpu_threads)
     path = settings.learner.base_model_path
     base = Path(path) if path else prepare_model(settings.home)
     LearnerService(settings, base).run()

@@ -201,7 +201,9 @@ class FeedbackConfig(_Section):
     # Share of the rated prompts kept out of training to evaluate the reward model.
     eval_fraction: float = Field(default=0.25, gt=0.0, lt=1.0)
     # How long an answer waits for its rating (and a rating for its answer's traffic record).
-    join_ttl_s: int = Field(default=24 * 3600, ge=60)
+    # Every answer of a feedback alias is kept in Redis this long: an hour, as the canary keeps
+    # its completions, bounds that memory to an hour of traffic.
+    join_ttl_s: int = Field(default=3600, ge=60)
     # Joined ratings kept per alias for training (the newest).
     max_ratings: int = Field(default=20_000, ge=1)
 

@@ -36,7 +36,7 @@ import numpy as np
 
 HEAD_FILE = "reward_head.safetensors"
 REWARD_SUFFIX = ".reward"  # the store name of an alias's reward models: <alias>.reward@v<N>
-POSITIVE = 0.5  # a rating at or above this counts as positive for the AUC
+POSITIVE = 0.5  # a thumbs up: a rating at or above this is a good one (good_ratings)
 
 
 def reward_store_name(alias: str) -> str:
@@ -66,13 +66,25 @@ def is_eval_rating(prompt_hash: str, fraction: float) -> bool:
 # --- metrics (pure) ------------------------------------------------------------------------------
 
 
+def good_ratings(scores: Sequence[float]) -> list[bool] | None:
+    """Which ratings count as good for the AUC: a thumbs up (at least :data:`POSITIVE`) when
+    ratings fall on both sides of it; else, for users who rate on a scale and never reach it (or
+    never fall below it), those above the ratings' mean. None when every rating is the same."""
+    if any(s >= POSITIVE for s in scores) and any(s < POSITIVE for s in scores):
+        return [s >= POSITIVE for s in scores]
+    mean = float(np.mean(scores)) if len(scores) else 0.0
+    good = [s > mean for s in scores]
+    return good if any(good) and not all(good) else None
+
+
 def auc(predictions: Sequence[float], scores: Sequence[float]) -> float | None:
-    """Area under the ROC curve of ``predictions`` for ratings >= :data:`POSITIVE` (the chance
-    that a positive answer outranks a negative one, ties half); None without both kinds."""
-    pos = [p for p, y in zip(predictions, scores, strict=True) if y >= POSITIVE]
-    neg = [p for p, y in zip(predictions, scores, strict=True) if y < POSITIVE]
-    if not pos or not neg:
+    """Area under the ROC curve of ``predictions`` for the good ratings (:func:`good_ratings`):
+    the chance that a good answer outranks a bad one, ties half; None without both kinds."""
+    good = good_ratings(scores)
+    if good is None:
         return None
+    pos = [p for p, g in zip(predictions, good, strict=True) if g]
+    neg = [p for p, g in zip(predictions, good, strict=True) if not g]
     p, n = np.asarray(pos)[:, None], np.asarray(neg)[None, :]
     return float(((p > n).sum() + 0.5 * (p == n).sum()) / (len(pos) * len(neg)))
 

@@ -48,6 +48,9 @@ def test_auc_is_the_chance_a_positive_outranks_a_negative() -> None:
     assert auc([0.9, 0.3, 0.6], [1, 0, 0]) == 1.0
     assert auc([0.9, 0.3, 0.6], [1, 1, 0]) == 0.5
     assert auc([0.9], [1]) is None  # no negative: undefined
+    # Users who rate on a scale and never give half marks: good is above their mean (0.2).
+    assert auc([0.1, 0.3, 0.2, 0.05], [0.1, 0.3, 0.35, 0.05]) == 1.0
+    assert auc([0.5, 0.5], [0.2, 0.2]) is None  # every rating the same: nothing to rank
 
 
 def test_preference_pairs_come_from_one_prompts_differently_rated_answers() -> None:
