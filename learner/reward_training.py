@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +102,10 @@ class RewardTrainer:
             pool, lambda a: key_of(a.key or None), len(pool), config.max_share
         )
         why = _cannot_train(trained, held)
+        previous = RewardStatus.read(self.redis, alias)
         if why is not None:
             self.redis.decrby(new_ratings_key(alias), consumed)
-            status = RewardStatus(version=0, usable=False, reason=why)
+            status = _keep_live(previous, RewardStatus(version=0, usable=False, reason=why))
             status.write(self.redis, alias)
             log.info("%s: reward model not trained: %s", alias, why)
             return status
@@ -125,7 +127,7 @@ class RewardTrainer:
         )
         if not usable:
             reason += f", not above feedback.min_auc {config.min_auc}"
-        status = RewardStatus(
+        newest = RewardStatus(
             version=version,
             usable=usable,
             reason=reason,
@@ -133,6 +135,7 @@ class RewardTrainer:
             trained_ratings=len(trained),
             eval_ratings=len(held),
         )
+        status = _keep_live(previous, newest)
         pipe = self.redis.pipeline(transaction=True)
         status.write(pipe, alias)
         pipe.decrby(new_ratings_key(alias), consumed)
@@ -147,6 +150,17 @@ class RewardTrainer:
             usable,
         )
         return status
+
+
+def _keep_live(previous: RewardStatus | None, newest: RewardStatus) -> RewardStatus:
+    """The status to publish: the newest model when it may give rewards; else the one giving
+    them now stays live (a retrain on drifted ratings must not stop an alias that learns), with
+    why the newest is not."""
+    if newest.usable or previous is None or not previous.usable:
+        return newest
+    what = f"v{newest.version}" if newest.version else "a retrain"
+    reason = previous.reason.split("; ", 1)[0]
+    return replace(previous, reason=f"{reason}; {what} not live: {newest.reason}")
 
 
 def _cannot_train(trained: list[RatedAnswer], held: list[RatedAnswer]) -> str | None:

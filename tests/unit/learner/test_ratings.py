@@ -181,3 +181,18 @@ def test_a_reward_model_learns_what_users_prefer_and_scores_with_it(
     messages = [{"role": "user", "content": "Tell me about kites."}]
     scores, name = models.score(ALIAS, status, messages, [curt("kites"), polite("kites")])
     assert name == f"{ALIAS}.reward@v1" and scores[1] > scores[0]
+
+
+def test_a_worse_retrain_does_not_stop_a_live_reward_model() -> None:
+    from learner.reward_training import _keep_live
+
+    live = RewardStatus(2, usable=True, reason="held-out AUC 0.860 on 45 ratings", auc=0.86)
+    worse = RewardStatus(3, usable=False, reason="held-out AUC 0.618, not above 0.65", auc=0.618)
+    kept = _keep_live(live, worse)
+    assert kept.version == 2 and kept.usable and kept.auc == 0.86
+    assert kept.reason == "held-out AUC 0.860 on 45 ratings; v3 not live: " + worse.reason
+    # Again: the reason does not grow with every retrain.
+    assert _keep_live(kept, worse).reason == kept.reason
+    better = RewardStatus(4, usable=True, reason="held-out AUC 0.900", auc=0.9)
+    assert _keep_live(kept, better) == better
+    assert _keep_live(None, worse) == worse  # nothing live yet: the alias waits, and says why
