@@ -13,18 +13,16 @@ the loop saw, by the script's criterion.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 import redis
 import yaml
 
-from ratchet.dev.processes import Stack
+from ratchet.dev.processes import Stack, wait_until
 from ratchet.dev.stack import judge_part, learner_part
 from ratchet.registry import AliasRoute
 from ratchet.rewards.reward_model import RewardStatus
@@ -32,6 +30,7 @@ from ratchet.settings import load_settings
 from ratchet.tasks.bullets import bullets_reward, load_prompts
 from tests.integration.conftest import BASE_MODEL, Embedded, free_port
 from tests.integration.test_learner import history, served_by, wait_for_event
+from tests.integration.test_learning_loop import greedy_scores
 
 pytestmark = pytest.mark.integration
 
@@ -122,35 +121,17 @@ def users(
     return arms
 
 
-def greedy_scores(env: Embedded, models: list[str]) -> list[float]:
-    async def run(client: httpx.AsyncClient, model: str) -> float:
-        async def one(prompt: dict[str, Any]) -> float:
-            body = {"model": model, "messages": prompt["messages"], "max_tokens": 64}
-            reply = await client.post("/v1/chat/completions", json={**body, "temperature": 0.0})
-            reply.raise_for_status()
-            return bullets_reward(prompt["messages"], reply.json()["choices"][0]["message"])
-
-        return statistics.fmean(await asyncio.gather(*(one(p) for p in UNSEEN)))
-
-    async def run_all() -> list[float]:
-        async with httpx.AsyncClient(
-            base_url=env.settings.vllm_url, headers=env.vllm_headers, timeout=300
-        ) as client:
-            return list(await asyncio.gather(*(run(client, m) for m in models)))
-
-    return asyncio.run(run_all())
-
-
 def wait_for_reward_model(env: Embedded, timeout_s: float) -> RewardStatus:
     client = redis.Redis.from_url(env.settings.redis_url)
-    deadline = time.monotonic() + timeout_s
-    status = None
-    while time.monotonic() < deadline:
+
+    def usable() -> bool:
         status = RewardStatus.read(client, ALIAS)
-        if status is not None and status.usable:
-            return status
-        time.sleep(0.5)
-    raise TimeoutError(f"no usable reward model in {timeout_s}s: {status}")
+        return status is not None and status.usable
+
+    wait_until(usable, timeout_s, f"a usable reward model ({RewardStatus.read(client, ALIAS)})")
+    status = RewardStatus.read(client, ALIAS)
+    assert status is not None
+    return status
 
 
 # The bar of issue 14: within 40 minutes on the 2-core machine.
@@ -192,6 +173,8 @@ def test_the_loop_learns_from_ratings_alone(embedded: Embedded, tmp_path: Path) 
 
     assert decided["kind"] == "promote" and decided["version"] == candidate, decided
     assert served_by(embedded, ALIAS) == f"{ALIAS}@v{candidate}"
-    base, better = greedy_scores(embedded, [BASE_MODEL, f"{ALIAS}@v{candidate}"])
+    base, better = greedy_scores(
+        embedded, [BASE_MODEL, f"{ALIAS}@v{candidate}"], UNSEEN, bullets_reward
+    )
     print(f"unseen prompts, users' criterion: base {base:.3f}, v{candidate} {better:.3f}")
     assert better >= base + MARGIN, (base, better)

@@ -14,6 +14,7 @@ import json
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -173,9 +174,14 @@ def send_demo_traffic(
     return arms
 
 
-def greedy_scores(env: Embedded, models: list[str], prompts: list[dict[str, Any]]) -> list[float]:
-    """Each model's mean demo verifier score of its greedy answers, straight from vLLM. The
-    models answer side by side, so vLLM batches them together."""
+def greedy_scores(
+    env: Embedded,
+    models: list[str],
+    prompts: list[dict[str, Any]],
+    reward: Callable[[list[dict[str, Any]], dict[str, Any]], float] = extraction_reward,
+) -> list[float]:
+    """Each model's mean ``reward`` (the demo verifier) of its greedy answers, straight from
+    vLLM. The models answer side by side, so vLLM batches them together."""
 
     async def run(client: httpx.AsyncClient, limit: asyncio.Semaphore, model: str) -> float:
         async def one(prompt: dict[str, Any]) -> float:
@@ -189,7 +195,7 @@ def greedy_scores(env: Embedded, models: list[str], prompts: list[dict[str, Any]
                 reply = await client.post("/v1/chat/completions", json=body)
             reply.raise_for_status()
             message = reply.json()["choices"][0]["message"]
-            return extraction_reward(prompt["messages"], message)
+            return reward(prompt["messages"], message)
 
         return statistics.fmean(await asyncio.gather(*(one(p) for p in prompts)))
 
