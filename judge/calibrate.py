@@ -28,6 +28,7 @@ from rich.table import Table
 
 from judge.metrics import JudgeMetrics
 from judge.scoring import GroupScorer
+from ratchet.rewards.agreement import pairwise_agreement, spearman
 from ratchet.rewards.ruler import JudgeReplyError, build_judge_request
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import RatchetSettings, RewardConfig
@@ -60,44 +61,6 @@ def load_labels(path: Path) -> list[LabelledGroup]:
             raise ValueError(f"{path}:{number}: needs >= 2 samples and one label per sample")
         groups.append(LabelledGroup(prompt, samples, labels, item.get("tools")))
     return groups
-
-
-def ranks(values: list[float]) -> list[float]:
-    """Ranks starting at 1, ties sharing their mean rank."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    result = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            result[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return result
-
-
-def spearman(a: list[float], b: list[float]) -> float | None:
-    """Spearman's rho; None when either side is constant (it is undefined there)."""
-    ra, rb = ranks(a), ranks(b)
-    if len(set(ra)) < 2 or len(set(rb)) < 2:
-        return None
-    return statistics.correlation(ra, rb)
-
-
-def pairwise_agreement(scores: list[float], labels: list[float]) -> tuple[float, int]:
-    """(agreeing pairs, pairs with different labels); a judge tie counts half."""
-    agree, total = 0.0, 0
-    for i, j in itertools.combinations(range(len(labels)), 2):
-        if labels[i] == labels[j]:
-            continue
-        total += 1
-        judged = scores[i] - scores[j]
-        if judged == 0:
-            agree += 0.5
-        elif (judged > 0) == (labels[i] > labels[j]):
-            agree += 1
-    return agree, total
 
 
 def order_flips(forward: list[float], reverse: list[float]) -> tuple[int, int]:

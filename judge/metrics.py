@@ -70,6 +70,37 @@ class JudgeMetrics:
             ("alias",),
             registry=r,
         )
+        # Judge-user agreement (judge/agreement.py, ratchet/rewards/agreement.py).
+        self.agreement = Gauge(
+            "ratchet_judge_user_agreement",
+            "How far the judge's scores of rated served answers agree with the users' ratings",
+            ("alias", "measure"),
+            registry=r,
+        )
+        self.agreement_pairs = Gauge(
+            "ratchet_judge_user_agreement_pairs",
+            "Rated answers the judge scored, in the agreement window",
+            ("alias",),
+            registry=r,
+        )
+        self.agreement_min = Gauge(
+            "ratchet_judge_user_agreement_min",
+            "feedback.min_agreement: the pairwise accuracy below which the alert fires",
+            ("alias",),
+            registry=r,
+        )
+        self.agreement_min_pairs = Gauge(
+            "ratchet_judge_user_agreement_min_pairs",
+            "feedback.agreement_min_pairs: rated answers scored before the alert may fire",
+            ("alias",),
+            registry=r,
+        )
+        self.agreement_probes = Counter(
+            "ratchet_judge_agreement_probes_total",
+            "Rated served answers taken for the agreement, by outcome (scored, or why not)",
+            ("alias", "outcome"),
+            registry=r,
+        )
         self.in_flight = Gauge(
             "ratchet_judge_in_flight_groups", "Groups being worked on", registry=r
         )

@@ -94,12 +94,35 @@ class GroupScorer:
         if reward.kind in ("verifier", "mixed"):
             verified = self.verify(reward, prompt, samples)
         judged_by = reward.judge_model if ruler_scores is not None else None
+        rewards = combine(ruler_scores, verified, reward.ruler_weight)
+        if reward.learns_from_ratings:
+            rewards, judged_by = await self._with_ratings(alias, reward, prompt, samples, rewards)
+            # judged_by: the judge model, and "+<alias>.reward@v<N>" once the ratings weigh in
         return GroupScore(
-            rewards=combine(ruler_scores, verified, reward.ruler_weight),
+            rewards=rewards,
             explanations=explanations,
             judge_model=judged_by,
             rubric_hash=hash_rubric(reward.rubric) if ruler_scores is not None else None,
         )
+
+    async def _with_ratings(
+        self,
+        alias: str,
+        reward: RewardConfig,
+        prompt: list[dict[str, Any]],
+        samples: list[dict[str, Any]],
+        rewards: list[float],
+    ) -> tuple[list[float], str | None]:
+        """kind mixed with a feedback_weight: the reward model's scores weighed in, once it is
+        usable. Until then the group is scored without them (GRPO's advantages are relative to
+        the group, so the reward's scale changing then does not bias a round)."""
+        status = await self.reward_status(alias)
+        if status is None or not status.usable:
+            return rewards, reward.judge_model
+        learned = await self.learned(alias, prompt, samples)
+        w = reward.feedback_weight
+        mixed = [(1.0 - w) * r + w * s for r, s in zip(rewards, learned.rewards, strict=True)]
+        return mixed, f"{reward.judge_model}+{learned.judge_model}"
 
     async def reward_status(self, alias: str) -> RewardStatus | None:
         """The alias's reward model status (ratchet/rewards/reward_model.py), None if unknown."""

@@ -34,6 +34,7 @@ import redis
 import redis.asyncio as aioredis
 from prometheus_client import start_http_server
 
+from judge.agreement import AgreementProbe
 from judge.backpressure import Backpressure
 from judge.kafka_io import JudgeKafka
 from judge.metrics import JudgeMetrics
@@ -141,6 +142,16 @@ class JudgeService(JudgeKafka):
         )
         self.answer_lengths: dict[str, deque[int]] = {}
         self.stopping = asyncio.Event()
+        self.agreement = AgreementProbe(
+            settings,
+            self.redis,
+            self.scorer,
+            self.metrics,
+            self._route,
+            self._lengths,
+            self.limit,
+            self.vllm_key,
+        )
 
     # ---- one traffic record: classified first, sampled later ----------------------------------
     async def classify(self, message: SourceMessage) -> Ready | ToSample | None:
@@ -393,10 +404,13 @@ class JudgeService(JudgeKafka):
         await loop.run_in_executor(None, self._connect)
         log.info("judge consuming %s as group %s", TRAFFIC_TOPIC, s.judge.consumer_group)
         async with aiohttp.ClientSession() as session:
+            probing = asyncio.create_task(self.agreement.run(session, self.stopping))
             while not self.stopping.is_set():
                 batch = await loop.run_in_executor(None, self._poll)
                 if batch and not await self.judge_batch(session, batch):
                     break
+            self.stopping.set()
+            await probing
         await loop.run_in_executor(None, self._close)
         await self.redis.aclose()
 
@@ -443,7 +457,7 @@ class JudgeService(JudgeKafka):
 def reward_models(settings: RatchetSettings) -> RewardModels | None:
     """The reward models of aliases that learn from ratings, if any: the base model is read
     from the learner's path (or the embedded model), on first use."""
-    if not any(c.reward.kind == "feedback" for c in settings.aliases.values()):
+    if not any(c.reward.learns_from_ratings for c in settings.aliases.values()):
         return None
     from ratchet.dev.model import prepare_model
 

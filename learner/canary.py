@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,8 +36,10 @@ import redis
 from learner.canary_ratings import Rating, mean_drop, rating_test
 from learner.exchanges import read_exchanges
 from learner.fair import key_of
+from learner.guard import reward_model_gap
 from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
+from learner.ratings import newest_ratings
 from ratchet.lease import LeaseKeeper, LeaseLost
 from ratchet.lifecycle import Lifecycle, LifecycleError
 from ratchet.records import (
@@ -45,6 +48,7 @@ from ratchet.records import (
     decode,
 )
 from ratchet.registry import AliasRoute, decode_hash
+from ratchet.rewards.reward_model import RatedAnswer
 from ratchet.sequential import SequentialTest
 from ratchet.settings import AliasConfig, CanaryConfig, RatchetSettings
 
@@ -60,6 +64,13 @@ Verdict = Literal["wait", "promote", "rollback"]
 # With no rating on either arm by the time the active arm has this many times canary.min_requests
 # answers, a canary does not wait feedback_wait_s for ratings (see canary_verdict).
 UNRATED_AFTER = 4
+# The reward-hacking guard compares the reward model with the users on this many of the alias's
+# newest joined ratings (those of the canary's and the active version's answers).
+GAP_RATINGS = 512
+
+# (alias, rated answers) -> the live reward model's predicted rating of each; None: no usable model.
+RewardPredictor = Callable[[str, list[RatedAnswer]], "list[float] | None"]
+
 # Each arm's rating list keeps this many times canary.max_rating_pairs ratings (room for those the
 # per-key cap leaves out).
 RATINGS_KEPT = 4
@@ -216,8 +227,10 @@ class CanaryWatcher:
         metrics: LearnerMetrics,
         stopping: threading.Event,
         leases: AliasLeases | None = None,
+        predict: RewardPredictor | None = None,
     ) -> None:
         self.settings = settings
+        self.predict = predict  # for aliases whose reward is learned from ratings
         self.lifecycle = lifecycle
         self.redis = lifecycle.writer.redis
         self.metrics = metrics
@@ -344,8 +357,35 @@ class CanaryWatcher:
             verdict, reason = canary_verdict(
                 stats["active"], stats["canary"], config.canary, age_s, ratings
             )
+            if verdict == "promote":
+                hacked = self.reward_gap(alias, route, config)
+                if hacked is not None:
+                    verdict, reason = "rollback", hacked
             if verdict != "wait":
                 self.decide(alias, route.canary, verdict, reason, stats, ratings)
+
+    def reward_gap(self, alias: str, route: AliasRoute, config: AliasConfig) -> str | None:
+        """For an alias whose reward is learned from ratings: why the canary fooled the reward
+        model (learner/guard.py), or None. Asked only before a promotion: it reads the rated
+        answers of both arms through the reward model."""
+        if self.predict is None or not config.reward.learns_from_ratings:
+            return None
+        versions = (route.active, route.canary)
+        answers = [
+            a for a in newest_ratings(self.redis, alias, GAP_RATINGS) if a.version in versions
+        ]
+        predicted = self.predict(alias, answers) if answers else None
+        if predicted is None:
+            return None
+        arms: dict[int | None, list[tuple[float, float]]] = {v: [] for v in versions}
+        for answer, prediction in zip(answers, predicted, strict=True):
+            arms[answer.version].append((prediction, answer.score))
+        return reward_model_gap(
+            arms[route.canary],
+            arms[route.active],
+            config.feedback.max_reward_gap,
+            config.canary.min_feedback,
+        )
 
     def decide(
         self,
@@ -377,6 +417,9 @@ class CanaryWatcher:
                         self.lifecycle.rollback(alias, reason, canary=canary, detail=detail)
                         self.metrics.rollbacks.labels(alias, reason.split(":", 1)[0]).inc()
                         log.warning("%s: canary v%d rolled back (%s)", alias, canary, reason)
+                        if reason.startswith("reward_hacking"):
+                            # The next round would train against the same fooled model.
+                            self.lifecycle.pause(alias, reason)
             except LeaseLost as exc:
                 self.metrics.lease_lost.labels(alias, "canary").inc()
                 log.warning("%s: canary decision abandoned: %s", alias, exc)

@@ -7,6 +7,10 @@
   exploring; such groups also carry no GRPO signal).
 * Runaway length: answers have grown several times longer than in the alias's first round
   (a classic way to please an LLM judge, and a cost the user pays).
+* Reward model fooled (aliases whose reward is learned from ratings): on the canary's rated
+  answers, the reward model's predictions exceed the users' ratings by more than it does on the
+  active version's. A candidate trained against the reward model that found its blind spots
+  scores well with it and not with the users.
 
 Each returns a reason (a sentence for the pause event and the metric label), or None.
 """
@@ -64,6 +68,31 @@ def runaway_length(current: float, baseline: float | None, growth: float) -> str
         return (
             f"runaway_length: answers average {current:.0f} tokens, "
             f"{current / baseline:.1f}x the first round's {baseline:.0f}"
+        )
+    return None
+
+
+def reward_model_gap(
+    canary: list[tuple[float, float]],
+    active: list[tuple[float, float]],
+    max_gap: float,
+    min_pairs: int,
+) -> str | None:
+    """``(predicted, rated)`` for each arm's rated answers. A reason when the reward model's
+    overrating of the canary's answers exceeds its overrating of the active's by ``max_gap``,
+    with at least ``min_pairs`` rated answers on each arm."""
+    if len(canary) < min_pairs or len(active) < min_pairs:
+        return None
+
+    def overrating(pairs: list[tuple[float, float]]) -> float:
+        return sum(p - r for p, r in pairs) / len(pairs)
+
+    gap_canary, gap_active = overrating(canary), overrating(active)
+    if gap_canary - gap_active > max_gap:
+        return (
+            f"reward_hacking: the reward model overrates the canary's {len(canary)} rated "
+            f"answers by {gap_canary:+.3f} and the active version's {len(active)} by "
+            f"{gap_active:+.3f} (more than {max_gap} apart)"
         )
     return None
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import redis
 
+from learner.canary import RewardPredictor
 from learner.exchanges import read_exchanges
 from learner.fair import fair_select, key_of
 from learner.leases import AliasLeases
@@ -35,6 +36,8 @@ from ratchet.records import FeedbackRecord, TrafficRecord, decode
 from ratchet.rewards.reward_model import (
     AnswerFeatures,
     RatedAnswer,
+    RewardModels,
+    RewardModelUnavailable,
     RewardStatus,
     evaluate,
     fit_head,
@@ -170,6 +173,24 @@ def _cannot_train(trained: list[RatedAnswer], held: list[RatedAnswer]) -> str | 
     return None
 
 
+def reward_predictor(client: redis.Redis, models: RewardModels) -> RewardPredictor:
+    """The live reward model's predicted rating of each answer (None: the alias has no usable
+    model), for the canary's reward-hacking guard."""
+
+    def predict(alias: str, answers: list[RatedAnswer]) -> list[float] | None:
+        status = RewardStatus.read(client, alias)
+        if status is None or not status.usable:
+            return None
+        try:
+            return [
+                models.score(alias, status, a.prompt_messages, [a.answer])[0][0] for a in answers
+            ]
+        except RewardModelUnavailable:
+            return None
+
+    return predict
+
+
 class RatingsCollector:
     """Joins ratings with answers, and retrains reward models when due. Runs in its own thread."""
 
@@ -199,13 +220,14 @@ class RatingsCollector:
         for message in messages:
             record = decode(message.topic, message.value)
             if isinstance(record, TrafficRecord):
-                outcome = self.join.on_traffic(record)
+                outcomes = self.join.on_traffic(record)
             elif isinstance(record, FeedbackRecord):
-                outcome = self.join.on_feedback(record)
+                outcomes = [self.join.on_feedback(record)]
             else:
                 continue  # another schema or malformed: counted by decode's caller elsewhere
-            if outcome != "not_feedback_alias":
-                self.metrics.ratings_joined.labels(outcome).inc()
+            for outcome in outcomes:
+                if outcome != "not_feedback_alias":
+                    self.metrics.ratings_joined.labels(outcome).inc()
 
     def retrain_due(self) -> None:
         for alias in sorted(self.join.feedback_aliases()):

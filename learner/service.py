@@ -44,7 +44,8 @@ from learner.guard import (
 from learner.heldout import HeldoutPool
 from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
-from learner.reward_training import RatingsCollector, RewardTrainer
+from learner.ratings import joins_ratings
+from learner.reward_training import RatingsCollector, RewardTrainer, reward_predictor
 from learner.round import RoundReport, Rounds, trained_key
 from ratchet.bus import ensure_topics, make_consumer
 from ratchet.lease import LeaseKeeper, LeaseLost
@@ -535,6 +536,8 @@ class LearnerService:
         return False
 
     def _start_canary_watcher(self) -> threading.Thread:
+        models = self.rounds.gate.reward_models
+        predictor = None if models is None else reward_predictor(self.redis, models)
         leases = AliasLeases(
             self.redis, self.settings.learner.lease_ttl_s, self.lease_keeper, self.metrics, "canary"
         )
@@ -544,14 +547,16 @@ class LearnerService:
             self.metrics,
             self.stopping,
             leases,
+            predictor,
         )
         thread = threading.Thread(target=watcher.run, name="canary", daemon=True)
         thread.start()
         return thread
 
     def _start_ratings_collector(self) -> threading.Thread | None:
-        """For aliases that learn from ratings: join them with answers, train reward models."""
-        if not any(c.reward.kind == "feedback" for c in self.settings.aliases.values()):
+        """For aliases that learn from ratings or compare their judge with them: join ratings
+        with answers, train reward models."""
+        if not any(joins_ratings(c) for c in self.settings.aliases.values()):
             return None
         collector = RatingsCollector(
             self.settings,

@@ -67,9 +67,24 @@ class RewardConfig(_Section):
         default=None, description='"package.module:function" returning a float in [0, 1]'
     )
     ruler_weight: float = Field(default=0.5, ge=0.0, le=1.0)
+    # kind mixed: the share of the reward that the alias's reward model (learned from ratings)
+    # gives, once it is usable; the rest is RULER and the verifier as ruler_weight splits them.
+    # 0: ratings do not enter the reward.
+    feedback_weight: float = Field(default=0.0, ge=0.0, le=1.0)
+
+    @property
+    def learns_from_ratings(self) -> bool:
+        """Whether a reward model trained on users' ratings gives (part of) this reward."""
+        return self.kind == "feedback" or (self.kind == "mixed" and self.feedback_weight > 0)
 
     @model_validator(mode="after")
     def _verifier_present(self) -> RewardConfig:
+        if self.feedback_weight > 0 and self.kind != "mixed":
+            raise ValueError(
+                f"reward.feedback_weight is {self.feedback_weight} but reward.kind is "
+                f"{self.kind!r}; it weighs the reward model inside kind: mixed (use kind: "
+                "feedback for ratings alone)"
+            )
         if self.kind in ("verifier", "mixed") and not self.verifier:
             raise ValueError(
                 f"reward.kind is {self.kind!r} but reward.verifier is empty; "
@@ -206,6 +221,24 @@ class FeedbackConfig(_Section):
     join_ttl_s: int = Field(default=3600, ge=60)
     # Joined ratings kept per alias for training (the newest).
     max_ratings: int = Field(default=20_000, ge=1)
+    # The reward-hacking guard of an alias whose reward learns from ratings: a canary whose rated
+    # answers the reward model overrates (predicted minus the users' mean rating) by more than
+    # this beyond how it overrates the active version's is rolled back and learning paused: the
+    # candidate learned to please the reward model, not the users.
+    max_reward_gap: float = Field(default=0.15, gt=0.0, le=1.0)
+    # Set: the same API key asking the same prompt again within this many seconds rates the
+    # first answer 0 (the user regenerated it). 0: off. Needs API keys: without auth nobody is
+    # "the same user".
+    regenerate_window_s: int = Field(default=0, ge=0)
+    # kind ruler or mixed: the judge also scores each rated served answer among re-samples of
+    # its prompt, to measure how far the judge agrees with the users (judge/agreement.py).
+    judge_agreement: bool = True
+    # The agreement is measured over this many most recent rated answers ...
+    agreement_window: int = Field(default=500, ge=10)
+    # ... and alerts (RatchetJudgeDisagreesWithUsers) when its pairwise accuracy is below this
+    # once agreement_min_pairs rated answers are in the window. 0.5 is a coin.
+    min_agreement: float = Field(default=0.6, ge=0.0, le=1.0)
+    agreement_min_pairs: int = Field(default=50, ge=2)
 
 
 class AliasConfig(_Section):
@@ -221,9 +254,14 @@ class AliasConfig(_Section):
 
     @model_validator(mode="after")
     def _feedback_needs_a_canary(self) -> AliasConfig:
-        if self.reward.kind == "feedback" and self.canary.weight == 0:
+        if self.reward.learns_from_ratings and self.canary.weight == 0:
+            what = (
+                "reward.kind is 'feedback'"
+                if self.reward.kind == "feedback"
+                else "reward.feedback_weight is above 0"
+            )
             raise ValueError(
-                "reward.kind is 'feedback' but canary.weight is 0: a candidate trained against "
+                f"{what} but canary.weight is 0: a candidate trained against "
                 "the reward model can fool the gate that uses the same model, so live ratings "
                 "must decide; set canary.weight above 0 (for example 0.1)"
             )

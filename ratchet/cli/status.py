@@ -14,6 +14,8 @@ from ratchet.cli.routing import read_routes
 if TYPE_CHECKING:
     import redis
 
+    from ratchet.settings import AliasConfig
+
 
 @app.command()
 def status(
@@ -24,6 +26,7 @@ def status(
     """Per alias: active version, canary, pause, what the learner is doing, the last rounds
     with reward and gate result."""
     from ratchet.cli.report import learner_lag, rounds_of
+    from ratchet.rewards.agreement import probes_agreement
 
     settings = settings_or_exit(config)
     writer, routes = read_routes(settings, alias)
@@ -51,8 +54,10 @@ def status(
             )
             learning += f": {reason}" if reason else ""
         alias_config = settings.aliases.get(name)
-        if alias_config is not None and alias_config.reward.kind == "feedback":
+        if alias_config is not None and alias_config.reward.learns_from_ratings:
             learning += "\n" + reward_model_line(writer.redis, name)
+        if alias_config is not None and probes_agreement(alias_config):
+            learning += "\n" + agreement_line(writer.redis, name, alias_config)
         table.add_row(
             name,
             f"v{route.active}",
@@ -82,6 +87,24 @@ def reward_model_line(client: redis.Redis, alias: str) -> str:
     if not status.usable:
         return f"waiting: {name}: {status.reason}"
     return f"rewards from {name}: {status.reason}"
+
+
+def agreement_line(client: redis.Redis, alias: str, config: AliasConfig) -> str:
+    """How far the judge agrees with the users on rated answers (judge/agreement.py)."""
+    from ratchet.rewards.agreement import agreement, agreement_key, decode_pair
+
+    pairs = [decode_pair(raw) for raw in client.lrange(agreement_key(alias), 0, -1)]
+    if not pairs:
+        return "judge-user agreement: no rated answer scored yet"
+    measures = agreement(pairs)
+    line = measures.line()
+    low = measures.pairwise_accuracy is not None and (
+        measures.pairwise_accuracy < config.feedback.min_agreement
+        and measures.pairs >= config.feedback.agreement_min_pairs
+    )
+    if low:
+        return f"[red]{line}: below feedback.min_agreement {config.feedback.min_agreement}[/red]"
+    return line
 
 
 def learner_line(client: redis.Redis, alias: str) -> str:

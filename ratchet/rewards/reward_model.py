@@ -53,6 +53,7 @@ class RatedAnswer:
     key: str  # who rated it (API key hash)
     prompt_hash: str
     completion_id: str
+    version: int | None = None  # the version that served it (None: joined before it was kept)
 
 
 def is_eval_rating(prompt_hash: str, fraction: float) -> bool:

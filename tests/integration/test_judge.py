@@ -15,12 +15,15 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 import yaml
 from kafka import KafkaProducer
+from prometheus_client.parser import text_string_to_metric_families
 
 from judge.service import is_heldout
+from ratchet.cli.status import agreement_line
 from ratchet.dev.processes import Stack, wait_until
-from ratchet.dev.stack import judge_part
+from ratchet.dev.stack import judge_part, learner_part
 from ratchet.records import (
     DEADLETTER_TOPIC,
     GROUPS_TOPIC,
@@ -32,7 +35,9 @@ from ratchet.records import (
     prompt_hash,
 )
 from ratchet.registry import AliasRoute
+from ratchet.rewards.agreement import agreement_key, decode_pair
 from ratchet.secrets import vllm_api_key
+from ratchet.settings import load_settings
 from tests.integration.conftest import BASE_MODEL, Embedded, free_port
 from tests.records import build_traffic_record
 
@@ -104,8 +109,6 @@ def send_traffic(env: Embedded, alias: str, questions: list[str]) -> dict[str, s
 
 @contextlib.contextmanager
 def running_judge(config: Path, state: Path) -> Iterator[Stack]:
-    from ratchet.settings import load_settings
-
     stack = Stack([judge_part(load_settings(config), config)], state)
     stack.start()
     try:
@@ -398,3 +401,81 @@ def test_the_judge_stops_sampling_while_the_learner_has_enough_groups(
         assert {g.traffic_request_id for g in groups} == set(again)
         wait_until(lambda: int(client.get(produced_key(alias)) or 0) == 2, 30, "2 groups counted")
     assert not set(refused) & {g.traffic_request_id for g in groups}
+
+
+def test_the_judge_scores_what_users_rated_to_measure_its_agreement_with_them(
+    embedded: Embedded, tmp_path: Path
+) -> None:
+    """Users rate answers through the proxy; the learner joins each rating with its answer; the
+    judge scores each rated answer among fresh re-samples with the real RULER judge, and exports
+    how far it agrees with the users, with learning still off (measured before it trains)."""
+    alias = "jt-agree"
+    path = judge_config(embedded, tmp_path, alias)
+    config = yaml.safe_load(path.read_text())
+    config["aliases"][alias]["learning"]["enabled"] = False
+    config["learner"] = {
+        "consumer_group": f"learner-{alias}",
+        "metrics_port": free_port(),
+        "base_model_path": str(embedded.model_path),
+    }
+    path.write_text(yaml.safe_dump(config))
+    settings = load_settings(path)
+    embedded.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
+    embedded.wait_for_proxy_route(alias)
+    judge_metrics = f"http://127.0.0.1:{settings.judge.metrics_port}/metrics"
+    services = Stack(
+        [judge_part(settings, path), learner_part(settings, path)], tmp_path / "services"
+    )
+    services.start()
+    try:
+        for question in QUESTIONS:
+            reply = httpx.post(
+                f"{embedded.proxy_url}/v1/chat/completions",
+                json={
+                    "model": alias,
+                    "messages": [{"role": "user", "content": question}],
+                    "max_tokens": 16,
+                },
+                timeout=60,
+            )
+            reply.raise_for_status()
+            # The users' criterion, unknown to the judge: answers naming the thing asked about.
+            thing = question.rsplit(" ", 1)[-1].rstrip("?").lower()
+            answer = reply.json()["choices"][0]["message"]["content"] or ""
+            rated = httpx.post(
+                f"{embedded.proxy_url}/v1/feedback",
+                json={"completion_id": reply.json()["id"], "score": float(thing in answer.lower())},
+                timeout=10,
+            )
+            assert rated.status_code == 200, rated.text
+
+        wait_until(
+            lambda: sum(probes_of(httpx.get(judge_metrics).text, alias).values()) >= len(QUESTIONS),
+            300,
+            f"the judge to take every rated answer of {alias}",
+        )
+        scraped = httpx.get(judge_metrics).text
+    finally:
+        services.stop()
+
+    outcomes = probes_of(scraped, alias)
+    # SmolLM2 as a judge sometimes fails its structured reply twice; most are scored.
+    assert outcomes.get("scored", 0) >= len(QUESTIONS) // 2, outcomes
+    client = redis.Redis.from_url(settings.redis_url)
+    pairs = [decode_pair(raw) for raw in client.lrange(agreement_key(alias), 0, -1)]
+    assert len(pairs) == outcomes["scored"]
+    assert all(0.0 <= judged <= 1.0 and rating in (0.0, 1.0) for judged, rating in pairs)
+    assert f'ratchet_judge_user_agreement_pairs{{alias="{alias}"}} {len(pairs)}.0' in scraped
+    line = agreement_line(client, alias, settings.aliases[alias])
+    assert f"over {len(pairs)} rated answers" in line or "not yet comparable" in line, line
+    print(line, outcomes)
+
+
+def probes_of(scraped: str, alias: str) -> dict[str, float]:
+    return {
+        sample.labels["outcome"]: sample.value
+        for family in text_string_to_metric_families(scraped)
+        for sample in family.samples
+        if sample.name == "ratchet_judge_agreement_probes_total"
+        and sample.labels.get("alias") == alias
+    }

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 from kafka.errors import KafkaTimeoutError
 
 from judge import calibrate as cal
@@ -38,6 +39,7 @@ from ratchet.answer_length import auto_max_tokens
 from ratchet.dev.processes import free_port
 from ratchet.records import TRAFFIC_TOPIC, DeadLetter, HeldoutPrompt, TrafficRecord, prompt_hash
 from ratchet.registry import AliasRoute, RegistryWriter, alias_key
+from ratchet.rewards.reward_model import RewardStatus
 from ratchet.rewards.ruler import JudgeReplyError, JudgeRequest, JudgeScores
 from ratchet.settings import (
     AliasConfig,
@@ -372,6 +374,46 @@ def test_verifier_and_mixed_rewards() -> None:
     assert score.rewards == [0.5, 0.5] and score.rubric_hash
 
 
+class FixedRewardModels:
+    """Stands in for RewardModels: every answer gets the same predicted rating."""
+
+    def __init__(self, rating: float) -> None:
+        self.rating = rating
+
+    def score(
+        self, alias: str, status: RewardStatus | None, messages: Any, answers: list[str]
+    ) -> tuple[list[float], str]:
+        assert status is not None and status.usable
+        return [self.rating] * len(answers), f"{alias}.reward@v{status.version}"
+
+
+def test_mixed_weighs_in_the_reward_model_once_it_is_usable(redis_url: str) -> None:
+    mixed = RewardConfig(
+        kind="mixed",
+        verifier="ratchet.rewards.examples:exact_json_fields",
+        ruler_weight=0.5,
+        feedback_weight=0.5,
+    )
+    prompt = [{"role": "user", "content": 'Extract.\nEXPECTED: {"a": 1, "b": 2}'}]
+
+    async def scored() -> tuple[list[float], str | None]:
+        scorer = ScriptedScorer([[0.0, 1.0]])
+        scorer.cache = aioredis.Redis.from_url(redis_url)
+        scorer.reward_models = FixedRewardModels(1.0)  # type: ignore[assignment]
+        score = await scorer.score("a", mixed, prompt, None, answers('{"a": 1, "b": 2}', "no"))
+        await scorer.cache.aclose()
+        return score.rewards, score.judge_model
+
+    # No reward model yet: RULER and the verifier alone, as without feedback_weight.
+    assert run(scored()) == ([0.5, 0.5], mixed.judge_model)
+    client = redis.Redis.from_url(redis_url)
+    RewardStatus(version=2, usable=False, reason="AUC 0.55").write(client, "a")
+    assert run(scored())[0] == [0.5, 0.5]
+    RewardStatus(version=2, usable=True, reason="AUC 0.8").write(client, "a")
+    rewards, judged_by = run(scored())
+    assert rewards == [0.75, 0.75] and judged_by == f"{mixed.judge_model}+a.reward@v2"
+
+
 def test_a_failing_verifier_drops_the_group_with_a_cause() -> None:
     broken = RewardConfig(kind="verifier", verifier="ratchet.rewards.examples:no_such_function")
     with pytest.raises(ScoringError) as failed:
@@ -380,23 +422,6 @@ def test_a_failing_verifier_drops_the_group_with_a_cause() -> None:
 
 
 # ---- calibration statistics ----------------------------------------------------------------------
-def test_ranks_share_ties() -> None:
-    assert cal.ranks([10, 20, 20, 5]) == [2, 3.5, 3.5, 1]
-
-
-def test_spearman_known_values() -> None:
-    assert cal.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert cal.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-    assert cal.spearman([1, 1, 1], [1, 2, 3]) is None
-
-
-def test_pairwise_agreement_counts_ties_half() -> None:
-    assert cal.pairwise_agreement([0.9, 0.5, 0.1], [1, 0.5, 0]) == (3, 3)
-    assert cal.pairwise_agreement([0.1, 0.5, 0.9], [1, 0.5, 0]) == (0, 3)
-    assert cal.pairwise_agreement([0.5, 0.5], [1, 0]) == (0.5, 1)
-    assert cal.pairwise_agreement([0.2, 0.9], [1, 1]) == (0, 0)  # equal labels: no pair
-
-
 def test_position_bias_measures() -> None:
     assert cal.order_flips([0.9, 0.1], [0.9, 0.1]) == (0, 1)
     assert cal.order_flips([0.9, 0.1], [0.1, 0.9]) == (1, 1)

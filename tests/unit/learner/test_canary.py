@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,10 +18,12 @@ from learner.canary import ArmStats, CanaryWatcher, canary_verdict, read_counts,
 from learner.canary_ratings import Rating, rating_test
 from learner.leases import lease_key
 from learner.metrics import LearnerMetrics
+from learner.ratings import ratings_key
 from ratchet.lease import Lease
 from ratchet.lifecycle import Lifecycle
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord, TrafficRecord
 from ratchet.registry import RegistryWriter
+from ratchet.rewards.reward_model import RatedAnswer
 from ratchet.settings import AliasConfig, CanaryConfig, RatchetSettings
 from ratchet.store import AdapterStore
 
@@ -475,3 +478,58 @@ def test_check_exports_the_canarys_state(settings: RatchetSettings, lifecycle: L
     assert sample("ratchet_learner_active_version", {"alias": ALIAS}) == 1
     assert sample("ratchet_learner_canary_requests", {"alias": ALIAS, "arm": "canary"}) == 4
     assert sample("ratchet_learner_canary_error_rate", {"alias": ALIAS, "arm": "canary"}) == 0.25
+
+
+def rated_answers(client: Any, version: int, count: int, score: float) -> None:
+    """Joined ratings of ``count`` answers of ``version`` (as learner/ratings.py keeps them)."""
+    for i in range(count):
+        answer = RatedAnswer(
+            [{"role": "user", "content": f"q{i}"}],
+            f"v{version} answer",
+            score,
+            f"k{i}",
+            f"h{i}",
+            f"{version}-{i}",
+            version,
+        )
+        client.rpush(ratings_key(ALIAS), json.dumps(asdict(answer)))
+
+
+@pytest.mark.parametrize(("canary_predicted", "promoted"), [(0.9, False), (0.6, True)])
+def test_a_canary_that_fooled_the_reward_model_is_rolled_back_and_learning_paused(
+    redis_url: str, tmp_path: Path, canary_predicted: float, promoted: bool
+) -> None:
+    """Users rate both arms 0.5; the reward model predicts 0.5 for the active version's answers
+    and ``canary_predicted`` for the canary's: overrating by 0.4 is beyond max_reward_gap
+    (0.15), by 0.1 is not."""
+    config = AliasConfig(canary=CONFIG, reward={"kind": "feedback"})
+    settings = RatchetSettings(redis_url=redis_url, home=tmp_path, aliases={ALIAS: config})
+    assert settings.store_dir is not None
+    store = AdapterStore(settings.store_dir)
+    for version in (1, 2):
+        add_version(store, version)
+    lifecycle = Lifecycle(RegistryWriter(settings.redis_url, settings.aliases), store, sink=None)
+    lifecycle.promote(ALIAS, 1)
+    start_canary(lifecycle)
+    rated_answers(lifecycle.writer.redis, 1, 6, 0.5)
+    rated_answers(lifecycle.writer.redis, 2, 6, 0.5)
+
+    def predict(alias: str, answers: list[RatedAnswer]) -> list[float]:
+        assert alias == ALIAS
+        return [canary_predicted if a.version == 2 else 0.5 for a in answers]
+
+    watcher = CanaryWatcher(settings, lifecycle, LearnerMetrics(), threading.Event(), None, predict)
+    watcher.routes = lifecycle.writer.read_all().routes
+    watcher.count(healthy_traffic(10))
+    age_canary(lifecycle, LATE)
+    watcher.check()
+    route = lifecycle.writer.read(ALIAS)
+    assert route is not None
+    if promoted:
+        assert (route.active, route.canary, route.paused) == (2, None, False)
+        return
+    assert (route.active, route.canary, route.paused) == (1, None, True)
+    paused, rolled_back = lifecycle.writer.history(ALIAS)[:2]
+    assert rolled_back["kind"] == "rollback" and paused["kind"] == "pause"
+    assert paused["detail"]["reason"].startswith("reward_hacking: the reward model overrates")
+    assert "+0.400" in paused["detail"]["reason"] and "+0.000" in paused["detail"]["reason"]

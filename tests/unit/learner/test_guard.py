@@ -10,6 +10,7 @@ from learner.guard import (
     collapse,
     is_collapsed,
     mean_length,
+    reward_model_gap,
     reward_up_gate_down,
     rounds_from_history,
     runaway_length,
@@ -144,3 +145,15 @@ def test_a_pause_or_resume_starts_the_window_afresh() -> None:
             RoundOutcome(version=5, train_reward=0.8, passed=False)
         ]
     assert len(rounds_from_history([*newer, *older])) == 3
+
+
+def test_reward_model_gap_compares_the_arms_overrating() -> None:
+    fair = [(0.6, 0.5)] * 10  # the model overrates the active version's answers by 0.1
+    assert reward_model_gap([(0.7, 0.6)] * 10, fair, max_gap=0.15, min_pairs=5) is None
+    reason = reward_model_gap([(0.9, 0.4)] * 10, fair, max_gap=0.15, min_pairs=5)
+    assert reason is not None and reason.startswith("reward_hacking:")
+    assert "+0.500" in reason and "+0.100" in reason
+    # Too few rated answers on an arm: no verdict yet.
+    assert reward_model_gap([(0.9, 0.4)] * 4, fair, max_gap=0.15, min_pairs=5) is None
+    # Underrating the canary is no sign of hacking.
+    assert reward_model_gap([(0.1, 0.9)] * 10, fair, max_gap=0.15, min_pairs=5) is None

@@ -3,7 +3,9 @@ with the real embedded model's features, written to the store and used to score 
 
 from __future__ import annotations
 
+import json
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -20,12 +22,13 @@ from learner.ratings import (
 )
 from learner.reward_training import RatingsCollector, RewardTrainer
 from ratchet.lease import LeaseKeeper
-from ratchet.records import FeedbackRecord, TrafficRecord
+from ratchet.records import FeedbackRecord, TrafficRecord, utc_now
+from ratchet.rewards.agreement import AGREEMENT_QUEUE, to_judge_key
 from ratchet.rewards.reward_model import RewardModels, RewardStatus, reward_store_name
 from ratchet.settings import AliasConfig, RatchetSettings, default_home
 from ratchet.store import AdapterStore
 
-ALIAS, OTHER = "support", "plain"
+ALIAS, OTHER, JUDGED = "support", "plain", "judged"
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -36,7 +39,13 @@ def settings(redis_url: str, tmp_path: Path) -> RatchetSettings:
     feedback = AliasConfig(
         reward={"kind": "feedback"}, feedback={"retrain_every": 8, "join_ttl_s": 600}
     )
-    return RatchetSettings(redis_url=redis_url, home=tmp_path, aliases={ALIAS: feedback, OTHER: {}})
+    plain = {"feedback": {"judge_agreement": False}}  # RULER, not compared with its users
+    judged = {"feedback": {"regenerate_window_s": 60}}  # RULER, compared with its users
+    return RatchetSettings(
+        redis_url=redis_url,
+        home=tmp_path,
+        aliases={ALIAS: feedback, OTHER: plain, JUDGED: judged},
+    )
 
 
 @pytest.fixture
@@ -45,9 +54,10 @@ def client(settings: RatchetSettings) -> redis.Redis:
 
 
 def traffic(
-    cid: str, prompt: str, answer: str, key: str = "alice", alias: str = ALIAS
+    cid: str, prompt: str, answer: str, key: str = "alice", alias: str = ALIAS, at: str = ""
 ) -> TrafficRecord:
     return TrafficRecord(
+        ts=at or utc_now(),
         request_id=f"req-{cid}",
         endpoint="chat.completions",
         alias=alias,
@@ -73,7 +83,7 @@ def rating(cid: str, score: float, key: str = "alice") -> FeedbackRecord:
 
 def test_a_rating_joins_its_answer_once(settings: RatchetSettings, client: redis.Redis) -> None:
     join = RatingsJoin(settings, client)
-    assert join.on_traffic(traffic("c1", "Hi?", "Hello!")) == "stored"
+    assert join.on_traffic(traffic("c1", "Hi?", "Hello!")) == ["stored"]
     assert client.ttl(exchange_key("c1")) > 500  # waits join_ttl_s for its rating
     assert join.on_feedback(rating("c1", 1.0)) == "joined"
     assert join.on_feedback(rating("c1", 0.0)) == "pending"  # its answer is gone: never joined
@@ -88,8 +98,8 @@ def test_a_rating_joins_its_answer_once(settings: RatchetSettings, client: redis
     assert joined.prompt_messages == [{"role": "user", "content": "Hi?"}]
     assert int(client.get(new_ratings_key(ALIAS)) or 0) == 1
     # A traffic record read again (a redelivery) does not store its answer twice.
-    assert join.on_traffic(traffic("c2", "Hi?", "Hey")) == "stored"
-    assert join.on_traffic(traffic("c2", "Hi?", "Hey")) == "duplicate"
+    assert join.on_traffic(traffic("c2", "Hi?", "Hey")) == ["stored"]
+    assert join.on_traffic(traffic("c2", "Hi?", "Hey")) == ["duplicate"]
 
 
 def test_a_rating_that_arrives_before_its_answer_waits_for_it(
@@ -99,7 +109,7 @@ def test_a_rating_that_arrives_before_its_answer_waits_for_it(
     assert join.on_feedback(rating("early", 0.25)) == "pending"
     assert client.ttl(pending_key("early")) > 500
     assert read_ratings(client, ALIAS) == []
-    assert join.on_traffic(traffic("early", "Q", "A")) == "joined"
+    assert join.on_traffic(traffic("early", "Q", "A")) == ["joined"]
     assert [r.score for r in read_ratings(client, ALIAS)] == [0.25]
     assert not client.exists(pending_key("early"), exchange_key("early"))
 
@@ -120,10 +130,76 @@ def test_other_aliases_and_failed_answers_are_not_kept(
     settings: RatchetSettings, client: redis.Redis
 ) -> None:
     join = RatingsJoin(settings, client)
-    assert join.on_traffic(traffic("p1", "Q", "A", alias=OTHER)) == "not_feedback_alias"
+    assert join.on_traffic(traffic("p1", "Q", "A", alias=OTHER)) == ["not_feedback_alias"]
     failed = traffic("f1", "Q", "A").model_copy(update={"status": 502, "choices": []})
-    assert join.on_traffic(failed) == "no_answer"
+    assert join.on_traffic(failed) == ["no_answer"]
     assert client.keys("ratchet:feedback:*") == []
+
+
+def test_a_ruler_alias_queues_rated_answers_for_its_judge_and_trains_nothing(
+    settings: RatchetSettings, client: redis.Redis
+) -> None:
+    join = RatingsJoin(settings, client)
+    assert join.on_traffic(traffic("j1", "Q", "A", alias=JUDGED)) == ["stored"]
+    assert join.on_feedback(rating("j1", 0.75)) == "joined"
+    [queued] = [json.loads(raw) for raw in client.lrange(to_judge_key(JUDGED), 0, -1)]
+    assert (queued["answer"], queued["score"], queued["completion_id"]) == ("A", 0.75, "j1")
+    assert read_ratings(client, JUDGED) == [] and not client.exists(new_ratings_key(JUDGED))
+
+
+def test_the_queue_for_the_judge_keeps_only_the_newest(
+    settings: RatchetSettings, client: redis.Redis
+) -> None:
+    join = RatingsJoin(settings, client)
+    for i in range(AGREEMENT_QUEUE + 5):
+        join.on_traffic(traffic(f"q{i}", f"Q{i}", "A", alias=JUDGED))
+        join.on_feedback(rating(f"q{i}", 1.0))
+    queued = [
+        json.loads(raw)["completion_id"] for raw in client.lrange(to_judge_key(JUDGED), 0, -1)
+    ]
+    assert queued == [f"q{i}" for i in range(5, AGREEMENT_QUEUE + 5)]
+
+
+def at(seconds: float) -> str:
+    return datetime.fromtimestamp(1_800_000_000 + seconds, UTC).isoformat()
+
+
+def test_asking_the_same_prompt_again_rates_the_first_answer_down(
+    settings: RatchetSettings, client: redis.Redis
+) -> None:
+    """regenerate_window_s (60 here): the same key, the same prompt, within the window."""
+    join = RatingsJoin(settings, client)
+    assert join.on_traffic(traffic("r1", "Q", "first", alias=JUDGED, at=at(0))) == ["stored"]
+    assert join.on_traffic(traffic("r2", "Q", "again", alias=JUDGED, at=at(20))) == [
+        "stored",
+        "implicit",
+    ]
+    [implicit] = [json.loads(raw) for raw in client.lrange(to_judge_key(JUDGED), 0, -1)]
+    assert (implicit["completion_id"], implicit["answer"], implicit["score"]) == ("r1", "first", 0)
+    # Rated once: the user's own rating of it afterwards is never joined.
+    assert join.on_feedback(rating("r1", 1.0)) == "pending"
+
+
+def test_no_implicit_rating_across_keys_prompts_windows_or_explicit_ratings(
+    settings: RatchetSettings, client: redis.Redis
+) -> None:
+    join = RatingsJoin(settings, client)
+    join.on_traffic(traffic("a1", "Q", "x", key="alice", alias=JUDGED, at=at(0)))
+    assert join.on_traffic(traffic("b1", "Q", "x", key="bob", alias=JUDGED, at=at(1))) == ["stored"]
+    assert join.on_traffic(traffic("a2", "Other", "x", alias=JUDGED, at=at(2))) == ["stored"]
+    # Too late: 61 s after alice's first ask.
+    assert join.on_traffic(traffic("a3", "Q", "x", alias=JUDGED, at=at(61))) == ["stored"]
+    # Rated by the user first: asking again does not rate it a second time.
+    join.on_traffic(traffic("c1", "P", "x", key="carol", alias=JUDGED, at=at(100)))
+    assert join.on_feedback(rating("c1", 1.0, key="carol")) == "joined"
+    assert join.on_traffic(traffic("c2", "P", "y", key="carol", alias=JUDGED, at=at(110))) == [
+        "stored"
+    ]
+    # Off (the default) for the other aliases.
+    join.on_traffic(traffic("s1", "Q", "x", at=at(0)))
+    assert join.on_traffic(traffic("s2", "Q", "x", at=at(1))) == ["stored"]
+    scores = [json.loads(raw)["score"] for raw in client.lrange(to_judge_key(JUDGED), 0, -1)]
+    assert scores == [1.0]
 
 
 # --- the reward model ----------------------------------------------------------------------------

@@ -203,6 +203,31 @@ def test_verifier_kind_without_verifier_rejected(kind: str) -> None:
     assert "reward.verifier" in message
 
 
+@pytest.mark.parametrize(
+    ("reward", "expected"),
+    [
+        ({"kind": "feedback"}, "reward.kind is 'feedback' but canary.weight is 0"),
+        (
+            {"kind": "mixed", "verifier": "m:f", "feedback_weight": 0.3},
+            "reward.feedback_weight is above 0 but canary.weight is 0",
+        ),
+    ],
+)
+def test_learning_from_ratings_refuses_an_alias_without_a_canary(
+    reward: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        load_settings(aliases={"rated": {"reward": reward, "canary": {"weight": 0}}})
+    rated = load_settings(aliases={"rated": {"reward": reward, "canary": {"weight": 0.1}}})
+    assert rated.aliases["rated"].reward.learns_from_ratings
+
+
+def test_a_feedback_weight_belongs_to_kind_mixed() -> None:
+    with pytest.raises(ConfigError, match="weighs the reward model inside kind: mixed"):
+        load_settings(aliases={"rated": {"reward": {"kind": "ruler", "feedback_weight": 0.5}}})
+    assert not load_settings(aliases={"a": {}}).aliases["a"].reward.learns_from_ratings
+
+
 def test_verifier_must_name_a_function() -> None:
     with pytest.raises(ConfigError, match=r"package\.module:function"):
         load_settings(aliases={"math": {"reward": {"kind": "verifier", "verifier": "pkg.mod"}}})

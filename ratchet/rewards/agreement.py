@@ -1,0 +1,122 @@
+"""How far an alias's judge agrees with its users, on the answers the users rated.
+
+The learner's ratings join (learner/ratings.py) queues each rated served answer of a RULER-judged
+alias; the judge (judge/agreement.py) scores it among fresh re-samples of its prompt, as it would
+score a training group, and keeps (judge score, user rating) pairs here. This module is the pure
+core both sides and ``ratchet status`` share: the keys, the pair encoding, and the measures
+(also those of ``ratchet judge calibrate``, judge/calibrate.py, on a team's labelled groups).
+
+- **Pairwise accuracy**: over every two rated answers the users scored differently, the share the
+  judge orders the same way (a judge tie counts half). 0.5 is a coin; 1.0 full agreement.
+- **Spearman**: the rank correlation of judge scores and ratings (ties get their mean rank).
+
+Both compare answers to different prompts: RULER's scores are relative to their group, so this
+is a lower bound on how well the judge ranks answers to one prompt. It is still what matters
+before training: a judge whose order disagrees with the users' teaches the model the wrong way.
+
+Redis keys:
+
+- ``ratchet:feedback:<alias>:to_judge`` (list of ``RatedAnswer`` JSON): rated answers the judge
+  has not scored yet, newest last, at most :data:`AGREEMENT_QUEUE` (older ones are dropped when
+  the judge falls behind: the measure needs a sample, not every rating);
+- ``ratchet:judge:<alias>:agreement`` (list of ``"<judge score>\\t<rating>"``): the newest pairs,
+  at most ``feedback.agreement_window``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ratchet.settings import AliasConfig
+
+AGREEMENT_QUEUE = 64
+
+
+def to_judge_key(alias: str) -> str:
+    return f"ratchet:feedback:{alias}:to_judge"
+
+
+def agreement_key(alias: str) -> str:
+    return f"ratchet:judge:{alias}:agreement"
+
+
+def probes_agreement(config: AliasConfig) -> bool:
+    """Whether the alias's judge is compared with its users: RULER judges it, and it is on."""
+    return config.reward.kind in ("ruler", "mixed") and config.feedback.judge_agreement
+
+
+def encode_pair(judge_score: float, rating: float) -> str:
+    return f"{judge_score:.6f}\t{rating:.6f}"
+
+
+def decode_pair(raw: bytes | str) -> tuple[float, float]:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    judge_score, rating = text.split("\t")
+    return float(judge_score), float(rating)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    pairs: int  # rated answers the judge scored
+    pairwise_accuracy: float | None  # None: the users gave them all one rating
+    spearman: float | None  # None: the judge or the users gave one score to all
+
+    def line(self) -> str:
+        """What ``ratchet status`` prints."""
+        if self.pairwise_accuracy is None:
+            return f"judge-user agreement: {self.pairs} rated answers scored, not yet comparable"
+        rho = "-" if self.spearman is None else f"{self.spearman:+.2f}"
+        return (
+            f"judge-user agreement: pairwise {self.pairwise_accuracy:.2f}, Spearman {rho} "
+            f"over {self.pairs} rated answers"
+        )
+
+
+def pairwise_agreement(scores: Sequence[float], labels: Sequence[float]) -> tuple[float, int]:
+    """(agreeing pairs, pairs with different labels); a judge tie counts half."""
+    agree, total = 0.0, 0
+    for i, j in itertools.combinations(range(len(labels)), 2):
+        if labels[i] == labels[j]:
+            continue
+        total += 1
+        judged = scores[i] - scores[j]
+        if judged == 0:
+            agree += 0.5
+        elif (judged > 0) == (labels[i] > labels[j]):
+            agree += 1
+    return agree, total
+
+
+def ranks(values: Sequence[float]) -> list[float]:
+    """Ranks starting at 1, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    result = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            result[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return result
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Spearman's rho; None when either side is constant (it is undefined there)."""
+    ra, rb = ranks(a), ranks(b)
+    if len(set(ra)) < 2 or len(set(rb)) < 2:
+        return None
+    return statistics.correlation(ra, rb)
+
+
+def agreement(pairs: Sequence[tuple[float, float]]) -> Agreement:
+    """The measures over (judge score, user rating) pairs."""
+    judge = [p[0] for p in pairs]
+    users = [p[1] for p in pairs]
+    agreed, compared = pairwise_agreement(judge, users)
+    accuracy = agreed / compared if compared else None
+    return Agreement(len(pairs), accuracy, spearman(judge, users))
