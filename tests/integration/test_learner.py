@@ -482,7 +482,15 @@ def test_a_canary_users_dislike_is_rolled_back_by_itself(
     embedded: Embedded, policy: BasePolicy, base_answers: list[str], tmp_path: Path
 ) -> None:
     alias = "lt-canary"
-    canary = {"weight": 0.5, "min_requests": 16, "min_feedback": 4, "max_feedback_drop": 0.1}
+    # Long enough a wait that only the ratings' sequential test can decide (all-0 against all-1
+    # ratings fail it at 15 pairs).
+    canary = {
+        "weight": 0.5,
+        "min_requests": 16,
+        "min_feedback": 4,
+        "max_feedback_drop": 0.1,
+        "feedback_wait_s": 900,
+    }
     # What is under test is the canary, not the candidate: any candidate the learner puts on
     # canary will do. So a round of a dozen groups (those whose rewards differ) in 2 steps, and
     # a gate of 8 short pairs that passes anything not worse on every pair (threshold 0); users
@@ -511,7 +519,7 @@ def test_a_canary_users_dislike_is_rolled_back_by_itself(
         embedded.wait_for_proxy_route(alias, active_version=0, canary_version=candidate)
         # Users on the canary arm rate every answer 0, the others 1: the canary is worse.
         arms: dict[str, int] = {}
-        for i, prompt in enumerate(PROMPTS[200:248]):
+        for i, prompt in enumerate(PROMPTS[200:264]):
             reply = httpx.post(
                 f"{embedded.proxy_url}/v1/chat/completions",
                 json={
@@ -534,12 +542,16 @@ def test_a_canary_users_dislike_is_rolled_back_by_itself(
                 timeout=10,
             )
             assert feedback.status_code == 200, feedback.text
-        assert arms.get("canary", 0) >= 16 and arms.get("active", 0) >= 4, arms
+        assert arms.get("canary", 0) >= 16 and arms.get("active", 0) >= 15, arms
         [rollback] = wait_for_event(settings, alias, {"rollback", "promote"}, timeout_s=120)
 
     assert rollback["kind"] == "rollback", rollback
     assert (rollback["previous_version"], rollback["version"]) == (candidate, 0), rollback
-    assert "feedback" in json.dumps(rollback["detail"]), rollback
+    # Decided by the sequential test on the live ratings, with its evidence.
+    assert rollback["detail"]["reason"].startswith("ratings: "), rollback
+    evidence = rollback["detail"]["ratings"]
+    assert evidence["decision"] == "fail" and 15 <= evidence["n"] <= 32, evidence
+    assert evidence["upper"] < 0.45, evidence
     route = embedded.registry.read(alias)
     assert route is not None and (route.active, route.canary) == (0, None)
     embedded.wait_for_proxy_route(alias, active_version=0, canary_version=None)
