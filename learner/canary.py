@@ -24,11 +24,11 @@ gone and changes nothing.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis
@@ -40,6 +40,13 @@ from learner.guard import reward_model_gap
 from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
 from learner.ratings import newest_ratings
+from ratchet.canary_state import (
+    ARMS,
+    ArmStats,
+    canary_key,
+    ratings_key,
+    read_counts,
+)
 from ratchet.lease import LeaseKeeper, LeaseLost
 from ratchet.lifecycle import Lifecycle, LifecycleError
 from ratchet.records import (
@@ -47,14 +54,13 @@ from ratchet.records import (
     TrafficRecord,
     decode,
 )
-from ratchet.registry import AliasRoute, decode_hash
+from ratchet.registry import AliasRoute
 from ratchet.rewards.reward_model import RatedAnswer
 from ratchet.sequential import SequentialTest
 from ratchet.settings import AliasConfig, CanaryConfig, RatchetSettings
 
 log = logging.getLogger(__name__)
 
-ARMS = ("active", "canary")
 # How long a canary-time completion id is remembered for its feedback to be credited to its arm.
 COMPLETION_TTL_S = 3600
 RATED = b"rated"
@@ -88,15 +94,6 @@ def is_upstream_failure(record: TrafficRecord) -> bool:
     return record.error is not None and record.error.get("code") in UPSTREAM_FAILURES
 
 
-def canary_key(alias: str) -> str:
-    return f"ratchet:canary:{alias}"
-
-
-def ratings_key(alias: str, arm: str) -> str:
-    """List of an arm's counted ratings, oldest first (:meth:`Rating.encode`)."""
-    return f"ratchet:canary:{alias}:ratings:{arm}"
-
-
 def completion_key(completion_id: str) -> str:
     """String "<alias>\\t<version>\\t<arm>\\t<key hash>" of a canary-time completion, "rated"
     once its feedback is counted; expires after COMPLETION_TTL_S."""
@@ -111,28 +108,6 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
-
-
-def reset_counts(pipe: Any, alias: str, version: int) -> None:
-    """Queue the commands that start counting a new canary (into the caller's transaction)."""
-    pipe.delete(canary_key(alias), *(ratings_key(alias, arm) for arm in ARMS))
-    pipe.hset(canary_key(alias), mapping={"version": version, "started": time.time()})
-
-
-@dataclass(frozen=True)
-class ArmStats:
-    requests: int = 0
-    errors: int = 0  # upstream failures (UPSTREAM_FAILURES): what a client provokes is not counted
-    feedback: int = 0
-    feedback_sum: float = 0.0
-
-    @property
-    def error_rate(self) -> float:
-        return self.errors / self.requests if self.requests else 0.0
-
-    @property
-    def feedback_mean(self) -> float | None:
-        return self.feedback_sum / self.feedback if self.feedback else None
 
 
 def canary_verdict(
@@ -196,25 +171,6 @@ def read_ratings(client: redis.Redis, alias: str, config: AliasConfig) -> Sequen
         for arm in ARMS
     ]
     return rating_test(arms[0], arms[1], config.canary, config.feedback.max_share)
-
-
-def read_counts(
-    client: redis.Redis, alias: str
-) -> tuple[int | None, float | None, dict[str, ArmStats]]:
-    """(canary version the counts belong to, its start as a Unix time, stats per arm)."""
-    raw = decode_hash(client.hgetall(canary_key(alias)))
-    version = int(raw["version"]) if raw.get("version") else None
-    started = float(raw["started"]) if raw.get("started") else None
-    stats = {
-        arm: ArmStats(
-            requests=int(raw.get(f"{arm}_requests", 0)),
-            errors=int(raw.get(f"{arm}_errors", 0)),
-            feedback=int(raw.get(f"{arm}_feedback", 0)),
-            feedback_sum=float(raw.get(f"{arm}_feedback_sum", 0.0)),
-        )
-        for arm in ARMS
-    }
-    return version, started, stats
 
 
 class CanaryWatcher:
@@ -353,6 +309,8 @@ class CanaryWatcher:
             ratings = read_ratings(self.redis, alias, config)
             self.metrics.canary_rating_pairs.labels(alias).set(ratings.n)
             self.metrics.canary_rating_evidence.labels(alias).set(ratings.evidence)
+            # For the console and `ratchet status`: what the test says now.
+            self.redis.hset(canary_key(alias), "ratings", json.dumps(ratings.summary()))
             age_s = time.time() - started
             verdict, reason = canary_verdict(
                 stats["active"], stats["canary"], config.canary, age_s, ratings

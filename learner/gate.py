@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -33,6 +33,7 @@ import numpy as np
 import orjson
 
 from ratchet.answer_length import auto_max_tokens
+from ratchet.gate_pairs import ANSWER_CHARS, KEPT, GatePair
 from ratchet.records import HeldoutPrompt
 from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, judge_scores
 from ratchet.rewards.reward_model import (
@@ -71,9 +72,12 @@ class GateResult:
     alpha: float | None = None
     drawn: int = 0  # held-out pairs drawn for this gate
     stopped_early: bool = False  # decided before every drawn pair was scored
+    # The first pairs scored, for the console's side-by-side view (ratchet/gate_pairs.py); not
+    # part of the gate event.
+    sample: tuple[GatePair, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "sample"}
 
 
 def verifier_outcome(candidate: float, incumbent: float) -> float:
@@ -206,6 +210,10 @@ def answer_message(choice: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
+def _text(answer: dict[str, Any]) -> str:
+    return str(answer.get("content") or "")[:ANSWER_CHARS]
+
+
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -220,6 +228,7 @@ class Scored:
     outcome: float | None
     candidate_score: float | None = None
     incumbent_score: float | None = None
+    answers: tuple[str, str] | None = None  # (candidate's, live version's) texts
 
 
 class GateError(Exception):
@@ -266,15 +275,19 @@ class Gate:
         config = config.model_copy(update={"gate": gate})
         test = sequential_test(config.gate, len(prompts))
         failed, cand_scores, inc_scores = 0, [], []
+        sample: list[GatePair] = []
         timeout = aiohttp.ClientTimeout(total=self.settings.learner.gate_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             for start in range(0, len(prompts), wave):
-                for scored in await self._wave(
-                    session, config, prompts[start : start + wave], candidate, incumbent, seed
-                ):
+                batch = prompts[start : start + wave]
+                scored_wave = await self._wave(session, config, batch, candidate, incumbent, seed)
+                for prompt, scored in zip(batch, scored_wave, strict=True):
                     if scored.outcome is None:
                         failed += 1
                         continue
+                    if scored.answers is not None and len(sample) < KEPT:
+                        kept = GatePair(prompt.prompt_messages, *scored.answers, scored.outcome)
+                        sample.append(kept)
                     if scored.candidate_score is not None:
                         cand_scores.append(scored.candidate_score)
                         inc_scores.append(scored.incumbent_score or 0.0)
@@ -295,9 +308,10 @@ class Gate:
                     progress(test.n, len(prompts), win_rate)
                 if test.decision != "continue":
                     break
-        return conclude(
+        result = conclude(
             test, config.gate, len(prompts), _mean(cand_scores), _mean(inc_scores), failed
         )
+        return replace(result, sample=tuple(sample))
 
     async def _wave(
         self,
@@ -312,6 +326,20 @@ class Gate:
         answered = await asyncio.gather(
             *(self._pair(session, p, config.gate, candidate, incumbent, seed) for p in prompts)
         )
+        scored = await self._scored(config, prompts, answered, seed)
+        return [
+            s if a is None else replace(s, answers=(_text(a[0]), _text(a[1])))
+            for s, a in zip(scored, answered, strict=True)
+        ]
+
+    async def _scored(
+        self,
+        config: AliasConfig,
+        prompts: list[HeldoutPrompt],
+        answered: list[tuple[dict[str, Any], dict[str, Any]] | None],
+        seed: int,
+    ) -> list[Scored]:
+        """Each answered pair's outcome, by the alias's reward."""
         reward = config.reward
         if reward.kind == "feedback":
             return await asyncio.to_thread(self._reward_model_scored, config, prompts, answered)

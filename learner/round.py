@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from learner.canary import reset_counts
+import redis
+
 from learner.gate import Gate, GateError, GateResult
 from learner.heldout import HeldoutPool
 from learner.metrics import LearnerMetrics
@@ -37,6 +38,8 @@ from learner.trainer import (
     lora_settings,
     train_settings,
 )
+from ratchet.canary_state import reset_counts
+from ratchet.gate_pairs import write_gate_pairs
 from ratchet.lifecycle import Lifecycle
 from ratchet.progress import LearnerProgress, Phase
 from ratchet.records import ScoredGroup
@@ -278,6 +281,7 @@ class Rounds:
             )
             self.metrics.failures.labels(alias, "gate").inc()
         self.metrics.round_seconds.labels(alias, "gate").observe(time.perf_counter() - started)
+        self.keep_gate_pairs(alias, version, result)
         self.lifecycle.record(
             self.lifecycle.event(
                 alias, "gate", version=version, previous_version=live, detail=result.as_dict()
@@ -287,6 +291,13 @@ class Rounds:
             self.metrics.gate_win_rate.labels(alias).set(result.win_rate)
             self.metrics.gate_ci_low.labels(alias).set(result.ci_low or 0.0)
         return result
+
+    def keep_gate_pairs(self, alias: str, version: int, result: GateResult) -> None:
+        """The gate's first pairs, for the console; losing them loses nothing else."""
+        try:
+            write_gate_pairs(self.redis, alias, version, list(result.sample))
+        except (redis.RedisError, OSError) as exc:
+            log.warning("%s: gate pairs of v%d not kept: %s", alias, version, exc)
 
     def settle(
         self,

@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
-from learner.canary import ArmStats, CanaryWatcher, canary_verdict, read_counts, reset_counts
+from learner.canary import CanaryWatcher, canary_verdict
 from learner.canary_ratings import Rating, rating_test
 from learner.leases import lease_key
 from learner.metrics import LearnerMetrics
 from learner.ratings import ratings_key
+from ratchet.canary_state import ArmStats, read_counts, reset_counts
 from ratchet.lease import Lease
 from ratchet.lifecycle import Lifecycle
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord, TrafficRecord

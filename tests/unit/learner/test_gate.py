@@ -242,6 +242,12 @@ def test_a_better_candidate_passes_and_stops_early(vllm: StandIn) -> None:
     assert asked == {p.prompt_messages[-1]["content"] for p in prompts(16)}
     assert all(r["temperature"] == 0.0 and r["max_tokens"] == 64 for r in vllm.requests)
     assert all(r["seed"] == 7 for r in vllm.requests)
+    # The first pairs scored are kept for people to read, not sent with the gate event.
+    assert len(result.sample) == DECISIVE
+    first = result.sample[0]
+    assert first.prompt_messages == prompts(1)[0].prompt_messages
+    assert first.outcome == 1.0 and first.verdict == "candidate better"
+    assert first.candidate != first.incumbent and "sample" not in result.as_dict()
 
 
 def test_a_worse_candidate_fails_early(vllm: StandIn) -> None:

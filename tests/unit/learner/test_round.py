@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from learner.canary import read_counts
 from learner.gate import GateError, GateResult
 from learner.heldout import HeldoutPool
 from learner.round import RoundReport, Rounds, trained_key
 from learner.service import LearnerService
 from learner.trainer import RoundStats, StepCallback, StepProgress
+from ratchet.canary_state import read_counts
 from ratchet.progress import LearnerProgress, read_progress
 from ratchet.records import HeldoutPrompt, ScoredGroup
 from ratchet.registry import AliasRoute
