@@ -206,7 +206,7 @@ def run_task(task: Task, args: argparse.Namespace, console: Console) -> dict[str
         model_path = prepare_model(default_home(), quiet=True)
         config = loop_config(home, task, parse_sets(args.set), model_path)
         settings = load_settings(config)
-        stack = embedded_stack(settings, config, model_path)
+        stack = embedded_stack(settings, config, model_path, services=("proxy", "judge", "learner"))
         for part in stack.parts:  # a busy machine imports torch slowly; this is no health test
             part.ready_timeout_s = max(part.ready_timeout_s, 600)
         start(stack, settings, console)

@@ -143,7 +143,7 @@ def main() -> None:
         config = soak_config(home)
         settings = load_settings(config)
         model = prepare_model(default_home())
-        stack = embedded_stack(settings, config, model)
+        stack = embedded_stack(settings, config, model, services=("proxy", "judge", "learner"))
         console.print("starting the embedded stack ...")
         stack.start(on_wait=lambda part: console.print(f"  {part.name} ({part.address})"))
         try:

@@ -341,3 +341,49 @@ class RegistryWriter:
 
     def history(self, alias: str, limit: int = 20) -> list[dict[str, Any]]:
         return [orjson.loads(item) for item in self.redis.lrange(history_key(alias), 0, limit - 1)]
+
+
+KEEP = object()  # set_route: leave the canary as it is
+
+
+def set_route(
+    writer: RegistryWriter,
+    alias: str,
+    actor: str,
+    active: int | None = None,
+    canary: int | object | None = KEEP,
+    weight: float | None = None,
+) -> AliasRoute:
+    """An operator's routing change (``ratchet alias set``, the console's canary weight): the
+    given parts of the alias's route, with a ``route`` event naming ``actor``. LookupError for an
+    alias not in the config; an invalid hash is replaced, starting from the defaults."""
+    if weight is not None and not 0.0 <= weight <= 1.0:
+        raise ValueError(f"the canary weight must be in [0, 1], not {weight}")
+    if active is not None and active < 0:
+        raise ValueError(f"the active version must be >= 0, not {active}")
+
+    def compute(route: AliasRoute | None) -> tuple[AliasRoute, LifecycleEvent]:
+        if route is None:
+            raise LookupError(f"unknown alias {alias!r}: add it to ratchet.yaml first")
+        new = route
+        if active is not None:
+            new = replace(new, active=active)
+        if canary is not KEEP:
+            assert canary is None or isinstance(canary, int)
+            new = replace(new, canary=canary)
+            if new.canary is None:
+                new = replace(new, canary_weight=0.0)
+        if weight is not None:
+            new = replace(new, canary_weight=weight)
+        event = LifecycleEvent(
+            alias=alias,
+            kind="route",
+            version=new.active,
+            previous_version=route.active,
+            actor=actor,
+            detail={"canary": new.canary, "canary_weight": new.canary_weight},
+        )
+        return new, event
+
+    new, _ = writer.change(alias, compute, replace_invalid=True)
+    return new

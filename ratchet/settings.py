@@ -527,6 +527,15 @@ class LearnerSettings(_Section):
     lease_ttl_s: float = Field(default=30.0, ge=0.5, le=3600)
 
 
+class ConsoleSettings(_Section):
+    """`ratchet console`: the web console (console/). Its admin actions take proxy.admin_key."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8404, ge=1, le=65535)
+    # How often an open page asks for fresh data (seconds).
+    refresh_s: float = Field(default=1.0, gt=0.0, le=60.0)
+
+
 class RatchetSettings(BaseSettings):
     """Settings for every Ratchet service, validated once at start."""
 
@@ -553,6 +562,7 @@ class RatchetSettings(BaseSettings):
     proxy: ProxySettings = ProxySettings()
     judge: JudgeSettings = JudgeSettings()
     learner: LearnerSettings = LearnerSettings()
+    console: ConsoleSettings = ConsoleSettings()
     aliases: dict[str, AliasConfig] = {"support": AliasConfig()}
 
     @field_validator("secret", "vllm_api_key")
@@ -614,6 +624,22 @@ class RatchetSettings(BaseSettings):
                 "address. Set RATCHET_PROXY__API_KEYS (a JSON list) or proxy.api_keys in "
                 "ratchet.yaml, or bind to 127.0.0.1"
             )
+
+    def check_console_exposure(self) -> None:
+        """Refuse to serve the console anywhere but loopback without the admin key: its pages
+        show what users asked and what the model answered, and its actions change routing."""
+        if self.proxy.admin_key is None and not _is_loopback(self.console.host):
+            raise ConfigError(
+                f"invalid Ratchet settings:\n  proxy.admin_key is not set while console.host is "
+                f"{self.console.host!r}: the console is only served without a key on a loopback "
+                "address. Set RATCHET_PROXY__ADMIN_KEY or proxy.admin_key in ratchet.yaml, or "
+                "bind console.host to 127.0.0.1"
+            )
+
+    @property
+    def console_needs_login(self) -> bool:
+        """Reading pages needs the admin key too when the console is not on loopback."""
+        return not _is_loopback(self.console.host)
 
     @property
     def spool_dir(self) -> Path:

@@ -28,10 +28,7 @@ def alias_set(
     config: ConfigOption = None,
 ) -> None:
     """Change an alias's routing; every proxy picks it up at once."""
-    from dataclasses import replace
-
-    from ratchet.records import LifecycleEvent
-    from ratchet.registry import RegistryWriter
+    from ratchet.registry import KEEP, RegistryWriter, set_route
     from ratchet.settings import NAME_PATTERN, NAME_RULE
 
     settings = settings_or_exit(config)
@@ -44,33 +41,12 @@ def alias_set(
     if active is not None and active < 0:
         console.print("[red]--active must be >= 0[/red]")
         raise typer.Exit(2)
-
-    def compute(route: AliasRoute | None) -> tuple[AliasRoute, LifecycleEvent]:
-        if route is None:
-            raise LookupError(f"unknown alias {alias!r}: add it to ratchet.yaml first")
-        new = route
-        if active is not None:
-            new = replace(new, active=active)
-        if canary is not None:
-            new = replace(new, canary=None if canary.lower() == "none" else int(canary))
-            if new.canary is None:
-                new = replace(new, canary_weight=0.0)
-        if weight is not None:
-            new = replace(new, canary_weight=weight)
-        event = LifecycleEvent(
-            alias=alias,
-            kind="route",
-            version=new.active,
-            previous_version=route.active,
-            actor="cli",
-            detail={"canary": new.canary, "canary_weight": new.canary_weight},
-        )
-        return new, event
-
     writer = RegistryWriter(settings.redis_url, settings.aliases)
     try:
-        # From the route as it is when written; an invalid hash is replaced, from the defaults.
-        new, _ = writer.change(alias, compute, replace_invalid=True)
+        new_canary: int | object | None = KEEP
+        if canary is not None:
+            new_canary = None if canary.lower() == "none" else int(canary)
+        new = set_route(writer, alias, "cli", active, new_canary, weight)
     except (LookupError, ValueError) as exc:  # InvalidRoute is a ValueError too
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None

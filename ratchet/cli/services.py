@@ -1,4 +1,4 @@
-"""`ratchet proxy`, `judge` (and `judge calibrate`) and `learner`: run one service."""
+"""`ratchet proxy`, `judge` (and `judge calibrate`), `learner` and `console`: run one service."""
 
 from __future__ import annotations
 
@@ -52,6 +52,14 @@ def judge_calibrate(
         console.print(f"[red]unknown alias {name!r}[/red]")
         raise typer.Exit(2)
     raise typer.Exit(calibrate(settings, settings.aliases[name].reward, labels, out, console))
+
+
+@app.command("console")
+def console_service(config: ConfigOption = None) -> None:
+    """Serve the web console: every alias, its rounds and canary, live, with admin actions."""
+    from console.service import serve
+
+    serve(settings_or_exit(config))
 
 
 @app.command()

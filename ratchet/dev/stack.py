@@ -205,11 +205,16 @@ def learner_part(settings: RatchetSettings, config: Path | None) -> Part:
     return part
 
 
+def console_part(settings: RatchetSettings, config: Path | None) -> Part:
+    base = f"http://{settings.console.host}:{settings.console.port}"
+    return service_part("console", config, base + "/", f"{base}/healthz", stop_timeout_s=10)
+
+
 def embedded_stack(
     settings: RatchetSettings,
     config: Path | None,
     model_path: Path,
-    services: tuple[str, ...] = ("proxy", "judge", "learner"),
+    services: tuple[str, ...] = ("proxy", "judge", "learner", "console"),
 ) -> Stack:
     """The parts `ratchet up` runs. An explicit RATCHET_REDIS_URL means: use that Redis."""
     assert settings.state_dir is not None
@@ -224,7 +229,12 @@ def embedded_stack(
         redis_dir.mkdir(parents=True, exist_ok=True)
         parts.append(redis_part(settings.redis_url, redis_dir))
     parts.append(vllm_part(settings, model_path, base_models.pop()))
-    service_parts = {"proxy": proxy_part, "judge": judge_part, "learner": learner_part}
+    service_parts = {
+        "proxy": proxy_part,
+        "judge": judge_part,
+        "learner": learner_part,
+        "console": console_part,
+    }
     parts += [service_parts[name](settings, config) for name in services]
     return Stack(parts, settings.state_dir)
 

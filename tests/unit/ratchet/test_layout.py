@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-SERVICES = ("proxy", "judge", "learner")
+SERVICES = ("proxy", "judge", "learner", "console")
 # Not kernel: the CLI and the embedded stack start and call the services.
 KERNEL_EXCEPTIONS = ("ratchet.cli", "ratchet.dev")
 NOT_FOR_THE_KERNEL = (*SERVICES, "console")

@@ -1,0 +1,81 @@
+"""The console's actions: the same Lifecycle and routing calls as the CLI's commands
+(ratchet/cli/lifecycle.py, ratchet/cli/routing.py), with the console as the actor.
+
+Each returns the new route or raises ActionRefused with a sentence for the page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ratchet.lifecycle import EventSink, Lifecycle, LifecycleError
+from ratchet.registry import AliasRoute, RegistryWriter, set_route
+from ratchet.settings import RatchetSettings
+from ratchet.store import AdapterStore
+
+Action = Literal["promote", "rollback", "pause", "resume", "weight"]
+ACTIONS: tuple[Action, ...] = ("promote", "rollback", "pause", "resume", "weight")
+ACTOR = "console"
+REASON_CHARS = 200
+
+
+class ActionRefused(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ActionRequest:
+    action: Action
+    alias: str
+    version: int | None = None  # promote: the version (default: the running canary)
+    reason: str = ""  # rollback, pause
+    weight: float | None = None  # weight: the canary's new share of traffic
+
+
+class Actions:
+    def __init__(self, settings: RatchetSettings, writer: RegistryWriter) -> None:
+        assert settings.store_dir is not None
+        self.settings = settings
+        self.writer = writer
+        self.store = AdapterStore(settings.store_dir)
+
+    def apply(self, request: ActionRequest) -> AliasRoute:
+        if request.alias not in self.settings.aliases:
+            raise ActionRefused(f"unknown alias {request.alias!r}")
+        if request.action == "weight":
+            return self._weight(request)
+        lifecycle = Lifecycle(self.writer, self.store, EventSink(self.settings, 5.0), ACTOR)
+        try:
+            return self._lifecycle_change(lifecycle, request)
+        except LifecycleError as exc:
+            raise ActionRefused(str(exc)) from None
+        finally:
+            if lifecycle.sink is not None:
+                lifecycle.sink.close()
+
+    def _lifecycle_change(self, lifecycle: Lifecycle, request: ActionRequest) -> AliasRoute:
+        alias, reason = request.alias, request.reason.strip()[:REASON_CHARS] or "console"
+        if request.action == "promote":
+            version = request.version
+            if version is None:
+                version = lifecycle.route(alias).canary
+                if version is None:
+                    raise ActionRefused(f"{alias} has no canary; name the version to promote")
+            return lifecycle.promote(alias, version, {"via": ACTOR})
+        if request.action == "rollback":
+            return lifecycle.rollback(alias, reason)
+        if request.action == "pause":
+            return lifecycle.pause(alias, reason)
+        return lifecycle.resume(alias)
+
+    def _weight(self, request: ActionRequest) -> AliasRoute:
+        if request.weight is None:
+            raise ActionRefused("give the canary's new weight, between 0 and 1")
+        route = self.writer.read(request.alias)
+        if route is None or route.canary is None:
+            raise ActionRefused(f"{request.alias} has no canary to weigh")
+        try:
+            return set_route(self.writer, request.alias, ACTOR, weight=request.weight)
+        except (LookupError, ValueError) as exc:
+            raise ActionRefused(str(exc)) from None

@@ -1,0 +1,229 @@
+"""The console against a real Redis and adapter store, through its HTTP routes: what the pages
+show, who may read and act, and that an action is the CLI's lifecycle change with the console
+as its actor. (tests/integration/test_console.py drives it in a real browser.)"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from console.app import create_app, safe_next
+from console.auth import COOKIE
+from console.render import rounds_svg
+from ratchet.gate_pairs import GatePair, write_gate_pairs
+from ratchet.lifecycle import Lifecycle
+from ratchet.registry import RegistryWriter
+from ratchet.rounds import RoundRow
+from ratchet.settings import ConfigError, RatchetSettings
+from ratchet.store import AdapterStore
+
+ALIAS = "support"
+KEY = "the-admin-key"
+
+
+def make_settings(redis_url: str, tmp_path: Path, **console: object) -> RatchetSettings:
+    return RatchetSettings(
+        redis_url=redis_url,
+        home=tmp_path,
+        secret="a-test-secret",
+        proxy={"admin_key": KEY},
+        console=console,
+        aliases={ALIAS: {}, "other": {}},
+    )
+
+
+@pytest.fixture
+def settings(redis_url: str, tmp_path: Path) -> RatchetSettings:
+    return make_settings(redis_url, tmp_path)
+
+
+@pytest.fixture
+def lifecycle(settings: RatchetSettings) -> Lifecycle:
+    """v1 promoted through a round (candidate, gate, promote), v2 on canary."""
+    assert settings.store_dir is not None
+    store = AdapterStore(settings.store_dir)
+
+    def adapter(folder: Path) -> None:
+        (folder / "adapter_config.json").write_text(json.dumps({"r": 8}))
+
+    for version in (1, 2):
+        store.write(ALIAS, version, adapter, "/models/base", {"parent_version": version - 1})
+    life = Lifecycle(RegistryWriter(settings.redis_url, settings.aliases), store, sink=None)
+    for version, win in ((1, 0.8), (2, 0.7)):
+        gate = {"win_rate": win, "ci_low": win - 0.2, "ci_high": win + 0.1, "pairs": 40}
+        life.record(life.event(ALIAS, "candidate", version=version, detail={"mean_reward": 0.4}))
+        life.record(life.event(ALIAS, "gate", version=version, detail={**gate, "passed": True}))
+    life.promote(ALIAS, 1)
+    life.start_canary(ALIAS, 2, 0.25, {})
+    pair = GatePair([{"role": "user", "content": "Sort 3 1 2"}], "1 2 3", "3 2 1", 1.0)
+    write_gate_pairs(life.writer.redis, ALIAS, 2, [pair])
+    return life
+
+
+def client_for(settings: RatchetSettings) -> TestClient:
+    return TestClient(create_app(settings), base_url="http://127.0.0.1:8404")
+
+
+def test_the_overview_lists_every_alias_with_its_versions(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    page = client_for(settings).get("/")
+    assert page.status_code == 200
+    html = page.text
+    assert 'data-testid="active-support">v1<' in html
+    assert 'data-testid="canary-support">v2<' in html and "25%" in html
+    assert 'href="/alias/other"' in html
+    assert KEY not in html
+
+
+def test_the_alias_page_shows_lineage_rounds_plot_and_the_gates_pairs(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    html = client_for(settings).get(f"/alias/{ALIAS}").text
+    assert re.search(r"v1</span> from v0\s*<span class=\"badge ok\">live", html)
+    assert re.search(r"v2</span> from v1\s*<span class=\"badge warn\">canary", html)
+    assert "<svg" in html and "Training reward and gate win rate per round" in html
+    assert "0.700 [0.500, 0.800]" in html  # v2's gate in the rounds table
+    assert 'data-testid="gate-pairs-v2"' in html
+    assert "Sort 3 1 2" in html and ">1 2 3</pre>" in html and ">3 2 1</pre>" in html
+    assert "candidate better" in html
+    # Headings in order: one h1, then h2s, h3s under them.
+    levels = [int(n) for n in re.findall(r"<h([1-6])", html)]
+    assert levels[0] == 1 and levels.count(1) == 1
+    assert all(b <= a + 1 for a, b in itertools.pairwise(levels))
+    # Every form control has a label.
+    for control in re.findall(r'<input[^>]*id="([^"]+)"', html):
+        assert f'for="{control}"' in html, control
+
+
+def test_an_action_without_the_admin_key_is_refused(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    client = client_for(settings)
+    refused = client.post(f"/alias/{ALIAS}/rollback", data={"confirm": "yes"})
+    assert refused.status_code == 403
+    bad_key = client.post(
+        f"/alias/{ALIAS}/rollback",
+        data={"confirm": "yes"},
+        headers={"authorization": "Bearer wrong"},
+    )
+    assert bad_key.status_code == 403
+    route = lifecycle.writer.read(ALIAS)
+    assert route is not None and route.canary == 2
+
+
+def test_an_action_needs_its_confirmation_then_is_the_lifecycle_change_by_the_console(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    client = client_for(settings)
+    admin = {"authorization": f"Bearer {KEY}"}
+    unconfirmed = client.post(
+        f"/alias/{ALIAS}/rollback", data={}, headers=admin, follow_redirects=False
+    )
+    assert unconfirmed.status_code == 303 and "refused=" in unconfirmed.headers["location"]
+    done = client.post(
+        f"/alias/{ALIAS}/rollback",
+        data={"confirm": "yes", "reason": "users complain"},
+        headers=admin,
+        follow_redirects=False,
+    )
+    assert done.headers["location"] == f"/alias/{ALIAS}?done=rollback"
+    route = lifecycle.writer.read(ALIAS)
+    assert route is not None and (route.active, route.canary) == (1, None)
+    event = lifecycle.writer.history(ALIAS)[0]
+    assert (event["kind"], event["actor"]) == ("rollback", "console")
+    assert event["detail"]["reason"] == "users complain"
+    page = client.get(done.headers["location"])
+    assert "rollback: done" in page.text
+
+
+def test_login_sets_an_http_only_strict_session_and_never_echoes_the_key(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    client = client_for(settings)
+    wrong = client.post("/login", data={"key": "nope", "next": "/"})
+    assert wrong.status_code == 401 and "not the admin key" in wrong.text
+    ok = client.post("/login", data={"key": KEY, "next": f"/alias/{ALIAS}"}, follow_redirects=False)
+    assert ok.status_code == 303 and ok.headers["location"] == f"/alias/{ALIAS}"
+    cookie = ok.headers["set-cookie"]
+    assert cookie.startswith(f"{COOKIE}=") and "HttpOnly" in cookie and "SameSite=strict" in cookie
+    assert KEY not in cookie
+    # The session acts: the canary's weight, through the CLI's routing change.
+    weighed = client.post(f"/alias/{ALIAS}/weight", data={"confirm": "yes", "weight": "0.5"})
+    assert weighed.status_code == 200 and "weight: done" in weighed.text
+    route = lifecycle.writer.read(ALIAS)
+    assert route is not None and route.canary_weight == 0.5
+    assert lifecycle.writer.history(ALIAS)[0]["actor"] == "console"
+    assert KEY not in weighed.text
+
+
+def test_a_form_posted_from_another_site_is_refused(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    response = client_for(settings).post(
+        f"/alias/{ALIAS}/pause",
+        data={"confirm": "yes", "reason": "x"},
+        headers={"authorization": f"Bearer {KEY}", "origin": "https://evil.example"},
+    )
+    assert response.status_code == 403
+    route = lifecycle.writer.read(ALIAS)
+    assert route is not None and not route.paused
+
+
+def test_off_loopback_reading_needs_the_admin_key_too(redis_url: str, tmp_path: Path) -> None:
+    settings = make_settings(redis_url, tmp_path, host="0.0.0.0")
+    client = client_for(settings)
+    assert client.get("/", follow_redirects=False).headers["location"] == "/login?next=/"
+    assert client.get("/live").status_code == 401
+    assert client.get("/", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
+    assert client.get("/healthz").status_code == 200  # probes need no key
+
+
+def test_off_loopback_without_an_admin_key_the_console_refuses_to_start(
+    redis_url: str, tmp_path: Path
+) -> None:
+    settings = RatchetSettings(redis_url=redis_url, home=tmp_path, console={"host": "0.0.0.0"})
+    with pytest.raises(ConfigError, match=r"proxy\.admin_key"):
+        settings.check_console_exposure()
+
+
+def test_unknown_aliases_and_actions_are_404s(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    client = client_for(settings)
+    assert client.get("/alias/nope", headers={"accept": "text/html"}).status_code == 404
+    admin = {"authorization": f"Bearer {KEY}"}
+    assert client.post(f"/alias/{ALIAS}/explode", headers=admin).status_code == 404
+
+
+def test_after_login_only_a_path_on_this_console() -> None:
+    assert safe_next("/alias/support") == "/alias/support"
+    for target in ("https://evil.example/", "//evil.example", "javascript:alert(1)", ""):
+        assert safe_next(target) == "/"
+
+
+def test_the_console_counts_its_requests_and_actions(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    client = client_for(settings)
+    client.get("/")
+    client.post(f"/alias/{ALIAS}/resume", data={"confirm": "yes"})
+    text = client.get("/metrics").text
+    assert 'ratchet_console_requests_total{route="/",status="200"} 1.0' in text
+    assert 'ratchet_console_actions_total{action="resume",outcome="unauthorized"} 1.0' in text
+
+
+def test_the_plot_marks_passed_and_failed_gates() -> None:
+    rows = [
+        RoundRow(1, "t1", 0.3, 32, 0.7, 0.55, 0.8, 40, True, "promoted"),
+        RoundRow(2, "t2", 0.4, 32, 0.45, 0.3, 0.6, 40, False, "rejected"),
+    ]
+    svg = rounds_svg(rows, 0.5)
+    assert svg.startswith("<svg") and svg.count("<circle") == 4  # 2 rewards, 2 win rates
+    assert "#1a7f37" in svg and "#b42318" in svg and 'role="img"' in svg
+    assert rounds_svg([], 0.5) == ""
