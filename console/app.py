@@ -48,7 +48,7 @@ class Health:
         return self.parts
 
     def check(self) -> dict[str, bool | None]:
-        proxy = f"http://{self.settings.proxy.host}:{self.settings.proxy.port}"
+        proxy = proxy_url(self.settings)
         kafka: bool | None = None
         try:  # the proxy reports whether its producer reaches Kafka
             text = httpx.get(f"{proxy}/metrics", timeout=1.0).text
@@ -64,6 +64,14 @@ class Health:
             "vLLM": _ok(f"{self.settings.vllm_url.rstrip('/')}/health", headers),
             "Kafka": kafka,
         }
+
+
+def proxy_url(settings: RatchetSettings) -> str:
+    if settings.console.proxy_url:
+        return settings.console.proxy_url.rstrip("/")
+    host = settings.proxy.host
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # bound everywhere: ask loopback
+    return f"http://{host}:{settings.proxy.port}"
 
 
 def _ok(url: str, headers: dict[str, str] | None = None) -> bool:

@@ -11,7 +11,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from ratchet.rounds import RoundRow
 
 # The plot's colours, shared with console.css: chosen for at least 4.5:1 contrast on white.
-PASSED, FAILED, REWARD, GRID = "#1a7f37", "#b42318", "#1d4ed8", "#6b7280"
+PASSED, FAILED, REWARD, GRID = "#166a2e", "#b42318", "#1d4ed8", "#6b7280"
 
 environment = Environment(
     loader=PackageLoader("console", "templates"),

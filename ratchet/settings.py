@@ -534,6 +534,9 @@ class ConsoleSettings(_Section):
     port: int = Field(default=8404, ge=1, le=65535)
     # How often an open page asks for fresh data (seconds).
     refresh_s: float = Field(default=1.0, gt=0.0, le=60.0)
+    # Where the health panel asks the proxy (its /healthz, and its /metrics for Kafka). None:
+    # proxy.host and proxy.port, which is right when both run on one machine.
+    proxy_url: str | None = None
 
 
 class RatchetSettings(BaseSettings):

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import base64
 import hashlib
+from pathlib import Path
 from typing import Any
 
 import helm_python as helm
 import kubernetes_validate
 import pytest
 
+from ratchet import settings as ratchet_settings
 from tests.deploy.conftest import (
     CHART,
     FULLNAME,
@@ -20,13 +22,14 @@ from tests.deploy.conftest import (
     load_values,
     render,
 )
+from tests.deploy.test_config import _load_in_pod, _same_bounds, container_env
 
 # The newest Kubernetes kubernetes-validate 1.37 ships schemas for, and the oldest the chart
 # declares (Chart.yaml kubeVersion), so nothing newer than that floor slips in.
 KUBE_VERSIONS = ["1.37.0", "1.29.0"]
 # Objects of CRDs have no upstream schema; they are checked field by field below.
 CRD_KINDS = {"ServiceMonitor"}
-RATCHET_COMPONENTS = ("proxy", "judge", "learner")
+RATCHET_COMPONENTS = ("proxy", "judge", "learner", "console")
 SENTINEL = "SENTINEL"
 
 
@@ -417,7 +420,8 @@ def test_network_policy_lets_only_ratchet_reach_vllm(rendered: dict[str, Rendere
             for c, p in pods.items()
             if any(_selects(peer["podSelector"], p["metadata"]) for peer in same_namespace)
         }
-        expected = {"proxy", "judge", "learner"} & set(pods)
+        # The console asks vLLM's /health for its status panel.
+        expected = {"proxy", "judge", "learner", "console"} & set(pods)
         assert allowed == expected, values_file
         # The same labels in another release do not get in.
         stranger = {**pods["proxy"]["metadata"]["labels"], "app.kubernetes.io/instance": "other"}
@@ -608,7 +612,9 @@ def test_hpa_pdb_and_service_monitors(rendered: dict[str, Rendered]) -> None:
     pdb = r.get("PodDisruptionBudget", f"{FULLNAME}-proxy")["spec"]
     assert _selects(pdb["selector"], proxy["spec"]["template"]["metadata"])
     monitors = {m["metadata"]["name"]: m for m in r.kinds("ServiceMonitor")}
-    assert set(monitors) == {f"{FULLNAME}-{c}" for c in ("proxy", "judge", "learner", "vllm")}
+    assert set(monitors) == {
+        f"{FULLNAME}-{c}" for c in ("proxy", "judge", "learner", "console", "vllm")
+    }
     services = r.kinds("Service")
     pods = r.pod_templates()
     for name, monitor in monitors.items():
@@ -626,6 +632,9 @@ def test_hpa_pdb_and_service_monitors(rendered: dict[str, Rendered]) -> None:
         assert port["targetPort"] in served, name
     learner = monitors[f"{FULLNAME}-learner"]["spec"]["endpoints"][0]
     assert learner["port"] == "metrics"
+    # The console serves /metrics on the port its pages are on.
+    console = monitors[f"{FULLNAME}-console"]["spec"]["endpoints"][0]
+    assert console["port"] == "http"
 
 
 def test_helm_test_hook_calls_readyz_and_models(rendered: dict[str, Rendered]) -> None:
@@ -646,6 +655,261 @@ def test_notes_explain_kafka_and_redis(rendered: dict[str, Rendered]) -> None:
     assert "helm test prod" in notes
 
 
+# ---- the web console -------------------------------------------------------------------------
+
+CONSOLE = f"{FULLNAME}-console"
+CONSOLE_ADMIN_KEY = "sk-SENTINEL-console-admin"
+
+
+def _with_console(**console: Any) -> dict[str, Any]:
+    """The defaults with the console on and the admin key it needs."""
+    values = load_values("defaults")
+    return {
+        **values,
+        "proxy": {**values["proxy"], "adminKey": CONSOLE_ADMIN_KEY},
+        "console": {"enabled": True, **console},
+    }
+
+
+def test_console_is_off_by_default(chart: helm.Chart, rendered: dict[str, Rendered]) -> None:
+    assert chart.values["console"]["enabled"] is False
+    for values_file in ("defaults", "existing-vllm", "gpu-learner"):
+        r = rendered[values_file]
+        assert not [n for n in r.names() if "console" in n], values_file
+        assert "console" not in r.config, values_file
+        assert "console" not in _component_pods(r), values_file
+
+
+def test_console_deployment_and_service(rendered: dict[str, Rendered]) -> None:
+    r = rendered["all-on"]
+    deployment = r.get("Deployment", CONSOLE)
+    assert deployment["spec"]["replicas"] == 1
+    pod = deployment["spec"]["template"]
+    [console] = pod["spec"]["containers"]
+    judge = r.container(f"{FULLNAME}-judge")
+    # The judge's image and the way every service gets ratchet.yaml.
+    assert console["command"] == ["ratchet", "console", "--config", "/etc/ratchet/ratchet.yaml"]
+    assert console["image"] == judge["image"]
+    assert _ports(console) == {"http": 8404}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert _probe(console, probe) == ("/healthz", "http")
+    annotations = pod["metadata"]["annotations"]
+    digest = hashlib.sha256(r.files["ratchet/templates/configmap.yaml"].encode()).hexdigest()
+    assert annotations["checksum/config"] == digest
+    # Its admin key is in the chart's Secret: the console rolls when it changes.
+    assert "checksum/secret" in annotations and "checksum/server-secret" in annotations
+    # It listens on the pod network, on the port of its probes and its Service.
+    assert r.config["console"] == {
+        "host": "0.0.0.0",
+        "port": 8404,
+        "refresh_s": 2.5,
+        "proxy_url": f"http://{FULLNAME}-proxy:8400",
+    }
+
+    env = {e["name"]: e for e in console["env"]}
+    assert {e["name"] for e in judge["env"]} <= set(env)
+    assert env["RATCHET_PROXY__ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": f"{FULLNAME}-secrets",
+        "key": "admin-key",
+    }
+    # Client keys are the proxy's, the judge model's keys the judge's.
+    assert "RATCHET_PROXY__API_KEYS" not in env
+    assert "envFrom" not in console
+
+    # The judge's mounts (ratchet.yaml, state, Kafka and Redis CAs), and the adapter store
+    # read-only on the claim the learner writes.
+    mounts = {m["name"]: m for m in console["volumeMounts"]}
+    judge_mounts = {m["name"]: m for m in judge["volumeMounts"]}
+    assert judge_mounts.items() <= mounts.items()
+    assert mounts["adapters"] == {
+        "name": "adapters",
+        "mountPath": r.config["store_dir"],
+        "readOnly": True,
+    }
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    learner_pod = r.get("Deployment", f"{FULLNAME}-learner")["spec"]["template"]["spec"]
+    learner_claim = {v["name"]: v for v in learner_pod["volumes"]}["adapters"]
+    assert volumes["adapters"]["persistentVolumeClaim"] == {
+        **learner_claim["persistentVolumeClaim"],
+        "readOnly": True,
+    }
+    assert console["resources"] == {
+        "requests": {"cpu": "100m", "memory": "256Mi"},
+        "limits": {"memory": "512Mi"},
+    }
+
+    service = r.get("Service", CONSOLE)
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["ports"] == [
+        {"name": "http", "port": 8404, "targetPort": "http", "protocol": "TCP"}
+    ]
+    assert service["metadata"]["annotations"] == {"example.com/owner": "ml-platform"}
+    selected = [
+        name
+        for name, p in r.pod_templates().items()
+        if _selects(service["spec"]["selector"], p["metadata"])
+    ]
+    assert selected == [CONSOLE]
+
+
+def test_console_port_and_settings_follow_the_values(chart: helm.Chart) -> None:
+    r = render(
+        chart,
+        _with_console(port=9404, replicaCount=2, config={"refresh_s": 5}, service={"port": 80}),
+    )
+    assert r.config["console"] == {
+        "host": "0.0.0.0",
+        "port": 9404,
+        "refresh_s": 5,
+        # The health panel reaches the proxy through its Service, not the console's own pod.
+        "proxy_url": f"http://{FULLNAME}-proxy:8400",
+    }
+    assert r.get("Deployment", CONSOLE)["spec"]["replicas"] == 2
+    assert _ports(r.container(CONSOLE)) == {"http": 9404}
+    [port] = r.get("Service", CONSOLE)["spec"]["ports"]
+    assert (port["port"], port["targetPort"]) == (80, "http")
+
+
+@pytest.mark.parametrize(
+    ("values_file", "admin_key"),
+    [("all-on", "sk-SENTINEL-admin-key"), ("existing-secrets", "sk-SENTINEL-op-admin")],
+)
+def test_console_starts_with_the_admin_key(
+    rendered: dict[str, Rendered],
+    values_file: str,
+    admin_key: str,
+    clean_ratchet_env: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The console's pod loads its settings: on 0.0.0.0 with the proxy's admin key, which the
+    console checks before it listens, and the same Redis and Kafka as the judge."""
+    r = rendered[values_file]
+    env = container_env(r, CONSOLE)
+    judge_env = container_env(r, f"{FULLNAME}-judge")
+    for name in ("RATCHET_REDIS_URL", "RATCHET_KAFKA__SASL_PASSWORD", "RATCHET_SECRET"):
+        assert env.get(name) == judge_env.get(name), name
+    settings = _load_in_pod(r, CONSOLE, clean_ratchet_env, monkeypatch)
+    assert (settings.console.host, settings.console.port) == ("0.0.0.0", 8404)
+    assert settings.proxy.admin_key is not None
+    assert settings.proxy.admin_key.get_secret_value() == admin_key
+    settings.check_console_exposure()
+    assert settings.store_dir == Path(r.config["store_dir"])
+    assert settings.kafka_bootstrap_servers == r.config["kafka_bootstrap_servers"]
+    if values_file == "existing-secrets":
+        ref = r.container(CONSOLE)["env"]
+        admin = next(e for e in ref if e["name"] == "RATCHET_PROXY__ADMIN_KEY")
+        # Not optional: a Secret without the key stops the pod with an event that names it.
+        assert admin["valueFrom"]["secretKeyRef"] == {"name": "ratchet-proxy-keys", "key": "admin"}
+
+
+def test_console_without_an_admin_key_is_refused(chart: helm.Chart) -> None:
+    values = load_values("defaults")
+    with pytest.raises(helm.HelmRenderError) as exc:
+        render(chart, {**values, "console": {"enabled": True}})
+    message = str(exc.value)
+    assert "console.enabled is true but proxy.adminKey is empty" in message
+    assert "Set proxy.adminKey" in message and "proxy.existingSecret" in message
+    # The proxy's admin key is optional while the console is off.
+    assert render(chart, {**values, "console": {"enabled": False}}).objects
+
+
+def test_console_without_the_proxy_still_gets_the_admin_key(chart: helm.Chart) -> None:
+    r = render(
+        chart, {**_with_console(), "proxy": {"enabled": False, "adminKey": CONSOLE_ADMIN_KEY}}
+    )
+    assert not r.has("Deployment", f"{FULLNAME}-proxy")
+    data = {
+        k: base64.b64decode(v).decode()
+        for k, v in r.get("Secret", f"{FULLNAME}-secrets")["data"].items()
+    }
+    assert data == {"admin-key": CONSOLE_ADMIN_KEY}
+    env = {e["name"]: e for e in r.container(CONSOLE)["env"]}
+    assert env["RATCHET_PROXY__ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": f"{FULLNAME}-secrets",
+        "key": "admin-key",
+    }
+
+
+def test_console_reads_the_adapter_store_of_an_existing_vllm(chart: helm.Chart) -> None:
+    values = _with_console()
+    r = render(
+        chart,
+        {
+            **values,
+            "vllm": {"enabled": False, "url": "http://vllm.inference:8000"},
+            "adapters": {"existingClaim": "vllm-adapters"},
+        },
+    )
+    assert not r.kinds("PersistentVolumeClaim")
+    pod = r.get("Deployment", CONSOLE)["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["adapters"]["persistentVolumeClaim"] == {
+        "claimName": "vllm-adapters",
+        "readOnly": True,
+    }
+
+
+def test_console_network_policy(chart: helm.Chart, rendered: dict[str, Rendered]) -> None:
+    r = rendered["all-on"]
+    policy = r.get("NetworkPolicy", CONSOLE)["spec"]
+    pods = _component_pods(r)
+    guarded = {c for c, p in pods.items() if _selects(policy["podSelector"], p["metadata"])}
+    assert guarded == {"console"}
+    assert policy["policyTypes"] == ["Ingress"]
+    # Only its port, from the peers the values name.
+    [rule] = policy["ingress"]
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert "http" in _ports(r.container(CONSOLE))
+    assert rule["from"] == load_values("all-on")["networkPolicy"]["consoleFrom"]
+    # Without consoleFrom any peer reaches that port, and only it.
+    open_ = render(chart, _with_console()).get("NetworkPolicy", CONSOLE)["spec"]
+    assert open_["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}]}]
+    # vLLM's policy lets the console in (for /health) only while it runs.
+    defaults = rendered["defaults"].get("NetworkPolicy", f"{FULLNAME}-vllm")["spec"]
+    [peer] = [p for p in defaults["ingress"][0]["from"] if "namespaceSelector" not in p]
+    assert not _selects(peer["podSelector"], pods["console"]["metadata"])
+    off = render(chart, {**_with_console(), "networkPolicy": {"enabled": False}})
+    assert not off.kinds("NetworkPolicy")
+
+
+def test_console_values_mirror_its_settings(chart: helm.Chart) -> None:
+    """console.config has exactly ConsoleSettings' fields less host, port and proxy_url (which
+    the chart sets), with the same bounds, and the chart's defaults are the console's own."""
+    schema = chart.schema
+    assert schema is not None
+    console = schema["properties"]["console"]
+    assert console["additionalProperties"] is False
+    config = console["properties"]["config"]
+    assert config["additionalProperties"] is False
+    fields = ratchet_settings.ConsoleSettings.model_fields
+    assert set(config["properties"]) == set(fields) - {"host", "port", "proxy_url"}
+    for name in config["properties"]:
+        _same_bounds(config["properties"][name], fields[name], f"console.{name}")
+    _same_bounds(console["properties"]["port"], fields["port"], "console.port")
+    defaults = ratchet_settings.ConsoleSettings().model_dump(mode="json")
+    for name, value in chart.values["console"]["config"].items():
+        assert value == defaults[name], f"console.config.{name}"
+    assert chart.values["console"]["port"] == defaults["port"]
+
+
+@pytest.mark.parametrize(
+    ("console", "expected"),
+    [
+        ({"config": {"host": "127.0.0.1"}}, "additional properties 'host' not allowed"),
+        ({"config": {"refresh_s": 0}}, "exclusiveMinimum"),
+        ({"port": 70000}, "maximum"),
+        ({"replicas": 2}, "additional properties 'replicas' not allowed"),
+    ],
+)
+def test_schema_refuses_bad_console_values(
+    chart: helm.Chart, console: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(helm.HelmValuesError) as exc:
+        render(chart, _with_console(**console))
+    message = str(exc.value)
+    assert "/console" in message and expected in message, message
+
+
 # ---- helpers ---------------------------------------------------------------------------------
 
 
@@ -664,6 +928,13 @@ def _flag(args: list[str], flag: str) -> str:
 
 def _env(container: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def _component_pods(r: Rendered) -> dict[str, dict[str, Any]]:
+    return {
+        p["metadata"]["labels"]["app.kubernetes.io/component"]: p
+        for p in r.pod_templates().values()
+    }
 
 
 def _all_containers(r: Rendered) -> list[dict[str, Any]]:

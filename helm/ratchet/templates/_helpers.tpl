@@ -170,6 +170,14 @@ Names of the Secrets the pods read (the chart's own, or the ones the user manage
 {{- end }}
 
 {{/*
+Whether the chart writes proxy.adminKey into its Secret: for the proxy and for the console, whose
+admin actions (and, off loopback, every page) take the same key.
+*/}}
+{{- define "ratchet.adminKeyWritten" -}}
+{{- if and .Values.proxy.adminKey (not .Values.proxy.existingSecret) (or .Values.proxy.enabled .Values.console.enabled) }}true{{ end }}
+{{- end }}
+
+{{/*
 The server secret (RATCHET_SECRET) and vLLM's API key: the chart's Secret, or the user's.
 */}}
 {{- define "ratchet.serverSecretName" -}}
@@ -211,7 +219,7 @@ vLLM's API key from that Secret, as an env entry: include with (dict "ctx" $ "na
 Whether the chart writes its own Secret, and whether it holds anything.
 */}}
 {{- define "ratchet.chartSecretNeeded" -}}
-{{- if or (and .Values.proxy.enabled (not .Values.proxy.existingSecret)) (and (include "ratchet.kafkaSasl" .) (not .Values.kafka.sasl.existingSecret)) (and .Values.redis.auth.password (not .Values.redis.auth.existingSecret)) }}true{{ end }}
+{{- if or (and .Values.proxy.enabled (not .Values.proxy.existingSecret)) (include "ratchet.adminKeyWritten" .) (and (include "ratchet.kafkaSasl" .) (not .Values.kafka.sasl.existingSecret)) (and .Values.redis.auth.password (not .Values.redis.auth.existingSecret)) }}true{{ end }}
 {{- end }}
 
 {{- define "ratchet.judgeSecretName" -}}
@@ -271,10 +279,10 @@ The Redis URL with the password as a dependent environment variable reference.
 {{- end }}
 
 {{/*
-Whether the adapter store is mounted by anything in this release.
+Whether the adapter store is mounted by anything in this release (the console reads it).
 */}}
 {{- define "ratchet.adaptersUsed" -}}
-{{- if or .Values.vllm.enabled .Values.learner.enabled }}true{{ end }}
+{{- if or .Values.vllm.enabled .Values.learner.enabled .Values.console.enabled }}true{{ end }}
 {{- end }}
 
 {{- define "ratchet.adaptersClaim" -}}
@@ -296,6 +304,9 @@ Values that the schema cannot check alone; each failure says what to set.
 {{- end }}
 {{- if and .Values.proxy.enabled (not .Values.proxy.existingSecret) (not .Values.proxy.apiKeys) }}
 {{- fail "proxy.apiKeys is empty and proxy.existingSecret is not set: the proxy refuses to listen on the pod network without API keys. Set proxy.apiKeys (e.g. --set proxy.apiKeys[0]=sk-...) or proxy.existingSecret" }}
+{{- end }}
+{{- if and .Values.console.enabled (not .Values.proxy.adminKey) (not .Values.proxy.existingSecret) }}
+{{- fail "console.enabled is true but proxy.adminKey is empty and proxy.existingSecret is not set: the console listens on the pod network (0.0.0.0) and refuses to start without the admin key. Set proxy.adminKey (e.g. --set proxy.adminKey=...) or proxy.existingSecret (the key under proxy.adminKeyKey), or console.enabled=false" }}
 {{- end }}
 {{- if and (include "ratchet.kafkaSasl" .) (not .Values.kafka.sasl.username) }}
 {{- fail "kafka.sasl.mechanism is set but kafka.sasl.username is empty" }}
@@ -373,6 +384,17 @@ Secrets never appear here: they come in as RATCHET_* environment variables.
 {{- $_ := set $learner "metrics_host" "0.0.0.0" }}
 {{- $_ := set $learner "metrics_port" (int .Values.learner.metricsPort) }}
 {{- $_ := set $config "learner" $learner }}
+{{- end }}
+{{- if .Values.console.enabled }}
+{{- $console := deepCopy (.Values.console.config | default dict) }}
+{{- /* On the pod network for the Service and the probes; it needs the admin key there. */}}
+{{- $_ := set $console "host" "0.0.0.0" }}
+{{- $_ := set $console "port" (int .Values.console.port) }}
+{{- /* Its health panel asks the proxy through the proxy's Service, not its own pod. */}}
+{{- if .Values.proxy.enabled }}
+{{- $_ := set $console "proxy_url" (printf "http://%s-proxy:%d" (include "ratchet.fullname" .) (int .Values.proxy.port)) }}
+{{- end }}
+{{- $_ := set $config "console" $console }}
 {{- end }}
 {{- toYaml $config }}
 {{- end }}

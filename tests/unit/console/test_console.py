@@ -225,5 +225,5 @@ def test_the_plot_marks_passed_and_failed_gates() -> None:
     ]
     svg = rounds_svg(rows, 0.5)
     assert svg.startswith("<svg") and svg.count("<circle") == 4  # 2 rewards, 2 win rates
-    assert "#1a7f37" in svg and "#b42318" in svg and 'role="img"' in svg
+    assert "#166a2e" in svg and "#b42318" in svg and 'role="img"' in svg
     assert rounds_svg([], 0.5) == ""
