@@ -6,10 +6,18 @@ Each returns the new route or raises ActionRefused with a sentence for the page.
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from kafka.errors import KafkaError
+
 from ratchet.lifecycle import EventSink, Lifecycle, LifecycleError
+from ratchet.records import DeadLetter, LifecycleEvent
 from ratchet.registry import AliasRoute, RegistryWriter, set_route
 from ratchet.settings import RatchetSettings
 from ratchet.store import AdapterStore
@@ -18,6 +26,44 @@ Action = Literal["promote", "rollback", "pause", "resume", "weight"]
 ACTIONS: tuple[Action, ...] = ("promote", "rollback", "pause", "resume", "weight")
 ACTOR = "console"
 REASON_CHARS = 200
+EVENTS_QUEUED = 1000  # events waiting for Kafka; beyond this they are dropped (and counted)
+RETRY_S = 5.0
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundEvents(EventSink):
+    """Sends the actions' lifecycle events to ``ratchet.events`` from a thread of its own: an
+    action is done once its route change is in Redis (which also keeps the event in the alias's
+    history), and a Kafka outage must not hold the page for the producer's timeouts. Events wait
+    and are retried while Kafka is away; past :data:`EVENTS_QUEUED` they are dropped, counted."""
+
+    def __init__(self, settings: RatchetSettings, on_drop: Callable[[], None]) -> None:
+        super().__init__(settings, timeout_s=5.0)
+        self.waiting: queue.Queue[LifecycleEvent | DeadLetter] = queue.Queue(EVENTS_QUEUED)
+        self.on_drop = on_drop
+        threading.Thread(target=self._run, name="console-events", daemon=True).start()
+
+    def send(self, events: Sequence[LifecycleEvent | DeadLetter]) -> None:
+        for event in events:
+            try:
+                self.waiting.put_nowait(event)
+            except queue.Full:
+                self.on_drop()
+
+    def close(self) -> None:
+        pass  # the thread sends for as long as the console runs
+
+    def _run(self) -> None:
+        while True:
+            event = self.waiting.get()
+            while True:
+                try:
+                    super().send([event])
+                    break
+                except KafkaError as exc:
+                    log.warning("lifecycle event not on Kafka yet (%s); retrying", exc)
+                    time.sleep(RETRY_S)
 
 
 class ActionRefused(Exception):
@@ -34,25 +80,25 @@ class ActionRequest:
 
 
 class Actions:
-    def __init__(self, settings: RatchetSettings, writer: RegistryWriter) -> None:
+    def __init__(
+        self, settings: RatchetSettings, writer: RegistryWriter, events: EventSink | None = None
+    ) -> None:
         assert settings.store_dir is not None
         self.settings = settings
         self.writer = writer
         self.store = AdapterStore(settings.store_dir)
+        self.events = events
 
     def apply(self, request: ActionRequest) -> AliasRoute:
         if request.alias not in self.settings.aliases:
             raise ActionRefused(f"unknown alias {request.alias!r}")
         if request.action == "weight":
             return self._weight(request)
-        lifecycle = Lifecycle(self.writer, self.store, EventSink(self.settings, 5.0), ACTOR)
+        lifecycle = Lifecycle(self.writer, self.store, self.events, ACTOR)
         try:
             return self._lifecycle_change(lifecycle, request)
         except LifecycleError as exc:
             raise ActionRefused(str(exc)) from None
-        finally:
-            if lifecycle.sink is not None:
-                lifecycle.sink.close()
 
     def _lifecycle_change(self, lifecycle: Lifecycle, request: ActionRequest) -> AliasRoute:
         alias, reason = request.alias, request.reason.strip()[:REASON_CHARS] or "console"

@@ -19,10 +19,11 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from console.actions import ACTIONS, ActionRefused, ActionRequest, Actions
+from console.actions import ACTIONS, ActionRefused, ActionRequest, Actions, BackgroundEvents
 from console.auth import COOKIE, ConsoleAuth
 from console.metrics import ConsoleMetrics
 from console.render import render, rounds_svg
+from console.stats import ThroughputReader
 from console.views import ConsoleData
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import RatchetSettings
@@ -84,9 +85,11 @@ def _ok(url: str, headers: dict[str, str] | None = None) -> bool:
 def create_app(settings: RatchetSettings) -> FastAPI:
     data = ConsoleData(settings)
     auth = ConsoleAuth(settings)
-    actions = Actions(settings, data.writer)
     metrics = ConsoleMetrics()
+    events = BackgroundEvents(settings, metrics.events_dropped.inc)
+    actions = Actions(settings, data.writer, events)
     health = Health(settings, data)
+    throughput = ThroughputReader(settings, proxy_url(settings))
     app = FastAPI(title="Ratchet console", docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     refresh_ms = int(settings.console.refresh_s * 1000)
@@ -106,6 +109,13 @@ def create_app(settings: RatchetSettings) -> FastAPI:
     def readable(request: Request) -> None:
         if not auth.may_read(request):
             raise HTTPException(401, "log in with the admin key to read this console")
+
+    def overview_context() -> dict[str, Any]:
+        return {
+            "aliases": data.summaries(),
+            "health": health.read(),
+            "throughput": throughput.read(),
+        }
 
     def alias_context(alias: str) -> dict[str, Any]:
         detail = data.detail(alias)
@@ -145,12 +155,12 @@ def create_app(settings: RatchetSettings) -> FastAPI:
     @app.get("/", response_class=HTMLResponse)
     def overview(request: Request) -> HTMLResponse:
         readable(request)
-        return page(request, "overview.html", aliases=data.summaries(), health=health.read())
+        return page(request, "overview.html", **overview_context())
 
     @app.get("/live", response_class=HTMLResponse)
     def overview_live(request: Request) -> HTMLResponse:
         readable(request)
-        return page(request, "_overview_live.html", aliases=data.summaries(), health=health.read())
+        return page(request, "_overview_live.html", **overview_context())
 
     @app.get("/alias/{alias}", response_class=HTMLResponse)
     def alias_page(

@@ -20,6 +20,11 @@ class ConsoleMetrics:
             ("action", "outcome"),
             registry=r,
         )
+        self.events_dropped = Counter(
+            "ratchet_console_events_dropped_total",
+            "Lifecycle events of actions dropped while Kafka was away too long (still in Redis)",
+            registry=r,
+        )
         self.logins = Counter(
             "ratchet_console_logins_total", "Login attempts, by outcome", ("outcome",), registry=r
         )

@@ -34,6 +34,7 @@ def prompt_text(messages: list[dict[str, Any]]) -> str:
 
 
 environment.filters["number"] = number
+environment.filters["count_of"] = lambda value: "-" if value is None else f"{value:.0f}"
 environment.filters["prompt_text"] = prompt_text
 environment.filters["percent"] = lambda value: "-" if value is None else f"{value:.0%}"
 

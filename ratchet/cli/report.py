@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ratchet.bus import consumer_lag
 from ratchet.records import GROUPS_TOPIC
 from ratchet.rounds import RoundRow, rounds_of
 from ratchet.settings import RatchetSettings
@@ -15,30 +16,13 @@ __all__ = ["RoundRow", "learner_lag", "plot_rounds", "rounds_of"]
 
 def learner_lag(settings: RatchetSettings, timeout_s: float = 5.0) -> int | None:
     """Groups on ratchet.groups the learner has not committed yet; None if Kafka is away."""
-    from kafka import KafkaConsumer
-    from kafka.errors import KafkaError
-    from kafka.structs import TopicPartition
-
-    try:
-        consumer = KafkaConsumer(
-            bootstrap_servers=settings.kafka_bootstrap_servers,
-            group_id=settings.learner.consumer_group,
-            enable_auto_commit=False,
-            request_timeout_ms=int(timeout_s * 1000) + 1000,
-            **settings.kafka.client_options(),
-        )
-    except KafkaError:
-        return None
-    try:
-        partitions = consumer.partitions_for_topic(GROUPS_TOPIC) or set()
-        tps = [TopicPartition(GROUPS_TOPIC, p) for p in partitions]
-        ends = consumer.end_offsets(tps) if tps else {}
-        lag: int = sum(max(0, end - (consumer.committed(tp) or 0)) for tp, end in ends.items())
-        return lag
-    except KafkaError:
-        return None
-    finally:
-        consumer.close()
+    return consumer_lag(
+        settings.kafka_bootstrap_servers,
+        settings.kafka,
+        settings.learner.consumer_group,
+        GROUPS_TOPIC,
+        timeout_s,
+    )
 
 
 def plot_rounds(alias: str, rows: list[RoundRow], threshold: float, path: Path) -> Path:

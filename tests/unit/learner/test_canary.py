@@ -139,6 +139,11 @@ def settings(redis_url: str, tmp_path: Path) -> RatchetSettings:
 
 @pytest.fixture
 def lifecycle(settings: RatchetSettings) -> Lifecycle:
+    return lifecycle_of(settings)
+
+
+def lifecycle_of(settings: RatchetSettings) -> Lifecycle:
+    """v1 and v2 in the store, v1 active."""
     assert settings.store_dir is not None
     store = AdapterStore(settings.store_dir)
     for version in (1, 2):
@@ -505,12 +510,7 @@ def test_a_canary_that_fooled_the_reward_model_is_rolled_back_and_learning_pause
     (0.15), by 0.1 is not."""
     config = AliasConfig(canary=CONFIG, reward={"kind": "feedback"})
     settings = RatchetSettings(redis_url=redis_url, home=tmp_path, aliases={ALIAS: config})
-    assert settings.store_dir is not None
-    store = AdapterStore(settings.store_dir)
-    for version in (1, 2):
-        add_version(store, version)
-    lifecycle = Lifecycle(RegistryWriter(settings.redis_url, settings.aliases), store, sink=None)
-    lifecycle.promote(ALIAS, 1)
+    lifecycle = lifecycle_of(settings)
     start_canary(lifecycle)
     rated_answers(lifecycle.writer.redis, 1, 6, 0.5)
     rated_answers(lifecycle.writer.redis, 2, 6, 0.5)

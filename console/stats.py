@@ -1,0 +1,138 @@
+"""Throughput for the overview: traffic per alias over the last minute and hour, the judge's
+groups and failures, and each consumer's lag.
+
+Counts come from the services' own /metrics (the proxy's requests, the judge's groups and
+failures), sampled at most every :data:`SAMPLE_S` and kept for an hour, so a window is the
+difference of two samples ("since the console started" while it is younger than the window).
+With several proxy replicas the console reads the one its request reaches; Prometheus and the
+dashboard see them all. Lag is asked of Kafka (ratchet/bus.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from ratchet.bus import consumer_lag
+from ratchet.records import GROUPS_TOPIC, TRAFFIC_TOPIC
+from ratchet.settings import RatchetSettings
+
+SAMPLE_S = 5.0
+LAG_S = 15.0
+KEPT_S = 3600.0
+
+Counts = dict[tuple[str, str], float]  # (metric, alias) -> value
+
+
+@dataclass(frozen=True)
+class AliasThroughput:
+    requests_minute: float | None
+    requests_hour: float | None
+    groups_per_minute: float | None
+    failures_hour: float | None
+
+
+@dataclass
+class Throughput:
+    aliases: dict[str, AliasThroughput] = field(default_factory=dict)
+    window_s: float = 0.0  # how far back the samples reach
+    judge_lag: int | None = None  # traffic records the judge has not committed
+    learner_lag: int | None = None  # groups the learner has not committed
+
+
+def counts_of(text: str, metrics: dict[str, str]) -> Counts:
+    """Sum each wanted counter's samples per alias. ``metrics``: sample name -> short name."""
+    found: Counts = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            short = metrics.get(sample.name)
+            if short is not None:
+                key = (short, sample.labels.get("alias", "-"))
+                found[key] = found.get(key, 0.0) + sample.value
+    return found
+
+
+def increase(
+    samples: deque[tuple[float, Counts]], key: tuple[str, str], window_s: float
+) -> float | None:
+    """How much a counter grew over the last ``window_s`` (or all samples kept, if fewer); a
+    counter that went down (a restarted service) counts from zero."""
+    if len(samples) < 2:
+        return None
+    now, latest = samples[-1]
+    if key not in latest:
+        return None  # the service that counts it did not answer the last scrape
+    base = next((c for t, c in samples if now - t <= window_s), samples[0][1])
+    start, end = base.get(key, 0.0), latest.get(key, 0.0)
+    return end - start if end >= start else end
+
+
+class ThroughputReader:
+    def __init__(self, settings: RatchetSettings, proxy_url: str) -> None:
+        self.settings = settings
+        self.proxy_url = proxy_url
+        judge = settings.judge
+        host = "127.0.0.1" if judge.metrics_host in ("0.0.0.0", "::") else judge.metrics_host
+        self.judge_url = f"http://{host}:{judge.metrics_port}"
+        self.samples: deque[tuple[float, Counts]] = deque()
+        self.lag_checked = 0.0
+        self.lags: tuple[int | None, int | None] = (None, None)
+        self.lag_thread: threading.Thread | None = None
+
+    def read(self) -> Throughput:
+        now = time.monotonic()
+        if not self.samples or now - self.samples[-1][0] >= SAMPLE_S:
+            self.samples.append((now, self.scrape()))
+            while now - self.samples[0][0] > KEPT_S + SAMPLE_S:
+                self.samples.popleft()
+        if now - self.lag_checked >= LAG_S and not (self.lag_thread and self.lag_thread.is_alive()):
+            # Off the page's request: Kafka may take seconds to answer, or not answer at all.
+            self.lag_checked = now
+            self.lag_thread = threading.Thread(target=self.update_lag, daemon=True)
+            self.lag_thread.start()
+        span = self.samples[-1][0] - self.samples[0][0]
+        result = Throughput(window_s=span, judge_lag=self.lags[0], learner_lag=self.lags[1])
+        for alias in self.settings.aliases:
+            groups = increase(self.samples, ("groups", alias), 60.0)
+            minute = min(span, 60.0)
+            result.aliases[alias] = AliasThroughput(
+                requests_minute=increase(self.samples, ("requests", alias), 60.0),
+                requests_hour=increase(self.samples, ("requests", alias), KEPT_S),
+                groups_per_minute=groups * 60.0 / minute if groups is not None and minute else None,
+                failures_hour=increase(self.samples, ("failures", alias), KEPT_S),
+            )
+        return result
+
+    def scrape(self) -> Counts:
+        counts: Counts = {}
+        for url, metrics in (
+            (self.proxy_url, {"ratchet_proxy_requests_total": "requests"}),
+            (
+                self.judge_url,
+                {
+                    "ratchet_judge_groups_total": "groups",
+                    "ratchet_judge_failures_total": "failures",
+                },
+            ),
+        ):
+            try:
+                counts |= counts_of(httpx.get(f"{url}/metrics", timeout=1.0).text, metrics)
+            except (httpx.HTTPError, ValueError):
+                continue  # that service is away: its counts are missing from this sample
+        return counts
+
+    def update_lag(self) -> None:
+        s = self.settings
+        self.lags = (
+            consumer_lag(
+                s.kafka_bootstrap_servers, s.kafka, s.judge.consumer_group, TRAFFIC_TOPIC, 2.0
+            ),
+            consumer_lag(
+                s.kafka_bootstrap_servers, s.kafka, s.learner.consumer_group, GROUPS_TOPIC, 2.0
+            ),
+        )
