@@ -24,6 +24,7 @@ from console.auth import COOKIE, ConsoleAuth
 from console.metrics import ConsoleMetrics
 from console.render import render, rounds_svg
 from console.stats import ThroughputReader
+from console.traffic import RecentTraffic, TrafficReader
 from console.views import ConsoleData
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import RatchetSettings
@@ -31,6 +32,7 @@ from ratchet.settings import RatchetSettings
 STATIC = Path(__file__).parent / "static"
 HEALTH_TTL_S = 5.0
 MESSAGE_CHARS = 300
+COMPLETION_ID_CHARS = 128
 
 
 class Health:
@@ -82,7 +84,8 @@ def _ok(url: str, headers: dict[str, str] | None = None) -> bool:
         return False
 
 
-def create_app(settings: RatchetSettings) -> FastAPI:
+def create_app(settings: RatchetSettings, start_readers: bool = True) -> FastAPI:
+    """``start_readers``: read recent traffic from Kafka (tests feed ``app.state.recent``)."""
     data = ConsoleData(settings)
     auth = ConsoleAuth(settings)
     metrics = ConsoleMetrics()
@@ -90,7 +93,11 @@ def create_app(settings: RatchetSettings) -> FastAPI:
     actions = Actions(settings, data.writer, events)
     health = Health(settings, data)
     throughput = ThroughputReader(settings, proxy_url(settings))
+    recent = RecentTraffic(set(settings.aliases))
+    if start_readers:
+        TrafficReader(settings, recent).start()
     app = FastAPI(title="Ratchet console", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.recent = recent
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     refresh_ms = int(settings.console.refresh_s * 1000)
 
@@ -115,6 +122,7 @@ def create_app(settings: RatchetSettings) -> FastAPI:
             "aliases": data.summaries(),
             "health": health.read(),
             "throughput": throughput.read(),
+            "ratings": {alias: recent.ratings(alias) for alias in settings.aliases},
         }
 
     def alias_context(alias: str) -> dict[str, Any]:
@@ -122,7 +130,12 @@ def create_app(settings: RatchetSettings) -> FastAPI:
         if detail is None:
             raise HTTPException(404, f"no alias {alias!r} in this console's config")
         threshold = settings.aliases[alias].gate.threshold
-        return {"alias": alias, "detail": detail, "plot": rounds_svg(detail.rounds, threshold)}
+        return {
+            "alias": alias,
+            "detail": detail,
+            "plot": rounds_svg(detail.rounds, threshold),
+            "ratings": recent.ratings(alias),
+        }
 
     @app.middleware("http")
     async def count(request: Request, call_next: Any) -> Response:
@@ -174,6 +187,20 @@ def create_app(settings: RatchetSettings) -> FastAPI:
             message, kind = f"Refused: {refused[:MESSAGE_CHARS]}", "bad"
         return page(
             request, "alias.html", message=message, message_kind=kind, **alias_context(alias)
+        )
+
+    @app.get("/alias/{alias}/traffic", response_class=HTMLResponse)
+    def alias_traffic(request: Request, alias: str, completion_id: str = "") -> HTMLResponse:
+        readable(request)
+        if alias not in settings.aliases:
+            raise HTTPException(404, f"no alias {alias!r} in this console's config")
+        wanted = completion_id.strip()[:COMPLETION_ID_CHARS]
+        return page(
+            request,
+            "traffic.html",
+            alias=alias,
+            completion_id=wanted,
+            exchanges=recent.recent(alias, wanted or None),
         )
 
     @app.get("/alias/{alias}/live", response_class=HTMLResponse)

@@ -183,6 +183,7 @@ def write_config(home: Path, **proxy: Any) -> tuple[Path, dict[str, Any]]:
             "expose_arm": True,
             **proxy,
         },
+        "console": {"port": free_port()},
         "aliases": {ALIAS: {"base_model": BASE_MODEL}},
     }
     path = home / "ratchet.yaml"

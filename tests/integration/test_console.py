@@ -18,10 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
-from ratchet.dev.processes import Stack
+from ratchet.dev.processes import Stack, wait_until
 from ratchet.dev.stack import console_part, learner_part
 from ratchet.records import EVENTS_TOPIC, LifecycleEvent
 from ratchet.registry import AliasRoute
@@ -96,8 +97,9 @@ def contrast(foreground: str, background: str) -> float:
     return (a + 0.05) / (b + 0.05)
 
 
-def check_accessibility(page: Any) -> None:
-    """Headings in order, a label for every control, readable status colours."""
+def check_accessibility(page: Any, statuses: bool = True) -> None:
+    """Headings in order, a label for every control, readable status colours (``statuses``:
+    the page shows some)."""
     levels = page.eval_on_selector_all("h1, h2, h3, h4, h5, h6", "hs => hs.map(h => +h.tagName[1])")
     assert levels and levels[0] == 1 and levels.count(1) == 1, levels
     assert all(b <= a + 1 for a, b in itertools.pairwise(levels)), levels
@@ -111,7 +113,7 @@ def check_accessibility(page: Any) -> None:
         ".badge, .notice",
         """els => els.map(e => [getComputedStyle(e).color, getComputedStyle(e).backgroundColor])""",
     )
-    assert colours, "no status shown"
+    assert colours or not statuses, "no status shown"
     for foreground, background in colours:
         assert contrast(foreground, background) >= STATUS_CONTRAST, (foreground, background)
 
@@ -210,6 +212,31 @@ def test_the_console_shows_the_loop_and_steers_it_in_a_browser(
                 ),
             )
             print(f"rollback clicked to served by the proxy: {served_in:.3f}s")
+
+            # Recent traffic, found by completion id, with its user's rating.
+            reply = httpx.post(
+                f"{embedded.proxy_url}/v1/chat/completions",
+                json={"model": ALIAS, "messages": [{"role": "user", "content": "Hi"}]},
+                timeout=60,
+            )
+            reply.raise_for_status()
+            completion_id = reply.json()["id"]
+            rated = httpx.post(
+                f"{embedded.proxy_url}/v1/feedback",
+                json={"completion_id": completion_id, "score": 1.0},
+                timeout=10,
+            )
+            assert rated.status_code == 200, rated.text
+
+            def found_rated() -> bool:
+                page.goto(f"{url}/alias/{ALIAS}/traffic")
+                page.get_by_label("Completion id").fill(completion_id)
+                page.get_by_role("button", name="Find").click()
+                cells = page.get_by_test_id("rating")
+                return cells.count() == 1 and cells.inner_text() == "1.00"
+
+            wait_until(found_rated, 20, "the rated exchange on the traffic page")
+            check_accessibility(page, statuses=False)
 
             # A phone screen: the same page, one column, nothing off-screen.
             phone = browser.new_page(viewport={"width": 390, "height": 844})

@@ -56,7 +56,8 @@ def test_up_serves_then_down_stops_everything(tmp_path: Path) -> None:
         state = read_state(tmp_path / "state")
         assert state is not None
         pids = [info["pid"] for info in state["parts"].values()]  # type: ignore[union-attr]
-        assert set(state["parts"]) == {"kafka", "redis", "vllm", "proxy", "judge", "learner"}  # type: ignore[arg-type]
+        parts = {"kafka", "redis", "vllm", "proxy", "judge", "learner", "console"}
+        assert set(state["parts"]) == parts  # type: ignore[arg-type]
 
         client = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="k", max_retries=0)
         completion = client.chat.completions.create(
@@ -64,6 +65,9 @@ def test_up_serves_then_down_stops_everything(tmp_path: Path) -> None:
         )
         assert completion.choices[0].message.content is not None
         assert httpx.get(f"{proxy_url}/readyz").json()["kafka"] is True
+        console_url = f"http://127.0.0.1:{config['console']['port']}"
+        overview = httpx.get(f"{console_url}/")
+        assert overview.status_code == 200 and f'href="/alias/{ALIAS}"' in overview.text
 
         down = subprocess.run(
             [sys.executable, "-m", "ratchet", "down", "--config", str(config_path)],

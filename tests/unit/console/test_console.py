@@ -15,8 +15,10 @@ from fastapi.testclient import TestClient
 from console.app import create_app, safe_next
 from console.auth import COOKIE
 from console.render import rounds_svg
+from console.traffic import KEPT, RecentTraffic
 from ratchet.gate_pairs import GatePair, write_gate_pairs
 from ratchet.lifecycle import Lifecycle
+from ratchet.records import FeedbackRecord, TrafficRecord
 from ratchet.registry import RegistryWriter
 from ratchet.rounds import RoundRow
 from ratchet.settings import ConfigError, RatchetSettings
@@ -66,7 +68,7 @@ def lifecycle(settings: RatchetSettings) -> Lifecycle:
 
 
 def client_for(settings: RatchetSettings) -> TestClient:
-    return TestClient(create_app(settings), base_url="http://127.0.0.1:8404")
+    return TestClient(create_app(settings, start_readers=False), base_url="http://127.0.0.1:8404")
 
 
 def test_the_overview_lists_every_alias_with_its_versions(
@@ -227,3 +229,65 @@ def test_the_plot_marks_passed_and_failed_gates() -> None:
     assert svg.startswith("<svg") and svg.count("<circle") == 4  # 2 rewards, 2 win rates
     assert "#166a2e" in svg and "#b42318" in svg and 'role="img"' in svg
     assert rounds_svg([], 0.5) == ""
+
+
+def test_recent_traffic_is_searchable_by_completion_id_with_its_rating(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    client = client_for(settings)
+    recent = client.app.state.recent  # type: ignore[attr-defined]
+    for i, (version, arm) in enumerate(((1, "active"), (2, "canary"), (1, "active"))):
+        recent.add(
+            TrafficRecord(
+                request_id=f"r{i}",
+                endpoint="chat.completions",
+                alias=ALIAS,
+                request_model=ALIAS,
+                response_model=f"{ALIAS}@v{version}",
+                version=version,
+                canary_arm=arm,
+                request={"messages": [{"role": "user", "content": f"question {i}"}]},
+                response_id=f"chatcmpl-{i}",
+                choices=[{"index": 0, "message": {"role": "assistant", "content": f"answer {i}"}}],
+                status=200,
+                latency_ms=5.0,
+            )
+        )
+    for cid, score in (("chatcmpl-0", 1.0), ("chatcmpl-1", 0.0), ("chatcmpl-2", 0.5)):
+        recent.add(FeedbackRecord(completion_id=cid, score=score))
+    recent.add(FeedbackRecord(completion_id="chatcmpl-0", score=0.0))  # a redelivery: ignored
+    recent.add(FeedbackRecord(completion_id="never-seen", score=1.0))
+
+    found = client.get(f"/alias/{ALIAS}/traffic", params={"completion_id": "chatcmpl-1"}).text
+    assert "question 1" in found and "answer 1" in found and "(canary)" in found
+    assert "question 0" not in found and ">0.00</td>" in found
+    newest_first = client.get(f"/alias/{ALIAS}/traffic").text
+    assert newest_first.index("question 2") < newest_first.index("question 0")
+    missing = client.get(f"/alias/{ALIAS}/traffic", params={"completion_id": "nope"}).text
+    assert "Not among the exchanges" in missing
+    # Mean rating per version, on the overview and the alias page.
+    assert "v1: 0.75 (2), v2: 0.00 (1)" in client.get("/").text
+    assert "v1: 0.75 (2), v2: 0.00 (1)" in client.get(f"/alias/{ALIAS}").text
+
+
+def test_the_kept_traffic_is_bounded_per_alias() -> None:
+    recent = RecentTraffic({ALIAS})
+    for i in range(KEPT + 10):
+        recent.add(
+            TrafficRecord(
+                request_id=f"r{i}",
+                endpoint="chat.completions",
+                alias=ALIAS,
+                request_model=ALIAS,
+                response_model=ALIAS,
+                version=0,
+                canary_arm="active",
+                request={"messages": [{"role": "user", "content": "q"}]},
+                response_id=f"c{i}",
+                status=200,
+                latency_ms=1.0,
+            )
+        )
+    kept = recent.recent(ALIAS)
+    assert len(kept) == KEPT and kept[0].completion_id == f"c{KEPT + 9}"
+    assert recent.recent(ALIAS, "c0") == [] and len(recent.owner) == KEPT
