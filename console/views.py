@@ -59,6 +59,10 @@ class VersionNode:
     parent: int | None
     status: str  # live, canary, promoted, rejected, rolled back, candidate
     round: RoundRow | None
+    # From the version's ratchet.json: its lineage's training so far.
+    rounds: int | None = None
+    groups_seen: int | None = None
+    tokens_seen: int | None = None
 
 
 @dataclass
@@ -170,9 +174,16 @@ class ConsoleData:
                     parent if isinstance(parent, int) else None,
                     status_of(version, route, row),
                     row,
+                    rounds=_count(meta.get("rounds")),
+                    groups_seen=_count(meta.get("groups_seen")),
+                    tokens_seen=_count(meta.get("completion_tokens_seen")),
                 )
             )
         return nodes
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def status_of(version: int, route: AliasRoute, row: RoundRow | None) -> str:

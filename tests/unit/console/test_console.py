@@ -54,7 +54,8 @@ def lifecycle(settings: RatchetSettings) -> Lifecycle:
         (folder / "adapter_config.json").write_text(json.dumps({"r": 8}))
 
     for version in (1, 2):
-        store.write(ALIAS, version, adapter, "/models/base", {"parent_version": version - 1})
+        meta = {"parent_version": version - 1, "rounds": version, "groups_seen": 32 * version}
+        store.write(ALIAS, version, adapter, "/models/base", meta)
     life = Lifecycle(RegistryWriter(settings.redis_url, settings.aliases), store, sink=None)
     for version, win in ((1, 0.8), (2, 0.7)):
         gate = {"win_rate": win, "ci_low": win - 0.2, "ci_high": win + 0.1, "pairs": 40}
@@ -89,6 +90,7 @@ def test_the_alias_page_shows_lineage_rounds_plot_and_the_gates_pairs(
     html = client_for(settings).get(f"/alias/{ALIAS}").text
     assert re.search(r"v1</span> from v0\s*<span class=\"badge ok\">live", html)
     assert re.search(r"v2</span> from v1\s*<span class=\"badge warn\">canary", html)
+    assert "trained on 64 groups" in html and "over 2 round(s)" in html
     assert "<svg" in html and "Training reward and gate win rate per round" in html
     assert "0.700 [0.500, 0.800]" in html  # v2's gate in the rounds table
     assert 'data-testid="gate-pairs-v2"' in html
