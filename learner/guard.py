@@ -1,8 +1,10 @@
 """The reward-hacking guard: signs that learning has gone wrong, as pure functions.
 
 * Reward up, gate down: the training reward rose in each of the last ``guard_rounds`` rounds,
-  yet the gate rejected every one of those candidates. The policy is getting better at what the
-  judge rewards on training prompts and no better on held-out ones: the judge is being gamed.
+  yet the gate rejected every one of those candidates (rounds scored by the same judge models
+  only: a reward model retrained between rounds moves the reward by itself). The policy is
+  getting better at what the judge rewards on training prompts and no better on held-out ones:
+  the judge is being gamed.
 * Collapse: most groups read since the last round are one answer repeated (the policy stopped
   exploring; such groups also carry no GRPO signal).
 * Runaway length: answers have grown several times longer than in the alias's first round
@@ -29,6 +31,7 @@ class RoundOutcome:
     version: int
     train_reward: float
     passed: bool
+    judged_by: tuple[str, ...] | None = None  # the judge models of its groups (None: unknown)
 
 
 def reward_up_gate_down(rounds: list[RoundOutcome], window: int) -> str | None:
@@ -36,6 +39,8 @@ def reward_up_gate_down(rounds: list[RoundOutcome], window: int) -> str | None:
     if len(rounds) < window:
         return None
     last = rounds[-window:]
+    if len({r.judged_by for r in last if r.judged_by is not None}) > 1:
+        return None  # scored by different judges (a retrained reward model): not comparable
     rising = all(b.train_reward > a.train_reward for a, b in itertools.pairwise(last))
     if rising and not any(r.passed for r in last):
         rewards = ", ".join(f"{r.train_reward:.3f}" for r in last)
@@ -114,7 +119,16 @@ def rounds_from_history(history: list[dict[str, Any]]) -> list[RoundOutcome]:
     for event in reversed(history):
         if event.get("kind") != "candidate" or event.get("version") not in gates:
             continue
-        reward = (event.get("detail") or {}).get("mean_reward")
+        detail = event.get("detail") or {}
+        reward = detail.get("mean_reward")
+        judged_by = detail.get("judged_by")
         if reward is not None:
-            rounds.append(RoundOutcome(event["version"], float(reward), gates[event["version"]]))
+            rounds.append(
+                RoundOutcome(
+                    event["version"],
+                    float(reward),
+                    gates[event["version"]],
+                    tuple(judged_by) if isinstance(judged_by, list) else None,
+                )
+            )
     return rounds

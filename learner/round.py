@@ -219,6 +219,9 @@ class Rounds:
             meta={"group_ids": [g.group_id for g in groups], "alias": alias},
         )
         summary = {k: v for k, v in stats.as_dict().items() if k != "round"}
+        # What scored the groups: the guard compares training rewards only between rounds
+        # scored alike (a retrained reward model moves the reward by itself).
+        summary["judged_by"] = sorted({g.judge_model or "" for g in groups})
         self.lifecycle.record(
             self.lifecycle.event(
                 alias, "candidate", version=version, previous_version=live, detail=summary

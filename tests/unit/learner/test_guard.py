@@ -157,3 +157,29 @@ def test_reward_model_gap_compares_the_arms_overrating() -> None:
     assert reward_model_gap([(0.9, 0.4)] * 4, fair, max_gap=0.15, min_pairs=5) is None
     # Underrating the canary is no sign of hacking.
     assert reward_model_gap([(0.1, 0.9)] * 10, fair, max_gap=0.15, min_pairs=5) is None
+
+
+def test_rewards_of_rounds_scored_by_different_reward_models_are_not_compared() -> None:
+    """A feedback alias's reward model is retrained between rounds: its rewards move by
+    themselves, so rising rewards across versions of it are no sign of hacking."""
+    rounds = [
+        RoundOutcome(1, 0.15, False, ("a.reward@v2",)),
+        RoundOutcome(2, 0.21, False, ("a.reward@v3",)),
+        RoundOutcome(3, 0.25, False, ("a.reward@v4",)),
+    ]
+    assert reward_up_gate_down(rounds, window=3) is None
+    same = [RoundOutcome(v, r, False, ("a.reward@v4",)) for v, r in ((1, 0.1), (2, 0.2), (3, 0.3))]
+    assert reward_up_gate_down(same, window=3) is not None
+
+
+def test_the_judges_of_a_round_are_read_back_from_its_candidate_event() -> None:
+    history = [
+        {"kind": "gate", "version": 1, "detail": {"passed": False}},
+        {
+            "kind": "candidate",
+            "version": 1,
+            "detail": {"mean_reward": 0.2, "judged_by": ["a.reward@v3"]},
+        },
+    ]
+    [round_] = rounds_from_history(history)
+    assert round_.judged_by == ("a.reward@v3",)
