@@ -1,11 +1,12 @@
 """Whether the judge samples for an alias now: only while the learner needs groups.
 
 The decision is ``ratchet.progress.sampling_decision`` on two things in Redis: the alias's
-``LearnerProgress`` and the judges' ``groups_produced`` counter. Both are read at most once per
-``CACHE_S`` per alias (a batch asks for every record it samples), and the groups this judge has
-cleared to sample but Kafka has not yet acknowledged are added to the counter, so one batch
-cannot overshoot the bound by its own size. Without Redis the judge samples, as before
-backpressure existed: the groups wait in Kafka, nothing is lost.
+``LearnerProgress`` and the judges' ``groups_produced`` counter. A decision to sample reads them
+at most once per ``CACHE_S`` per alias (a batch asks for every record it samples); a decision not
+to sample is always read afresh, so the judge samples the moment the learner catches up. The
+groups this judge has cleared to sample but Kafka has not yet acknowledged are added to the
+counter, so one batch cannot overshoot the bound by its own size. Without Redis the judge
+samples, as before backpressure existed: the groups wait in Kafka, nothing is lost.
 """
 
 from __future__ import annotations
@@ -56,17 +57,25 @@ class Backpressure:
         self.cleared: Counter[str] = Counter()  # cleared to sample, not yet acknowledged
 
     async def clear(self, alias: str) -> SamplingDecision:
-        """Decide for one group of ``alias``; a group cleared counts as pending at once."""
-        reading = await self._reading(alias)
-        decision = sampling_decision(
+        """Decide for one group of ``alias``; a group cleared counts as pending at once. A "no"
+        is never taken from the cache: the moment the learner catches up (or goes away), the
+        next record is sampled. Reading Redis per skipped record costs nothing the judge needs
+        (it is idle for that alias then)."""
+        cached = self._cached(alias)
+        decision = self._decide(alias, cached or await self._read(alias))
+        if not decision.sample and cached is not None:
+            decision = self._decide(alias, await self._read(alias))
+        if decision.sample:
+            self.cleared[alias] += 1
+        return decision
+
+    def _decide(self, alias: str, reading: Reading) -> SamplingDecision:
+        return sampling_decision(
             reading.progress,
             reading.produced + self.cleared[alias],
             self.max_pending,
             self.pause_while_training,
         )
-        if decision.sample:
-            self.cleared[alias] += 1
-        return decision
 
     def release(self, alias: str) -> None:
         """A cleared group that will not be produced (its sampling or scoring failed)."""
@@ -93,11 +102,12 @@ class Backpressure:
             if cached is not None:
                 self.readings[alias] = cached._replace(produced=int(total))
 
-    async def _reading(self, alias: str) -> Reading:
-        now = self.clock()
+    def _cached(self, alias: str) -> Reading | None:
         cached = self.readings.get(alias)
-        if cached is not None and now - cached.at < CACHE_S:
-            return cached
+        return cached if cached is not None and self.clock() - cached.at < CACHE_S else None
+
+    async def _read(self, alias: str) -> Reading:
+        now = self.clock()
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.hgetall(progress_key(alias))

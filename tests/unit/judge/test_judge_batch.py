@@ -233,7 +233,7 @@ def test_groups_never_acknowledged_are_not_counted(
 
 
 # ---- the decision's inputs, cached ---------------------------------------------------------------
-def test_backpressure_reads_redis_at_most_once_a_second_and_counts_its_own_groups(
+def test_backpressure_caches_a_yes_for_a_second_rereads_a_no_and_counts_its_own_groups(
     redis_url: str,
 ) -> None:
     now = [100.0]
@@ -251,14 +251,23 @@ def test_backpressure_reads_redis_at_most_once_a_second_and_counts_its_own_group
         for _ in range(3):  # 1 waiting + 2 cleared here = 3: the third is refused
             decision = await gate.clear(ALIAS)
             seen.append((decision.sample, decision.pending))
-        client.delete(progress_key(ALIAS))  # the learner's hash expired...
-        seen.append(((await gate.clear(ALIAS)).sample, -1))  # ...but the cache holds a second
+        client.delete(progress_key(ALIAS))  # the learner's hash expired: a "no" is read
+        seen.append(((await gate.clear(ALIAS)).sample, -1))  # afresh, so it samples at once
+        publish(client, LearnerProgress(alias=ALIAS, waiting=100))  # a "yes" is cached...
+        seen.append(((await gate.clear(ALIAS)).sample, -1))
         now[0] += 1.5
-        seen.append(((await gate.clear(ALIAS)).sample, -1))  # no live learner: sample
+        seen.append(((await gate.clear(ALIAS)).sample, -1))  # ...for a second
         await async_client.aclose()
         return seen
 
-    assert asyncio.run(go()) == [(True, 1), (True, 2), (False, 3), (False, -1), (True, -1)]
+    assert asyncio.run(go()) == [
+        (True, 1),
+        (True, 2),
+        (False, 3),
+        (True, -1),
+        (True, -1),
+        (False, -1),
+    ]
 
 
 def test_without_redis_the_judge_samples() -> None:
