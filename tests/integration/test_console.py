@@ -152,8 +152,6 @@ def test_the_console_shows_the_loop_and_steers_it_in_a_browser(
             expect(page.get_by_test_id(f"traffic-{ALIAS}")).to_contain_text("requests:")
             check_accessibility(page)
             fits(page, 1280)
-            DOCS.mkdir(exist_ok=True)
-            page.screenshot(path=str(DOCS / "console-overview.png"), full_page=True)
 
             # The alias page: both answers of a real gate pair, side by side, with the verdict.
             page.goto(f"{url}/alias/{ALIAS}")
@@ -237,6 +235,12 @@ def test_the_console_shows_the_loop_and_steers_it_in_a_browser(
 
             wait_until(found_rated, 20, "the rated exchange on the traffic page")
             check_accessibility(page, statuses=False)
+
+            # The overview once there is something to show: the screenshot in the README.
+            page.goto(url + "/")
+            expect(page.get_by_test_id(f"traffic-{ALIAS}")).to_contain_text("last min")
+            DOCS.mkdir(exist_ok=True)
+            page.screenshot(path=str(DOCS / "console-overview.png"), full_page=True)
 
             # A phone screen: the same page, one column, nothing off-screen.
             phone = browser.new_page(viewport={"width": 390, "height": 844})
