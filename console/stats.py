@@ -23,6 +23,7 @@ from ratchet.records import GROUPS_TOPIC, TRAFFIC_TOPIC
 from ratchet.settings import RatchetSettings
 
 SAMPLE_S = 5.0
+FIRST_GAP_S = 1.0
 LAG_S = 15.0
 KEPT_S = 3600.0
 
@@ -86,7 +87,10 @@ class ThroughputReader:
 
     def read(self) -> Throughput:
         now = time.monotonic()
-        if not self.samples or now - self.samples[-1][0] >= SAMPLE_S:
+        # The second sample comes after FIRST_GAP_S, not SAMPLE_S: a console just opened shows
+        # counts within a second or two, not "-" for five.
+        gap = FIRST_GAP_S if len(self.samples) == 1 else SAMPLE_S
+        if not self.samples or now - self.samples[-1][0] >= gap:
             self.samples.append((now, self.scrape()))
             while now - self.samples[0][0] > KEPT_S + SAMPLE_S:
                 self.samples.popleft()

@@ -238,7 +238,10 @@ def test_the_console_shows_the_loop_and_steers_it_in_a_browser(
 
             # The overview once there is something to show: the screenshot in the README.
             page.goto(url + "/")
-            expect(page.get_by_test_id(f"traffic-{ALIAS}")).to_contain_text("last min")
+            # The one request sent above, counted from the proxy's own metrics.
+            expect(page.get_by_test_id(f"traffic-{ALIAS}")).to_contain_text(
+                "requests: 1 last min", timeout=5000
+            )
             DOCS.mkdir(exist_ok=True)
             page.screenshot(path=str(DOCS / "console-overview.png"), full_page=True)
 
