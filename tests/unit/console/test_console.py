@@ -233,28 +233,31 @@ def test_the_plot_marks_passed_and_failed_gates() -> None:
     assert rounds_svg([], 0.5) == ""
 
 
+def exchange(i: int, version: int = 0, arm: str = "active") -> TrafficRecord:
+    """The i-th chat exchange of ALIAS, answered by ``version`` on ``arm``."""
+    return TrafficRecord(
+        request_id=f"r{i}",
+        endpoint="chat.completions",
+        alias=ALIAS,
+        request_model=ALIAS,
+        response_model=f"{ALIAS}@v{version}",
+        version=version,
+        canary_arm=arm,  # type: ignore[arg-type]
+        request={"messages": [{"role": "user", "content": f"question {i}"}]},
+        response_id=f"chatcmpl-{i}",
+        choices=[{"index": 0, "message": {"role": "assistant", "content": f"answer {i}"}}],
+        status=200,
+        latency_ms=5.0,
+    )
+
+
 def test_recent_traffic_is_searchable_by_completion_id_with_its_rating(
     settings: RatchetSettings, lifecycle: Lifecycle
 ) -> None:
     client = client_for(settings)
     recent = client.app.state.recent  # type: ignore[attr-defined]
     for i, (version, arm) in enumerate(((1, "active"), (2, "canary"), (1, "active"))):
-        recent.add(
-            TrafficRecord(
-                request_id=f"r{i}",
-                endpoint="chat.completions",
-                alias=ALIAS,
-                request_model=ALIAS,
-                response_model=f"{ALIAS}@v{version}",
-                version=version,
-                canary_arm=arm,
-                request={"messages": [{"role": "user", "content": f"question {i}"}]},
-                response_id=f"chatcmpl-{i}",
-                choices=[{"index": 0, "message": {"role": "assistant", "content": f"answer {i}"}}],
-                status=200,
-                latency_ms=5.0,
-            )
-        )
+        recent.add(exchange(i, version, arm))
     for cid, score in (("chatcmpl-0", 1.0), ("chatcmpl-1", 0.0), ("chatcmpl-2", 0.5)):
         recent.add(FeedbackRecord(completion_id=cid, score=score))
     recent.add(FeedbackRecord(completion_id="chatcmpl-0", score=0.0))  # a redelivery: ignored
@@ -275,21 +278,7 @@ def test_recent_traffic_is_searchable_by_completion_id_with_its_rating(
 def test_the_kept_traffic_is_bounded_per_alias() -> None:
     recent = RecentTraffic({ALIAS})
     for i in range(KEPT + 10):
-        recent.add(
-            TrafficRecord(
-                request_id=f"r{i}",
-                endpoint="chat.completions",
-                alias=ALIAS,
-                request_model=ALIAS,
-                response_model=ALIAS,
-                version=0,
-                canary_arm="active",
-                request={"messages": [{"role": "user", "content": "q"}]},
-                response_id=f"c{i}",
-                status=200,
-                latency_ms=1.0,
-            )
-        )
+        recent.add(exchange(i))
     kept = recent.recent(ALIAS)
-    assert len(kept) == KEPT and kept[0].completion_id == f"c{KEPT + 9}"
-    assert recent.recent(ALIAS, "c0") == [] and len(recent.owner) == KEPT
+    assert len(kept) == KEPT and kept[0].completion_id == f"chatcmpl-{KEPT + 9}"
+    assert recent.recent(ALIAS, "chatcmpl-0") == [] and len(recent.owner) == KEPT
