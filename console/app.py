@@ -23,7 +23,7 @@ from console.actions import ACTIONS, ActionRefused, ActionRequest, Actions, Back
 from console.auth import COOKIE, ConsoleAuth
 from console.metrics import ConsoleMetrics
 from console.render import render, rounds_svg
-from console.stats import ThroughputReader
+from console.stats import ThroughputReader, reachable
 from console.traffic import RecentTraffic, TrafficReader
 from console.views import ConsoleData
 from ratchet.secrets import vllm_api_key
@@ -38,9 +38,12 @@ COMPLETION_ID_CHARS = 128
 class Health:
     """Whether Redis, the proxy, vLLM and Kafka are up, checked at most every HEALTH_TTL_S."""
 
-    def __init__(self, settings: RatchetSettings, data: ConsoleData) -> None:
+    def __init__(
+        self, settings: RatchetSettings, data: ConsoleData, throughput: ThroughputReader
+    ) -> None:
         self.settings = settings
         self.data = data
+        self.throughput = throughput  # its scrape of the proxy's metrics says whether Kafka is up
         self.checked = 0.0
         self.parts: dict[str, bool | None] = {}
 
@@ -52,29 +55,20 @@ class Health:
 
     def check(self) -> dict[str, bool | None]:
         proxy = proxy_url(self.settings)
-        kafka: bool | None = None
-        try:  # the proxy reports whether its producer reaches Kafka
-            text = httpx.get(f"{proxy}/metrics", timeout=1.0).text
-            for line in text.splitlines():
-                if line.startswith("ratchet_proxy_kafka_up "):
-                    kafka = float(line.split()[1]) > 0
-        except (httpx.HTTPError, ValueError, IndexError):
-            pass
+        self.throughput.read()  # a fresh enough scrape of the proxy's metrics
         headers = {"authorization": f"Bearer {vllm_api_key(self.settings)}"}
         return {
             "Redis": self.data.redis_up(),
             "proxy": _ok(f"{proxy}/healthz"),
             "vLLM": _ok(f"{self.settings.vllm_url.rstrip('/')}/health", headers),
-            "Kafka": kafka,
+            "Kafka": self.throughput.kafka_up(),
         }
 
 
 def proxy_url(settings: RatchetSettings) -> str:
     if settings.console.proxy_url:
         return settings.console.proxy_url.rstrip("/")
-    host = settings.proxy.host
-    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # bound everywhere: ask loopback
-    return f"http://{host}:{settings.proxy.port}"
+    return f"http://{reachable(settings.proxy.host)}:{settings.proxy.port}"
 
 
 def _ok(url: str, headers: dict[str, str] | None = None) -> bool:
@@ -91,8 +85,8 @@ def create_app(settings: RatchetSettings, start_readers: bool = True) -> FastAPI
     metrics = ConsoleMetrics()
     events = BackgroundEvents(settings, metrics.events_dropped.inc)
     actions = Actions(settings, data.writer, events)
-    health = Health(settings, data)
     throughput = ThroughputReader(settings, proxy_url(settings))
+    health = Health(settings, data, throughput)
     recent = RecentTraffic(set(settings.aliases))
     if start_readers:
         TrafficReader(settings, recent).start()

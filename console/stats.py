@@ -46,6 +46,11 @@ class Throughput:
     learner_lag: int | None = None  # groups the learner has not committed
 
 
+def reachable(host: str) -> str:
+    """The address to ask a service bound to ``host`` on: loopback for a wildcard bind."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
+
+
 def counts_of(text: str, metrics: dict[str, str]) -> Counts:
     """Sum each wanted counter's samples per alias. ``metrics``: sample name -> short name."""
     found: Counts = {}
@@ -78,8 +83,7 @@ class ThroughputReader:
         self.settings = settings
         self.proxy_url = proxy_url
         judge = settings.judge
-        host = "127.0.0.1" if judge.metrics_host in ("0.0.0.0", "::") else judge.metrics_host
-        self.judge_url = f"http://{host}:{judge.metrics_port}"
+        self.judge_url = f"http://{reachable(judge.metrics_host)}:{judge.metrics_port}"
         self.samples: deque[tuple[float, Counts]] = deque()
         self.lag_checked = 0.0
         self.lags: tuple[int | None, int | None] = (None, None)
@@ -115,7 +119,10 @@ class ThroughputReader:
     def scrape(self) -> Counts:
         counts: Counts = {}
         for url, metrics in (
-            (self.proxy_url, {"ratchet_proxy_requests_total": "requests"}),
+            (
+                self.proxy_url,
+                {"ratchet_proxy_requests_total": "requests", "ratchet_proxy_kafka_up": "kafka_up"},
+            ),
             (
                 self.judge_url,
                 {
@@ -129,6 +136,13 @@ class ThroughputReader:
             except (httpx.HTTPError, ValueError):
                 continue  # that service is away: its counts are missing from this sample
         return counts
+
+    def kafka_up(self) -> bool | None:
+        """Whether the proxy's producer reaches Kafka, as of the last scrape (None: unknown)."""
+        if not self.samples:
+            return None
+        up = self.samples[-1][1].get(("kafka_up", "-"))
+        return None if up is None else up > 0
 
     def update_lag(self) -> None:
         s = self.settings

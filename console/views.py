@@ -17,8 +17,8 @@ from ratchet.canary_state import ArmStats, read_counts, read_ratings_summary
 from ratchet.gate_pairs import GatePair, read_gate_pairs
 from ratchet.progress import read_progress
 from ratchet.registry import AliasRoute, RegistryWriter, served_name
-from ratchet.rewards.agreement import agreement, agreement_key, decode_pair, probes_agreement
-from ratchet.rewards.reward_model import RewardStatus, reward_model_name
+from ratchet.rewards.agreement import probes_agreement, read_agreement
+from ratchet.rewards.reward_model import RewardStatus, describe_reward_model
 from ratchet.rounds import RoundRow, rounds_of
 from ratchet.settings import RatchetSettings
 from ratchet.store import AdapterStore
@@ -130,17 +130,13 @@ class ConsoleData:
         config = self.settings.aliases[alias]
         if not config.reward.learns_from_ratings:
             return None
-        status = RewardStatus.read(self.redis, alias)
-        if status is None or status.version == 0:
-            return "no reward model yet" + (f" ({status.reason})" if status else "")
-        name = reward_model_name(alias, status.version)
-        return f"{name}: {status.reason}" + ("" if status.usable else " (waiting)")
+        return describe_reward_model(alias, RewardStatus.read(self.redis, alias))
 
     def agreement_line(self, alias: str) -> str | None:
         if not probes_agreement(self.settings.aliases[alias]):
             return None
-        pairs = [decode_pair(raw) for raw in self.redis.lrange(agreement_key(alias), 0, -1)]
-        return agreement(pairs).line() if pairs else None
+        measures = read_agreement(self.redis, alias)
+        return measures.line() if measures is not None else None
 
     def detail(self, alias: str) -> AliasDetail | None:
         route = self.routes().get(alias)

@@ -76,27 +76,18 @@ def status(
 
 def reward_model_line(client: redis.Redis, alias: str) -> str:
     """Why a feedback alias learns or waits: its reward model's held-out quality."""
-    from ratchet.rewards.reward_model import RewardStatus, reward_model_name
+    from ratchet.rewards.reward_model import RewardStatus, describe_reward_model
 
-    status = RewardStatus.read(client, alias)
-    if status is None:
-        return "waiting: no reward model yet (users' ratings are being collected)"
-    if status.version == 0:
-        return f"waiting: no reward model yet ({status.reason})"
-    name = reward_model_name(alias, status.version)
-    if not status.usable:
-        return f"waiting: {name}: {status.reason}"
-    return f"rewards from {name}: {status.reason}"
+    return describe_reward_model(alias, RewardStatus.read(client, alias))
 
 
 def agreement_line(client: redis.Redis, alias: str, config: AliasConfig) -> str:
     """How far the judge agrees with the users on rated answers (judge/agreement.py)."""
-    from ratchet.rewards.agreement import agreement, agreement_key, decode_pair
+    from ratchet.rewards.agreement import read_agreement
 
-    pairs = [decode_pair(raw) for raw in client.lrange(agreement_key(alias), 0, -1)]
-    if not pairs:
+    measures = read_agreement(client, alias)
+    if measures is None:
         return "judge-user agreement: no rated answer scored yet"
-    measures = agreement(pairs)
     line = measures.line()
     low = measures.pairwise_accuracy is not None and (
         measures.pairwise_accuracy < config.feedback.min_agreement

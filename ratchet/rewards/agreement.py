@@ -30,6 +30,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import redis
+
 from ratchet.settings import AliasConfig
 
 AGREEMENT_QUEUE = 64
@@ -111,6 +113,12 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
     if len(set(ra)) < 2 or len(set(rb)) < 2:
         return None
     return statistics.correlation(ra, rb)
+
+
+def read_agreement(client: redis.Redis, alias: str) -> Agreement | None:
+    """The measures over the alias's kept pairs; None before the judge scored any."""
+    pairs = [decode_pair(raw) for raw in client.lrange(agreement_key(alias), 0, -1)]
+    return agreement(pairs) if pairs else None
 
 
 def agreement(pairs: Sequence[tuple[float, float]]) -> Agreement:

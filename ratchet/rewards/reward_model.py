@@ -373,6 +373,19 @@ def write_meta(evaluation: Evaluation, trained: int, keys: int, base_model: str)
 # --- the live reward model of an alias: its status in Redis, its files in the store --------------
 
 
+def describe_reward_model(alias: str, status: RewardStatus | None) -> str:
+    """Why an alias that learns from ratings learns or waits, in one line (``ratchet status``,
+    the console)."""
+    if status is None:
+        return "waiting: no reward model yet (users' ratings are being collected)"
+    if status.version == 0:
+        return f"waiting: no reward model yet ({status.reason})"
+    name = reward_model_name(alias, status.version)
+    if not status.usable:
+        return f"waiting: {name}: {status.reason}"
+    return f"rewards from {name}: {status.reason}"
+
+
 def status_key(alias: str) -> str:
     """Hash: the alias's newest reward model and whether it may give rewards (RewardStatus)."""
     return f"ratchet:feedback:{alias}:reward"
