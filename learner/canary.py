@@ -55,7 +55,7 @@ from ratchet.records import (
     decode,
 )
 from ratchet.registry import AliasRoute
-from ratchet.rewards.reward_model import RatedAnswer
+from ratchet.rewards.reward_model import RatedAnswer, is_eval_rating
 from ratchet.sequential import SequentialTest
 from ratchet.settings import AliasConfig, CanaryConfig, RatchetSettings
 
@@ -329,8 +329,14 @@ class CanaryWatcher:
         if self.predict is None or not config.reward.learns_from_ratings:
             return None
         versions = (route.active, route.canary)
+        # Only prompts the reward model never trains on (its held-out split): on its training
+        # ratings it fits the active version's answers by construction, which would make any
+        # new version look overrated.
+        eval_fraction = config.feedback.eval_fraction
         answers = [
-            a for a in newest_ratings(self.redis, alias, GAP_RATINGS) if a.version in versions
+            a
+            for a in newest_ratings(self.redis, alias, GAP_RATINGS)
+            if a.version in versions and is_eval_rating(a.prompt_hash, eval_fraction)
         ]
         predicted = self.predict(alias, answers) if answers else None
         if predicted is None:

@@ -24,7 +24,7 @@ from ratchet.lease import Lease
 from ratchet.lifecycle import Lifecycle
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord, TrafficRecord
 from ratchet.registry import RegistryWriter
-from ratchet.rewards.reward_model import RatedAnswer
+from ratchet.rewards.reward_model import RatedAnswer, is_eval_rating
 from ratchet.settings import AliasConfig, CanaryConfig, RatchetSettings
 from ratchet.store import AdapterStore
 
@@ -487,14 +487,16 @@ def test_check_exports_the_canarys_state(settings: RatchetSettings, lifecycle: L
 
 
 def rated_answers(client: Any, version: int, count: int, score: float) -> None:
-    """Joined ratings of ``count`` answers of ``version`` (as learner/ratings.py keeps them)."""
-    for i in range(count):
+    """Joined ratings of ``count`` answers of ``version`` (as learner/ratings.py keeps them), on
+    prompts of the reward model's held-out split, the only ones the guard compares on."""
+    held_out = (h for h in (f"h{n}" for n in range(10_000)) if is_eval_rating(h, 0.25))
+    for i, digest in zip(range(count), held_out, strict=False):
         answer = RatedAnswer(
             [{"role": "user", "content": f"q{i}"}],
             f"v{version} answer",
             score,
             f"k{i}",
-            f"h{i}",
+            digest,
             f"{version}-{i}",
             version,
         )
@@ -534,3 +536,27 @@ def test_a_canary_that_fooled_the_reward_model_is_rolled_back_and_learning_pause
     assert rolled_back["kind"] == "rollback" and paused["kind"] == "pause"
     assert paused["detail"]["reason"].startswith("reward_hacking: the reward model overrates")
     assert "+0.400" in paused["detail"]["reason"] and "+0.000" in paused["detail"]["reason"]
+
+
+def test_the_reward_gap_ignores_the_prompts_the_reward_model_trained_on(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """On its training prompts the model fits the active version's ratings by construction: a
+    gap measured there would blame every new version. Only held-out prompts count."""
+    config = AliasConfig(canary=CONFIG, reward={"kind": "feedback"})
+    settings = RatchetSettings(redis_url=redis_url, home=tmp_path, aliases={ALIAS: config})
+    lifecycle = lifecycle_of(settings)
+    start_canary(lifecycle)
+    trained = (h for h in (f"t{n}" for n in range(10_000)) if not is_eval_rating(h, 0.25))
+    for i, digest in zip(range(12), trained, strict=False):
+        for version in (1, 2):
+            answer = RatedAnswer([], "a", 0.5, f"k{i}", digest, f"{version}-{i}", version)
+            lifecycle.writer.redis.rpush(ratings_key(ALIAS), json.dumps(asdict(answer)))
+    route = lifecycle.writer.read(ALIAS)
+    assert route is not None
+
+    def predict(alias: str, answers: list[RatedAnswer]) -> list[float]:
+        return [0.9 if a.version == 2 else 0.5 for a in answers]
+
+    watcher = CanaryWatcher(settings, lifecycle, LearnerMetrics(), threading.Event(), None, predict)
+    assert watcher.reward_gap(ALIAS, route, config) is None
