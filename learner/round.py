@@ -1,14 +1,15 @@
 """One round for one alias: train -> write -> gate -> outcome.
 
-1. train: load the live version's adapter and optimizer state (a fresh LoRA on v0), take
-   ``steps_per_round`` GRPO steps (learner/trainer.py);
+1. train: load the live version's adapter and optimizer state (a fresh LoRA on v0), or those of
+   a rejected candidate that leaned better (learner/carry.py), take ``steps_per_round`` GRPO
+   steps (learner/trainer.py);
 2. write: the next version number from Redis ``INCR``, the adapter written atomically to the
    store (``base_model_name_or_path`` = vLLM's ``--model``), a ``candidate`` event;
 3. gate: the candidate against the live version on held-out prompts drawn at random from the
    pool, seeded by the candidate's version, no key above ``learning.max_key_share`` of them
    (learner/heldout.py, learner/gate.py);
 4. outcome: canary (or promote at once when ``canary.weight`` is 0) or reject, written to Redis
-   in ONE transaction with the ids of the groups the round used.
+   in ONE transaction with the ids of the groups the round used and where the next round starts.
 
 The service commits the groups' offsets only after step 4. A learner killed before step 4
 re-reads the groups and trains them again (a new version number; the orphaned folder is never
@@ -27,6 +28,7 @@ from typing import Any
 
 import redis
 
+from learner.carry import Start, carry_after, read_carry, start_of_round, write_carry
 from learner.gate import Gate, GateError, GateResult
 from learner.heldout import HeldoutPool
 from learner.metrics import LearnerMetrics
@@ -136,10 +138,13 @@ class Rounds:
         )
         left = waiting  # a round that fails leaves its groups waiting
         try:
-            stats = self.train(alias, route.active, groups)
-            version = self.write(alias, route.active, groups, stats)
+            start = self.start_of_round(alias, route.active)
+            stats = self.train(alias, route.active, start, groups)
+            version = self.write(alias, route.active, start, groups, stats)
             result = self.gate_candidate(alias, config, route, version, heldout)
-            outcome = self.settle(alias, config, version, groups, stats, result)
+            outcome = self.settle(
+                alias, config, route.active, start, version, groups, stats, result
+            )
             left = max(0, waiting - len(groups))
         finally:
             self.report(alias, "idle", waiting=left, round_started_at=0.0)
@@ -182,15 +187,33 @@ class Rounds:
         existing = max(self.store.versions(alias), default=0)
         return int(self.redis.eval(NEXT_VERSION_SCRIPT, 1, next_version_key(alias), existing))
 
+    def start_of_round(self, alias: str, live: int) -> Start:
+        """The live version, or the carried candidate when there is one for it (learner/carry.py)
+        and its folder is still in the store."""
+        start = start_of_round(
+            read_carry(self.redis, alias), live, self.settings.learner.max_candidate_rounds
+        )
+        if start.carried and not self.store.exists(alias, start.version):
+            log.warning("%s: carried v%d is not in the store: starting from v%d",
+                        alias, start.version, live)  # fmt: skip
+            return Start(live)
+        return start
+
     # --- the steps --------------------------------------------------------------------------
 
-    def train(self, alias: str, live: int, groups: list[ScoredGroup]) -> RoundStats:
-        log.info("%s: round on %d groups from v%d: training", alias, len(groups), live)
+    def train(self, alias: str, live: int, start: Start, groups: list[ScoredGroup]) -> RoundStats:
+        if start.carried:
+            log.info(
+                "%s: round on %d groups from v%d (rejected, leaning better; round %d beyond "
+                "v%d): training", alias, len(groups), start.version, start.rounds + 1, live,
+            )  # fmt: skip
+        else:
+            log.info("%s: round on %d groups from v%d: training", alias, len(groups), live)
         trainer = self.trainer()
         started = time.perf_counter()
         steps = self.settings.learner.steps_per_round
         self.report(alias, "train", steps=steps)
-        trainer.load_adapter(self.store.path(alias, live) if live > 0 else None)
+        trainer.load_adapter(self.store.path(alias, start.version) if start.version > 0 else None)
 
         def on_step(step: StepProgress) -> None:
             self.metrics.step_loss.labels(alias).set(step.loss)
@@ -207,8 +230,12 @@ class Rounds:
             m.clip_fraction.labels(alias).set(stats.clip_frac_low + stats.clip_frac_high)
         return stats
 
-    def write(self, alias: str, live: int, groups: list[ScoredGroup], stats: RoundStats) -> int:
-        """The candidate written to the store as the next version, and its ``candidate`` event."""
+    def write(
+        self, alias: str, live: int, start: Start, groups: list[ScoredGroup], stats: RoundStats
+    ) -> int:
+        """The candidate written to the store as the next version, and its ``candidate`` event.
+        Its parent is the live version it would replace (the lineage rollbacks and staleness
+        follow); ``trained_from`` is where its weights started."""
         version = self.next_version(alias)
         self.report(alias, "write", version=version)
         self.trainer().save_candidate(
@@ -216,9 +243,15 @@ class Rounds:
             alias,
             version,
             parent=live,
-            meta={"group_ids": [g.group_id for g in groups], "alias": alias},
+            meta={
+                "group_ids": [g.group_id for g in groups],
+                "alias": alias,
+                "trained_from": start.version,
+                "rounds_beyond_parent": start.rounds + 1,
+            },
         )
         summary = {k: v for k, v in stats.as_dict().items() if k != "round"}
+        summary["trained_from"] = start.version
         # What scored the groups: the guard compares training rewards only between rounds
         # scored alike (a retrained reward model moves the reward by itself).
         summary["judged_by"] = sorted({g.judge_model or "" for g in groups})
@@ -306,19 +339,27 @@ class Rounds:
         self,
         alias: str,
         config: AliasConfig,
+        live: int,
+        start: Start,
         version: int,
         groups: list[ScoredGroup],
         stats: RoundStats,
         result: GateResult,
     ) -> str:
-        """Reject, start a canary or promote, in one transaction with the groups marked trained."""
+        """Reject, start a canary or promote, in one transaction with the groups marked trained
+        and the carry for the next round. A gate that failed leaves the carry as it was."""
         ids = [g.group_id for g in groups]
         self.report(alias, "settle", detail=result.reason)
+        carry = carry_after(
+            start, live, version, result.passed, result.win_rate, config.gate.threshold
+        )
 
         def mark_trained(pipe: Any) -> None:
             now = time.time()
             pipe.zadd(trained_key(alias), {gid: now for gid in ids})
             pipe.zremrangebyscore(trained_key(alias), 0, now - TRAINED_TTL_S)
+            if result.win_rate is not None:
+                write_carry(pipe, alias, carry)
 
         def start_canary(pipe: Any) -> None:
             mark_trained(pipe)
@@ -341,4 +382,7 @@ class Rounds:
         self.metrics.rounds.labels(alias, outcome).inc()
         self.metrics.last_round_timestamp.labels(alias).set(time.time())
         log.info("%s: v%d %s (%s)", alias, version, outcome, result.reason)
+        if carry is not None:
+            log.info("%s: v%d leaned better (win rate %.3f): the next round trains on from it",
+                     alias, version, carry.win_rate)  # fmt: skip
         return outcome

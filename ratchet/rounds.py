@@ -22,6 +22,14 @@ class RoundRow:
     pairs: int | None = None
     passed: bool | None = None
     outcome: str = "trained"  # trained (no gate yet) | promoted | canary | rejected | rolled back
+    # The version it was gated against, and the one its weights started from: another
+    # (rejected) candidate when the learner trained on from it (learner/carry.py).
+    live: int | None = None
+    trained_from: int | None = None
+
+    @property
+    def carried_on(self) -> bool:
+        return self.trained_from is not None and self.trained_from != self.live
 
 
 _OUTCOME_WORDS = {
@@ -44,6 +52,8 @@ def rounds_of(history: list[dict[str, Any]]) -> list[RoundRow]:
                 ts=event.get("ts", ""),
                 mean_reward=detail.get("mean_reward"),
                 groups=detail.get("groups"),
+                live=event.get("previous_version"),
+                trained_from=detail.get("trained_from"),
             )
         elif kind == "gate" and version in rows:
             row = rows[version]

@@ -480,6 +480,11 @@ class LearnerSettings(_Section):
     max_waiting_groups: int = Field(default=256, ge=1)
     steps_per_round: int = Field(default=32, ge=1)
     learning_rate: float = Field(default=1e-3, gt=0)
+    # A candidate the gate rejected while it won more than the threshold of its pairs is where
+    # the next round starts (learner/carry.py), up to this many rounds of training beyond the
+    # live version; 1: every round starts from the live version. A round of a few dozen groups
+    # gains too little for any gate to prove (five rounds in a row rejected at 0.53-0.62).
+    max_candidate_rounds: int = Field(default=3, ge=1)
     micro_batch_tokens: int = Field(default=4096, ge=64)
     # 0 turns clipping off.
     max_grad_norm: float = Field(default=1.0, ge=0)

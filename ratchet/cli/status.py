@@ -44,7 +44,8 @@ def status(
                 else f"win {row.win_rate:.2f} [{row.ci_low:.2f}, {row.ci_high:.2f}] n={row.pairs}"
             )
             reward = "-" if row.mean_reward is None else f"{row.mean_reward:.3f}"
-            lines.append(f"v{row.version}: reward {reward}, {gate}, {row.outcome}")
+            start = f" (on from v{row.trained_from})" if row.carried_on else ""
+            lines.append(f"v{row.version}{start}: reward {reward}, {gate}, {row.outcome}")
         canary = "-" if route.canary is None else f"v{route.canary} ({route.canary_weight:.0%})"
         learning = "paused" if route.paused else "on"
         if route.paused:

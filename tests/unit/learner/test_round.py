@@ -300,3 +300,58 @@ def test_a_round_that_fails_goes_back_to_idle_with_its_groups_waiting(
     final = read_progress(rounds.redis, ALIAS)
     assert final is not None and (final.phase, final.waiting) == ("idle", 1)
     assert metric(rounds, "ratchet_learner_round_phase", phase="train") == 0
+
+
+def leaning(win_rate: float) -> GateResult:
+    """A rejection that won ``win_rate`` of its pairs without proving it."""
+    return GateResult(False, "futile", 96, win_rate, 0.45, 0.75, 0.5, 32)
+
+
+def test_a_rejected_candidate_that_leaned_better_is_where_the_next_round_starts(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rounds = make_rounds(redis_url, tmp_path, canary_weight=0.1)
+    asked = script_gate(rounds, monkeypatch, leaning(0.6))
+    for expected in (1, 2, 3, 4):
+        assert run(rounds).version == expected
+    trainer = rounds.trainer()
+    store = rounds.store
+    # v1 from a fresh LoRA, v2 on from v1, v3 on from v2; v3 holds max_candidate_rounds (3)
+    # rounds beyond the live version, so v4 starts afresh.
+    assert trainer.loaded == [None, store.path(ALIAS, 1), store.path(ALIAS, 2), None]  # type: ignore[attr-defined]
+    assert [store.meta(ALIAS, v)["trained_from"] for v in (1, 2, 3, 4)] == [0, 1, 2, 0]
+    assert [store.meta(ALIAS, v)["rounds_beyond_parent"] for v in (1, 2, 3, 4)] == [1, 2, 3, 1]
+    # Every candidate is still gated against, and descends from, the live version.
+    assert {(c, i) for _, c, i in asked} == {(f"support@v{v}", "base") for v in (1, 2, 3, 4)}
+    assert {store.meta(ALIAS, v)["parent_version"] for v in (1, 2, 3, 4)} == {0}
+    assert all(store.is_rejected(ALIAS, v) for v in (1, 2, 3, 4))
+
+
+def test_a_candidate_that_leaned_no_better_carries_nothing_and_a_failed_gate_keeps_the_carry(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rounds = make_rounds(redis_url, tmp_path, canary_weight=0.1)
+    script_gate(rounds, monkeypatch, leaning(0.6))
+    run(rounds)  # v1 carried
+    script_gate(rounds, monkeypatch, GateError("vLLM is down"))
+    run(rounds)  # v2 from v1, not judged: v1 stays the carry
+    script_gate(rounds, monkeypatch, leaning(0.5))
+    run(rounds)  # v3 from v1 again, a coin: nothing carried
+    run(rounds)  # v4 from the live version
+    trainer = rounds.trainer()
+    assert trainer.loaded == [None, rounds.store.path(ALIAS, 1), rounds.store.path(ALIAS, 1), None]  # type: ignore[attr-defined]
+
+
+def test_a_passing_carried_candidate_goes_to_canary_and_the_carry_ends(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rounds = make_rounds(redis_url, tmp_path, canary_weight=0.0)
+    script_gate(rounds, monkeypatch, leaning(0.6))
+    run(rounds)
+    asked = script_gate(rounds, monkeypatch, verdict(passed=True))
+    assert run(rounds).outcome == "promoted"  # v2, trained on from v1, against the base
+    assert asked == [(asked[0][0], "support@v2", "base")]
+    assert rounds.store.meta(ALIAS, 2)["parent_version"] == 0  # rollback goes to the base
+    script_gate(rounds, monkeypatch, leaning(0.6))
+    run(rounds, live=2)  # v3 starts from the live v2, not from any carry
+    assert rounds.trainer().loaded[-1] == rounds.store.path(ALIAS, 2)  # type: ignore[attr-defined]

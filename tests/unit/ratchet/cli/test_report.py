@@ -100,3 +100,19 @@ def test_plot_rounds_without_any_gate_still_plots(tmp_path: Path) -> None:
     rows = [RoundRow(version=1, ts="t", mean_reward=None, groups=None)]
     path = plot_rounds(ALIAS, rows, threshold=0.5, path=tmp_path / "one.png")
     assert path.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_rounds_of_tells_a_candidate_trained_on_from_a_rejected_one() -> None:
+    def candidate(version: int, trained_from: int | None) -> dict[str, Any]:
+        detail = {"mean_reward": 0.4} | (
+            {} if trained_from is None else {"trained_from": trained_from}
+        )
+        return {"kind": "candidate", "version": version, "previous_version": 2, "detail": detail,
+                "ts": str(version)}  # fmt: skip
+
+    rows = rounds_of([candidate(5, 4), candidate(4, 2), candidate(3, None)])  # newest first
+    assert [(r.version, r.live, r.trained_from, r.carried_on) for r in rows] == [
+        (3, 2, None, False),  # written before carries existed
+        (4, 2, 2, False),
+        (5, 2, 4, True),
+    ]

@@ -1,0 +1,45 @@
+"""Where a round starts (learner/carry.py): the pure decisions, and the Redis round trip."""
+
+from __future__ import annotations
+
+import redis
+
+from learner.carry import Carry, Start, carry_after, read_carry, start_of_round, write_carry
+
+
+def test_a_carry_is_used_only_against_the_live_version_it_was_gated_against() -> None:
+    carry = Carry(version=7, live=5, rounds=1, win_rate=0.6)
+    assert start_of_round(carry, live=5, max_rounds=3) == Start(7, 1)
+    assert start_of_round(carry, live=8, max_rounds=3) == Start(8)  # another version went live
+    assert start_of_round(None, live=5, max_rounds=3) == Start(5)
+
+
+def test_a_carry_holding_max_rounds_is_not_trained_further() -> None:
+    assert start_of_round(Carry(7, 5, 2, 0.6), live=5, max_rounds=3).carried
+    assert start_of_round(Carry(7, 5, 3, 0.6), live=5, max_rounds=3) == Start(5)
+    assert start_of_round(Carry(7, 5, 1, 0.6), live=5, max_rounds=1) == Start(5)  # off
+
+
+def test_only_a_rejection_that_leaned_better_is_carried() -> None:
+    start = Start(7, 1)
+    assert carry_after(start, 5, 9, False, 0.61, 0.5) == Carry(9, 5, 2, 0.61)
+    assert carry_after(start, 5, 9, False, 0.5, 0.5) is None  # a coin is no lean
+    assert carry_after(start, 5, 9, False, 0.3, 0.5) is None
+    assert carry_after(start, 5, 9, False, None, 0.5) is None  # the gate failed
+    assert carry_after(start, 5, 9, True, 0.8, 0.5) is None  # passed: canary or live
+    assert carry_after(Start(5), 5, 9, False, 0.7, 0.6) == Carry(9, 5, 1, 0.7)
+
+
+def test_a_carry_round_trips_through_redis_and_clears(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    assert read_carry(client, "a") is None
+    pipe = client.pipeline()
+    write_carry(pipe, "a", Carry(3, 1, 2, 0.625))
+    pipe.execute()
+    assert read_carry(client, "a") == Carry(3, 1, 2, 0.625)
+    pipe = client.pipeline()
+    write_carry(pipe, "a", None)
+    pipe.execute()
+    assert read_carry(client, "a") is None
+    client.hset("ratchet:learner:a:carry", "version", "x")  # not ours
+    assert read_carry(client, "a") is None
