@@ -14,6 +14,9 @@ test has not decided waits up to ``feedback_wait_s``, then is judged on error ra
 ratings' point estimate — at once if neither arm has a single rating while the active arm has
 answered :data:`UNRATED_AFTER` times ``min_requests``: an alias whose users don't rate.
 
+The watcher also counts every alias's requests per minute, canary or not
+(learner/canary_weight.py): the next canary's share is sized by them.
+
 Every learner replica runs a watcher. Their consumer group splits the topics' partitions between
 them, so each record is counted once, into the shared counts; which arm a completion id was
 answered by is shared too (``ratchet:canary:completion:<id>``), because its feedback may be read
@@ -28,12 +31,14 @@ import json
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Literal
 
 import redis
 
 from learner.canary_ratings import Rating, mean_drop, rating_test
+from learner.canary_weight import count_requests, minute_of
 from learner.exchanges import read_exchanges
 from learner.fair import key_of
 from learner.guard import reward_model_gap
@@ -213,12 +218,16 @@ class CanaryWatcher:
     def count(self, messages: list[Any]) -> None:
         """Add a batch of traffic and feedback records to the running canaries' counts."""
         increments: dict[str, dict[str, float]] = {}
+        requests: Counter[tuple[str, int]] = Counter()  # (alias, minute): the canary's share
         ratings: list[tuple[str, str, Rating]] = []  # (alias, arm, rating), in arrival order
         # Completion ids of canary-time exchanges, claimed in order before any later feedback.
         claims = self.redis.pipeline(transaction=False)
         for message in messages:
             record = decode(message.topic, message.value)
             if isinstance(record, TrafficRecord):
+                minute = minute_of(record.ts)
+                if minute is not None and record.alias in self.settings.aliases:
+                    requests[record.alias, minute] += 1
                 arm = self._arm_of(record.alias, record.version, record.canary_arm)
                 if arm is None:
                     continue
@@ -246,6 +255,7 @@ class CanaryWatcher:
                 add[f"{arm}_feedback"] = add.get(f"{arm}_feedback", 0) + 1
                 add[f"{arm}_feedback_sum"] = add.get(f"{arm}_feedback_sum", 0.0) + record.score
                 ratings.append((alias, arm, Rating(key_of(record.api_key_hash), record.score)))
+        count_requests(claims, requests)
         claims.execute()
         if not increments:
             return

@@ -28,6 +28,7 @@ from typing import Any
 
 import redis
 
+from learner.canary_weight import canary_weight, requests_per_second
 from learner.carry import Start, carry_after, read_carry, start_of_round, write_carry
 from learner.gate import Gate, GateError, GateResult
 from learner.heldout import HeldoutPool
@@ -373,9 +374,10 @@ class Rounds:
             )
         elif config.canary.weight > 0:
             outcome = "canary"
-            self.lifecycle.start_canary(
-                alias, version, config.canary.weight, detail, also=start_canary
-            )
+            rate = requests_per_second(self.redis, alias)
+            weight = canary_weight(config.canary, rate)
+            detail["requests_per_minute"] = round(rate * 60, 1)
+            self.lifecycle.start_canary(alias, version, weight, detail, also=start_canary)
         else:
             outcome = "promoted"
             self.lifecycle.promote(alias, version, detail, also=mark_trained)

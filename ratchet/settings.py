@@ -172,6 +172,13 @@ class CanaryConfig(_Section):
 
     weight: float = Field(default=0.1, ge=0.0, lt=1.0)
     min_requests: int = Field(default=50, ge=1)
+    # A quiet alias's canary takes a larger share, up to max_weight, so that it reaches
+    # min_requests within target_duration_s at the alias's recent request rate
+    # (learner/canary_weight.py): its users meet min_requests candidate answers either way, and
+    # at 10% the embedded stack's ~20 answers a minute took 25 minutes. A max_weight at or below
+    # weight keeps the share fixed.
+    max_weight: float = Field(default=0.5, ge=0.0, lt=1.0)
+    target_duration_s: float = Field(default=300.0, gt=0)
     # Roll back when the canary's server error rate exceeds the active arm's by more than this.
     max_error_rate_increase: float = Field(default=0.02, ge=0.0, le=1.0)
     # Ratings decide with a sequential test (learner/canary_ratings.py): promote once the

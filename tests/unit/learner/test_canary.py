@@ -16,13 +16,20 @@ import pytest
 
 from learner.canary import CanaryWatcher, canary_verdict
 from learner.canary_ratings import Rating, rating_test
+from learner.canary_weight import minute_of, requests_key
 from learner.leases import lease_key
 from learner.metrics import LearnerMetrics
 from learner.ratings import ratings_key
 from ratchet.canary_state import ArmStats, read_counts, reset_counts
 from ratchet.lease import Lease
 from ratchet.lifecycle import Lifecycle
-from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord, TrafficRecord
+from ratchet.records import (
+    FEEDBACK_TOPIC,
+    TRAFFIC_TOPIC,
+    FeedbackRecord,
+    TrafficRecord,
+    utc_now,
+)
 from ratchet.registry import RegistryWriter
 from ratchet.rewards.reward_model import RatedAnswer, is_eval_rating
 from ratchet.settings import AliasConfig, CanaryConfig, RatchetSettings
@@ -400,6 +407,22 @@ def test_nothing_is_counted_without_a_canary(
     watcher = watcher_for(settings, lifecycle)
     watcher.count(healthy_traffic(20))
     assert lifecycle.writer.redis.exists(f"ratchet:canary:{ALIAS}") == 0
+
+
+def test_the_watcher_counts_every_exchange_of_a_known_alias_canary_or_not(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    # v1 active, no canary: the rate counts all of an alias's traffic
+    watcher = watcher_for(settings, lifecycle)
+    stranger = traffic("active", 1)
+    stranger.value = stranger.value.replace(f'"alias":"{ALIAS}"'.encode(), b'"alias":"nobody"')
+    watcher.count([*healthy_traffic(15), stranger])
+    client = lifecycle.writer.redis
+    minute = minute_of(utc_now())
+    assert minute is not None
+    counted = sum(int(client.get(requests_key(ALIAS, m)) or 0) for m in (minute - 1, minute))
+    assert counted == 30
+    assert not client.keys(requests_key("nobody", 0).replace(":0", ":*"))  # unknown alias
 
 
 def test_a_canary_set_by_hand_is_not_judged(
