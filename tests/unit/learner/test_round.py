@@ -311,6 +311,7 @@ def test_a_rejected_candidate_that_leaned_better_is_where_the_next_round_starts(
     redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rounds = make_rounds(redis_url, tmp_path, canary_weight=0.1)
+    rounds.settings.learner.max_candidate_rounds = 3
     asked = script_gate(rounds, monkeypatch, leaning(0.6))
     for expected in (1, 2, 3, 4):
         assert run(rounds).version == expected
