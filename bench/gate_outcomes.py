@@ -8,8 +8,9 @@ store holds the candidates a run trained)::
 Method
 ------
 1. pairs: vLLM (the embedded stack's part alone, on the home's adapter store) answers the task's
-   last ``--prompts`` prompts (64: those loop_speed.py never sent) greedily, as the base model and as ``<task>@v<version>``; the task's
-   verifier scores each answer (what the gate does, on prompts no round trained on);
+   last ``--prompts`` prompts (64: those loop_speed.py never sent) greedily, as the base model
+   and as ``<task>@v<version>``; the task's verifier scores each answer (what the gate does, on
+   prompts no round trained on);
 2. each pair gives two outcomes in [0, 1]: the ranking outcome (1 better, 0 worse, 0.5 a tie:
    the gate's verifier outcome before) and the score difference ``(1 + c - b) / 2`` (the gate's
    verifier outcome now, learner/gate.py);
