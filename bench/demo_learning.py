@@ -310,8 +310,8 @@ BOOTSTRAP_SAMPLES = 2000
 
 
 def win_rate(cand: list[float], base: list[float], seed: int = 0) -> tuple[float, float, float]:
-    """The gate's own statistic for a verifier: the mean paired outcome ((1 + c - b) / 2, 0.5 is
-    a tie) and its 95% percentile-bootstrap interval (learner/gate.py)."""
+    """The gate's own statistic: paired win rate (better 1, tie 0.5, worse 0) and its 95%
+    percentile-bootstrap interval (learner/gate.py)."""
     wins = [verifier_outcome(c, b) for c, b in zip(cand, base, strict=True)]
     low, high = bootstrap_interval(wins, samples=BOOTSTRAP_SAMPLES, seed=seed)
     return statistics.fmean(wins), low, high

@@ -3,22 +3,14 @@
 Both versions answer the same held-out prompts through vLLM (greedy by default, so a pair
 differs only because the weights do). Each prompt gives one paired outcome for the candidate:
 
-* verifier: ``(1 + c - i) / 2`` for scores ``c`` and ``i`` in [0, 1] (the paired score
-  difference, mapped onto [0, 1]): 1 or 0 for a binary verifier, and for a graded one the size of
-  the difference counts, not only its sign. The mean outcome is above 0.5 exactly when the
-  candidate's mean score is above the live version's, which is what the gate is for; and most
-  pairs of a graded task differ a little, so the outcomes vary far less than wins and losses
-  would, and the sequential test decides on fewer pairs (measured on the demo task: see
-  :func:`verifier_outcome`);
+* verifier: 1 if its score is higher, 0 if lower, 0.5 on a tie (the paired score difference);
 * RULER: the judge sees the two answers side by side twice, in both presentation orders; a win
   (or a loss) counts only when both orders agree, anything else is a tie, so a judge that simply
   prefers the first answer it reads cannot promote anything;
 * mixed: ``ruler_weight`` x the RULER outcome + the rest x the verifier outcome;
-* feedback: the alias's live reward model scores both answers (pointwise, one forward pass for
-  the pair); 1 if the candidate's is higher, 0 if lower, 0.5 on a tie: a learned model's
-  ranking is what it was trained for, the size of its score gaps is not. A candidate trained
-  against that model can fool it, so a feedback alias always goes through a canary that live
-  ratings decide.
+* feedback: as a verifier, with the alias's live reward model scoring both answers (pointwise,
+  one forward pass for the pair). A candidate trained against that model can fool it, so a
+  feedback alias always goes through a canary that live ratings decide.
 
 The pairs are answered in their drawn order, a wave of ``learner.gate_concurrency`` at a time
 (so vLLM batches), and their outcomes feed an always-valid sequential test of the win rate
@@ -89,12 +81,6 @@ class GateResult:
 
 
 def verifier_outcome(candidate: float, incumbent: float) -> float:
-    """The paired score difference of two verifier scores in [0, 1], mapped onto [0, 1]."""
-    return min(1.0, max(0.0, (1.0 + candidate - incumbent) / 2.0))
-
-
-def ranking_outcome(candidate: float, incumbent: float) -> float:
-    """1 if the candidate's score is higher, 0 if lower, 0.5 on a tie (within float noise)."""
     if candidate > incumbent + TIE_TOLERANCE:
         return 1.0
     if candidate < incumbent - TIE_TOLERANCE:
@@ -398,7 +384,7 @@ class Gate:
         prompts: list[HeldoutPrompt],
         answered: list[tuple[dict[str, Any], dict[str, Any]] | None],
     ) -> list[Scored]:
-        """Each pair scored by the alias's live reward model: 1, 0 or 0.5 by which is higher."""
+        """Each pair scored by the alias's live reward model: 1, 0 or 0.5 as a verifier's."""
         if self.reward_models is None or self.reward_status is None:
             raise GateError("a feedback alias's gate needs the reward models")
         alias = prompts[0].alias if prompts else ""
@@ -413,7 +399,7 @@ class Gate:
                 (c, n), _ = self.reward_models.score(alias, status, prompt.prompt_messages, texts)
             except RewardModelUnavailable as exc:
                 raise GateError(str(exc)) from exc
-            out.append(Scored(ranking_outcome(c, n), c, n))
+            out.append(Scored(verifier_outcome(c, n), c, n))
         return out
 
     async def _pair(
