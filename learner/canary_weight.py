@@ -57,8 +57,8 @@ def requests_per_second(client: redis.Redis, alias: str, now: float | None = Non
     now = time.time() if now is None else now
     current = int(now) // BUCKET_S
     minutes = range(current - WINDOW_BUCKETS + 1, current + 1)
-    counts = client.mget([requests_key(alias, m) for m in minutes])
-    total = sum(int(c) for c in counts if c is not None)  # type: ignore[union-attr]
+    counts: list[Any] = client.mget([requests_key(alias, m) for m in minutes])
+    total = sum(int(c) for c in counts if c is not None)
     # The current minute has run only so far: the window is that much shorter.
     span = (WINDOW_BUCKETS - 1) * BUCKET_S + (now - current * BUCKET_S)
     return total / span
