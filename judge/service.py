@@ -11,6 +11,9 @@ record already marked judged (``ratchet:judge:done:<request id>``) is skipped, s
 between its broker's acks and that mark is judged twice. Each group's id is derived from its
 traffic record and version, so the learner drops such a repeat too.
 
+A group is sampled from the version the alias's next round trains: the live one, or the rejected
+candidate the learner carries on from (ratchet/carry.py), so GRPO learns from its own answers.
+
 What a client controls does not steer the split: the traffic record's id is the proxy's own (not
 the client's ``x-request-id``), and which prompts are held out for the gate is a keyed hash under
 the server secret, so a client cannot craft prompts that land there more often than
@@ -48,6 +51,7 @@ from judge.sampler import (
     sampling_max_tokens,
 )
 from judge.scoring import GroupScorer, ScoringError
+from ratchet.carry import Carry, carry_from_hash, carry_key, start_of_round
 from ratchet.records import (
     TRAFFIC_TOPIC,
     DeadLetter,
@@ -134,6 +138,7 @@ class JudgeService(JudgeKafka):
             reward_models(settings),
         )
         self.routes: dict[str, AliasRoute] = {}
+        self.carries: dict[str, Carry | None] = {}  # the last read, for while Redis is away
         self.limit = asyncio.Semaphore(settings.judge.concurrency)
         self.backpressure = Backpressure(
             self.redis,
@@ -261,11 +266,10 @@ class JudgeService(JudgeKafka):
             if status is None or not status.usable:
                 # Nothing could score it yet; not marked seen, so it is sampled when it recurs.
                 raise Skip("no_reward_model")
-        served = served_name(record.alias, route.active, route.base_model)
+        version = await self._policy(record.alias, route)
+        served = served_name(record.alias, version, route.base_model)
         sampling = config.sampling
-        seed = (
-            None if sampling.seed is None else group_seed(sampling.seed, work.digest, route.active)
-        )
+        seed = None if sampling.seed is None else group_seed(sampling.seed, work.digest, version)
         max_tokens = sampling_max_tokens(sampling, record.request, self._lengths(record.alias))
         body = sampling_body(
             served,
@@ -290,9 +294,9 @@ class JudgeService(JudgeKafka):
         self._observe(record.alias, score.rewards)
         self.metrics.groups.labels(record.alias).inc()
         return ScoredGroup(
-            group_id=group_id_of(record.request_id, route.active),
+            group_id=group_id_of(record.request_id, version),
             alias=record.alias,
-            version=route.active,
+            version=version,
             response_model=served,
             prompt_messages=work.prompt,
             tools=work.tools,
@@ -391,6 +395,17 @@ class JudgeService(JudgeKafka):
             self.metrics.failures.labels(alias, "invalid_route").inc()
             route = self.routes.get(alias) or AliasRoute(alias=alias, base_model=config.base_model)
         return route
+
+    async def _policy(self, alias: str, route: AliasRoute) -> int:
+        """The version to sample from: where the alias's next round starts (the live version,
+        or the candidate the learner carries on from); the last carry read while Redis is away."""
+        try:
+            carry = carry_from_hash(await self.redis.hgetall(carry_key(alias)))
+            self.carries[alias] = carry
+        except (redis.RedisError, OSError):
+            carry = self.carries.get(alias)
+        rounds = self.settings.learner.max_candidate_rounds
+        return start_of_round(carry, route.active, rounds).version
 
     # ---- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:

@@ -1,7 +1,7 @@
 """One round for one alias: train -> write -> gate -> outcome.
 
 1. train: load the live version's adapter and optimizer state (a fresh LoRA on v0), or those of
-   a rejected candidate that leaned better (learner/carry.py), take ``steps_per_round`` GRPO
+   a rejected candidate that leaned better (ratchet/carry.py), take ``steps_per_round`` GRPO
    steps (learner/trainer.py);
 2. write: the next version number from Redis ``INCR``, the adapter written atomically to the
    store (``base_model_name_or_path`` = vLLM's ``--model``), a ``candidate`` event;
@@ -29,7 +29,6 @@ from typing import Any
 import redis
 
 from learner.canary_weight import canary_weight, requests_per_second
-from learner.carry import Start, carry_after, read_carry, start_of_round, write_carry
 from learner.gate import Gate, GateError, GateResult
 from learner.heldout import HeldoutPool
 from learner.metrics import LearnerMetrics
@@ -42,6 +41,7 @@ from learner.trainer import (
     train_settings,
 )
 from ratchet.canary_state import reset_counts
+from ratchet.carry import Start, carry_after, read_carry, start_of_round, write_carry
 from ratchet.gate_pairs import write_gate_pairs
 from ratchet.lifecycle import Lifecycle
 from ratchet.progress import LearnerProgress, Phase
@@ -122,9 +122,11 @@ class Rounds:
         groups: list[ScoredGroup],
         heldout: HeldoutPool,
         waiting: int | None = None,
+        start: Start | None = None,
     ) -> RoundReport:
         """A round on ``groups``, gated on prompts drawn from the alias's ``heldout`` pool.
-        ``waiting``: the alias's groups waiting, the round's included (default: the round's).
+        ``waiting``: the alias's groups waiting, the round's included (default: the round's);
+        ``start``: where it starts (default: :meth:`start_of_round`).
         Each phase is published as the alias's progress, and ``idle`` once the round is over,
         however it ended."""
         config = self.settings.aliases[alias]
@@ -139,7 +141,7 @@ class Rounds:
         )
         left = waiting  # a round that fails leaves its groups waiting
         try:
-            start = self.start_of_round(alias, route.active)
+            start = start or self.start_of_round(alias, route.active)
             stats = self.train(alias, route.active, start, groups)
             version = self.write(alias, route.active, start, groups, stats)
             result = self.gate_candidate(alias, config, route, version, heldout)
@@ -189,7 +191,7 @@ class Rounds:
         return int(self.redis.eval(NEXT_VERSION_SCRIPT, 1, next_version_key(alias), existing))
 
     def start_of_round(self, alias: str, live: int) -> Start:
-        """The live version, or the carried candidate when there is one for it (learner/carry.py)
+        """The live version, or the carried candidate when there is one for it (ratchet/carry.py)
         and its folder is still in the store."""
         start = start_of_round(
             read_carry(self.redis, alias), live, self.settings.learner.max_candidate_rounds

@@ -3,11 +3,14 @@
 The main loop reads ``ratchet.groups`` (a consumer group, manual commits) and ``ratchet.heldout``
 (all of it, no group: the gate's pool of prompts never trained on). Each group is either dropped,
 counted by reason (duplicate id, all-equal rewards, sampled by a version more than
-``max_staleness`` promotions behind the live one, learning paused or off), or waits for its
-alias's next round. A round (learner/round.py) runs when ``batch_groups`` wait, or ``interval_s``
-after the oldest one arrived with at least ``min_groups`` waiting, never while the alias has a
-canary, and only in the learner replica holding the alias's lease (learner/leases.py), which
-first drops the groups another replica has trained meanwhile. No API key fills more than
+``max_staleness`` rounds of training behind where the next round starts, learning paused or
+off), or waits for its alias's next round. A round (learner/round.py) runs when
+``batch_groups`` wait, or ``interval_s`` after the oldest one arrived with at least
+``min_groups`` waiting, never while the alias has a canary, and only in the learner replica
+holding the alias's lease (learner/leases.py), which first drops the groups another replica has
+trained meanwhile and those gone stale since they arrived (a carried candidate dropped, a
+promotion). It trains the groups sampled nearest to where it starts first: its own answers,
+when it carries on from a candidate (ratchet/carry.py). No API key fills more than
 ``learning.max_key_share`` of a round (learner/fair.py): its surplus groups wait for later rounds
 (counted), and when too many wait, the key with the most loses its oldest. A partition's offset
 is committed only past groups whose round outcome is stored, and only while it is assigned here.
@@ -48,6 +51,7 @@ from learner.ratings import joins_ratings
 from learner.reward_training import RatingsCollector, RewardTrainer, reward_predictor
 from learner.round import RoundReport, Rounds, trained_key
 from ratchet.bus import ensure_topics, make_consumer
+from ratchet.carry import Start
 from ratchet.lease import LeaseKeeper, LeaseLost
 from ratchet.lifecycle import EventSink, Lifecycle, LifecycleError
 from ratchet.progress import LearnerProgress
@@ -105,7 +109,8 @@ class LearnerService:
         self.invalid_routes = InvalidRoutes()  # no round for these until their hash is fixed
         self.routes_read_at = 0.0
         self.paused_reason: dict[str, str] = {}  # the label of each alias's paused metric
-        self._lineage: dict[tuple[str, int], int | None] = {}
+        self._lineage: dict[tuple[str, int], int | None] = {}  # each version's parent
+        self._sources: dict[tuple[str, int], int | None] = {}  # each one's trained_from
         self._starved: set[str] = set()  # aliases told to wait for held-out prompts (logged once)
         self.read_counts: Counter[str] = Counter()  # groups read per alias, not yet published
         self._reporting: set[str] = set()  # aliases whose progress this replica publishes
@@ -138,8 +143,7 @@ class LearnerService:
         self.recent[alias].append(is_collapsed(group))
         if not group.rewards or max(group.rewards) == min(group.rewards):
             return "zero_spread"
-        behind = self.promotions_between(alias, group.version, route.active)
-        if behind is None or behind > self.settings.learner.max_staleness:
+        if not self.fresh(alias, group.version, route.active):
             return "stale"
         waiting = self.waiting[alias]
         waiting.append(Waiting(group, partition, offset))
@@ -151,6 +155,37 @@ class LearnerService:
             waiting.remove(next(w for w in waiting if key_of_waiting(w) == largest))
             self.metrics.groups.labels(alias, "overflow").inc()
         return "waiting"
+
+    def fresh(self, alias: str, version: int, live: int, start: Start | None = None) -> bool:
+        """Whether a group sampled by ``version`` may train the alias's next round."""
+        start = start or self.rounds.start_of_round(alias, live)
+        lag = self.policy_lag(alias, version, live, start)
+        return lag is not None and lag <= self.settings.learner.max_staleness
+
+    def policy_lag(self, alias: str, version: int, live: int, start: Start) -> int | None:
+        """Rounds of training between the version that sampled a group and ``start``, where the
+        next round starts: back along the carried candidates it trained on from (each one's
+        ``trained_from``) to the live version, then along the live version's promotions. None:
+        not on that path (a sibling, a rolled-back version, a candidate no longer carried)."""
+        current, lag = start.version, 0
+        while current != live:
+            if current == version:
+                return lag
+            trained_from = self._trained_from(alias, current)
+            if trained_from is None or lag >= start.rounds:
+                return None
+            current, lag = trained_from, lag + 1
+        behind = self.promotions_between(alias, version, live)
+        return None if behind is None else behind + lag
+
+    def _trained_from(self, alias: str, version: int) -> int | None:
+        key = (alias, version)
+        if key not in self._sources:  # a version's folder never changes once written
+            source = None
+            if self.store.exists(alias, version):
+                source = self.store.meta(alias, version).get("trained_from")
+            self._sources[key] = None if source is None else int(source)
+        return self._sources[key]
 
     def promotions_between(self, alias: str, version: int, live: int) -> int | None:
         """How many versions of the live one's lineage came after ``version`` (None: it is not
@@ -210,16 +245,26 @@ class LearnerService:
         return usable >= s.min_groups and time.monotonic() - waiting[0].arrived >= s.interval_s
 
     def run_round(self, alias: str) -> RoundReport:
-        """A round on the oldest waiting groups, no key above its share (the rest wait for a
-        later round); they stop waiting once its outcome is stored."""
+        """A round on the waiting groups sampled nearest to where it starts, oldest first among
+        equals, no key above its share (the rest wait for a later round); they stop waiting
+        once its outcome is stored."""
         share = self.settings.aliases[alias].learning.max_key_share
+        route = self.routes[alias]
+        start = self.rounds.start_of_round(alias, route.active)
         waiting = self.waiting[alias]
+        lags = {
+            id(w): self.policy_lag(alias, w.group.version, route.active, start) or 0
+            for w in waiting
+        }
         batch, passed_over = fair_select(
-            waiting, key_of_waiting, self.settings.learner.batch_groups, share
+            sorted(waiting, key=lambda w: lags[id(w)]),  # stable: oldest first within a lag
+            key_of_waiting,
+            self.settings.learner.batch_groups,
+            share,
         )
         groups = [w.group for w in batch]
         report = self.rounds.run(
-            alias, self.routes[alias], groups, self.heldout[alias], waiting=len(waiting)
+            alias, route, groups, self.heldout[alias], waiting=len(waiting), start=start
         )
         spent = {id(w) for w in batch}
         self.waiting[alias] = [w for w in waiting if id(w) not in spent]
@@ -252,6 +297,7 @@ class LearnerService:
                 return []
             self.refresh_routes()
             self.drop_trained(alias)
+            self.drop_stale(alias)
             if not self.ready(alias):
                 return []
             try:
@@ -274,6 +320,20 @@ class LearnerService:
         keep = [w for w, score in zip(waiting, scores, strict=True) if score is None]
         if len(keep) < len(waiting):
             self.metrics.groups.labels(alias, "duplicate").inc(len(waiting) - len(keep))
+            self.waiting[alias] = keep
+            self.metrics.waiting.labels(alias).set(len(keep))
+
+    def drop_stale(self, alias: str) -> None:
+        """Drop waiting groups that went stale since they arrived: the candidate that sampled
+        them is no longer carried, or promotions moved the live version on."""
+        waiting = self.waiting.get(alias) or []
+        route = self.routes.get(alias)
+        if not waiting or route is None:
+            return
+        start = self.rounds.start_of_round(alias, route.active)
+        keep = [w for w in waiting if self.fresh(alias, w.group.version, route.active, start)]
+        if len(keep) < len(waiting):
+            self.metrics.groups.labels(alias, "stale").inc(len(waiting) - len(keep))
             self.waiting[alias] = keep
             self.metrics.waiting.labels(alias).set(len(keep))
 

@@ -23,7 +23,7 @@ class RoundRow:
     passed: bool | None = None
     outcome: str = "trained"  # trained (no gate yet) | promoted | canary | rejected | rolled back
     # The version it was gated against, and the one its weights started from: another
-    # (rejected) candidate when the learner trained on from it (learner/carry.py).
+    # (rejected) candidate when the learner trained on from it (ratchet/carry.py).
     live: int | None = None
     trained_from: int | None = None
 

@@ -488,7 +488,7 @@ class LearnerSettings(_Section):
     steps_per_round: int = Field(default=32, ge=1)
     learning_rate: float = Field(default=1e-3, gt=0)
     # A candidate the gate rejected while it won more than the threshold of its pairs is where
-    # the next round starts (learner/carry.py), up to this many rounds of training beyond the
+    # the next round starts (ratchet/carry.py), up to this many rounds of training beyond the
     # live version; 1: every round starts from the live version. A round of a few dozen groups
     # gains too little for any gate to prove (five rounds in a row rejected at 0.53-0.62); two
     # rounds passed bullets' gate. Not 3: a third round on the live version's samples, far from

@@ -8,6 +8,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+import aiohttp
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -30,14 +31,23 @@ from judge.service import (
     JudgeService,
     Ready,
     Skip,
+    ToSample,
     done_key,
     fraction_of,
     group_id_of,
     is_heldout,
 )
 from ratchet.answer_length import auto_max_tokens
+from ratchet.carry import Carry, write_carry
 from ratchet.dev.processes import free_port
-from ratchet.records import TRAFFIC_TOPIC, DeadLetter, HeldoutPrompt, TrafficRecord, prompt_hash
+from ratchet.records import (
+    TRAFFIC_TOPIC,
+    DeadLetter,
+    HeldoutPrompt,
+    ScoredGroup,
+    TrafficRecord,
+    prompt_hash,
+)
 from ratchet.registry import AliasRoute, RegistryWriter, alias_key
 from ratchet.rewards.reward_model import RewardStatus
 from ratchet.rewards.ruler import JudgeReplyError, JudgeRequest, JudgeScores
@@ -49,6 +59,7 @@ from ratchet.settings import (
     SamplingConfig,
 )
 from tests.records import build_traffic_record
+from tests.unit.ratchet.dev.keyed_vllm import keyed_vllm
 
 PROMPT = [{"role": "user", "content": "q"}]
 
@@ -589,3 +600,62 @@ def test_a_malformed_cached_verdict_is_a_miss(raw: bytes) -> None:
 def test_a_cached_verdict_is_read_back() -> None:
     raw = b'{"scores": [1, 0.25], "explanations": ["good", "meh"]}'
     assert cached_verdict(raw, 2) == ([1.0, 0.25], ["good", "meh"])
+
+
+def test_groups_are_sampled_from_where_the_next_round_starts(redis_url: str) -> None:
+    """While the learner carries on from a rejected candidate, its next round trains on that
+    candidate's own answers: the judge samples from it, not from the live version, and the
+    group says so. A carry gated against another live version, or one that holds its rounds
+    already, is not where a round starts: the live version is."""
+    key = "vllm-key"
+    alias = AliasConfig(
+        learning={"heldout_fraction": 0.0, "dedup_window_s": 0, "group_size": 2},
+        reward={"kind": "verifier", "verifier": "tests.unit.judge.test_judge_service:longer"},
+    )
+    client = redis.Redis.from_url(redis_url)
+
+    def carry(value: Carry | None) -> None:
+        pipe = client.pipeline()
+        write_carry(pipe, "support", value)
+        pipe.execute()
+
+    async def sample(service: JudgeService, request_id: str) -> Any:
+        record = build_traffic_record(
+            request_id=request_id, request={"messages": PROMPT}, input_tokens=3
+        )
+        message = SimpleNamespace(
+            topic=TRAFFIC_TOPIC, partition=0, offset=0, value=record.to_json()
+        )
+        async with aiohttp.ClientSession() as session:
+            work = await service.classify(message)
+            assert isinstance(work, ToSample)
+            return await service.group_for(session, work)
+
+    with keyed_vllm(key) as vllm:
+        settings = RatchetSettings(
+            vllm_url=vllm.url,
+            vllm_api_key=key,
+            redis_url=redis_url,
+            aliases={"support": alias},
+            learner={"max_candidate_rounds": 2},
+        )
+        RegistryWriter(redis_url, settings.aliases).write(
+            AliasRoute(alias="support", base_model=alias.base_model, active=2)
+        )
+        versions = []
+        for i, value in enumerate(
+            (None, Carry(5, 2, 1, 0.6), Carry(5, 1, 1, 0.6), Carry(6, 2, 2, 0.6))
+        ):
+            carry(value)
+            service = JudgeService(settings)
+            group = asyncio.run(sample(service, f"r{i}"))
+            assert isinstance(group, ScoredGroup)
+            assert group.samples[0].text.startswith(f"{group.response_model} answer")
+            assert group.group_id == group_id_of(f"r{i}", group.version)
+            versions.append((group.version, group.response_model))
+    assert versions == [(2, "support@v2"), (5, "support@v5"), (2, "support@v2"), (2, "support@v2")]
+
+
+def longer(prompt: list[dict[str, Any]], sample: dict[str, Any]) -> float:
+    """A verifier for the tests: the longer answer scores higher."""
+    return min(1.0, len(sample.get("content") or "") / 100)

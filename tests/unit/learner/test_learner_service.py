@@ -19,6 +19,7 @@ from learner.heldout import HeldoutPool
 from learner.leases import lease_key
 from learner.round import next_version_key, trained_key
 from learner.service import LearnerService, baseline_length_key
+from ratchet.carry import Carry, write_carry
 from ratchet.lease import Lease
 from ratchet.progress import LearnerProgress, progress_key, read_progress
 from ratchet.records import GROUPS_TOPIC, DeadLetter, HeldoutPrompt, Sample, ScoredGroup
@@ -182,6 +183,87 @@ def test_groups_of_a_rolled_back_version_are_stale(service: LearnerService) -> N
     assert service.take(group("g1", version=1), TP0, 1) == "waiting"
 
 
+def carry_on(service: LearnerService, live: int, *chain: int) -> None:
+    """Live ``live`` (promoted from v0), and candidates ``chain`` each trained on from the one
+    before it (the first from the live version), the last one carried by the next round."""
+    add_versions(service, (live, 0))
+    service.lifecycle.promote(ALIAS, live)
+    source = live
+    for version in chain:
+        service.store.write(
+            ALIAS,
+            version,
+            lambda folder: (folder / "adapter_config.json").write_text("{}"),
+            "/base",
+            {"parent_version": live, "trained_from": source},
+        )
+        source = version
+    pipe = service.redis.pipeline()
+    write_carry(pipe, ALIAS, Carry(chain[-1], live, len(chain), 0.6))
+    pipe.execute()
+    service.refresh_routes()
+
+
+def test_a_carried_candidates_own_groups_are_fresh_and_count_its_rounds(
+    service: LearnerService,
+) -> None:
+    """The next round trains on from carried v2 (one round beyond live v1): v2's groups are on
+    its policy, v1's one round behind, v0's two (stale at max_staleness 1); a sibling is not on
+    the path at all."""
+    carry_on(service, 1, 2)
+    add_versions(service, (3, 1))
+    start = service.rounds.start_of_round(ALIAS, 1)
+    assert [service.policy_lag(ALIAS, v, 1, start) for v in (2, 1, 0, 3)] == [0, 1, 2, None]
+    outcomes = [service.take(group(f"g{v}", version=v), TP0, v) for v in (2, 1, 0, 3)]
+    assert outcomes == ["waiting", "waiting", "stale", "stale"]
+
+
+def test_two_carried_rounds_follow_the_chain_of_candidates(service: LearnerService) -> None:
+    carry_on(service, 1, 2, 4)
+    assert not service.rounds.start_of_round(ALIAS, 1).carried  # v4 holds max_candidate_rounds
+    service.settings.learner.max_candidate_rounds = 3
+    start = service.rounds.start_of_round(ALIAS, 1)
+    assert [service.policy_lag(ALIAS, v, 1, start) for v in (4, 2, 1, 0)] == [0, 1, 2, 3]
+
+
+def test_a_round_trains_the_groups_of_where_it_starts_first(
+    gateable: LearnerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = gateable
+    carry_on(service, 1, 2)
+    for i, version in enumerate((1, 1, 2)):  # the live version's answers came first
+        assert service.take(group(f"g{i}", version=version), TP0, i) == "waiting"
+    ran: list[tuple[list[str], Any]] = []
+    monkeypatch.setattr(
+        service.rounds,
+        "run",
+        lambda alias, route, groups, heldout, waiting, start: ran.append(
+            ([g.group_id for g in groups], start)
+        ),
+    )
+    service.run_round(ALIAS)
+    [(trained, start)] = ran
+    assert trained == ["g2", "g0", "g1"]  # v2's own, then v1's, oldest first
+    assert start.version == 2 and start.carried
+
+
+def test_groups_of_a_candidate_no_longer_carried_are_dropped_before_a_round(
+    gateable: LearnerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = gateable
+    carry_on(service, 1, 2)
+    for i, version in enumerate((2, 2, 1)):
+        assert service.take(group(f"g{i}", version=version), TP0, i) == "waiting"
+    pipe = service.redis.pipeline()
+    write_carry(pipe, ALIAS, None)  # v2's next round leaned no better: nothing is carried
+    pipe.execute()
+    rounds: list[str] = []
+    monkeypatch.setattr(service, "run_round", lambda alias: rounds.append(alias))
+    assert service.leased_round(ALIAS) == []
+    assert rounds == [] and waiting_ids(service) == ["g2"]
+    assert metric(service, "ratchet_learner_groups_total", alias=ALIAS, outcome="stale") == 2
+
+
 def test_the_oldest_waiting_group_overflows(service: LearnerService) -> None:
     for i in range(5):
         assert service.take(group(f"g{i}"), TP0, i) == "waiting"
@@ -231,7 +313,12 @@ def test_a_flooding_key_fills_at_most_its_share_of_a_round(
     trained: list[list[str]] = []
 
     def run(
-        alias: str, route: Any, groups: list[ScoredGroup], heldout: Any, waiting: int = 0
+        alias: str,
+        route: Any,
+        groups: list[ScoredGroup],
+        heldout: Any,
+        waiting: int = 0,
+        start: Any = None,
     ) -> Any:
         trained.append([g.group_id for g in groups])
 

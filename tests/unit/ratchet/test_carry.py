@@ -1,10 +1,10 @@
-"""Where a round starts (learner/carry.py): the pure decisions, and the Redis round trip."""
+"""Where a round starts (ratchet/carry.py): the pure decisions, and the Redis round trip."""
 
 from __future__ import annotations
 
 import redis
 
-from learner.carry import Carry, Start, carry_after, read_carry, start_of_round, write_carry
+from ratchet.carry import Carry, Start, carry_after, read_carry, start_of_round, write_carry
 
 
 def test_a_carry_is_used_only_against_the_live_version_it_was_gated_against() -> None:

@@ -9,17 +9,19 @@ on the pairs seen, just not proven) is *carried*: the next round trains on from 
 optimizer state, and the gate compares the result with the live version again, until a
 candidate passes, one leans no better, or one holds ``learner.max_candidate_rounds`` rounds.
 
-Nothing carried is served: it still has to pass the gate against the live version, on held-out
-prompts no round trains on, and then the canary. Its groups were sampled from the live version,
-so the loss's importance ratio (against vLLM's logged behaviour logprobs) and its clip bound how
-far a carried candidate drifts from what is served.
+The judge samples the next round's groups from the same place the round starts
+(:func:`start_of_round`), so a carried round trains on its own answers, as GRPO assumes, not on
+the live version's: sampling is offline, so nothing carried is ever served to a user. It still
+has to pass the gate against the live version, on held-out prompts no round trains on, and then
+the canary.
 
-The carry is one Redis hash per alias (``ratchet:learner:<alias>:carry``), written in the same
-transaction as the round's outcome.
+The carry is one Redis hash per alias (``ratchet:learner:<alias>:carry``), written by the
+learner in the same transaction as the round's outcome and read by the learner and the judge.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +80,11 @@ def carry_after(
 
 def read_carry(client: redis.Redis, alias: str) -> Carry | None:
     raw: dict[bytes, bytes] = client.hgetall(carry_key(alias))  # type: ignore[assignment]
+    return carry_from_hash(raw)
+
+
+def carry_from_hash(raw: Mapping[Any, Any]) -> Carry | None:
+    """The carry in a hash read from :func:`carry_key` (by a sync or an async client)."""
     try:
         return Carry(
             version=int(raw[b"version"]),
