@@ -18,11 +18,16 @@ against ``threshold`` (:mod:`ratchet.sequential`): the gate stops as soon as the
 (at least ``min_pairs`` pairs, false-promotion rate at most ``alpha``), fails (significantly
 worse, or a pass is out of reach), or the drawn pairs run out. The pure part (:func:`decide`
 and below) is tested without a model.
+
+A greedy gate asks the live version for each prompt's answer once and reuses it while that
+version stays the incumbent: it is the same answer, and rejected rounds are gated against the
+same version again and again (half of every later gate's answers).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -51,6 +56,7 @@ log = logging.getLogger(__name__)
 
 TIE_TOLERANCE = 1e-9
 ANSWER_ATTEMPTS = 2  # per answer, against a dropped connection
+KEPT_ANSWERS = 4096  # the live version's greedy answers kept (learner.heldout_pool is 1024)
 
 
 @dataclass(frozen=True)
@@ -254,6 +260,10 @@ class Gate:
         # For feedback aliases: the models, and where their live status is read from.
         self.reward_models = reward_models
         self.reward_status = reward_status
+        # The incumbent's greedy answers, by (served name, prompt, max_tokens): cleared when
+        # another version is the incumbent.
+        self.incumbent_answers: dict[tuple[str, str, int | None], dict[str, Any]] = {}
+        self.incumbent_reused = 0  # answers taken from it rather than asked of vLLM
 
     async def evaluate(
         self,
@@ -414,11 +424,33 @@ class Gate:
         try:
             return (
                 await self._answer(session, candidate, prompt, gate, seed),
-                await self._answer(session, incumbent, prompt, gate, seed),
+                await self._incumbent_answer(session, incumbent, prompt, gate, seed),
             )
         except (aiohttp.ClientError, TimeoutError, GateError) as exc:
             log.warning("gate: no answer pair for %s: %s", prompt.prompt_hash[:12], exc)
             return None
+
+    async def _incumbent_answer(
+        self,
+        session: aiohttp.ClientSession,
+        served: str,
+        prompt: HeldoutPrompt,
+        gate: GateConfig,
+        seed: int,
+    ) -> dict[str, Any]:
+        """The incumbent's answer; a greedy one is asked of vLLM once per prompt."""
+        if gate.temperature > 0:
+            return await self._answer(session, served, prompt, gate, seed)
+        key = (served, prompt.prompt_hash, gate.max_tokens)
+        if any(k[0] != served for k in itertools.islice(self.incumbent_answers, 1)):
+            self.incumbent_answers.clear()  # another version is live now
+        if key in self.incumbent_answers:
+            self.incumbent_reused += 1
+            return self.incumbent_answers[key]
+        answer = await self._answer(session, served, prompt, gate, seed)
+        if len(self.incumbent_answers) < KEPT_ANSWERS:
+            self.incumbent_answers[key] = answer
+        return answer
 
     async def _answer(
         self,

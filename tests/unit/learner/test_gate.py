@@ -311,6 +311,32 @@ def test_one_gate_serves_many_rounds(vllm: StandIn) -> None:
         assert result.passed and result.pairs == DECISIVE
 
 
+def test_the_live_versions_greedy_answers_are_asked_once_while_it_stays_live(
+    vllm: StandIn,
+) -> None:
+    """Rejected rounds are gated against the same live version again and again: its greedy
+    answer to a prompt is the same each time, so vLLM is asked once; a new incumbent (or a
+    sampled gate) is asked afresh."""
+    gate = make_gate(vllm.url)
+    first = evaluate(gate, verifier_alias(), prompts(20), "good", "bad")
+    again = evaluate(gate, verifier_alias(), prompts(20), "good", "bad")
+    assert (first.pairs, first.win_rate) == (again.pairs, again.win_rate) == (DECISIVE, 1.0)
+    models = [r["model"] for r in vllm.requests]
+    assert models.count("good") == 32 and models.count("bad") == 16  # 16 answered, twice
+    assert gate.incumbent_reused == 16
+    def asked_of_incumbent(*args: Any) -> int:
+        before = len(vllm.requests)
+        result = evaluate(gate, *args)
+        return sum(r["model"] == args[-1] for r in vllm.requests[before:]) - result.pairs
+
+    assert asked_of_incumbent(verifier_alias(), prompts(20), "bad", "good") >= 0  # another one
+    assert gate.incumbent_reused == 16
+    sampled = verifier_alias(GATE.model_copy(update={"temperature": 0.7}))
+    assert asked_of_incumbent(sampled, prompts(20), "bad", "good") >= 0
+    assert asked_of_incumbent(sampled, prompts(20), "bad", "good") >= 0  # never reused
+    assert gate.incumbent_reused == 16
+
+
 # --- RULER: both presentation orders --------------------------------------------------------
 
 CANDIDATE = {"role": "assistant", "content": "candidate's answer"}
