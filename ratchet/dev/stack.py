@@ -112,6 +112,12 @@ def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> P
         "--no-enable-chunked-prefill",
         "--max-num-batched-tokens",
         "2048",
+        # The CPU build's default KV block (128 tokens) is longer than most prompts here, and
+        # only full blocks are shared: a group's K answers each prefilled the prompt again, with
+        # 0 prefix-cache hits. At 32 (the smallest its attention takes) they share it: measured
+        # 16 groups of 6 answers to sorting prompts in 15.4 s against 31.6 s, same answers.
+        "--block-size",
+        "32",
         "--enable-lora",
         "--max-loras",
         "4",
