@@ -220,6 +220,7 @@ def test_a_carried_candidates_own_groups_are_fresh_and_count_its_rounds(
 
 def test_two_carried_rounds_follow_the_chain_of_candidates(service: LearnerService) -> None:
     carry_on(service, 1, 2, 4)
+    service.settings.learner.max_candidate_rounds = 2
     assert not service.rounds.start_of_round(ALIAS, 1).carried  # v4 holds max_candidate_rounds
     service.settings.learner.max_candidate_rounds = 3
     start = service.rounds.start_of_round(ALIAS, 1)
