@@ -1,7 +1,7 @@
 """One round for one alias: train -> write -> gate -> outcome.
 
 1. train: load the live version's adapter and optimizer state (a fresh LoRA on v0), or those of
-   a rejected candidate that leaned better (ratchet/carry.py), take ``steps_per_round`` GRPO
+   a rejected candidate not shown worse (ratchet/carry.py), take ``steps_per_round`` GRPO
    steps (learner/trainer.py);
 2. write: the next version number from Redis ``INCR``, the adapter written atomically to the
    store (``base_model_name_or_path`` = vLLM's ``--model``), a ``candidate`` event;
@@ -207,7 +207,7 @@ class Rounds:
     def train(self, alias: str, live: int, start: Start, groups: list[ScoredGroup]) -> RoundStats:
         if start.carried:
             log.info(
-                "%s: round on %d groups from v%d (rejected, leaning better; round %d beyond "
+                "%s: round on %d groups from v%d (rejected, not shown worse; round %d beyond "
                 "v%d): training", alias, len(groups), start.version, start.rounds + 1, live,
             )  # fmt: skip
         else:
@@ -354,7 +354,13 @@ class Rounds:
         ids = [g.group_id for g in groups]
         self.report(alias, "settle", detail=result.reason)
         carry = carry_after(
-            start, live, version, result.passed, result.win_rate, config.gate.threshold
+            start,
+            live,
+            version,
+            result.passed,
+            result.win_rate,
+            result.ci_high,
+            config.gate.threshold,
         )
 
         def mark_trained(pipe: Any) -> None:
@@ -387,6 +393,6 @@ class Rounds:
         self.metrics.last_round_timestamp.labels(alias).set(time.time())
         log.info("%s: v%d %s (%s)", alias, version, outcome, result.reason)
         if carry is not None:
-            log.info("%s: v%d leaned better (win rate %.3f): the next round trains on from it",
+            log.info("%s: v%d not shown worse (win rate %.3f): the next round trains on from it",
                      alias, version, carry.win_rate)  # fmt: skip
         return outcome

@@ -1,13 +1,16 @@
-"""Where a round starts: the live version, or a rejected candidate that leaned better.
+"""Where a round starts: the live version, or a rejected candidate not shown worse.
 
 A round on a few dozen groups moves a small model a little. A gate that sees about a hundred
 held-out pairs cannot tell a 0.6 win rate from a coin at a 5% error rate, so such a candidate is
 rejected and, if every round started from the live version, its learning would be thrown away:
 each round would gain the same little and be rejected the same way (measured: five rounds in a
-row at 0.53 to 0.62). So a candidate rejected with a gate win rate above the threshold (better
-on the pairs seen, just not proven) is *carried*: the next round trains on from its weights and
-optimizer state, and the gate compares the result with the live version again, until a
-candidate passes, one leans no better, or one holds ``learner.max_candidate_rounds`` rounds.
+row at 0.53 to 0.62). So a candidate the gate rejected without showing it worse (its upper
+confidence bound still reaches the threshold: not proven better, not proven worse) is
+*carried*: the next round trains on from its weights and optimizer state, and the gate compares
+the result with the live version again, until a candidate passes, one is shown worse, or one
+holds ``learner.max_candidate_rounds`` rounds. Not only those that leaned better: a first round
+often moves the greedy answers little (sorting's won 0.45 and 0.55 of its pairs in two runs)
+while its sampled answers have moved, and the round after it is where the gain shows.
 
 The judge samples the next round's groups from the same place the round starts
 (:func:`start_of_round`), so a carried round trains on its own answers, as GRPO assumes, not on
@@ -67,13 +70,15 @@ def carry_after(
     version: int,
     passed: bool,
     win_rate: float | None,
+    upper: float | None,
     threshold: float,
 ) -> Carry | None:
     """What the next round may start from after the gate's verdict on ``version``: the
-    candidate itself when it was rejected while winning more than ``threshold`` of its pairs.
-    A passed candidate goes to the canary or live, which makes any carry void; one that leaned
-    no better, or whose gate failed (no win rate), carries nothing."""
-    if passed or win_rate is None or win_rate <= threshold:
+    candidate itself when it was rejected but not shown worse (``upper``, the win rate's upper
+    confidence bound, at or above ``threshold``). A passed candidate goes to the canary or
+    live, which makes any carry void; one shown worse, or whose gate failed (no win rate),
+    carries nothing."""
+    if passed or win_rate is None or (upper is not None and upper < threshold):
         return None
     return Carry(version=version, live=live, rounds=start.rounds + 1, win_rate=win_rate)
 

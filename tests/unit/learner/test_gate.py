@@ -324,6 +324,7 @@ def test_the_live_versions_greedy_answers_are_asked_once_while_it_stays_live(
     models = [r["model"] for r in vllm.requests]
     assert models.count("good") == 32 and models.count("bad") == 16  # 16 answered, twice
     assert gate.incumbent_reused == 16
+
     def asked_of_incumbent(*args: Any) -> int:
         before = len(vllm.requests)
         result = evaluate(gate, *args)

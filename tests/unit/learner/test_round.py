@@ -307,6 +307,11 @@ def leaning(win_rate: float) -> GateResult:
     return GateResult(False, "futile", 96, win_rate, 0.45, 0.75, 0.5, 32)
 
 
+def shown_worse() -> GateResult:
+    """A rejection whose upper bound is below the threshold."""
+    return GateResult(False, "upper bound 0.42 < 0.5", 40, 0.2, 0.05, 0.42, 0.5, 32)
+
+
 def test_a_rejected_candidate_that_leaned_better_is_where_the_next_round_starts(
     redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -328,7 +333,7 @@ def test_a_rejected_candidate_that_leaned_better_is_where_the_next_round_starts(
     assert all(store.is_rejected(ALIAS, v) for v in (1, 2, 3, 4))
 
 
-def test_a_candidate_that_leaned_no_better_carries_nothing_and_a_failed_gate_keeps_the_carry(
+def test_a_candidate_shown_worse_carries_nothing_and_a_failed_gate_keeps_the_carry(
     redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rounds = make_rounds(redis_url, tmp_path, canary_weight=0.1)
@@ -336,8 +341,8 @@ def test_a_candidate_that_leaned_no_better_carries_nothing_and_a_failed_gate_kee
     run(rounds)  # v1 carried
     script_gate(rounds, monkeypatch, GateError("vLLM is down"))
     run(rounds)  # v2 from v1, not judged: v1 stays the carry
-    script_gate(rounds, monkeypatch, leaning(0.5))
-    run(rounds)  # v3 from v1 again, a coin: nothing carried
+    script_gate(rounds, monkeypatch, shown_worse())
+    run(rounds)  # v3 from v1 again, shown worse: nothing carried
     run(rounds)  # v4 from the live version
     trainer = rounds.trainer()
     assert trainer.loaded == [None, rounds.store.path(ALIAS, 1), rounds.store.path(ALIAS, 1), None]  # type: ignore[attr-defined]
