@@ -25,8 +25,11 @@ import redis
 
 Phase = Literal["idle", "waiting_heldout", "train", "write", "gate", "settle"]
 PHASES: tuple[Phase, ...] = ("idle", "waiting_heldout", "train", "write", "gate", "settle")
-# Phases in which the learner's process is busy computing (what a shared machine must not share).
-BUSY_PHASES = frozenset({"train", "write"})
+# Phases in which a round takes the machine: the learner computing (train, write) and the gate,
+# whose answers from both versions take vLLM. A judge told not to sample while a round trains
+# waits through the gate too: its groups then come from where the next round starts (the gate's
+# outcome decides that), and the gate is not slowed by them.
+BUSY_PHASES = frozenset({"train", "write", "gate"})
 # A progress hash not rewritten for this long belongs to a dead or stalled learner. Longer than
 # one optimizer step on a CPU (tens of seconds), which is the longest the learner goes silent.
 PROGRESS_TTL_S = 300

@@ -459,9 +459,10 @@ class JudgeSettings(_Section):
     # (x learner.batch_groups) are produced and not yet trained on. 0: no bound. Measured: without
     # one the judge sampled 89 groups while the round needed 32.
     max_pending_rounds: int = Field(default=2, ge=0)
-    # Don't sample while the alias's round trains or writes: right where vLLM and the learner
-    # share cores (a round of 32 groups trained in 1,259 s beside sampling, 75 s alone); off
-    # where the learner has hardware of its own.
+    # Don't sample while the alias's round trains, writes or is gated: right where vLLM and the
+    # learner share cores (a round of 32 groups trained in 1,259 s beside sampling, 75 s alone;
+    # the gate's answers take vLLM), and the groups sampled after the gate come from where the
+    # next round starts; off where the learner has hardware of its own.
     pause_while_training: bool = False
 
 

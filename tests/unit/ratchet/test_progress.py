@@ -38,6 +38,12 @@ def test_a_training_round_pauses_sampling_only_where_asked() -> None:
     assert sampling_decision(training, 0, 64, False).sample
 
 
+def test_a_paused_judge_waits_through_the_gate_and_samples_once_the_round_settles() -> None:
+    for phase, pauses in (("write", True), ("gate", True), ("settle", False), ("idle", False)):
+        decision = sampling_decision(progress(phase=phase, batch_groups=32), 0, 64, True)
+        assert decision.sample is not pauses, phase
+
+
 def test_a_round_waiting_only_for_heldout_prompts_needs_no_more_groups() -> None:
     starved = progress(phase="waiting_heldout", waiting=32, read=32, batch_groups=32)
     decision = sampling_decision(starved, 32, 64, False)
