@@ -14,7 +14,9 @@ the judge samples them (``judge.sampler.sampling_body`` and ``sample_group``: on
 minute, vLLM's prefix-cache hit rate and generated tokens (from its ``/metrics``, before and after),
 and the ratio of groups per minute against the first block size given (the CPU build's default
 is 128). The seeds make both runs generate the same answers: the generated token counts must
-agree.
+agree. Then the same prompts once each as single-answer requests (``n=1``, what served traffic
+is: nothing shared), with their rate against the peer's, so a block size that helps groups is
+seen not to slow serving.
 """
 
 from __future__ import annotations
@@ -45,13 +47,16 @@ from ratchet.tasks import TASKS  # noqa: E402
 SERVED_MODEL = "smollm2-135m-instruct"
 
 
-async def sample_all(url: str, key: str, prompts: list[Any], args: argparse.Namespace) -> float:
-    """Seconds to sample one group per prompt, ``args.concurrency`` groups at a time."""
+async def sample_all(
+    url: str, key: str, prompts: list[Any], args: argparse.Namespace, group_size: int
+) -> float:
+    """Seconds to sample ``group_size`` answers per prompt, ``args.concurrency`` prompts at a
+    time."""
     sampling = SamplingConfig(temperature=0.7, max_tokens=args.max_tokens)
     limit = asyncio.Semaphore(args.concurrency)
 
     async def one(session: aiohttp.ClientSession, i: int, prompt: Any) -> None:
-        body = sampling_body(SERVED_MODEL, prompt, {}, args.group_size, sampling, seed=i)
+        body = sampling_body(SERVED_MODEL, prompt, {}, group_size, sampling, seed=i)
         async with limit:
             await sample_group(session, url, body, 600, key)
 
@@ -70,10 +75,13 @@ def measure(block: int, prompts: list[Any], args: argparse.Namespace) -> dict[st
         stack.start()
         try:
             url, key = settings.vllm_url, vllm_api_key(settings)
-            asyncio.run(sample_all(url, key, prompts[:2], args))  # warm up: compile, first load
+            # warm up: compile, first load
+            asyncio.run(sample_all(url, key, prompts[:2], args, args.group_size))
             before = vllm_metrics(url)
-            seconds = asyncio.run(sample_all(url, key, prompts, args))
+            seconds = asyncio.run(sample_all(url, key, prompts, args, args.group_size))
             after = vllm_metrics(url)
+            # Served traffic (one answer a request, nothing shared) must not pay for it.
+            single = asyncio.run(sample_all(url, key, prompts, args, 1))
         finally:
             stack.stop()
     delta = {k: after[k] - before[k] for k in after}
@@ -83,6 +91,7 @@ def measure(block: int, prompts: list[Any], args: argparse.Namespace) -> dict[st
         "groups": len(prompts),
         "seconds": round(seconds, 1),
         "groups_per_min": round(len(prompts) * 60 / seconds, 2),
+        "single_answers_per_min": round(len(prompts) * 60 / single, 1),
         "prefix_hit_rate": round(delta["prefix_hits"] / queries, 3) if queries else None,
         "prompt_tokens": delta["prompt_tokens"],
         "generation_tokens": delta["generation_tokens"],
@@ -100,13 +109,17 @@ def main() -> None:
     args = parser.parse_args()
     prompts = [p["messages"] for task in TASKS.values() for p in task.load_prompts()[: args.groups]]
     results = [measure(int(b), prompts, args) for b in args.blocks.split(",")]
-    peer = results[0]["groups_per_min"]
-    print(f"{'block':>6} {'groups/min':>11} {'x peer':>7} {'prefix hits':>12} {'gen tokens':>11}")
+    peer, peer_single = results[0]["groups_per_min"], results[0]["single_answers_per_min"]
+    print(
+        f"{'block':>6} {'groups/min':>11} {'x peer':>7} {'prefix hits':>12} {'gen tokens':>11}"
+        f" {'1-answer req/min':>17} {'x peer':>7}"
+    )
     for r in results:
         hits = "-" if r["prefix_hit_rate"] is None else f"{r['prefix_hit_rate']:.0%}"
+        single = r["single_answers_per_min"]
         print(
             f"{r['block_size']:>6} {r['groups_per_min']:>11} {r['groups_per_min'] / peer:>6.2f}x "
-            f"{hits:>12} {r['generation_tokens']:>11.0f}"
+            f"{hits:>12} {r['generation_tokens']:>11.0f} {single:>17} {single / peer_single:>6.2f}x"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
