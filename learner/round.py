@@ -22,11 +22,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import redis
+from kafka.errors import KafkaError
 
 from learner.canary_weight import canary_weight, requests_per_second
 from learner.gate import Gate, GateError, GateResult
@@ -97,8 +99,13 @@ class Rounds:
         store: AdapterStore,
         lifecycle: Lifecycle,
         metrics: LearnerMetrics,
+        read_heldout: Callable[[], None] = lambda: None,
     ) -> None:
+        """``read_heldout`` adds the held-out prompts that arrived since it last ran to the
+        pools rounds are given: the gate calls it before it draws, so what came in while the
+        round trained (minutes, at the speed of traffic) is drawn too."""
         self.settings = settings
+        self.read_heldout = read_heldout
         self.base_model_path = base_model_path
         self.store = store
         self.lifecycle = lifecycle
@@ -285,6 +292,10 @@ class Rounds:
         live = route.active
         started = time.perf_counter()
         seed = self.settings.learner.seed
+        try:
+            self.read_heldout()
+        except (KafkaError, OSError) as exc:
+            log.warning("%s: held-out prompts not read before the gate: %s", alias, exc)
         # Seeded by the version: each round draws afresh, and a round's draw can be replayed.
         prompts = heldout.draw(
             config.gate.max_pairs, config.learning.max_key_share, f"{seed}:{alias}:{version}"

@@ -97,7 +97,9 @@ class LearnerService:
         self.writer = RegistryWriter(settings.redis_url, settings.aliases)
         self.redis = self.writer.redis
         self.lifecycle = Lifecycle(self.writer, self.store, EventSink(settings), actor="learner")
-        self.rounds = Rounds(settings, base_model_path, self.store, self.lifecycle, self.metrics)
+        self.rounds = Rounds(
+            settings, base_model_path, self.store, self.lifecycle, self.metrics, self.read_heldout
+        )
         self.stopping = threading.Event()
         self.waiting: dict[str, list[Waiting]] = defaultdict(list)
         self.recent: dict[str, list[bool]] = defaultdict(list)  # collapsed? per group read
@@ -400,8 +402,12 @@ class LearnerService:
         for tp in partitions:
             self.read_up_to.pop(tp, None)
 
-    def poll(self) -> None:
-        assert self.groups_consumer is not None and self.heldout_consumer is not None
+    def read_heldout(self) -> None:
+        """Add the held-out prompts that arrived since the last read to the pools. Their consumer
+        has no group and commits nothing, so a round may call this between training and its
+        gate; there an outage leaves the pool as it is (the gate draws what it holds)."""
+        if self.heldout_consumer is None:
+            return
         for messages in self.heldout_consumer.poll(timeout_ms=0, max_records=1000).values():
             for message in messages:
                 record = parse(HELDOUT_TOPIC, message.value)
@@ -411,6 +417,10 @@ class LearnerService:
                     # Read without a group from the start each time: only counted, not
                     # dead-lettered again on every restart.
                     self.metrics.failures.labels("-", f"heldout_{record}").inc()
+
+    def poll(self) -> None:
+        assert self.groups_consumer is not None and self.heldout_consumer is not None
+        self.read_heldout()
         polled = self.groups_consumer.poll(timeout_ms=1000, max_records=256)
         self.forget_revoked()
         if not polled:

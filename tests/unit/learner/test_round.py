@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kafka.errors import KafkaError
 
 from learner.gate import GateError, GateResult
 from learner.heldout import HeldoutPool
@@ -232,6 +233,33 @@ def test_each_round_draws_its_gate_prompts_at_random_from_the_whole_pool(
     assert all(len(set(d)) == 2 for d in draws)  # gate.max_pairs = 2
     assert len({tuple(d) for d in draws}) == 5
     assert any(h < "h100" for d in draws for h in d)  # the older half is drawn from too
+
+
+def test_the_gate_also_draws_held_out_prompts_that_arrived_while_the_round_trained(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round trains for minutes; the held-out prompts traffic brought meanwhile are read into
+    the pool before the gate draws, and a broker that is down then leaves the pool as it was."""
+    rounds = make_rounds(redis_url, tmp_path, canary_weight=0.1)
+    asked = script_gate(rounds, monkeypatch, verdict(passed=False))
+    pool = pool_of("h1")
+    trained: list[int] = []
+
+    def read_heldout() -> None:
+        assert len(rounds.trainer().trained) > len(trained), "read before training ended"  # type: ignore[attr-defined]
+        trained.append(1)
+        pool.add(heldout("arrived-while-training"))
+
+    rounds.read_heldout = read_heldout
+    run(rounds, pool=pool)
+    assert sorted(asked[-1][0]) == ["arrived-while-training", "h1"]
+
+    def broker_down() -> None:
+        raise KafkaError("broker down")
+
+    rounds.read_heldout = broker_down
+    report = run(rounds, pool=pool_of("h1"))
+    assert asked[-1][0] == ["h1"] and report.outcome == "rejected"
 
 
 # --- progress -----------------------------------------------------------------------------------
