@@ -102,10 +102,13 @@ class LearningConfig(_Section):
     # 6 answers a prompt: more of a new task's groups differ in reward than at 4 (a group whose
     # answers all score alike teaches nothing), and vLLM decodes them in one batch.
     group_size: int = Field(default=6, ge=2, le=64)
-    # A quarter of the prompts go to the gate, which needs 32 to 128 pairs to tell a round's gain
-    # (ratchet/sequential.py); at a tenth a new alias waited for traffic long after its first
-    # groups were ready. Held-out prompts cost no sampling.
-    heldout_fraction: float = Field(default=0.25, ge=0.0, lt=1.0)
+    # Half the prompts go to the gate. A round needs learner.batch_groups groups (32) and
+    # gate.min_pairs held-out prompts (32); where traffic is what limits both, as on a new or
+    # quiet alias, min_pairs / (min_pairs + batch_groups) of it makes them arrive together. At a
+    # quarter the demo's first round waited for held-out prompts until minute 14 with its groups
+    # ready at 7; at a half it started at 9 (bench/loop_speed.py). Where the judge cannot sample
+    # all the traffic, holding prompts out costs nothing (they are never sampled).
+    heldout_fraction: float = Field(default=0.5, ge=0.0, lt=1.0)
     # Prompts longer than this (in the model's tokens) are not re-sampled.
     max_prompt_tokens: int = Field(default=1024, ge=1)
     # A prompt seen within this window is not judged again.
