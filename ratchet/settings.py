@@ -503,7 +503,11 @@ class LearnerSettings(_Section):
     # 0.75; sorting 0.42 -> 0.44, 0.48, 0.64). Beyond four, a lineage that never proves itself
     # starts again from the live version.
     max_candidate_rounds: int = Field(default=4, ge=1)
-    micro_batch_tokens: int = Field(default=4096, ge=64)
+    # Padded tokens per forward and backward; a longer row (one group) is a micro-batch alone.
+    # Measured on 2 cores, one step of 4 demo-shaped groups (a 250-token prompt and 6 answers of
+    # 100): 1024 trains at 61 tok/s with a 4.4 GiB peak, 2048 at 55 with 6.8 GiB, 4096 at 52-56
+    # with 9.6 GiB, the same loss to 1e-8. Small batches lose nothing on a CPU; a GPU may want more.
+    micro_batch_tokens: int = Field(default=1024, ge=64)
     # 0 turns clipping off.
     max_grad_norm: float = Field(default=1.0, ge=0)
     # AdamW's decoupled weight decay: pulls the LoRA weights toward zero, i.e. toward the base
