@@ -111,7 +111,10 @@ def check_accessibility(page: Any, statuses: bool = True) -> None:
     assert unlabelled == [], unlabelled
     colours = page.eval_on_selector_all(
         ".badge, .notice",
-        """els => els.map(e => [getComputedStyle(e).color, getComputedStyle(e).backgroundColor])""",
+        # The live fragment is swapped every refresh_s: an element it replaced since the query
+        # has no computed style any more (a run read ''), so only those still in the page count.
+        """els => els.filter(e => e.isConnected)
+                    .map(e => [getComputedStyle(e).color, getComputedStyle(e).backgroundColor])""",
     )
     assert colours or not statuses, "no status shown"
     for foreground, background in colours:
