@@ -222,7 +222,7 @@ class Rounds:
         trainer = self.trainer()
         started = time.perf_counter()
         steps = self.settings.learner.steps_per_round
-        self.report(alias, "train", steps=steps)
+        self.report(alias, "train", version=start.version, steps=steps)
         trainer.load_adapter(self.store.path(alias, start.version) if start.version > 0 else None)
 
         def on_step(step: StepProgress) -> None:

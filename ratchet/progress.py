@@ -55,7 +55,7 @@ class LearnerProgress:
     read: int = 0  # groups read from ratchet.groups, ever (the counter the judge subtracts)
     batch_groups: int = 0  # groups a round trains on
     heldout: int = 0  # held-out prompts in the gate's pool
-    version: int = 0  # the live version a round trains from, then the candidate's
+    version: int = 0  # train: the version the round trains from; then the candidate's
     step: int = 0  # train: optimizer steps done; gate: pairs answered
     steps: int = 0  # train: steps in the round; gate: pairs drawn
     detail: str = ""  # one line for people: loss and tokens/s, or the running win rate
@@ -103,7 +103,8 @@ class LearnerProgress:
             return text
         took = f"{now - self.round_started_at:.0f}s" if self.round_started_at else "?"
         counted = f" {self.step}/{self.steps}" if self.steps else ""
-        text = f"round v{self.version}, {self.phase}{counted}, {took} in"
+        which = f"from v{self.version}" if self.phase == "train" else f"v{self.version}"
+        text = f"round {which}, {self.phase}{counted}, {took} in"
         return f"{text}: {self.detail}" if self.detail else text
 
 

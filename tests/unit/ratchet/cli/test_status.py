@@ -41,7 +41,7 @@ def test_status_shows_each_aliases_learner_progress(
     result = CliRunner().invoke(app, ["status"])
     assert result.exit_code == 0, result.output
     [support] = [line for line in result.output.splitlines() if "support" in line]
-    assert "round v2, train 3/4" in support
+    assert "round from v2, train 3/4" in support
     assert "step 3/4 loss 0.1200, reward 0.500, 88.0 tokens/s" in support
     [billing] = [line for line in result.output.splitlines() if "billing" in line]
     assert "no learner progress" in billing  # never published (or expired)
