@@ -12,16 +12,19 @@ a reward model's pairs (learner/gate.py). In each scenario a pair is a tie with 
 mean outcome). ``--runs`` gates per scenario and per gate setting, each on its own seeded stream
 of ``max_pairs`` pairs:
 
-* sequential: ``learner.gate.decide`` exactly as the learner runs it (``ratchet/sequential.py``,
-  a test that stays valid however often it is looked at), with the setting's threshold 0.5,
-  alpha, min_pairs and max_pairs. Reported: the share of gates passed, and the mean pairs used.
+* gate: ``learner.gate.decide`` exactly as the learner runs it (``ratchet/sequential.py``: the
+  any-time betting test at alpha / 2 and one look at ``max_pairs`` at alpha / 2), with the
+  setting's threshold 0.5, alpha, min_pairs and max_pairs. Reported: the share of gates passed,
+  and the mean pairs used.
+* betting only: the same test without its final look, at the whole alpha (the gate before the
+  final look was added).
 * peer: one look after all ``max_pairs`` pairs, a one-sided z-test of the mean outcome above 0.5
   at the same alpha (normal approximation, the sample's own variance). It spends every pair.
 
 Settings: the defaults (alpha 0.05, 32 to 128 pairs) and the ratings bar test's (alpha 0.2, 32
 to 96). The row at win rate 0.5 is each test's false-pass rate (at most alpha). The ratio printed
-is the peer's pass share over the sequential one's: how much power the any-time guarantee costs
-at the gate's pair counts. Writes ``--out`` (JSON) and a plot of both power curves beside it.
+is the gate's pass share over the betting test's alone: what the final look buys. Writes
+``--out`` (JSON) and a plot of the three power curves beside it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learner.gate import decide
+from ratchet.sequential import SequentialTest
 from ratchet.settings import GateConfig
 
 WIN_RATES = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75)
@@ -55,33 +59,35 @@ def pairs(rng: random.Random, win_rate: float, ties: float, count: int) -> list[
     return [0.5 if rng.random() < ties else float(rng.random() < win) for _ in range(count)]
 
 
-def z_quantile(alpha: float) -> float:
-    """The one-sided normal critical value z with P(Z > z) = alpha (bisection on erfc)."""
-    low, high = 0.0, 10.0
-    for _ in range(80):
-        mid = (low + high) / 2
-        low, high = (mid, high) if 0.5 * math.erfc(mid / math.sqrt(2)) > alpha else (low, mid)
-    return (low + high) / 2
-
-
 def fixed_passes(outcomes: list[float], alpha: float) -> bool:
     mean = statistics.fmean(outcomes)
     spread = statistics.pstdev(outcomes) or 1e-9
-    return (mean - 0.5) / (spread / math.sqrt(len(outcomes))) > z_quantile(alpha)
+    z = statistics.NormalDist().inv_cdf(1 - alpha)
+    return (mean - 0.5) / (spread / math.sqrt(len(outcomes))) > z
+
+
+def betting_passes(outcomes: list[float], gate: GateConfig) -> bool:
+    test = SequentialTest(gate.threshold, gate.alpha, gate.max_pairs, gate.min_pairs)
+    for outcome in outcomes:
+        if test.update(outcome) != "continue":
+            break
+    return test.decision == "pass"
 
 
 def scenario(gate: GateConfig, win_rate: float, ties: float, runs: int) -> dict[str, float]:
-    passed = fixed = used = 0
+    passed = fixed = used = betting = 0
     for run in range(runs):
         outcomes = pairs(random.Random(f"{win_rate}:{run}"), win_rate, ties, gate.max_pairs)
         result = decide(outcomes, gate)
         passed += result.passed
         used += result.pairs
+        betting += betting_passes(outcomes, gate)
         fixed += fixed_passes(outcomes, gate.alpha)
     return {
         "win_rate": win_rate,
-        "sequential_pass": passed / runs,
-        "sequential_pairs": used / runs,
+        "gate_pass": passed / runs,
+        "gate_pairs": used / runs,
+        "betting_pass": betting / runs,
         "fixed_pass": fixed / runs,
     }
 
@@ -95,7 +101,8 @@ def plot(results: dict[str, list[dict[str, float]]], path: Path) -> None:
     figure, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), sharey=True)
     for ax, (name, rows) in zip(axes, results.items(), strict=True):
         rates = [r["win_rate"] for r in rows]
-        ax.plot(rates, [r["sequential_pass"] for r in rows], "o-", label="gate (sequential)")
+        ax.plot(rates, [r["gate_pass"] for r in rows], "o-", label="gate (betting + last look)")
+        ax.plot(rates, [r["betting_pass"] for r in rows], "^:", label="betting only (before)")
         ax.plot(rates, [r["fixed_pass"] for r in rows], "s--", label="one look at max_pairs")
         ax.set_title(name)
         ax.set_xlabel("true win rate of the candidate")
@@ -119,15 +126,17 @@ def main() -> None:
             title=f"{name}: alpha {gate.alpha}, {gate.min_pairs}-{gate.max_pairs} pairs, "
             f"{args.ties:.0%} ties, {args.runs} gates per row"
         )
-        for column in ("win rate", "gate passes", "gate pairs", "one look passes", "ratio"):
+        columns = ("win rate", "gate passes", "gate pairs", "betting only", "one look", "ratio")
+        for column in columns:
             table.add_column(column, justify="right")
         rows = [scenario(gate, rate, args.ties, args.runs) for rate in WIN_RATES]
         for row in rows:
-            ratio = row["fixed_pass"] / row["sequential_pass"] if row["sequential_pass"] else None
+            ratio = row["gate_pass"] / row["betting_pass"] if row["betting_pass"] else None
             table.add_row(
                 f"{row['win_rate']:.2f}",
-                f"{row['sequential_pass']:.3f}",
-                f"{row['sequential_pairs']:.0f}",
+                f"{row['gate_pass']:.3f}",
+                f"{row['gate_pairs']:.0f}",
+                f"{row['betting_pass']:.3f}",
                 f"{row['fixed_pass']:.3f}",
                 f"{ratio:.2f}x" if ratio is not None else "-",
             )

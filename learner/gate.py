@@ -13,8 +13,9 @@ differs only because the weights do). Each prompt gives one paired outcome for t
   feedback alias always goes through a canary that live ratings decide.
 
 The pairs are answered in their drawn order, a wave of ``learner.gate_concurrency`` at a time
-(so vLLM batches), and their outcomes feed an always-valid sequential test of the win rate
-against ``threshold`` (:mod:`ratchet.sequential`): the gate stops as soon as the test passes
+(so vLLM batches), and their outcomes feed a sequential test of the win rate against
+``threshold`` (:mod:`ratchet.sequential`, with its look at the last pair): the gate stops as
+soon as the test passes
 (at least ``min_pairs`` pairs, false-promotion rate at most ``alpha``), fails (significantly
 worse, or a pass is out of reach), or the drawn pairs run out. The pure part (:func:`decide`
 and below) is tested without a model.
@@ -130,12 +131,14 @@ def answer_max_tokens(config: AliasConfig, prompts: list[HeldoutPrompt]) -> int:
 
 
 def sequential_test(gate: GateConfig, drawn: int) -> SequentialTest:
-    """The test a gate of ``drawn`` pairs runs; its futility bound counts on at most those."""
+    """The test a gate of ``drawn`` pairs runs; its futility bound counts on at most those. The
+    pairs end at ``drawn``, so it also looks once there (``final_look``, ratchet/sequential.py)."""
     return SequentialTest(
         theta=gate.threshold,
         alpha=gate.alpha,
         max_n=max(drawn, gate.min_pairs, 1),
         min_n=gate.min_pairs,
+        final_look=True,
     )
 
 
@@ -148,6 +151,7 @@ def conclude(
     failed_pairs: int = 0,
 ) -> GateResult:
     """The gate's verdict once the test decided or the drawn pairs ran out."""
+    test.close()  # pairs lost to failures end the stream before max_n: its last look is now
     pairs = test.n
     common: dict[str, Any] = {
         "pairs": pairs,

@@ -144,11 +144,14 @@ class GateConfig(_Section):
     # many held-out prompts before a round: 32 keeps a few lucky early pairs from promoting and
     # rounds from waiting long for prompts (simulated: a 0.8 win rate passes at a median of 32).
     min_pairs: int = Field(default=32, ge=1)
-    # Promote only when the win rate's always-valid lower bound is above this (0.5 = better).
+    # Promote only when the win rate's lower bound (always valid, or at the last look) is above
+    # this (0.5 = better).
     threshold: float = Field(default=0.5, ge=0.0, le=1.0)
     # At most this many held-out pairs per gate, drawn at random from the pool. 128, not 64:
-    # simulated with a third ties, a 0.63 win rate (the demo's typical one-round gain) passes
-    # 76% of the time at 128 (median 83 pairs) but 34% at 64; a clear gain stops far sooner.
+    # simulated by the betting test alone with a third ties, a 0.63 win rate (the demo's
+    # typical one-round gain) passed 76% of the time at 128 but 34% at 64; with the last look
+    # (bench/gate_power.py, a quarter ties) a 0.6 win rate passes 78% at 128. A clear gain
+    # stops far sooner.
     max_pairs: int = Field(default=128, ge=1)
     # The false-promotion rate: the chance that a candidate no better than the live version
     # passes. One-sided, because only promotion is guarded: a wrongly rejected candidate costs

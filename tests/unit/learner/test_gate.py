@@ -115,9 +115,11 @@ def prompts(count: int, tag: str = "") -> list[HeldoutPrompt]:
 
 
 GATE = GateConfig(min_pairs=8, max_pairs=64, threshold=0.5, max_tokens=64)
-# All wins pass the sequential test (alpha 0.05, threshold 0.5) at the 14th pair; all losses
-# fail it there.
-DECISIVE = 14
+# All wins pass the sequential test (alpha 0.05, threshold 0.5) at the 16th pair of a gate
+# that will look once at its last pair (half of alpha left for betting), at the 14th of a gate
+# too short for that look (fewer than FINAL_LOOK_MIN_N pairs drawn); all losses fail it there.
+DECISIVE = 16
+DECISIVE_SHORT = 14
 
 
 def verifier_alias(gate: GateConfig = GATE) -> AliasConfig:
@@ -234,9 +236,9 @@ def test_a_better_candidate_passes_and_stops_early(vllm: StandIn) -> None:
     assert result.stopped_early and result.ci_low is not None and result.ci_low > 0.5
     assert result.win_rate == 1.0
     assert result.candidate_score == 1.0 and result.incumbent_score == 0.0
-    # Waves of 4 pairs in draw order until the 14th pair passed: 4 waves, 16 prompts answered
+    # Waves of 4 pairs in draw order until the 16th pair passed: 4 waves, 16 prompts answered
     # by each version (greedily, with the gate's settings), and none of the other 24.
-    assert seen == [(4, 40, 1.0), (8, 40, 1.0), (12, 40, 1.0), (14, 40, 1.0)]
+    assert seen == [(4, 40, 1.0), (8, 40, 1.0), (12, 40, 1.0), (16, 40, 1.0)]
     assert sorted(r["model"] for r in vllm.requests) == ["bad"] * 16 + ["good"] * 16
     asked = {r["messages"][-1]["content"] for r in vllm.requests}
     assert asked == {p.prompt_messages[-1]["content"] for p in prompts(16)}
@@ -280,7 +282,7 @@ def test_prompts_without_an_answer_are_counted_and_left_out(vllm: StandIn) -> No
     held = prompts(3, tag="UNANSWERABLE") + prompts(20)
     result = evaluate(make_gate(vllm.url), verifier_alias(), held, "good", "bad")
     assert result.passed, result.reason
-    assert result.pairs == DECISIVE and result.failed_pairs == 3
+    assert result.pairs == DECISIVE_SHORT and result.failed_pairs == 3
 
 
 def test_tools_are_sent_with_the_prompt(vllm: StandIn) -> None:
@@ -308,7 +310,7 @@ def test_one_gate_serves_many_rounds(vllm: StandIn) -> None:
     gate = make_gate(vllm.url, concurrency=1)
     for _ in range(2):
         result = evaluate(gate, verifier_alias(), prompts(20), "good", "bad")
-        assert result.passed and result.pairs == DECISIVE
+        assert result.passed and result.pairs == DECISIVE_SHORT
 
 
 def test_the_live_versions_greedy_answers_are_asked_once_while_it_stays_live(
@@ -320,7 +322,7 @@ def test_the_live_versions_greedy_answers_are_asked_once_while_it_stays_live(
     gate = make_gate(vllm.url)
     first = evaluate(gate, verifier_alias(), prompts(20), "good", "bad")
     again = evaluate(gate, verifier_alias(), prompts(20), "good", "bad")
-    assert (first.pairs, first.win_rate) == (again.pairs, again.win_rate) == (DECISIVE, 1.0)
+    assert (first.pairs, first.win_rate) == (again.pairs, again.win_rate) == (DECISIVE_SHORT, 1.0)
     models = [r["model"] for r in vllm.requests]
     assert models.count("good") == 32 and models.count("bad") == 16  # 16 answered, twice
     assert gate.incumbent_reused == 16
@@ -420,7 +422,7 @@ def test_ruler_gate_counts_unjudged_pairs_as_failed(
 
     install_judge(monkeypatch, judge)
     result = evaluate(make_gate(vllm.url), RULER_ALIAS, prompts(20), "good", "bad")
-    assert result.pairs == DECISIVE and result.failed_pairs == 1
+    assert result.pairs == DECISIVE_SHORT and result.failed_pairs == 1
     assert result.win_rate == 1.0 and result.passed
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import pytest
@@ -138,3 +139,67 @@ def test_the_boundaries_are_exact() -> None:
     assert [losing.update(0.0) for _ in range(3)] == ["continue", "continue", "fail"]
     one = SequentialTest(theta=1.0, max_n=8)
     assert one.update(1.0) == "fail"  # nothing can be above 1: futile at once
+
+
+# --- the final look (the gate's pairs end at max_n) -------------------------------------------
+
+
+def test_with_a_final_look_the_false_pass_rate_stays_within_alpha() -> None:
+    rng = np.random.default_rng(21)
+    alpha, runs = 0.1, 2000
+    passes = sum(
+        run(stream(rng, 0.5, 96), alpha=alpha, max_n=96, min_n=32, final_look=True).decision
+        == "pass"
+        for _ in range(runs)
+    )
+    assert passes / runs <= alpha, passes
+
+
+def test_a_final_look_passes_a_moderate_gain_the_betting_test_alone_misses() -> None:
+    """At 96 pairs a 0.6 win rate is a gain the any-time test mostly cannot show (bench/
+    gate_power.py); one look at the end usually can, at the same alpha."""
+    rng = np.random.default_rng(22)
+    streams = [stream(rng, 0.6, 96, ties=0.25) for _ in range(400)]
+    alone = sum(run(s, max_n=96, min_n=32).decision == "pass" for s in streams)
+    looked = sum(run(s, max_n=96, min_n=32, final_look=True).decision == "pass" for s in streams)
+    assert looked >= 1.5 * alone and looked / len(streams) >= 0.6, (alone, looked)
+
+
+def test_the_final_look_agrees_with_its_interval_and_says_so() -> None:
+    outcomes = [1.0, 0.5, 1.0, 0.0, 0.5] * 20  # mean 0.6 on 100: only the look at 100 decides
+    test = run(outcomes, max_n=100, min_n=32, final_look=True)
+    assert test.n == 100 and test.decision == "pass", test.reason
+    assert "at the last look" in test.reason and test.lower > 0.5
+    assert run(outcomes, max_n=100, min_n=32).decision == "fail"  # the betting test alone
+
+
+def test_futility_waits_while_the_final_look_could_still_pass() -> None:
+    # 23 wins in 35 of 40: betting at alpha 0.1 (what the final-look test bets at, with alpha
+    # 0.2) cannot reach its evidence in 5 more, but 5 more wins carry the final look.
+    outcomes = [1.0] * 23 + [0.0] * 12
+    random.Random(3523).shuffle(outcomes)
+    alone = run(outcomes, max_n=40, min_n=32, alpha=0.1)
+    assert alone.decision == "fail" and "futile" in alone.reason, alone.reason
+    looked = run(outcomes, max_n=40, min_n=32, alpha=0.2, final_look=True)
+    assert looked.decision == "continue", looked.reason
+    finished = run(outcomes + [1.0] * 5, max_n=40, min_n=32, alpha=0.2, final_look=True)
+    assert finished.decision == "pass" and "at the last look" in finished.reason
+
+
+def test_close_looks_once_at_a_stream_that_ended_early() -> None:
+    outcomes = [1.0, 1.0, 0.0] * 12  # 36 of 96 drawn pairs answered, mean 0.667
+    test = run(outcomes, max_n=96, min_n=32, final_look=True, alpha=0.2)
+    assert test.decision == "continue"
+    assert test.close() == "pass" and "at the last look" in test.reason
+    short = run(outcomes[:24], max_n=96, min_n=8, final_look=True, alpha=0.2)
+    assert short.close() == "continue"  # 24 outcomes: too few for the normal approximation
+    plain = run(outcomes, max_n=96, min_n=32, alpha=0.2)
+    assert plain.close() == "continue"  # no final look: nothing changes
+
+
+def test_a_horizon_too_short_for_a_final_look_keeps_all_of_alpha_for_betting() -> None:
+    short = SequentialTest(theta=0.5, alpha=0.3, max_n=24, min_n=16, final_look=True)
+    plain = SequentialTest(theta=0.5, alpha=0.3, max_n=24, min_n=16)
+    assert short.threshold == plain.threshold
+    long = SequentialTest(theta=0.5, alpha=0.3, max_n=96, min_n=16, final_look=True)
+    assert long.threshold > plain.threshold
