@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
-import statistics
 import sys
 from pathlib import Path
 
@@ -43,7 +41,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learner.gate import decide
-from ratchet.sequential import SequentialTest
+from ratchet.sequential import SequentialTest, one_look_bounds
 from ratchet.settings import GateConfig
 
 WIN_RATES = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75)
@@ -60,10 +58,9 @@ def pairs(rng: random.Random, win_rate: float, ties: float, count: int) -> list[
 
 
 def fixed_passes(outcomes: list[float], alpha: float) -> bool:
-    mean = statistics.fmean(outcomes)
-    spread = statistics.pstdev(outcomes) or 1e-9
-    z = statistics.NormalDist().inv_cdf(1 - alpha)
-    return (mean - 0.5) / (spread / math.sqrt(len(outcomes))) > z
+    squares = sum(x * x for x in outcomes)
+    lower, _ = one_look_bounds(sum(outcomes), squares, len(outcomes), alpha)
+    return lower > 0.5
 
 
 def betting_passes(outcomes: list[float], gate: GateConfig) -> bool:

@@ -140,6 +140,15 @@ class SequentialTest:
         return self.alpha / 2 if self._can_look(self.max_n) else self.alpha
 
     @property
+    def level(self) -> str:
+        """The betting test's confidence level, as reasons say it."""
+        return (
+            f"{1 - self.betting_alpha:.1%}"
+            if self._can_look(self.max_n)
+            else f"{1 - self.alpha:.0%}"
+        )
+
+    @property
     def threshold(self) -> float:
         """The log-evidence a decision needs: log(1/alpha) (of the betting share of alpha)."""
         return math.log(1.0 / self.betting_alpha)
@@ -216,7 +225,7 @@ class SequentialTest:
         lower, upper = one_look_bounds(self.total, self.total_squares, self.n, self.betting_alpha)
         self.best_lower = max(self.best_lower, lower)
         self.best_upper = min(self.best_upper, upper)
-        level = f"{1 - self.betting_alpha:.1%}"
+        level = self.level
         if self.best_lower > self.theta:
             return "pass", f"{level} lower bound {self.lower:.3f} > {self.theta} at the last look"
         if self.best_upper < self.theta:
@@ -234,11 +243,7 @@ class SequentialTest:
         return lower > self.theta
 
     def _decide(self) -> tuple[Decision, str]:
-        level = (
-            f"{1 - self.betting_alpha:.1%}"
-            if self._can_look(self.max_n)
-            else f"{1 - self.alpha:.0%}"
-        )
+        level = self.level
         # The boundaries are exact: outcomes in [0, 1] with mean <= 0 are all 0, so one outcome
         # above 0 refutes it for certain (and one below 1 refutes mean >= 1).
         if self.theta == 0.0 and self.total > 0.0 and self.n >= self.min_n:
