@@ -11,8 +11,8 @@
   (a classic way to please an LLM judge, and a cost the user pays).
 * Reward model fooled (aliases whose reward is learned from ratings): on the canary's rated
   answers, the reward model's predictions exceed the users' ratings by more than it does on the
-  active version's. A candidate trained against the reward model that found its blind spots
-  scores well with it and not with the users.
+  active version's, beyond what the rated answers' noise explains. A candidate trained against
+  the reward model that found its blind spots scores well with it and not with the users.
 
 Each returns a reason (a sentence for the pause event and the metric label), or None.
 """
@@ -20,6 +20,8 @@ Each returns a reason (a sentence for the pause event and the metric label), or 
 from __future__ import annotations
 
 import itertools
+import math
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +79,10 @@ def runaway_length(current: float, baseline: float | None, growth: float) -> str
     return None
 
 
+# One-sided 95% normal quantile: the reward-model gap must exceed max_gap at this confidence.
+GAP_Z = 1.645
+
+
 def reward_model_gap(
     canary: list[tuple[float, float]],
     active: list[tuple[float, float]],
@@ -84,22 +90,34 @@ def reward_model_gap(
     min_pairs: int,
 ) -> str | None:
     """``(predicted, rated)`` for each arm's rated answers. A reason when the reward model's
-    overrating of the canary's answers exceeds its overrating of the active's by ``max_gap``,
-    with at least ``min_pairs`` rated answers on each arm."""
+    overrating of the canary's answers exceeds its overrating of the active's by more than
+    ``max_gap`` with 95% confidence, with at least ``min_pairs`` rated answers on each arm.
+
+    With ``g = predicted - rated`` per answer, the excess is ``d = mean(g_canary) -
+    mean(g_active)`` with standard error ``se = sqrt(var(g_canary)/n_c + var(g_active)/n_a)``
+    (sample variances; an arm of one answer takes the bound 1, as ``g`` lies in [-1, 1]); the
+    verdict is ``d - GAP_Z * se > max_gap``. A candidate trained against the reward model is
+    overrated a little by construction, and a dozen rated answers move ``d`` by about 0.1 by
+    chance: a point estimate alone rolled back and paused a candidate on 12 answers.
+    """
     if len(canary) < min_pairs or len(active) < min_pairs:
         return None
-
-    def overrating(pairs: list[tuple[float, float]]) -> float:
-        return sum(p - r for p, r in pairs) / len(pairs)
-
-    gap_canary, gap_active = overrating(canary), overrating(active)
-    if gap_canary - gap_active > max_gap:
+    gaps_canary = [p - r for p, r in canary]
+    gaps_active = [p - r for p, r in active]
+    excess = statistics.fmean(gaps_canary) - statistics.fmean(gaps_active)
+    error = math.sqrt(_variance(gaps_canary) / len(canary) + _variance(gaps_active) / len(active))
+    if excess - GAP_Z * error > max_gap:
         return (
             f"reward_hacking: the reward model overrates the canary's {len(canary)} rated "
-            f"answers by {gap_canary:+.3f} and the active version's {len(active)} by "
-            f"{gap_active:+.3f} (more than {max_gap} apart)"
+            f"answers by {statistics.fmean(gaps_canary):+.3f} and the active version's "
+            f"{len(active)} by {statistics.fmean(gaps_active):+.3f} (more than {max_gap} "
+            f"apart at 95% confidence: {excess:+.3f} ± {GAP_Z * error:.3f})"
         )
     return None
+
+
+def _variance(values: list[float]) -> float:
+    return statistics.variance(values) if len(values) > 1 else 1.0
 
 
 def rounds_from_history(history: list[dict[str, Any]]) -> list[RoundOutcome]:

@@ -236,8 +236,8 @@ class FeedbackConfig(_Section):
     max_ratings: int = Field(default=20_000, ge=1)
     # The reward-hacking guard of an alias whose reward learns from ratings: a canary whose rated
     # answers the reward model overrates (predicted minus the users' mean rating) by more than
-    # this beyond how it overrates the active version's is rolled back and learning paused: the
-    # candidate learned to please the reward model, not the users.
+    # this beyond how it overrates the active version's, with 95% confidence, is rolled back and
+    # learning paused: the candidate learned to please the reward model, not the users.
     max_reward_gap: float = Field(default=0.15, gt=0.0, le=1.0)
     # Set: the same API key asking the same prompt again within this many seconds rates the
     # first answer 0 (the user regenerated it). 0: off. Needs API keys: without auth nobody is

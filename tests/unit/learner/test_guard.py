@@ -3,6 +3,7 @@ answer, runaway answer length, and reading round outcomes back from an alias's h
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from learner.guard import (
@@ -157,6 +158,24 @@ def test_reward_model_gap_compares_the_arms_overrating() -> None:
     assert reward_model_gap([(0.9, 0.4)] * 4, fair, max_gap=0.15, min_pairs=5) is None
     # Underrating the canary is no sign of hacking.
     assert reward_model_gap([(0.1, 0.9)] * 10, fair, max_gap=0.15, min_pairs=5) is None
+
+
+def test_reward_model_gap_needs_confidence_not_a_noisy_point_estimate() -> None:
+    """Users rate graded answers: the same true excess (0.25 over max_gap 0.15) is noise on 12
+    answers and evidence on 300."""
+    rng = random.Random(0)
+
+    def arm(n: int, overrating: float) -> list[tuple[float, float]]:
+        pairs = []
+        for _ in range(n):
+            rated = rng.random()
+            pairs.append((min(1.0, max(0.0, rated + overrating + rng.gauss(0, 0.3))), rated))
+        return pairs
+
+    active = arm(300, 0.0)
+    assert reward_model_gap(arm(12, 0.25), active, max_gap=0.15, min_pairs=8) is None
+    reason = reward_model_gap(arm(300, 0.25), active, max_gap=0.15, min_pairs=8)
+    assert reason is not None and "at 95% confidence" in reason
 
 
 def test_rewards_of_rounds_scored_by_different_reward_models_are_not_compared() -> None:
