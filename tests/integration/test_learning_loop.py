@@ -180,10 +180,22 @@ def greedy_scores(
     prompts: list[dict[str, Any]],
     reward: Callable[[list[dict[str, Any]], dict[str, Any]], float] = extraction_reward,
 ) -> list[float]:
-    """Each model's mean ``reward`` (the demo verifier) of its greedy answers, straight from
-    vLLM. The models answer side by side, so vLLM batches them together."""
+    """Each model's mean ``reward`` (the demo verifier) of its greedy answers."""
+    return [
+        statistics.fmean(scores) for scores in greedy_prompt_scores(env, models, prompts, reward)
+    ]
 
-    async def run(client: httpx.AsyncClient, limit: asyncio.Semaphore, model: str) -> float:
+
+def greedy_prompt_scores(
+    env: Embedded,
+    models: list[str],
+    prompts: list[dict[str, Any]],
+    reward: Callable[[list[dict[str, Any]], dict[str, Any]], float] = extraction_reward,
+) -> list[list[float]]:
+    """Each model's ``reward`` of its greedy answer to each prompt, straight from vLLM, in the
+    prompts' order. The models answer side by side, so vLLM batches them together."""
+
+    async def run(client: httpx.AsyncClient, limit: asyncio.Semaphore, model: str) -> list[float]:
         async def one(prompt: dict[str, Any]) -> float:
             body = {
                 "model": model,
@@ -197,9 +209,9 @@ def greedy_scores(
             message = reply.json()["choices"][0]["message"]
             return reward(prompt["messages"], message)
 
-        return statistics.fmean(await asyncio.gather(*(one(p) for p in prompts)))
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
 
-    async def run_all() -> list[float]:
+    async def run_all() -> list[list[float]]:
         async with httpx.AsyncClient(
             base_url=env.settings.vllm_url, headers=env.vllm_headers, timeout=300
         ) as client:
