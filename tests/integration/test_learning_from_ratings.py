@@ -40,15 +40,16 @@ ALIAS = "lt-rated"
 PROMPTS = load_prompts()
 FIRST_TRAFFIC = PROMPTS[:192]  # rated; they train the reward model and fill the held-out pool
 CANARY_TRAFFIC = PROMPTS[192:256]  # rated while a candidate is on canary
-# The script's own evaluation: 480 prompts never sent through the proxy, from the same generator.
-UNSEEN = generate_prompts(736)[256:]
+# The script's own evaluation: 320 prompts never sent through the proxy, from the same generator
+# (480 took 164 s to answer greedily on this machine).
+UNSEEN = generate_prompts(576)[256:]
 GROUPS = 24
 # The promoted version's greedy score by the users' criterion on UNSEEN must beat the base's:
 # the paired lift's 95% bootstrap interval lies above zero and its mean is at least MARGIN.
-# Measured: one round of 24 groups lifts about 0.04 (runs saw +0.037, +0.038, +0.027), a carried
-# second round +0.086 [+0.063, +0.110]. The per-prompt difference's sd is about 0.18, so 480
-# prompts put the mean within about 0.016 of the truth (64 prompts, as before, within 0.044: a
-# 0.03 margin there failed a run that had learned).
+# Measured: one round of 24 groups lifted +0.071 [+0.058, +0.084] on 480 prompts (runs on 64
+# saw +0.037, +0.038, +0.027), a carried second round +0.086 [+0.063, +0.110] on 224. The
+# per-prompt difference's sd is 0.15-0.18, so 320 prompts put the mean within about 0.02 of the
+# truth; on 64, as before, within 0.044, and a 0.03 margin there failed a run that had learned.
 MARGIN = 0.02
 
 
