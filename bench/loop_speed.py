@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.demo_learning import evaluate, vllm_headers
 from bench.loop_watch import Watch, Watcher, proc_memory
-from learner.gate import bootstrap_interval
+from learner.gate import paired_lift
 from ratchet.dev.config import default_config_text
 from ratchet.dev.model import prepare_model
 from ratchet.dev.processes import Stack, free_port
@@ -159,9 +159,8 @@ async def replay(
 
 def lift(candidate: list[float], base: list[float], samples: int) -> dict[str, float]:
     """Mean paired difference and its 95% percentile-bootstrap interval over prompts."""
-    diffs = [c - b for c, b in zip(candidate, base, strict=True)]
-    low, high = bootstrap_interval(diffs, samples=samples, seed=0)
-    return {"lift": statistics.fmean(diffs), "lift_low": low, "lift_high": high}
+    mean, low, high = paired_lift(candidate, base, samples)
+    return {"lift": mean, "lift_low": low, "lift_high": high}
 
 
 def score(

@@ -119,6 +119,16 @@ def bootstrap_interval(
     return float(low), float(high)
 
 
+def paired_lift(
+    candidate: list[float], base: list[float], samples: int, seed: int = 0
+) -> tuple[float, float, float]:
+    """The mean paired difference ``candidate - base`` over prompts and its 95% percentile
+    bootstrap interval: ``(mean, low, high)``."""
+    diffs = [c - b for c, b in zip(candidate, base, strict=True)]
+    low, high = bootstrap_interval(diffs, samples=samples, seed=seed)
+    return float(np.mean(diffs)), low, high
+
+
 def answer_max_tokens(config: AliasConfig, prompts: list[HeldoutPrompt]) -> int:
     """The gate's max_tokens: ``gate.max_tokens``, else ``sampling.max_tokens``, else drawn
     from the served answer lengths of the prompts drawn, as the judge draws a group's."""

@@ -102,22 +102,23 @@ def reward_model_gap(
     """
     if len(canary) < min_pairs or len(active) < min_pairs:
         return None
-    gaps_canary = [p - r for p, r in canary]
-    gaps_active = [p - r for p, r in active]
-    excess = statistics.fmean(gaps_canary) - statistics.fmean(gaps_active)
-    error = math.sqrt(_variance(gaps_canary) / len(canary) + _variance(gaps_active) / len(active))
-    if excess - GAP_Z * error > max_gap:
+    (mean_canary, var_canary), (mean_active, var_active) = _moments(canary), _moments(active)
+    excess = mean_canary - mean_active
+    margin = GAP_Z * math.sqrt(var_canary / len(canary) + var_active / len(active))
+    if excess - margin > max_gap:
         return (
             f"reward_hacking: the reward model overrates the canary's {len(canary)} rated "
-            f"answers by {statistics.fmean(gaps_canary):+.3f} and the active version's "
-            f"{len(active)} by {statistics.fmean(gaps_active):+.3f} (more than {max_gap} "
-            f"apart at 95% confidence: {excess:+.3f} ± {GAP_Z * error:.3f})"
+            f"answers by {mean_canary:+.3f} and the active version's {len(active)} by "
+            f"{mean_active:+.3f} (more than {max_gap} apart at 95% confidence: "
+            f"{excess:+.3f} ± {margin:.3f})"
         )
     return None
 
 
-def _variance(values: list[float]) -> float:
-    return statistics.variance(values) if len(values) > 1 else 1.0
+def _moments(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    """Mean and sample variance of ``predicted - rated``; one answer takes the bound 1."""
+    gaps = [p - r for p, r in pairs]
+    return statistics.fmean(gaps), statistics.variance(gaps) if len(gaps) > 1 else 1.0
 
 
 def rounds_from_history(history: list[dict[str, Any]]) -> list[RoundOutcome]:
