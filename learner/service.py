@@ -647,7 +647,8 @@ class LearnerService:
         return thread
 
 
-class Revoked(ConsumerRebalanceListener):
+# kafka-python ships no types (an Any base), and subscribe() checks the listener's class.
+class Revoked(ConsumerRebalanceListener):  # type: ignore[misc]
     """Tells the service which partitions of ratchet.groups it lost in a rebalance."""
 
     def __init__(self, service: LearnerService) -> None:

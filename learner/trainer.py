@@ -384,7 +384,7 @@ class LoraGRPOLearner:
                 ref,
             )
             share = stats["num_tokens"] / step_tokens
-            (loss * share).backward()
+            torch.autograd.backward(loss * share)  # Tensor.backward is untyped
             step_loss += loss.detach().double() * share
             acc.add(loss.detach(), stats, int(lengths[rows].sum()))
         max_norm = self.train.max_grad_norm if self.train.max_grad_norm > 0 else math.inf
