@@ -66,7 +66,7 @@ from ratchet.records import (
 from ratchet.registry import AliasRoute, InvalidRoute, alias_key, decode_hash, served_name
 from ratchet.rewards.reward_model import RewardModels
 from ratchet.secrets import keyed_hash, server_secret, vllm_api_key
-from ratchet.settings import AliasConfig, RatchetSettings
+from ratchet.settings import AliasConfig, ConfigError, RatchetSettings
 
 log = logging.getLogger(__name__)
 
@@ -470,15 +470,22 @@ class JudgeService(JudgeKafka):
 
 
 def reward_models(settings: RatchetSettings) -> RewardModels | None:
-    """The reward models of aliases that learn from ratings, if any: the base model is read
-    from the learner's path (or the embedded model), on first use."""
-    if not any(c.reward.learns_from_ratings for c in settings.aliases.values()):
+    """The reward models of aliases that learn from ratings, if any: they score answers with
+    the base model at ``learner.base_model_path`` (read on first use), which must then be set."""
+    rated = sorted(a for a, c in settings.aliases.items() if c.reward.learns_from_ratings)
+    if not rated:
         return None
-    from ratchet.dev.model import prepare_model
-
-    assert settings.store_dir is not None
     path = settings.learner.base_model_path
-    return RewardModels(settings.store_dir, Path(path) if path else prepare_model(settings.home))
+    if not path:
+        # No dev fallback here: the judge must not reach into the embedded stack (ratchet.dev).
+        raise ConfigError(
+            f"aliases {rated} learn from ratings, so the judge needs the base model their "
+            "reward models score with, but learner.base_model_path is empty: set it in "
+            "ratchet.yaml or RATCHET_LEARNER__BASE_MODEL_PATH to the base model vLLM serves "
+            "(`ratchet up` and the Helm chart set it themselves)"
+        )
+    assert settings.store_dir is not None
+    return RewardModels(settings.store_dir, Path(path))
 
 
 def serve(settings: RatchetSettings) -> None:

@@ -194,7 +194,10 @@ def write_config(home: Path, **proxy: Any) -> tuple[Path, dict[str, Any]]:
 def start_embedded(tmp_path_factory: pytest.TempPathFactory) -> Embedded:
     home = tmp_path_factory.mktemp("home")
     model_path = prepare_model(default_home(), quiet=True)
-    config_path, _ = write_config(home)
+    config_path, config = write_config(home)
+    # What vLLM serves: every judge and learner started on this config needs it.
+    config["learner"] = {"base_model_path": str(model_path)}
+    config_path.write_text(yaml.safe_dump(config))
     settings = load_settings(config_path)
     assert settings.store_dir is not None
     write_test_adapters(model_path, AdapterStore(settings.store_dir), [1, 2])
