@@ -1,23 +1,34 @@
-"""Faults, caused for real by stopping parts of the embedded stack. These run last."""
+"""Faults, caused for real: Kafka and Redis by stopping them in the embedded stack (these run
+last); vLLM by cutting a proxy of its own off from it (tests/integration/forwarder.py), so vLLM
+keeps running and no later test pays its cold start and first-generation compile again."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import httpx
 import openai
 import pytest
+import yaml
 
-from ratchet.dev.processes import wait_until
-from ratchet.dev.stack import create_topics
+from ratchet.dev.processes import Stack, wait_until
+from ratchet.dev.stack import create_topics, proxy_part
 from ratchet.records import TRAFFIC_TOPIC, TrafficRecord
-from tests.integration.conftest import ALIAS, Embedded
+from ratchet.secrets import vllm_api_key
+from ratchet.settings import load_settings
+from tests.integration.conftest import ALIAS, Embedded, write_config
+from tests.integration.forwarder import Forwarder
 
-pytestmark = [pytest.mark.integration, pytest.mark.disruptive]
+pytestmark = pytest.mark.integration
 
 
 def client(env: Embedded) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{env.proxy_url}/v1", api_key="k", max_retries=0, timeout=60)
 
 
+@pytest.mark.disruptive
 def test_broker_down_requests_succeed_and_records_arrive_later(base_route: Embedded) -> None:
     env = base_route
     spooled = env.sample("ratchet_proxy_log_records_total", outcome="spooled")
@@ -50,6 +61,7 @@ def test_broker_down_requests_succeed_and_records_arrive_later(base_route: Embed
     wait_until(lambda: httpx.get(f"{env.proxy_url}/readyz").json()["kafka"], 30, "kafka up")
 
 
+@pytest.mark.disruptive
 def test_redis_down_routing_keeps_working_from_cache(base_route: Embedded) -> None:
     env = base_route
     env.set_route(active=2)
@@ -100,25 +112,64 @@ def test_redis_down_routing_keeps_working_from_cache(base_route: Embedded) -> No
     )
 
 
-def test_vllm_down_gives_503_and_proxy_recovers(base_route: Embedded) -> None:
+@dataclass
+class CutOff:
+    proxy_url: str
+    vllm: Forwarder
+
+
+@pytest.fixture
+def cut_off_proxy(
+    base_route: Embedded, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[CutOff]:
+    """A proxy beside the session's, on its Kafka and Redis, that reaches vLLM only through a
+    forwarder the test can close."""
     env = base_route
-    env.stack.stop_part("vllm")
+    vllm = urlsplit(env.settings.vllm_url)
+    assert vllm.hostname is not None and vllm.port is not None
+    forwarder = Forwarder(vllm.hostname, vllm.port)
+    forwarder.open()
+    path, config = write_config(tmp_path_factory.mktemp("cut-off"))
+    config["kafka_bootstrap_servers"] = env.settings.kafka_bootstrap_servers
+    config["redis_url"] = env.settings.redis_url
+    config["vllm_url"] = forwarder.url
+    config["vllm_api_key"] = vllm_api_key(env.settings)
+    path.write_text(yaml.safe_dump(config))
+    settings = load_settings(path)
+    stack = Stack([proxy_part(settings, path)], tmp_path_factory.mktemp("cut-off-stack"))
+    stack.start()
+    try:
+        yield CutOff(f"http://127.0.0.1:{settings.proxy.port}", forwarder)
+    finally:
+        stack.stop()
+        if forwarder.open_now:
+            forwarder.close()
+
+
+def test_vllm_down_gives_503_and_proxy_recovers(cut_off_proxy: CutOff) -> None:
+    proxy_url, vllm = cut_off_proxy.proxy_url, cut_off_proxy.vllm
+
+    def ready() -> int:
+        return httpx.get(f"{proxy_url}/readyz").status_code
+
+    llm = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="k", max_retries=0, timeout=60)
+    vllm.close()  # connections refused from now on, as from a stopped vLLM
     response = httpx.post(
-        f"{env.proxy_url}/v1/chat/completions",
+        f"{proxy_url}/v1/chat/completions",
         json={"model": ALIAS, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]},
     )
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "upstream_unavailable"
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     with pytest.raises(openai.InternalServerError):
-        client(env).chat.completions.create(
+        llm.chat.completions.create(
             model=ALIAS, max_tokens=1, messages=[{"role": "user", "content": "x"}]
         )
-    wait_until(lambda: httpx.get(f"{env.proxy_url}/readyz").status_code == 503, 5, "not ready")
+    wait_until(lambda: ready() == 503, 5, "not ready")
 
-    env.stack.start_part("vllm")
-    wait_until(lambda: httpx.get(f"{env.proxy_url}/readyz").status_code == 200, 30, "ready")
-    completion = client(env).chat.completions.create(
+    vllm.open()
+    wait_until(lambda: ready() == 200, 30, "ready")
+    completion = llm.chat.completions.create(
         model=ALIAS, max_tokens=2, messages=[{"role": "user", "content": "back?"}]
     )
     assert completion.choices[0].message.content is not None
