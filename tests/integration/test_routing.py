@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -16,6 +17,7 @@ import pytest
 
 from ratchet.demo import load_prompts
 from ratchet.dev.processes import wait_until
+from ratchet.secrets import hash_api_key
 from ratchet.store import AdapterStore
 from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded, write_test_adapters
 
@@ -102,14 +104,28 @@ def test_cli_alias_set_and_show(base_route: Embedded) -> None:
     assert bad.returncode == 2 and "not a valid name" in bad.stdout
 
 
-def test_canary_split_is_within_tolerance_and_sticky(base_route: Embedded) -> None:
+API_KEY = "k"  # the open proxy hashes whatever key it gets; the draw is keyed by that hash
+
+
+def expected_version(env: Embedded, sticky_key: str) -> str:
+    """The version the split function (AliasRoute.pick) gives this sticky key on this route."""
+    route = env.registry.read(ALIAS)
+    assert route is not None
+    key_hash = hash_api_key(env.secret, API_KEY)
+    return str(route.pick(sticky_key, key_hash=key_hash, secret=env.secret)[0])
+
+
+def test_canary_split_follows_the_keyed_draw_and_its_weight(base_route: Embedded) -> None:
     base_route.set_route(active=1, canary=2, canary_weight=0.2)
     base_route.wait_for_proxy_route(active_version=1, canary_version=2, canary_weight=0.2)
     requests = 200
+    # Users new to every run, so the share below is a fresh draw each time (the secret is the
+    # session's, fixed): with fixed users it would be one fixed number posing as a statistic.
+    users = [f"user-{uuid.uuid4().hex[:12]}" for _ in range(requests)]
 
-    async def run() -> tuple[collections.Counter[str], dict[str, set[str]]]:
+    async def run() -> list[tuple[str, str]]:
         client = openai.AsyncOpenAI(
-            base_url=f"{base_route.proxy_url}/v1", api_key="k", max_retries=0
+            base_url=f"{base_route.proxy_url}/v1", api_key=API_KEY, max_retries=0
         )
         limit = asyncio.Semaphore(8)
 
@@ -123,22 +139,21 @@ def test_canary_split_is_within_tolerance_and_sticky(base_route: Embedded) -> No
                 )
                 return user, raw.headers["x-ratchet-version"]
 
-        split = await asyncio.gather(*(one(f"user-{i}") for i in range(requests)))
-        # The same 30 users again, twice: each must land on the same version every time.
-        repeats = await asyncio.gather(*(one(f"user-{i % 30}") for i in range(60)))
+        # Every user, then 30 of them twice more: sticky means the same version every time.
+        answers = await asyncio.gather(*(one(u) for u in [*users, *users[:30], *users[:30]]))
         await client.close()
-        seen: dict[str, set[str]] = collections.defaultdict(set)
-        for user, version in [*split, *repeats]:
-            if user in {f"user-{i}" for i in range(30)}:
-                seen[user].add(version)
-        return collections.Counter(v for _, v in split), seen
+        return answers
 
-    counts, seen = asyncio.run(run())
-    assert set(counts) <= {"1", "2"}
-    share = counts["2"] / requests
-    tolerance = 3 * math.sqrt(0.2 * 0.8 / requests)  # three standard deviations
+    answers = asyncio.run(run())
+    # Exact: each request went where the split function sends its user.
+    wrong = [(u, v) for u, v in answers if v != expected_version(base_route, u)]
+    assert not wrong, wrong
+    # The weight: 200 fresh draws at 0.2 land within 5 standard deviations of it except with
+    # probability about 6e-7 (normal approximation to the binomial), so a failure here means the
+    # split misses its weight, not bad luck.
+    share = sum(v == "2" for _, v in answers[:requests]) / requests
+    tolerance = 5 * math.sqrt(0.2 * 0.8 / requests)
     assert abs(share - 0.2) <= tolerance, f"canary share {share:.3f}"
-    assert all(len(versions) == 1 for versions in seen.values()), "canary was not sticky"
 
 
 def test_sticky_header_overrides_user(base_route: Embedded) -> None:
@@ -146,14 +161,19 @@ def test_sticky_header_overrides_user(base_route: Embedded) -> None:
     base_route.wait_for_proxy_route(active_version=1, canary_version=2, canary_weight=0.5)
 
     def version(sticky_key: str, user: str) -> str:
-        headers = {"x-ratchet-sticky-key": sticky_key}
+        headers = {"x-ratchet-sticky-key": sticky_key, "authorization": f"Bearer {API_KEY}"}
         return served_version(base_route, headers=headers, user=user)
 
-    pinned = {version("team-a", f"u{i}") for i in range(6)}
-    assert len(pinned) == 1
-    # ...and not because every request lands there: other keys reach the other version.
-    others = {version(f"team-{i}", "u0") for i in range(20)}
-    assert others == {"1", "2"}, others
+    team = f"team-{uuid.uuid4().hex[:12]}"
+    pinned = {version(team, f"u{i}-{uuid.uuid4().hex[:8]}") for i in range(6)}
+    # The header decides, not the (different) users: the version its key draws, every time.
+    assert pinned == {expected_version(base_route, team)}, pinned
+    # ...and not because every request lands there: other keys reach the other version. Keys
+    # new to each run; all 20 on one arm at weight 0.5 has probability 2**-19 (about 2e-6).
+    teams = [f"team-{uuid.uuid4().hex[:12]}" for _ in range(20)]
+    others = {team: version(team, "u0") for team in teams}
+    assert others == {team: expected_version(base_route, team) for team in teams}, others
+    assert set(others.values()) == {"1", "2"}, others
 
 
 def test_each_canary_arm_answers_as_its_version_does_alone(base_route: Embedded) -> None:
