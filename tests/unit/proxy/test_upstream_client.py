@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from proxy.errors import ProxyError
-from proxy.http1 import UpstreamClosed, UpstreamPool
+from proxy.http1 import READ_HIGH_WATER, UpstreamClosed, UpstreamPool
 from proxy.upstream import Upstream
 from ratchet.dev.processes import free_port as closed_port
 
@@ -118,6 +118,42 @@ async def test_a_large_answer_is_read_whole(server: dict[str, Any]) -> None:
     response = await pool.request(b"GET", "/big")
     assert await response.read() == BIG
     pool.close()
+
+
+async def test_a_slow_reader_pauses_the_socket_and_bounds_what_is_buffered() -> None:
+    """Back-pressure: a relay that does not read (a slow client) must not make the proxy read
+    a long answer into memory; past READ_HIGH_WATER it stops reading the socket."""
+    body = bytes(range(256)) * (64 * 1024)  # 16 MiB: more than the kernel's buffers hold
+    server_writers: list[asyncio.StreamWriter] = []
+
+    async def large(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        server_writers.append(writer)
+        await writer.drain()
+
+    srv, url = await raw_server(large)
+    pool = UpstreamPool(url, 2.0, 30.0)
+    response = await pool.request(b"GET", "/large")
+    # One read from the socket adds at most this (asyncio's selector transports read 256 KiB).
+    bound = READ_HIGH_WATER + 256 * 1024
+    deadline = asyncio.get_running_loop().time() + 20
+    # Until the stream stalls: the client stopped reading and the server still holds unsent
+    # bytes (the kernel's buffers in between are full). Without the pause the client reads on
+    # and its buffer passes the bound instead.
+    while not (
+        response._connection.paused
+        and server_writers
+        and server_writers[0].transport.get_write_buffer_size() > 0
+    ):
+        assert response._buffered <= bound, f"{response._buffered} bytes buffered unread"
+        assert asyncio.get_running_loop().time() < deadline, "the stream never stalled"
+        await asyncio.sleep(0.01)
+    assert response._buffered <= bound, f"{response._buffered} bytes buffered unread"
+    # Reading on resumes the socket, and the whole answer arrives.
+    assert await response.read() == body
+    pool.close()
+    srv.close()
 
 
 async def test_connection_close_answers_are_not_pooled(server: dict[str, Any]) -> None:
