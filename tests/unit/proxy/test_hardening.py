@@ -204,7 +204,13 @@ async def test_pipelined_requests_are_answered_before_the_400(
     uvicorn_error.addHandler(caplog.handler)
     try:
         answers = split_answers(await talk(served.port, raw))  # up to the end of the connection
-        await asyncio.sleep(0.2)  # a late answer would fail now
+        # A late answer fails (and logs) in its request task: wait until the server has no
+        # connection and no request task left, so every answer it would write has been tried.
+        state = served.server.server_state
+        deadline = time.monotonic() + 10
+        while state.connections or state.tasks:
+            assert time.monotonic() < deadline, (state.connections, state.tasks)
+            await asyncio.sleep(0.01)
     finally:
         uvicorn_error.removeHandler(caplog.handler)
     assert len(answers) == len(first) + 1, answers

@@ -197,7 +197,9 @@ def test_outage_keeps_order_across_many_batches(tmp_path: Path, fast_refusal: Re
     for i in range(200):
         p.submit(outgoing(feedback(i), f"c{i}"))
         if i % 50 == 0:
-            time.sleep(0.05)  # let the thread deliver (spool) some batches in between
+            # Everything so far on disk before more arrive, so the later records do arrive
+            # while older ones wait there.
+            wait_until(lambda n=i + 1: p.spooled == n, 10, f"{i + 1} records spooled")
     p.close()
     assert p.depth == 0
     assert [r.key for r in on_disk(tmp_path)] == [f"c{i}".encode() for i in range(200)]
