@@ -3,6 +3,7 @@ drawn as inline SVG on the server so a page needs no chart library and works off
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from html import escape
 from typing import Any
 
@@ -43,77 +44,116 @@ def render(template: str, **context: Any) -> str:
     return environment.get_template(template).render(**context)
 
 
+@dataclass(frozen=True)
+class _Frame:
+    """Where the rounds plot draws: one column per round, two panels of values in [0, 1]."""
+
+    rounds: int
+    width: int
+    height: int = 300
+    panel: int = 110
+    left: int = 48
+    right: int = 12
+    top: int = 24  # the reward panel's top; the gate panel's is `bottom`
+
+    @property
+    def step(self) -> float:
+        return (self.width - self.left - self.right) / max(1, self.rounds)
+
+    @property
+    def bottom(self) -> int:
+        return self.top + self.panel + 40
+
+    def x(self, i: int) -> float:
+        return self.left + self.step * (i + 0.5)
+
+    def y(self, value: float, base: float) -> float:  # value in [0, 1] inside the panel at `base`
+        return base + self.panel * (1.0 - max(0.0, min(1.0, value)))
+
+
 def rounds_svg(rows: list[RoundRow], threshold: float, width: int = 640) -> str:
     """Two panels over the rounds, oldest left: training reward (mean) per round, and the gate's
     win rate with its 95% interval (green passed, red failed) against the threshold; promoted
     rounds are shaded green, rolled-back ones red."""
     if not rows:
         return ""
-    height, panel, left, right, top_pad = 300, 110, 48, 12, 24
-    step = (width - left - right) / max(1, len(rows))
-
-    def x(i: int) -> float:
-        return left + step * (i + 0.5)
-
-    def y(value: float, base: float) -> float:  # value in [0, 1] inside the panel at `base`
-        return base + panel * (1.0 - max(0.0, min(1.0, value)))
-
-    top, bottom = top_pad, top_pad + panel + 40
+    f = _Frame(len(rows), width)
     parts = [
-        f'<svg class="plot" viewBox="0 0 {width} {height}" role="img" '
+        f'<svg class="plot" viewBox="0 0 {width} {f.height}" role="img" '
         'aria-labelledby="plot-title plot-desc" xmlns="http://www.w3.org/2000/svg">',
         '<title id="plot-title">Training reward and gate win rate per round</title>',
         f'<desc id="plot-desc">{len(rows)} rounds, oldest first; the gate threshold is '
         f"{threshold}.</desc>",
+        *_outcome_shading(f, rows),
+        *_panel_axes(f),
+        *_reward_line(f, rows),
+        f'<line x1="{f.left}" x2="{width - f.right}" y1="{f.y(threshold, f.bottom):.1f}" '
+        f'y2="{f.y(threshold, f.bottom):.1f}" stroke="#111" stroke-dasharray="4 3"/>',
+        *_gate_intervals(f, rows),
+        *(
+            f'<text x="{f.x(i):.1f}" y="{f.height - 6}" font-size="10" text-anchor="middle" '
+            f'fill="#111">v{row.version}</text>'
+            for i, row in enumerate(rows)
+        ),
+        "</svg>",
     ]
+    return "".join(parts)
+
+
+def _outcome_shading(f: _Frame, rows: list[RoundRow]) -> list[str]:
+    shaded = []
     for i, row in enumerate(rows):
         shade = {"promoted": PASSED, "rolled back": FAILED}.get(row.outcome)
         if shade:
-            parts.append(
-                f'<rect x="{x(i) - step / 2:.1f}" y="{top}" width="{step:.1f}" '
-                f'height="{bottom + panel - top}" fill="{shade}" opacity="0.12"/>'
+            shaded.append(
+                f'<rect x="{f.x(i) - f.step / 2:.1f}" y="{f.top}" width="{f.step:.1f}" '
+                f'height="{f.bottom + f.panel - f.top}" fill="{shade}" opacity="0.12"/>'
             )
-    for base, label in ((top, "training reward"), (bottom, "gate win rate (95% CI)")):
-        parts.append(
-            f'<text x="{left}" y="{base - 6}" font-size="12" fill="#111">{escape(label)}</text>'
+    return shaded
+
+
+def _panel_axes(f: _Frame) -> list[str]:
+    axes = []
+    for base, label in ((f.top, "training reward"), (f.bottom, "gate win rate (95% CI)")):
+        axes.append(
+            f'<text x="{f.left}" y="{base - 6}" font-size="12" fill="#111">{escape(label)}</text>'
         )
         for tick in (0.0, 0.5, 1.0):
-            parts.append(
-                f'<line x1="{left}" x2="{width - right}" y1="{y(tick, base):.1f}" '
-                f'y2="{y(tick, base):.1f}" stroke="{GRID}" stroke-width="0.5"/>'
-                f'<text x="{left - 6}" y="{y(tick, base) + 4:.1f}" font-size="10" '
+            axes.append(
+                f'<line x1="{f.left}" x2="{f.width - f.right}" y1="{f.y(tick, base):.1f}" '
+                f'y2="{f.y(tick, base):.1f}" stroke="{GRID}" stroke-width="0.5"/>'
+                f'<text x="{f.left - 6}" y="{f.y(tick, base) + 4:.1f}" font-size="10" '
                 f'text-anchor="end" fill="#111">{tick:g}</text>'
             )
+    return axes
+
+
+def _reward_line(f: _Frame, rows: list[RoundRow]) -> list[str]:
     rewards = [(i, r.mean_reward) for i, r in enumerate(rows) if r.mean_reward is not None]
-    if rewards:
-        points = " ".join(f"{x(i):.1f},{y(v, top):.1f}" for i, v in rewards)
-        parts.append(
-            f'<polyline points="{points}" fill="none" stroke="{REWARD}" stroke-width="2"/>'
-        )
-        parts += [
-            f'<circle cx="{x(i):.1f}" cy="{y(v, top):.1f}" r="3" fill="{REWARD}"/>'
+    if not rewards:
+        return []
+    points = " ".join(f"{f.x(i):.1f},{f.y(v, f.top):.1f}" for i, v in rewards)
+    return [
+        f'<polyline points="{points}" fill="none" stroke="{REWARD}" stroke-width="2"/>',
+        *(
+            f'<circle cx="{f.x(i):.1f}" cy="{f.y(v, f.top):.1f}" r="3" fill="{REWARD}"/>'
             for i, v in rewards
-        ]
-    parts.append(
-        f'<line x1="{left}" x2="{width - right}" y1="{y(threshold, bottom):.1f}" '
-        f'y2="{y(threshold, bottom):.1f}" stroke="#111" stroke-dasharray="4 3"/>'
-    )
+        ),
+    ]
+
+
+def _gate_intervals(f: _Frame, rows: list[RoundRow]) -> list[str]:
+    marks = []
     for i, row in enumerate(rows):
         if row.win_rate is None:
             continue
         colour = PASSED if row.passed else FAILED
         low = row.ci_low if row.ci_low is not None else row.win_rate
         high = row.ci_high if row.ci_high is not None else row.win_rate
-        parts.append(
-            f'<line x1="{x(i):.1f}" x2="{x(i):.1f}" y1="{y(low, bottom):.1f}" '
-            f'y2="{y(high, bottom):.1f}" stroke="{colour}" stroke-width="2"/>'
-            f'<circle cx="{x(i):.1f}" cy="{y(row.win_rate, bottom):.1f}" r="4" fill="{colour}">'
-            f"<title>v{row.version}: win rate {row.win_rate:.3f}</title></circle>"
+        marks.append(
+            f'<line x1="{f.x(i):.1f}" x2="{f.x(i):.1f}" y1="{f.y(low, f.bottom):.1f}" '
+            f'y2="{f.y(high, f.bottom):.1f}" stroke="{colour}" stroke-width="2"/>'
+            f'<circle cx="{f.x(i):.1f}" cy="{f.y(row.win_rate, f.bottom):.1f}" r="4" '
+            f'fill="{colour}"><title>v{row.version}: win rate {row.win_rate:.3f}</title></circle>'
         )
-    for i, row in enumerate(rows):
-        parts.append(
-            f'<text x="{x(i):.1f}" y="{height - 6}" font-size="10" text-anchor="middle" '
-            f'fill="#111">v{row.version}</text>'
-        )
-    parts.append("</svg>")
-    return "".join(parts)
+    return marks
