@@ -9,13 +9,14 @@ default Ratchet home so later runs skip it. Tests that stop parts (faults) are m
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -32,6 +33,9 @@ from ratchet.registry import AliasRoute, RegistryWriter
 from ratchet.secrets import server_secret, vllm_api_key
 from ratchet.settings import RatchetSettings, default_home, load_settings
 from ratchet.store import AdapterStore
+
+if TYPE_CHECKING:
+    from tests.integration.test_learner import BasePolicy
 
 ALIAS = "support"
 BASE_MODEL = "smollm2-135m-instruct"
@@ -144,11 +148,14 @@ def write_test_adapters(model_path: Path, store: AdapterStore, versions: list[in
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    for version in versions:
-        if store.exists(ALIAS, version):
-            continue
+    missing = [version for version in versions if not store.exists(ALIAS, version)]
+    if not missing:
+        return
+    # One load of the base for all versions; each gets its own adapter, unloaded after writing
+    # so the next one wraps the bare base again.
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    for version in missing:
         torch.manual_seed(version)
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         config = LoraConfig(
             r=8,
             lora_alpha=16,
@@ -164,6 +171,7 @@ def write_test_adapters(model_path: Path, store: AdapterStore, versions: list[in
             base_model_path=str(model_path),
             meta={"parent_version": 0, "note": "random test adapter"},
         )
+        base = model.unload()  # the base without this version's LoRA layers
 
 
 def write_config(home: Path, **proxy: Any) -> tuple[Path, dict[str, Any]]:
@@ -263,3 +271,52 @@ def base_route(embedded: Embedded) -> Iterator[Embedded]:
 
 def sse_events(raw: bytes) -> list[dict[str, Any]]:
     return [orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: {")]
+
+
+@pytest.fixture(scope="session")
+def policy(embedded: Embedded) -> BasePolicy:
+    """The base model in this process, for the learner tests' hand-made groups (their
+    logprobs). Imported here, not at the top: test_learner imports this module."""
+    from tests.integration.test_learner import TRAIN, BasePolicy
+
+    policy = BasePolicy(embedded.model_path)
+    # The learner trains on these ids: they must be the prompt vLLM itself would see.
+    reply = httpx.post(
+        f"{embedded.settings.vllm_url}/v1/chat/completions",
+        headers=embedded.vllm_headers,
+        json={
+            "model": BASE_MODEL,
+            "messages": TRAIN[0]["messages"],
+            "max_tokens": 1,
+            "return_token_ids": True,
+        },
+        timeout=60,
+    ).json()
+    assert reply["prompt_token_ids"] == policy.prompt_ids(TRAIN[0]["messages"])
+    return policy
+
+
+@pytest.fixture(scope="session")
+def base_answers(embedded: Embedded) -> list[str]:
+    """The base model's greedy answer to each training prompt (test_learner's TRAIN), from
+    vLLM."""
+    from tests.integration.test_learner import TRAIN
+
+    async def answer(client: httpx.AsyncClient, prompt: dict[str, Any]) -> str:
+        body = {
+            "model": BASE_MODEL,
+            "messages": prompt["messages"],
+            "max_tokens": 64,
+            "temperature": 0.0,
+        }
+        reply = await client.post("/v1/chat/completions", json=body)
+        reply.raise_for_status()
+        return reply.json()["choices"][0]["message"]["content"] or ""
+
+    async def answer_all() -> list[str]:
+        async with httpx.AsyncClient(
+            base_url=embedded.settings.vllm_url, headers=embedded.vllm_headers, timeout=120
+        ) as client:
+            return list(await asyncio.gather(*(answer(client, p) for p in TRAIN)))
+
+    return asyncio.run(answer_all())

@@ -3,7 +3,9 @@ embedded stack: a real learner round puts a candidate on canary through a real g
 console shows it, follows a promotion made by the CLI without a reload, refuses an action
 without the admin key, and rolls back from a click that the proxy serves within a second.
 
-The screenshots it takes are the ones in docs/ and the README.
+Its screenshots go to the test's temporary folder, so a run leaves the tree clean. To renew
+the README's (docs/console-*.png) on purpose, run it with RATCHET_SCREENSHOTS=docs:
+``RATCHET_SCREENSHOTS=docs .venv/bin/python -m pytest tests/integration/test_console.py``.
 """
 
 from __future__ import annotations
@@ -30,11 +32,9 @@ from ratchet.settings import load_settings
 from tests.integration.conftest import BASE_MODEL, Embedded, free_port
 from tests.integration.test_learner import (
     BasePolicy,
-    base_answers,  # noqa: F401  (a fixture)
     better_groups,
     heldout_prompts,
     learner_config,
-    policy,  # noqa: F401  (a fixture)
     produce,
     wait_for_event,
 )
@@ -43,8 +43,18 @@ pytestmark = pytest.mark.integration
 
 ALIAS = "ct-console"
 ADMIN_KEY = "console-test-admin-key"
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+ROOT = Path(__file__).resolve().parents[2]
 STATUS_CONTRAST = 4.5  # WCAG AA for normal text
+
+
+@pytest.fixture
+def screenshots(tmp_path: Path) -> Path:
+    """Where the screenshots go: the test's temporary folder, or RATCHET_SCREENSHOTS (relative
+    to the project root) when renewing the README's on purpose."""
+    chosen = os.environ.get("RATCHET_SCREENSHOTS")
+    folder = ROOT / chosen if chosen else tmp_path / "screenshots"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def chromium() -> str:
@@ -129,9 +139,10 @@ def fits(page: Any, width: int) -> None:
 @pytest.mark.timeout(900)
 def test_the_console_shows_the_loop_and_steers_it_in_a_browser(
     embedded: Embedded,
-    policy: BasePolicy,  # noqa: F811
-    base_answers: list[str],  # noqa: F811
+    policy: BasePolicy,
+    base_answers: list[str],
     console_stack: tuple[Path, str],
+    screenshots: Path,
 ) -> None:
     from playwright.sync_api import expect, sync_playwright
 
@@ -166,7 +177,7 @@ def test_the_console_shows_the_loop_and_steers_it_in_a_browser(
             assert candidate_answer.strip() and incumbent_answer.strip()
             expect(first.locator(".verdict")).to_contain_text("Verdict:")
             check_accessibility(page)
-            page.screenshot(path=str(DOCS / "console-alias.png"), full_page=True)
+            page.screenshot(path=str(screenshots / "console-alias.png"), full_page=True)
 
             # A promotion by the CLI appears without a reload.
             subprocess.run(
@@ -245,8 +256,7 @@ def test_the_console_shows_the_loop_and_steers_it_in_a_browser(
             expect(page.get_by_test_id(f"traffic-{ALIAS}")).to_contain_text(
                 "requests: 1 last min", timeout=5000
             )
-            DOCS.mkdir(exist_ok=True)
-            page.screenshot(path=str(DOCS / "console-overview.png"), full_page=True)
+            page.screenshot(path=str(screenshots / "console-overview.png"), full_page=True)
 
             # A phone screen: the same page, one column, nothing off-screen.
             phone = browser.new_page(viewport={"width": 390, "height": 844})
@@ -255,6 +265,6 @@ def test_the_console_shows_the_loop_and_steers_it_in_a_browser(
             fits(phone, 390)
             phone.goto(url + "/")
             fits(phone, 390)
-            phone.screenshot(path=str(DOCS / "console-phone.png"), full_page=True)
+            phone.screenshot(path=str(screenshots / "console-phone.png"), full_page=True)
         finally:
             browser.close()

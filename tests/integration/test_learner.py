@@ -10,7 +10,6 @@ transformers), exactly what vLLM would have logged sampling them from v0.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -281,47 +280,9 @@ def vllm_serves(env: Embedded, served_name: str) -> bool:
     return response.status_code == 200 and response.json()["model"] == served_name
 
 
-@pytest.fixture(scope="module")
-def policy(embedded: Embedded) -> BasePolicy:
-    policy = BasePolicy(embedded.model_path)
-    # The learner trains on these ids: they must be the prompt vLLM itself would see.
-    reply = httpx.post(
-        f"{embedded.settings.vllm_url}/v1/chat/completions",
-        headers=embedded.vllm_headers,
-        json={
-            "model": BASE_MODEL,
-            "messages": TRAIN[0]["messages"],
-            "max_tokens": 1,
-            "return_token_ids": True,
-        },
-        timeout=60,
-    ).json()
-    assert reply["prompt_token_ids"] == policy.prompt_ids(TRAIN[0]["messages"])
-    return policy
-
-
-@pytest.fixture(scope="module")
-def base_answers(embedded: Embedded) -> list[str]:
-    """The base model's greedy answer to each training prompt, from vLLM."""
-
-    async def answer(client: httpx.AsyncClient, prompt: dict[str, Any]) -> str:
-        body = {
-            "model": BASE_MODEL,
-            "messages": prompt["messages"],
-            "max_tokens": 64,
-            "temperature": 0.0,
-        }
-        reply = await client.post("/v1/chat/completions", json=body)
-        reply.raise_for_status()
-        return reply.json()["choices"][0]["message"]["content"] or ""
-
-    async def answer_all() -> list[str]:
-        async with httpx.AsyncClient(
-            base_url=embedded.settings.vllm_url, headers=embedded.vllm_headers, timeout=120
-        ) as client:
-            return list(await asyncio.gather(*(answer(client, p) for p in TRAIN)))
-
-    return asyncio.run(answer_all())
+# The fixtures `policy` and `base_answers` (the HF base model in this process, vLLM's greedy
+# base answers to TRAIN) live in conftest.py, session-scoped: test_console uses them too, and a
+# fixture imported into a second module would be built a second time there.
 
 
 @pytest.mark.timeout(1200)  # two rounds of training and gating on 2 cores
