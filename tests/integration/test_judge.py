@@ -365,8 +365,9 @@ def test_heldout_prompts_arrive_while_the_batch_is_still_sampling(
         assert {r.traffic_request_id for r in prompts} == held_ids
         assert groups_then < len(train), "held-out prompts waited for the batch's sampling"
         assert all(r.served_output_tokens for r in prompts)
-        groups, _ = outputs_for(embedded, set(sent) - held_ids, timeout_s=600)
-    assert len(groups) == len(train)
+    # The claim is settled here; the rest of the batch's groups (minutes of sampling) are the
+    # judge's ordinary output, covered by the other tests here and, for this ordering, by
+    # tests/unit/judge/test_judge_batch.py.
 
 
 def test_the_judge_stops_sampling_while_the_learner_has_enough_groups(
@@ -467,7 +468,12 @@ def test_the_judge_scores_what_users_rated_to_measure_its_agreement_with_them(
     assert all(0.0 <= judged <= 1.0 and rating in (0.0, 1.0) for judged, rating in pairs)
     assert f'ratchet_judge_user_agreement_pairs{{alias="{alias}"}} {len(pairs)}.0' in scraped
     line = agreement_line(client, alias, settings.aliases[alias])
-    assert f"over {len(pairs)} rated answers" in line or "not yet comparable" in line, line
+    # Which line is determined by the ratings sent: answers rated both ways can be compared
+    # (pairwise accuracy over them); all rated alike cannot.
+    if len({rating for _, rating in pairs}) == 2:
+        assert f"over {len(pairs)} rated answers" in line, line
+    else:
+        assert f"{len(pairs)} rated answers scored, not yet comparable" in line, line
     print(line, outcomes)
 
 
