@@ -6,20 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import openai
 import pytest
-import yaml
 
-from ratchet.dev.processes import Stack, wait_until
-from ratchet.dev.stack import create_topics, proxy_part
+from ratchet.dev.processes import wait_until
+from ratchet.dev.stack import create_topics
 from ratchet.records import TRAFFIC_TOPIC, TrafficRecord
-from ratchet.secrets import vllm_api_key
-from ratchet.settings import load_settings
-from tests.integration.conftest import ALIAS, Embedded, write_config
+from tests.integration.conftest import ALIAS, Embedded
 from tests.integration.forwarder import Forwarder
+from tests.integration.side_proxy import side_proxy
 
 pytestmark = pytest.mark.integration
 
@@ -119,29 +118,17 @@ class CutOff:
 
 
 @pytest.fixture
-def cut_off_proxy(
-    base_route: Embedded, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[CutOff]:
-    """A proxy beside the session's, on its Kafka and Redis, that reaches vLLM only through a
-    forwarder the test can close."""
-    env = base_route
-    vllm = urlsplit(env.settings.vllm_url)
+def cut_off_proxy(base_route: Embedded, tmp_path: Path) -> Iterator[CutOff]:
+    """A proxy beside the session's that reaches vLLM only through a forwarder the test can
+    close."""
+    vllm = urlsplit(base_route.settings.vllm_url)
     assert vllm.hostname is not None and vllm.port is not None
     forwarder = Forwarder(vllm.hostname, vllm.port)
     forwarder.open()
-    path, config = write_config(tmp_path_factory.mktemp("cut-off"))
-    config["kafka_bootstrap_servers"] = env.settings.kafka_bootstrap_servers
-    config["redis_url"] = env.settings.redis_url
-    config["vllm_url"] = forwarder.url
-    config["vllm_api_key"] = vllm_api_key(env.settings)
-    path.write_text(yaml.safe_dump(config))
-    settings = load_settings(path)
-    stack = Stack([proxy_part(settings, path)], tmp_path_factory.mktemp("cut-off-stack"))
-    stack.start()
     try:
-        yield CutOff(f"http://127.0.0.1:{settings.proxy.port}", forwarder)
+        with side_proxy(base_route, tmp_path, vllm_url=forwarder.url) as url:
+            yield CutOff(url, forwarder)
     finally:
-        stack.stop()
         if forwarder.open_now:
             forwarder.close()
 

@@ -17,8 +17,8 @@ from proxy.log.spool import OutgoingRecord
 from ratchet.dev.processes import wait_until
 from ratchet.records import DEADLETTER_TOPIC, TRAFFIC_TOPIC, DeadLetter, TrafficRecord
 from ratchet.secrets import hash_api_key, server_secret
-from ratchet.settings import ProxySettings
 from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded
+from tests.integration.side_proxy import side_proxy
 from tests.records import build_traffic_record
 
 pytestmark = pytest.mark.integration
@@ -391,34 +391,37 @@ def test_metrics_move_with_each_request(base_route: Embedded) -> None:
 
 
 def test_an_answer_too_large_for_kafka_is_logged_cut_and_blocks_nothing(
-    base_route: Embedded, client: openai.OpenAI
+    base_route: Embedded, tmp_path: Path
 ) -> None:
-    """16 answers of 64 tokens with 20 top logprobs each: over 1 MB as a record, above Kafka's
-    1 MiB.
-    It is stored cut to proxy.max_record_bytes, and the records after it still arrive."""
-    limit = ProxySettings().max_record_bytes
-    raw = client.chat.completions.with_raw_response.create(
-        model=ALIAS,
-        messages=MESSAGES,
-        n=16,
-        max_tokens=64,
-        logprobs=True,
-        top_logprobs=20,
-        temperature=1.0,
-        extra_body={"ignore_eos": True},  # every answer its full length
-    )
-    assert len(raw.parse().choices) == 16
-    after = [
-        client.chat.completions.with_raw_response.create(
-            model=ALIAS, messages=MESSAGES, max_tokens=4
-        ).headers["x-request-id"]
-        for _ in range(5)
-    ]
+    """An answer whose record passes proxy.max_record_bytes (there to stay below Kafka's 1 MiB)
+    is stored cut to it, and the records after it still arrive. On a proxy whose limit is the
+    smallest allowed, 64 KiB, two answers of 64 tokens with 20 top logprobs each pass it; the
+    default 900 KiB took 16."""
+    limit = 64 * 1024
+    with side_proxy(base_route, tmp_path, max_record_bytes=limit) as url:
+        small = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test-key", max_retries=0)
+        raw = small.chat.completions.with_raw_response.create(
+            model=ALIAS,
+            messages=MESSAGES,
+            n=2,
+            max_tokens=64,
+            logprobs=True,
+            top_logprobs=20,
+            temperature=1.0,
+            extra_body={"ignore_eos": True},  # every answer its full length
+        )
+        assert len(raw.parse().choices) == 2
+        after = [
+            small.chat.completions.with_raw_response.create(
+                model=ALIAS, messages=MESSAGES, max_tokens=4
+            ).headers["x-request-id"]
+            for _ in range(5)
+        ]
     big = traffic_record(base_route, raw.headers["x-request-id"])
     assert big.truncated and big.truncated[0] == "logprobs", big.truncated
     assert big.original_bytes is not None and big.original_bytes > limit
     assert len(big.to_json()) <= limit
-    assert len(big.choices) == 16 and all("logprobs" not in c for c in big.choices)
+    assert len(big.choices) == 2 and all("logprobs" not in c for c in big.choices)
     for request_id in after:
         traffic_record(base_route, request_id)
 
