@@ -31,12 +31,13 @@ from ratchet.registry import AliasRoute
 from ratchet.settings import load_settings
 from tests.integration.conftest import BASE_MODEL, Embedded, free_port
 from tests.integration.test_learner import (
+    SHORT_ROUND_S,
     BasePolicy,
     better_groups,
     heldout_prompts,
     learner_config,
     produce,
-    wait_for_event,
+    wait_for_outcome,
 )
 
 pytestmark = pytest.mark.integration
@@ -150,7 +151,7 @@ def test_the_console_shows_the_loop_and_steers_it_in_a_browser(
     settings = load_settings(config_path)
     embedded.registry.write(AliasRoute(alias=ALIAS, base_model=BASE_MODEL))
     produce(embedded, [*heldout_prompts(ALIAS), *better_groups(policy, ALIAS, base_answers, 12)])
-    [started] = wait_for_event(settings, ALIAS, {"canary"})
+    started = wait_for_outcome(settings, ALIAS, "canary", timeout_s=SHORT_ROUND_S)
     candidate = started["version"]
     embedded.wait_for_proxy_route(ALIAS, active_version=0, canary_version=candidate)
 

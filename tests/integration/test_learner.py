@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -259,6 +260,33 @@ def wait_for_event(
     raise TimeoutError(f"no {kinds} event for {alias} in {timeout_s}s: {history(settings, alias)}")
 
 
+# What ends a round's wait: any outcome (ratchet/rounds.py) or the learner pausing the alias.
+ROUND_ENDS = {"promote", "canary", "reject", "rollback", "pause"}
+# Fail-slow bounds sized from the rounds here on 2 loaded cores (measured: two 32-group rounds
+# of 16 steps with their gates 163 s, a 12-group canary round under 111 s); a wrong outcome
+# fails at once instead (wait_for_outcome).
+LONG_ROUND_S = 420
+SHORT_ROUND_S = 300
+
+
+def wait_for_outcome(
+    settings: RatchetSettings, alias: str, kind: str, nth: int = 1, timeout_s: float = 300
+) -> dict[str, Any]:
+    """The alias's `nth` round end (oldest first), which must be of `kind`: waits for whichever
+    end comes, so a round that ends otherwise fails now, not at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ends = [e for e in reversed(history(settings, alias)) if e["kind"] in ROUND_ENDS]
+        if len(ends) >= nth:
+            assert ends[nth - 1]["kind"] == kind, (kind, history(settings, alias))
+            return ends[nth - 1]
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"no round end for {alias} in {timeout_s}s: {history(settings, alias)}"
+            )
+        time.sleep(0.05)
+
+
 def served_by(env: Embedded, alias: str) -> str:
     response = httpx.post(
         f"{env.proxy_url}/v1/chat/completions",
@@ -298,7 +326,7 @@ def test_gate_rejects_worse_promotes_better_and_rollback_restores(
     store = AdapterStore(embedded.settings.store_dir)  # type: ignore[arg-type]
 
     with running_learner(config, tmp_path / "state"):
-        [reject] = wait_for_event(settings, alias, {"reject"})
+        reject = wait_for_outcome(settings, alias, "reject", timeout_s=LONG_ROUND_S)
         worse = reject["version"]
         gate = next(e for e in history(settings, alias) if e["kind"] == "gate")["detail"]
         assert not gate["passed"] and gate["win_rate"] <= 0.5, gate
@@ -313,7 +341,7 @@ def test_gate_rejects_worse_promotes_better_and_rollback_restores(
 
         improving = better_groups(policy, alias, base_answers)
         produce(embedded, improving)
-        [promote] = wait_for_event(settings, alias, {"promote"})
+        promote = wait_for_outcome(settings, alias, "promote", nth=2, timeout_s=LONG_ROUND_S)
         better = promote["version"]
         assert better > worse and promote["previous_version"] == 0
         gate = next(e for e in history(settings, alias) if e["kind"] == "gate")["detail"]
@@ -473,13 +501,16 @@ def test_a_canary_users_dislike_is_rolled_back_by_itself(
     produce(embedded, [*heldout_prompts(alias), *groups])
 
     with running_learner(config, tmp_path / "state"):
-        [started] = wait_for_event(settings, alias, {"canary"})
+        started = wait_for_outcome(settings, alias, "canary", timeout_s=SHORT_ROUND_S)
         candidate = started["version"]
         route = embedded.registry.read(alias)
         assert route is not None and (route.active, route.canary) == (0, candidate)
         embedded.wait_for_proxy_route(alias, active_version=0, canary_version=candidate)
         # Users on the canary arm rate every answer 0, the others 1: the canary is worse.
         arms: dict[str, int] = {}
+        # Users new to every run, so the arm counts below are a fresh draw at weight 0.5, not
+        # one fixed split: an arm with fewer than 16 of 64 has probability about 4e-5 a run.
+        users = uuid.uuid4().hex[:8]
         for i, prompt in enumerate(PROMPTS[200:264]):
             reply = httpx.post(
                 f"{embedded.proxy_url}/v1/chat/completions",
@@ -487,7 +518,7 @@ def test_a_canary_users_dislike_is_rolled_back_by_itself(
                     "model": alias,
                     "messages": prompt["messages"],
                     "max_tokens": 8,
-                    "user": f"u{i}",
+                    "user": f"u{i}-{users}",
                 },
                 timeout=60,
             )
