@@ -290,7 +290,6 @@ def start_proxy(
         is_ready=ready,  # readyz with Kafka up
         ready_timeout_s=90,
         env=proxy_env(upstream_url, kafka, redis_url, home, port),
-        stop_timeout_s=20,
         # uvicorn re-raises the signal it caught after its graceful shutdown, and only
         # KeyboardInterrupt lets cProfile (--profile) write its file.
         stop_signal=signal.SIGINT,

@@ -62,12 +62,21 @@ def up(config: ConfigOption = None) -> None:
             time.sleep(1)
     except PartFailed as exc:
         console.print(f"[red]✗ {exc}[/red]")
-        stack.stop()
+        _stop_uninterrupted(stack)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         console.print("\nStopping…")
-        stack.stop()
-        console.print("Stopped.")
+        started = time.monotonic()
+        _stop_uninterrupted(stack)
+        console.print(f"Stopped in {time.monotonic() - started:.1f}s.")
+
+
+def _stop_uninterrupted(stack: Stack) -> None:
+    """Stop every part; a second Ctrl-C or `ratchet down` meanwhile would leave some running,
+    and the stop is bounded anyway (STOP_DEADLINE_S)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    stack.stop()
 
 
 def _print_stack(stack: Stack, settings: RatchetSettings) -> None:
@@ -96,8 +105,9 @@ def down(config: ConfigOption = None) -> None:
 
     settings = settings_or_exit(config)
     assert settings.state_dir is not None
+    started = time.monotonic()
     if stop_running(settings.state_dir):
-        console.print("Stopped.")
+        console.print(f"Stopped in {time.monotonic() - started:.1f}s.")
     else:
         console.print("No running stack found.")
 

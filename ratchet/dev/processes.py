@@ -1,8 +1,10 @@
 """Process and port helpers shared by the embedded stack, the benchmarks and the tests.
 
 A :class:`Stack` starts :class:`Part` processes in order, each in its own session (process group)
-with its log in the state directory, waits for each one's health check, and stops whole process
-trees in reverse. A part that dies is reported with its log's tail instead of being restarted.
+with its log in the state directory, and waits for each one's health check. It stops whole process
+trees together under one deadline (:data:`STOP_DEADLINE_S`): a stop taken part by part, each with
+its own grace, once took over a minute while a round trained. A part that dies is reported with
+its log's tail instead of being restarted.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import signal
 import socket
@@ -23,6 +26,13 @@ from urllib.parse import urlparse
 from urllib.request import urlopen
 
 STATE_FILE = "stack.json"
+# A stack is down within this bound: every part is asked to stop at once, what is left after
+# STOP_GRACE_S is killed (an interrupted training round is redone later: the learner is crash-safe)
+# and the rest of the bound is for the kernel to reap the killed.
+STOP_DEADLINE_S = 10.0
+STOP_GRACE_S = 8.0
+
+log = logging.getLogger(__name__)
 
 
 class PartFailed(RuntimeError):
@@ -42,8 +52,11 @@ class Part:
     is_ready: Callable[[], bool]
     ready_timeout_s: float
     env: dict[str, str] = field(default_factory=dict)
-    # Seconds to wait after SIGTERM before SIGKILL.
-    stop_timeout_s: float = 15.0
+    # A part the others use (the broker, Redis, vLLM) is asked to stop only once the other parts
+    # being stopped have exited, so the proxy's log worker can still flush to Kafka; at the latest
+    # ``stop_grace_s`` before the stack's kill, so that it still stops gracefully.
+    infrastructure: bool = False
+    stop_grace_s: float = 2.0
     # SIGINT for a process that must see KeyboardInterrupt to finish (cProfile writes its file).
     stop_signal: int = signal.SIGTERM
     process: subprocess.Popen[bytes] | None = None
@@ -124,11 +137,18 @@ def tail(path: Path | None, lines: int = 30) -> str:
 class Stack:
     """Starts parts in order, waits for each, watches them, and stops them all in reverse."""
 
-    def __init__(self, parts: list[Part], state_dir: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        parts: list[Part],
+        state_dir: Path,
+        env: dict[str, str] | None = None,
+        stop_grace_s: float = STOP_GRACE_S,
+    ):
         self.parts = parts
         self.state_dir = state_dir
         self.log_dir = state_dir / "logs"
         self.env = env or {}
+        self.stop_grace_s = stop_grace_s
 
     def part(self, name: str) -> Part:
         return next(p for p in self.parts if p.name == name)
@@ -173,17 +193,18 @@ class Stack:
         return part
 
     def stop_part(self, name: str) -> None:
-        part = self.part(name)
-        if part.process is None:
-            return
-        terminate_group(part.process, part.stop_timeout_s, part.stop_signal)
-        part.process = None
+        self.stop_parts([self.part(name)])
 
     def stop(self) -> None:
-        for part in reversed(self.parts):
-            self.stop_part(part.name)
+        self.stop_parts(self.parts)
         with contextlib.suppress(FileNotFoundError):
             (self.state_dir / STATE_FILE).unlink()
+
+    def stop_parts(self, parts: list[Part]) -> None:
+        """Stop ``parts`` and their process groups together, within :data:`STOP_DEADLINE_S`."""
+        stop_together([p for p in parts if p.process is not None], self.stop_grace_s)
+        for part in parts:
+            part.process = None
 
     def check(self) -> None:
         """Raise PartFailed for the first part that has died."""
@@ -210,22 +231,45 @@ class Stack:
         tmp.replace(self.state_dir / STATE_FILE)
 
 
-def terminate_group(
-    process: subprocess.Popen[bytes], timeout_s: float, stop_signal: int = signal.SIGTERM
-) -> None:
-    if process.poll() is not None:
-        return
+def signal_group(pgid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, stop_signal)
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(5)
-    # Children that outlived their leader (vLLM's engine core) go with the group.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+        os.killpg(pgid, signum)
+
+
+def stop_together(parts: list[Part], grace_s: float = STOP_GRACE_S) -> None:
+    """Ask every part to stop (each its ``stop_signal`` to its whole group; infrastructure once
+    the others have exited), SIGKILL the groups still there after ``grace_s``, and reap them."""
+    kill_at = time.monotonic() + grace_s
+    running = {p.name: p for p in parts if p.process is not None}
+    asked: set[str] = set()
+    while running:
+        now = time.monotonic()
+        for name, part in list(running.items()):
+            assert part.process is not None
+            if part.process.poll() is not None:
+                # Children that outlived their leader (vLLM's engine core) go with the group.
+                signal_group(part.process.pid, signal.SIGKILL)
+                del running[name]
+                continue
+            users_left = part.infrastructure and any(
+                not other.infrastructure for other in running.values()
+            )
+            if name not in asked and (not users_left or now >= kill_at - part.stop_grace_s):
+                signal_group(part.process.pid, part.stop_signal)
+                asked.add(name)
+        if not running or now >= kill_at:
+            break
+        time.sleep(0.05)
+    for part in running.values():
+        assert part.process is not None
+        signal_group(part.process.pid, signal.SIGKILL)
+    reaped_by = kill_at + (STOP_DEADLINE_S - STOP_GRACE_S)
+    for part in running.values():
+        assert part.process is not None
+        try:
+            part.process.wait(max(0.0, reaped_by - time.monotonic()))
+        except subprocess.TimeoutExpired:  # killed, but the kernel has not finished it yet
+            log.warning("%s (pid %d) not reaped after SIGKILL", part.name, part.process.pid)
 
 
 def alive(pid: int) -> bool:

@@ -20,6 +20,8 @@ from typing import Any
 
 from ratchet.dev.processes import (
     STATE_FILE,
+    STOP_DEADLINE_S,
+    STOP_GRACE_S,
     Part,
     Stack,
     alive,
@@ -27,6 +29,7 @@ from ratchet.dev.processes import (
     http_ok,
     package_binary,
     port_open,
+    signal_group,
 )
 from ratchet.records import ALL_TOPICS
 from ratchet.secrets import vllm_api_key
@@ -46,6 +49,7 @@ def kafka_part(bootstrap: str) -> Part:
         address=f"{host}:{port} (Tansu, in memory)",
         is_ready=lambda: port_open(host, port),
         ready_timeout_s=30,
+        infrastructure=True,  # outlives the services that flush to it (in memory: nothing to save)
     )
 
 
@@ -76,6 +80,7 @@ def redis_part(redis_url: str, data_dir: Path) -> Part:
         address=f"{host}:{port}",
         is_ready=lambda: port_open(host, port),
         ready_timeout_s=15,
+        infrastructure=True,
     )
 
 
@@ -169,14 +174,14 @@ def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> P
         is_ready=lambda: http_ok(f"http://{host}:{port}/health"),
         ready_timeout_s=900,
         env=env,
-        stop_timeout_s=20,
+        infrastructure=True,
     )
 
 
-def service_part(
-    name: str, config: Path | None, address: str, health_url: str, stop_timeout_s: float
-) -> Part:
-    """A Ratchet service (`ratchet <name> --config ...`) as a supervised part."""
+def service_part(name: str, config: Path | None, address: str, health_url: str) -> Part:
+    """A Ratchet service (`ratchet <name> --config ...`) as a supervised part. Stopped, it has the
+    stack's shared grace (STOP_GRACE_S): a learner still training then is killed, and its round
+    is redone by the next learner (nothing is committed past an unfinished round)."""
     command = [sys.executable, "-m", "ratchet", name]
     if config is not None:
         command += ["--config", str(config)]
@@ -186,26 +191,23 @@ def service_part(
         address=address,
         is_ready=lambda: http_ok(health_url),
         ready_timeout_s=60,
-        stop_timeout_s=stop_timeout_s,
     )
 
 
 def proxy_part(settings: RatchetSettings, config: Path | None) -> Part:
     base = f"http://{settings.proxy.host}:{settings.proxy.port}"
-    # Long enough for in-flight streams to finish and the log queue to drain.
-    return service_part("proxy", config, f"{base}/v1", f"{base}/readyz", stop_timeout_s=35)
+    return service_part("proxy", config, f"{base}/v1", f"{base}/readyz")
 
 
 def judge_part(settings: RatchetSettings, config: Path | None) -> Part:
     metrics = f"http://{settings.judge.metrics_host}:{settings.judge.metrics_port}/metrics"
-    return service_part("judge", config, metrics, metrics, stop_timeout_s=30)
+    return service_part("judge", config, metrics, metrics)
 
 
 def learner_part(settings: RatchetSettings, config: Path | None) -> Part:
     s = settings.learner
     metrics = f"http://{s.metrics_host}:{s.metrics_port}/metrics"
-    # A round in progress finishes its optimizer step before the process exits.
-    part = service_part("learner", config, metrics, metrics, stop_timeout_s=60)
+    part = service_part("learner", config, metrics, metrics)
     if s.cpu_threads is None:  # the cores vLLM's threads leave (vllm_part)
         part.env = {"RATCHET_LEARNER__CPU_THREADS": str(max(1, cpu_count() - vllm_threads()))}
     return part
@@ -213,7 +215,7 @@ def learner_part(settings: RatchetSettings, config: Path | None) -> Part:
 
 def console_part(settings: RatchetSettings, config: Path | None) -> Part:
     base = f"http://{settings.console.host}:{settings.console.port}"
-    return service_part("console", config, base + "/", f"{base}/healthz", stop_timeout_s=10)
+    return service_part("console", config, base + "/", f"{base}/healthz")
 
 
 def embedded_stack(
@@ -261,8 +263,9 @@ def read_state(state_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def stop_running(state_dir: Path, timeout_s: float = 60) -> bool:
-    """`ratchet down`: ask the supervisor to stop (it stops its parts); clean up if it is gone."""
+def stop_running(state_dir: Path, timeout_s: float = STOP_DEADLINE_S + 5) -> bool:
+    """`ratchet down`: ask the supervisor to stop (it stops its parts within STOP_DEADLINE_S);
+    stop the parts of one that is gone, or not done by ``timeout_s``, directly."""
     state = read_state(state_dir)
     if state is None:
         return False
@@ -271,16 +274,16 @@ def stop_running(state_dir: Path, timeout_s: float = 60) -> bool:
         os.kill(supervisor, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and alive(supervisor):
-        time.sleep(0.2)
-    # A supervisor that died hard leaves its parts behind: stop their groups directly.
-    for info in state["parts"].values():
-        pid = info.get("pid")
-        if pid and alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGTERM)
-            time.sleep(1)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        time.sleep(0.1)
+    # A supervisor that died hard leaves its parts behind: stop their groups together.
+    left = [int(i["pid"]) for i in state["parts"].values() if i.get("pid") and alive(i["pid"])]
+    for pid in left:
+        signal_group(pid, signal.SIGTERM)
+    kill_at = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < kill_at and any(alive(pid) for pid in left):
+        time.sleep(0.1)
+    for pid in left:
+        signal_group(pid, signal.SIGKILL)
     with contextlib.suppress(FileNotFoundError):
         (state_dir / STATE_FILE).unlink()
     return True

@@ -1,18 +1,24 @@
-"""ratchet.dev.stack's supervision with small real processes: order, health, death, clean stop."""
+"""ratchet.dev.stack's supervision with small real processes: order, health, death, a clean stop
+within one deadline."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from ratchet.dev.processes import Part, PartFailed, Stack, wait_until
+from ratchet.dev.processes import STOP_DEADLINE_S, Part, PartFailed, Stack, wait_until
 
 
 def python_part(
-    name: str, code: str, ready_file: Path | None = None, timeout_s: float = 10
+    name: str,
+    code: str,
+    ready_file: Path | None = None,
+    timeout_s: float = 10,
+    infrastructure: bool = False,
 ) -> Part:
     return Part(
         name=name,
@@ -20,7 +26,31 @@ def python_part(
         address=name,
         is_ready=(lambda: ready_file.exists()) if ready_file else (lambda: True),
         ready_timeout_s=timeout_s,
-        stop_timeout_s=3,
+        infrastructure=infrastructure,
+    )
+
+
+def deaf_child(pid_file: Path) -> str:
+    """A child script that ignores SIGTERM, then publishes its pid (whole, by a rename)."""
+    return (
+        "import os, pathlib, signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"tmp = pathlib.Path({str(pid_file)!r} + '.tmp'); tmp.write_text(str(os.getpid()))\n"
+        f"tmp.rename({str(pid_file)!r})\n"
+        "time.sleep(60)"
+    )
+
+
+def on_sigterm(handler: str, ready_file: Path, then: str = "time.sleep(60)") -> str:
+    """A child script: ``handler`` (Python statements) runs on SIGTERM; the ready file is
+    written once the handler is in place, so a stop never finds the default action instead."""
+    return (
+        "import pathlib, signal, subprocess, sys, time\n"
+        "def handle(*_):\n"
+        + "".join(f"    {line}\n" for line in handler.splitlines())
+        + "signal.signal(signal.SIGTERM, handle)\n"
+        f"pathlib.Path({str(ready_file)!r}).touch()\n"
+        f"{then}\n"
     )
 
 
@@ -120,3 +150,84 @@ def test_vllm_requires_the_key_the_services_derive(tmp_path: Path) -> None:
     assert vllm_api_key(RatchetSettings(home=tmp_path)) == key
     configured = RatchetSettings(home=tmp_path, vllm_api_key="configured-key")
     assert vllm_part(configured, tmp_path / "m", "b").env["VLLM_API_KEY"] == "configured-key"
+
+
+def test_parts_that_ignore_or_resist_sigterm_are_down_within_the_deadline(tmp_path: Path) -> None:
+    """Parts are stopped together under one deadline, not one after another with a grace each:
+    three that outlast any grace still leave the stack down within STOP_DEADLINE_S, and the
+    broker they use is still asked to stop gracefully before the kill."""
+    ready = {name: tmp_path / f"{name}.ready" for name in ("deaf", "slow", "orphaning", "broker")}
+    child_pid_file = tmp_path / "child.pid"
+    broker_stopped = tmp_path / "broker.stopped"
+    broker = python_part(
+        "broker",
+        on_sigterm(f"pathlib.Path({str(broker_stopped)!r}).touch(); sys.exit(0)", ready["broker"]),
+        ready["broker"],
+        infrastructure=True,
+    )
+    # Ignores SIGTERM altogether.
+    deaf = python_part("deaf", on_sigterm("pass", ready["deaf"]), ready["deaf"])
+    # A training step that takes 30 s to come back to the stop flag.
+    slow = python_part(
+        "slow", on_sigterm("time.sleep(30); sys.exit(0)", ready["slow"]), ready["slow"]
+    )
+    # Exits at once but leaves a child that ignores SIGTERM (vLLM's engine core, say).
+    orphaning = python_part(
+        "orphaning",
+        on_sigterm(
+            "sys.exit(0)",
+            ready["orphaning"],
+            then=f"c = subprocess.Popen([sys.executable, '-c', {deaf_child(child_pid_file)!r}])\n"
+            "time.sleep(60)",
+        ),
+        ready["orphaning"],
+    )
+    quick = python_part("quick", "import time; time.sleep(60)")
+    stack = Stack([broker, deaf, slow, orphaning, quick], tmp_path / "state")
+    stack.start()
+    wait_until(child_pid_file.exists, 10, "the orphaning part's child to ignore SIGTERM")
+    pids = [p.process.pid for p in stack.parts if p.process] + [int(child_pid_file.read_text())]
+    assert len(pids) == 6
+
+    started = time.monotonic()
+    stack.stop()
+    took_s = time.monotonic() - started
+
+    assert took_s < STOP_DEADLINE_S, f"the stack took {took_s:.1f}s to stop"
+    assert broker_stopped.exists(), "the broker was killed instead of asked to stop"
+    assert all(part.process is None for part in stack.parts)
+    # The leaders are reaped by the stop itself; the orphaned child by init, a moment later.
+    wait_until(lambda: all(gone(pid) for pid in pids), 2, "every process (and the child) gone")
+
+
+def test_infrastructure_is_asked_to_stop_once_the_parts_that_use_it_have_exited(
+    tmp_path: Path,
+) -> None:
+    """The proxy's log worker flushes to Kafka as it stops: the broker, started first, is asked
+    to stop only after the service has exited, and neither waits for the deadline."""
+    service_ready, broker_ready = tmp_path / "service.ready", tmp_path / "broker.ready"
+    flushed, broker_saw = tmp_path / "flushed", tmp_path / "broker.saw"
+    broker = python_part(
+        "broker",
+        on_sigterm(
+            f"saw = pathlib.Path({str(flushed)!r}).exists()\n"
+            f"pathlib.Path({str(broker_saw)!r}).write_text(str(saw)); sys.exit(0)",
+            broker_ready,
+        ),
+        broker_ready,
+        infrastructure=True,
+    )
+    service = python_part(
+        "service",
+        on_sigterm(
+            f"time.sleep(0.5); pathlib.Path({str(flushed)!r}).touch(); sys.exit(0)", service_ready
+        ),
+        service_ready,
+    )
+    stack = Stack([broker, service], tmp_path / "state")
+    stack.start()
+    started = time.monotonic()
+    stack.stop()
+    took_s = time.monotonic() - started
+    assert broker_saw.read_text() == "True", "the broker stopped before the service had flushed"
+    assert took_s < 5, f"a graceful stop took {took_s:.1f}s: something waited for the deadline"
