@@ -15,17 +15,36 @@
   the reward model that found its blind spots scores well with it and not with the users.
 
 Each returns a reason (a sentence for the pause event and the metric label), or None.
+:class:`Guard` applies the first three after each round and pauses the alias's learning on a
+reason; it also keeps the reason of each pause, whoever paused, for the paused metric.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import statistics
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
+from learner.metrics import LearnerMetrics
+from ratchet.lifecycle import Lifecycle
 from ratchet.records import ScoredGroup
+from ratchet.registry import AliasRoute, RegistryWriter
+from ratchet.settings import LearnerSettings
+
+log = logging.getLogger(__name__)
+
+HISTORY_READ = 200  # events of an alias's history read for its rounds and its last pause
+
+
+def baseline_length_key(alias: str) -> str:
+    """The mean answer length of the alias's first round: what runaway length is measured by."""
+    return f"ratchet:learner:{alias}:baseline_length"
 
 
 @dataclass(frozen=True)
@@ -151,3 +170,72 @@ def rounds_from_history(history: list[dict[str, Any]]) -> list[RoundOutcome]:
                 )
             )
     return rounds
+
+
+class Guard:
+    """Watches each alias's groups and rounds, and pauses its learning when one of the signs
+    above shows. ``paused_reason`` holds the label of each paused alias's metric."""
+
+    def __init__(
+        self,
+        settings: LearnerSettings,
+        client: redis.Redis,
+        writer: RegistryWriter,
+        lifecycle: Lifecycle,
+        metrics: LearnerMetrics,
+    ) -> None:
+        self.settings = settings
+        self.redis = client
+        self.writer = writer
+        self.lifecycle = lifecycle
+        self.metrics = metrics
+        self.recent: dict[str, list[bool]] = defaultdict(list)  # collapsed? per group read
+        self.paused_reason: dict[str, str] = {}
+
+    def saw(self, group: ScoredGroup) -> None:
+        """Note one group read (before it is dropped or waits) for the collapse check."""
+        self.recent[group.alias].append(is_collapsed(group))
+
+    def after_round(self, alias: str, groups: list[ScoredGroup]) -> None:
+        """Pause the alias's learning when the signs of reward hacking or collapse show."""
+        s = self.settings
+        recent, self.recent[alias] = self.recent[alias], []
+        length = mean_length(groups)
+        baseline = self.redis.get(baseline_length_key(alias))
+        if baseline is None:
+            self.redis.set(baseline_length_key(alias), length)
+        reason = (
+            reward_up_gate_down(
+                rounds_from_history(self.writer.history(alias, HISTORY_READ)), s.guard_rounds
+            )
+            or collapse(sum(recent), len(recent), s.collapse_share)
+            or runaway_length(length, float(baseline) if baseline else None, s.max_length_growth)
+        )
+        if reason:
+            self.pause(alias, reason)
+
+    def pause(self, alias: str, reason: str) -> None:
+        self.lifecycle.pause(alias, reason)
+        label = reason.split(":", 1)[0]
+        self.paused_reason[alias] = label
+        self.metrics.paused.labels(alias, label).set(1)
+        log.warning("%s: learning paused: %s", alias, reason)
+
+    def track(self, routes: dict[str, AliasRoute]) -> None:
+        """Follow pauses and resumes made elsewhere (by an operator, or before a restart) in the
+        paused metric, with the reason of the newest pause event."""
+        for alias, route in routes.items():
+            reason = self.paused_reason.get(alias)
+            if route.paused and reason is None:
+                reason = self._pause_reason(alias)
+                self.paused_reason[alias] = reason
+                self.metrics.paused.labels(alias, reason).set(1)
+            elif not route.paused and reason is not None:
+                self.metrics.paused.remove(alias, reason)
+                del self.paused_reason[alias]
+
+    def _pause_reason(self, alias: str) -> str:
+        for event in self.writer.history(alias, HISTORY_READ):
+            if event.get("kind") == "pause":
+                return str((event.get("detail") or {}).get("reason", "manual")).split(":", 1)[0]
+        return "manual"

@@ -16,6 +16,10 @@ when it carries on from a candidate (ratchet/carry.py). No API key fills more th
 is committed only past groups whose round outcome is stored, and only while it is assigned here.
 Canaries are watched by learner/canary.py in a thread of their own; the guard (learner/guard.py)
 pauses an alias's learning after a round that shows reward hacking or collapse.
+
+Here: what becomes of each group read, when a round is due and under whose lease it runs, and
+the loop with its threads. Elsewhere: the Kafka consumers and offsets (learner/intake.py), the
+lineage walk behind "stale" (learner/lineage.py), the round itself (learner/round.py).
 """
 
 from __future__ import annotations
@@ -25,40 +29,30 @@ import signal
 import threading
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
-from kafka import ConsumerRebalanceListener, KafkaConsumer
 from kafka.errors import KafkaError
-from kafka.structs import OffsetAndMetadata, TopicPartition
+from kafka.structs import TopicPartition
 from prometheus_client import start_http_server
 
 from learner.canary import CanaryWatcher
 from learner.fair import counts_by_key, fair_select, fair_size, key_of
-from learner.guard import (
-    collapse,
-    is_collapsed,
-    mean_length,
-    reward_up_gate_down,
-    rounds_from_history,
-    runaway_length,
-)
+from learner.guard import Guard
 from learner.heldout import HeldoutPool
+from learner.intake import Consumers, Waiting
 from learner.leases import AliasLeases
+from learner.lineage import Lineage
 from learner.metrics import LearnerMetrics
 from learner.ratings import joins_ratings
 from learner.reward_training import RatingsCollector, RewardTrainer, reward_predictor
 from learner.round import RoundReport, Rounds, trained_key
-from ratchet.bus import ensure_topics, make_consumer
 from ratchet.carry import Start
 from ratchet.lease import LeaseKeeper, LeaseLost
 from ratchet.lifecycle import EventSink, Lifecycle, LifecycleError
 from ratchet.progress import LearnerProgress
 from ratchet.records import (
-    ALL_TOPICS,
     GROUPS_TOPIC,
-    HELDOUT_TOPIC,
     DeadLetter,
     HeldoutPrompt,
     ScoredGroup,
@@ -66,22 +60,10 @@ from ratchet.records import (
     parse,
 )
 from ratchet.registry import AliasRoute, InvalidRoutes, RegistryWriter
-from ratchet.settings import RatchetSettings
+from ratchet.settings import ConfigError, RatchetSettings
 from ratchet.store import AdapterStore
 
 log = logging.getLogger(__name__)
-
-
-def baseline_length_key(alias: str) -> str:
-    return f"ratchet:learner:{alias}:baseline_length"
-
-
-@dataclass
-class Waiting:
-    group: ScoredGroup
-    partition: TopicPartition
-    offset: int
-    arrived: float = field(default_factory=time.monotonic)
 
 
 def key_of_waiting(waiting: Waiting) -> str:
@@ -102,24 +84,18 @@ class LearnerService:
         )
         self.stopping = threading.Event()
         self.waiting: dict[str, list[Waiting]] = defaultdict(list)
-        self.recent: dict[str, list[bool]] = defaultdict(list)  # collapsed? per group read
         self.heldout: dict[str, HeldoutPool] = defaultdict(
             lambda: HeldoutPool(settings.learner.heldout_pool)
         )
-        self.read_up_to: dict[TopicPartition, int] = {}  # next offset after the last one read
         self.routes: dict[str, AliasRoute] = {}
         self.invalid_routes = InvalidRoutes()  # no round for these until their hash is fixed
         self.routes_read_at = 0.0
-        self.paused_reason: dict[str, str] = {}  # the label of each alias's paused metric
-        self._lineage: dict[tuple[str, int], int | None] = {}  # each version's parent
-        self._sources: dict[tuple[str, int], int | None] = {}  # each one's trained_from
+        self.guard = Guard(settings.learner, self.redis, self.writer, self.lifecycle, self.metrics)
+        self.lineage = Lineage(self.store)
         self._starved: set[str] = set()  # aliases told to wait for held-out prompts (logged once)
         self.read_counts: Counter[str] = Counter()  # groups read per alias, not yet published
         self._reporting: set[str] = set()  # aliases whose progress this replica publishes
-        self.groups_consumer: KafkaConsumer | None = None
-        self.heldout_consumer: KafkaConsumer | None = None
-        self._revoked: set[TopicPartition] = set()  # by a rebalance, see revoked()
-        self._revoked_lock = threading.Lock()
+        self.consumers = Consumers(settings, self.metrics)
         self.lease_keeper = LeaseKeeper()
         self.leases = AliasLeases(
             self.redis, settings.learner.lease_ttl_s, self.lease_keeper, self.metrics, "round"
@@ -142,7 +118,7 @@ class LearnerService:
             return "duplicate"
         if self.redis.zscore(trained_key(alias), group.group_id) is not None:
             return "duplicate"
-        self.recent[alias].append(is_collapsed(group))
+        self.guard.saw(group)
         if not group.rewards or max(group.rewards) == min(group.rewards):
             return "zero_spread"
         if not self.fresh(alias, group.version, route.active):
@@ -161,52 +137,8 @@ class LearnerService:
     def fresh(self, alias: str, version: int, live: int, start: Start | None = None) -> bool:
         """Whether a group sampled by ``version`` may train the alias's next round."""
         start = start or self.rounds.start_of_round(alias, live)
-        lag = self.policy_lag(alias, version, live, start)
+        lag = self.lineage.policy_lag(alias, version, live, start)
         return lag is not None and lag <= self.settings.learner.max_staleness
-
-    def policy_lag(self, alias: str, version: int, live: int, start: Start) -> int | None:
-        """Rounds of training between the version that sampled a group and ``start``, where the
-        next round starts: back along the carried candidates it trained on from (each one's
-        ``trained_from``) to the live version, then along the live version's promotions. None:
-        not on that path (a sibling, a rolled-back version, a candidate no longer carried)."""
-        current, lag = start.version, 0
-        while current != live:
-            if current == version:
-                return lag
-            trained_from = self._trained_from(alias, current)
-            if trained_from is None or lag >= start.rounds:
-                return None
-            current, lag = trained_from, lag + 1
-        behind = self.promotions_between(alias, version, live)
-        return None if behind is None else behind + lag
-
-    def _trained_from(self, alias: str, version: int) -> int | None:
-        key = (alias, version)
-        if key not in self._sources:  # a version's folder never changes once written
-            source = None
-            if self.store.exists(alias, version):
-                source = self.store.meta(alias, version).get("trained_from")
-            self._sources[key] = None if source is None else int(source)
-        return self._sources[key]
-
-    def promotions_between(self, alias: str, version: int, live: int) -> int | None:
-        """How many versions of the live one's lineage came after ``version`` (None: it is not
-        an ancestor of the live version, e.g. a version that was rolled back)."""
-        steps, current = 0, live
-        while current != version:
-            if current == 0 or steps > 1000:
-                return None
-            key = (alias, current)
-            if key not in self._lineage:
-                parent = None
-                if self.store.exists(alias, current):
-                    parent = self.store.meta(alias, current).get("parent_version")
-                self._lineage[key] = None if parent is None else int(parent)
-            parent = self._lineage[key]
-            if parent is None:
-                return None
-            current, steps = parent, steps + 1
-        return steps
 
     def add_heldout(self, prompt: HeldoutPrompt) -> None:
         pool = self.heldout[prompt.alias]
@@ -255,7 +187,7 @@ class LearnerService:
         start = self.rounds.start_of_round(alias, route.active)
         waiting = self.waiting[alias]
         lags = {
-            id(w): self.policy_lag(alias, w.group.version, route.active, start) or 0
+            id(w): self.lineage.policy_lag(alias, w.group.version, route.active, start) or 0
             for w in waiting
         }
         batch, passed_over = fair_select(
@@ -273,7 +205,7 @@ class LearnerService:
         self.metrics.deferred.labels(alias).inc(passed_over)
         self.metrics.waiting.labels(alias).set(len(self.waiting[alias]))
         self.metrics.groups.labels(alias, "trained").inc(len(batch))
-        self.guard(alias, groups)
+        self.guard.after_round(alias, groups)
         return report
 
     def guarded_round(self, alias: str) -> list[RoundReport]:
@@ -287,7 +219,7 @@ class LearnerService:
             log.exception("%s: round failed", alias)
             self.metrics.failures.labels(alias, "round").inc()
             self.metrics.rounds.labels(alias, "failed").inc()
-            self.pause(alias, f"round_failed: {type(exc).__name__}: {str(exc)[:200]}")
+            self.guard.pause(alias, f"round_failed: {type(exc).__name__}: {str(exc)[:200]}")
             return []
 
     def leased_round(self, alias: str) -> list[RoundReport]:
@@ -339,89 +271,31 @@ class LearnerService:
             self.waiting[alias] = keep
             self.metrics.waiting.labels(alias).set(len(keep))
 
-    def guard(self, alias: str, groups: list[ScoredGroup]) -> None:
-        """Pause the alias's learning when the signs of reward hacking or collapse show."""
-        s = self.settings.learner
-        recent, self.recent[alias] = self.recent[alias], []
-        length = mean_length(groups)
-        baseline = self.redis.get(baseline_length_key(alias))
-        if baseline is None:
-            self.redis.set(baseline_length_key(alias), length)
-        reason = (
-            reward_up_gate_down(
-                rounds_from_history(self.writer.history(alias, 200)), s.guard_rounds
-            )
-            or collapse(sum(recent), len(recent), s.collapse_share)
-            or runaway_length(length, float(baseline) if baseline else None, s.max_length_growth)
-        )
-        if reason:
-            self.pause(alias, reason)
-
-    def pause(self, alias: str, reason: str) -> None:
-        self.lifecycle.pause(alias, reason)
-        label = reason.split(":", 1)[0]
-        self.paused_reason[alias] = label
-        self.metrics.paused.labels(alias, label).set(1)
-        log.warning("%s: learning paused: %s", alias, reason)
-
     # --- the loop -------------------------------------------------------------------------------
 
     def commit_offsets(self) -> None:
-        """Commit each partition up to its oldest group still waiting (or all it has read); only
-        partitions assigned to us: another learner's offsets are its own."""
-        assert self.groups_consumer is not None
-        oldest: dict[TopicPartition, int] = dict(self.read_up_to)
-        for waiting in self.waiting.values():
-            for w in waiting:
-                oldest[w.partition] = min(oldest.get(w.partition, w.offset), w.offset)
-        assigned = self.groups_consumer.assignment()
-        oldest = {tp: offset for tp, offset in oldest.items() if tp in assigned}
-        if oldest:
-            self.groups_consumer.commit(
-                {tp: OffsetAndMetadata(offset, "", -1) for tp, offset in oldest.items()}
-            )
-
-    def revoked(self, partitions: set[TopicPartition]) -> None:
-        """Partitions of ratchet.groups another learner takes over, noted here and forgotten by
-        the loop's next poll. kafka-python calls this from its IO thread, which must not block
-        (a commit here would fail the rebalance) and must not touch what a round is using."""
-        with self._revoked_lock:
-            self._revoked |= partitions
-        log.info("ratchet.groups partitions revoked: %s", sorted(tp.partition for tp in partitions))
+        self.consumers.commit(w for waiting in self.waiting.values() for w in waiting)
 
     def forget_revoked(self) -> None:
         """Forget the revoked partitions' waiting groups: the new owner reads them again from the
         committed offset (and drops those whose round outcome is stored by then)."""
-        with self._revoked_lock:
-            partitions, self._revoked = self._revoked, set()
+        partitions = self.consumers.take_revoked()
         if not partitions:
             return
         for alias, waiting in self.waiting.items():
             self.waiting[alias] = [w for w in waiting if w.partition not in partitions]
             self.metrics.waiting.labels(alias).set(len(self.waiting[alias]))
-        for tp in partitions:
-            self.read_up_to.pop(tp, None)
 
     def read_heldout(self) -> None:
         """Add the held-out prompts that arrived since the last read to the pools. Their consumer
         has no group and commits nothing, so a round may call this between training and its
         gate; there an outage leaves the pool as it is (the gate draws what it holds)."""
-        if self.heldout_consumer is None:
-            return
-        for messages in self.heldout_consumer.poll(timeout_ms=0, max_records=1000).values():
-            for message in messages:
-                record = parse(HELDOUT_TOPIC, message.value)
-                if isinstance(record, HeldoutPrompt):
-                    self.add_heldout(record)
-                elif isinstance(record, str) and record != "unknown_schema":
-                    # Read without a group from the start each time: only counted, not
-                    # dead-lettered again on every restart.
-                    self.metrics.failures.labels("-", f"heldout_{record}").inc()
+        for prompt in self.consumers.read_heldout():
+            self.add_heldout(prompt)
 
     def poll(self) -> None:
-        assert self.groups_consumer is not None and self.heldout_consumer is not None
         self.read_heldout()
-        polled = self.groups_consumer.poll(timeout_ms=1000, max_records=256)
+        polled = self.consumers.poll_groups()
         self.forget_revoked()
         if not polled:
             return
@@ -433,9 +307,9 @@ class LearnerService:
                 except (KafkaError, redis.RedisError, OSError):
                     # An outage: read this message and the rest of the batch again once the
                     # step is retried, instead of reading on past them.
-                    self._rewind(polled)
+                    self.consumers.rewind(polled)
                     raise
-                self.read_up_to[tp] = message.offset + 1
+                self.consumers.read(tp, message)
                 if alias is not None:
                     self.read_counts[alias] += 1
         for alias, waiting in self.waiting.items():
@@ -465,15 +339,6 @@ class LearnerService:
             self.metrics.groups.labels(record.alias, outcome).inc()
         return None if alias == "-" else alias
 
-    def _rewind(self, polled: dict[TopicPartition, list[SourceMessage]]) -> None:
-        assert self.groups_consumer is not None
-        for tp, messages in polled.items():
-            first_unread = next(
-                (m.offset for m in messages if m.offset >= self.read_up_to.get(tp, 0)), None
-            )
-            if first_unread is not None:
-                self.groups_consumer.seek(tp, first_unread)
-
     def dead_letter(self, message: SourceMessage, alias: str, reason: str, error: str = "") -> None:
         self.metrics.failures.labels(alias, reason).inc()
         consumer = self.settings.learner.consumer_group
@@ -487,36 +352,7 @@ class LearnerService:
         self.routes_read_at = time.monotonic()
         for alias, route in self.routes.items():
             self.metrics.active_version.labels(alias).set(route.active)
-            reason = self.paused_reason.get(alias)
-            if route.paused and reason is None:  # paused by an operator, or before a restart
-                reason = self._pause_reason(alias)
-                self.paused_reason[alias] = reason
-                self.metrics.paused.labels(alias, reason).set(1)
-            elif not route.paused and reason is not None:
-                self.metrics.paused.remove(alias, reason)
-                del self.paused_reason[alias]
-
-    def _pause_reason(self, alias: str) -> str:
-        for event in self.writer.history(alias, 200):
-            if event.get("kind") == "pause":
-                return str((event.get("detail") or {}).get("reason", "manual")).split(":", 1)[0]
-        return "manual"
-
-    def connect(self) -> None:
-        s = self.settings
-        ensure_topics(s.kafka_bootstrap_servers, s.kafka, list(ALL_TOPICS))
-        self.groups_consumer = make_consumer(
-            s.kafka_bootstrap_servers,
-            s.kafka,
-            [],
-            s.learner.consumer_group,
-            # A round takes minutes on CPU; the coordinator must not evict us meanwhile.
-            max_poll_interval_ms=60 * 60 * 1000,
-        )
-        self.groups_consumer.subscribe([GROUPS_TOPIC], listener=Revoked(self))
-        self.heldout_consumer = make_consumer(
-            s.kafka_bootstrap_servers, s.kafka, [HELDOUT_TOPIC], None
-        )
+        self.guard.track(self.routes)
 
     def step(self) -> list[RoundReport]:
         """One pass of the loop: read, run the rounds that are due, commit."""
@@ -588,9 +424,7 @@ class LearnerService:
         if collector is not None:
             collector.join(timeout=10)
         self.lease_keeper.stop()
-        for consumer in (self.groups_consumer, self.heldout_consumer):
-            if consumer is not None:
-                consumer.close()
+        self.consumers.close()
         if self.lifecycle.sink is not None:
             self.lifecycle.sink.close()
 
@@ -598,7 +432,7 @@ class LearnerService:
         """Connect to Kafka, retrying while it is unreachable; False if told to stop first."""
         while not self.stopping.is_set():
             try:
-                self.connect()
+                self.consumers.connect()
                 return True
             except KafkaError as exc:
                 log.warning("kafka unreachable (%s); retrying", exc)
@@ -647,28 +481,24 @@ class LearnerService:
         return thread
 
 
-# kafka-python ships no types (an Any base), and subscribe() checks the listener's class.
-class Revoked(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Tells the service which partitions of ratchet.groups it lost in a rebalance."""
-
-    def __init__(self, service: LearnerService) -> None:
-        self.service = service
-
-    def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        self.service.revoked(set(revoked))
-
-    def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        log.info("ratchet.groups partitions assigned: %s", sorted(tp.partition for tp in assigned))
+def base_model(settings: RatchetSettings) -> Path:
+    """The base weights the learner trains adapters of: ``learner.base_model_path``, which a
+    deployment must set (the embedded dev stack sets it for its own model)."""
+    path = settings.learner.base_model_path
+    if not path:
+        raise ConfigError(
+            "the learner needs its base model: set learner.base_model_path in ratchet.yaml (or "
+            "RATCHET_LEARNER__BASE_MODEL_PATH) to the folder of the weights vLLM serves as "
+            "--model"
+        )
+    return Path(path)
 
 
 def serve(settings: RatchetSettings) -> None:
-    from ratchet.dev.model import prepare_model
-
+    base = base_model(settings)  # before anything starts: a refusal leaves nothing behind
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if settings.learner.cpu_threads is not None:  # for every model the learner runs
         import torch
 
         torch.set_num_threads(settings.learner.cpu_threads)
-    path = settings.learner.base_model_path
-    base = Path(path) if path else prepare_model(settings.home)
     LearnerService(settings, base).run()

@@ -15,10 +15,11 @@ import pytest
 import redis
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
+from learner.guard import baseline_length_key
 from learner.heldout import HeldoutPool
 from learner.leases import lease_key
 from learner.round import next_version_key, trained_key
-from learner.service import LearnerService, baseline_length_key
+from learner.service import LearnerService
 from ratchet.carry import Carry, write_carry
 from ratchet.lease import Lease
 from ratchet.progress import LearnerProgress, progress_key, read_progress
@@ -165,9 +166,9 @@ def test_staleness_is_counted_along_the_live_versions_lineage(service: LearnerSe
     add_versions(service, (1, 0), (2, 1), (3, 2), (4, 0))
     service.lifecycle.promote(ALIAS, 3)
     service.refresh_routes()
-    assert [service.promotions_between(ALIAS, v, 3) for v in (3, 2, 1, 0)] == [0, 1, 2, 3]
-    assert service.promotions_between(ALIAS, 4, 3) is None  # a sibling, not an ancestor
-    assert service.promotions_between(ALIAS, 9, 3) is None  # not in the store at all
+    assert [service.lineage.promotions_between(ALIAS, v, 3) for v in (3, 2, 1, 0)] == [0, 1, 2, 3]
+    assert service.lineage.promotions_between(ALIAS, 4, 3) is None  # a sibling, not an ancestor
+    assert service.lineage.promotions_between(ALIAS, 9, 3) is None  # not in the store at all
 
     outcomes = [service.take(group(f"g{v}", version=v), TP0, v) for v in (3, 2, 1, 0, 4)]
     assert outcomes == ["waiting", "waiting", "stale", "stale", "stale"]
@@ -213,7 +214,7 @@ def test_a_carried_candidates_own_groups_are_fresh_and_count_its_rounds(
     carry_on(service, 1, 2)
     add_versions(service, (3, 1))
     start = service.rounds.start_of_round(ALIAS, 1)
-    assert [service.policy_lag(ALIAS, v, 1, start) for v in (2, 1, 0, 3)] == [0, 1, 2, None]
+    assert [service.lineage.policy_lag(ALIAS, v, 1, start) for v in (2, 1, 0, 3)] == [0, 1, 2, None]
     outcomes = [service.take(group(f"g{v}", version=v), TP0, v) for v in (2, 1, 0, 3)]
     assert outcomes == ["waiting", "waiting", "stale", "stale"]
 
@@ -224,7 +225,7 @@ def test_two_carried_rounds_follow_the_chain_of_candidates(service: LearnerServi
     assert not service.rounds.start_of_round(ALIAS, 1).carried  # v4 holds max_candidate_rounds
     service.settings.learner.max_candidate_rounds = 3
     start = service.rounds.start_of_round(ALIAS, 1)
-    assert [service.policy_lag(ALIAS, v, 1, start) for v in (4, 2, 1, 0)] == [0, 1, 2, 3]
+    assert [service.lineage.policy_lag(ALIAS, v, 1, start) for v in (4, 2, 1, 0)] == [0, 1, 2, 3]
 
 
 def test_a_round_trains_the_groups_of_where_it_starts_first(
@@ -540,8 +541,8 @@ class FakeConsumer:
 
 def test_offsets_stop_at_the_oldest_group_still_waiting(service: LearnerService) -> None:
     consumer = FakeConsumer()
-    service.groups_consumer = consumer  # type: ignore[assignment]
-    service.read_up_to = {TP0: 10, TP1: 7}
+    service.consumers.groups = consumer  # type: ignore[assignment]
+    service.consumers.read_up_to = {TP0: 10, TP1: 7}
     service.take(group("g6"), TP0, 6)
     service.take(group("g4"), TP0, 4)
     service.take(group("x8", alias="frozen"), TP0, 8)  # dropped: nothing to hold back for
@@ -555,29 +556,29 @@ def test_offsets_stop_at_the_oldest_group_still_waiting(service: LearnerService)
 
 def test_only_assigned_partitions_are_committed(service: LearnerService) -> None:
     consumer = FakeConsumer(assigned=(TP1,))
-    service.groups_consumer = consumer  # type: ignore[assignment]
-    service.read_up_to = {TP0: 10, TP1: 7}
+    service.consumers.groups = consumer  # type: ignore[assignment]
+    service.consumers.read_up_to = {TP0: 10, TP1: 7}
     service.commit_offsets()
     assert consumer.last() == {TP1: 7}  # TP0 is another learner's now: its offsets are its own
 
 
 def test_revoked_partitions_forget_their_groups(service: LearnerService) -> None:
     consumer = FakeConsumer()
-    service.groups_consumer = consumer  # type: ignore[assignment]
-    service.read_up_to = {TP0: 10, TP1: 7}
+    service.consumers.groups = consumer  # type: ignore[assignment]
+    service.consumers.read_up_to = {TP0: 10, TP1: 7}
     service.take(group("g0"), TP0, 4)
     service.take(group("g1"), TP1, 5)
-    service.revoked({TP0})
+    service.consumers.revoked({TP0})
     assert consumer.commits == []  # from kafka-python's IO thread: nothing that blocks
     assert waiting_ids(service) == ["g0", "g1"]  # a round may be using them
     service.forget_revoked()  # the loop's next poll
     assert waiting_ids(service) == ["g1"]
-    assert service.read_up_to == {TP1: 7}
+    assert service.consumers.read_up_to == {TP1: 7}
 
 
 def test_no_commit_before_anything_was_read(service: LearnerService) -> None:
     consumer = FakeConsumer()
-    service.groups_consumer = consumer  # type: ignore[assignment]
+    service.consumers.groups = consumer  # type: ignore[assignment]
     service.commit_offsets()
     assert consumer.commits == []
 
@@ -600,18 +601,18 @@ def route_paused(service: LearnerService) -> bool:
 def test_reward_up_while_every_gate_rejects_pauses_learning(service: LearnerService) -> None:
     for version, reward in ((1, 0.2), (2, 0.4), (3, 0.6)):
         record_round(service, version, reward, passed=False)
-    service.guard(ALIAS, [group("g", length=4)])
+    service.guard.after_round(ALIAS, [group("g", length=4)])
     assert route_paused(service)
     pause = service.writer.history(ALIAS)[0]
     assert pause["kind"] == "pause" and pause["detail"]["reason"].startswith("reward_hacking:")
-    assert service.paused_reason[ALIAS] == "reward_hacking"
+    assert service.guard.paused_reason[ALIAS] == "reward_hacking"
     assert metric(service, "ratchet_learner_paused", alias=ALIAS, reason="reward_hacking") == 1
 
 
 def test_a_passed_gate_keeps_learning_on(service: LearnerService) -> None:
     for version, reward, passed in ((1, 0.2, False), (2, 0.4, True), (3, 0.6, False)):
         record_round(service, version, reward, passed)
-    service.guard(ALIAS, [group("g", length=4)])
+    service.guard.after_round(ALIAS, [group("g", length=4)])
     assert not route_paused(service)
 
 
@@ -621,7 +622,7 @@ def test_resuming_starts_the_guards_window_afresh(service: LearnerService) -> No
     service.lifecycle.pause(ALIAS, "manual")
     service.lifecycle.resume(ALIAS)
     record_round(service, 3, 0.6, passed=False)
-    service.guard(ALIAS, [group("g", length=4)])
+    service.guard.after_round(ALIAS, [group("g", length=4)])
     assert not route_paused(service)
 
 
@@ -631,22 +632,22 @@ def test_groups_of_one_repeated_answer_pause_learning(service: LearnerService) -
         outcome = service.take(group(f"c{i}", rewards=(0.0, 0.5, 1.0), texts=texts), TP0, i)
         assert outcome == "waiting"
     service.take(group("d"), TP0, 9)
-    service.guard(ALIAS, [])  # 4 of 5 recent groups collapsed, share 0.8
+    service.guard.after_round(ALIAS, [])  # 4 of 5 recent groups collapsed, share 0.8
     assert route_paused(service)
-    assert service.paused_reason[ALIAS] == "collapse"
-    assert service.recent[ALIAS] == []  # the next round counts afresh
+    assert service.guard.paused_reason[ALIAS] == "collapse"
+    assert service.guard.recent[ALIAS] == []  # the next round counts afresh
 
 
 def test_answers_growing_past_the_first_rounds_length_pause_learning(
     service: LearnerService,
 ) -> None:
-    service.guard(ALIAS, [group("g1", length=10)])  # the first round sets the baseline
+    service.guard.after_round(ALIAS, [group("g1", length=10)])  # the first round sets the baseline
     assert float(service.redis.get(baseline_length_key(ALIAS)) or 0) == 10.0
-    service.guard(ALIAS, [group("g2", length=30)])  # 3x: still within max_length_growth
+    service.guard.after_round(ALIAS, [group("g2", length=30)])  # 3x: still within max_length_growth
     assert not route_paused(service)
-    service.guard(ALIAS, [group("g3", length=31)])
+    service.guard.after_round(ALIAS, [group("g3", length=31)])
     assert route_paused(service)
-    assert service.paused_reason[ALIAS] == "runaway_length"
+    assert service.guard.paused_reason[ALIAS] == "runaway_length"
 
 
 def test_a_round_that_fails_pauses_the_alias_and_keeps_its_groups(
@@ -676,17 +677,17 @@ def test_an_outage_during_a_round_is_raised_not_paused(
     with pytest.raises(redis.ConnectionError):
         service.guarded_round(ALIAS)
     assert not route_paused(service)
-    assert ALIAS not in service.paused_reason
+    assert ALIAS not in service.guard.paused_reason
 
 
 def test_a_pause_by_an_operator_is_picked_up_with_its_reason(service: LearnerService) -> None:
     service.lifecycle.pause(ALIAS, "investigating: odd answers")
     service.refresh_routes()
-    assert service.paused_reason[ALIAS] == "investigating"
+    assert service.guard.paused_reason[ALIAS] == "investigating"
     assert metric(service, "ratchet_learner_paused", alias=ALIAS, reason="investigating") == 1
     service.lifecycle.resume(ALIAS)
     service.refresh_routes()
-    assert ALIAS not in service.paused_reason
+    assert ALIAS not in service.guard.paused_reason
     assert metric(service, "ratchet_learner_paused", alias=ALIAS, reason="investigating") is None
 
 
@@ -735,7 +736,7 @@ def test_a_group_the_learner_fails_on_is_dead_lettered_and_the_next_is_taken(
     def broken(group: ScoredGroup) -> bool:
         raise TypeError("a bug that only this group finds")
 
-    monkeypatch.setattr("learner.service.is_collapsed", broken)
+    monkeypatch.setattr("learner.guard.is_collapsed", broken)
     service.intake(message(group("g0").to_json()), TP0)
     monkeypatch.undo()
     service.intake(message(group("g1").to_json(), offset=6), TP0)
@@ -772,8 +773,8 @@ class PollingConsumer(FakeConsumer):
 
 
 def polling(service: LearnerService, *batches: dict[TopicPartition, list[Any]]) -> None:
-    service.groups_consumer = PollingConsumer(*batches)  # type: ignore[assignment]
-    service.heldout_consumer = PollingConsumer()  # type: ignore[assignment]
+    service.consumers.groups = PollingConsumer(*batches)  # type: ignore[assignment]
+    service.consumers.heldout = PollingConsumer()  # type: ignore[assignment]
 
 
 def progress_of(service: LearnerService, alias: str = ALIAS) -> LearnerProgress | None:
