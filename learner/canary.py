@@ -33,6 +33,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import redis
@@ -68,7 +69,6 @@ log = logging.getLogger(__name__)
 
 # How long a canary-time completion id is remembered for its feedback to be credited to its arm.
 COMPLETION_TTL_S = 3600
-RATED = b"rated"
 
 Verdict = Literal["wait", "promote", "rollback"]
 
@@ -106,12 +106,19 @@ def completion_key(completion_id: str) -> str:
 
 
 # KEYS[1]: a completion; ARGV[1]: its value as read. Marks it rated if nobody did meanwhile.
+# KEYS[1]: the rated completion's key; ARGV[1]: the rater's key hash ("" for none). Claims the
+# rating when the completion was answered in a canary, is not rated yet, and went to that key
+# (the proxy checks that too): marks it rated for every replica, returns what it was; else nil.
 CLAIM_RATING_SCRIPT = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('SET', KEYS[1], 'rated', 'KEEPTTL')
-  return 1
+local answered = redis.call('GET', KEYS[1])
+if not answered or answered == 'rated' then
+  return nil
 end
-return 0
+if string.match(answered, '\t([^\t]*)$') ~= ARGV[1] then
+  return nil
+end
+redis.call('SET', KEYS[1], 'rated', 'KEEPTTL')
+return answered
 """
 
 
@@ -178,6 +185,19 @@ def read_ratings(client: redis.Redis, alias: str, config: AliasConfig) -> Sequen
     return rating_test(arms[0], arms[1], config.canary, config.feedback.max_share)
 
 
+@dataclass
+class _Tally:
+    """One batch's counts, written to Redis together."""
+
+    increments: dict[str, dict[str, float]] = field(default_factory=dict)  # alias -> field -> n
+    requests: Counter[tuple[str, int]] = field(default_factory=Counter)  # (alias, minute)
+    ratings: list[tuple[str, str, Rating]] = field(default_factory=list)  # (alias, arm, rating)
+
+    def add(self, alias: str, name: str, value: float) -> None:
+        fields = self.increments.setdefault(alias, {})
+        fields[name] = fields.get(name, 0) + value
+
+
 class CanaryWatcher:
     """Counts canary traffic and feedback, and promotes or rolls back. Runs in its own thread."""
 
@@ -216,77 +236,71 @@ class CanaryWatcher:
         self._last_check = time.monotonic()
 
     def count(self, messages: list[Any]) -> None:
-        """Add a batch of traffic and feedback records to the running canaries' counts."""
-        increments: dict[str, dict[str, float]] = {}
-        requests: Counter[tuple[str, int]] = Counter()  # (alias, minute): the canary's share
-        ratings: list[tuple[str, str, Rating]] = []  # (alias, arm, rating), in arrival order
-        # Completion ids of canary-time exchanges, claimed in order before any later feedback.
+        """Add a batch of traffic and feedback records to the running canaries' counts. Every
+        completion id is claimed and every rating claimed in one pipeline, in arrival order (so
+        a rating finds the claim of an answer read before it), and counted once it returns."""
+        tally = _Tally()
         claims = self.redis.pipeline(transaction=False)
+        rated: list[tuple[int, FeedbackRecord]] = []  # each rating's claim: its place in claims
         for message in messages:
             record = decode(message.topic, message.value)
             if isinstance(record, TrafficRecord):
-                minute = minute_of(record.ts)
-                if minute is not None and record.alias in self.settings.aliases:
-                    requests[record.alias, minute] += 1
-                arm = self._arm_of(record.alias, record.version, record.canary_arm)
-                if arm is None:
-                    continue
-                add = increments.setdefault(record.alias, {})
-                add[f"{arm}_requests"] = add.get(f"{arm}_requests", 0) + 1
-                if is_upstream_failure(record):
-                    add[f"{arm}_errors"] = add.get(f"{arm}_errors", 0) + 1
-                if record.response_id:
-                    # The first exchange to claim an id keeps it (as the proxy's owner record).
-                    claim = "\t".join(
-                        (record.alias, str(record.version), arm, record.api_key_hash or "")
-                    )
-                    claims.set(
-                        completion_key(record.response_id), claim, nx=True, ex=COMPLETION_TTL_S
-                    )
-            elif isinstance(record, FeedbackRecord):
-                claims.execute()
-                known = self._claim_rating(record)
-                if known is None:
-                    continue
-                alias, version, arm = known
-                if self._arm_of(alias, version, arm) is None:
-                    continue  # feedback on an exchange from before this canary
-                add = increments.setdefault(alias, {})
-                add[f"{arm}_feedback"] = add.get(f"{arm}_feedback", 0) + 1
-                add[f"{arm}_feedback_sum"] = add.get(f"{arm}_feedback_sum", 0.0) + record.score
-                ratings.append((alias, arm, Rating(key_of(record.api_key_hash), record.score)))
-        count_requests(claims, requests)
-        claims.execute()
-        if not increments:
+                self._count_traffic(record, tally, claims)
+            elif isinstance(record, FeedbackRecord) and record.api_key_hash != "":
+                # A key hash of "" is no key's: an answer without one is stored with "".
+                key = completion_key(record.completion_id)
+                claims.eval(CLAIM_RATING_SCRIPT, 1, key, record.api_key_hash or "")
+                rated.append((len(claims) - 1, record))
+        count_requests(claims, tally.requests)
+        replies = claims.execute()
+        for place, record in rated:
+            self._count_rating(record, replies[place], tally)
+        if tally.increments:
+            self._store(tally)
+
+    def _count_traffic(self, record: TrafficRecord, tally: _Tally, claims: Any) -> None:
+        """The request in its minute, and in its arm if it is a canary's; its completion id
+        claimed for its arm (the first exchange to claim an id keeps it, as the proxy's owner
+        record)."""
+        minute = minute_of(record.ts)
+        if minute is not None and record.alias in self.settings.aliases:
+            tally.requests[record.alias, minute] += 1
+        arm = self._arm_of(record.alias, record.version, record.canary_arm)
+        if arm is None:
             return
+        tally.add(record.alias, f"{arm}_requests", 1)
+        if is_upstream_failure(record):
+            tally.add(record.alias, f"{arm}_errors", 1)
+        if record.response_id:
+            claim = "\t".join((record.alias, str(record.version), arm, record.api_key_hash or ""))
+            claims.set(completion_key(record.response_id), claim, nx=True, ex=COMPLETION_TTL_S)
+
+    def _count_rating(self, record: FeedbackRecord, answered: Any, tally: _Tally) -> None:
+        """A rating whose claim succeeded (``answered``: the completion's claim), in its arm."""
+        if not isinstance(answered, bytes):
+            return  # unknown, rated already, another key's, or claimed by another replica
+        alias, version, arm, _ = answered.decode(errors="replace").split("\t")
+        if self._arm_of(alias, int(version), arm) is None:
+            return  # feedback on an exchange from before this canary
+        tally.add(alias, f"{arm}_feedback", 1)
+        tally.add(alias, f"{arm}_feedback_sum", record.score)
+        tally.ratings.append((alias, arm, Rating(key_of(record.api_key_hash), record.score)))
+
+    def _store(self, tally: _Tally) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        for alias, arm, rating in ratings:
+        for alias, arm, rating in tally.ratings:
             pipe.rpush(ratings_key(alias, arm), rating.encode())
             # The test reads at most max_rating_pairs per arm after the per-key cap; keep room
             # for the ratings the cap leaves out, and no more.
             kept = RATINGS_KEPT * self._max_rating_pairs(alias)
             pipe.ltrim(ratings_key(alias, arm), 0, kept - 1)
-        for alias, fields in increments.items():
-            for field, value in fields.items():
-                if field.endswith("_sum"):
-                    pipe.hincrbyfloat(canary_key(alias), field, value)
+        for alias, fields in tally.increments.items():
+            for name, value in fields.items():
+                if name.endswith("_sum"):
+                    pipe.hincrbyfloat(canary_key(alias), name, value)
                 else:
-                    pipe.hincrby(canary_key(alias), field, int(value))
+                    pipe.hincrby(canary_key(alias), name, int(value))
         pipe.execute()
-
-    def _claim_rating(self, record: FeedbackRecord) -> tuple[str, int, str] | None:
-        """(alias, version, arm) of the rated completion, if this is its first rating and from
-        the key that got it (the proxy checks that too); marks it rated for every replica."""
-        key = completion_key(record.completion_id)
-        raw = self.redis.get(key)
-        if not isinstance(raw, bytes) or raw == RATED:
-            return None
-        alias, version, arm, key_hash = raw.decode(errors="replace").split("\t")
-        if (key_hash or None) != record.api_key_hash:
-            return None
-        if not self.redis.eval(CLAIM_RATING_SCRIPT, 1, key, raw):
-            return None  # another replica counted it first
-        return alias, int(version), arm
 
     def _max_rating_pairs(self, alias: str) -> int:
         config = self.settings.aliases.get(alias)

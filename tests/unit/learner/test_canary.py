@@ -440,6 +440,18 @@ def test_a_canary_set_by_hand_is_not_judged(
     assert route_of(lifecycle) == (1, 2)
 
 
+def test_a_rating_read_with_its_answer_counts(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    """An answer and its rating in one batch: the rating's claim comes after the answer's."""
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    batch = [traffic("canary", 2, rid="c1", key="alice"), feedback("c1", 0.75, key="alice")]
+    watcher.count([*batch, feedback("c1", 0.0, key="alice")])  # rated twice: counted once
+    _, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
+    assert (stats["canary"].feedback, stats["canary"].feedback_sum) == (1, 0.75)
+
+
 def test_feedback_read_by_another_replica_is_credited_to_its_arm(
     settings: RatchetSettings, lifecycle: Lifecycle
 ) -> None:
