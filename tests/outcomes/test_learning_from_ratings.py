@@ -8,33 +8,41 @@ reward model, and once its held-out AUC clears ``feedback.min_auc`` the judge sc
 it; a round trains, the gate compares with the reward model, and the canary is decided by the
 users' live ratings. The promoted version is then compared with the base on prompts no part of
 the loop saw, by the script's criterion.
+
+An outcome test (tests/outcomes/conftest.py): ``scripts/test --outcomes`` runs it and reports
+its figures (written to ``$RATCHET_OUTCOMES_DIR/ratings.json``, else beside the test's files).
+The alias's settings are tuned for speed, not the shipped defaults (issue 35 is about learning
+from ratings as fast on the defaults); TUNED lists them for the lane's summary.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import redis
 import yaml
 
 from learner.gate import paired_lift
-from ratchet.dev.processes import Stack, wait_until
+from ratchet.dev.processes import Stack, free_port, wait_until
 from ratchet.dev.stack import judge_part, learner_part
 from ratchet.registry import AliasRoute
 from ratchet.rewards.reward_model import RewardStatus
 from ratchet.settings import RatchetSettings, load_settings
 from ratchet.tasks.bullets import bullets_reward, generate_prompts, load_prompts
-from tests.integration.conftest import BASE_MODEL, Embedded, free_port
+from tests.integration.conftest import BASE_MODEL, Embedded
 from tests.integration.test_learner import history, served_by, wait_for_event
-from tests.integration.test_learning_loop import greedy_prompt_scores
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.outcome]
 
 ALIAS = "lt-rated"
 PROMPTS = load_prompts()
@@ -52,6 +60,15 @@ GROUPS = 24
 # truth; on 64, as before, within 0.044, and a 0.03 margin there failed a run that had learned.
 MARGIN = 0.02
 DEADLINE_S = 1800  # no new round of traffic after this: the 40 minutes include the last canary
+BAR = (
+    f"a promoted version's lift on {len(UNSEEN)} unseen prompts: 95% interval above 0 and "
+    f"mean >= {MARGIN} within 40 min"
+)
+# What config_for sets that is not the default, for the lane's summary.
+TUNED = (
+    "tuned, not the defaults (issue 35): canary weight 0.5, min_requests 16, "
+    "feedback_wait_s 60; retrain_every 96; heldout_fraction 0.5; gate alpha 0.2, 32-96 pairs"
+)
 
 
 def config_for(env: Embedded, home: Path) -> Path:
@@ -147,24 +164,85 @@ def wait_for_reward_model(env: Embedded, timeout_s: float) -> RewardStatus:
     return status
 
 
-def promote_next(embedded: Embedded, settings: RatchetSettings, started: float, count: int) -> int:
+def promote_next(
+    embedded: Embedded,
+    settings: RatchetSettings,
+    started: float,
+    count: int,
+    figures: dict[str, Any],
+) -> int:
     """Users come back until the ``count``-th candidate is on canary (a rejected candidate is
-    part of learning), then rate its canary traffic; the candidate's version, once promoted."""
+    part of learning), then rate its canary traffic; the candidate's version, once promoted.
+    Every answer users get is rated: ``figures["ratings"]`` counts them."""
     outcome: list[dict[str, Any]] = []
     while not outcome and time.monotonic() - started < DEADLINE_S:
         users(embedded, FIRST_TRAFFIC[: GROUPS * 2], temperature=0.7)
+        figures["ratings"] += GROUPS * 2
         try:
             outcome = wait_for_event(settings, ALIAS, {"canary"}, count=count, timeout_s=120)
         except TimeoutError:
             continue
     assert outcome, history(settings, ALIAS)
     candidate: int = outcome[0]["version"]
+    progress(started, f"v{candidate} on canary")
     arms = users(embedded, CANARY_TRAFFIC, concurrency=16, temperature=0.0)
+    figures["ratings"] += len(CANARY_TRAFFIC)
     assert arms.get("canary", 0) >= 16, arms
     decided = wait_for_event(settings, ALIAS, {"promote", "rollback"}, count=count, timeout_s=300)
-    print(f"canary v{candidate}: {decided[0]['detail'].get('reason')}")
+    progress(started, f"canary v{candidate}: {decided[0]['detail'].get('reason')}")
     assert decided[0]["kind"] == "promote" and decided[0]["version"] == candidate, decided[0]
+    if figures["minutes_to_first_promotion"] is None:
+        figures["minutes_to_first_promotion"] = round((time.monotonic() - started) / 60, 2)
     return candidate
+
+
+def progress(started: float, what: str) -> None:
+    """One line of progress (the outcome lane shows the last one while the test runs)."""
+    print(f"[{(time.monotonic() - started) / 60:5.1f} min] {what}", flush=True)
+
+
+def write_figures(figures: dict[str, Any], tmp_path: Path) -> Path:
+    """The run's figures, for the outcome lane's summary and to compare runs."""
+    folder = Path(os.environ.get("RATCHET_OUTCOMES_DIR") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "ratings.json"
+    path.write_text(json.dumps(figures, indent=2))
+    return path
+
+
+def greedy_prompt_scores(
+    env: Embedded,
+    models: list[str],
+    prompts: list[dict[str, Any]],
+    reward: Callable[[list[dict[str, Any]], dict[str, Any]], float],
+) -> list[list[float]]:
+    """Each model's ``reward`` of its greedy answer to each prompt, straight from vLLM, in the
+    prompts' order. The models answer side by side, so vLLM batches them together."""
+
+    async def run(client: httpx.AsyncClient, limit: asyncio.Semaphore, model: str) -> list[float]:
+        async def one(prompt: dict[str, Any]) -> float:
+            body = {
+                "model": model,
+                "messages": prompt["messages"],
+                "max_tokens": 64,
+                "temperature": 0.0,
+            }
+            async with limit:
+                reply = await client.post("/v1/chat/completions", json=body)
+            reply.raise_for_status()
+            message = reply.json()["choices"][0]["message"]
+            return reward(prompt["messages"], message)
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    async def run_all() -> list[list[float]]:
+        async with httpx.AsyncClient(
+            base_url=env.settings.vllm_url, headers=env.vllm_headers, timeout=300
+        ) as client:
+            limit = asyncio.Semaphore(24 * len(models))
+            return list(await asyncio.gather(*(run(client, limit, m) for m in models)))
+
+    return asyncio.run(run_all())
 
 
 def lift_on_unseen(embedded: Embedded, candidate: int) -> tuple[float, float, float]:
@@ -178,7 +256,8 @@ def lift_on_unseen(embedded: Embedded, candidate: int) -> tuple[float, float, fl
     print(
         f"unseen prompts, users' criterion: base {statistics.fmean(base):.3f}, "
         f"v{candidate} {statistics.fmean(better):.3f}, lift {mean:+.3f} [{low:+.3f}, {high:+.3f}] "
-        f"({len(UNSEEN)} prompts in {time.monotonic() - evaluated:.0f} s)"
+        f"({len(UNSEEN)} prompts in {time.monotonic() - evaluated:.0f} s)",
+        flush=True,
     )
     return mean, low, high
 
@@ -197,24 +276,48 @@ def test_the_loop_learns_from_ratings_alone(embedded: Embedded, tmp_path: Path) 
     services = Stack(
         [judge_part(settings, config), learner_part(settings, config)], tmp_path / "services"
     )
+    figures: dict[str, Any] = {
+        "check": "ratings",
+        "bar": BAR,
+        "settings": TUNED,
+        "passed": False,
+        "ratings": 0,
+        "minutes_to_first_promotion": None,
+        "unseen_prompts": len(UNSEEN),
+        "promotions": [],  # each promoted version's lift on UNSEEN: mean and 95% interval
+    }
     services.start()
+    started = time.monotonic()
     try:
-        started = time.monotonic()
         # Users' first answers, rated: the reward model's training data. Nothing can score a
         # group yet, so the judge only holds prompts out for the gate meanwhile.
         users(embedded, FIRST_TRAFFIC)
+        figures["ratings"] += len(FIRST_TRAFFIC)
         status = wait_for_reward_model(embedded, timeout_s=600)
-        print(f"reward model v{status.version}: {status.reason}")
+        figures["reward_model"] = {"version": status.version, "auc": status.auc}
+        progress(started, f"reward model v{status.version}: {status.reason}")
         # The same users come back: now the judge samples groups and the reward model scores
         # them.
         promotions = 0
         while True:
             promotions += 1
-            candidate = promote_next(embedded, settings, started, promotions)
+            candidate = promote_next(embedded, settings, started, promotions, figures)
             assert served_by(embedded, ALIAS) == f"{ALIAS}@v{candidate}"
             mean, low, high = lift_on_unseen(embedded, candidate)
+            figures["promotions"].append(
+                {
+                    "version": candidate,
+                    "minutes": round((time.monotonic() - started) / 60, 2),
+                    "lift": mean,
+                    "lift_low": low,
+                    "lift_high": high,
+                }
+            )
             if low > 0 and mean >= MARGIN:
+                figures["passed"] = True
                 break
             assert time.monotonic() - started < DEADLINE_S, (candidate, mean, low, high)
     finally:
+        figures["minutes_run"] = round((time.monotonic() - started) / 60, 2)
         services.stop()
+        progress(started, f"figures: {write_figures(figures, tmp_path)}")

@@ -1,0 +1,231 @@
+"""The outcome lane: does the loop learn? Run with ``scripts/test --outcomes [options]``.
+
+CI does not run it (it takes about 40-60 minutes of the whole 2-core machine, and a correct
+change can miss a bar by chance); run it before a release, after a change to what or how the
+loop learns (learner, judge, gate, canary, rewards, their defaults), and put its table in the
+README. Each check runs in its own process, one after the other, on a stack of its own:
+
+* ``loop``: bench/loop_speed.py on the shipped defaults for each of ``--tasks`` (default: the
+  demo task): traffic until the first promotion or ``--minutes``, then the promoted version's
+  lift over the base on the task's prompts never sent, with its paired 95% interval. Bar: a
+  promotion within ``--minutes`` and an interval above 0.
+* ``ratings``: tests/outcomes/test_learning_from_ratings.py, a loop driven by users' ratings
+  alone (a reward model trained on them scores groups and gates; the ratings decide the
+  canary). Bar: the test's own (a promoted version's lift on unseen prompts, its interval above
+  0 and mean at least 0.02, within 40 minutes). Its alias is tuned, not on the defaults.
+
+Prints one summary table, with each check's bar, and writes ``outcomes.json``, the loop's
+``loop_speed.json`` and its learning-curve ``loop_speed.png`` and each check's log into
+``--out`` (default: bench/results/outcomes, which git ignores). Exits 1 when a check misses its
+bar or gives no figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKS = ("loop", "ratings")
+RATINGS_TEST = "tests/outcomes/test_learning_from_ratings.py"
+
+
+def loop_command(args: argparse.Namespace) -> list[str]:
+    return [
+        sys.executable,
+        str(ROOT / "bench" / "loop_speed.py"),
+        "--tasks",
+        args.tasks,
+        "--minutes",
+        str(args.minutes),
+        "--out",
+        str(args.out / "loop_speed.json"),
+    ]
+
+
+def ratings_command(args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "-m", "pytest", RATINGS_TEST, "-p", "no:cacheprovider", "-s", "-q"]
+
+
+def run_check(
+    name: str, command: list[str], log: Path, env: dict[str, str], console: Console
+) -> tuple[int, float]:
+    """The check's process, its output to ``log``; its last line shown while it runs. Its exit
+    status and seconds."""
+    started = time.monotonic()
+    columns = (
+        SpinnerColumn(),
+        TextColumn(f"[bold]{name}[/bold]"),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+    )
+    with log.open("w") as out, Progress(*columns, console=console) as progress:
+        bar = progress.add_task("starting", total=None)
+        process = subprocess.Popen(
+            command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, text=True
+        )
+        try:
+            while process.poll() is None:
+                progress.update(bar, description=last_line(log))
+                time.sleep(1.0)
+        except BaseException:
+            process.terminate()  # both unwind on SIGTERM and stop their stacks
+            process.wait(timeout=120)
+            raise
+    return process.returncode, time.monotonic() - started
+
+
+def last_line(log: Path, width: int = 100) -> str:
+    """The log's last non-empty line (a progress bar's last redraw), shortened."""
+    try:
+        with log.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in tail.replace("\r", "\n").splitlines() if line.strip()]
+    return lines[-1][:width] if lines else ""
+
+
+def loop_rows(out: Path, minutes: float, code: int) -> list[dict[str, Any]]:
+    """One row per task of loop_speed.json (none when the run wrote none)."""
+    path = out / "loop_speed.json"
+    if not path.is_file():
+        return [missing("loop", f"no {path.name} (exit {code})")]
+    rows = []
+    for task in json.loads(path.read_text())["tasks"]:
+        promoted = task.get("evaluated_is_promoted") and task.get("minutes_to_first_promotion")
+        interval = (task.get("lift"), task.get("lift_low"), task.get("lift_high"))
+        check = f"loop: {task['task']}"
+        if task.get("evaluated_version") and not task.get("evaluated_is_promoted"):
+            check += f" (v{task['evaluated_version']} measured, not promoted)"
+        rows.append(
+            {
+                "check": check,
+                "settings": "the shipped defaults",
+                "minutes_to_first_promotion": task.get("minutes_to_first_promotion"),
+                "lift": interval if interval[0] is not None else None,
+                "prompts": task.get("eval_prompts"),
+                "ratings": None,
+                "bar": f"promoted within {minutes:g} min; lift's 95% interval above 0",
+                "passed": bool(promoted and interval[1] is not None and interval[1] > 0),
+            }
+        )
+    return rows
+
+
+def ratings_rows(out: Path, code: int) -> list[dict[str, Any]]:
+    path = out / "ratings.json"
+    if not path.is_file():
+        return [missing("ratings", f"no {path.name} (exit {code})")]
+    figures = json.loads(path.read_text())
+    last = figures["promotions"][-1] if figures["promotions"] else None
+    return [
+        {
+            "check": f"ratings: {len(figures['promotions'])} promotion(s) measured",
+            "settings": figures["settings"],
+            "minutes_to_first_promotion": figures["minutes_to_first_promotion"],
+            "lift": (last["lift"], last["lift_low"], last["lift_high"]) if last else None,
+            "prompts": figures["unseen_prompts"],
+            "ratings": figures["ratings"],
+            "bar": figures["bar"],
+            # The test's exit says it too; both must agree that the bar was met.
+            "passed": bool(figures["passed"]) and code == 0,
+        }
+    ]
+
+
+def missing(check: str, why: str) -> dict[str, Any]:
+    return {
+        "check": check,
+        "settings": why,
+        "minutes_to_first_promotion": None,
+        "lift": None,
+        "prompts": None,
+        "ratings": None,
+        "bar": "-",
+        "passed": False,
+    }
+
+
+def summary_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="Outcome lane: does the loop learn?")
+    for column in (
+        "check", "settings", "first promotion (min)", "lift [95% CI] on unseen prompts",
+        "unseen prompts", "ratings", "bar", "result",
+    ):  # fmt: skip
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        lift = row["lift"]
+        table.add_row(
+            row["check"],
+            row["settings"],
+            "-"
+            if row["minutes_to_first_promotion"] is None
+            else f"{row['minutes_to_first_promotion']:.1f}",
+            "-" if lift is None else f"{lift[0]:+.3f} [{lift[1]:+.3f}, {lift[2]:+.3f}]",
+            "-" if row["prompts"] is None else str(row["prompts"]),
+            "-" if row["ratings"] is None else str(row["ratings"]),
+            row["bar"],
+            "[green]met[/green]" if row["passed"] else "[red]missed[/red]",
+        )
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated, of {CHECKS}")
+    parser.add_argument("--tasks", default="demo", help="loop_speed's tasks (comma-separated)")
+    parser.add_argument("--minutes", type=float, default=20.0, help="loop_speed's traffic, at most")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results" / "outcomes", help="folder"
+    )
+    args = parser.parse_args(argv)
+    checks = [c.strip() for c in args.checks.split(",") if c.strip()]
+    if unknown := set(checks) - set(CHECKS):
+        parser.error(f"unknown checks {sorted(unknown)}: pick from {CHECKS}")
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    env = {**os.environ, "RATCHET_OUTCOMES_DIR": str(args.out)}
+    rows: list[dict[str, Any]] = []
+    timings: dict[str, float] = {}
+    for check in checks:
+        stale = args.out / ("loop_speed.json" if check == "loop" else "ratings.json")
+        stale.unlink(missing_ok=True)  # a figure left by an earlier run must not count
+        log = args.out / f"{check}.log"
+        console.rule(f"{check}: log in {log}")
+        command = loop_command(args) if check == "loop" else ratings_command(args)
+        code, timings[check] = run_check(check, command, log, env, console)
+        console.print(f"{check}: exit {code} after {timings[check] / 60:.1f} min")
+        rows += (
+            loop_rows(args.out, args.minutes, code)
+            if check == "loop"
+            else ratings_rows(args.out, code)
+        )
+    console.print(summary_table(rows))
+    summary = {
+        "checks": rows,
+        "seconds": timings,
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    (args.out / "outcomes.json").write_text(json.dumps(summary, indent=2))
+    curve = args.out / "loop_speed.png"
+    console.print(
+        f"written: {args.out / 'outcomes.json'}" + (f", {curve}" if curve.is_file() else "")
+    )
+    return 0 if rows and all(row["passed"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
