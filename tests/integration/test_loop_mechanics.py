@@ -1,0 +1,157 @@
+"""The loop's mechanics on the real stack, with a tiny budget and every decision forced.
+
+Demo prompts go through the proxy; the judge (a process) samples groups from vLLM with vLLM's
+own logprobs and scores them with the demo verifier; the learner (a process) trains one round
+with its default steps and learning rate on those groups, writes the candidate to the store,
+gates it (threshold 0 on 8 pairs: anything not worse on every pair passes) and puts it on
+canary; scripted users rate the canary's answers 1 and the live version's 0, so the canary is
+promoted, and the proxy then serves the new version. What the round learned is not asserted:
+that is the outcome lane's (`scripts/test --outcomes`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from judge.service import is_heldout
+from ratchet.demo import load_prompts
+from ratchet.dev.processes import Stack, free_port
+from ratchet.dev.stack import judge_part, learner_part
+from ratchet.records import GROUPS_TOPIC, ScoredGroup, prompt_hash
+from ratchet.registry import AliasRoute
+from ratchet.settings import load_settings
+from ratchet.store import AdapterStore
+from tests.integration.conftest import BASE_MODEL, Embedded
+from tests.integration.scripted_users import (
+    canary_favoured,
+    first_event,
+    rate_canary_until_decided,
+    send,
+)
+from tests.integration.test_learner import served_by
+
+pytestmark = pytest.mark.integration
+
+ALIAS = "lm-loop"
+PROMPTS = load_prompts()
+HELDOUT_FRACTION = 0.5
+GATE_PAIRS = 8
+GROUPS = 12  # sampled; a round takes those whose answers scored differently
+CANARY_TRAFFIC = PROMPTS[300:396]  # at most; rated 16 at a time until the canary is decided
+
+
+def traffic(secret: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """GATE_PAIRS prompts the judge holds out (its keyed hash decides) and GROUPS it samples
+    groups for."""
+    held, grouped = [], []
+    for prompt in PROMPTS[:200]:
+        if is_heldout(secret, prompt_hash(prompt["messages"], None), HELDOUT_FRACTION):
+            held.append(prompt)
+        else:
+            grouped.append(prompt)
+    return held[:GATE_PAIRS], grouped[:GROUPS]
+
+
+def mechanics_config(env: Embedded, home: Path, round_groups: int) -> Path:
+    config = yaml.safe_load(env.config_path.read_text())
+    config["home"] = str(home)
+    config["store_dir"] = str(env.settings.store_dir)  # where vLLM's resolver finds adapters
+    config["judge"] = {"consumer_group": f"judge-{ALIAS}", "metrics_port": free_port()}
+    config["learner"] = {
+        "consumer_group": f"learner-{ALIAS}",
+        "metrics_port": free_port(),
+        "base_model_path": str(env.model_path),
+        # steps_per_round and learning_rate stay at their defaults: the round is a real one.
+        "batch_groups": round_groups,
+        "min_groups": round_groups,
+        "seed": 0,
+    }
+    config["aliases"] = {
+        ALIAS: {
+            "base_model": BASE_MODEL,
+            "reward": {"kind": "verifier", "verifier": "ratchet.demo:extraction_reward"},
+            "learning": {
+                "group_size": 4,
+                "heldout_fraction": HELDOUT_FRACTION,
+                "dedup_window_s": 0,
+            },
+            # Long enough for the demo's JSON, so the verifier's scores of a group differ.
+            "sampling": {"temperature": 1.0, "max_tokens": 48, "seed": 0},
+            "gate": {
+                "min_pairs": GATE_PAIRS,
+                "max_pairs": GATE_PAIRS,
+                "threshold": 0.0,
+                "max_tokens": 16,
+            },
+            # Only the users' ratings decide (the wait for them is longer than the test).
+            "canary": {
+                "weight": 0.5,
+                "min_requests": 16,
+                "min_feedback": 4,
+                "feedback_wait_s": 900,
+            },
+        }
+    }
+    path = home / f"loop-mechanics-{round_groups}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.timeout(600)
+def test_a_round_of_judged_traffic_is_trained_gated_and_promoted_by_ratings(
+    embedded: Embedded, tmp_path: Path
+) -> None:
+    embedded.registry.write(AliasRoute(alias=ALIAS, base_model=BASE_MODEL))
+    embedded.wait_for_proxy_route(ALIAS)
+    held, grouped = traffic(embedded.secret)
+    # The judge first, alone: the learner then takes exactly the groups it kept in one round.
+    config = mechanics_config(embedded, tmp_path, round_groups=len(grouped))
+    judge = Stack([judge_part(load_settings(config), config)], tmp_path / "judge")
+    judge.start()
+    try:
+        send(embedded, ALIAS, held + grouped, max_tokens=8, concurrency=4)
+        # 12 groups of 4 answers of 48 tokens: about a minute on a quiet 2-core machine.
+        judged = embedded.find_records(
+            GROUPS_TOPIC,
+            lambda r: isinstance(r, ScoredGroup) and r.alias == ALIAS,
+            count=len(grouped),
+            timeout_s=240,
+        )
+    finally:
+        judge.stop()
+    groups = [g for g in judged if isinstance(g, ScoredGroup)]
+    assert len(groups) == len(grouped), len(groups)
+    kept = {g.group_id: g for g in groups if max(g.rewards) > min(g.rewards)}
+    assert kept, [g.rewards for g in groups]  # sampled at temperature 1: some differ
+
+    config = mechanics_config(embedded, tmp_path, round_groups=len(kept))
+    settings = load_settings(config)
+    learner = Stack([learner_part(settings, config)], tmp_path / "learner")
+    learner.start()
+    try:
+        # A round of the default 8 steps on at most 12 groups and an 8-pair gate of 16 tokens.
+        outcome = first_event(settings, ALIAS, {"canary", "reject", "promote"}, timeout_s=240)
+        assert outcome["kind"] == "canary", outcome
+        candidate = outcome["version"]
+        decided, arms = rate_canary_until_decided(
+            embedded, settings, ALIAS, CANARY_TRAFFIC, canary_favoured
+        )
+    finally:
+        learner.stop()
+
+    assert decided["kind"] == "promote" and decided["version"] == candidate, decided
+    assert decided["detail"]["reason"].startswith("ratings: "), decided
+    assert arms.get("canary", 0) >= 16, arms
+    assert served_by(embedded, ALIAS) == f"{ALIAS}@v{candidate}"
+
+    # The round trained on exactly the judge's groups that carry a signal: sampled from v0 by
+    # vLLM, with its logprobs.
+    store = AdapterStore(embedded.settings.store_dir)  # type: ignore[arg-type]
+    assert sorted(store.meta(ALIAS, candidate)["group_ids"]) == sorted(kept)
+    for group in kept.values():
+        assert group.version == 0 and group.judge_model is None, group
+        assert all(s.logprobs and len(s.logprobs) == len(s.token_ids) for s in group.samples)
