@@ -153,7 +153,8 @@ def write_test_adapters(model_path: Path, store: AdapterStore, versions: list[in
         return
     # One load of the base for all versions; each gets its own adapter, unloaded after writing
     # so the next one wraps the bare base again.
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    # Any: peft's unload() gives the base back typed as a bare torch Module.
+    base: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     for version in missing:
         torch.manual_seed(version)
         config = LoraConfig(

@@ -199,7 +199,10 @@ def test_outage_keeps_order_across_many_batches(tmp_path: Path, fast_refusal: Re
         if i % 50 == 0:
             # Everything so far on disk before more arrive, so the later records do arrive
             # while older ones wait there.
-            wait_until(lambda n=i + 1: p.spooled == n, 10, f"{i + 1} records spooled")
+            deadline = time.monotonic() + 10
+            while p.spooled < i + 1:
+                assert time.monotonic() < deadline, f"{p.spooled} of {i + 1} records spooled"
+                time.sleep(0.005)
     p.close()
     assert p.depth == 0
     assert [r.key for r in on_disk(tmp_path)] == [f"c{i}".encode() for i in range(200)]
