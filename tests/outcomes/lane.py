@@ -114,6 +114,7 @@ def loop_rows(out: Path, minutes: float, code: int) -> list[dict[str, Any]]:
                 "check": check,
                 "settings": "the shipped defaults",
                 "minutes_to_first_promotion": task.get("minutes_to_first_promotion"),
+                "minutes_run": task.get("minutes_run"),
                 "lift": interval if interval[0] is not None else None,
                 "prompts": task.get("eval_prompts"),
                 "ratings": None,
@@ -135,6 +136,7 @@ def ratings_rows(out: Path, code: int) -> list[dict[str, Any]]:
             "check": f"ratings: {len(figures['promotions'])} promotion(s) measured",
             "settings": figures["settings"],
             "minutes_to_first_promotion": figures["minutes_to_first_promotion"],
+            "minutes_run": figures.get("minutes_run"),
             "lift": (last["lift"], last["lift_low"], last["lift_high"]) if last else None,
             "prompts": figures["unseen_prompts"],
             "ratings": figures["ratings"],
@@ -158,6 +160,13 @@ def missing(check: str, why: str) -> dict[str, Any]:
     }
 
 
+def first_promotion(row: dict[str, Any]) -> str:
+    if row["minutes_to_first_promotion"] is not None:
+        return f"{row['minutes_to_first_promotion']:.1f}"
+    ran = row.get("minutes_run")
+    return "-" if ran is None else f"none in {ran:.1f}"
+
+
 def summary_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="Outcome lane: does the loop learn?")
     for column in (
@@ -170,9 +179,7 @@ def summary_table(rows: list[dict[str, Any]]) -> Table:
         table.add_row(
             row["check"],
             row["settings"],
-            "-"
-            if row["minutes_to_first_promotion"] is None
-            else f"{row['minutes_to_first_promotion']:.1f}",
+            first_promotion(row),
             "-" if lift is None else f"{lift[0]:+.3f} [{lift[1]:+.3f}, {lift[2]:+.3f}]",
             "-" if row["prompts"] is None else str(row["prompts"]),
             "-" if row["ratings"] is None else str(row["ratings"]),
