@@ -59,11 +59,12 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from judge.sampler import parse_group, sampling_body
-from learner.gate import bootstrap_interval, verifier_outcome
+from learner.gate_scoring import verifier_outcome
 from ratchet import demo
 from ratchet.demo import expected_fields, extraction_reward
 from ratchet.dev.config import default_config_text
 from ratchet.dev.processes import free_port
+from ratchet.evaluation import bootstrap_interval
 from ratchet.records import ScoredGroup
 from ratchet.rewards.ruler import strip_code_fence
 from ratchet.rewards.verifiers import Verifier, run_verifier

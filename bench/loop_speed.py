@@ -56,11 +56,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.demo_learning import evaluate, vllm_headers
 from bench.loop_watch import Watch, Watcher, proc_memory
-from learner.gate import paired_lift
 from ratchet.dev.config import default_config_text
 from ratchet.dev.model import prepare_model
 from ratchet.dev.processes import Stack, free_port
 from ratchet.dev.stack import create_topics, embedded_stack
+from ratchet.evaluation import paired_lift
 from ratchet.settings import RatchetSettings, default_home, load_settings
 from ratchet.tasks import TASKS, Task, get_task
 

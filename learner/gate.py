@@ -1,16 +1,10 @@
 """The promotion gate: does the candidate beat the live version on prompts it never trained on?
 
 Both versions answer the same held-out prompts through vLLM (greedy by default, so a pair
-differs only because the weights do). Each prompt gives one paired outcome for the candidate:
-
-* verifier: 1 if its score is higher, 0 if lower, 0.5 on a tie (the paired score difference);
-* RULER: the judge sees the two answers side by side twice, in both presentation orders; a win
-  (or a loss) counts only when both orders agree, anything else is a tie, so a judge that simply
-  prefers the first answer it reads cannot promote anything;
-* mixed: ``ruler_weight`` x the RULER outcome + the rest x the verifier outcome;
-* feedback: as a verifier, with the alias's live reward model scoring both answers (pointwise,
-  one forward pass for the pair). A candidate trained against that model can fool it, so a
-  feedback alias always goes through a canary that live ratings decide.
+differs only because the weights do). Each prompt gives one paired outcome for the candidate,
+by the alias's reward: verifier, RULER in both presentation orders, both mixed, or the live
+reward model (learner/gate_scoring.py). A candidate trained against a reward model can fool it,
+so a feedback alias always goes through a canary that live ratings decide.
 
 The pairs are answered in their drawn order, a wave of ``learner.gate_concurrency`` at a time
 (so vLLM batches), and their outcomes feed a sequential test of the win rate against
@@ -35,27 +29,20 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import aiohttp
-import numpy as np
 import orjson
 
+from learner.gate_scoring import Answered, PairScorer, Scored
+from learner.gate_scoring import GateError as GateError  # raised by both; callers catch it here
 from ratchet.answer_length import auto_max_tokens
 from ratchet.gate_pairs import ANSWER_CHARS, KEPT, GatePair
 from ratchet.records import HeldoutPrompt
-from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, judge_scores
-from ratchet.rewards.reward_model import (
-    RewardModels,
-    RewardModelUnavailable,
-    RewardStatus,
-)
-from ratchet.rewards.ruler import JudgeRequest, build_judge_request
-from ratchet.rewards.verifiers import VerifierError, load_verifier, run_verifier
+from ratchet.rewards.reward_model import RewardModels, RewardStatus
 from ratchet.secrets import vllm_api_key
 from ratchet.sequential import SequentialTest
 from ratchet.settings import AliasConfig, GateConfig, RatchetSettings
 
 log = logging.getLogger(__name__)
 
-TIE_TOLERANCE = 1e-9
 ANSWER_ATTEMPTS = 2  # per answer, against a dropped connection
 KEPT_ANSWERS = 4096  # the live version's greedy answers kept (learner.heldout_pool is 1024)
 
@@ -85,48 +72,6 @@ class GateResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k != "sample"}
-
-
-def verifier_outcome(candidate: float, incumbent: float) -> float:
-    if candidate > incumbent + TIE_TOLERANCE:
-        return 1.0
-    if candidate < incumbent - TIE_TOLERANCE:
-        return 0.0
-    return 0.5
-
-
-def pairwise_outcome(first_order: float, second_order: float) -> float:
-    """The candidate's outcome from its score margin over the incumbent in each order."""
-    if first_order > TIE_TOLERANCE and second_order > TIE_TOLERANCE:
-        return 1.0
-    if first_order < -TIE_TOLERANCE and second_order < -TIE_TOLERANCE:
-        return 0.0
-    return 0.5
-
-
-def bootstrap_interval(
-    outcomes: list[float], samples: int, seed: int, level: float = 0.95
-) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean outcome (resampling prompts with replacement).
-    For evaluations of a fixed size (the benches); the gate itself decides sequentially."""
-    if not outcomes:
-        raise ValueError("no outcomes to bootstrap")
-    values = np.asarray(outcomes, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    means = values[rng.integers(0, len(values), size=(samples, len(values)))].mean(axis=1)
-    tail = (1.0 - level) / 2.0
-    low, high = np.quantile(means, [tail, 1.0 - tail])
-    return float(low), float(high)
-
-
-def paired_lift(
-    candidate: list[float], base: list[float], samples: int, seed: int = 0
-) -> tuple[float, float, float]:
-    """The mean paired difference ``candidate - base`` over prompts and its 95% percentile
-    bootstrap interval: ``(mean, low, high)``."""
-    diffs = [c - b for c, b in zip(candidate, base, strict=True)]
-    low, high = bootstrap_interval(diffs, samples=samples, seed=seed)
-    return float(np.mean(diffs)), low, high
 
 
 def answer_max_tokens(config: AliasConfig, prompts: list[HeldoutPrompt]) -> int:
@@ -241,24 +186,6 @@ def _mean(values: list[float]) -> float | None:
 Progress = Callable[[int, int, float], None]
 
 
-@dataclass
-class Scored:
-    """One pair's outcome, None when it could not be answered or judged."""
-
-    outcome: float | None
-    candidate_score: float | None = None
-    incumbent_score: float | None = None
-    answers: tuple[str, str] | None = None  # (candidate's, live version's) texts
-
-
-class GateError(Exception):
-    pass
-
-
-async def _none() -> None:
-    return None
-
-
 class Gate:
     """Answers held-out prompts with both versions through vLLM, then scores the pairs."""
 
@@ -271,9 +198,7 @@ class Gate:
         self.settings = settings
         self.vllm_key = vllm_api_key(settings)  # vLLM's key, for its answers and as the judge
         self.limit = asyncio.Semaphore(settings.learner.gate_concurrency)
-        # For feedback aliases: the models, and where their live status is read from.
-        self.reward_models = reward_models
-        self.reward_status = reward_status
+        self.scorer = PairScorer(settings, self.vllm_key, reward_models, reward_status)
         # The incumbent's greedy answers, by (served name, prompt, max_tokens): cleared when
         # another version is the incumbent.
         self.incumbent_answers: dict[tuple[str, str, int | None], dict[str, Any]] = {}
@@ -294,6 +219,7 @@ class Gate:
         # A fresh limit per call: an asyncio.Semaphore is bound to the first event loop it waits
         # on, and the learner runs each round's gate in a new one (asyncio.run).
         self.limit = asyncio.Semaphore(self.settings.learner.gate_concurrency)
+        self.scorer.limit = self.limit
         wave = self.settings.learner.gate_concurrency
         gate = config.gate.model_copy(update={"max_tokens": answer_max_tokens(config, prompts)})
         config = config.model_copy(update={"gate": gate})
@@ -350,81 +276,11 @@ class Gate:
         answered = await asyncio.gather(
             *(self._pair(session, p, config.gate, candidate, incumbent, seed) for p in prompts)
         )
-        scored = await self._scored(config, prompts, answered, seed)
+        scored = await self.scorer.score(config, prompts, answered, seed)
         return [
             s if a is None else replace(s, answers=(_text(a[0]), _text(a[1])))
             for s, a in zip(scored, answered, strict=True)
         ]
-
-    async def _scored(
-        self,
-        config: AliasConfig,
-        prompts: list[HeldoutPrompt],
-        answered: list[tuple[dict[str, Any], dict[str, Any]] | None],
-        seed: int,
-    ) -> list[Scored]:
-        """Each answered pair's outcome, by the alias's reward."""
-        reward = config.reward
-        if reward.kind == "feedback":
-            return await asyncio.to_thread(self._reward_model_scored, config, prompts, answered)
-        verified: list[Scored | None] = [None] * len(prompts)
-        if reward.kind in ("verifier", "mixed"):
-            assert reward.verifier is not None
-            verifier = load_verifier(reward.verifier)
-            for i, (prompt, answers) in enumerate(zip(prompts, answered, strict=True)):
-                if answers is None:
-                    continue
-                try:
-                    c = run_verifier(verifier, prompt.prompt_messages, answers[0])
-                    n = run_verifier(verifier, prompt.prompt_messages, answers[1])
-                except VerifierError as exc:
-                    raise GateError(f"the verifier failed on a held-out prompt: {exc}") from exc
-                verified[i] = Scored(verifier_outcome(c, n), c, n)
-        if reward.kind == "verifier":
-            return [v or Scored(None) for v in verified]
-        judged = await asyncio.gather(
-            *(
-                self._judge_pair(config, p, a, seed) if a is not None else _none()
-                for p, a in zip(prompts, answered, strict=True)
-            )
-        )
-        w = 1.0 if reward.kind == "ruler" else reward.ruler_weight
-        out = []
-        for ruler, v in zip(judged, verified, strict=True):
-            if ruler is None:
-                out.append(Scored(None))
-            elif v is None:
-                out.append(Scored(w * ruler))
-            else:
-                assert v.outcome is not None
-                out.append(
-                    Scored(w * ruler + (1.0 - w) * v.outcome, v.candidate_score, v.incumbent_score)
-                )
-        return out
-
-    def _reward_model_scored(
-        self,
-        config: AliasConfig,
-        prompts: list[HeldoutPrompt],
-        answered: list[tuple[dict[str, Any], dict[str, Any]] | None],
-    ) -> list[Scored]:
-        """Each pair scored by the alias's live reward model: 1, 0 or 0.5 as a verifier's."""
-        if self.reward_models is None or self.reward_status is None:
-            raise GateError("a feedback alias's gate needs the reward models")
-        alias = prompts[0].alias if prompts else ""
-        status = self.reward_status(alias)
-        out = []
-        for prompt, answers in zip(prompts, answered, strict=True):
-            if answers is None:
-                out.append(Scored(None))
-                continue
-            texts = [str(a.get("content") or "") for a in answers]
-            try:
-                (c, n), _ = self.reward_models.score(alias, status, prompt.prompt_messages, texts)
-            except RewardModelUnavailable as exc:
-                raise GateError(str(exc)) from exc
-            out.append(Scored(verifier_outcome(c, n), c, n))
-        return out
 
     async def _pair(
         self,
@@ -434,7 +290,7 @@ class Gate:
         candidate: str,
         incumbent: str,
         seed: int,
-    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    ) -> Answered:
         try:
             return (
                 await self._answer(session, candidate, prompt, gate, seed),
@@ -509,51 +365,3 @@ class Gate:
         if not choices:
             raise GateError(f"{served}: vLLM returned no choices")
         return answer_message(choices[0])
-
-    async def _judge_pair(
-        self,
-        config: AliasConfig,
-        prompt: HeldoutPrompt,
-        answers: tuple[dict[str, Any], dict[str, Any]],
-        seed: int,
-    ) -> float | None:
-        """RULER on the pair in both orders; None when the judge gave no usable verdict."""
-        if orjson.dumps(answers[0]) == orjson.dumps(answers[1]):
-            return 0.5  # the same answer: a tie, no judge call needed
-        margins = []
-        for order in ((0, 1), (1, 0)):
-            scores = await self._judge_once(config, prompt, list(answers), order, seed)
-            if scores is None:
-                return None
-            margins.append(scores[0] - scores[1])
-        return pairwise_outcome(margins[0], margins[1])
-
-    async def _judge_once(
-        self,
-        config: AliasConfig,
-        prompt: HeldoutPrompt,
-        answers: list[dict[str, Any]],
-        order: tuple[int, int],
-        seed: int,
-    ) -> list[float] | None:
-        """The judge's scores for ``answers`` shown in ``order``; None if it gave no verdict."""
-        reward, judge = config.reward, self.settings.judge
-
-        def request_for(attempt: int) -> JudgeRequest:
-            return build_judge_request(
-                prompt.prompt_messages,
-                answers,
-                reward.rubric,
-                tools=prompt.tools,
-                seed=seed + attempt,
-                order=order,
-            )
-
-        model = JudgeModel.of(
-            judge, reward.judge_model, self.settings.vllm_url.rstrip("/") + "/v1", self.vllm_key
-        )
-        try:
-            verdict = await judge_scores(request_for, model, judge.judge_retries, limit=self.limit)
-        except JudgeUnavailable:
-            return None
-        return verdict.scores

@@ -440,7 +440,7 @@ class LearnerService:
         return False
 
     def _start_canary_watcher(self) -> threading.Thread:
-        models = self.rounds.gate.reward_models
+        models = self.rounds.gate.scorer.reward_models
         predictor = None if models is None else reward_predictor(self.redis, models)
         leases = AliasLeases(
             self.redis, self.settings.learner.lease_ttl_s, self.lease_keeper, self.metrics, "canary"

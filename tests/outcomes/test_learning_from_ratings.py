@@ -32,9 +32,9 @@ import pytest
 import redis
 import yaml
 
-from learner.gate import paired_lift
 from ratchet.dev.processes import Stack, free_port, wait_until
 from ratchet.dev.stack import judge_part, learner_part
+from ratchet.evaluation import paired_lift
 from ratchet.registry import AliasRoute
 from ratchet.rewards.reward_model import RewardStatus
 from ratchet.settings import RatchetSettings, load_settings

@@ -25,14 +25,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from learner.gate import (
-    Gate,
-    GateError,
-    answer_max_tokens,
-    decide,
-    pairwise_outcome,
-    verifier_outcome,
-)
+from learner.gate import Gate, GateError, answer_max_tokens, decide
+from learner.gate_scoring import PairScorer, pairwise_outcome, verifier_outcome
 from ratchet.dev.processes import free_port
 from ratchet.records import HeldoutPrompt
 from ratchet.settings import AliasConfig, GateConfig, LearnerSettings, RatchetSettings, RewardConfig
@@ -355,7 +349,7 @@ def install_judge(monkeypatch: pytest.MonkeyPatch, judge: Any) -> list[tuple[int
         orders.append(tuple(order))
         return judge(answers, order)
 
-    monkeypatch.setattr(Gate, "_judge_once", judge_once)
+    monkeypatch.setattr(PairScorer, "_judge_once", judge_once)
     return orders
 
 
@@ -376,7 +370,7 @@ def prefers(content: str) -> Callable[..., list[float]]:
 
 def judge_pair(answers: tuple[dict[str, Any], dict[str, Any]]) -> float | None:
     gate = make_gate("http://127.0.0.1:1")
-    return asyncio.run(gate._judge_pair(RULER_ALIAS, prompts(1)[0], answers, 0))
+    return asyncio.run(gate.scorer._judge_pair(RULER_ALIAS, prompts(1)[0], answers, 0))
 
 
 def test_a_position_biased_judge_gives_a_tie(monkeypatch: pytest.MonkeyPatch) -> None:
