@@ -534,7 +534,8 @@ class LearnerSettings(_Section):
     # embedded stack sets what vLLM leaves free.
     cpu_threads: int | None = Field(default=None, ge=1)
     # Where the learner's base weights are (the value vLLM was started with as --model, which is
-    # also what each adapter's base_model_name_or_path must say). Empty: the embedded model.
+    # also what each adapter's base_model_name_or_path must say). Required by the learner, and by
+    # the judge for an alias that learns from ratings; `ratchet up` sets it to the embedded model.
     base_model_path: str | None = None
     # Gate answers in flight at once. vLLM batches them: on the CPU build, 48 greedy answers of 64
     # tokens take 43 s at 4, 27 s at 16, 24 s at 48 (measured); a GPU gains more.
