@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
 from ratchet.cli.app import ConfigOption, app, console, settings_or_exit
+
+if TYPE_CHECKING:  # imported when the command runs: the CLI starts without them
+    import httpx
+    import openai
 
 
 @app.command()
@@ -29,71 +34,104 @@ def demo(
     a new row with a higher score. Each score also goes back as user feedback, which is what a
     canary is judged by.
     """
-    import asyncio
-
-    import httpx
-    from rich.progress import Progress, TaskID
-
-    from ratchet.demo import extraction_reward, load_prompts
-
     settings = settings_or_exit(config)
     if alias not in settings.aliases:
         console.print(f"[red]alias {alias!r} is not in ratchet.yaml[/red]")
         raise typer.Exit(2)
+    from ratchet.demo import load_prompts
+
     prompts = load_prompts()
     work = [prompts[i % len(prompts)] for i in range(count)] * rounds
     base_url = f"http://{settings.proxy.host}:{settings.proxy.port}/v1"
-    scores: dict[str, list[float]] = {}
-    failures: list[str] = []
+    replay = DemoReplay(alias, base_url, api_key, concurrency, feedback)
+    replay.run(work)
+    table = Table(title=f"{alias}: demo verifier score by version that answered")
+    for column in ("served as", "answers", "mean score"):
+        table.add_column(column)
+    for served, values in sorted(replay.scores.items()):
+        table.add_row(served, str(len(values)), f"{sum(values) / len(values):.3f}")
+    console.print(table)
+    if replay.failures:
+        console.print(
+            f"[yellow]{len(replay.failures)} requests failed, e.g. {replay.failures[0]}[/yellow]"
+        )
 
-    async def replay(progress: Progress, task: TaskID) -> None:
+
+class DemoReplay:
+    """Sends each prompt as a user would and scores the answer with the demo verifier, by the
+    version that served it; with ``feedback``, the score goes back as the user's rating."""
+
+    def __init__(
+        self, alias: str, base_url: str, api_key: str, concurrency: int, feedback: bool
+    ) -> None:
+        self.alias = alias
+        self.base_url = base_url
+        self.api_key = api_key
+        self.concurrency = concurrency
+        self.feedback = feedback
+        self.scores: dict[str, list[float]] = {}
+        self.failures: list[str] = []
+
+    def run(self, work: list[dict[str, Any]]) -> None:
+        import asyncio
+
+        from rich.progress import Progress
+
+        with Progress(console=console) as progress:
+            task = progress.add_task(f"Sending demo traffic to {self.alias}", total=len(work))
+            asyncio.run(self.replay(work, lambda: progress.advance(task)))
+
+    async def replay(self, work: list[dict[str, Any]], advance: Callable[[], None]) -> None:
+        import asyncio
+
+        import httpx
         import openai
 
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=2)
+        client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=2)
         raters = httpx.AsyncClient(
-            base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30
+            base_url=self.base_url, headers={"Authorization": f"Bearer {self.api_key}"}, timeout=30
         )
-        limit = asyncio.Semaphore(concurrency)
+        limit = asyncio.Semaphore(self.concurrency)
 
         async def one(prompt: dict[str, Any]) -> None:
-            messages = prompt["messages"]
             async with limit:
-                try:
-                    raw = await client.chat.completions.with_raw_response.create(
-                        model=alias, messages=messages, max_tokens=64, temperature=0.0
-                    )
-                except openai.OpenAIError as exc:
-                    failures.append(str(exc)[:200])
-                else:
-                    completion = raw.parse()
-                    answer = completion.choices[0].message
-                    served = raw.headers.get("x-ratchet-served-name", "?")
-                    sample = {"role": "assistant", "content": answer.content}
-                    score = extraction_reward(messages, sample)
-                    scores.setdefault(served, []).append(score)
-                    if feedback:
-                        rating = {"completion_id": completion.id, "score": score}
-                        try:
-                            rated = await raters.post("/feedback", json=rating)
-                        except httpx.HTTPError as exc:
-                            failures.append(f"feedback: {exc}"[:200])
-                        else:
-                            if rated.status_code != 200:
-                                failures.append(f"feedback: {rated.status_code} {rated.text}"[:200])
-            progress.advance(task)
+                await self.ask(client, raters, prompt["messages"])
+            advance()
 
         await asyncio.gather(*(one(p) for p in work))
         await client.close()
         await raters.aclose()
 
-    with Progress(console=console) as progress:
-        task = progress.add_task(f"Sending demo traffic to {alias}", total=len(work))
-        asyncio.run(replay(progress, task))
-    table = Table(title=f"{alias}: demo verifier score by version that answered")
-    for column in ("served as", "answers", "mean score"):
-        table.add_column(column)
-    for served, values in sorted(scores.items()):
-        table.add_row(served, str(len(values)), f"{sum(values) / len(values):.3f}")
-    console.print(table)
-    if failures:
-        console.print(f"[yellow]{len(failures)} requests failed, e.g. {failures[0]}[/yellow]")
+    async def ask(
+        self, client: openai.AsyncOpenAI, raters: httpx.AsyncClient, messages: list[Any]
+    ) -> None:
+        import openai
+
+        from ratchet.demo import extraction_reward
+
+        try:
+            raw = await client.chat.completions.with_raw_response.create(
+                model=self.alias, messages=messages, max_tokens=64, temperature=0.0
+            )
+        except openai.OpenAIError as exc:
+            self.failures.append(str(exc)[:200])
+            return
+        completion = raw.parse()
+        served = raw.headers.get("x-ratchet-served-name", "?")
+        sample = {"role": "assistant", "content": completion.choices[0].message.content}
+        score = extraction_reward(messages, sample)
+        self.scores.setdefault(served, []).append(score)
+        if self.feedback:
+            await self.rate(raters, completion.id, score)
+
+    async def rate(self, raters: httpx.AsyncClient, completion_id: str, score: float) -> None:
+        import httpx
+
+        rating = {"completion_id": completion_id, "score": score}
+        try:
+            rated = await raters.post("/feedback", json=rating)
+        except httpx.HTTPError as exc:
+            self.failures.append(f"feedback: {exc}"[:200])
+            return
+        if rated.status_code != 200:
+            self.failures.append(f"feedback: {rated.status_code} {rated.text}"[:200])
