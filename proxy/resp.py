@@ -134,7 +134,7 @@ class RedisClient:
 
     def __init__(self, url: str, timeout_s: float, setup: tuple[bytes, ...] = ()) -> None:
         self.timeout_s = timeout_s
-        options = parse_url(url)
+        options = parse_url(url)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
         self._path: str | None = options.get("path")
         self._host = options.get("host", "localhost")
         self._port = int(options.get("port", 6379))

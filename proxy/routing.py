@@ -149,4 +149,4 @@ class RoutingCache:
                 backoff = min(backoff * 2, 2.0)
             finally:
                 with contextlib.suppress(redis.RedisError, OSError):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # unannotated in redis-py
