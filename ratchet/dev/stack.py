@@ -154,8 +154,9 @@ def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> P
         # The key as vLLM's own variable rather than --api-key, so `ps` never shows it.
         "VLLM_API_KEY": vllm_api_key(settings),
         # Adapters arrive through the shared store, resolved by served name on first request;
-        # ratchet_cpu_lora fixes and speeds up LoRA on the CPU build (ratchet/dev/vllm_cpu_lora.py).
-        "VLLM_PLUGINS": "lora_filesystem_resolver,ratchet_cpu_lora",
+        # ratchet_cpu_lora fixes and speeds up LoRA on the CPU build (ratchet/dev/vllm_cpu_lora.py);
+        # ratchet_cpu_yield frees the core vLLM's engine spun on (ratchet/dev/vllm_cpu_yield.py).
+        "VLLM_PLUGINS": "lora_filesystem_resolver,ratchet_cpu_lora,ratchet_cpu_yield",
         "VLLM_LORA_RESOLVER_CACHE_DIR": str(settings.store_dir),
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
