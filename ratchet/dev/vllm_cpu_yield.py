@@ -18,6 +18,7 @@ against a step of tens of milliseconds here).
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -36,6 +37,7 @@ def register() -> None:
         return
     original = spin.__init__
 
+    @functools.wraps(original)  # keeps vLLM's own as __wrapped__
     def init_without_busy_wait(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         if self.is_reader:

@@ -15,7 +15,8 @@ from ratchet.dev import vllm_cpu_yield
 
 shm_broadcast = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
 SpinCondition = shm_broadcast.SpinCondition
-ORIGINAL_INIT = SpinCondition.__init__
+# vLLM's own, even where an earlier test in this process loaded vLLM's plugins (ours among them).
+ORIGINAL_INIT = getattr(SpinCondition.__init__, "__wrapped__", SpinCondition.__init__)
 
 
 @pytest.fixture
@@ -33,6 +34,7 @@ def pair() -> Iterator[tuple[object, object]]:
 
 @pytest.fixture(autouse=True)
 def restore_vllm() -> Iterator[None]:
+    SpinCondition.__init__ = ORIGINAL_INIT
     yield
     SpinCondition.__init__ = ORIGINAL_INIT
 
