@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import zmq
@@ -19,17 +20,19 @@ SpinCondition = shm_broadcast.SpinCondition
 ORIGINAL_INIT = getattr(SpinCondition.__init__, "__wrapped__", SpinCondition.__init__)
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[object, object]]:
+def spin_pair(context: zmq.Context[zmq.Socket[bytes]]) -> tuple[Any, Any]:
     """A writer and a reader on one notification address, as vLLM's MessageQueue makes them."""
-    context = zmq.Context()
     address = f"inproc://ratchet-yield-{time.monotonic_ns()}"
     writer = SpinCondition(is_reader=False, context=context, notify_address=address)
     reader = SpinCondition(is_reader=True, context=context, notify_address=address)
-    try:
-        yield writer, reader
-    finally:
-        context.destroy(linger=0)
+    return writer, reader
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
 
 
 @pytest.fixture(autouse=True)
@@ -39,43 +42,39 @@ def restore_vllm() -> Iterator[None]:
     SpinCondition.__init__ = ORIGINAL_INIT
 
 
-def test_vllm_readers_spin_for_a_second_by_default(pair: tuple[object, object]) -> None:
+def test_vllm_readers_spin_for_a_second_by_default(context: zmq.Context[zmq.Socket[bytes]]) -> None:
     """What the plugin exists for: if vLLM stops busy-waiting itself, the plugin can go."""
-    _, reader = pair
-    assert reader.busy_loop_s == 1  # type: ignore[attr-defined]
+    _, reader = spin_pair(context)
+    assert reader.busy_loop_s == 1
 
 
-def test_after_register_a_reader_sleeps_until_notified() -> None:
+def test_after_register_a_reader_sleeps_until_notified(
+    context: zmq.Context[zmq.Socket[bytes]],
+) -> None:
     vllm_cpu_yield.register()
     vllm_cpu_yield.register()  # vLLM loads plugins once per process; twice must not stack
-    context = zmq.Context()
-    address = f"inproc://ratchet-yield-{time.monotonic_ns()}"
-    try:
-        writer = SpinCondition(is_reader=False, context=context, notify_address=address)
-        reader = SpinCondition(is_reader=True, context=context, notify_address=address)
-        assert reader.busy_loop_s == 0 and writer.busy_loop_s == 0
-        # Just read: vLLM's default would return at once (one sched_yield, then the caller
-        # loops); without the window the reader waits out its timeout on the socket.
+    writer, reader = spin_pair(context)
+    assert reader.busy_loop_s == 0 and writer.busy_loop_s == 0
+    # Just read: vLLM's default would return at once (one sched_yield, then the caller loops);
+    # without the window the reader waits out its timeout on the socket.
+    reader.record_read()
+    started = time.monotonic()
+    reader.wait(timeout_ms=300)
+    assert time.monotonic() - started >= 0.25
+
+    # A write's notification wakes it long before a 30 s timeout.
+    woke = threading.Event()
+
+    def wait_for_write() -> None:
         reader.record_read()
-        started = time.monotonic()
-        reader.wait(timeout_ms=300)
-        assert time.monotonic() - started >= 0.25
+        reader.wait(timeout_ms=30_000)
+        woke.set()
 
-        # A write's notification wakes it long before a 30 s timeout.
-        woke = threading.Event()
-
-        def wait_for_write() -> None:
-            reader.record_read()
-            reader.wait(timeout_ms=30_000)
-            woke.set()
-
-        thread = threading.Thread(target=wait_for_write)
-        thread.start()
-        deadline = time.monotonic() + 10
-        while not woke.is_set() and time.monotonic() < deadline:
-            writer.notify()  # PUB drops what is sent before the SUB joins: send until heard
-            woke.wait(0.05)
-        thread.join(10)
-        assert woke.is_set()
-    finally:
-        context.destroy(linger=0)
+    thread = threading.Thread(target=wait_for_write)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not woke.is_set() and time.monotonic() < deadline:
+        writer.notify()  # PUB drops what is sent before the SUB joins: send until heard
+        woke.wait(0.05)
+    thread.join(10)
+    assert woke.is_set()
