@@ -1,4 +1,4 @@
-"""How many cores does the embedded vLLM take to sample the judge's groups, with and without the
+"""How fast, and on how many cores, does the embedded vLLM answer with and without the
 ``ratchet_cpu_yield`` plugin (ratchet/dev/vllm_cpu_yield.py)?
 
 Run it from the repository root (starts its own vLLMs on free ports, one after the other)::
@@ -9,12 +9,20 @@ Method
 ------
 The embedded stack's vLLM (``ratchet.dev.stack.vllm_part``) is started alone twice: first with
 ``ratchet_cpu_yield`` left out of ``VLLM_PLUGINS`` (the peer: vLLM's own 1 s busy-wait), then as
-the stack runs it. Each samples the same seeded groups as the judge does (``sample_all`` of
-bench/vllm_block_size.py) over the first ``--groups`` prompts of every bundled task, after a
-warm-up. Printed per run: seconds, generated tokens per second (from vLLM's ``/metrics``), and
-the cores vLLM's processes used meanwhile (their user + system CPU seconds over the wall
-seconds, read with psutil), each with its ratio against the peer. The seeds make both runs
-generate the same tokens: the counts must agree.
+the stack runs it. Each, after a warm-up, runs two workloads:
+
+* ``groups``: the same seeded groups as the judge samples (``sample_all`` of
+  bench/vllm_block_size.py), over the first ``--groups`` prompts of every bundled task,
+  ``--concurrency`` groups at a time. The seeds make both runs generate the same tokens: the
+  counts must agree.
+* ``single``: ``--single`` greedy answers of ``--max-tokens`` tokens (EOS ignored), one after
+  the other, as one user's chat or one of the gate's calls at a time. A plugin that slows vLLM's
+  hand-over between its processes shows here first: a step is short and nothing else overlaps
+  it (the plugin's first version made these 20x slower while the groups ran as fast).
+
+Printed per run and workload: seconds, generated tokens per second (from vLLM's ``/metrics``),
+and the cores vLLM's processes used meanwhile (their user + system CPU seconds over the wall
+seconds, read with psutil), each with its ratio against the peer.
 """
 
 from __future__ import annotations
@@ -24,9 +32,12 @@ import asyncio
 import json
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +67,7 @@ def cpu_seconds(root: psutil.Process) -> float:
     return total
 
 
-def measure(with_yield: bool, prompts: list[Any], args: argparse.Namespace) -> dict[str, Any]:
+def measure(with_yield: bool, prompts: list[Any], args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="ratchet-yield-") as tmp:
         settings = RatchetSettings(vllm_url=f"http://127.0.0.1:{free_port()}", home=Path(tmp))
         part = vllm_part(settings, prepare_model(default_home(), quiet=True), SERVED_MODEL)
@@ -70,16 +81,42 @@ def measure(with_yield: bool, prompts: list[Any], args: argparse.Namespace) -> d
             root = psutil.Process(part.process.pid)
             url, key = settings.vllm_url, vllm_api_key(settings)
             asyncio.run(sample_all(url, key, prompts[:2], args, args.group_size))  # warm-up
-            before_tokens = vllm_metrics(url)["generation_tokens"]
-            before_cpu = cpu_seconds(root)
-            seconds = asyncio.run(sample_all(url, key, prompts, args, args.group_size))
-            cpu = cpu_seconds(root) - before_cpu
-            tokens = vllm_metrics(url)["generation_tokens"] - before_tokens
+            workloads = {
+                "groups": lambda: asyncio.run(sample_all(url, key, prompts, args, args.group_size)),
+                "single": lambda: answer_one_by_one(url, key, prompts[0], args),
+            }
+            return [
+                {"ratchet_cpu_yield": with_yield, "workload": name, **timed(url, root, run)}
+                for name, run in workloads.items()
+            ]
         finally:
             stack.stop()
+
+
+def answer_one_by_one(url: str, key: str, prompt: Any, args: argparse.Namespace) -> None:
+    body = {
+        "model": SERVED_MODEL,
+        "messages": prompt,
+        "max_tokens": args.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    headers = {"Authorization": f"Bearer {key}"}
+    for _ in range(args.single):
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=600)
+        reply.raise_for_status()
+
+
+def timed(url: str, root: psutil.Process, run: Callable[[], object]) -> dict[str, Any]:
+    """Seconds, tokens generated, tokens per second and cores of vLLM's processes over `run`."""
+    before_tokens = vllm_metrics(url)["generation_tokens"]
+    before_cpu = cpu_seconds(root)
+    started = time.monotonic()
+    run()
+    seconds = time.monotonic() - started
+    cpu = cpu_seconds(root) - before_cpu
+    tokens = vllm_metrics(url)["generation_tokens"] - before_tokens
     return {
-        "ratchet_cpu_yield": with_yield,
-        "groups": len(prompts),
         "seconds": round(seconds, 1),
         "generation_tokens": tokens,
         "tokens_per_s": round(tokens / seconds, 1),
@@ -93,6 +130,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--single", type=int, default=8, help="answers one after the other")
     parser.add_argument(
         "--out", type=Path, default=REPO / "bench" / "results" / "vllm_cpu_yield.json"
     )
@@ -100,17 +138,18 @@ def main() -> None:
     prompts = [p["messages"] for task in TASKS.values() for p in task.load_prompts()[: args.groups]]
     peer, ours = (measure(with_yield, prompts, args) for with_yield in (False, True))
     print(
-        f"{'vLLM':>22} {'seconds':>8} {'tokens':>7} {'tokens/s':>9} {'x peer':>7}"
+        f"{'vLLM':>22} {'workload':>8} {'seconds':>8} {'tokens':>7} {'tokens/s':>9} {'x peer':>7}"
         f" {'cores':>6} {'x peer':>7}"
     )
-    for label, r in (("own busy-wait (peer)", peer), (f"with {PLUGIN_NAME}", ours)):
-        print(
-            f"{label:>22} {r['seconds']:>8} {r['generation_tokens']:>7.0f} {r['tokens_per_s']:>9}"
-            f" {r['tokens_per_s'] / peer['tokens_per_s']:>6.2f}x {r['cores']:>6}"
-            f" {r['cores'] / peer['cores']:>6.2f}x"
-        )
+    for label, rows in (("own busy-wait (peer)", peer), (f"with {PLUGIN_NAME}", ours)):
+        for r, p in zip(rows, peer, strict=True):
+            print(
+                f"{label:>22} {r['workload']:>8} {r['seconds']:>8} {r['generation_tokens']:>7.0f}"
+                f" {r['tokens_per_s']:>9} {r['tokens_per_s'] / p['tokens_per_s']:>6.2f}x"
+                f" {r['cores']:>6} {r['cores'] / p['cores']:>6.2f}x"
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps([peer, ours], indent=1))
+    args.out.write_text(json.dumps(peer + ours, indent=1))
     print(f"results: {args.out}")
 
 
