@@ -2,9 +2,11 @@
 
 One stack per test session, on free ports under a temporary home, started by the same code as
 `ratchet up`; every test that needs a vLLM, Tansu or Redis uses it (test_up's `ratchet up` is
-the one that starts its own, while this one starts). The converted model is cached in the
-default Ratchet home so later runs skip it. Tests that stop parts (faults) are marked
-``disruptive`` and run last.
+the one that starts its own, while this one starts). Under pytest-xdist (`scripts/test` runs two
+workers, whole modules each) every worker is a session with its own stack, so no test shares a
+proxy, a broker or a gauge with another worker's. The converted model is cached in the default
+Ratchet home so later runs skip it. Tests that stop parts (faults) are marked ``disruptive`` and
+run last.
 """
 
 from __future__ import annotations
@@ -44,13 +46,33 @@ BASE_MODEL = "smollm2-135m-instruct"
 TEST_SECRET = "ratchet-integration-tests"
 
 
+# The modules that take longest (minutes of training or judging each), longest first. `scripts/test`
+# runs the integration tests on two xdist workers, a module at a time in this order, so the long
+# ones start first and the short ones fill in around them (longest-first scheduling).
+LONGEST_FIRST = (
+    "test_judge.py",
+    "test_learner.py",
+    "test_ratings_mechanics.py",
+    "test_loop_mechanics.py",
+    "test_routing.py",
+    "test_replicas.py",
+    "test_gate.py",
+    "test_console.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Tests without the shared stack run first, while it starts (see embedded_start); tests that
-    # stop parts of it run after all the others.
+    # Tests without the shared stack run first, while it starts (see embedded_start); then the
+    # longest modules; tests that stop parts of the stack run after all the others.
+    def length_rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
     items.sort(
         key=lambda item: (
             item.get_closest_marker("disruptive") is not None,
             "embedded" in item.fixturenames,
+            length_rank(item),
         )
     )
 
