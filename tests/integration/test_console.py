@@ -229,7 +229,12 @@ def test_the_console_shows_the_loop_and_steers_it_in_a_browser(
             # Recent traffic, found by completion id, with its user's rating.
             reply = httpx.post(
                 f"{embedded.proxy_url}/v1/chat/completions",
-                json={"model": ALIAS, "messages": [{"role": "user", "content": "Hi"}]},
+                # Bounded: an answer left to run to the context takes minutes on a loaded CPU.
+                json={
+                    "model": ALIAS,
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 16,
+                },
                 timeout=60,
             )
             reply.raise_for_status()
