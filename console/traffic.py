@@ -5,7 +5,9 @@ A thread reads both topics from their ends, with no consumer group (nothing is c
 several consoles do not split the records between them), and keeps in memory, per alias, the
 newest :data:`KEPT` exchanges, each findable by completion id. A rating counts for the version
 that answered, when the console saw its exchange. So both start empty when the console starts
-and cover what it has seen since: the page says so.
+and cover what it has seen since: the page says so. The two topics are read together but not in
+step, so a rating can arrive before its exchange: the newest :data:`PENDING_RATINGS` such ratings
+wait for it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from ratchet.settings import RatchetSettings
 log = logging.getLogger(__name__)
 
 KEPT = 200  # exchanges kept per alias
+# Ratings whose exchange has not arrived yet (or never will: any client may rate any id).
+PENDING_RATINGS = 1000
 TEXT_CHARS = 600  # of a prompt or an answer, for the page
 
 
@@ -78,6 +82,7 @@ class RecentTraffic:
         self.exchanges: dict[str, OrderedDict[str, Exchange]] = {a: OrderedDict() for a in aliases}
         self.owner: dict[str, str] = {}  # completion id -> alias, for the kept exchanges
         self.sums: dict[tuple[str, int], tuple[int, float]] = {}
+        self.pending: OrderedDict[str, float] = OrderedDict()  # completion id -> score
 
     def add(self, record: object) -> None:
         if isinstance(record, TrafficRecord):
@@ -106,18 +111,28 @@ class RecentTraffic:
             while len(kept) > KEPT:
                 evicted, _ = kept.popitem(last=False)
                 self.owner.pop(evicted, None)
+            score = self.pending.pop(exchange.completion_id, None)
+            if score is not None:
+                self._rate(record.alias, exchange, score)
 
     def _feedback(self, record: FeedbackRecord) -> None:
         with self.lock:
             alias = self.owner.get(record.completion_id)
-            if alias is None:
+            if alias is not None:
+                self._rate(alias, self.exchanges[alias][record.completion_id], record.score)
                 return
-            exchange = self.exchanges[alias][record.completion_id]
-            if exchange.rating is not None:
-                return  # the proxy takes one rating per completion; a redelivery
-            exchange.rating = record.score
-            n, total = self.sums.get((alias, exchange.version), (0, 0.0))
-            self.sums[(alias, exchange.version)] = (n + 1, total + record.score)
+            # The exchange may still be on its way; a redelivered rating keeps the first.
+            self.pending.setdefault(record.completion_id, record.score)
+            while len(self.pending) > PENDING_RATINGS:
+                self.pending.popitem(last=False)
+
+    def _rate(self, alias: str, exchange: Exchange, score: float) -> None:
+        """Under the lock: the exchange's rating, and its version's sum."""
+        if exchange.rating is not None:
+            return  # the proxy takes one rating per completion; a redelivery
+        exchange.rating = score
+        n, total = self.sums.get((alias, exchange.version), (0, 0.0))
+        self.sums[(alias, exchange.version)] = (n + 1, total + score)
 
     def recent(self, alias: str, completion_id: str | None = None) -> list[Exchange]:
         """Newest first; only the one asked for when ``completion_id`` is given."""

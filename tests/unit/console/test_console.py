@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from console.app import create_app, safe_next
 from console.auth import COOKIE
 from console.render import rounds_svg
-from console.traffic import KEPT, RecentTraffic
+from console.traffic import KEPT, PENDING_RATINGS, RecentTraffic
 from ratchet.gate_pairs import GatePair, write_gate_pairs
 from ratchet.lifecycle import Lifecycle
 from ratchet.records import FeedbackRecord, TrafficRecord
@@ -282,3 +282,19 @@ def test_the_kept_traffic_is_bounded_per_alias() -> None:
     kept = recent.recent(ALIAS)
     assert len(kept) == KEPT and kept[0].completion_id == f"chatcmpl-{KEPT + 9}"
     assert recent.recent(ALIAS, "chatcmpl-0") == [] and len(recent.owner) == KEPT
+
+
+def test_a_rating_read_before_its_exchange_still_counts() -> None:
+    """The console reads both topics at once but not in step: under load the rating can come
+    first, and was lost."""
+    recent = RecentTraffic({ALIAS})
+    recent.add(FeedbackRecord(completion_id="chatcmpl-7", score=1.0))
+    recent.add(FeedbackRecord(completion_id="chatcmpl-7", score=0.0))  # a redelivery: ignored
+    recent.add(exchange(7, version=3))
+    [rated] = recent.recent(ALIAS, "chatcmpl-7")
+    assert rated.rating == 1.0
+    assert [(r.version, r.ratings, r.mean) for r in recent.ratings(ALIAS)] == [(3, 1, 1.0)]
+    # Ratings of ids never served wait in a bounded queue, oldest out first.
+    for i in range(PENDING_RATINGS + 5):
+        recent.add(FeedbackRecord(completion_id=f"never-{i}", score=1.0))
+    assert len(recent.pending) == PENDING_RATINGS and "never-0" not in recent.pending
