@@ -27,6 +27,8 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ sys.path.insert(0, str(REPO))
 from bench.judge_sampling import vllm_metrics  # noqa: E402
 from judge.sampler import sample_group, sampling_body  # noqa: E402
 from ratchet.dev.model import prepare_model  # noqa: E402
-from ratchet.dev.processes import Stack, free_port  # noqa: E402
+from ratchet.dev.processes import Part, Stack, free_port  # noqa: E402
 from ratchet.dev.stack import vllm_part  # noqa: E402
 from ratchet.secrets import vllm_api_key  # noqa: E402
 from ratchet.settings import RatchetSettings, SamplingConfig, default_home  # noqa: E402
@@ -66,24 +68,35 @@ async def sample_all(
     return time.monotonic() - started
 
 
-def measure(block: int, prompts: list[Any], args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="ratchet-blocks-") as tmp:
+@contextmanager
+def lone_vllm(adjust: Callable[[Part], None]) -> Iterator[tuple[str, str, Part]]:
+    """The embedded stack's vLLM alone on a free port under a temporary home, changed by
+    ``adjust`` before it starts: its URL, its key and its part (the process), until the block
+    ends."""
+    with tempfile.TemporaryDirectory(prefix="ratchet-bench-vllm-") as tmp:
         settings = RatchetSettings(vllm_url=f"http://127.0.0.1:{free_port()}", home=Path(tmp))
         part = vllm_part(settings, prepare_model(default_home(), quiet=True), SERVED_MODEL)
-        part.command += ["--block-size", str(block)]
+        adjust(part)
         stack = Stack([part], Path(tmp) / "state")
         stack.start()
         try:
-            url, key = settings.vllm_url, vllm_api_key(settings)
-            # warm up: compile, first load
-            asyncio.run(sample_all(url, key, prompts[:2], args, args.group_size))
-            before = vllm_metrics(url)
-            seconds = asyncio.run(sample_all(url, key, prompts, args, args.group_size))
-            after = vllm_metrics(url)
-            # Served traffic (one answer a request, nothing shared) must not pay for it.
-            single = asyncio.run(sample_all(url, key, prompts, args, 1))
+            yield settings.vllm_url, vllm_api_key(settings), part
         finally:
             stack.stop()
+
+
+def measure(block: int, prompts: list[Any], args: argparse.Namespace) -> dict[str, Any]:
+    def block_size_last(part: Part) -> None:
+        part.command += ["--block-size", str(block)]
+
+    with lone_vllm(block_size_last) as (url, key, _):
+        # warm up: compile, first load
+        asyncio.run(sample_all(url, key, prompts[:2], args, args.group_size))
+        before = vllm_metrics(url)
+        seconds = asyncio.run(sample_all(url, key, prompts, args, args.group_size))
+        after = vllm_metrics(url)
+        # Served traffic (one answer a request, nothing shared) must not pay for it.
+        single = asyncio.run(sample_all(url, key, prompts, args, 1))
     delta = {k: after[k] - before[k] for k in after}
     queries = delta["prefix_queries"]
     return {

@@ -15,10 +15,11 @@ the stack runs it. Each, after a warm-up, runs two workloads:
   bench/vllm_block_size.py), over the first ``--groups`` prompts of every bundled task,
   ``--concurrency`` groups at a time. The seeds make both runs generate the same tokens: the
   counts must agree.
-* ``single``: ``--single`` greedy answers of ``--max-tokens`` tokens (EOS ignored), one after
-  the other, as one user's chat or one of the gate's calls at a time. A plugin that slows vLLM's
-  hand-over between its processes shows here first: a step is short and nothing else overlaps
-  it (the plugin's first version made these 20x slower while the groups ran as fast).
+* ``single``: the first ``--single`` of those prompts, one answer each, one request at a time
+  (the same seeded sampling), as one user's chat or one of the gate's calls at a time. A plugin
+  that slows vLLM's hand-over between its processes shows here first: a step is short and
+  nothing else overlaps it (the plugin's first version made these 20x slower while the groups
+  ran as fast).
 
 Printed per run and workload: seconds, generated tokens per second (from vLLM's ``/metrics``),
 and the cores vLLM's processes used meanwhile (their user + system CPU seconds over the wall
@@ -31,26 +32,20 @@ import argparse
 import asyncio
 import json
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.judge_sampling import vllm_metrics  # noqa: E402
-from bench.vllm_block_size import SERVED_MODEL, sample_all  # noqa: E402
-from ratchet.dev.model import prepare_model  # noqa: E402
-from ratchet.dev.processes import Stack, free_port  # noqa: E402
-from ratchet.dev.stack import vllm_part  # noqa: E402
+from bench.vllm_block_size import lone_vllm, sample_all  # noqa: E402
+from ratchet.dev.processes import Part  # noqa: E402
 from ratchet.dev.vllm_cpu_yield import PLUGIN_NAME  # noqa: E402
-from ratchet.secrets import vllm_api_key  # noqa: E402
-from ratchet.settings import RatchetSettings, default_home  # noqa: E402
 from ratchet.tasks import TASKS  # noqa: E402
 
 
@@ -68,43 +63,26 @@ def cpu_seconds(root: psutil.Process) -> float:
 
 
 def measure(with_yield: bool, prompts: list[Any], args: argparse.Namespace) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory(prefix="ratchet-yield-") as tmp:
-        settings = RatchetSettings(vllm_url=f"http://127.0.0.1:{free_port()}", home=Path(tmp))
-        part = vllm_part(settings, prepare_model(default_home(), quiet=True), SERVED_MODEL)
+    def plugins(part: Part) -> None:
         if not with_yield:
-            plugins = part.env["VLLM_PLUGINS"].split(",")
-            part.env["VLLM_PLUGINS"] = ",".join(p for p in plugins if p != PLUGIN_NAME)
-        stack = Stack([part], Path(tmp) / "state")
-        stack.start()
-        try:
-            assert part.process is not None
-            root = psutil.Process(part.process.pid)
-            url, key = settings.vllm_url, vllm_api_key(settings)
-            asyncio.run(sample_all(url, key, prompts[:2], args, args.group_size))  # warm-up
-            workloads = {
-                "groups": lambda: asyncio.run(sample_all(url, key, prompts, args, args.group_size)),
-                "single": lambda: answer_one_by_one(url, key, prompts[0], args),
-            }
-            return [
-                {"ratchet_cpu_yield": with_yield, "workload": name, **timed(url, root, run)}
-                for name, run in workloads.items()
-            ]
-        finally:
-            stack.stop()
+            names = part.env["VLLM_PLUGINS"].split(",")
+            part.env["VLLM_PLUGINS"] = ",".join(n for n in names if n != PLUGIN_NAME)
 
-
-def answer_one_by_one(url: str, key: str, prompt: Any, args: argparse.Namespace) -> None:
-    body = {
-        "model": SERVED_MODEL,
-        "messages": prompt,
-        "max_tokens": args.max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-    }
-    headers = {"Authorization": f"Bearer {key}"}
-    for _ in range(args.single):
-        reply = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=600)
-        reply.raise_for_status()
+    one_at_a_time = argparse.Namespace(**{**vars(args), "concurrency": 1})
+    with lone_vllm(plugins) as (url, key, part):
+        assert part.process is not None
+        root = psutil.Process(part.process.pid)
+        asyncio.run(sample_all(url, key, prompts[:2], args, args.group_size))  # warm-up
+        workloads = {
+            "groups": lambda: asyncio.run(sample_all(url, key, prompts, args, args.group_size)),
+            "single": lambda: asyncio.run(
+                sample_all(url, key, prompts[: args.single], one_at_a_time, 1)
+            ),
+        }
+        return [
+            {"ratchet_cpu_yield": with_yield, "workload": name, **timed(url, root, run)}
+            for name, run in workloads.items()
+        ]
 
 
 def timed(url: str, root: psutil.Process, run: Callable[[], object]) -> dict[str, Any]:
@@ -130,7 +108,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--single", type=int, default=8, help="answers one after the other")
+    parser.add_argument("--single", type=int, default=8, help="prompts answered one by one")
     parser.add_argument(
         "--out", type=Path, default=REPO / "bench" / "results" / "vllm_cpu_yield.json"
     )
