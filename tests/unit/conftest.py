@@ -77,6 +77,17 @@ def redis_url(redis_server: str) -> str:
     return redis_server
 
 
+@pytest.fixture(scope="session")
+def real_base_model() -> Path:
+    """The embedded stack's base model folder, from the real Ratchet home (`scripts/test` prepares
+    it before pytest). Session-scoped, so it is resolved before `clean_env` points RATCHET_HOME at
+    an empty folder, where it would be converted again (25 s) for every test that asks."""
+    from ratchet.dev.model import prepare_model
+    from ratchet.settings import default_home
+
+    return prepare_model(default_home(), quiet=True)
+
+
 @pytest.fixture
 def one_torch_thread() -> Iterator[None]:
     """One intra-op torch thread: on a small CPU shared with vLLM, two spinning OpenMP threads are

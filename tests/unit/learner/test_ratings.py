@@ -25,7 +25,7 @@ from ratchet.lease import LeaseKeeper
 from ratchet.records import FeedbackRecord, TrafficRecord, utc_now
 from ratchet.rewards.agreement import AGREEMENT_QUEUE, to_judge_key
 from ratchet.rewards.reward_model import RewardModels, RewardStatus, reward_store_name
-from ratchet.settings import AliasConfig, RatchetSettings, default_home
+from ratchet.settings import AliasConfig, RatchetSettings
 from ratchet.store import AdapterStore
 
 ALIAS, OTHER, JUDGED = "support", "plain", "judged"
@@ -216,13 +216,11 @@ def curt(topic: str) -> str:
 
 
 def test_a_reward_model_learns_what_users_prefer_and_scores_with_it(
-    settings: RatchetSettings, client: redis.Redis
+    settings: RatchetSettings, client: redis.Redis, real_base_model: Path
 ) -> None:
     """Users rate polite answers up and curt ones down; the trained model, evaluated on prompts
     it never saw, ranks them the same way, and the judge's scorer uses it."""
-    from ratchet.dev.model import prepare_model
-
-    base = prepare_model(default_home(), quiet=True)
+    base = real_base_model
     assert settings.store_dir is not None
     store = AdapterStore(settings.store_dir)
     stopping = threading.Event()

