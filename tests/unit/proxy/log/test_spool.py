@@ -137,9 +137,15 @@ class Refusal:
     def __init__(self) -> None:
         self.delay = 0.0
         self.attempts = 0
+        self.hang: threading.Event | None = None  # when set: hang until it is set
+        self.hanging = threading.Event()
+        self.hang_timed_out = False
 
     def __call__(self, bootstrap: str, kafka: KafkaSettings, topics: list[str]) -> list[str]:
         self.attempts += 1
+        if self.hang is not None:
+            self.hanging.set()
+            self.hang_timed_out = not self.hang.wait(10)
         if self.delay:
             time.sleep(self.delay)
         raise KafkaTimeoutError(f"Unable to bootstrap from {bootstrap}")
@@ -235,15 +241,20 @@ def test_submit_never_blocks_and_full_queue_counts_drops(
 def test_submit_does_not_block_while_the_thread_is_stuck(
     tmp_path: Path, fast_refusal: Refusal
 ) -> None:
-    fast_refusal.delay = 0.5
+    """Every submit returns while the send thread hangs on the broker: the hang is only lifted
+    after the last one, so a submit that waited for the thread would never return (a timed
+    assertion instead failed on a loaded CI host)."""
+    fast_refusal.hang = threading.Event()
     p = producer(tmp_path, queue_size=100_000)
     p.start()
     try:
-        started = time.perf_counter()
+        assert fast_refusal.hanging.wait(10), "the send thread never reached the broker"
         for i in range(1000):
             p.submit(outgoing(feedback(i), f"c{i}"))
-        assert time.perf_counter() - started < 0.5
+        # Still hanging: a submit that had waited for the thread would have outlasted the hang.
+        assert not fast_refusal.hang_timed_out
     finally:
+        fast_refusal.hang.set()
         p.close()
     assert len(on_disk(tmp_path)) == 1000
 
