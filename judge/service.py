@@ -207,6 +207,7 @@ class JudgeService(JudgeKafka):
             tools=tools,
             traffic_request_id=record.request_id,
             api_key_hash=record.api_key_hash,
+            source=record.source,
             served_output_tokens=record.output_tokens,
         )
         return Ready(held, seen)
@@ -308,6 +309,7 @@ class JudgeService(JudgeKafka):
             rubric_hash=score.rubric_hash,
             traffic_request_id=record.request_id,
             api_key_hash=record.api_key_hash,
+            source=record.source,
         )
 
     def _eligible(

@@ -41,7 +41,6 @@ import redis
 from learner.canary_ratings import Rating, mean_drop, rating_test
 from learner.canary_weight import count_requests, minute_of
 from learner.exchanges import read_exchanges
-from learner.fair import key_of
 from learner.guard import reward_model_gap
 from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
@@ -284,7 +283,7 @@ class CanaryWatcher:
             return  # feedback on an exchange from before this canary
         tally.add(alias, f"{arm}_feedback", 1)
         tally.add(alias, f"{arm}_feedback_sum", record.score)
-        tally.ratings.append((alias, arm, Rating(key_of(record.api_key_hash), record.score)))
+        tally.ratings.append((alias, arm, Rating(record.client, record.score)))
 
     def _store(self, tally: _Tally) -> None:
         pipe = self.redis.pipeline(transaction=False)

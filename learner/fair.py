@@ -1,8 +1,10 @@
-"""One key's share: no API key fills more than ``learning.max_key_share`` of a selection.
+"""One client's share: no client fills more than ``learning.max_key_share`` of a selection.
 
 A round's groups and a gate's held-out pairs are both chosen here, so a client that floods the
 endpoint with crafted prompts steers at most its share of what is trained on and of what judges
-the result. Records without a key hash (auth off) count as one key, :data:`ANONYMOUS`.
+the result. A client is an API key, or, for a key in ``proxy.user_vouching_keys``, that key and
+one `user` of its app (a record's ``client``, ratchet.records.client_of). Records without a key
+hash (auth off) count as one client, :data:`ANONYMOUS`.
 
 With fewer keys than ``1 / share`` the cap rises to an even split among the keys at hand (one
 key alone may fill everything): the rule is there to stop one client drowning the others, and
@@ -18,9 +20,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from ratchet.records import ANONYMOUS_CLIENT
+
 T = TypeVar("T")
 
-ANONYMOUS = "-"
+ANONYMOUS = ANONYMOUS_CLIENT
 _EPSILON = 1e-9  # 1/3 * 3 may come out a hair under 1.0
 
 

@@ -13,7 +13,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from learner.fair import fair_sample, fair_size, key_of
+from learner.fair import fair_sample, fair_size
 from ratchet.records import HeldoutPrompt
 
 
@@ -37,7 +37,7 @@ class HeldoutPool:
     def add(self, prompt: HeldoutPrompt) -> None:
         """Add (or refresh) a prompt; when full, the largest key's oldest prompt goes."""
         self._remove(prompt.prompt_hash)
-        owner = key_of(prompt.api_key_hash)
+        owner = prompt.client
         self._prompts[prompt.prompt_hash] = prompt
         self._by_key.setdefault(owner, OrderedDict())[prompt.prompt_hash] = None
         while len(self._prompts) > self.capacity:
@@ -48,7 +48,7 @@ class HeldoutPool:
         prompt = self._prompts.pop(prompt_hash, None)
         if prompt is None:
             return
-        owner = key_of(prompt.api_key_hash)
+        owner = prompt.client
         hashes = self._by_key[owner]
         del hashes[prompt_hash]
         if not hashes:
@@ -64,4 +64,4 @@ class HeldoutPool:
         whatever order they arrived."""
         rng = random.Random(seed)
         prompts = sorted(self.prompts(), key=lambda p: p.prompt_hash)
-        return fair_sample(prompts, lambda p: key_of(p.api_key_hash), max_pairs, share, rng)
+        return fair_sample(prompts, lambda p: p.client, max_pairs, share, rng)

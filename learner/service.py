@@ -37,7 +37,7 @@ from kafka.structs import TopicPartition
 from prometheus_client import start_http_server
 
 from learner.canary import CanaryWatcher
-from learner.fair import counts_by_key, fair_select, fair_size, key_of
+from learner.fair import counts_by_key, fair_select, fair_size
 from learner.guard import Guard
 from learner.heldout import HeldoutPool
 from learner.intake import Consumers, Waiting
@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 
 
 def key_of_waiting(waiting: Waiting) -> str:
-    return key_of(waiting.group.api_key_hash)
+    return waiting.group.client
 
 
 class LearnerService:

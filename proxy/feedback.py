@@ -26,6 +26,7 @@ async def rate(state: ProxyState, owners: CompletionOwners, request: Request) ->
         thumbs=thumbs,
         comment=comment,
         api_key_hash=key_hash,
+        source=state.source(key_hash, payload),
     )
     if not state.traffic_log.submit(record, key=completion_id):
         owners.ratings.labels("queue_full").inc()

@@ -122,6 +122,7 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
         canary_arm=arm,
         stream=stream,
         api_key_hash=key_hash,
+        source=state.source(key_hash, payload),
         logged=log_rate >= 1.0 or random.random() < log_rate,
         started_at=started_at,
     )

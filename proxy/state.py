@@ -18,7 +18,7 @@ from proxy.routing import RoutingCache
 from proxy.upstream import Upstream
 from proxy.validation import RequestLimits, check_depth, json_too_deep
 from ratchet.records import DEADLETTER_TOPIC, FEEDBACK_TOPIC, TRAFFIC_TOPIC
-from ratchet.secrets import hash_api_key, server_secret, vllm_api_key
+from ratchet.secrets import client_source, hash_api_key, server_secret, vllm_api_key
 from ratchet.settings import RatchetSettings
 
 
@@ -64,6 +64,10 @@ class ProxyState:
         self.key_hashes = frozenset(hash_api_key(self.secret, k) for k in keys)
         if self.admin_key_hash is not None:
             self.key_hashes |= {self.admin_key_hash}
+        self.vouching_key_hashes = frozenset(
+            hash_api_key(self.secret, k.get_secret_value())
+            for k in settings.proxy.user_vouching_keys
+        )
         self.limits = RequestLimits.from_settings(settings.proxy)
         self.upstream.on_model_context = self.limits.set_model_context
         # Per key only when keys are required: without auth a client could invent one per request.
@@ -88,6 +92,13 @@ class ProxyState:
                 code="invalid_api_key",
             )
         return key_hash
+
+    def source(self, key_hash: str | None, payload: dict[str, Any]) -> str | None:
+        """The client a request counts as (ratchet.secrets.client_source): its key, or, for a
+        key in proxy.user_vouching_keys, that key and the body's `user`."""
+        user = payload.get("user")
+        vouched = key_hash in self.vouching_key_hashes and isinstance(user, str) and bool(user)
+        return client_source(self.secret, key_hash, user if vouched else None)
 
     def require_admin(self, request: Request) -> None:
         """For routes that need proxy.admin_key: 401 without a valid key, 403 for a client key."""

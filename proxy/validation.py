@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import ProxyError, bad_request
+from ratchet.secrets import USER_MAX_CHARS
 from ratchet.settings import NAME_PATTERN, NAME_RULE, ProxySettings
 
 Check = Callable[[Any], bool]
@@ -195,6 +196,11 @@ def check_feedback(payload: dict[str, Any]) -> tuple[str, float, str | None, str
     if comment is not None and not (isinstance(comment, str) and len(comment) <= 4096):
         raise bad_request(
             "comment must be a string of at most 4096 chars", "comment", "invalid_type"
+        )
+    user = payload.get("user")
+    if user is not None and not (isinstance(user, str) and len(user) <= USER_MAX_CHARS):
+        raise bad_request(
+            f"user must be a string of at most {USER_MAX_CHARS} chars", "user", "invalid_type"
         )
     return completion_id, float(score), thumbs, comment
 

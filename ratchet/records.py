@@ -61,6 +61,15 @@ class Record(BaseModel):
         return orjson.dumps(self.model_dump(by_alias=True, mode="json"))
 
 
+ANONYMOUS_CLIENT = "-"  # every request of a stack without API keys is this one client
+
+
+def client_of(source: str | None, api_key_hash: str | None) -> str:
+    """The client a record counts for in the per-client caps: its ``source`` (the key, or the
+    key and the user it vouched for), else its key hash (records from before ``source``)."""
+    return source or api_key_hash or ANONYMOUS_CLIENT
+
+
 class TrafficRecord(Record):
     """One client exchange as the proxy saw it: request as sent, answer as received.
 
@@ -92,12 +101,18 @@ class TrafficRecord(Record):
     latency_ms: float
     ttft_ms: float | None = None
     api_key_hash: str | None = None
+    # The client for the per-client caps (ratchet.secrets.client_source); read it with .client.
+    source: str | None = None
     user: str | None = None
     # Set when the record was cut to fit proxy.max_record_bytes: what was cut ("logprobs",
     # "answer", "request"), and the size of the whole record in bytes. A cut request is not
     # the prompt the model saw, so the judge does not learn from it.
     truncated: list[str] = []
     original_bytes: int | None = None
+
+    @property
+    def client(self) -> str:
+        return client_of(self.source, self.api_key_hash)
 
 
 class FeedbackRecord(Record):
@@ -109,6 +124,11 @@ class FeedbackRecord(Record):
     thumbs: Literal["up", "down"] | None = None
     comment: str | None = None
     api_key_hash: str | None = None
+    source: str | None = None  # as TrafficRecord's: who rated, for the per-client caps
+
+    @property
+    def client(self) -> str:
+        return client_of(self.source, self.api_key_hash)
 
 
 class Sample(BaseModel):
@@ -140,6 +160,11 @@ class ScoredGroup(Record):
     traffic_request_id: str
     # The key of the client whose prompt it is (learning.max_key_share); None: no key (auth off).
     api_key_hash: str | None = None
+    source: str | None = None  # the traffic record's: the client, for the per-client caps
+
+    @property
+    def client(self) -> str:
+        return client_of(self.source, self.api_key_hash)
 
 
 class HeldoutPrompt(Record):
@@ -152,9 +177,14 @@ class HeldoutPrompt(Record):
     tools: list[dict[str, Any]] | None = None
     traffic_request_id: str
     api_key_hash: str | None = None  # whose prompt it is, as for ScoredGroup
+    source: str | None = None
     # The served answer's length in tokens (None: unknown, or a record from before this field),
     # so the gate can size its own max_tokens to the task's answers.
     served_output_tokens: int | None = None
+
+    @property
+    def client(self) -> str:
+        return client_of(self.source, self.api_key_hash)
 
 
 class LifecycleEvent(Record):

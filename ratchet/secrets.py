@@ -67,6 +67,19 @@ def hash_api_key(secret: bytes, key: str | None) -> str | None:
     return "hmac-sha256:" + keyed_hash(secret, "api-key", key)
 
 
+USER_MAX_CHARS = 256  # OpenAI's `user` is an app's id for its end user; longer is not an id
+
+
+def client_source(secret: bytes, key_hash: str | None, user: str | None) -> str | None:
+    """Whose evidence a request is, for the caps on one client's share of training, canary
+    ratings and reward-model ratings: the key's hash, or, when ``user`` is given (only for a key
+    the operator trusts to vouch for its users, ``proxy.user_vouching_keys``), a keyed hash of the
+    key and that user, so that one app key serving many users counts as many clients."""
+    if user is None:
+        return key_hash
+    return "user:" + keyed_hash(secret, "client-user", key_hash or "-", user[:USER_MAX_CHARS])
+
+
 def vllm_api_key(settings: RatchetSettings) -> str:
     """The key vLLM requires: ``vllm_api_key``, else one derived from the server secret."""
     if settings.vllm_api_key is not None:

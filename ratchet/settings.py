@@ -345,6 +345,11 @@ class ProxySettings(_Section):
     # Client keys. Empty means no auth, which is only allowed on a loopback address.
     api_keys: list[SecretStr] = []
     admin_key: SecretStr | None = None
+    # Keys of apps that tell their end users apart with the request's `user` field (and
+    # /v1/feedback's): for these the per-client caps (learning.max_key_share, the canary's and the
+    # reward model's per-client ratings) count each (key, user) as a client. Only list a key whose
+    # app sets `user` itself, never one handed to end users: they could then be anyone they like.
+    user_vouching_keys: list[SecretStr] = []
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     upstream_connect_timeout_s: float = Field(default=2.0, gt=0)
     upstream_timeout_s: float = Field(default=300.0, gt=0)
@@ -418,6 +423,17 @@ class ProxySettings(_Section):
         if key is not None and not key.get_secret_value().strip():
             raise ValueError("is blank; remove it or set it to a real key")
         return key
+
+    @model_validator(mode="after")
+    def _vouching_keys_are_client_keys(self) -> ProxySettings:
+        known = {k.get_secret_value() for k in self.api_keys}
+        for index, key in enumerate(self.user_vouching_keys):
+            if key.get_secret_value() not in known:
+                raise ValueError(
+                    f"proxy.user_vouching_keys[{index}] is not one of proxy.api_keys; a key can "
+                    "only vouch for its users if it is a client key: add it to api_keys too"
+                )
+        return self
 
     @model_validator(mode="after")
     def _metrics_auth_needs_admin_key(self) -> ProxySettings:

@@ -127,6 +127,7 @@ class Exchange:
     stream: bool
     api_key_hash: str | None
     redactor: Redactor
+    source: str | None = None
     # False when the alias's log_rate left this exchange out of ratchet.traffic.
     logged: bool = True
     status: int = 0
@@ -177,6 +178,7 @@ class Exchange:
             latency_ms=round(self.latency_ms, 3),
             ttft_ms=None if self.ttft_ms is None else round(self.ttft_ms, 3),
             api_key_hash=self.api_key_hash,
+            source=self.source,
             user=user if isinstance(user, str) else None,
         )
 

@@ -106,6 +106,7 @@ class ExchangeMeta:
     latency_ms: float = 0.0
     ttft_ms: float | None = None
     client_request_id: str | None = None  # the client's x-request-id, for correlation only
+    source: str | None = None  # the client for the per-client caps (ProxyState.source)
 
 
 class Worker:

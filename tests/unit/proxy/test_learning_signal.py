@@ -302,6 +302,53 @@ async def test_a_rating_needs_a_key(plain: Running) -> None:
     assert response.status_code == 401
 
 
+async def test_a_vouching_keys_users_are_clients_of_their_own_and_no_other_keys_are(
+    upstream: dict[str, Any], redis_url: str, tmp_path: Path
+) -> None:
+    """One app key that vouches for its users: each `user` is a client for the per-client caps,
+    on its exchanges and its ratings alike. Another key's `user` changes nothing: anyone could
+    send any user, so a key not trusted to vouch stays one client however many it names."""
+    route = AliasRoute("support", BASE, 1)
+    async with proxy_on(
+        upstream, redis_url, tmp_path, route, user_vouching_keys=[KEY_A]
+    ) as running:
+        for key, user in (
+            (KEY_A, "u1"),
+            (KEY_A, "u2"),
+            (KEY_A, "u1"),
+            (KEY_B, "u1"),
+            (KEY_B, "u2"),
+        ):
+            assert (await running.chat(key, user=user)).status_code == 200
+        await running.chat(KEY_A)  # no user: the key itself
+        sources = [m["source"] for m in running.metas]
+        hashes = [m["api_key_hash"] for m in running.metas]
+        assert sources[0] == sources[2] != sources[1]
+        assert {sources[0], sources[1]}.isdisjoint(hashes)
+        assert sources[3] == sources[4] == hashes[3]
+        assert sources[5] == hashes[5] == hashes[0]
+        meta = {k: v for k, v in running.metas[1].items() if not k.startswith("_")}
+        meta.pop("started_at")
+        record = Exchange(**meta, request={}, redactor=Redactor([])).to_record()
+        assert record.client == sources[1]
+
+        captured: list[Any] = []
+
+        def capture(record: Any, **_: Any) -> bool:
+            captured.append(record)
+            return True
+
+        running.state.traffic_log.submit = capture  # type: ignore[method-assign]
+        completion_id = (await running.chat(KEY_A, user="u2")).json()["id"]
+        rated = await running.client.post(
+            "/v1/feedback",
+            json={"completion_id": completion_id, "score": 1, "user": "u2"},
+            headers=auth(KEY_A),
+        )
+        assert rated.status_code == 200, rated.text
+        assert captured[0].client == sources[1]
+
+
 def test_completion_id_of() -> None:
     assert completion_id_of(b'{"id":"chatcmpl-1","object":"chat.completion"}') == "chatcmpl-1"
     assert completion_id_of(b'data: {"id": "cmpl-2", "choices": []}\n\n') == "cmpl-2"
