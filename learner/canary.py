@@ -61,6 +61,7 @@ from ratchet.records import (
 )
 from ratchet.registry import AliasRoute
 from ratchet.rewards.reward_model import RatedAnswer, is_eval_rating
+from ratchet.secrets import server_secret
 from ratchet.sequential import SequentialTest
 from ratchet.settings import AliasConfig, CanaryConfig, RatchetSettings
 
@@ -356,10 +357,11 @@ class CanaryWatcher:
         # ratings it fits the active version's answers by construction, which would make any
         # new version look overrated.
         eval_fraction = config.feedback.eval_fraction
+        secret = server_secret(self.settings)
         answers = [
             a
             for a in newest_ratings(self.redis, alias, GAP_RATINGS)
-            if a.version in versions and is_eval_rating(a.prompt_hash, eval_fraction)
+            if a.version in versions and is_eval_rating(secret, a.prompt_hash, eval_fraction)
         ]
         predicted = self.predict(alias, answers) if answers else None
         if predicted is None:

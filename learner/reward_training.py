@@ -5,8 +5,10 @@ its own consumer group), joins ratings with the answers they rate (learner/ratin
 an alias with ``reward.kind: feedback`` has ``feedback.retrain_every`` new joined ratings,
 :class:`RewardTrainer` trains a new version under the alias's lease:
 
-1. split the ratings by prompt: ``feedback.eval_fraction`` of the prompts are never trained on;
-2. cap each API key at ``feedback.max_share`` of the training set (learner/fair.py);
+1. split the ratings by prompt: ``feedback.eval_fraction`` of the prompts are never trained on
+   (a split keyed with the server secret, so no client can aim at it);
+2. cap each client (a rating's ``owner``: its key, or a vouching key's user) at
+   ``feedback.max_share`` of the training set and of the evaluation set (learner/fair.py);
 3. fit the head on the frozen base model's features (ratchet/rewards/reward_model.py);
 4. evaluate on the held-out ratings: AUC with a bootstrap interval, pairwise accuracy;
 5. write ``<alias>.reward@v<N>`` to the store (atomic, immutable, with its counts and metrics),
@@ -25,14 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from kafka.errors import KafkaError
 
 from learner.canary import RewardPredictor
-from learner.exchanges import read_exchanges
-from learner.fair import fair_select, key_of
+from learner.exchanges import TrafficFetcher, read_exchanges
+from learner.fair import fair_select
 from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
 from learner.ratings import RatingsJoin, new_ratings_key, read_ratings
-from ratchet.records import FeedbackRecord, TrafficRecord, decode
+from ratchet.lifecycle import EventSink
+from ratchet.records import DeadLetter, FeedbackRecord, TrafficRecord, decode
 from ratchet.rewards.reward_model import (
     AnswerFeatures,
     RatedAnswer,
@@ -46,6 +50,7 @@ from ratchet.rewards.reward_model import (
     reward_store_name,
     write_meta,
 )
+from ratchet.secrets import server_secret
 from ratchet.settings import RatchetSettings
 from ratchet.store import AdapterStore
 
@@ -70,6 +75,7 @@ class RewardTrainer:
         self.base_model_path = base_model_path
         self._features: AnswerFeatures | None = None
         self._cache: OrderedDict[str, Any] = OrderedDict()
+        self.secret = server_secret(settings)
 
     @property
     def features(self) -> AnswerFeatures:
@@ -94,16 +100,26 @@ class RewardTrainer:
                     self._cache.popitem(last=False)
         return torch.stack([self._cache[a.completion_id] for a in answers])
 
+    def split(
+        self, answers: list[RatedAnswer], eval_fraction: float, share: float
+    ) -> tuple[list[RatedAnswer], list[RatedAnswer], int]:
+        """(training set, evaluation set, ratings passed over for the cap): the evaluation
+        prompts by the keyed split, and in each set no client above ``share``, its newest kept."""
+        evaluated = [is_eval_rating(self.secret, a.prompt_hash, eval_fraction) for a in answers]
+        newest_first = list(zip(answers, evaluated, strict=True))[::-1]
+        pool = [a for a, held in newest_first if not held]
+        trained, passed_over = fair_select(pool, owner_of, len(pool), share)
+        # The evaluation decides whether the model is used at all: no client may own it either.
+        held_out = [a for a, held in newest_first if held]
+        held, _ = fair_select(held_out, owner_of, len(held_out), share)
+        return trained, held, passed_over
+
     def train(self, alias: str) -> RewardStatus:
         config = self.settings.aliases[alias].feedback
         started = time.monotonic()
         answers = read_ratings(self.redis, alias)
         consumed = int(self.redis.get(new_ratings_key(alias)) or 0)
-        held = [a for a in answers if is_eval_rating(a.prompt_hash, config.eval_fraction)]
-        pool = [a for a in answers if not is_eval_rating(a.prompt_hash, config.eval_fraction)]
-        trained, passed_over = fair_select(
-            pool, lambda a: key_of(a.key or None), len(pool), config.max_share
-        )
+        trained, held, passed_over = self.split(answers, config.eval_fraction, config.max_share)
         why = _cannot_train(trained, held)
         previous = RewardStatus.read(self.redis, alias)
         if why is not None:
@@ -114,8 +130,8 @@ class RewardTrainer:
             return status
         head = fit_head(self.rows(trained), trained)
         result = evaluate(head.predict(self.rows(held)), held)
-        keys = len({a.key for a in trained})
-        meta = write_meta(result, len(trained), keys, str(self.base_model_path))
+        clients = len({a.owner for a in trained})
+        meta = write_meta(result, len(trained), clients, str(self.base_model_path))
         meta["trained_on"]["passed_over_for_key_share"] = passed_over
         name = reward_store_name(alias)
         version = max(self.store.folder_versions(name), default=0) + 1
@@ -153,6 +169,10 @@ class RewardTrainer:
             usable,
         )
         return status
+
+
+def owner_of(answer: RatedAnswer) -> str:
+    return answer.owner
 
 
 def _keep_live(previous: RewardStatus | None, newest: RewardStatus) -> RewardStatus:
@@ -202,32 +222,53 @@ class RatingsCollector:
         leases: AliasLeases,
         metrics: LearnerMetrics,
         stopping: threading.Event,
+        sink: EventSink | None = None,
     ) -> None:
         self.settings = settings
-        self.join = RatingsJoin(settings, client)
+        self.fetcher = TrafficFetcher(settings)
+        self.join = RatingsJoin(settings, client, self.fetcher)
         self.trainer = trainer
         self.leases = leases
         self.metrics = metrics
         self.stopping = stopping
+        self.sink = sink or EventSink(settings)
 
     def run(self) -> None:
         # Every rating is training data: a new group starts at the beginning.
-        read_exchanges(
-            self.settings, "-ratings", "earliest", self.stopping, self.take, self.retrain_due
-        )
+        try:
+            read_exchanges(
+                self.settings, "-ratings", "earliest", self.stopping, self.take, self.retrain_due
+            )
+        finally:
+            self.fetcher.close()
+            self.sink.close()
 
     def take(self, messages: list[Any]) -> None:
+        dead: list[DeadLetter] = []
         for message in messages:
-            record = decode(message.topic, message.value)
-            if isinstance(record, TrafficRecord):
-                outcomes = self.join.on_traffic(record)
-            elif isinstance(record, FeedbackRecord):
-                outcomes = [self.join.on_feedback(record)]
-            else:
-                continue  # another schema or malformed: counted by decode's caller elsewhere
+            try:
+                outcomes = self.take_one(message)
+            except (KafkaError, redis.RedisError, OSError):
+                raise  # an outage, not this record's fault: the batch is read again
+            except Exception as exc:
+                # One record the join cannot take must not stop the others (nor the thread).
+                log.exception("exchange at %s:%d not joined", message.topic, message.offset)
+                consumer = self.settings.learner.consumer_group + "-ratings"
+                error = f"{type(exc).__name__}: {exc}"
+                dead.append(DeadLetter.of_message(message, consumer, "handler_error", error))
+                outcomes = ["dead_lettered"]
             for outcome in outcomes:
                 if outcome != "not_feedback_alias":
                     self.metrics.ratings_joined.labels(outcome).inc()
+        self.sink.send(dead)  # before the batch's offsets are committed
+
+    def take_one(self, message: Any) -> list[str]:
+        record = decode(message.topic, message.value)
+        if isinstance(record, TrafficRecord):
+            return list(self.join.on_traffic(record, message.partition, message.offset))
+        if isinstance(record, FeedbackRecord):
+            return [self.join.on_feedback(record)]
+        return []  # another schema or malformed: counted by decode's caller elsewhere
 
     def retrain_due(self) -> None:
         for alias in sorted(self.join.feedback_aliases()):

@@ -229,11 +229,15 @@ class FeedbackConfig(_Section):
     # Share of the rated prompts kept out of training to evaluate the reward model.
     eval_fraction: float = Field(default=0.25, gt=0.0, lt=1.0)
     # How long an answer waits for its rating (and a rating for its answer's traffic record).
-    # Every answer of a feedback alias is kept in Redis this long: an hour, as the canary keeps
-    # its completions, bounds that memory to an hour of traffic.
+    # A note of a few hundred bytes per answer (not its prompt: that is read back from Kafka when
+    # rated) is kept in Redis this long; the proxy keeps who got each answer as long.
     join_ttl_s: int = Field(default=3600, ge=60)
-    # Joined ratings kept per alias for training (the newest).
+    # Joined ratings kept per alias for training; past it, the client with the most loses its
+    # oldest (learner/ratings.py).
     max_ratings: int = Field(default=20_000, ge=1)
+    # ... and their size in Redis, bytes (a rating keeps at most ~32 K characters of prompt and
+    # answer): size Redis's maxmemory for this per alias that learns from ratings.
+    max_ratings_bytes: int = Field(default=64 * 1024 * 1024, ge=1024 * 1024)
     # The reward-hacking guard of an alias whose reward learns from ratings: a canary whose rated
     # answers the reward model overrates (predicted minus the users' mean rating) by more than
     # this beyond how it overrates the active version's, with 95% confidence, is rolled back and

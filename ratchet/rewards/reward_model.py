@@ -25,7 +25,6 @@ the users preferred.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ratchet.records import ANONYMOUS_CLIENT
+from ratchet.secrets import keyed_hash
 
 HEAD_FILE = "reward_head.safetensors"
 REWARD_SUFFIX = ".reward"  # the store name of an alias's reward models: <alias>.reward@v<N>
@@ -50,18 +52,27 @@ class RatedAnswer:
     prompt_messages: list[dict[str, Any]]
     answer: str
     score: float
-    key: str  # who rated it (API key hash)
+    key: str  # who rated it (API key hash): only the key that got the answer may rate it
     prompt_hash: str
     completion_id: str
     version: int | None = None  # the version that served it (None: joined before it was kept)
+    # The client it counts for in the per-client caps (ratchet.records.client_of): the key, or a
+    # vouching key's user. None: joined before it was kept; then the key is the client.
+    client: str | None = None
+
+    @property
+    def owner(self) -> str:
+        """The client whose rating this is, for the caps on one client's share."""
+        return self.client or self.key or ANONYMOUS_CLIENT
 
 
-def is_eval_rating(prompt_hash: str, fraction: float) -> bool:
+def is_eval_rating(secret: bytes, prompt_hash: str, fraction: float) -> bool:
     """Whether a rating is kept out of training, to evaluate the model: decided by its prompt,
     so answers to one prompt stay together (the pairwise accuracy needs them) and every retrain
-    splits alike."""
-    digest = hashlib.sha256(prompt_hash.encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+    splits alike. Keyed with the server secret: a client who could compute the split could
+    choose prompts that land in the evaluation set and so confirm whatever it taught."""
+    digest = keyed_hash(secret, "reward-eval", prompt_hash)
+    return int(digest[:16], 16) / 2**64 < fraction
 
 
 # --- metrics (pure) ------------------------------------------------------------------------------

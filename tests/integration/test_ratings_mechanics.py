@@ -70,8 +70,8 @@ def rated_prompts(secret: bytes) -> list[dict[str, Any]]:
     chosen: list[dict[str, Any]] = []
     for kind in (BULLETS, ORDERS):
         hashes = [(p, prompt_hash(p["messages"], None)) for p in kind]
-        evaluated = [p for p, h in hashes if is_eval_rating(h, EVAL_FRACTION)][:2]
-        trained = [p for p, h in hashes if not is_eval_rating(h, EVAL_FRACTION)]
+        evaluated = [p for p, h in hashes if is_eval_rating(secret, h, EVAL_FRACTION)][:2]
+        trained = [p for p, h in hashes if not is_eval_rating(secret, h, EVAL_FRACTION)]
         chosen += evaluated + trained[: RATINGS // 2 - len(evaluated)]
     held = [
         p for p in chosen if is_heldout(secret, prompt_hash(p["messages"], None), HELDOUT_FRACTION)

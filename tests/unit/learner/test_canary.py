@@ -32,6 +32,7 @@ from ratchet.records import (
 )
 from ratchet.registry import RegistryWriter
 from ratchet.rewards.reward_model import RatedAnswer, is_eval_rating
+from ratchet.secrets import server_secret
 from ratchet.settings import AliasConfig, CanaryConfig, RatchetSettings
 from ratchet.store import AdapterStore
 
@@ -521,10 +522,10 @@ def test_check_exports_the_canarys_state(settings: RatchetSettings, lifecycle: L
     assert sample("ratchet_learner_canary_error_rate", {"alias": ALIAS, "arm": "canary"}) == 0.25
 
 
-def rated_answers(client: Any, version: int, count: int, score: float) -> None:
+def rated_answers(client: Any, secret: bytes, version: int, count: int, score: float) -> None:
     """Joined ratings of ``count`` answers of ``version`` (as learner/ratings.py keeps them), on
     prompts of the reward model's held-out split, the only ones the guard compares on."""
-    held_out = (h for h in (f"h{n}" for n in range(10_000)) if is_eval_rating(h, 0.25))
+    held_out = (h for h in (f"h{n}" for n in range(10_000)) if is_eval_rating(secret, h, 0.25))
     for i, digest in zip(range(count), held_out, strict=False):
         answer = RatedAnswer(
             [{"role": "user", "content": f"q{i}"}],
@@ -549,8 +550,9 @@ def test_a_canary_that_fooled_the_reward_model_is_rolled_back_and_learning_pause
     settings = RatchetSettings(redis_url=redis_url, home=tmp_path, aliases={ALIAS: config})
     lifecycle = lifecycle_of(settings)
     start_canary(lifecycle)
-    rated_answers(lifecycle.writer.redis, 1, 6, 0.5)
-    rated_answers(lifecycle.writer.redis, 2, 6, 0.5)
+    secret = server_secret(settings)
+    rated_answers(lifecycle.writer.redis, secret, 1, 6, 0.5)
+    rated_answers(lifecycle.writer.redis, secret, 2, 6, 0.5)
 
     def predict(alias: str, answers: list[RatedAnswer]) -> list[float]:
         assert alias == ALIAS
@@ -582,7 +584,8 @@ def test_the_reward_gap_ignores_the_prompts_the_reward_model_trained_on(
     settings = RatchetSettings(redis_url=redis_url, home=tmp_path, aliases={ALIAS: config})
     lifecycle = lifecycle_of(settings)
     start_canary(lifecycle)
-    trained = (h for h in (f"t{n}" for n in range(10_000)) if not is_eval_rating(h, 0.25))
+    secret = server_secret(settings)
+    trained = (h for h in (f"t{n}" for n in range(10_000)) if not is_eval_rating(secret, h, 0.25))
     for i, digest in zip(range(12), trained, strict=False):
         for version in (1, 2):
             answer = RatedAnswer([], "a", 0.5, f"k{i}", digest, f"{version}-{i}", version)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -14,17 +15,36 @@ import redis
 from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
 from learner.ratings import (
+    ANSWER_EXCERPT_CHARS,
+    PROMPT_EXCERPT_CHARS,
+    Outcome,
     RatingsJoin,
+    asked_key,
     exchange_key,
     new_ratings_key,
     pending_key,
+    ratings_key,
     read_ratings,
 )
 from learner.reward_training import RatingsCollector, RewardTrainer
 from ratchet.lease import LeaseKeeper
-from ratchet.records import FeedbackRecord, TrafficRecord, utc_now
+from ratchet.records import (
+    FEEDBACK_TOPIC,
+    TRAFFIC_TOPIC,
+    DeadLetter,
+    FeedbackRecord,
+    TrafficRecord,
+    prompt_hash,
+    utc_now,
+)
 from ratchet.rewards.agreement import AGREEMENT_QUEUE, to_judge_key
-from ratchet.rewards.reward_model import RewardModels, RewardStatus, reward_store_name
+from ratchet.rewards.reward_model import (
+    RatedAnswer,
+    RewardModels,
+    RewardStatus,
+    reward_store_name,
+)
+from ratchet.secrets import client_source, hash_api_key, server_secret
 from ratchet.settings import AliasConfig, RatchetSettings
 from ratchet.store import AdapterStore
 
@@ -44,6 +64,7 @@ def settings(redis_url: str, tmp_path: Path) -> RatchetSettings:
     return RatchetSettings(
         redis_url=redis_url,
         home=tmp_path,
+        secret="ratings-test",  # the same evaluation split on every run
         aliases={ALIAS: feedback, OTHER: plain, JUDGED: judged},
     )
 
@@ -78,12 +99,37 @@ def rating(cid: str, score: float, key: str = "alice") -> FeedbackRecord:
     return FeedbackRecord(completion_id=cid, score=score, api_key_hash=key)
 
 
+class TrafficLog:
+    """ratchet.traffic as the join sees it: records at (partition, offset), read back by them."""
+
+    def __init__(self) -> None:
+        self.records: list[TrafficRecord | None] = []
+        self.fetched = 0
+
+    def fetch(self, partition: int, offset: int) -> TrafficRecord | None:
+        assert partition == 0
+        self.fetched += 1
+        return self.records[offset]
+
+
+class Join(RatingsJoin):
+    """The join, fed as the collector feeds it: each traffic record where the log put it."""
+
+    def __init__(self, settings: RatchetSettings, client: redis.Redis) -> None:
+        self.log = TrafficLog()
+        super().__init__(settings, client, self.log.fetch)
+
+    def served(self, record: TrafficRecord) -> list[Outcome]:
+        self.log.records.append(record)
+        return self.on_traffic(record, 0, len(self.log.records) - 1)
+
+
 # --- the join ------------------------------------------------------------------------------------
 
 
 def test_a_rating_joins_its_answer_once(settings: RatchetSettings, client: redis.Redis) -> None:
-    join = RatingsJoin(settings, client)
-    assert join.on_traffic(traffic("c1", "Hi?", "Hello!")) == ["stored"]
+    join = Join(settings, client)
+    assert join.served(traffic("c1", "Hi?", "Hello!")) == ["stored"]
     assert client.ttl(exchange_key("c1")) > 500  # waits join_ttl_s for its rating
     assert join.on_feedback(rating("c1", 1.0)) == "joined"
     assert join.on_feedback(rating("c1", 0.0)) == "pending"  # its answer is gone: never joined
@@ -98,18 +144,18 @@ def test_a_rating_joins_its_answer_once(settings: RatchetSettings, client: redis
     assert joined.prompt_messages == [{"role": "user", "content": "Hi?"}]
     assert int(client.get(new_ratings_key(ALIAS)) or 0) == 1
     # A traffic record read again (a redelivery) does not store its answer twice.
-    assert join.on_traffic(traffic("c2", "Hi?", "Hey")) == ["stored"]
-    assert join.on_traffic(traffic("c2", "Hi?", "Hey")) == ["duplicate"]
+    assert join.served(traffic("c2", "Hi?", "Hey")) == ["stored"]
+    assert join.served(traffic("c2", "Hi?", "Hey")) == ["duplicate"]
 
 
 def test_a_rating_that_arrives_before_its_answer_waits_for_it(
     settings: RatchetSettings, client: redis.Redis
 ) -> None:
-    join = RatingsJoin(settings, client)
+    join = Join(settings, client)
     assert join.on_feedback(rating("early", 0.25)) == "pending"
     assert client.ttl(pending_key("early")) > 500
     assert read_ratings(client, ALIAS) == []
-    assert join.on_traffic(traffic("early", "Q", "A")) == ["joined"]
+    assert join.served(traffic("early", "Q", "A")) == ["joined"]
     assert [r.score for r in read_ratings(client, ALIAS)] == [0.25]
     assert not client.exists(pending_key("early"), exchange_key("early"))
 
@@ -117,8 +163,8 @@ def test_a_rating_that_arrives_before_its_answer_waits_for_it(
 def test_only_the_key_that_got_the_answer_rates_it(
     settings: RatchetSettings, client: redis.Redis
 ) -> None:
-    join = RatingsJoin(settings, client)
-    join.on_traffic(traffic("c1", "Q", "A", key="alice"))
+    join = Join(settings, client)
+    join.served(traffic("c1", "Q", "A", key="alice"))
     assert join.on_feedback(rating("c1", 0.0, key="mallory")) == "wrong_key"
     assert join.on_feedback(rating("c1", 1.0, key="alice")) == "joined"
     # Unknown ids wait, then expire: nothing is ever joined for them.
@@ -129,18 +175,18 @@ def test_only_the_key_that_got_the_answer_rates_it(
 def test_other_aliases_and_failed_answers_are_not_kept(
     settings: RatchetSettings, client: redis.Redis
 ) -> None:
-    join = RatingsJoin(settings, client)
-    assert join.on_traffic(traffic("p1", "Q", "A", alias=OTHER)) == ["not_feedback_alias"]
+    join = Join(settings, client)
+    assert join.served(traffic("p1", "Q", "A", alias=OTHER)) == ["not_feedback_alias"]
     failed = traffic("f1", "Q", "A").model_copy(update={"status": 502, "choices": []})
-    assert join.on_traffic(failed) == ["no_answer"]
+    assert join.served(failed) == ["no_answer"]
     assert client.keys("ratchet:feedback:*") == []
 
 
 def test_a_ruler_alias_queues_rated_answers_for_its_judge_and_trains_nothing(
     settings: RatchetSettings, client: redis.Redis
 ) -> None:
-    join = RatingsJoin(settings, client)
-    assert join.on_traffic(traffic("j1", "Q", "A", alias=JUDGED)) == ["stored"]
+    join = Join(settings, client)
+    assert join.served(traffic("j1", "Q", "A", alias=JUDGED)) == ["stored"]
     assert join.on_feedback(rating("j1", 0.75)) == "joined"
     [queued] = [json.loads(raw) for raw in client.lrange(to_judge_key(JUDGED), 0, -1)]
     assert (queued["answer"], queued["score"], queued["completion_id"]) == ("A", 0.75, "j1")
@@ -150,9 +196,9 @@ def test_a_ruler_alias_queues_rated_answers_for_its_judge_and_trains_nothing(
 def test_the_queue_for_the_judge_keeps_only_the_newest(
     settings: RatchetSettings, client: redis.Redis
 ) -> None:
-    join = RatingsJoin(settings, client)
+    join = Join(settings, client)
     for i in range(AGREEMENT_QUEUE + 5):
-        join.on_traffic(traffic(f"q{i}", f"Q{i}", "A", alias=JUDGED))
+        join.served(traffic(f"q{i}", f"Q{i}", "A", alias=JUDGED))
         join.on_feedback(rating(f"q{i}", 1.0))
     queued = [
         json.loads(raw)["completion_id"] for raw in client.lrange(to_judge_key(JUDGED), 0, -1)
@@ -168,9 +214,9 @@ def test_asking_the_same_prompt_again_rates_the_first_answer_down(
     settings: RatchetSettings, client: redis.Redis
 ) -> None:
     """regenerate_window_s (60 here): the same key, the same prompt, within the window."""
-    join = RatingsJoin(settings, client)
-    assert join.on_traffic(traffic("r1", "Q", "first", alias=JUDGED, at=at(0))) == ["stored"]
-    assert join.on_traffic(traffic("r2", "Q", "again", alias=JUDGED, at=at(20))) == [
+    join = Join(settings, client)
+    assert join.served(traffic("r1", "Q", "first", alias=JUDGED, at=at(0))) == ["stored"]
+    assert join.served(traffic("r2", "Q", "again", alias=JUDGED, at=at(20))) == [
         "stored",
         "implicit",
     ]
@@ -183,21 +229,19 @@ def test_asking_the_same_prompt_again_rates_the_first_answer_down(
 def test_no_implicit_rating_across_keys_prompts_windows_or_explicit_ratings(
     settings: RatchetSettings, client: redis.Redis
 ) -> None:
-    join = RatingsJoin(settings, client)
-    join.on_traffic(traffic("a1", "Q", "x", key="alice", alias=JUDGED, at=at(0)))
-    assert join.on_traffic(traffic("b1", "Q", "x", key="bob", alias=JUDGED, at=at(1))) == ["stored"]
-    assert join.on_traffic(traffic("a2", "Other", "x", alias=JUDGED, at=at(2))) == ["stored"]
+    join = Join(settings, client)
+    join.served(traffic("a1", "Q", "x", key="alice", alias=JUDGED, at=at(0)))
+    assert join.served(traffic("b1", "Q", "x", key="bob", alias=JUDGED, at=at(1))) == ["stored"]
+    assert join.served(traffic("a2", "Other", "x", alias=JUDGED, at=at(2))) == ["stored"]
     # Too late: 61 s after alice's first ask.
-    assert join.on_traffic(traffic("a3", "Q", "x", alias=JUDGED, at=at(61))) == ["stored"]
+    assert join.served(traffic("a3", "Q", "x", alias=JUDGED, at=at(61))) == ["stored"]
     # Rated by the user first: asking again does not rate it a second time.
-    join.on_traffic(traffic("c1", "P", "x", key="carol", alias=JUDGED, at=at(100)))
+    join.served(traffic("c1", "P", "x", key="carol", alias=JUDGED, at=at(100)))
     assert join.on_feedback(rating("c1", 1.0, key="carol")) == "joined"
-    assert join.on_traffic(traffic("c2", "P", "y", key="carol", alias=JUDGED, at=at(110))) == [
-        "stored"
-    ]
+    assert join.served(traffic("c2", "P", "y", key="carol", alias=JUDGED, at=at(110))) == ["stored"]
     # Off (the default) for the other aliases.
-    join.on_traffic(traffic("s1", "Q", "x", at=at(0)))
-    assert join.on_traffic(traffic("s2", "Q", "x", at=at(1))) == ["stored"]
+    join.served(traffic("s1", "Q", "x", at=at(0)))
+    assert join.served(traffic("s2", "Q", "x", at=at(1))) == ["stored"]
     scores = [json.loads(raw)["score"] for raw in client.lrange(to_judge_key(JUDGED), 0, -1)]
     assert scores == [1.0]
 
@@ -227,14 +271,14 @@ def test_a_reward_model_learns_what_users_prefer_and_scores_with_it(
     leases = AliasLeases(client, 30.0, LeaseKeeper(), LearnerMetrics(), "reward_model")
     trainer = RewardTrainer(settings, client, store, base)
     collector = RatingsCollector(settings, client, trainer, leases, LearnerMetrics(), stopping)
-    join = collector.join
+    join = Join(settings, client)
     n = 0
     for i in range(24):
         topic = f"{TOPICS[i % len(TOPICS)]} #{i}"
         for answer, score in ((polite(topic), 1.0), (curt(topic), 0.0)):
             cid = f"c{n}"
             n += 1
-            join.on_traffic(traffic(cid, f"Tell me about {topic}.", answer, key=f"user{i % 9}"))
+            join.served(traffic(cid, f"Tell me about {topic}.", answer, key=f"user{i % 9}"))
             join.on_feedback(rating(cid, score, key=f"user{i % 9}"))
     assert trainer.due(ALIAS)
     collector.retrain_due()
@@ -242,7 +286,8 @@ def test_a_reward_model_learns_what_users_prefer_and_scores_with_it(
     status = RewardStatus.read(client, ALIAS)
     assert status is not None and status.version == 1, status
     assert status.auc is not None and status.auc > 0.9 and status.usable, status
-    assert status.trained_ratings + status.eval_ratings == 48
+    # Both sets capped per key (9 keys, max_share 0.2): a few may be passed over.
+    assert 40 <= status.trained_ratings + status.eval_ratings <= 48
     meta = store.meta(reward_store_name(ALIAS), 1)
     assert (
         meta["trained_on"]["ratings"] == status.trained_ratings and meta["trained_on"]["keys"] == 9
@@ -270,3 +315,199 @@ def test_a_worse_retrain_does_not_stop_a_live_reward_model() -> None:
     better = RewardStatus(4, usable=True, reason="held-out AUC 0.900", auc=0.9)
     assert _keep_live(kept, better) == better
     assert _keep_live(None, worse) == worse  # nothing live yet: the alias waits, and says why
+
+
+# --- what Redis holds, and its bounds ------------------------------------------------------------
+
+BIG_PROMPT = "x" * (900 * 1024)  # as large as a traffic record gets
+
+
+def test_redis_keeps_a_note_per_answer_and_reads_the_prompt_back_only_when_rated(
+    settings: RatchetSettings, client: redis.Redis
+) -> None:
+    join = Join(settings, client)
+    assert join.served(traffic("big", BIG_PROMPT, "A" * 100_000)) == ["stored"]
+    note = client.get(exchange_key("big"))
+    assert note is not None and len(note) < 512 and join.log.fetched == 0
+    assert join.on_feedback(rating("big", 1.0)) == "joined"
+    assert join.log.fetched == 1
+    [joined] = read_ratings(client, ALIAS)
+    assert len(joined.prompt_messages[0]["content"]) == PROMPT_EXCERPT_CHARS
+    assert len(joined.answer) == ANSWER_EXCERPT_CHARS
+    assert joined.prompt_messages[0]["content"] == BIG_PROMPT[:PROMPT_EXCERPT_CHARS]
+    keys = client.keys("ratchet:feedback:*")
+    assert len(keys) >= 6 and all(client.ttl(k) > 0 for k in keys), keys
+
+
+def test_a_rating_whose_record_kafka_no_longer_has_is_dropped(
+    settings: RatchetSettings, client: redis.Redis
+) -> None:
+    join = Join(settings, client)
+    join.served(traffic("old", "Q", "A"))
+    join.log.records[0] = None  # past retention
+    assert join.on_feedback(rating("old", 1.0)) == "gone"
+    assert read_ratings(client, ALIAS) == [] and not client.exists(exchange_key("old"))
+
+
+def bounded(settings: RatchetSettings, **feedback: int) -> RatchetSettings:
+    config = settings.aliases[ALIAS].model_copy(
+        update={"feedback": settings.aliases[ALIAS].feedback.model_copy(update=feedback)}
+    )
+    return settings.model_copy(update={"aliases": {**settings.aliases, ALIAS: config}})
+
+
+def rate(
+    join: Join, cid: str, score: float, key: str, prompt: str = "Q", answer: str = "A"
+) -> None:
+    assert join.served(traffic(cid, prompt, answer, key=key)) == ["stored"]
+    assert join.on_feedback(rating(cid, score, key=key)) == "joined"
+
+
+def test_a_flood_of_ratings_from_one_client_replaces_only_its_own(
+    settings: RatchetSettings, client: redis.Redis
+) -> None:
+    join = Join(bounded(settings, max_ratings=10), client)
+    for i in range(5):
+        rate(join, f"honest{i}", 1.0, f"user{i}")
+    for i in range(100):
+        rate(join, f"flood{i}", 0.0, "mallory")
+    kept = read_ratings(client, ALIAS)
+    assert [r.completion_id for r in kept] == [f"honest{i}" for i in range(5)] + [
+        f"flood{i}" for i in range(95, 100)
+    ]
+    assert client.zscore(f"{ratings_key(ALIAS)}:clients", "mallory") == 5
+    assert client.llen(f"{ratings_key(ALIAS)}:owners") == 10
+
+
+def test_the_ratings_kept_are_bounded_in_bytes(
+    settings: RatchetSettings, client: redis.Redis
+) -> None:
+    join = Join(bounded(settings, max_ratings_bytes=1024 * 1024), client)
+    long = "y" * (2 * PROMPT_EXCERPT_CHARS)
+    for i in range(60):  # ~32 KiB each once cut to the excerpts: ~2 MiB offered
+        rate(join, f"c{i}", float(i % 2), f"user{i % 7}", prompt=long, answer=long)
+    raw = client.lrange(ratings_key(ALIAS), 0, -1)
+    size = sum(len(r) for r in raw)
+    assert 20 < len(raw) < 60 and size <= 1024 * 1024
+    assert int(client.get(f"{ratings_key(ALIAS)}:bytes") or 0) == size
+    assert raw[-1] == client.lindex(ratings_key(ALIAS), -1)  # the newest is kept
+
+
+# --- one bad record ------------------------------------------------------------------------------
+
+
+def test_ids_that_are_not_ids_are_refused_and_an_odd_regenerate_note_is_ignored(
+    settings: RatchetSettings, client: redis.Redis
+) -> None:
+    """vLLM echoes a client's request_id as the completion id: a tab in it once killed the
+    collector (the regenerate note was split at the first tab)."""
+    join = Join(settings, client)
+    assert join.served(traffic("evil\t1", "Q", "x", alias=JUDGED, at=at(0))) == ["bad_id"]
+    assert join.on_feedback(rating("evil\t1", 1.0)) == "bad_id"
+    assert join.on_feedback(rating("x" * 300, 1.0)) == "bad_id"
+    # A note an older version (or anyone with Redis) left: no signal, no crash.
+    client.set(asked_key(JUDGED, "alice", prompt_hash([{"role": "user", "content": "Q"}])), "a\tb")
+    assert join.served(traffic("r1", "Q", "x", alias=JUDGED, at=at(1))) == ["stored"]
+    assert join.served(traffic("r2", "Q", "y", alias=JUDGED, at=at(2))) == ["stored", "implicit"]
+
+
+@dataclass
+class Message:
+    topic: str
+    value: bytes
+    partition: int
+    offset: int
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.sent: list[DeadLetter] = []
+
+    def send(self, letters: list[DeadLetter]) -> None:
+        self.sent += letters
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_record_the_join_cannot_take_is_dead_lettered_and_the_rest_joined(
+    settings: RatchetSettings, client: redis.Redis, tmp_path: Path
+) -> None:
+    sink = Sink()
+    trainer = RewardTrainer(settings, client, AdapterStore(tmp_path / "s"), tmp_path)
+    leases = AliasLeases(client, 30.0, LeaseKeeper(), LearnerMetrics(), "reward_model")
+    metrics = LearnerMetrics()
+    collector = RatingsCollector(
+        settings,
+        client,
+        trainer,
+        leases,
+        metrics,
+        threading.Event(),
+        sink,  # type: ignore[arg-type]
+    )
+    good = traffic("good", "Q", "A")
+    collector.join = Join(settings, client)
+    collector.join.log.records = [good]
+    client.set(exchange_key("broken"), b"{not json")  # a note no version of the join wrote
+    collector.take(
+        [
+            Message(FEEDBACK_TOPIC, rating("broken", 1.0).to_json(), 0, 7),
+            Message(TRAFFIC_TOPIC, good.to_json(), 0, 0),
+            Message(FEEDBACK_TOPIC, rating("good", 1.0).to_json(), 0, 8),
+        ]
+    )
+    [letter] = sink.sent
+    assert (letter.source_topic, letter.offset, letter.reason) == (
+        FEEDBACK_TOPIC,
+        7,
+        "handler_error",
+    )
+    assert [r.completion_id for r in read_ratings(client, ALIAS)] == ["good"]
+    assert metrics.ratings_joined.labels("dead_lettered")._value.get() == 1
+
+
+# --- clients, not keys ---------------------------------------------------------------------------
+
+
+def test_the_evaluation_set_is_capped_per_client_like_the_training_set(
+    settings: RatchetSettings, client: redis.Redis, tmp_path: Path
+) -> None:
+    trainer = RewardTrainer(settings, client, AdapterStore(tmp_path / "s"), tmp_path)
+    answers = [RatedAnswer([], "a", 1.0, "mallory", f"p{i}", f"m{i}") for i in range(400)] + [
+        RatedAnswer([], "a", 1.0, f"k{i % 9}", f"q{i}", f"h{i}") for i in range(90)
+    ]
+    trained, held, _ = trainer.split(answers, 0.25, 0.2)
+    for chosen in (trained, held):
+        flooded = sum(a.owner == "mallory" for a in chosen)
+        assert len(chosen) > 20 and flooded <= 0.2 * len(chosen) + 1e-9, (flooded, len(chosen))
+    # The newest of a flooder's ratings are the ones kept.
+    assert max(int(a.completion_id[1:]) for a in trained if a.owner == "mallory") > 390
+
+
+def test_a_one_key_app_with_fifty_users_trains_a_reward_model(
+    settings: RatchetSettings, client: redis.Redis, real_base_model: Path
+) -> None:
+    """One backend key, its users told apart by `user` (a key in proxy.user_vouching_keys: the
+    proxy writes each record's source as below): each user is a client, so the per-client caps
+    leave all of them in, and the model learns what they like."""
+    secret = server_secret(settings)
+    app = hash_api_key(secret, "app-key")
+    assert settings.store_dir is not None
+    store = AdapterStore(settings.store_dir)
+    trainer = RewardTrainer(settings, client, store, real_base_model)
+    join = Join(settings, client)
+    for user in range(50):
+        topic = f"{TOPICS[user % len(TOPICS)]} for user {user}"
+        for answer, score in ((polite(topic), 1.0), (curt(topic), 0.0)):
+            cid = f"u{user}-{score:.0f}"
+            record = traffic(cid, f"Tell me about {topic}.", answer, key=app or "")
+            record = record.model_copy(
+                update={"source": client_source(secret, app, f"user-{user}")}
+            )
+            assert join.served(record) == ["stored"]
+            assert join.on_feedback(rating(cid, score, key=app or "")) == "joined"
+    status = trainer.train(ALIAS)
+    assert status.usable and status.auc is not None and status.auc > 0.9, status
+    assert status.trained_ratings + status.eval_ratings == 100  # no user passed over
+    assert store.meta(reward_store_name(ALIAS), 1)["trained_on"]["keys"] > 30

@@ -74,10 +74,13 @@ def test_the_loss_on_a_fixed_batch() -> None:
     assert float(got) == pytest.approx(pointwise + pairwise + 0.1 * 0.5)
 
 
-def test_the_eval_split_is_by_prompt_and_stable() -> None:
-    held = [is_eval_rating(f"prompt-{i}", 0.2) for i in range(2000)]
+def test_the_eval_split_is_by_prompt_stable_and_keyed() -> None:
+    held = [is_eval_rating(b"secret", f"prompt-{i}", 0.2) for i in range(2000)]
     assert 0.17 < sum(held) / len(held) < 0.23
-    assert held == [is_eval_rating(f"prompt-{i}", 0.2) for i in range(2000)]
+    assert held == [is_eval_rating(b"secret", f"prompt-{i}", 0.2) for i in range(2000)]
+    # Another secret splits otherwise: a client without ours cannot tell which prompts are held.
+    other = [is_eval_rating(b"other", f"prompt-{i}", 0.2) for i in range(2000)]
+    assert sum(a != b for a, b in zip(held, other, strict=True)) > 400
 
 
 def test_the_head_learns_a_direction_and_its_heldout_metrics_say_so() -> None:
