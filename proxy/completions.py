@@ -1,7 +1,8 @@
 """Ratings: once per completion, and only from the API key that got the answer.
 
 After each answer the proxy notes who got it, in Redis ``ratchet:completion:<id>`` (the caller's
-key hash, ``-`` without auth; first writer wins, kept :data:`COMPLETION_TTL_S`). The notes are
+key hash, ``-`` without auth; first writer wins, kept :func:`owner_ttl_s`: as long as a rating
+can still count anywhere, an hour by default, then it is a 404). The notes are
 written off the request path: :meth:`CompletionOwners.remember` only queues one, and a task
 sends what is queued in one pipeline. ``POST /v1/feedback`` then checks, in one script, that the
 caller's key got that completion and that it is not rated yet (``ratchet:completion:<id>:rated``,
@@ -26,11 +27,13 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from proxy.errors import ProxyError
+from ratchet.settings import RatchetSettings
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "ratchet:completion:"
-COMPLETION_TTL_S = 7 * 24 * 3600  # ratings arrive within days of the answer, if at all
+# A canary counts a rating within an hour of its answer (learner/canary.py COMPLETION_TTL_S).
+CANARY_RATING_WINDOW_S = 3600
 ANONYMOUS = "-"  # the owner of completions served without auth
 # The first key of a JSON answer, or of a stream's first event.
 _ID = re.compile(rb'\s*(?:data:\s*)?\{\s*"id"\s*:\s*"([^"\\]{1,256})"')
@@ -57,6 +60,13 @@ def completion_id_of(answer: bytes) -> str | None:
     return found.group(1).decode("utf-8", "replace") if found else None
 
 
+def owner_ttl_s(settings: RatchetSettings) -> int:
+    """How long a completion may still be rated: while a canary counts its rating, or the
+    ratings join waits for it (``feedback.join_ttl_s``). A note per answer, so no longer."""
+    joins = (config.feedback.join_ttl_s for config in settings.aliases.values())
+    return max(CANARY_RATING_WINDOW_S, *joins)
+
+
 def owner_key(completion_id: str) -> str:
     return KEY_PREFIX + completion_id
 
@@ -68,7 +78,8 @@ def rated_key(completion_id: str) -> str:
 class CompletionOwners:
     """Who got each completion (queued, sent in the background) and the check of a rating."""
 
-    def __init__(self, redis_url: str, registry: CollectorRegistry) -> None:
+    def __init__(self, redis_url: str, registry: CollectorRegistry, ttl_s: int) -> None:
+        self.ttl_s = ttl_s
         self._redis = aioredis.Redis.from_url(
             redis_url,
             socket_timeout=1.0,
@@ -119,7 +130,7 @@ class CompletionOwners:
             for completion_id, owner in owners.items():
                 # NX: an id that comes again (vLLM takes a request_id from the body) keeps its
                 # first owner, so nobody can take over another key's completion.
-                pipe.set(owner_key(completion_id), owner, nx=True, ex=COMPLETION_TTL_S)
+                pipe.set(owner_key(completion_id), owner, nx=True, ex=self.ttl_s)
             await pipe.execute()
         except _ERRORS as exc:
             self.lost.inc(len(owners))
@@ -147,7 +158,7 @@ class CompletionOwners:
             await self.drain()  # rated right after the answer: its owner is on its way
         keys = [owner_key(completion_id), rated_key(completion_id)]
         try:
-            outcome = await self._rate_script(keys, [key_hash or ANONYMOUS, COMPLETION_TTL_S])
+            outcome = await self._rate_script(keys, [key_hash or ANONYMOUS, self.ttl_s])
         except _ERRORS:
             self.ratings.labels("unavailable").inc()
             raise ProxyError(

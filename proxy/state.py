@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 from fastapi import Request
 
-from proxy.completions import CompletionOwners
+from proxy.completions import CompletionOwners, owner_ttl_s
 from proxy.errors import ProxyError, bad_request
 from proxy.log.pipe import TrafficLog
 from proxy.log.worker import WorkerConfig
@@ -76,7 +76,9 @@ class ProxyState:
         )
         self.log_rates = {name: cfg.log_rate for name, cfg in settings.aliases.items()}
         # Who got each completion, so only that key may rate it, once (proxy/completions.py).
-        self.completions = CompletionOwners(settings.redis_url, self.metrics.registry)
+        self.completions = CompletionOwners(
+            settings.redis_url, self.metrics.registry, owner_ttl_s(settings)
+        )
         self.metrics.watch_log(self.traffic_log, self.routing)
 
     def authenticate(self, request: Request) -> str | None:

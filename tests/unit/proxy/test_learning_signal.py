@@ -23,7 +23,7 @@ import redis
 from aiohttp import web
 
 from proxy.app import create_app
-from proxy.completions import COMPLETION_TTL_S, completion_id_of
+from proxy.completions import completion_id_of, owner_ttl_s
 from proxy.log.exchange import Exchange, Redactor
 from proxy.state import ProxyState
 from ratchet.dev.processes import free_port as closed_port
@@ -272,7 +272,10 @@ async def test_only_the_key_that_got_a_completion_rates_it_and_only_once(
     client = redis.Redis.from_url(redis_url)
     owner = client.get(f"ratchet:completion:{completion_id}")
     assert owner is not None and owner.decode() == plain.metas[0]["api_key_hash"]
-    assert 0 < client.ttl(f"ratchet:completion:{completion_id}") <= COMPLETION_TTL_S
+    # Kept only while a rating can still count (an hour by default), not for days.
+    ttl = owner_ttl_s(plain.state.settings)
+    assert ttl == 3600 and 0 < client.ttl(f"ratchet:completion:{completion_id}") <= ttl
+    assert 0 < client.ttl(f"ratchet:completion:{completion_id}:rated") <= ttl
     assert client.exists(f"ratchet:completion:{completion_id}:rated")
 
 
@@ -356,3 +359,15 @@ def test_completion_id_of() -> None:
     assert completion_id_of(b'{"object":"x","id":"late"}') is None
     assert completion_id_of(b'{"error":{"id":"inner"}}') is None
     assert completion_id_of(b"") is None
+
+
+def test_a_completion_owner_is_kept_as_long_as_a_rating_can_join(tmp_path: Path) -> None:
+    config = {"feedback": {"join_ttl_s": 7200}}
+    settings = RatchetSettings(home=tmp_path, aliases={"slow": config, "support": {}})
+    assert owner_ttl_s(settings) == 7200
+    assert (
+        owner_ttl_s(
+            RatchetSettings(home=tmp_path, aliases={"fast": {"feedback": {"join_ttl_s": 60}}})
+        )
+        == 3600
+    )
