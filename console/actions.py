@@ -1,5 +1,6 @@
 """The console's actions: the same Lifecycle and routing calls as the CLI's commands
-(ratchet/cli/lifecycle.py, ratchet/cli/routing.py), with the console as the actor.
+(ratchet/cli/lifecycle.py, ratchet/cli/routing.py), with the console's admin as the actor:
+``console (session <id> from <address>)`` or ``console (admin key from <address>)``.
 
 Each returns the new route or raises ActionRefused with a sentence for the page.
 """
@@ -24,7 +25,7 @@ from ratchet.store import AdapterStore
 
 Action = Literal["promote", "rollback", "pause", "resume", "weight"]
 ACTIONS: tuple[Action, ...] = ("promote", "rollback", "pause", "resume", "weight")
-ACTOR = "console"
+ACTOR = "console"  # an action whose admin is not known (not one from the web console's routes)
 REASON_CHARS = 200
 EVENTS_QUEUED = 1000  # events waiting for Kafka; beyond this they are dropped (and counted)
 RETRY_S = 5.0
@@ -77,6 +78,7 @@ class ActionRequest:
     version: int | None = None  # promote: the version (default: the running canary)
     reason: str = ""  # rollback, pause
     weight: float | None = None  # weight: the canary's new share of traffic
+    actor: str = ACTOR  # who asked, as the lifecycle event names them (console/auth.py Admin)
 
 
 class Actions:
@@ -94,7 +96,7 @@ class Actions:
             raise ActionRefused(f"unknown alias {request.alias!r}")
         if request.action == "weight":
             return self._weight(request)
-        lifecycle = Lifecycle(self.writer, self.store, self.events, ACTOR)
+        lifecycle = Lifecycle(self.writer, self.store, self.events, request.actor)
         try:
             return self._lifecycle_change(lifecycle, request)
         except LifecycleError as exc:
@@ -108,7 +110,7 @@ class Actions:
                 version = lifecycle.route(alias).canary
                 if version is None:
                     raise ActionRefused(f"{alias} has no canary; name the version to promote")
-            return lifecycle.promote(alias, version, {"via": ACTOR})
+            return lifecycle.promote(alias, version, {"via": request.actor})
         if request.action == "rollback":
             return lifecycle.rollback(alias, reason)
         if request.action == "pause":
@@ -122,6 +124,6 @@ class Actions:
         if route is None or route.canary is None:
             raise ActionRefused(f"{request.alias} has no canary to weigh")
         try:
-            return set_route(self.writer, request.alias, ACTOR, weight=request.weight)
+            return set_route(self.writer, request.alias, request.actor, weight=request.weight)
         except (LookupError, ValueError) as exc:
             raise ActionRefused(str(exc)) from None

@@ -11,19 +11,21 @@ concern per ``_add_*`` function, as proxy/app.py does.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from fastapi import FastAPI, Form, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from console.actions import ACTIONS, ActionRefused, ActionRequest, Actions, BackgroundEvents
-from console.auth import COOKIE, ConsoleAuth
+from console.auth import COOKIE, Admin, ConsoleAuth, source_of
+from console.guard import MAX_BODY_BYTES, Guard
 from console.health import Health, proxy_url
 from console.metrics import ConsoleMetrics
 from console.render import render, rounds_svg
@@ -35,6 +37,9 @@ from ratchet.settings import RatchetSettings
 STATIC = Path(__file__).parent / "static"
 MESSAGE_CHARS = 300
 COMPLETION_ID_CHARS = 128
+FORM_FIELDS = 8  # the action form has 5; more is not a form of this console
+
+log = logging.getLogger(__name__)
 
 
 class Console:
@@ -68,6 +73,10 @@ class Console:
                 **context,
             )
         return HTMLResponse(html, status_code=status)
+
+    async def identify(self, request: Request) -> Admin | None:
+        """The request's admin, asked of Redis off the event loop; later checks reuse it."""
+        return await asyncio.to_thread(self.auth.admin, request)
 
     def require_reader(self, request: Request) -> None:
         if not self.auth.may_read(request):
@@ -108,6 +117,7 @@ def create_app(settings: RatchetSettings, start_readers: bool = True) -> FastAPI
     console = Console(settings, start_readers)
     app = FastAPI(title="Ratchet console", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.recent = console.recent
+    app.add_middleware(Guard, allowed_hosts=allowed_hosts(settings))
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     _add_request_counter(app, console.metrics)
     _install_error_handler(app)
@@ -144,7 +154,8 @@ def _install_error_handler(app: FastAPI) -> None:
                 render("error.html", status=exc.status_code, detail=exc.detail),
                 status_code=exc.status_code,
             )
-        return JSONResponse({"error": {"message": exc.detail}}, status_code=exc.status_code)
+        error = {"message": exc.detail, "type": "invalid_request_error", "param": None}
+        return JSONResponse({"error": {**error, "code": None}}, status_code=exc.status_code)
 
 
 def _add_probe_routes(app: FastAPI, metrics: ConsoleMetrics) -> None:
@@ -160,11 +171,13 @@ def _add_probe_routes(app: FastAPI, metrics: ConsoleMetrics) -> None:
 def _add_overview_routes(app: FastAPI, console: Console) -> None:
     @app.get("/", response_class=HTMLResponse)
     async def overview(request: Request) -> HTMLResponse:
+        await console.identify(request)
         console.require_reader(request)
         return console.page(request, "overview.html", **await console.overview_context())
 
     @app.get("/live", response_class=HTMLResponse)
     async def overview_live(request: Request) -> HTMLResponse:
+        await console.identify(request)
         console.require_reader(request)
         return console.page(request, "_overview_live.html", **await console.overview_context())
 
@@ -203,86 +216,118 @@ def _add_alias_routes(app: FastAPI, console: Console) -> None:
 
 
 def _add_session_routes(app: FastAPI, console: Console) -> None:
-    """Login with the admin key sets the session cookie (console/auth.py); logout drops it."""
+    """Login with the admin key starts a session (console/sessions.py) and sets its cookie;
+    logout ends it in Redis, not only in this browser."""
 
     @app.get("/login", response_class=HTMLResponse)
     def login_form(request: Request, next: str = "/") -> HTMLResponse:
         return console.page(request, "login.html", next=safe_next(next))
 
     @app.post("/login")
-    def login(request: Request, key: str = Form(...), next: str = Form("/")) -> Response:
+    async def login(request: Request) -> Response:
         same_origin(request)
-        auth = console.auth
-        if not auth.key_matches(key) or auth.session_token is None:
-            console.metrics.logins.labels("refused").inc()
+        await console.identify(request)  # the page drawn next asks who is admin
+        form = await form_of(request)
+        key, target = form.get("key", ""), safe_next(form.get("next", "/"))
+        outcome = await asyncio.to_thread(console.auth.login, key, source_of(request))
+        if isinstance(outcome, str):
+            console.metrics.logins.labels(outcome).inc()
+            status, why = LOGIN_REFUSALS[outcome]
             return console.page(
-                request,
-                "login.html",
-                status=401,
-                next=safe_next(next),
-                message="That is not the admin key.",
-                message_kind="bad",
+                request, "login.html", status=status, next=target, message=why, message_kind="bad"
             )
         console.metrics.logins.labels("ok").inc()
-        response = RedirectResponse(safe_next(next), status_code=303)
+        response = RedirectResponse(target, status_code=303)
         response.set_cookie(
             COOKIE,
-            auth.session_token,
+            outcome.token,
+            max_age=console.settings.console.session_ttl_s,
             httponly=True,
             samesite="strict",
-            secure=request.url.scheme == "https",
+            # Off loopback TLS ends in front of the console, so its own scheme says nothing.
+            secure=request.url.scheme == "https" or console.settings.console_needs_login,
         )
         return response
 
     @app.post("/logout")
-    def logout(request: Request) -> Response:
+    async def logout(request: Request) -> Response:
         same_origin(request)
+        await asyncio.to_thread(console.auth.logout, request)
         response = RedirectResponse("/", status_code=303)
         response.delete_cookie(COOKIE)
         return response
 
 
+LOGIN_REFUSALS = {
+    "wrong": (401, "That is not the admin key."),
+    "throttled": (429, "Too many wrong keys lately: wait a quarter of an hour and try again."),
+    "unavailable": (503, "Logins need Redis, which does not answer: try again shortly."),
+}
+
+
 def _add_action_route(app: FastAPI, console: Console) -> None:
     """Promote, rollback, pause, resume or weigh the canary: the admin key and the confirmation
-    box first, then the CLI's lifecycle change with the console as its actor."""
+    box first, then the CLI's lifecycle change, with the admin (session or key, and address) as
+    its actor."""
 
     @app.post("/alias/{alias}/{action}")
-    def act(
-        request: Request,
-        alias: str,
-        action: str,
-        confirm: str = Form(""),
-        version: str = Form(""),
-        reason: str = Form(""),
-        weight: str = Form(""),
-    ) -> Response:
+    async def act(request: Request, alias: str, action: str) -> Response:
         same_origin(request)
         if action not in ACTIONS:
             raise HTTPException(404, f"no action {action!r}")
         outcomes = console.metrics.actions
-        if not console.auth.is_admin(request):
+        admin = await console.identify(request)
+        if admin is None:
             outcomes.labels(action, "unauthorized").inc()
+            log.warning(
+                "console %s on %r refused: not an admin (%s)",
+                action,
+                alias[:64],
+                source_of(request),
+            )
             raise HTTPException(403, "actions need the admin key: log in first")
+        form = await form_of(request)
         back = f"/alias/{quote(alias)}"
-        if confirm != "yes":
+        if form.get("confirm") != "yes":
             outcomes.labels(action, "unconfirmed").inc()
             why = quote("tick the confirmation box to apply the change")
             return RedirectResponse(f"{back}?refused={why}", status_code=303)
         try:
-            console.actions.apply(
-                ActionRequest(
-                    action=action,
-                    alias=alias,
-                    version=int(version) if version.strip() else None,
-                    reason=reason,
-                    weight=float(weight) if weight.strip() else None,
-                )
-            )
+            change = action_request(action, alias, form, admin)
+            await asyncio.to_thread(console.actions.apply, change)
         except (ActionRefused, ValueError) as exc:
             outcomes.labels(action, "refused").inc()
+            log.info("console %s on %s by %s refused: %s", action, alias, admin.actor, exc)
             return RedirectResponse(f"{back}?refused={quote(str(exc)[:MESSAGE_CHARS])}", 303)
         outcomes.labels(action, "applied").inc()
+        log.info("console %s on %s by %s", action, alias, admin.actor)
         return RedirectResponse(f"{back}?done={action}", status_code=303)
+
+
+def action_request(action: str, alias: str, form: dict[str, str], admin: Admin) -> ActionRequest:
+    version, weight = form.get("version", "").strip(), form.get("weight", "").strip()
+    return ActionRequest(
+        action=action,  # type: ignore[arg-type]  # checked against ACTIONS
+        alias=alias,
+        version=int(version) if version else None,
+        reason=form.get("reason", ""),
+        weight=float(weight) if weight else None,
+        actor=admin.actor,
+    )
+
+
+async def form_of(request: Request) -> dict[str, str]:
+    """The posted form's text fields, parsed within small limits (the body is already capped
+    by Guard): no files, a handful of fields."""
+    form = await request.form(max_files=0, max_fields=FORM_FIELDS, max_part_size=MAX_BODY_BYTES)
+    return {name: value for name, value in form.items() if isinstance(value, str)}
+
+
+def allowed_hosts(settings: RatchetSettings) -> list[str]:
+    """The Host names served besides loopback ones: the configured ones; off loopback with none
+    configured, any (console/service.py warns)."""
+    hosts = settings.console.allowed_hosts
+    return hosts if hosts or not settings.console_needs_login else ["*"]
 
 
 def safe_next(target: str) -> str:

@@ -1,34 +1,54 @@
 """Who may read the console and who may act on it.
 
 Reading: anyone when the console is bound to loopback (as the proxy serves without keys there);
-otherwise only with the admin key. Acting (promote, rollback, pause, resume, canary weight):
-always only with the admin key, ``proxy.admin_key``, sent as ``Authorization: Bearer <key>`` or
-set once through the login form, which stores a session token in an HTTP-only, SameSite=Strict
-cookie. The token is a keyed hash of the admin key under the server secret: the key itself never
-leaves the login request, and changing either invalidates every session.
+otherwise only an admin. Acting (promote, rollback, pause, resume, canary weight): only an admin.
+An admin is a request with the admin key, ``proxy.admin_key``, as ``Authorization: Bearer <key>``,
+or with the cookie of a session made by logging in with it (console/sessions.py: random,
+server-side, expiring, revoked at logout; the key itself never leaves the login request). Wrong
+keys are throttled per source address and overall, wherever they are sent.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
+from dataclasses import dataclass
+from typing import Literal
 
+import redis
 from fastapi import Request
 
-from ratchet.secrets import keyed_hash, server_secret
+from console.sessions import Session, Sessions, session_id
 from ratchet.settings import RatchetSettings
 
 COOKIE = "ratchet_console"
+Refusal = Literal["wrong", "throttled", "unavailable"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Admin:
+    """Who acts: how they proved it and from where, for lifecycle events and the log."""
+
+    via: str  # "session <id>" or "admin key"
+    source: str
+
+    @property
+    def actor(self) -> str:
+        return f"console ({self.via} from {self.source})"
+
+
+def source_of(request: Request) -> str:
+    """The peer's address (forwarding headers are not trusted: any client can send them)."""
+    return request.client.host if request.client else "unknown"
 
 
 class ConsoleAuth:
     def __init__(self, settings: RatchetSettings) -> None:
         key = settings.proxy.admin_key
         self.admin_key = key.get_secret_value() if key is not None else None
-        self.session_token = (
-            keyed_hash(server_secret(settings), "console-session", self.admin_key)
-            if self.admin_key is not None
-            else None
-        )
+        self.sessions = Sessions(settings, self.admin_key) if self.admin_key else None
         self.login_required = settings.console_needs_login
 
     @property
@@ -40,15 +60,78 @@ class ConsoleAuth:
             key.encode(), self.admin_key.encode()
         )
 
+    def admin(self, request: Request) -> Admin | None:
+        """The request's admin, if it has one (worked out once per request: it asks Redis)."""
+        if not hasattr(request.state, "admin"):
+            request.state.admin = self._admin(request)
+        found: Admin | None = request.state.admin
+        return found
+
     def is_admin(self, request: Request) -> bool:
-        """The request carries the admin key, or a session made with it."""
-        if self.admin_key is None or self.session_token is None:
-            return False
-        header = request.headers.get("authorization", "")
-        if header.lower().startswith("bearer ") and self.key_matches(header[7:].strip()):
-            return True
-        cookie = request.cookies.get(COOKIE, "")
-        return bool(cookie) and hmac.compare_digest(cookie.encode(), self.session_token.encode())
+        return self.admin(request) is not None
 
     def may_read(self, request: Request) -> bool:
         return not self.login_required or self.is_admin(request)
+
+    def login(self, key: str, source: str) -> Session | Refusal:
+        """A new session for the admin key, or why not."""
+        if self.sessions is None:
+            return "wrong"
+        try:
+            if self.sessions.throttled(source):
+                log.warning("console login from %s refused: too many wrong keys", source)
+                return "throttled"
+            if not self.key_matches(key):
+                self._count_failure(source, "login")
+                return "wrong"
+            session = self.sessions.start(source)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("console login from %s refused: no Redis for sessions (%s)", source, exc)
+            return "unavailable"
+        log.info("console login from %s: session %s", source, session.id)
+        return session
+
+    def logout(self, request: Request) -> None:
+        token = request.cookies.get(COOKIE, "")
+        if self.sessions is None or not token:
+            return
+        try:
+            self.sessions.end(token)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("console logout could not revoke session %s: %s", session_id(token), exc)
+            return
+        log.info("console logout from %s: session %s", source_of(request), session_id(token))
+
+    def _admin(self, request: Request) -> Admin | None:
+        if self.sessions is None:
+            return None
+        source = source_of(request)
+        header = request.headers.get("authorization", "")
+        if header.lower().startswith("bearer "):
+            return (
+                Admin("admin key", source) if self._bearer_ok(header[7:].strip(), source) else None
+            )
+        token = request.cookies.get(COOKIE, "")
+        if token and self.sessions.valid(token):
+            return Admin(f"session {session_id(token)}", source)
+        return None
+
+    def _bearer_ok(self, key: str, source: str) -> bool:
+        assert self.sessions is not None
+        try:
+            if self.sessions.throttled(source):
+                return False
+        except (redis.RedisError, OSError):
+            pass  # without Redis the header still works: the CLI-like way in stays open
+        if self.key_matches(key):
+            return True
+        self._count_failure(source, "Authorization header")
+        return False
+
+    def _count_failure(self, source: str, where: str) -> None:
+        log.warning("console: wrong admin key from %s (%s)", source, where)
+        assert self.sessions is not None
+        try:
+            self.sessions.failed(source)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("console: wrong key from %s not counted: %s", source, exc)

@@ -92,7 +92,7 @@ def rounds_svg(rows: list[RoundRow], threshold: float, width: int = 640) -> str:
         *_gate_intervals(f, rows),
         *(
             f'<text x="{f.x(i):.1f}" y="{f.height - 6}" font-size="10" text-anchor="middle" '
-            f'fill="#111">v{row.version}</text>'
+            f'fill="#111">v{escape(str(row.version))}</text>'
             for i, row in enumerate(rows)
         ),
         "</svg>",
@@ -154,6 +154,7 @@ def _gate_intervals(f: _Frame, rows: list[RoundRow]) -> list[str]:
             f'<line x1="{f.x(i):.1f}" x2="{f.x(i):.1f}" y1="{f.y(low, f.bottom):.1f}" '
             f'y2="{f.y(high, f.bottom):.1f}" stroke="{colour}" stroke-width="2"/>'
             f'<circle cx="{f.x(i):.1f}" cy="{f.y(row.win_rate, f.bottom):.1f}" r="4" '
-            f'fill="{colour}"><title>v{row.version}: win rate {row.win_rate:.3f}</title></circle>'
+            f'fill="{colour}"><title>v{escape(str(row.version))}: win rate '
+            f"{row.win_rate:.3f}</title></circle>"
         )
     return marks

@@ -17,6 +17,10 @@ What uvicorn (httptools) does on its own, and what this subclass changes:
   otherwise read and discard for as long as the client sends it).
 - Parser errors (a malformed request line, header, or body framing) get uvicorn's text/plain 400;
   here the OpenAI envelope. The 503 of ``limit_concurrency`` (proxy.max_concurrency) too.
+- Keyless (no proxy.api_keys nor admin_key, so on loopback only), a request whose ``Host`` is not a
+  loopback name or address gets 421: a web page that rebinds its own DNS name to 127.0.0.1 sends
+  its name as Host, and would otherwise read and write the local proxy (DNS rebinding). A request
+  with no Host at all is served: no browser sends one.
 - uvicorn wrote that 400 at once and closed, even when requests pipelined before the bad bytes
   (in the same read) were still being answered: the client read the 400 as the answer to its
   valid request, and the late answer failed with a traceback (a log flood at will). Here every
@@ -37,6 +41,7 @@ proxy).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from typing import Any, ClassVar
 
 import orjson
@@ -93,8 +98,27 @@ async def _overloaded(scope: Scope, receive: ASGIReceiveCallable, send: ASGISend
 LINGER_S = 2.0
 
 
-class HeadTooLarge(Exception):
-    """Raised from a parser callback to stop parsing a request already refused with 431."""
+class Refused(Exception):
+    """Raised from a parser callback to stop parsing a request already refused (431, 421)."""
+
+
+# Host values (port stripped) always on this machine: the usual ones, matched without parsing.
+LOOPBACK_HOSTS = frozenset({b"localhost", b"127.0.0.1", b"[::1]"})
+
+
+def is_loopback_host(host: bytes) -> bool:
+    """Whether a Host header names this machine: localhost (or a name under .localhost, which
+    browsers never resolve through DNS), or a loopback address, with or without a port."""
+    name = host.lower()
+    # "[v6]" or "[v6]:port" keeps its brackets; "name:port" loses its port.
+    bracketed = name.startswith(b"[")
+    name = name[: name.find(b"]") + 1] if bracketed else name.partition(b":")[0]
+    if name in LOOPBACK_HOSTS or name.endswith(b".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name.strip(b"[]").decode("ascii")).is_loopback
+    except (UnicodeDecodeError, ValueError):
+        return False
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -103,6 +127,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     header_timeout_s: ClassVar[float] = 10.0
     body_timeout_s: ClassVar[float] = 30.0
     max_header_bytes: ClassVar[int] = 32 * 1024
+    loopback_hosts_only: ClassVar[bool] = False  # keyless: refuse other Host values (rebinding)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -167,8 +192,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse_large_head()
             # Stops the parser: uvicorn then calls send_400_response, which sees the refusal
             # and writes nothing more.
-            raise HeadTooLarge
+            raise Refused
+        if self.loopback_hosts_only and not self._host_is_loopback():
+            self._refuse(
+                421,
+                "this proxy runs without keys and only answers requests addressed to this "
+                "machine (Host: localhost, 127.0.0.1 or [::1]); to serve other names, set "
+                "proxy.api_keys",
+                "misdirected_request",
+            )
+            raise Refused
         super().on_headers_complete()
+
+    def _host_is_loopback(self) -> bool:
+        for name, value in self.headers:
+            if name == b"host":
+                return is_loopback_host(value)
+        return True  # no Host: not a browser, so no rebinding
 
     def _head_size(self) -> int:
         """The request line and headers as parsed (only measured when the reads could hold more
@@ -349,5 +389,7 @@ def guarded_protocol(proxy: ProxySettings) -> type[GuardedHttpToolsProtocol]:
             "header_timeout_s": proxy.header_timeout_s,
             "body_timeout_s": proxy.body_timeout_s,
             "max_header_bytes": proxy.max_header_bytes,
+            # Keyless means loopback-only (proxy/server.py refuses anything else).
+            "loopback_hosts_only": not proxy.api_keys and proxy.admin_key is None,
         },
     )

@@ -68,7 +68,7 @@ class ProxyState:
             hash_api_key(self.secret, k.get_secret_value())
             for k in settings.proxy.user_vouching_keys
         )
-        self.limits = RequestLimits.from_settings(settings.proxy)
+        self.limits = RequestLimits.from_settings(settings.proxy, settings.aliases)
         self.upstream.on_model_context = self.limits.set_model_context
         # Per key only when keys are required: without auth a client could invent one per request.
         self.rate_limiter = RateLimiter(
@@ -123,15 +123,23 @@ class ProxyState:
 
 
 async def read_json(request: Request, limits: RequestLimits) -> tuple[dict[str, Any], bytes]:
-    """The body as a JSON object, and its bytes as sent: 413 past proxy.max_body_bytes, 400 if
-    not a JSON object or nested deeper than proxy.max_json_depth.
+    """The body as a JSON object, and its bytes as sent: 415 unless sent as application/json,
+    413 past proxy.max_body_bytes, 400 if not a JSON object or nested deeper than
+    proxy.max_json_depth.
+
+    The 415 is what keeps web pages out of a keyless proxy on loopback: a page may POST
+    text/plain, a form or an untyped body to any address without asking (a CORS "simple"
+    request), never application/json. Every OpenAI client sends it.
 
     A body that arrives too slowly is cut off by the server (proxy/connection.py), not here: a
     deadline here would cost a timer on every request, most of whose bodies came with their
     headers.
     """
+    headers = request.headers
+    if not _is_json(headers.get("content-type")):
+        raise _not_json(headers.get("content-type"))
     limit = limits.max_body_bytes
-    declared = request.headers.get("content-length")
+    declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     chunks: list[bytes] = []
@@ -154,6 +162,24 @@ async def read_json(request: Request, limits: RequestLimits) -> tuple[dict[str, 
         raise bad_request("request body must be a JSON object", None, "invalid_json")
     check_depth(payload, limits.max_json_depth)
     return payload, body
+
+
+def _is_json(content_type: str | None) -> bool:
+    """application/json, any case, with or without parameters (``; charset=utf-8``)."""
+    if content_type is None:
+        return False
+    return content_type.partition(";")[0].strip().lower() == "application/json"
+
+
+def _not_json(content_type: str | None) -> ProxyError:
+    sent = "no Content-Type" if content_type is None else f"Content-Type {content_type[:64]!r}"
+    return ProxyError(
+        415,
+        f"the request body must be JSON sent with 'Content-Type: application/json' ({sent} "
+        "was sent)",
+        param="content-type",
+        code="unsupported_media_type",
+    )
 
 
 def _too_large(limit: int) -> ProxyError:

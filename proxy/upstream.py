@@ -154,7 +154,17 @@ class Upstream:
 
 
 def stream_dropped(exc: BaseException) -> ProxyError:
-    """vLLM broke off a stream whose 200 the client already has: told in-band, as an event."""
+    """vLLM broke off a stream whose 200 the client already has: told in-band, as an event.
+    A stream that outlived proxy.upstream_timeout_s is a timeout, as a whole answer's is (504
+    upstream_timeout): a client provokes it at will, with a long max_tokens or by reading
+    slowly, so the canary does not count it against the version (learner/canary.py)."""
+    if isinstance(exc, TimeoutError):
+        return ProxyError(
+            504,
+            "the stream did not finish within proxy.upstream_timeout_s",
+            type="server_error",
+            code="upstream_timeout",
+        )
     return ProxyError(
         502,
         f"the model server dropped the stream: {exc}",

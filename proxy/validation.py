@@ -7,13 +7,14 @@ our envelope). Each failure names the offending field in ``param``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import ProxyError, bad_request
+from ratchet.rewards.agreement import probes_agreement
 from ratchet.secrets import USER_MAX_CHARS
-from ratchet.settings import NAME_PATTERN, NAME_RULE, ProxySettings
+from ratchet.settings import NAME_PATTERN, NAME_RULE, AliasConfig, ProxySettings
 
 Check = Callable[[Any], bool]
 
@@ -236,10 +237,17 @@ class RequestLimits:
     max_tokens: int | None
     max_answer_bytes: int
     model_context: int | None = None
+    # Aliases whose answers are learned from (see learns_from_answers): answer-shaping
+    # parameters are refused on them.
+    learning_aliases: frozenset[str] = frozenset()
 
     @classmethod
-    def from_settings(cls, proxy: ProxySettings) -> RequestLimits:
+    def from_settings(
+        cls, proxy: ProxySettings, aliases: Mapping[str, AliasConfig] | None = None
+    ) -> RequestLimits:
+        learning = frozenset(a for a, c in (aliases or {}).items() if learns_from_answers(c))
         return cls(
+            learning_aliases=learning,
             max_body_bytes=proxy.max_body_bytes,
             max_json_depth=proxy.max_json_depth,
             max_messages=proxy.max_messages,
@@ -319,6 +327,8 @@ def _prompt_count(prompt: Any) -> int:
 def check_limits(payload: dict[str, Any], endpoint: str, limits: RequestLimits) -> None:
     """Refuse, naming the setting, what asks for more than proxy.max_* allows. Runs after the
     type checks (check_chat / check_completion), so every field here has a valid type."""
+    if payload.get("model") in limits.learning_aliases:
+        check_answer_shaping(payload)
     prompts = 1
     if endpoint == "chat.completions":
         messages = len(payload["messages"])
@@ -343,3 +353,35 @@ def check_limits(payload: dict[str, Any], endpoint: str, limits: RequestLimits) 
             allowed, setting = limits.token_limit()
             if asked > allowed:
                 raise _over(param, f"{param} is {asked}, more than {setting} allows ({allowed})")
+
+
+# ---- answer shaping -----------------------------------------------------------------------------
+
+# Parameters (vLLM's) with which a request writes part of the answer it gets, and the value that
+# does: echo puts the prompt's (chat: the last assistant message's) text in the answer,
+# continue_final_message makes the answer go on from the client's own assistant text, and
+# add_generation_prompt false lets the answer continue the client's turn.
+ANSWER_SHAPING: dict[str, bool] = {
+    "echo": True,
+    "continue_final_message": True,
+    "add_generation_prompt": False,
+}
+
+
+def learns_from_answers(config: AliasConfig) -> bool:
+    """Whether an alias's served answers (or their ratings) become training evidence."""
+    return config.learning.enabled or config.reward.learns_from_ratings or probes_agreement(config)
+
+
+def check_answer_shaping(payload: dict[str, Any]) -> None:
+    """400 for a parameter that lets the client author the answer it is then judged and rated
+    on, on an alias that learns from its answers (H-4: a client rating its own text)."""
+    for param, shaping in ANSWER_SHAPING.items():
+        if param in payload and payload[param] == shaping and type(payload[param]) is bool:
+            raise bad_request(
+                f"{param}={str(shaping).lower()} is not accepted for model "
+                f"{payload['model']!r}: it learns from its answers, and {param} would let the "
+                "request write part of the answer that is then judged and rated",
+                param,
+                "unsupported_parameter",
+            )

@@ -41,28 +41,49 @@ _OUTCOME_WORDS = {
 
 
 def rounds_of(history: list[dict[str, Any]]) -> list[RoundRow]:
-    """One row per candidate the learner wrote, oldest first, with its gate and fate."""
+    """One row per candidate the learner wrote, oldest first, with its gate and fate.
+
+    History is JSON in Redis, which more than the learner can write: a field of the wrong type
+    reads as missing (a version that is not an int drops its event), so what reaches the console's
+    plot and the CLI's tables is numbers.
+    """
     rows: dict[int, RoundRow] = {}
     for event in reversed(history):  # history is newest first
-        kind, version = event.get("kind"), event.get("version")
-        detail = event.get("detail") or {}
+        if not isinstance(event, dict):
+            continue
+        kind, version = event.get("kind"), _int(event.get("version"))
+        detail = event.get("detail")
+        detail = detail if isinstance(detail, dict) else {}
         if kind == "candidate" and version is not None:
+            ts = event.get("ts")
             rows[version] = RoundRow(
                 version=version,
-                ts=event.get("ts", ""),
-                mean_reward=detail.get("mean_reward"),
-                groups=detail.get("groups"),
-                live=event.get("previous_version"),
-                trained_from=detail.get("trained_from"),
+                ts=ts if isinstance(ts, str) else "",
+                mean_reward=_float(detail.get("mean_reward")),
+                groups=_int(detail.get("groups")),
+                live=_int(event.get("previous_version")),
+                trained_from=_int(detail.get("trained_from")),
             )
         elif kind == "gate" and version in rows:
             row = rows[version]
-            row.win_rate, row.ci_low = detail.get("win_rate"), detail.get("ci_low")
-            row.ci_high, row.pairs = detail.get("ci_high"), detail.get("pairs")
-            row.passed = detail.get("passed")
+            row.win_rate, row.ci_low = _float(detail.get("win_rate")), _float(detail.get("ci_low"))
+            row.ci_high, row.pairs = _float(detail.get("ci_high")), _int(detail.get("pairs"))
+            passed = detail.get("passed")
+            row.passed = passed if isinstance(passed, bool) else None
         elif kind in OUTCOME_KINDS:
             # A rollback names the restored version; the one rolled back is previous_version.
-            target = event.get("previous_version") if kind == "rollback" else version
+            target = _int(event.get("previous_version")) if kind == "rollback" else version
             if target in rows:
                 rows[target].outcome = _OUTCOME_WORDS[kind]
     return sorted(rows.values(), key=lambda row: row.ts)
+
+
+def _int(value: Any) -> int | None:
+    """An int (not a bool, which JSON's true would give), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)

@@ -33,6 +33,9 @@ from pydantic_settings import (
 
 # \Z, not $: "$" would also accept a name followed by a newline.
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}\Z")
+# A DNS name (or an IPv4 address); IPv6 addresses are checked with ipaddress.
+_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
+_HOST_PATTERN = re.compile(rf"^{_LABEL}(?:\.{_LABEL})*\.?\Z")
 NAME_RULE = (
     "lower-case letters, digits, '.', '_' or '-', starting with a letter or digit, "
     "at most 64 characters"
@@ -588,6 +591,29 @@ class ConsoleSettings(_Section):
     # Where the health panel asks the proxy (its /healthz, and its /metrics for Kafka). None:
     # proxy.host and proxy.port, which is right when both run on one machine.
     proxy_url: str | None = None
+    # The names browsers reach the console by (its Host header), besides loopback names, which
+    # are always allowed: any other Host is refused with 400, so a page whose name rebinds to
+    # the console's address (DNS rebinding) reads nothing. Host names or IP addresses, no port;
+    # "*.example.com" allows subdomains; "*" allows any. Off loopback, empty: any, with a warning.
+    allowed_hosts: list[str] = []
+    # How long a login lasts (seconds); logout ends it at once.
+    session_ttl_s: int = Field(default=12 * 3600, ge=60, le=30 * 24 * 3600)
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, hosts: list[str]) -> list[str]:
+        names = [host.strip().lower().removeprefix("[").removesuffix("]") for host in hosts]
+        for name in names:
+            if (
+                name != "*"
+                and not _HOST_PATTERN.match(name.removeprefix("*."))
+                and not _is_ip(name)
+            ):
+                raise ValueError(
+                    f"{name!r} is not a host name or IP address: write it as browsers send it "
+                    "in Host, without scheme or port (e.g. console.example.com, *.example.com)"
+                )
+        return names
 
 
 class RatchetSettings(BaseSettings):
@@ -719,6 +745,14 @@ class RatchetSettings(BaseSettings):
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_path))
         sources.append(file_secret_settings)
         return tuple(sources)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _is_loopback(host: str) -> bool:

@@ -298,8 +298,9 @@ def nested(levels: int, closed: bool = True) -> bytes:
 
 
 def head(method: str, path: str, *lines: bytes) -> bytes:
-    """A request head with exactly these header lines after Host, and nothing added."""
-    request_line = f"{method} {path} HTTP/1.1\r\nHost: x\r\n".encode()
+    """A request head with exactly these header lines after Host (this machine's: the open
+    proxy refuses any other), and nothing added."""
+    request_line = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()
     return request_line + b"".join(line + b"\r\n" for line in lines) + b"\r\n"
 
 
@@ -309,9 +310,10 @@ def authorized(authorization: bytes, path: str = "/v1/models") -> Send:
 
 
 def post_head(path: str, length: int | None, *lines: bytes, key: str) -> bytes:
-    """A POST head with the key, Content-Length ``length`` (None: none) and ``lines``."""
+    """A JSON POST head with the key, Content-Length ``length`` (None: none) and ``lines``."""
     framing = [b"Content-Length: %d" % length] if length is not None else []
-    return head("POST", path, b"Authorization: Bearer " + key.encode(), *framing, *lines)
+    auth = b"Authorization: Bearer " + key.encode()
+    return head("POST", path, auth, b"Content-Type: application/json", *framing, *lines)
 
 
 def chunked(key: str, *pieces: bytes, end: bool = True) -> bytes:

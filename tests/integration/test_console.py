@@ -215,13 +215,16 @@ def test_the_console_shows_the_loop_and_steers_it_in_a_browser(
             expect(page.get_by_role("status")).to_contain_text("rollback: done")
             expect(page.get_by_test_id(f"active-{ALIAS}")).to_have_text("v0")
             event = embedded.registry.history(ALIAS)[0]
-            assert (event["kind"], event["actor"]) == ("rollback", "console"), event
+            # The actor names the browser's session and address (audit L-5).
+            assert event["kind"] == "rollback", event
+            assert event["actor"].startswith("console (session "), event
+            assert event["actor"].endswith(" from 127.0.0.1)"), event
             # ... and on ratchet.events, sent off the page's request.
             assert embedded.find_records(
                 EVENTS_TOPIC,
                 lambda r: (
                     isinstance(r, LifecycleEvent)
-                    and (r.alias, r.kind, r.actor) == (ALIAS, "rollback", "console")
+                    and (r.alias, r.kind, r.actor) == (ALIAS, "rollback", event["actor"])
                 ),
             )
             print(f"rollback clicked to served by the proxy: {served_in:.3f}s")

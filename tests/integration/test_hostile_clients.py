@@ -83,6 +83,7 @@ def hostile(embedded: Embedded, tmp_path_factory: pytest.TempPathFactory) -> Ite
 K, N, L = "keyed", "open", "limited"  # the proxy a case is sent to (N: no auth)
 B1 = ONE.encode()
 BAD_HTTP, BAD_JSON, BAD_NAME = "invalid_http", "invalid_json", "invalid_model_name"
+NOT_JSON, REBOUND = "unsupported_media_type", "misdirected_request"
 LIMIT, NOT_FOUND, UNKNOWN_MODEL = "limit_exceeded", "not_found", "model_not_found"
 TIMED_OUT, NOT_YOURS, NO_KEY = "request_timeout", "completion_not_found", "invalid_api_key"
 RATE_LIMITED, LORA = "rate_limit_exceeded", {"lora_name": "x", "lora_path": "/tmp"}
@@ -144,7 +145,7 @@ MALFORMED = {
     "negative-content-length": head("POST", CHAT, b"Content-Length: -1"),
     "content-length-not-a-number": head("POST", CHAT, b"Content-Length: abc"),
     "unknown-transfer-encoding": post_head(CHAT, None, b"Transfer-Encoding: xchunked", key=ONE),
-    "connect": b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n",
+    "connect": b"CONNECT example.com:443 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
     "unknown-method": head("FOO", "/healthz"),
     "h2-preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
     "tls-client-hello": bytes.fromhex("16030100a5010000a10303") + bytes(40),
@@ -185,6 +186,33 @@ HTTP = [
          check=header("retry-after")),
 ]
 
+# A web page on the developer's machine, against the open (keyless, loopback) proxy: its own
+# name rebound to 127.0.0.1 arrives as Host (421), and a "simple" cross-site POST is not JSON (415).
+def rebound(method: str, path: str, host: bytes, *lines: bytes) -> bytes:
+    return b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (method.encode(), path.encode(), host) + b"".join(
+        line + b"\r\n" for line in lines) + b"\r\n"
+
+
+PAGE_BODY = b"Content-Length: %d\r\n\r\n" % len(OK_BODY) + OK_BODY
+WEB_PAGES = [
+    *[Case(f"page-rebound-host-{name}", N, raw(rebound("GET", "/v1/models", host)), 421, REBOUND,
+           "proxy.api_keys")
+      for name, host in {"name": b"evil.example", "name-and-port": b"evil.example:8400",
+                         "name-of-loopback-ip": b"127.0.0.1.nip.io"}.items()],
+    Case("page-rebound-post", N, raw(rebound("POST", CHAT, b"evil.example:8400",
+                                             b"Content-Type: text/plain") + PAGE_BODY), 421,
+         REBOUND),
+    Case("page-rebound-metrics", N, raw(rebound("GET", "/metrics", b"evil.example")), 421, REBOUND),
+    Case("page-text-plain-post", N, raw(rebound("POST", CHAT, b"127.0.0.1:8400",
+                                                b"Content-Type: text/plain") + PAGE_BODY), 415,
+         NOT_JSON, "application/json"),
+    Case("page-untyped-post", N, raw(rebound("POST", FEEDBACK, b"localhost:8400") + PAGE_BODY),
+         415, NOT_JSON),
+    Case("page-loopback-host-served", N, raw(rebound("GET", "/v1/models", b"localhost:8400")), 200),
+    # With keys, a page cannot send one; any Host is served (a production proxy has a name).
+    Case("page-any-host-with-keys", K, raw(rebound("GET", "/healthz", b"api.example.com")), 200),
+]
+
 # Bodies that are not a JSON object: 400.
 NOT_AN_OBJECT = {
     "not-json": b"hello",
@@ -202,7 +230,7 @@ BODIES = [
     *[Case(f"body-{name}", K, post(CHAT, data), 400, BAD_JSON)
       for name, data in NOT_AN_OBJECT.items()],
     Case("body-form-encoded", K, http("POST", CHAT, b"model=support", headers={
-        "Content-Type": "application/x-www-form-urlencoded"}), 400, BAD_JSON),
+        "Content-Type": "application/x-www-form-urlencoded"}), 415, NOT_JSON),
     Case("body-depth-65", K, post(CHAT, nested(65)), 400, "json_too_deep", "proxy.max_json_depth"),
     Case("body-depth-300", K, post(CHAT, nested(300)), 400, "json_too_deep"),
     Case("body-depth-2000", K, post(CHAT, nested(2000)), 400, "json_too_deep"),
@@ -372,7 +400,7 @@ RATE = [
     Case("rate-no-key-is-401", L, chat(None), 401, NO_KEY),
 ]
 
-CASES = [*AUTH, *HTTP, *BODIES, *BOUNDS, *PATHS, *SIGNAL, *RATE]
+CASES = [*AUTH, *HTTP, *WEB_PAGES, *BODIES, *BOUNDS, *PATHS, *SIGNAL, *RATE]
 # fmt: on
 
 

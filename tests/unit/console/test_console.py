@@ -5,71 +5,20 @@ as its actor. (tests/integration/test_console.py drives it in a real browser.)""
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
-from console.app import create_app, safe_next
+from console.app import safe_next
 from console.auth import COOKIE
 from console.render import rounds_svg
 from console.traffic import KEPT, PENDING_RATINGS, RecentTraffic
-from ratchet.gate_pairs import GatePair, write_gate_pairs
 from ratchet.lifecycle import Lifecycle
 from ratchet.records import FeedbackRecord, TrafficRecord
-from ratchet.registry import RegistryWriter
 from ratchet.rounds import RoundRow
 from ratchet.settings import ConfigError, RatchetSettings
-from ratchet.store import AdapterStore
-
-ALIAS = "support"
-KEY = "the-admin-key"
-
-
-def make_settings(redis_url: str, tmp_path: Path, **console: object) -> RatchetSettings:
-    return RatchetSettings(
-        redis_url=redis_url,
-        home=tmp_path,
-        secret="a-test-secret",
-        proxy={"admin_key": KEY},
-        console=console,
-        aliases={ALIAS: {}, "other": {}},
-    )
-
-
-@pytest.fixture
-def settings(redis_url: str, tmp_path: Path) -> RatchetSettings:
-    return make_settings(redis_url, tmp_path)
-
-
-@pytest.fixture
-def lifecycle(settings: RatchetSettings) -> Lifecycle:
-    """v1 promoted through a round (candidate, gate, promote), v2 on canary."""
-    assert settings.store_dir is not None
-    store = AdapterStore(settings.store_dir)
-
-    def adapter(folder: Path) -> None:
-        (folder / "adapter_config.json").write_text(json.dumps({"r": 8}))
-
-    for version in (1, 2):
-        meta = {"parent_version": version - 1, "rounds": version, "groups_seen": 32 * version}
-        store.write(ALIAS, version, adapter, "/models/base", meta)
-    life = Lifecycle(RegistryWriter(settings.redis_url, settings.aliases), store, sink=None)
-    for version, win in ((1, 0.8), (2, 0.7)):
-        gate = {"win_rate": win, "ci_low": win - 0.2, "ci_high": win + 0.1, "pairs": 40}
-        life.record(life.event(ALIAS, "candidate", version=version, detail={"mean_reward": 0.4}))
-        life.record(life.event(ALIAS, "gate", version=version, detail={**gate, "passed": True}))
-    life.promote(ALIAS, 1)
-    life.start_canary(ALIAS, 2, 0.25, {})
-    pair = GatePair([{"role": "user", "content": "Sort 3 1 2"}], "1 2 3", "3 2 1", 1.0)
-    write_gate_pairs(life.writer.redis, ALIAS, 2, [pair])
-    return life
-
-
-def client_for(settings: RatchetSettings) -> TestClient:
-    return TestClient(create_app(settings, start_readers=False), base_url="http://127.0.0.1:8404")
+from tests.unit.console.conftest import ALIAS, KEY, client_for, make_settings
 
 
 def test_the_overview_lists_every_alias_with_its_versions(
@@ -140,7 +89,7 @@ def test_an_action_needs_its_confirmation_then_is_the_lifecycle_change_by_the_co
     route = lifecycle.writer.read(ALIAS)
     assert route is not None and (route.active, route.canary) == (1, None)
     event = lifecycle.writer.history(ALIAS)[0]
-    assert (event["kind"], event["actor"]) == ("rollback", "console")
+    assert (event["kind"], event["actor"]) == ("rollback", "console (admin key from testclient)")
     assert event["detail"]["reason"] == "users complain"
     page = client.get(done.headers["location"])
     assert "rollback: done" in page.text
@@ -162,7 +111,7 @@ def test_login_sets_an_http_only_strict_session_and_never_echoes_the_key(
     assert weighed.status_code == 200 and "weight: done" in weighed.text
     route = lifecycle.writer.read(ALIAS)
     assert route is not None and route.canary_weight == 0.5
-    assert lifecycle.writer.history(ALIAS)[0]["actor"] == "console"
+    assert lifecycle.writer.history(ALIAS)[0]["actor"].startswith("console (session ")
     assert KEY not in weighed.text
 
 

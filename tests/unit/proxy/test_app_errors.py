@@ -311,10 +311,44 @@ async def test_oversize_body_without_content_length(open_client: httpx.AsyncClie
             sent.append(1)
             yield b" " * 512
 
-    resp = await open_client.post(CHAT, content=chunks())
+    resp = await open_client.post(
+        CHAT, content=chunks(), headers={"content-type": "application/json"}
+    )
     assert "content-length" not in resp.request.headers
     assert_envelope(resp, 413, BAD, None, "request_too_large")
     assert len(sent) < 64, "the proxy read the whole oversize body"
+
+
+# What a web page can POST to any address without a CORS preflight, and other non-JSON types.
+NOT_JSON = {
+    "text-plain": "text/plain;charset=UTF-8",
+    "form": "application/x-www-form-urlencoded",
+    "multipart": "multipart/form-data; boundary=x",
+    "none": None,
+    "json-lookalike": "application/jsonx",
+    "json-suffix": "application/ld+json",
+}
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions", "/v1/feedback"])
+@pytest.mark.parametrize("content_type", NOT_JSON.values(), ids=NOT_JSON.keys())
+async def test_posts_not_sent_as_json_are_415(
+    open_client: httpx.AsyncClient, path: str, content_type: str | None
+) -> None:
+    headers = {} if content_type is None else {"content-type": content_type}
+    resp = await open_client.post(path, content=orjson.dumps(chat()), headers=headers)
+    error = assert_envelope(resp, 415, BAD, "content-type", "unsupported_media_type")
+    assert "application/json" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "content_type", ["application/json; charset=utf-8", "Application/JSON", " application/json "]
+)
+async def test_json_with_parameters_or_any_case_is_read(
+    open_client: httpx.AsyncClient, content_type: str
+) -> None:
+    resp = await open_client.post(CHAT, content=b"{", headers={"content-type": content_type})
+    assert_envelope(resp, 400, BAD, None, "invalid_json")  # read, and found not to be JSON
 
 
 async def test_405_says_which_methods_are_allowed(open_client: httpx.AsyncClient) -> None:

@@ -134,31 +134,34 @@ def assert_envelope(raw: bytes, status: int, code: str, closes: bool = True) -> 
     return error
 
 
-HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
 MALFORMED = {
     "not-http": b"GARBAGE\r\n\r\n",
-    "space-in-header-name": b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
-    "nul-in-header-value": b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: a\x00b\r\n\r\n",
-    "folded-header": b"GET /healthz HTTP/1.1\r\nHost: x\r\n folded\r\n\r\n",
-    "bare-lf": b"GET /healthz HTTP/1.1\nHost: x\n\n",
-    "bad-version": b"GET /healthz HTTP/7.1\r\nHost: x\r\n\r\n",
-    "nul-in-method": b"G\x00T /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
-    "byte-ff-in-path": b"GET /\xff HTTP/1.1\r\nHost: x\r\n\r\n",
-    "del-in-path": b"GET /h\x7fz HTTP/1.1\r\nHost: x\r\n\r\n",
+    "space-in-header-name": b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header: y\r\n\r\n",
+    "nul-in-header-value": b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX: a\x00b\r\n\r\n",
+    "folded-header": b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n folded\r\n\r\n",
+    "bare-lf": b"GET /healthz HTTP/1.1\nHost: 127.0.0.1\n\n",
+    "bad-version": b"GET /healthz HTTP/7.1\r\nHost: 127.0.0.1\r\n\r\n",
+    "nul-in-method": b"G\x00T /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    "byte-ff-in-path": b"GET /\xff HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    "del-in-path": b"GET /h\x7fz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
     "http2-preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
     "cl-and-te": (
-        b"POST /v1/feedback HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+        b"POST /v1/feedback HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\n"
         b"Transfer-Encoding: chunked\r\n\r\n"
     ),
     "two-content-lengths": (
-        b"POST /v1/feedback HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"
+        b"POST /v1/feedback HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Length: 1\r\nContent-Length: 2\r\n\r\n"
     ),
-    "content-length-abc": b"POST /v1/feedback HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    "content-length-abc": (
+        b"POST /v1/feedback HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n"
+    ),
     "bad-chunk-size": (
-        b"POST /v1/feedback HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
+        b"POST /v1/feedback HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
     ),
-    "te-gzip-only": b"GET /healthz HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n",
+    "te-gzip-only": b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: gzip\r\n\r\n",
 }
 
 
@@ -180,7 +183,8 @@ PIPELINED = {
     "two-requests-then-garbage": (HEALTHZ + HEALTHZ + GARBAGE, [(200, None), (200, None)]),
     # The body is longer than its Content-Length: the rest is read as the next request line.
     "body-longer-than-content-length": (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\n"
         b"Content-Length: 4\r\n\r\nnopeJUNK-JUNK\r\n\r\n",
         [(400, "invalid_json")],
     ),
@@ -231,7 +235,9 @@ async def test_parser_errors_get_the_envelope(served: Served, raw: bytes) -> Non
 
 
 async def test_head_larger_than_the_limit_in_one_read_is_431(served: Served) -> None:
-    raw = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 2 * HEAD_LIMIT + b"\r\n\r\n"
+    raw = (
+        b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 2 * HEAD_LIMIT + b"\r\n\r\n"
+    )
     error = assert_envelope(await talk(served.port, raw), 431, "headers_too_large")
     assert "proxy.max_header_bytes" in error["message"]
 
@@ -239,7 +245,7 @@ async def test_head_larger_than_the_limit_in_one_read_is_431(served: Served) -> 
 async def test_endless_head_is_431_before_it_ends(served: Served) -> None:
     """Header bytes keep coming and never end: refused once past the limit, not buffered."""
     reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
-    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: ")
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ")
     answer = asyncio.create_task(reader.read())  # ends when the server ends its side
     sent = 0
     try:
@@ -258,8 +264,8 @@ async def test_endless_head_is_431_before_it_ends(served: Served) -> None:
     ("raw", "trickle"),
     [
         (b"GET /heal", b""),  # half a request line, then nothing
-        (b"GET /healthz HTTP/1.1\r\nHost: x\r\n", b""),  # headers never end
-        (b"", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 400),  # byte by byte
+        (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n", b""),  # headers never end
+        (b"", b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 400),  # byte by byte
     ],
     ids=["half-line", "unfinished-headers", "trickled-headers"],
 )
@@ -287,7 +293,8 @@ async def test_idle_keepalive_connection_is_closed(served: Served) -> None:
 
 async def test_trickled_body_gets_408_and_nothing_leaks(served: Served) -> None:
     head = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\n"
         b"Content-Length: 200\r\n\r\n{"
     )
     started = time.monotonic()
@@ -301,8 +308,12 @@ async def test_trickled_body_gets_408_and_nothing_leaks(served: Served) -> None:
 @pytest.mark.parametrize(
     ("head", "status"),
     [
-        (b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 99999\r\n\r\nab", 200),
-        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\nab", 413),
+        (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 99999\r\n\r\nab", 200),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+            b"\r\nContent-Length: 99999999\r\n\r\nab",
+            413,
+        ),
     ],
     ids=["answered-without-reading", "declared-too-large"],
 )
@@ -317,17 +328,18 @@ async def test_unread_body_is_cut_off(served: Served, head: bytes, status: int) 
 
 @pytest.mark.parametrize("path", ["/v1/models/", "/healthz/", "/openapi.json", "/docs", "/redoc"])
 async def test_no_redirects_and_no_docs(served: Served, path: str) -> None:
-    raw = f"GET {path} HTTP/1.1\r\nHost: evil.example\r\n\r\n".encode()
+    raw = f"GET {path} HTTP/1.1\r\nHost: evil.localhost\r\n\r\n".encode()
     answer = await talk(served.port, raw)
     assert_envelope(answer, 404, "not_found", closes=False)
-    assert b"location" not in answer.lower() and b"evil.example" not in answer
+    assert b"location" not in answer.lower() and b"evil" not in answer
 
 
 @pytest.mark.parametrize("depth", [65, 300, 2000])
 async def test_deep_json_is_400_never_500(served: Served, depth: int) -> None:
     body = b'{"model":"support","messages":' + b"[" * depth + b"]" * depth + b"}"
     raw = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\n"
         b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
     ) + body
     error = assert_envelope(await talk(served.port, raw), 400, "json_too_deep")
@@ -337,10 +349,74 @@ async def test_deep_json_is_400_never_500(served: Served, depth: int) -> None:
 
 async def test_websocket_upgrade_is_served_as_plain_http(served: Served) -> None:
     raw = (
-        b"GET /healthz HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
         b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
     )
     assert parse(await talk(served.port, raw))[0] == 200
+
+
+# ---- Host, without keys: DNS rebinding ----------------------------------------------------------
+
+# Names a web page can point at 127.0.0.1 after it loaded, and send as Host.
+REBOUND_HOSTS = [
+    b"evil.example",
+    b"evil.example:8400",
+    b"127.0.0.1.nip.io",
+    b"localhost.evil.example",
+    b"0.0.0.0:8400",
+    b"[::ffff:127.0.0.1]",
+    b"",
+]
+
+
+def get_healthz(host: bytes | None) -> bytes:
+    line = b"" if host is None else b"Host: " + host + b"\r\n"
+    return b"GET /healthz HTTP/1.1\r\n" + line + b"\r\n"
+
+
+@pytest.mark.parametrize("host", REBOUND_HOSTS, ids=[h.decode() or "empty" for h in REBOUND_HOSTS])
+async def test_keyless_proxy_refuses_other_hosts(served: Served, host: bytes) -> None:
+    error = assert_envelope(await talk(served.port, get_healthz(host)), 421, "misdirected_request")
+    assert "proxy.api_keys" in error["message"]
+
+
+async def test_keyless_proxy_refuses_a_rebound_post_before_its_body(served: Served) -> None:
+    raw = (
+        b"POST /v1/feedback HTTP/1.1\r\nHost: evil.example\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 99999\r\n\r\n{"
+    )
+    assert_envelope(await talk(served.port, raw), 421, "misdirected_request")
+    assert served.state.metrics.in_flight._value.get() == 0
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        b"localhost",
+        b"LocalHost:8400",
+        b"127.0.0.1:1",
+        b"127.1.2.3",
+        b"[::1]:8400",
+        b"app.localhost",
+    ],
+)
+async def test_keyless_proxy_serves_loopback_hosts(served: Served, host: bytes) -> None:
+    assert parse(await talk(served.port, get_healthz(host)))[0] == 200
+
+
+async def test_keyless_proxy_serves_a_request_without_host(served: Served) -> None:
+    # HTTP/1.0 probes send none; no browser does.
+    assert parse(await talk(served.port, b"GET /healthz HTTP/1.0\r\n\r\n"))[0] == 200
+
+
+async def test_a_rebound_request_after_a_good_one_gets_421_after_its_200(served: Served) -> None:
+    answers = split_answers(await talk(served.port, HEALTHZ + get_healthz(b"evil.example")))
+    assert [parse(a)[0] for a in answers] == [200, 421]
+
+
+async def test_a_proxy_with_keys_serves_any_host(tmp_path: Path) -> None:
+    async with serving(settings_for(tmp_path, api_keys=["sk-1"])) as running:
+        assert parse(await talk(running.port, get_healthz(b"api.example.com")))[0] == 200
 
 
 async def test_over_the_concurrency_limit_is_a_503_envelope(tmp_path: Path) -> None:

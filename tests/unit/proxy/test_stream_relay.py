@@ -132,3 +132,26 @@ async def test_in_flight_is_back_to_zero_after_every_kind_of_ending(
     )
     assert (ok, failed) == (2, 3)
     assert orjson.loads(response.content)["error"]["code"] == "upstream_timeout"
+
+
+async def stalled_stream(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(PRETTY_EVENTS[0])
+    await asyncio.sleep(5)  # past the proxy's upstream_timeout_s; cancelled at teardown
+    return response
+
+
+async def test_a_stream_past_the_deadline_is_a_timeout_not_a_server_failure(
+    proxy: Any, upstream: dict[str, Any]
+) -> None:
+    """A client provokes it at will (a long max_tokens, or reading slowly): recorded as the
+    non-stream 504 is, upstream_timeout, which the canary does not count against the version."""
+    client, state = proxy
+    upstream["handler"] = stalled_stream
+    response = await stream(client)
+    assert response.status_code == 200, response.text
+    last = response.content.strip().split(b"\n\n")[-1]
+    assert orjson.loads(last.removeprefix(b"data: "))["error"]["code"] == "upstream_timeout"
+    labels = {"alias": "support", "version": "0", "arm": "active", "endpoint": "chat.completions"}
+    assert sample(state, "ratchet_proxy_requests_total", **labels, status="504") == 1

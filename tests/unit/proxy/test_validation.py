@@ -401,6 +401,71 @@ def test_depth_past_the_limit_is_refused(depth: int) -> None:
 
 def test_depth_counts_every_branch_and_dicts() -> None:
     wide = {"a": [1, "s", None, {"b": [{"c": {}}]}], "z": 1.5}  # depth 6 on one branch
-    check_depth(wide, 6)
+    check_depth(wide, 6, ITEMS)
     with pytest.raises(ProxyError):
-        check_depth(wide, 5)
+        check_depth(wide, 5, ITEMS)
+
+
+def test_items_are_counted_in_every_container() -> None:
+    # 3 top-level values, 9 in "x", 2 in each dict, 1 in each [0]: 39 values in all.
+    body = {"model": "support", "messages": [], "x": [{"a": 1, "b": [0]} for _ in range(9)]}
+    check_depth(body, 64, 39)
+    with pytest.raises(ProxyError):
+        check_depth(body, 64, 38)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "support", "x": [{}] * 100},  # many small containers: 24x their JSON in memory
+        {"model": "support", "x": ["a"] * 100},  # many small strings: 18x
+        {"model": "support", "x": [{"y": 1}] * 40},  # a value per container, under 100 containers
+    ],
+    ids=["empty-objects", "short-strings", "values-in-objects"],
+)
+def test_items_past_the_limit_are_refused(body: dict[str, Any]) -> None:
+    with pytest.raises(ProxyError) as info:
+        check_depth(body, 64, 60)
+    assert_envelope(info.value, 400, None, "limit_exceeded")
+    assert "proxy.max_json_items" in info.value.message
+
+
+# ---- answer shaping -----------------------------------------------------------------------------
+
+ASSISTANT_LAST = [*MSG, {"role": "assistant", "content": "Mention X: it is the best answer."}]
+
+
+@pytest.mark.parametrize(
+    ("payload", "endpoint", "param"),
+    [
+        (chat(messages=ASSISTANT_LAST, echo=True), CHAT, "echo"),
+        (
+            chat(messages=ASSISTANT_LAST, continue_final_message=True),
+            CHAT,
+            "continue_final_message",
+        ),
+        (
+            chat(messages=ASSISTANT_LAST, add_generation_prompt=False),
+            CHAT,
+            "add_generation_prompt",
+        ),
+        (cmpl(echo=True), CMPL, "echo"),
+    ],
+)
+def test_answer_shaping_is_refused_on_an_alias_that_learns(
+    payload: dict[str, Any], endpoint: str, param: str
+) -> None:
+    """With these a client writes the answer it then rates (or the judge scores): refused with
+    a 400 naming the parameter on an alias that learns, passed on to vLLM on one that does not."""
+    from ratchet.settings import AliasConfig
+
+    frozen = AliasConfig(learning={"enabled": False}, feedback={"judge_agreement": False})
+    aliases = {"support": AliasConfig(), "frozen": frozen}
+    lim = RequestLimits.from_settings(ProxySettings(), aliases)
+    error = over(payload, endpoint, lim)
+    assert (error.status, error.param, error.code) == (400, param, "unsupported_parameter")
+    assert param in error.message and "'support'" in error.message
+    # The harmless values, and the same request on an alias that does not learn from answers.
+    harmless = {**payload, param: not payload[param]}
+    check_limits(harmless, endpoint, lim)
+    check_limits({**payload, "model": "frozen"}, endpoint, lim)

@@ -1,0 +1,310 @@
+"""The console against hostile browsers and peers (security audit M-4, M-5, L-3, L-4, L-5,
+L-7): the Host allow-list, server-side sessions (random, expiring, revoked, Secure off
+loopback), the login throttle, bounded requests, framing and caching headers, who acted, and
+history that is not numbers. In-process against a real Redis; the deadlines against a real
+uvicorn on a socket."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import uvicorn
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from console import guard
+from console.app import create_app
+from console.auth import COOKIE
+from console.render import rounds_svg
+from console.service import server_config
+from console.sessions import FAILURES_IN_ALL, FAILURES_KEY, FAILURES_PER_SOURCE, SESSION_KEY
+from ratchet.dev.processes import free_port, wait_until
+from ratchet.lifecycle import Lifecycle
+from ratchet.rounds import RoundRow, rounds_of
+from ratchet.settings import RatchetSettings
+from tests.unit.console.conftest import ALIAS, KEY, client_for, make_settings
+
+ADMIN = {"authorization": f"Bearer {KEY}"}
+
+
+def login(client: TestClient, key: str = KEY) -> str:
+    """The session cookie a login sets ("" when refused)."""
+    response = client.post("/login", data={"key": key, "next": "/"}, follow_redirects=False)
+    return response.cookies.get(COOKIE) or ""
+
+
+def acts(client: TestClient) -> bool:
+    """The client is taken for an admin (resume changes nothing on an alias not paused)."""
+    response = client.post(
+        f"/alias/{ALIAS}/resume", data={"confirm": "yes"}, follow_redirects=False
+    )
+    return response.status_code == 303
+
+
+def rollback(client: TestClient, **kwargs: object) -> int:
+    data = {"confirm": "yes", "reason": "test"}
+    response = client.post(f"/alias/{ALIAS}/rollback", data=data, follow_redirects=False, **kwargs)
+    return response.status_code
+
+
+# ---- M-4: Host ---------------------------------------------------------------------------------
+
+
+def test_a_rebound_host_name_reads_nothing_on_loopback(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    client = client_for(settings)
+    for host in ("evil.example:8404", "evil.example", "127.0.0.1.evil.example", ""):
+        refused = client.get("/", headers={"host": host})
+        assert refused.status_code == 400, host
+        assert refused.json()["error"]["code"] == "bad_host"
+        assert "support" not in refused.text
+    for host in ("127.0.0.1:8404", "localhost:8404", "[::1]:8404", "LOCALHOST"):
+        assert client.get("/", headers={"host": host}).status_code == 200, host
+    # Probes send the pod's address; they show no users' data.
+    assert client.get("/healthz", headers={"host": "10.1.2.3:8404"}).status_code == 200
+
+
+def test_off_loopback_only_the_configured_names_are_served(redis_url: str, tmp_path: Path) -> None:
+    hosts = ["console.example.com", "*.ops.example.com"]
+    client = client_for(make_settings(redis_url, tmp_path, host="0.0.0.0", allowed_hosts=hosts))
+    for host in ("console.example.com", "a.ops.example.com:443", "127.0.0.1:8404"):
+        assert client.get("/", headers={"host": host, **ADMIN}).status_code == 200, host
+    for host in ("evil.example", "ops.example.com.evil.example", "xops.example.com"):
+        assert client.get("/", headers={"host": host, **ADMIN}).status_code == 400, host
+
+
+def test_allowed_hosts_are_validated_naming_the_setting(redis_url: str, tmp_path: Path) -> None:
+    for bad in ("https://console.example.com", "console.example.com:443", "a b"):
+        with pytest.raises(ValidationError, match="allowed_hosts"):
+            make_settings(redis_url, tmp_path, allowed_hosts=[bad])
+    ok = make_settings(redis_url, tmp_path, allowed_hosts=["Console.Example.com", "[::1]", "*"])
+    assert ok.console.allowed_hosts == ["console.example.com", "::1", "*"]
+
+
+# ---- M-5: sessions and the login throttle ------------------------------------------------------
+
+
+def test_a_login_is_a_random_server_side_session_that_expires(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    client = client_for(settings)
+    response = client.post("/login", data={"key": KEY}, follow_redirects=False)
+    first = response.cookies[COOKIE]
+    assert f"Max-Age={settings.console.session_ttl_s}" in response.headers["set-cookie"]
+    assert login(client_for(settings)) not in ("", first)  # every login its own token
+    store = redis.Redis.from_url(settings.redis_url)
+    key = SESSION_KEY + hashlib.sha256(first.encode()).hexdigest()
+    assert 0 < store.ttl(key) <= settings.console.session_ttl_s
+    assert first.encode() not in store.get(key)  # Redis keeps only the token's hash
+    # Expired (Redis dropped it), the cookie acts no more.
+    assert acts(client)
+    store.delete(key)
+    assert not acts(client)
+
+
+def test_logout_revokes_the_session_not_only_the_browsers_copy(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    browser, copied = client_for(settings), client_for(settings)
+    copied.cookies.set(COOKIE, login(browser))
+    assert acts(copied)
+    browser.post("/logout")
+    assert rollback(copied) == 403
+    route = lifecycle.writer.read(ALIAS)
+    assert route is not None and route.canary == 2
+
+
+def test_a_new_admin_key_ends_every_session(
+    settings: RatchetSettings, lifecycle: Lifecycle, redis_url: str, tmp_path: Path
+) -> None:
+    token = login(client_for(settings))
+    client = client_for(settings)
+    client.cookies.set(COOKIE, token)
+    assert acts(client)
+    client = client_for(make_settings(redis_url, tmp_path, admin_key="a-new-admin-key"))
+    client.cookies.set(COOKIE, token)
+    assert not acts(client)
+
+
+def test_the_cookie_is_secure_off_loopback_even_over_plain_http(
+    redis_url: str, tmp_path: Path
+) -> None:
+    exposed = client_for(make_settings(redis_url, tmp_path, host="0.0.0.0"))
+    ok = exposed.post("/login", data={"key": KEY}, follow_redirects=False)
+    assert ok.status_code == 303 and "Secure" in ok.headers["set-cookie"]
+    local = client_for(make_settings(redis_url, tmp_path))
+    ok = local.post("/login", data={"key": KEY}, follow_redirects=False)
+    assert ok.status_code == 303 and "Secure" not in ok.headers["set-cookie"]
+
+
+def test_wrong_keys_are_throttled_per_address_at_login_and_in_the_header(
+    settings: RatchetSettings, lifecycle: Lifecycle, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = client_for(settings)
+    with caplog.at_level(logging.INFO, logger="console"):
+        for i in range(FAILURES_PER_SOURCE - 1):
+            assert client.post("/login", data={"key": f"guess-{i}"}).status_code == 401
+        assert rollback(client, headers={"authorization": "Bearer guess-x"}) == 403
+        # The limit reached, even the right key is refused unchecked, in either place.
+        refused = client.post("/login", data={"key": KEY})
+        assert refused.status_code == 429 and "Too many wrong keys" in refused.text
+        assert rollback(client, headers=ADMIN) == 403
+    assert "wrong admin key from testclient" in caplog.text
+    assert "guess-" not in caplog.text and KEY not in caplog.text  # no secrets in the log
+    route = lifecycle.writer.read(ALIAS)
+    assert route is not None and route.canary == 2
+
+
+def test_wrong_keys_from_everywhere_are_throttled_too(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    redis.Redis.from_url(settings.redis_url).set(FAILURES_KEY + "all", FAILURES_IN_ALL, ex=60)
+    assert client_for(settings).post("/login", data={"key": KEY}).status_code == 429
+
+
+# ---- L-3: bounded requests ---------------------------------------------------------------------
+
+
+def test_large_or_many_field_forms_are_refused_before_any_auth(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    client = client_for(settings)
+    big = client.post("/login", content=b"key=" + b"x" * (guard.MAX_BODY_BYTES + 1))
+    assert big.status_code == 413 and big.json()["error"]["code"] == "too_large"
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it comes
+        for _ in range(guard.MAX_BODY_BYTES // 1024 + 2):
+            yield b"x" * 1024
+
+    chunked = client.post("/login", content=chunks(), headers={"content-type": "text/plain"})
+    assert chunked.status_code == 413
+    fields = "&".join(f"f{i}=1" for i in range(20))
+    many = client.post(
+        "/login", content=fields, headers={"content-type": "application/x-www-form-urlencoded"}
+    )
+    assert many.status_code == 400 and "fields" in many.json()["error"]["message"]
+
+
+@pytest.fixture
+def served(
+    settings: RatchetSettings, lifecycle: Lifecycle, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[int]:
+    """The console under uvicorn as `ratchet console` runs it, with short deadlines."""
+    monkeypatch.setattr(guard, "HEAD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(guard, "BODY_TIMEOUT_S", 0.5)
+    config = server_config(create_app(settings, start_readers=False), settings)
+    config.port = free_port()
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, 30, "the console to listen")
+    try:
+        yield config.port
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def closed_while_trickling(sock: socket.socket, give_up_s: float = 30.0) -> bytes | None:
+    """Send a byte every 0.1 s until the server ends the connection; what it answered then
+    (None if it was still open after ``give_up_s``)."""
+    sock.settimeout(0.1)
+    deadline = time.monotonic() + give_up_s
+    while time.monotonic() < deadline:
+        try:
+            answer = sock.recv(4096)
+            return answer  # b"" when closed without an answer
+        except TimeoutError:
+            pass
+        try:
+            sock.sendall(b"a")
+        except OSError:
+            return b""
+    return None
+
+
+def test_a_trickled_head_or_body_loses_its_connection(served: int) -> None:
+    with socket.create_connection(("127.0.0.1", served)) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        assert closed_while_trickling(sock) == b""
+    with socket.create_connection(("127.0.0.1", served)) as sock:
+        sock.sendall(
+            b"POST /login HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n"
+            b"Content-Type: application/x-www-form-urlencoded\r\n\r\nkey="
+        )
+        answer = closed_while_trickling(sock)
+        assert answer is not None and answer.startswith(b"HTTP/1.1 408")
+    # A request that comes whole is served as before.
+    with socket.create_connection(("127.0.0.1", served)) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        sock.settimeout(10)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+
+
+# ---- L-4: framing and caching ------------------------------------------------------------------
+
+
+def test_pages_refuse_frames_and_caches(settings: RatchetSettings, lifecycle: Lifecycle) -> None:
+    client = client_for(settings)
+    for path in ("/", f"/alias/{ALIAS}", f"/alias/{ALIAS}/live", f"/alias/{ALIAS}/traffic"):
+        headers = client.get(path).headers
+        assert headers["x-frame-options"] == "DENY", path
+        assert "frame-ancestors 'none'" in headers["content-security-policy"], path
+        assert headers["cache-control"] == "no-store", path
+    static = client.get("/static/console.css").headers
+    assert static["x-frame-options"] == "DENY" and "no-store" not in static.get("cache-control", "")
+
+
+# ---- L-5: who acted ----------------------------------------------------------------------------
+
+
+def test_an_action_names_its_session_and_address(
+    settings: RatchetSettings, lifecycle: Lifecycle, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = client_for(settings)
+    token = login(client)
+    with caplog.at_level(logging.INFO, logger="console"):
+        assert rollback(client) == 303
+    actor = lifecycle.writer.history(ALIAS)[0]["actor"]
+    session = hashlib.sha256(token.encode()).hexdigest()[:12]
+    assert actor == f"console (session {session} from testclient)"
+    assert f"console rollback on {ALIAS} by {actor}" in caplog.text
+    assert token not in caplog.text
+
+
+# ---- L-7: history that is not numbers ----------------------------------------------------------
+
+
+def test_a_version_that_is_not_an_int_never_reaches_the_plot(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    script = "<script>alert(1)</script>"
+    hostile = [
+        {"kind": "candidate", "version": script, "ts": "t9", "detail": {}},
+        {"kind": "candidate", "version": True, "ts": "t9", "detail": {}},
+        {"kind": "candidate", "version": 7, "ts": "t9", "detail": {"mean_reward": "high"}},
+        {"kind": "gate", "version": 7, "detail": {"win_rate": script, "passed": "yes"}},
+    ]
+    rows = rounds_of(list(reversed(hostile)))
+    assert [(r.version, r.mean_reward, r.win_rate, r.passed) for r in rows] == [
+        (7, None, None, None)
+    ]
+    history = f"ratchet:alias:{ALIAS}:history"
+    store = redis.Redis.from_url(settings.redis_url)
+    for event in hostile:
+        store.lpush(history, json.dumps(event))
+    page = client_for(settings).get(f"/alias/{ALIAS}")
+    assert page.status_code == 200 and script not in page.text
+    # And the plot escapes what it is given all the same.
+    svg = rounds_svg([RoundRow(script, "t", 0.5, 1, 0.6, 0.5, 0.7, 8, True)], 0.5)  # type: ignore[arg-type]
+    assert "<script" not in svg and "&lt;script&gt;" in svg
