@@ -124,8 +124,8 @@ class ProxyState:
 
 async def read_json(request: Request, limits: RequestLimits) -> tuple[dict[str, Any], bytes]:
     """The body as a JSON object, and its bytes as sent: 415 unless sent as application/json,
-    413 past proxy.max_body_bytes, 400 if not a JSON object or nested deeper than
-    proxy.max_json_depth.
+    413 past proxy.max_body_bytes, 400 if not a JSON object, nested deeper than
+    proxy.max_json_depth or holding more than proxy.max_json_items values.
 
     The 415 is what keeps web pages out of a keyless proxy on loopback: a page may POST
     text/plain, a form or an untyped body to any address without asking (a CORS "simple"
@@ -160,7 +160,7 @@ async def read_json(request: Request, limits: RequestLimits) -> tuple[dict[str, 
         ) from None
     if not isinstance(payload, dict):
         raise bad_request("request body must be a JSON object", None, "invalid_json")
-    check_depth(payload, limits.max_json_depth)
+    check_depth(payload, limits.max_json_depth, limits.max_json_items)
     return payload, body
 
 

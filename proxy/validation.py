@@ -231,6 +231,7 @@ class RequestLimits:
 
     max_body_bytes: int
     max_json_depth: int
+    max_json_items: int
     max_messages: int
     max_n: int
     max_choices: int
@@ -250,6 +251,7 @@ class RequestLimits:
             learning_aliases=learning,
             max_body_bytes=proxy.max_body_bytes,
             max_json_depth=proxy.max_json_depth,
+            max_json_items=proxy.max_json_items,
             max_messages=proxy.max_messages,
             max_n=proxy.max_n,
             max_choices=proxy.max_choices,
@@ -273,20 +275,30 @@ def _over(param: str, message: str) -> ProxyError:
     return bad_request(message, param, LIMIT_EXCEEDED)
 
 
-def check_depth(payload: Any, max_depth: int) -> None:
-    """400 when the body nests deeper than proxy.max_json_depth (the top-level object is 1).
+def check_depth(payload: Any, max_depth: int, max_items: int) -> None:
+    """400 when the body nests deeper than proxy.max_json_depth (the top-level object is 1), or
+    holds more than proxy.max_json_items values in all its objects and arrays together.
+
+    The item bound is what bounds a body's memory: parsed, each small value costs 30-100 bytes
+    (a 4 MiB body of ``[{},{},...]`` is 96 MiB), and an accepted body lives until its answer
+    ends. Refused here, it is freed before the next request is parsed.
 
     A walk of the parsed body, one level at a time, that only descends into containers: a
     container's scalars are skipped at C speed (``set(map(type, ...))``), so a typical body costs
-    microseconds, and it stops at the first level past the limit.
+    microseconds, and it stops at the first level past the limit, or the first container past
+    the item bound, before looking into it.
     """
     level: list[Any] = [payload]
     depth = 1
+    items = 0
     while True:
         children: list[Any] = []
         for container in level:
             if not container:
                 continue
+            items += len(container)
+            if items > max_items:
+                raise _too_many_items(max_items)
             values = container.values() if type(container) is dict else container
             kinds = set(map(type, values))
             if dict in kinds or list in kinds:
@@ -297,6 +309,15 @@ def check_depth(payload: Any, max_depth: int) -> None:
         if depth > max_depth:
             raise json_too_deep(max_depth)
         level = children
+
+
+def _too_many_items(max_items: int) -> ProxyError:
+    return bad_request(
+        f"the request body holds more than proxy.max_json_items ({max_items}) values in its "
+        "objects and arrays together",
+        None,
+        LIMIT_EXCEEDED,
+    )
 
 
 def json_too_deep(max_depth: int) -> ProxyError:

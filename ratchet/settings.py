@@ -378,6 +378,11 @@ class ProxySettings(_Section):
     # Nesting of the JSON body; deeper would cost recursion everywhere the body is walked, and
     # orjson writes at most 254 levels.
     max_json_depth: int = Field(default=64, ge=2, le=128)
+    # Values in all the body's objects and arrays together: what bounds its parsed size (each
+    # small value costs 30-100 bytes). Unknown fields pass through (vLLM and OpenAI clients send
+    # vendor fields), so this, not a field list, is the bound. Raise it only to send prompts of
+    # more token ids than this.
+    max_json_items: int = Field(default=262_144, ge=1024, le=1 << 24)
     # Chat messages per request; each one costs a walk and a line in the record.
     max_messages: int = Field(default=1024, ge=1, le=100_000)
     # Choices per request: each one is a whole generation on vLLM.

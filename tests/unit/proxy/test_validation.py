@@ -378,6 +378,9 @@ def test_max_tokens_defaults_to_the_model_context() -> None:
     check_limits(chat(max_tokens=4096), CHAT, lim)
 
 
+ITEMS = 262_144  # proxy.max_json_items's default
+
+
 def nested(depth: int) -> dict[str, Any]:
     """A body whose deepest container is at `depth` (the body itself is depth 1)."""
     inner: Any = []
@@ -388,13 +391,13 @@ def nested(depth: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("depth", [1, 2, 3, 10, 64])
 def test_depth_at_the_limit_passes(depth: int) -> None:
-    check_depth(nested(depth), 64)
+    check_depth(nested(depth), 64, ITEMS)
 
 
 @pytest.mark.parametrize("depth", [65, 200, 1000])
 def test_depth_past_the_limit_is_refused(depth: int) -> None:
     with pytest.raises(ProxyError) as info:
-        check_depth(nested(depth), 64)
+        check_depth(nested(depth), 64, ITEMS)
     assert_envelope(info.value, 400, None, "json_too_deep")
     assert "proxy.max_json_depth" in info.value.message
 
