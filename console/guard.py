@@ -115,7 +115,8 @@ class Guard:
 
 async def read_body(receive: Receive) -> bytes:
     """The whole body, refused past MAX_BODY_BYTES (a chunked one has no Content-Length)."""
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":  # the client went away: the route sees it too
