@@ -5,9 +5,11 @@ call on the bench machine (connection pool, stream reader, timeout machinery) ag
 30 µs here, where a command is bytes packed once and written straight to the socket. Every
 caller shares the one connection: commands are written as they come and replies matched to
 them in order (pipelining, which is also what Redis serves fastest). A call that outlives its
-deadline drops the connection, so a hung Redis costs each caller at most the deadline; the next
-call connects again. URLs are redis-py's: ``redis://``, ``rediss://`` and ``unix://``, with an
-optional user, password and database.
+deadline fails alone: its reply, when it comes, is skipped, and the others' keep their pairing.
+Only a connection that has answered nothing for STALLED_S while commands waited is dropped (the
+next call connects again), so one slow reply costs only the callers waiting on it. URLs are
+redis-py's: ``redis://``, ``rediss://`` and ``unix://``, with an optional user, password and
+database.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from redis.connection import parse_url
 
 # Commands waiting for a reply on the one connection; past this, calls fail at once.
 MAX_WAITING = 10_000
+# A connection that answered nothing this long (and four deadlines) while commands waited is
+# hung: dropped, failing them all. Redis stalls of a fork or a slow script are shorter.
+STALLED_S = 1.0
 
 
 class RedisReplyError(Exception):
@@ -75,6 +80,7 @@ class _Connection(asyncio.Protocol):
         self.waiting: deque[asyncio.Future[Any]] = deque()
         self.buffer = b""
         self.closed = False
+        self.progress_at = 0.0  # loop time of the last reply, or of a send to an idle connection
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no asyncio.Transport
@@ -82,6 +88,7 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buffer = self.buffer + data if self.buffer else data
         at = 0
+        self.progress_at = asyncio.get_running_loop().time()
         try:
             while at < len(buffer):
                 reply = parse(buffer, at)
@@ -91,7 +98,7 @@ class _Connection(asyncio.Protocol):
                 if not self.waiting:
                     raise ConnectionError("Redis replied to no command")
                 waiter = self.waiting.popleft()
-                if waiter.done():  # its caller gave up; the connection is being dropped
+                if waiter.done():  # its caller gave up, or the connection is being dropped
                     continue
                 if isinstance(value, RedisReplyError):
                     waiter.set_exception(value)
@@ -110,9 +117,12 @@ class _Connection(asyncio.Protocol):
             raise ConnectionError("Redis connection closed")
         if len(self.waiting) >= MAX_WAITING:
             raise ConnectionError("too many Redis commands waiting")
-        waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
         # A caller may never look (its request failed first): no "never retrieved" warning.
         waiter.add_done_callback(_retrieved)
+        if not self.waiting:
+            self.progress_at = loop.time()
         self.waiting.append(waiter)
         self.transport.write(command)
         return waiter
@@ -134,6 +144,7 @@ class RedisClient:
 
     def __init__(self, url: str, timeout_s: float, setup: tuple[bytes, ...] = ()) -> None:
         self.timeout_s = timeout_s
+        self.stalled_s = max(STALLED_S, 4 * timeout_s)
         options = parse_url(url)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
         self._path: str | None = options.get("path")
         self._host = options.get("host", "localhost")
@@ -169,9 +180,15 @@ class RedisClient:
             async with asyncio.timeout_at(deadline):
                 return await waiter
         except TimeoutError:
-            # Its reply may still come; dropping the connection keeps replies and callers paired.
-            if self._connection is not None:
-                self._connection.abort(ConnectionError("Redis did not answer in time"))
+            # The waiter is cancelled: its reply, when it comes, is skipped. A connection that
+            # has not answered for long is hung, and dropped.
+            connection = self._connection
+            if (
+                connection is not None
+                and connection.waiting
+                and asyncio.get_running_loop().time() - connection.progress_at > self.stalled_s
+            ):
+                connection.abort(ConnectionError("Redis stopped answering"))
             raise
 
     async def call(self, command: bytes) -> Any:

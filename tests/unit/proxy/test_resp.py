@@ -9,6 +9,7 @@ import pytest
 import redis
 import uvloop
 
+from proxy import resp
 from proxy.resp import RedisClient, RedisReplyError, _Connection, pack, parse
 
 REPLIES = b"+OK\r\n:42\r\n$5\r\nhe\r\nl\r\n$-1\r\n*3\r\n:1\r\n*1\r\n$0\r\n\r\n*-1\r\n-ERR no\r\n"
@@ -96,3 +97,45 @@ def test_it_runs_on_uvloop_as_the_proxy_does(redis_url: str) -> None:
             await client.close()
 
     assert uvloop.run(ping_twice()) == ["PONG", "PONG"]
+
+
+async def test_a_late_reply_fails_its_caller_alone_and_keeps_the_connection(
+    redis_url: str,
+) -> None:
+    client = RedisClient(redis_url, timeout_s=0.05)
+    try:
+        before = await client.call(pack("CLIENT", "ID"))
+        with pytest.raises(TimeoutError):  # Redis answers it only after 0.3 s
+            await client.call(pack("BLPOP", "nothing", "0.3"))
+        deadline = asyncio.get_running_loop().time() + 5
+        while True:  # the calls queued behind it may be late too
+            try:
+                after = await client.call(pack("CLIENT", "ID"))
+                break
+            except TimeoutError:
+                assert asyncio.get_running_loop().time() < deadline
+        assert after == before  # the late reply was skipped, the connection kept
+        assert await client.call(pack("ECHO", "paired")) == b"paired"
+    finally:
+        await client.close()
+
+
+async def test_a_connection_that_stops_answering_is_dropped(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(resp, "STALLED_S", 0.2)
+    client = RedisClient(redis_url, timeout_s=0.05)
+    try:
+        await client.call(pack("PING"))
+        hung = client.send(pack("BLPOP", "nothing", "0"))  # blocks the connection for good
+        assert hung is not None
+        deadline = asyncio.get_running_loop().time() + 5
+        while not hung.done():  # each late call asks whether it has answered nothing too long
+            with pytest.raises(TimeoutError):
+                await client.call(pack("PING"))
+            assert asyncio.get_running_loop().time() < deadline, "never dropped"
+        with pytest.raises(ConnectionError):
+            hung.result()
+        assert await client.call(pack("PING")) == "PONG"  # a new connection
+    finally:
+        await client.close()
