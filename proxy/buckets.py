@@ -6,9 +6,13 @@ replicas need no common clock. A missing key is a full bucket, so each key expir
 bucket is full and Redis holds only the keys of callers who used some of a limit lately.
 
 * ``requests_per_minute`` (with ``burst``): a request takes one unit when it is admitted.
-* ``tokens_per_minute``, ``tokens_per_day``: a request needs one token left to be admitted; what
-  it used (prompt + completion, from vLLM's usage) is charged after the answer, so one request
-  may overdraw the budget and the key then waits until it has refilled.
+* ``tokens_per_minute``, ``tokens_per_day``: a request reserves what it may use when it is
+  admitted (:func:`reservation`: its prompt estimated from the body's bytes, plus n x max_tokens,
+  at most the whole budget) and is refused when the budget has not that much left. After the
+  answer the difference to what it did use is settled (:func:`tokens_used`): a refund, or a
+  further charge when the prompt was longer than estimated.
+
+:class:`LocalBuckets` holds the same limits in this process, for while Redis cannot check them.
 """
 
 from __future__ import annotations
@@ -17,35 +21,39 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from proxy.errors import ProxyError
+from proxy.validation import RequestLimits, _prompt_count
 from ratchet.settings import RateLimitSettings
 
 KEY_PREFIX = "ratchet:ratelimit:"
 
-# KEYS: one bucket per limit. ARGV: three per key (ms per unit, ms to refill from empty, units
-# taken now), then one per key: ms of refill added first (earlier requests' takes and tokens).
-# Reply: {0 or the index of the limit that refuses, ms to wait, then per key the ms until the
-# bucket is full again}. Refused: nothing taken; what was added is kept either way.
+# KEYS: one bucket per limit. ARGV: two per key (ms per unit, ms to refill from empty), then one
+# per key: units taken now (a bucket needs room for at least one), then one per key: ms of refill
+# added first (earlier requests' takes and settlements; negative: a refund). Reply: {0 or the
+# index of the limit that refuses, ms to wait, then per key the ms until the bucket is full
+# again}. Refused: nothing taken; what was added is kept either way.
 ADMIT_SCRIPT = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
+local n = #KEYS
 local full_at, worst, wait = {}, 0, 0
-for i = 1, #KEYS do
+for i = 1, n do
   local at = tonumber(redis.call('GET', KEYS[i]) or 0)
   if at < now then at = now end
-  at = at + tonumber(ARGV[3 * #KEYS + i])
+  at = math.max(now, at + tonumber(ARGV[3 * n + i]))
   full_at[i] = at
-  local over = at + tonumber(ARGV[3 * i - 2]) - now - tonumber(ARGV[3 * i - 1])
+  local need = math.max(1, tonumber(ARGV[2 * n + i]))
+  local over = at + need * tonumber(ARGV[2 * i - 1]) - now - tonumber(ARGV[2 * i])
   if over > wait then worst, wait = i, over end
 end
 local reply = {worst, math.ceil(wait)}
-for i = 1, #KEYS do
+for i = 1, n do
   local take = 0
-  if worst == 0 then take = tonumber(ARGV[3 * i]) end
-  local at = full_at[i] + take * tonumber(ARGV[3 * i - 2])
-  if take > 0 or tonumber(ARGV[3 * #KEYS + i]) > 0 then
+  if worst == 0 then take = tonumber(ARGV[2 * n + i]) end
+  local at = full_at[i] + take * tonumber(ARGV[2 * i - 1])
+  if take > 0 or tonumber(ARGV[3 * n + i]) ~= 0 then
     redis.call('SET', KEYS[i], string.format('%.3f', at), 'PX', math.max(1, math.ceil(at - now)))
   end
   reply[i + 2] = math.ceil(at - now)
@@ -54,7 +62,8 @@ return reply
 """
 
 # KEYS: buckets; ARGV[i]: ms of refill added to KEYS[i] (takes of requests already let through,
-# tokens of answers), unconditionally. Reply: per key, the ms until it is full again.
+# settlements of answers; negative: a refund, never past full), unconditionally. Reply: per key,
+# the ms until it is full again.
 ADD_SCRIPT = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
@@ -63,8 +72,8 @@ for i = 1, #KEYS do
   local at = tonumber(redis.call('GET', KEYS[i]) or 0)
   if at < now then at = now end
   local added = tonumber(ARGV[i])
-  if added > 0 then
-    at = at + added
+  if added ~= 0 then
+    at = math.max(now, at + added)
     redis.call('SET', KEYS[i], string.format('%.3f', at), 'PX', math.max(1, math.ceil(at - now)))
   end
   reply[i] = math.ceil(at - now)
@@ -83,7 +92,7 @@ class Limit:
     kind: Literal["requests", "tokens"]  # OpenAI's error type for this limit
     unit_ms: float  # refill time of one unit
     capacity: int  # units the bucket holds
-    take: int  # units a request takes when admitted
+    take: int  # units a request takes when admitted, besides its token reservation
     described: str  # "60 requests per minute, 10 at once"
 
     @property
@@ -92,8 +101,13 @@ class Limit:
         return self.unit_ms * self.capacity
 
     @property
-    def args(self) -> tuple[str, str, str]:
-        return repr(self.unit_ms), repr(self.room_ms), str(self.take)
+    def args(self) -> tuple[str, str]:
+        return repr(self.unit_ms), repr(self.room_ms)
+
+    def taken(self, reserve: int) -> int:
+        """Units a request reserving ``reserve`` tokens takes. At most the whole budget, so a
+        request asking for more than the budget waits for a full bucket, not forever."""
+        return min(reserve, self.capacity) if self.kind == "tokens" else self.take
 
 
 def configured_limits(settings: RateLimitSettings) -> list[Limit]:
@@ -134,6 +148,18 @@ def refusal(limit: Limit, wait_s: float, per_key: bool) -> ProxyError:
     )
 
 
+def budgets_unavailable() -> ProxyError:
+    """503 while Redis cannot check token budgets and they fail closed."""
+    return ProxyError(
+        503,
+        "token budgets cannot be checked while Redis is unavailable "
+        "(proxy.rate_limit.budgets_without_redis is closed); retry shortly",
+        type="server_error",
+        code="rate_limit_unavailable",
+        headers={"retry-after": "1"},
+    )
+
+
 _TOTAL_TOKENS = b'"total_tokens"'
 _COUNT = re.compile(rb"\s*:\s*(\d{1,15})")
 
@@ -147,3 +173,79 @@ def total_tokens(answer: bytes) -> int:
         return 0
     count = _COUNT.match(answer, at + len(_TOTAL_TOKENS))
     return int(count.group(1)) if count else 0
+
+
+# A prompt's tokens as reserved before vLLM counts them: about four bytes of JSON body a token.
+PROMPT_BYTES_PER_TOKEN = 4
+# One per choice in every event of a stream (chat and completions alike), null until the last:
+# like "total_tokens", it cannot occur inside a JSON string, whose quotes would be escaped.
+_CHOICE_EVENT = b'"finish_reason"'
+
+
+def prompt_estimate(body: bytes) -> int:
+    return len(body) // PROMPT_BYTES_PER_TOKEN + 1
+
+
+def reservation(payload: dict[str, Any], endpoint: str, limits: RequestLimits, prompt: int) -> int:
+    """Tokens a checked request may use: its prompt (estimated), and for each of its choices
+    (n or best_of, per prompt) ``max_tokens`` (the largest the request names, else the most it
+    may ask for: proxy.max_tokens or the model's context)."""
+    prompts = 1 if endpoint == "chat.completions" else _prompt_count(payload["prompt"])
+    per_prompt = max(payload.get("n") or 1, payload.get("best_of") or 1)
+    asked = [payload.get(name) for name in ("max_tokens", "max_completion_tokens")]
+    most = max((value for value in asked if isinstance(value, int)), default=0)
+    return prompt + per_prompt * prompts * (most or limits.token_limit()[0])
+
+
+def choice_events(data: bytes) -> int:
+    """Choice events in stream bytes: one per generated token (vLLM sends one per step; the
+    first per choice carries only the role, a small overcount). Streams cut before their usage
+    event are charged this."""
+    return data.count(_CHOICE_EVENT)
+
+
+class LocalBuckets:
+    """The same limits kept in this process (GCRA on the monotonic clock), for while Redis cannot
+    check them: each replica then enforces every limit on its own. A bucket starts from what
+    Redis last said of it (``seed``: each limit's fill and when), else full. Bounded like the
+    limiter's views: one entry per bucket."""
+
+    def __init__(self, limits: list[Limit]) -> None:
+        self.limits = limits
+        self._full_at: dict[str, list[float]] = {}  # bucket -> per limit, ms (monotonic)
+
+    def admit(
+        self, bucket: str, takes_ms: list[float], now_ms: float, seed: tuple[list[float], float]
+    ) -> tuple[Limit, float] | None:
+        """Take ``takes_ms`` from every limit, or from none: then (the limit, ms to wait)."""
+        full_at = self._bucket(bucket, now_ms, seed)
+        worst: tuple[Limit, float] | None = None
+        for index, limit in enumerate(self.limits):
+            need = max(takes_ms[index], limit.unit_ms)
+            over = max(full_at[index], now_ms) + need - now_ms - limit.room_ms
+            if over > 0 and (worst is None or over > worst[1]):
+                worst = (limit, over)
+        if worst is None:
+            self.add(bucket, takes_ms, now_ms)
+        return worst
+
+    def add(self, bucket: str, ms: list[float], now_ms: float) -> None:
+        """Charge (or refund: negative) each limit, never past full."""
+        full_at = self._full_at.get(bucket)
+        if full_at is not None:
+            for index, value in enumerate(ms):
+                full_at[index] = max(now_ms, max(full_at[index], now_ms) + value)
+
+    def forget(self) -> None:
+        """Redis answers again: its buckets are the truth from here on."""
+        self._full_at.clear()
+
+    def _bucket(self, bucket: str, now_ms: float, seed: tuple[list[float], float]) -> list[float]:
+        full_at = self._full_at.get(bucket)
+        if full_at is None:
+            fills, seen_ms = seed
+            full_at = self._full_at[bucket] = [
+                seen_ms + (1.0 - fill) * limit.room_ms
+                for fill, limit in zip(fills, self.limits, strict=True)
+            ]
+        return full_at

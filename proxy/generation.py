@@ -25,6 +25,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from proxy.buckets import choice_events, prompt_estimate, reservation, total_tokens
 from proxy.errors import ProxyError, internal_error
 from proxy.http1 import UpstreamResponse
 from proxy.log.worker import ExchangeMeta
@@ -48,6 +49,10 @@ SERVED_NAME_HEADER = "x-ratchet-served-name"
 ARM_HEADER = "x-ratchet-canary-arm"
 # Chunks of a stream past proxy.max_answer_bytes still kept: enough for the usage event.
 STREAM_TAIL_CHUNKS = 4
+# Errors of requests vLLM refused or never got: nothing was generated, nothing is charged.
+NOTHING_GENERATED = frozenset(
+    ("upstream_rejected", "adapter_unavailable", "upstream_auth", "upstream_unavailable")
+)
 
 
 @dataclass(slots=True)
@@ -69,6 +74,9 @@ class Call:
     head: bytes = b""  # a stream's first chunk: its id names the completion, whatever is kept
     # (served, alias) names while the arm is concealed: the client is shown the alias instead.
     concealed: tuple[str, str] | None = None
+    reserved: int = 0  # tokens reserved from the key's budgets (0: none are on)
+    prompt_tokens: int = 0  # the prompt's tokens as estimated for the reservation
+    dropped_events: int = 0  # choice events in the chunks of a stream no longer kept
 
     def fail(self, error: ProxyError) -> None:
         self.meta.status, self.meta.error = error.status, error.body()["error"]
@@ -81,6 +89,8 @@ class Call:
         self.streamed += len(chunk)
         if self.streamed > limit:
             self.meta.logged = False
+            for dropped in self.chunks[:-STREAM_TAIL_CHUNKS]:  # still charged for
+                self.dropped_events += choice_events(dropped)
             del self.chunks[:-STREAM_TAIL_CHUNKS]
 
     def shown(self, events: bytes) -> bytes:
@@ -100,15 +110,22 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
     """One generation request, step by step; see :func:`relay` for how it ends."""
     started, started_at = time.perf_counter(), time.time()
     key_hash = state.authenticate(request)
-    # Asked of Redis now, answered below: the body is read and parsed meanwhile.
-    admission = state.rate_limiter.ask(key_hash) if state.rate_limiter.enabled else None
+    limiter = state.rate_limiter
+    # Asked of Redis now, answered below: the body is read and parsed meanwhile. With token
+    # budgets the body comes first: the request reserves what it may use.
+    admission = limiter.ask(key_hash) if limiter.enabled and not limiter.token_limits else None
     payload, body = await read_json(request, state.limits)
     alias = parse(payload, endpoint, state.limits)
     version, arm, served, conceal = route(state, request, payload, alias, key_hash)
     stream = bool(payload.get("stream"))
     forwarded, client_wants_usage = forward(payload, served, stream)
+    reserved = prompt_tokens = 0
+    if limiter.token_limits:
+        prompt_tokens = prompt_estimate(body)
+        reserved = reservation(payload, endpoint, state.limits, prompt_tokens)
+        admission = limiter.ask(key_hash, reserved)
     if admission is not None:
-        await state.rate_limiter.settle(admission)  # 429 when a limit is reached
+        await limiter.settle(admission)  # 429 when a limit is reached
     log_rate = state.log_rates.get(alias, 1.0)
     client_request_id = request.headers.get("x-request-id")
     meta = ExchangeMeta(
@@ -127,6 +144,8 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
         started_at=started_at,
     )
     call = Call(meta, body, forwarded, (alias, str(version), arm), client_wants_usage, started)
+    if reserved:  # settled when the exchange is recorded; kept whole if the client left first
+        call.reserved, call.prompt_tokens = reserved, prompt_tokens
     headers = {"x-request-id": meta.client_request_id or meta.request_id}
     if conceal:
         call.concealed = (served, alias)
@@ -279,6 +298,22 @@ def record(state: ProxyState, call: Call) -> None:
     head = call.head if meta.stream else answer
     if head:  # who got it, so only that key may rate it (written later, off this path)
         state.completions.remember(head, meta.api_key_hash)
-    if state.rate_limiter.token_limits:
-        state.rate_limiter.charge(meta.api_key_hash, answer)
+    if call.reserved:
+        state.rate_limiter.charge(meta.api_key_hash, call.reserved, tokens_used(call, answer))
     state.traffic_log.submit_exchange(orjson.dumps(meta), call.body, answer)
+
+
+def tokens_used(call: Call, answer: bytes) -> int:
+    """The tokens a budgeted request is charged: vLLM's usage when the answer carries it; none
+    when vLLM refused it or never got it; for a stream cut short (the client left, vLLM broke
+    off or ran past its deadline), its prompt as estimated and a token per choice event relayed;
+    else (a 504, an answer too large to read: vLLM generated unseen) all it reserved."""
+    used = total_tokens(answer)
+    if used:
+        return used
+    error = call.meta.error
+    if error is not None and error.get("code") in NOTHING_GENERATED:
+        return 0
+    if call.meta.stream:
+        return call.prompt_tokens + call.dropped_events + choice_events(answer)
+    return call.reserved

@@ -115,8 +115,9 @@ class ProxyMetrics:
         )
         self.ratelimit_unavailable = Counter(
             "ratchet_proxy_ratelimit_unavailable_total",
-            "Rate-limit work Redis did not answer in time: admit = a request served unchecked "
-            "(fail open) or never recorded in Redis, charge = an answer's tokens not charged",
+            "Rate-limit work Redis did not do: admit = a request checked by its replica alone "
+            "(or refused: budgets_without_redis closed), charge = takes or settlements sent to "
+            "a failing Redis that may not have applied them",
             ("call",),
             registry=r,
         )

@@ -6,22 +6,33 @@ limit and takes from all of them or none; it is sent as soon as the caller is kn
 after the body is parsed, so Redis works while the proxy does. Near a limit every request waits
 for Redis, so the limit is exact there.
 
+A request with token budgets reserves what it may use (proxy/buckets.py) and is settled after
+its answer: :meth:`RateLimiter.charge` sends the difference, a refund or a further charge.
+
 Far from its limits a key does not wait: when this replica last heard from Redis (under FRESH_S
 ago) that every limit of the key was at least FAST_FILL full, less what this replica added
-since, the request is let through and its take is sent later with others, in one EVALSHA every
-SEND_AFTER_S or after enough of them, together with the tokens of the answers (charged after
-each answer). Its reply is the next view. At most ``fast_max`` requests of a key per replica
-(1% of the burst, at least one) wait for Redis's word so; so when other replicas drain a key
-from half full within that time, each replica serves at most that many requests past a limit,
-counted in ``ratchet_proxy_ratelimit_overshoot_total``.
+since (and, for a budget, less the request's reservation), the request is let through and its
+take is sent later with others, in one EVALSHA every SEND_AFTER_S or after enough of them,
+together with the settlements of answers. Its reply is the next view. At most ``fast_max``
+requests of a key per replica (1% of the burst, at least one) wait for Redis's word so; so when
+other replicas drain a key from half full within that time, each replica serves at most that
+many requests past a limit, counted in ``ratchet_proxy_ratelimit_overshoot_total``.
 
 A key Redis found empty is refused here until it has refilled (nothing refills a bucket sooner),
-so a key that keeps knocking costs Redis nothing. When Redis does not answer within
-``timeout_s`` the request is served unchecked (fail open), counted, and Redis is left alone for
-UNAVAILABLE_BACKOFF_S.
+so a key that keeps knocking costs Redis nothing.
 
-The bucket is the caller's key hash when the proxy requires keys. Without auth any key is
-accepted, so a client could invent one per request: every caller then shares one bucket.
+The limits never fail open. A request whose answer from Redis is late (past ``timeout_s``) is
+checked by this replica alone (:class:`~proxy.buckets.LocalBuckets`, from Redis's last word on
+the key), or, with ``budgets_without_redis: closed`` and token budgets on, refused with 503. One
+late reply costs only the requests that waited on it. When Redis fails outright (refused, hung,
+full: an error reply) every request is checked so for UNAVAILABLE_BACKOFF_S without asking it;
+what this replica took meanwhile is sent once Redis answers again, and what it sent without
+learning the outcome is counted in ``ratchet_proxy_ratelimit_unavailable_total{call="charge"}``.
+
+The bucket is the caller's key hash when the proxy requires keys: a limit is what the key's holder
+may spend, so a vouching key's users (``proxy.user_vouching_keys``) share it, or a client could
+name itself a fresh user per request. Without auth any key is accepted, so a client could invent
+one per request: every caller then shares one bucket.
 """
 
 from __future__ import annotations
@@ -38,11 +49,11 @@ from proxy.buckets import (
     ADD_SHA,
     ADMIT_SCRIPT,
     ADMIT_SHA,
-    Limit,
+    LocalBuckets,
     bucket_key,
+    budgets_unavailable,
     configured_limits,
     refusal,
-    total_tokens,
 )
 from proxy.metrics import ProxyMetrics
 from proxy.resp import RedisClient, RedisReplyError, bulk, pack
@@ -51,8 +62,8 @@ from ratchet.settings import RateLimitSettings
 log = logging.getLogger(__name__)
 
 ANONYMOUS = "anonymous"
-# After Redis failed to answer, requests are served unchecked this long before trying again, so
-# an outage costs each request nothing rather than a timeout.
+# After Redis failed, requests are checked here alone this long before it is tried again, so an
+# outage costs each request nothing rather than a timeout.
 UNAVAILABLE_BACKOFF_S = 1.0
 # Takes and tokens wait at most this long to go to Redis together; other replicas see them late
 # by as much.
@@ -73,6 +84,8 @@ class Admission:
     waiter: asyncio.Future[Any] | None  # the answer to come; None: not connected yet
     added: list[float] | None  # ms added to each limit before the check (takes, tokens)
     takes: int  # requests let through earlier whose takes go with it
+    units: list[int] | None  # units taken from each limit; None: a request's take, no tokens
+    take_ms: list[float]  # the same in ms of refill
 
 
 @dataclass(slots=True)
@@ -99,6 +112,9 @@ class RateLimiter:
         self.fast_max = max(1, requests[0] // 100) if requests else 1
         self._send_at = max(1, self.fast_max // 2)  # takes waiting that are sent at once
         self._take_ms = [limit.take * limit.unit_ms for limit in self.limits]
+        self._take_tail = b"".join(bulk(limit.take) for limit in self.limits)
+        self.budgets_closed = bool(self.token_limits) and settings.budgets_without_redis == "closed"
+        self._local = LocalBuckets(self.limits)
         self._nothing_added = [0.0] * len(self.limits)
         self._token_indexes = [i for i, limit in enumerate(self.limits) if limit.kind == "tokens"]
         self._admit_args = [arg for limit in self.limits for arg in limit.args]
@@ -117,7 +133,8 @@ class RateLimiter:
         self._keys: dict[str, list[str]] = {}
         self._admit_heads: dict[str, bytes] = {}  # the admission, packed but for what is added
         self._views: dict[str, View] = {}
-        self._refused: dict[str, tuple[float, Limit]] = {}  # bucket -> (monotonic end, limit)
+        # bucket -> (monotonic end, the limit's index): no room for one unit until then
+        self._refused: dict[str, tuple[float, int]] = {}
         self._added: dict[str, list[float]] = {}  # bucket -> ms to add to each limit, not sent
         self._takes: dict[str, int] = {}  # bucket -> requests let through among those
         self._unavailable_until = 0.0
@@ -129,26 +146,35 @@ class RateLimiter:
         return key_hash if self.per_key and key_hash else ANONYMOUS
 
     # ---- admission ---------------------------------------------------------------------------
-    async def admit(self, key_hash: str | None) -> None:
-        """Take one request from the caller's bucket; 429 when a limit is reached."""
-        admission = self.ask(key_hash)
+    async def admit(self, key_hash: str | None, reserve: int = 0) -> None:
+        """Take one request, and ``reserve`` tokens, from the caller's bucket; 429 when a limit
+        is reached."""
+        admission = self.ask(key_hash, reserve)
         if admission is not None:
             await self.settle(admission)
 
-    def ask(self, key_hash: str | None) -> Admission | None:
+    def ask(self, key_hash: str | None, reserve: int = 0) -> Admission | None:
         """429 at once for a key refused earlier whose wait is not over; None when the request
-        need not wait for Redis (or goes unchecked: Redis failing); else the question, sent
-        now, whose answer :meth:`settle` reads."""
+        need not wait for Redis (or was checked here: Redis failing); else the question, sent
+        now, whose answer :meth:`settle` reads. ``reserve``: tokens the request may use."""
         bucket = self.bucket(key_hash)
         now = time.monotonic()
+        units, take_ms = None, self._take_ms
+        if reserve:
+            units = [limit.taken(reserve) for limit in self.limits]
+            take_ms = [n * limit.unit_ms for n, limit in zip(units, self.limits, strict=True)]
         refused = self._refused.get(bucket)
         if refused is not None:
             if now < refused[0]:
-                self._refused_count[refused[1].name].inc()
-                raise refusal(refused[1], refused[0] - now, self.per_key)
+                end, index = refused
+                limit = self.limits[index]
+                if units is not None:  # it needs room for its reservation, not for one token
+                    end += (units[index] - 1) * limit.unit_ms / 1000
+                self._refused_count[limit.name].inc()
+                raise refusal(limit, end - now, self.per_key)
             del self._refused[bucket]
         if now < self._unavailable_until:
-            self._unavailable["admit"].inc()
+            self._check_here(bucket, take_ms, now, redis_missed=True)
             return None
         view = self._views.get(bucket)
         if (
@@ -156,27 +182,38 @@ class RateLimiter:
             and view.unconfirmed < self.fast_max
             and now - view.seen_at < FRESH_S
             and min(view.fills) >= FAST_FILL
+            and (units is None or self._room_after(view, take_ms))
         ):
             view.unconfirmed += 1
-            self._add(bucket, self._take_ms, view, takes=1)
+            self._add(bucket, take_ms, view, takes=1)
             return None
         added, takes = self._added.pop(bucket, None), self._takes.pop(bucket, 0)
         try:
-            waiter = self._redis.send(self._admit_command(bucket, added))
-        except ConnectionError as exc:  # too many commands waiting
+            waiter = self._redis.send(self._admit_command(bucket, units, added))
+        except ConnectionError as exc:  # too many commands waiting: none of it was sent
             self._failed("admit", exc)
-            self._charge_lost(added)
+            self._later(bucket, added, takes)
+            self._check_here(bucket, take_ms, now, redis_missed=True)
             return None
-        return Admission(bucket, now, waiter, added, takes)
+        return Admission(bucket, now, waiter, added, takes, units, take_ms)
 
     async def settle(self, admission: Admission) -> None:
-        """Redis's answer to :meth:`ask`: return when admitted (or unchecked), else 429."""
+        """Redis's answer to :meth:`ask`: return when admitted (here, when Redis failed), else
+        429 (503: budgets closed while Redis failed)."""
         try:
             answer = await self._answer(admission)
         except _ERRORS as exc:
             self._confirm(admission.bucket, admission.takes)
-            self._failed("admit", exc)
-            self._charge_lost(admission.added)
+            refused = isinstance(exc, RedisReplyError)  # an error reply: nothing was applied
+            if refused:
+                self._later(admission.bucket, admission.added, 0)
+            else:
+                self._charge_lost(admission.added)
+            # A late reply on a live connection costs only its request; anything else is Redis
+            # failing, left alone for a while.
+            if not (isinstance(exc, TimeoutError) and admission.waiter is not None):
+                self._failed("admit", exc, count=0)
+            self._check_here(admission.bucket, admission.take_ms, time.monotonic(), refused)
             return
         self._observe(admission.bucket, admission.asked_at, answer[2:], admission.takes)
         if answer[0]:
@@ -191,8 +228,34 @@ class RateLimiter:
         except RedisReplyError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
-        command = self._admit_command(admission.bucket, admission.added)
+        command = self._admit_command(admission.bucket, admission.units, admission.added)
         return await self._evalsha(ADMIT_SCRIPT, command)
+
+    def _room_after(self, view: View, take_ms: list[float]) -> bool:
+        """Whether every budget stays at least FAST_FILL full after this reservation."""
+        return all(
+            view.fills[i] - take_ms[i] / self.limits[i].room_ms >= FAST_FILL
+            for i in self._token_indexes
+        )
+
+    def _check_here(
+        self, bucket: str, take_ms: list[float], now: float, redis_missed: bool
+    ) -> None:
+        """Check a request Redis could not: 503 when budgets fail closed, else this replica's
+        own buckets, 429 as Redis would. ``redis_missed``: Redis surely has not taken it, so
+        its take goes to Redis once Redis answers again."""
+        self._unavailable["admit"].inc()
+        if self.budgets_closed:
+            raise budgets_unavailable()
+        view = self._views.get(bucket)
+        seed = (view.fills, view.seen_at * 1000) if view else ([1.0] * len(self.limits), 0.0)
+        refused = self._local.admit(bucket, take_ms, now * 1000, seed)
+        if refused is not None:
+            limit, wait_ms = refused
+            self._refused_count[limit.name].inc()
+            raise refusal(limit, wait_ms / 1000, self.per_key)
+        if redis_missed:
+            self._add(bucket, take_ms, view)
 
     def _observe(self, bucket: str, asked_at: float, untils: list[int], takes: int) -> None:
         """Redis's word on a bucket (ms until each limit is full): the next view, less what was
@@ -200,7 +263,7 @@ class RateLimiter:
         view = self._views.get(bucket)
         unconfirmed = max(0, view.unconfirmed - takes) if view is not None else 0
         added = self._added.get(bucket)
-        fills, wait, empty = [], 0.0, None
+        fills, wait, empty = [], 0.0, -1
         for index, limit in enumerate(self.limits):
             if limit.take and untils[index] > limit.room_ms + limit.unit_ms / 2:
                 self._overshoot[limit.name].inc()  # taken past the limit: let through here
@@ -208,30 +271,35 @@ class RateLimiter:
             fills.append(1.0 - until / limit.room_ms)
             short = until + limit.unit_ms - limit.room_ms
             if short > wait:
-                wait, empty = short, limit
-        if empty is not None:
+                wait, empty = short, index
+        if empty >= 0:
             self._refused[bucket] = (asked_at + wait / 1000, empty)
         self._views[bucket] = View(fills, asked_at, unconfirmed)
         if self._down:
             self._down = False
-            log.warning("rate limits checked again: Redis answers")
+            self._local.forget()
+            log.warning("rate limits checked in Redis again: Redis answers")
 
     def _confirm(self, bucket: str, takes: int) -> None:
         view = self._views.get(bucket)
         if takes and view is not None:
             view.unconfirmed = max(0, view.unconfirmed - takes)
 
-    def _admit_command(self, bucket: str, added: list[float] | None) -> bytes:
-        """The bucket's admission, adding ``added`` ms to each limit first. Its head is packed
-        once per bucket: what is added comes last."""
+    def _admit_command(
+        self, bucket: str, units: list[int] | None, added: list[float] | None
+    ) -> bytes:
+        """The bucket's admission, taking ``units`` of each limit (None: one request's take)
+        after adding ``added`` ms to each. Its head is packed once per bucket: the takes and
+        what is added come last."""
         head = self._admit_heads.get(bucket)
         if head is None:
             keys = self._bucket_keys(bucket)
-            zeros = [b"0"] * len(keys)
+            zeros = [b"0"] * 2 * len(keys)
             command = pack("EVALSHA", ADMIT_SHA, len(keys), *keys, *self._admit_args, *zeros)
             head = self._admit_heads[bucket] = command[: -len(bulk(b"0")) * len(zeros)]
+        takes = self._take_tail if units is None else b"".join(bulk(n) for n in units)
         added = added or self._nothing_added
-        return head + b"".join(bulk(repr(ms) if ms else b"0") for ms in added)
+        return head + takes + b"".join(bulk(repr(ms) if ms else b"0") for ms in added)
 
     def _bucket_keys(self, bucket: str) -> list[str]:
         keys = self._keys.get(bucket)
@@ -251,18 +319,20 @@ class RateLimiter:
         return await self._redis.call(command)
 
     # ---- takes and tokens sent later ---------------------------------------------------------
-    def charge(self, key_hash: str | None, answer: bytes) -> None:
-        """Charge an answer's tokens to the caller's budgets: with its next question to Redis,
-        or within SEND_AFTER_S; never on this request's path."""
+    def charge(self, key_hash: str | None, reserved: int, used: int) -> None:
+        """Settle a request that reserved ``reserved`` tokens and used ``used``: the difference
+        (a refund when negative) goes with the key's next question to Redis, or within
+        SEND_AFTER_S; never on this request's path."""
         if not self.token_limits:
             return
-        tokens = total_tokens(answer)
-        if tokens > 0:
+        ms = [
+            (used - limit.taken(reserved)) * limit.unit_ms if limit.kind == "tokens" else 0.0
+            for limit in self.limits
+        ]
+        if any(ms):
             bucket = self.bucket(key_hash)
-            ms = [
-                tokens * limit.unit_ms if limit.kind == "tokens" else 0.0 for limit in self.limits
-            ]
             self._add(bucket, ms, self._views.get(bucket))
+            self._local.add(bucket, ms, time.monotonic() * 1000)
 
     def _add(self, bucket: str, ms: list[float], view: View | None, takes: int = 0) -> None:
         """Add to what goes to Redis next, and to this replica's view of the bucket."""
@@ -274,7 +344,7 @@ class RateLimiter:
                 added[index] += value
         if view is not None:
             for index, limit in enumerate(self.limits):
-                view.fills[index] -= ms[index] / limit.room_ms
+                view.fills[index] = min(1.0, view.fills[index] - ms[index] / limit.room_ms)
         if takes:
             self._takes[bucket] = taken = self._takes.get(bucket, 0) + takes
             if taken >= self._send_at:
@@ -291,15 +361,17 @@ class RateLimiter:
             self._send_timer = None
         if not self._added or self._sender is not None:
             return  # a sender under way takes it next
-        added, takes, command = self._take_added()
         asked_at = time.monotonic()
-        if asked_at < self._unavailable_until:
-            self._lost(added, takes, None)
+        if asked_at < self._unavailable_until:  # Redis is left alone: sent once it is tried
+            loop = asyncio.get_running_loop()
+            self._send_timer = loop.call_later(self._unavailable_until - asked_at, self.send_added)
             return
+        added, takes, command = self._take_added()
         try:
             waiter = self._redis.send(command)
-        except ConnectionError as exc:
-            self._lost(added, takes, exc)
+        except ConnectionError as exc:  # too many commands waiting: not sent
+            self._failed("admit", exc, count=0)
+            self._put_back(added, takes)
             return
         if waiter is None:  # not connected: a task connects and sends
             self._sender = asyncio.get_running_loop().create_task(
@@ -346,29 +418,43 @@ class RateLimiter:
             self._observe(bucket, at, untils[position * width :][:width], takes.get(bucket, 0))
 
     def _lost(self, added: dict[str, list[float]], takes: dict[str, int], exc: Any) -> None:
-        """Takes and charges Redis never got (``exc``: why; None: Redis is being left alone):
-        counted, and no longer waited for. Other replicas never see those requests."""
-        requests = sum(takes.values())
+        """Takes and charges sent to a Redis that failed: those it surely did not apply (an
+        error reply, a refused connection) wait to be sent again; the others, perhaps applied,
+        are counted and no longer waited for."""
+        self._failed("admit", exc, count=0)
+        if isinstance(exc, (RedisReplyError, ConnectionRefusedError)):
+            self._put_back(added, takes)
+            return
         for bucket, count in takes.items():
             self._confirm(bucket, count)
-        if exc is not None:
-            self._failed("admit", exc, count=requests)
-        else:
-            self._unavailable["admit"].inc(requests)
         for bucket_added in added.values():
             self._charge_lost(bucket_added)
+
+    def _put_back(self, added: dict[str, list[float]], takes: dict[str, int]) -> None:
+        for bucket, bucket_added in added.items():
+            self._later(bucket, bucket_added, takes.get(bucket, 0))
+
+    def _later(self, bucket: str, added: list[float] | None, takes: int) -> None:
+        """What was not sent to Redis waits for the next sending (takes already counted in the
+        view stay unconfirmed until then)."""
+        if added:
+            self._add(bucket, added, None)
+            if takes:
+                self._takes[bucket] = self._takes.get(bucket, 0) + takes
 
     def _charge_lost(self, added: list[float] | None) -> None:
         if added and any(added[i] for i in self._token_indexes):
             self._unavailable["charge"].inc()
 
     def _failed(self, call: str, exc: BaseException, count: int = 1) -> None:
-        """Count what went unchecked, then leave Redis be for a while."""
+        """Count what Redis did not check, then leave Redis be for a while."""
         if not self._down:
             self._down = True
-            log.warning("rate limits unchecked: Redis did not answer (%r); failing open", exc)
+            how = "token budgets refused" if self.budgets_closed else "limits checked per replica"
+            log.warning("rate limits: Redis failed (%r); %s until it answers", exc, how)
         self._unavailable_until = time.monotonic() + UNAVAILABLE_BACKOFF_S
-        self._unavailable[call].inc(count)
+        if count:
+            self._unavailable[call].inc(count)
 
     async def drain(self) -> None:
         """Send what waits to be added and wait for Redis's answer (tests, shutdown)."""
@@ -382,4 +468,7 @@ class RateLimiter:
     async def close(self) -> None:
         with contextlib.suppress(*_ERRORS):  # counted already, or Redis gone at shutdown
             await self.drain()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         await self._redis.close()

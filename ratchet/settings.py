@@ -329,12 +329,19 @@ class RateLimitSettings(_Section):
     requests_per_minute: int | None = Field(default=None, ge=1, le=1_000_000)
     # ...and at most this many at once; unset, a full minute's worth.
     burst: int | None = Field(default=None, ge=1, le=1_000_000)
-    # Prompt + completion tokens (vLLM's usage), charged after each answer and refilled
-    # continuously; a key is refused while its budget is spent.
+    # Prompt + completion tokens, refilled continuously: a request reserves its prompt (estimated)
+    # plus n x max_tokens at admission, refused when that much is not left, and is settled to
+    # what it used after the answer (proxy/buckets.py: also a stream cut short, a 504, ...).
     tokens_per_minute: int | None = Field(default=None, ge=1, le=10**10)
     tokens_per_day: int | None = Field(default=None, ge=1, le=10**12)
-    # The longest a request waits for Redis to check it; past that it is served unchecked.
+    # The longest a request waits for Redis to check it; past that it is checked as below.
     timeout_s: float = Field(default=0.05, gt=0, le=5.0)
+    # While Redis cannot check a request (slow past timeout_s, down, or full), request rates are
+    # checked by each replica on its own, in process; token budgets too with "local", while
+    # "closed" refuses the requests they would check with 503 and retry-after: a replica's own
+    # bucket starts from what Redis last said, so a long outage with many replicas could spend a
+    # day's budget several times over.
+    budgets_without_redis: Literal["closed", "local"] = "closed"
 
     @model_validator(mode="after")
     def _burst_needs_a_rate(self) -> RateLimitSettings:

@@ -7,6 +7,7 @@ rounded up) and the one refill that is waited for is polled with a deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import socket
 import time
@@ -22,14 +23,14 @@ from aiohttp import web
 
 from proxy import ratelimit
 from proxy.app import create_app
-from proxy.buckets import KEY_PREFIX, total_tokens
+from proxy.buckets import KEY_PREFIX, choice_events, prompt_estimate, total_tokens
 from proxy.errors import ProxyError
 from proxy.metrics import ProxyMetrics
 from proxy.ratelimit import RateLimiter
 from ratchet.dev.processes import free_port as closed_port
 from ratchet.settings import ConfigError, RateLimitSettings, load_settings
 
-KEY_A, KEY_B = "hmac-sha256:aaaa", "hmac-sha256:bbbb"
+KEY_A, KEY_B, KEY_C = "hmac-sha256:aaaa", "hmac-sha256:bbbb", "hmac-sha256:cccc"
 DAY_MS = 86_400_000
 
 
@@ -70,9 +71,9 @@ async def replica(redis_url: str) -> AsyncIterator[Replicas]:
         await limiter.close()
 
 
-async def refusal(limiter: RateLimiter, key_hash: str | None) -> ProxyError:
+async def refusal(limiter: RateLimiter, key_hash: str | None, reserve: int = 0) -> ProxyError:
     with pytest.raises(ProxyError) as caught:
-        await limiter.admit(key_hash)
+        await limiter.admit(key_hash, reserve)
     return caught.value
 
 
@@ -225,7 +226,7 @@ async def test_a_token_budget_charged_after_the_answer_refuses_the_next_request(
     second = replica(tokens_per_minute=100)
     await first.admit(KEY_A)
     await first.admit(KEY_A)  # the budget is only charged after an answer
-    first.charge(KEY_A, answer_using(150))
+    first.charge(KEY_A, 0, 150)
     # No wait: the key's next request takes the charge to Redis ahead of its own check.
     for limiter in (first, second):
         error = await refusal(limiter, KEY_A)
@@ -240,7 +241,7 @@ async def test_a_charge_reaches_the_other_replicas_without_another_request(
 ) -> None:
     first = replica(tokens_per_minute=100)
     second = replica(tokens_per_minute=100)
-    first.charge(KEY_A, answer_using(150))
+    first.charge(KEY_A, 0, 150)
     charged_at = time.monotonic()
     while True:
         try:
@@ -253,7 +254,7 @@ async def test_a_charge_reaches_the_other_replicas_without_another_request(
 
 async def test_the_day_budget_waits_for_its_refill(replica: Replicas, redis_url: str) -> None:
     limiter = replica(tokens_per_minute=1_000, tokens_per_day=100)
-    limiter.charge(KEY_A, answer_using(150))
+    limiter.charge(KEY_A, 0, 150)
     await limiter.drain()
     error = await refusal(limiter, KEY_A)
     assert "proxy.rate_limit.tokens_per_day" in error.body()["error"]["message"]
@@ -271,7 +272,7 @@ async def test_no_key_spends_another_keys_budget(replica: Replicas) -> None:
     await limiter.admit(KEY_B)  # its own requests bucket
 
     tokens = replica(tokens_per_minute=100)
-    tokens.charge(KEY_A, answer_using(500))
+    tokens.charge(KEY_A, 0, 500)
     await tokens.drain()
     await refusal(tokens, KEY_A)
     await tokens.admit(KEY_B)  # its own token budget
@@ -296,20 +297,104 @@ def silent_redis() -> Iterator[str]:
 
 
 @pytest.mark.parametrize("down", ["refused", "silent"])
-async def test_redis_down_fails_open_quickly_and_is_counted(
+async def test_redis_down_leaves_each_replica_its_own_limits_and_is_counted(
     replica: Replicas, silent_redis: str, down: str
 ) -> None:
     url = silent_redis if down == "silent" else f"redis://127.0.0.1:{closed_port()}/0"
-    limiter = replica(url=url, requests_per_minute=1, burst=1, tokens_per_day=1, timeout_s=0.05)
-    started = time.monotonic()
-    for _ in range(3):  # served, though the limit is one request
+    limiter = replica(url=url, requests_per_minute=1, burst=2, timeout_s=0.05)
+    for _ in range(2):
         await limiter.admit(KEY_A)
-    assert time.monotonic() - started < 0.5
+    error = await refusal(limiter, KEY_A)  # not served unchecked: the burst holds here
+    assert "proxy.rate_limit.requests_per_minute" in error.body()["error"]["message"]
+    assert 55 <= retry_after(error) <= 60
+    await limiter.admit(KEY_B)  # each key its own bucket still
     unavailable = "ratchet_proxy_ratelimit_unavailable_total"
-    assert replica.count(limiter, unavailable, call="admit") == 3
-    limiter.charge(KEY_A, answer_using(10))
+    assert replica.count(limiter, unavailable, call="admit") == 4
+
+
+async def test_token_budgets_fail_closed_without_redis_unless_set_local(
+    replica: Replicas,
+) -> None:
+    url = f"redis://127.0.0.1:{closed_port()}/0"
+    closed = replica(url=url, tokens_per_minute=100, timeout_s=0.05)
+    error = await refusal(closed, KEY_A)
+    assert error.status == 503
+    assert error.body()["error"]["code"] == "rate_limit_unavailable"
+    assert "proxy.rate_limit.budgets_without_redis" in error.body()["error"]["message"]
+    assert retry_after(error) == 1
+
+    local = replica(url=url, tokens_per_minute=100, timeout_s=0.05, budgets_without_redis="local")
+    await local.admit(KEY_A, reserve=60)
+    error = await refusal(local, KEY_A, reserve=60)  # 40 left here
+    assert (error.status, error.body()["error"]["type"]) == (429, "tokens")
+    local.charge(KEY_A, reserved=60, used=10)  # settled here too: 50 back
+    await local.admit(KEY_A, reserve=60)
+
+
+async def test_a_stalled_redis_does_not_open_the_limits_nor_drop_the_connection(
+    replica: Replicas, redis_url: str
+) -> None:
+    server = redis.Redis.from_url(redis_url)
+    limiter = replica(requests_per_minute=1, burst=1, timeout_s=0.05)
+    budget = replica(tokens_per_minute=100, timeout_s=0.05)
+    await limiter.admit(KEY_A)  # connected
+    await budget.admit(KEY_A)
+    connections = server.info("clients")["connected_clients"]
+    server.execute_command("CLIENT", "PAUSE", 2000, "WRITE")  # scripts that write wait
+    try:
+        await limiter.admit(KEY_B)  # late: checked here, from a full bucket
+        await refusal(limiter, KEY_B)  # and the burst of one holds
+        assert (await refusal(budget, KEY_B)).status == 503  # budgets fail closed
+    finally:
+        server.execute_command("CLIENT", "UNPAUSE")
+    # One late reply drops nothing: the same connections, asked again at once (no back-off).
+    assert server.info("clients")["connected_clients"] == connections
     await limiter.drain()
-    assert replica.count(limiter, unavailable, call="charge") == 1
+    await budget.admit(KEY_C, reserve=10)
+    assert server.pttl(f"{KEY_PREFIX}{KEY_C}:tokens_per_minute") > 0
+
+
+async def test_a_full_redis_does_not_open_the_limits(replica: Replicas, redis_url: str) -> None:
+    server = redis.Redis.from_url(redis_url)
+    limiter = replica(requests_per_minute=1, burst=1)
+    await limiter.admit(KEY_A)  # connected, and KEY_A drained in Redis
+    server.config_set("maxmemory-policy", "noeviction")
+    server.config_set("maxmemory", 1)  # full: every write is refused
+    try:
+        await limiter.admit(KEY_B)  # an error reply: checked here
+        await refusal(limiter, KEY_B)
+        unavailable = "ratchet_proxy_ratelimit_unavailable_total"
+        assert replica.count(limiter, unavailable, call="admit") == 2
+    finally:
+        server.config_set("maxmemory", 0)
+
+
+async def test_admission_reserves_what_a_request_may_use_and_settles_after(
+    replica: Replicas,
+) -> None:
+    first = replica(tokens_per_minute=100)
+    second = replica(tokens_per_minute=100)
+    await first.admit(KEY_A, reserve=60)
+    error = await refusal(second, KEY_A, reserve=60)  # 40 left: not enough for 60
+    assert error.body()["error"]["type"] == "tokens"
+    assert retry_after(error) in (12, 13)  # 20 tokens at 0.6 s each
+    await second.admit(KEY_A, reserve=30)  # 10 left
+    first.charge(KEY_A, reserved=60, used=10)  # the answer used 10: 50 back
+    await first.drain()
+    await second.admit(KEY_A, reserve=55)
+    await refusal(first, KEY_A, reserve=20)  # 5 left
+
+
+async def test_a_request_larger_than_the_budget_waits_for_a_full_bucket(
+    replica: Replicas,
+) -> None:
+    limiter = replica(tokens_per_minute=100)
+    await limiter.admit(KEY_A, reserve=5_000)  # takes the whole budget, not forever refused
+    error = await refusal(limiter, KEY_A, reserve=5_000)
+    assert retry_after(error) in (60, 61)
+    limiter.charge(KEY_A, reserved=5_000, used=130)  # 30 past the budget
+    await limiter.drain()
+    assert retry_after(await refusal(limiter, KEY_A, reserve=5_000)) in (78, 79)
 
 
 async def test_refusals_are_remembered_and_counted_by_limit(
@@ -400,7 +485,9 @@ async def test_the_proxy_answers_429_with_retry_after_once_the_budget_is_spent(
     await state.rate_limiter.drain()
     refused = await client.post("/v1/chat/completions", json=body, headers=as_key("sk-a"))
     assert refused.status_code == 429
-    assert int(refused.headers["retry-after"]) in (30, 31)
+    # 150 of 100 spent, and the next request reserves the whole budget (no max_tokens: up to
+    # the model's context), so 150 tokens to refill at 0.6 s each.
+    assert int(refused.headers["retry-after"]) in (89, 90, 91)
     error = refused.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert (error["type"], error["code"]) == ("tokens", "rate_limit_exceeded")
@@ -409,3 +496,165 @@ async def test_the_proxy_answers_429_with_retry_after_once_the_budget_is_spent(
     assert other.status_code == 200, other.text
     metrics = (await client.get("/metrics")).text
     assert 'ratchet_proxy_ratelimit_refused_total{limit="tokens_per_minute"} 1.0' in metrics
+
+
+# ---- what a request is charged, through the proxy ----------------------------------------------
+
+# One token a second, so what a key spent reads off its bucket's TTL in seconds.
+PER_DAY = {"tokens_per_day": 86_400, "timeout_s": 5.0}
+MAX_TOKENS = 50
+BUDGET_KEY = "sk-budget"
+
+
+def token_event(text: str, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+    return b"data: " + orjson.dumps({"id": "c1", "choices": [choice], "usage": None}) + b"\n\n"
+
+
+@pytest.fixture
+def budgeted(upstream: dict[str, Any], redis_url: str, tmp_path: Path) -> Any:
+    """``async with budgeted(handler, **proxy) as state``: the app with a day budget of one
+    token a second, and ``state.spent()``: the tokens its one key has spent, read in Redis."""
+
+    @contextlib.asynccontextmanager
+    async def running(handler: Any, **proxy: Any) -> AsyncIterator[Any]:
+        upstream["handler"] = handler
+        settings = load_settings(
+            home=tmp_path,
+            kafka_bootstrap_servers=f"127.0.0.1:{closed_port()}",
+            redis_url=redis_url,
+            vllm_url=upstream["url"],
+            proxy={"api_keys": [BUDGET_KEY], "rate_limit": PER_DAY, **proxy},
+        )
+        app = create_app(settings)
+        async with app.router.lifespan_context(app):
+            yield app
+
+    return running
+
+
+async def spent(app: Any, redis_url: str) -> float:
+    """Tokens the key has spent of its day budget (refilling at one a second)."""
+    await app.state.ratchet.rate_limiter.drain()
+    server = redis.Redis.from_url(redis_url)
+    keys = server.keys(f"{KEY_PREFIX}*:tokens_per_day")  # none: a full bucket
+    return max(0, server.pttl(keys[0])) / 1000 if keys else 0.0
+
+
+def chat_body(**fields: Any) -> bytes:
+    messages = [{"role": "user", "content": "count to fifty"}]
+    return orjson.dumps({"model": "support", "messages": messages, **fields})
+
+
+async def post(app: Any, body: bytes) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+        headers = {"authorization": f"Bearer {BUDGET_KEY}", "content-type": "application/json"}
+        return await client.post("/v1/chat/completions", content=body, headers=headers)
+
+
+async def stream_and_leave(app: Any, body: bytes, events: int) -> None:
+    """POST a stream straight to the ASGI app and leave (http.disconnect) once ``events``
+    choice events have arrived, as a client closing its socket mid-answer."""
+    received, enough = [b""], asyncio.Event()
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await enough.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            assert message["status"] == 200
+        received[0] += message.get("body", b"")
+        if choice_events(received[0]) >= events:
+            enough.set()
+
+    headers = [
+        (b"authorization", f"Bearer {BUDGET_KEY}".encode()),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 1234),
+        "server": ("proxy", 80),
+    }
+    await asyncio.wait_for(app(scope, receive, send), 30)
+
+
+async def test_a_stream_the_client_leaves_is_charged_the_tokens_streamed(
+    budgeted: Any, redis_url: str
+) -> None:
+    async def ten_tokens_then_more(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(10):
+            await response.write(token_event("one "))
+        await asyncio.sleep(30)  # generating still; the client leaves meanwhile
+        return response
+
+    body = chat_body(stream=True, max_tokens=MAX_TOKENS)
+    async with budgeted(ten_tokens_then_more, upstream_timeout_s=30) as app:
+        await stream_and_leave(app, body, events=10)
+        charged = await spent(app, redis_url)
+    # Its prompt as estimated and the 10 tokens streamed: not nothing (no usage event came), and
+    # not the 50 it reserved either.
+    expected = prompt_estimate(body) + 10
+    assert expected - 5 <= charged <= expected, (charged, expected)
+
+
+@pytest.mark.parametrize("failure", ["upstream_timeout", "answer_too_large"])
+async def test_a_504_or_an_answer_too_large_is_charged_what_it_reserved(
+    budgeted: Any, redis_url: str, failure: str
+) -> None:
+    async def hang(_: web.Request) -> web.Response:
+        await asyncio.sleep(30)  # past upstream_timeout_s; cancelled at teardown
+        return web.json_response({})
+
+    async def huge(_: web.Request) -> web.Response:
+        content = "word " * 20_000  # past max_answer_bytes: its usage is never read
+        choice = {"index": 0, "message": {"role": "assistant", "content": content}}
+        return web.json_response({"id": "c1", "choices": [choice], "usage": None})
+
+    handler = hang if failure == "upstream_timeout" else huge
+    body = chat_body(max_tokens=MAX_TOKENS, n=2)
+    async with budgeted(handler, upstream_timeout_s=0.5, max_answer_bytes=65_536) as app:
+        response = await post(app, body)
+        assert response.json()["error"]["code"] == failure, response.text
+        charged = await spent(app, redis_url)
+    # vLLM generated what the client never saw: all the request reserved, n x max_tokens too.
+    expected = prompt_estimate(body) + 2 * MAX_TOKENS
+    assert expected - 5 <= charged <= expected, (charged, expected)
+
+
+async def test_a_request_vllm_refuses_is_refunded_and_an_answer_charged_its_usage(
+    budgeted: Any, redis_url: str, upstream: dict[str, Any]
+) -> None:
+    async def refuse(_: web.Request) -> web.Response:
+        error = {"message": "too long", "type": "BadRequestError", "code": 400}
+        return web.json_response({"error": error}, status=400)
+
+    async with budgeted(refuse) as app:
+        assert (await post(app, chat_body(max_tokens=MAX_TOKENS))).status_code == 400
+        assert await spent(app, redis_url) == 0
+
+        async def answer(_: web.Request) -> web.Response:
+            return web.Response(body=answer_using(150), content_type="application/json")
+
+        upstream["handler"] = answer
+        assert (await post(app, chat_body(max_tokens=MAX_TOKENS))).status_code == 200
+        assert 145 <= await spent(app, redis_url) <= 150  # vLLM's usage, not the reservation
