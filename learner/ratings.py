@@ -148,7 +148,11 @@ def ratings_key(alias: str) -> str:
 
 def ratings_bookkeeping_keys(alias: str) -> list[str]:
     """The ratings list's companions, in APPEND_RATING's order after the list itself."""
-    return [f"{ratings_key(alias)}:{part}" for part in ("owners", "clients", "bytes")]
+    return [
+        f"ratchet:feedback:{alias}:ratings:owners",
+        f"ratchet:feedback:{alias}:ratings:clients",
+        f"ratchet:feedback:{alias}:ratings:bytes",
+    ]
 
 
 def new_ratings_key(alias: str) -> str:
