@@ -8,7 +8,7 @@ whole choices), applies redaction, and makes the record.
 
 from __future__ import annotations
 
-import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,26 +16,72 @@ import orjson
 
 from proxy.sse import iter_sse_data, last_usage
 from ratchet.records import TrafficRecord
+from ratchet.settings import redaction_regex
 
 REDACTED = "[REDACTED]"
 
 
 class Redactor:
-    """Applies the configured regexes to every string in a record's messages and choices."""
+    """The configured patterns, as one RE2 regex: time linear in the text, whatever the pattern
+    (Python's re backtracks, and one long token froze the log worker for hours).
 
-    def __init__(self, patterns: list[str]) -> None:
-        self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
+    Each record gets a :class:`Redaction` with its own deadline, ``budget_s`` from its start: RE2
+    bounds the time per character, the deadline the time per record whatever its number of
+    strings. Strings are redacted whole and only then cut to fit (``bounded``): a cut first could
+    split a secret so that no pattern matches what is left of it.
+    """
+
+    def __init__(self, patterns: list[str], budget_s: float = 0.5) -> None:
+        self.pattern: Any = redaction_regex(patterns) if patterns else None
+        self.budget_s = budget_s
+
+    def begin(self) -> Redaction:
+        """The redaction of one record, its deadline starting now."""
+        return Redaction(self, time.monotonic() + self.budget_s)
 
     def __call__(self, value: Any) -> Any:
-        if self.pattern is None:
+        """``value`` redacted, on a budget of its own."""
+        return self.begin()(value)
+
+
+class Redaction:
+    """One record's redaction: every string it is given, dict keys included, has its matches
+    replaced. Past the deadline it fails closed: each string not yet redacted becomes
+    ``REDACTED`` whole (never logged as it came), and :meth:`part` names the parts that were."""
+
+    def __init__(self, redactor: Redactor, deadline: float) -> None:
+        self.redactor = redactor
+        self.deadline = deadline
+        self.over_budget = False
+        self.failed: list[str] = []  # parts with strings replaced whole, in the record's words
+        self._replaced = False
+
+    def part(self, name: str, value: Any) -> Any:
+        """``value`` redacted; ``name`` goes to :attr:`failed` if the budget ran out in it."""
+        self._replaced = False
+        out = self(value)
+        if self._replaced and name not in self.failed:
+            self.failed.append(name)
+        return out
+
+    def __call__(self, value: Any) -> Any:
+        if self.redactor.pattern is None:
             return value
         if isinstance(value, str):
-            return self.pattern.sub(REDACTED, value)
+            return self._string(value)
         if isinstance(value, list):
             return [self(v) for v in value]
         if isinstance(value, dict):
-            return {k: self(v) for k, v in value.items()}
+            return {self._string(k): self(v) for k, v in value.items()}
         return value
+
+    def _string(self, text: str) -> str:
+        if not self.over_budget and time.monotonic() > self.deadline:
+            self.over_budget = True
+        if self.over_budget:
+            self._replaced = True
+            return REDACTED
+        return str(self.redactor.pattern.sub(REDACTED, text))
 
 
 def _merge_tool_calls(target: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
@@ -157,6 +203,13 @@ class Exchange:
         choices = body.get("choices") or []
         usage = body.get("usage") or {}
         user = self.request.get("user")
+        # Every string a client or the model wrote: the request (keys too), `user`, the error
+        # (upstream messages quote the prompt) and the answers.
+        redact = self.redactor.begin()
+        request = redact.part("request", self.request)
+        user = redact.part("request", user) if isinstance(user, str) else None
+        error = redact.part("error", self.error)
+        redacted_choices = redact.part("answer", choices)
         return TrafficRecord(
             request_id=self.request_id,
             client_request_id=self.client_request_id,
@@ -166,20 +219,22 @@ class Exchange:
             response_model=self.served_name,
             version=self.version,
             canary_arm=self.canary_arm,
-            request=self.redactor(self.request),
+            request=request,
             response_id=body.get("id"),
-            choices=self.redactor(choices),
+            choices=redacted_choices,
             input_tokens=usage.get("prompt_tokens"),
             output_tokens=usage.get("completion_tokens"),
             finish_reasons=[c.get("finish_reason") for c in choices],
             stream=self.stream,
             status=self.status,
-            error=self.error,
+            error=error,
             latency_ms=round(self.latency_ms, 3),
             ttft_ms=None if self.ttft_ms is None else round(self.ttft_ms, 3),
             api_key_hash=self.api_key_hash,
             source=self.source,
-            user=user if isinstance(user, str) else None,
+            user=user,
+            # Replaced whole past the redaction budget: not what the model saw.
+            truncated=redact.failed,
         )
 
 
@@ -197,7 +252,9 @@ def bounded(record: TrafficRecord, max_bytes: int) -> bytes:
     if len(value) <= max_bytes:
         return value
     original = len(value)
-    record = record.model_copy(update={"truncated": [], "original_bytes": original})
+    record = record.model_copy(
+        update={"truncated": list(record.truncated), "original_bytes": original}
+    )
     for part, cut, times in _CUTS:
         record.truncated.append(part)
         for _ in range(times):  # each time, the long strings to half their length

@@ -300,6 +300,26 @@ def test_bad_redact_pattern_rejected() -> None:
     assert "proxy.redact_patterns" in str(info.value)
 
 
+@pytest.mark.parametrize("pattern", [r"(\w+)=\1", r"token(?=[0-9])", r"(?<!x)y"])
+def test_a_pattern_re2_cannot_run_in_linear_time_is_refused(pattern: str) -> None:
+    """Backreferences and lookaround need backtracking: refused at start, naming the fix."""
+    with pytest.raises(ConfigError) as info:
+        load_settings(proxy={"redact_patterns": [r"sk-[A-Za-z0-9]{8,}", pattern]})
+    message = str(info.value)
+    assert "proxy.redact_patterns" in message and repr(pattern) in message
+    assert "RE2" in message and "without backreferences or lookaround" in message
+
+
+def test_the_shipped_redact_patterns_compile() -> None:
+    root = Path(__file__).resolve().parents[3]
+    for path, section in (
+        (root / "ratchet/dev/ratchet.yaml", lambda doc: doc["proxy"]),
+        (root / "helm/ratchet/values.yaml", lambda doc: doc["proxy"]["config"]),
+    ):
+        patterns = section(yaml.safe_load(path.read_text()))["redact_patterns"]
+        assert patterns and load_settings(proxy={"redact_patterns": patterns})
+
+
 def test_cross_field_error_names_real_env_vars_only() -> None:
     """A whole-settings error must not point the operator at a bare ``RATCHET_`` variable."""
     with pytest.raises(ConfigError) as info:

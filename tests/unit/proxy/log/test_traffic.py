@@ -243,7 +243,7 @@ def test_redactor_nested() -> None:
         "temperature": 0.5,
         "stream": True,
         "user": None,
-        "ann@example.com": "keys are not redacted",
+        "ann@example.com": "keys are redacted too",
         "deep": [[["dave@example.com"]]],
     }
     original = copy.deepcopy(value)
@@ -253,7 +253,7 @@ def test_redactor_nested() -> None:
     assert out["messages"][1]["content"][0]["text"] == f"cc {REDACTED}"
     assert out["messages"][1]["content"][1] == {"n": 3}
     assert out["temperature"] == 0.5 and out["stream"] is True and out["user"] is None
-    assert out["ann@example.com"] == "keys are not redacted"
+    assert out[REDACTED] == "keys are redacted too"
     assert out["deep"] == [[[REDACTED]]]
     assert "example.com" not in orjson.dumps(out["messages"]).decode()
 
@@ -261,6 +261,72 @@ def test_redactor_nested() -> None:
 def test_redactor_without_patterns_is_identity() -> None:
     value = {"a": ["ann@example.com"]}
     assert Redactor([])(value) is value
+
+
+SHIPPED = r"[\p{L}\p{N}_.+-]+@[\p{L}\p{N}_-]+\.[\p{L}\p{N}_.]+"  # ratchet/dev/ratchet.yaml
+EARLIER = r"[\w.+-]+@[\w-]+\.[\w.]+"  # shipped before: Python's re took hours on one token
+
+
+@pytest.mark.parametrize("pattern", [SHIPPED, EARLIER], ids=["shipped", "earlier"])
+def test_a_4_mib_run_of_letters_is_redacted_within_the_default_budget(pattern: str) -> None:
+    """Audit C-1: with Python's re this took about 15 hours (each start position scanned to
+    the end of the run); RE2 is linear, well within the default per-record budget."""
+    text = "a" * (4 << 20) + " mail ann@example.com"
+    redaction = Redactor([pattern]).begin()
+    out = redaction({"messages": [{"role": "user", "content": text}]})
+    assert out["messages"][0]["content"] == "a" * (4 << 20) + f" mail {REDACTED}"
+    assert not redaction.over_budget and redaction.failed == []
+
+
+def test_the_shipped_pattern_redacts_addresses_in_any_script() -> None:
+    # RE2's \w is ASCII only: the shipped pattern says \p{L} so that these stay redacted.
+    assert Redactor([SHIPPED])("to müller@exämple.de or ann@example.com") == (
+        f"to {REDACTED} or {REDACTED}"
+    )
+
+
+def test_past_the_budget_every_string_left_is_replaced_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fail closed: what was not redacted in time is never logged as it came."""
+    clock = iter([0.0, 0.1, 0.2] + [99.0] * 100)  # the deadline passes after two strings
+    monkeypatch.setattr("proxy.log.exchange.time.monotonic", lambda: next(clock))
+    ex = exchange(
+        request={"model": "support", "messages": [{"role": "user", "content": "ann@example.com"}]},
+        response_body=orjson.dumps(NON_STREAM_BODY),
+    )
+    ex.redactor = Redactor([r"[\w.+-]+@[\w-]+\.[\w.]+"], budget_s=1.0)
+    record = ex.to_record()
+    value = record.to_json()
+    assert b"example.com" not in value and b"hello" not in value
+    assert record.request["model"] == "support"  # redacted in time: kept
+    assert record.choices == [{REDACTED: REDACTED}]  # keys too, merged: nobody learns from it
+    assert record.truncated == ["request", "answer"]
+
+
+def test_keys_user_and_error_are_redacted() -> None:
+    """The previous audit's L4: dict keys, the top-level ``user`` and ``error`` went through."""
+    error = {
+        "message": "prompt from bob@example.org is too long",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "context_length_exceeded",
+    }
+    ex = exchange(
+        request={
+            "model": "support",
+            "messages": [{"role": "user", "content": "hi"}],
+            "user": "ann@example.com",
+            "metadata": {"carol@example.net": "x"},
+        },
+        status=400,
+        error=error,
+    )
+    record = ex.to_record()
+    assert record.user == REDACTED and record.request["user"] == REDACTED
+    assert record.request["metadata"] == {REDACTED: "x"}
+    assert record.error == {**error, "message": f"prompt from {REDACTED} is too long"}
+    assert b"example" not in record.to_json() and record.truncated == []
 
 
 # ---- Exchange.to_record -------------------------------------------------------------------------
