@@ -70,6 +70,8 @@ def test_a_rebound_host_name_reads_nothing_on_loopback(
         assert "support" not in refused.text
     for host in ("127.0.0.1:8404", "localhost:8404", "[::1]:8404", "LOCALHOST"):
         assert client.get("/", headers={"host": host}).status_code == 200, host
+    two = [("host", "evil.example"), ("host", "127.0.0.1:8404")]
+    assert client.get("/", headers=two).status_code == 400
     # Probes send the pod's address; they show no users' data.
     assert client.get("/healthz", headers={"host": "10.1.2.3:8404"}).status_code == 200
 
