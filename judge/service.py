@@ -385,7 +385,7 @@ class JudgeService(JudgeKafka):
         try:
             data = decode_hash(await self.redis.hgetall(alias_key(alias)))
             route = (
-                AliasRoute.from_hash(alias, data, config.base_model)
+                AliasRoute.from_hash(alias, data, self.settings.aliases)
                 if data
                 else AliasRoute(alias=alias, base_model=config.base_model)
             )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +73,24 @@ def _weight_field(alias: str, value: str) -> float:
     return weight
 
 
+def _base_field(alias: str, value: str | None, aliases: Mapping[str, AliasConfig]) -> str:
+    """The hash's base_model, only if ratchet.yaml names it as some alias's base model.
+
+    v0 is served under this name, and vLLM looks a name it does not serve up as a LoRA folder
+    under its adapter store (the filesystem resolver joins it onto the path): ``../x`` or an
+    absolute path would load any adapter on the vLLM host. Only the operator's own names pass.
+    """
+    config = aliases.get(alias)
+    base = value or (config.base_model if config else "")
+    if base not in {cfg.base_model for cfg in aliases.values()}:
+        shown = repr(base[:80]) + ("..." if len(base) > 80 else "")
+        raise InvalidRoute(
+            f"{alias_key(alias)}: base_model is {shown}, not the base_model of an alias in "
+            "ratchet.yaml"
+        )
+    return base
+
+
 def served_name(alias: str, version: int, base_model: str) -> str:
     """The name vLLM serves a version under: the base model's own name for v0."""
     return base_model if version == 0 else f"{alias}@v{version}"
@@ -126,12 +144,15 @@ class AliasRoute:
         }
 
     @classmethod
-    def from_hash(cls, alias: str, data: dict[str, str], default_base: str) -> AliasRoute:
-        """The route a hash describes; :class:`InvalidRoute` naming the field if it does not."""
+    def from_hash(
+        cls, alias: str, data: dict[str, str], aliases: Mapping[str, AliasConfig]
+    ) -> AliasRoute:
+        """The route a hash describes; :class:`InvalidRoute` naming the field if it does not.
+        Without a ``base_model`` field, the alias's own from ratchet.yaml."""
         canary = data.get("canary") or ""
         return cls(
             alias=alias,
-            base_model=data.get("base_model") or default_base,
+            base_model=_base_field(alias, data.get("base_model"), aliases),
             active=_version_field(alias, "active", data.get("active") or "0"),
             canary=_version_field(alias, "canary", canary) if canary else None,
             canary_weight=_weight_field(alias, data.get("canary_weight") or "0"),
@@ -180,9 +201,8 @@ class RoutingTable:
         for name, data in hashes.items():
             if not data:
                 continue
-            config = aliases.get(name)
             try:
-                routes[name] = AliasRoute.from_hash(name, data, config.base_model if config else "")
+                routes[name] = AliasRoute.from_hash(name, data, aliases)
             except InvalidRoute as exc:
                 invalid[name] = str(exc)
                 if previous and name in previous:
@@ -222,7 +242,7 @@ class RegistryWriter:
         config = self.aliases.get(alias)
         if not raw:
             return AliasRoute(alias=alias, base_model=config.base_model) if config else None
-        return AliasRoute.from_hash(alias, raw, config.base_model if config else "")
+        return AliasRoute.from_hash(alias, raw, self.aliases)
 
     def change(
         self,
@@ -268,8 +288,10 @@ class RegistryWriter:
             if not replace_invalid:
                 raise
             config = self.aliases.get(alias)
-            base = raw.get("base_model") or (config.base_model if config else "")
-            return AliasRoute(alias=alias, base_model=base)
+            if config is None:
+                raise
+            # Repaired from ratchet.yaml, never from the hash (its base_model may be the fault).
+            return AliasRoute(alias=alias, base_model=config.base_model)
 
     def read_all(self, previous: dict[str, AliasRoute] | None = None) -> RoutingTable:
         hashes = {}

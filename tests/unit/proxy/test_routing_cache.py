@@ -14,14 +14,17 @@ from proxy.routing import RoutingCache
 from ratchet.dev.processes import free_port as closed_port
 from ratchet.dev.processes import wait_until_async
 from ratchet.registry import CHANNEL, AliasRoute, RegistryWriter, alias_key
-from ratchet.settings import RatchetSettings
+from ratchet.settings import AliasConfig, RatchetSettings
+
+# Aliases only Redis knows ("good", "bad", "sub") route on a base model that ratchet.yaml names.
+ALIASES = {"configured": AliasConfig(base_model="b")}
 
 
 async def test_an_invalid_hash_freezes_only_its_own_alias(redis_url: str) -> None:
-    writer = RegistryWriter(redis_url, {})
+    writer = RegistryWriter(redis_url, ALIASES)
     writer.write(AliasRoute(alias="good", base_model="b", active=1))
     writer.write(AliasRoute(alias="bad", base_model="b", active=1))
-    cache = RoutingCache(redis_url, {}, refresh_s=0.05)
+    cache = RoutingCache(redis_url, ALIASES, refresh_s=0.05)
     await cache.start()
     raw = redis.Redis.from_url(redis_url)
     try:
@@ -78,9 +81,9 @@ async def test_readyz_says_the_table_is_stale_while_redis_is_away(proxy: Any) ->
 async def test_connected_means_a_write_arrives_without_waiting_for_a_refresh(
     redis_url: str,
 ) -> None:
-    writer = RegistryWriter(redis_url, {})
+    writer = RegistryWriter(redis_url, ALIASES)
     writer.write(AliasRoute(alias="sub", base_model="b", active=1))
-    cache = RoutingCache(redis_url, {}, refresh_s=3600)  # no full refresh during the test
+    cache = RoutingCache(redis_url, ALIASES, refresh_s=3600)  # no full refresh during the test
     await cache.start()
     try:
         assert cache.readable  # read at start, before the subscription is up
@@ -90,4 +93,22 @@ async def test_connected_means_a_write_arrives_without_waiting_for_a_refresh(
             lambda: cache.routes["sub"].active == 2, 2, "the write to arrive by pub/sub"
         )
     finally:
+        await cache.close()
+
+
+async def test_a_base_model_not_in_the_config_never_reaches_vllm(redis_url: str) -> None:
+    """v0 is served under the hash's base_model, which vLLM's filesystem resolver would join
+    onto its adapter store: a name ratchet.yaml does not give is not routed."""
+    raw = redis.Redis.from_url(redis_url)
+    raw.hset(alias_key("configured"), mapping={"active": "0", "base_model": "../../tmp/evil"})
+    raw.hset(alias_key("redis-only"), mapping={"active": "0", "base_model": "/abs/lora"})
+    cache = RoutingCache(redis_url, ALIASES, refresh_s=3600)
+    await cache.start()
+    try:
+        assert cache.routes["configured"].base_model == "b"  # its ratchet.yaml default
+        assert "redis-only" not in cache.routes
+        assert set(cache.invalid.now) == {"configured", "redis-only"}
+        assert "base_model" in cache.invalid.now["configured"]
+    finally:
+        raw.close()
         await cache.close()

@@ -96,7 +96,7 @@ def test_the_keeper_reports_a_lease_taken_from_it(client: redis.Redis) -> None:
 
 
 def test_a_write_fenced_by_a_lost_lease_writes_nothing(redis_url: str) -> None:
-    writer = RegistryWriter(redis_url, {"support": AliasConfig()})
+    writer = RegistryWriter(redis_url, {"support": AliasConfig(base_model="m")})
     lease = Lease(writer.redis, KEY, 5)
     assert lease.acquire()
     route = AliasRoute(alias="support", base_model="m", active=1)

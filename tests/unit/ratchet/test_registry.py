@@ -177,7 +177,12 @@ def test_hash_round_trip(r: AliasRoute) -> None:
     data = r.to_hash()
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in data.items())
     assert set(data) == {"active", "canary", "canary_weight", "base_model", "paused", "updated_at"}
-    back = AliasRoute.from_hash(r.alias, data, "fallback-base")
+    aliases = {
+        r.alias: AliasConfig(base_model="fallback-base"),
+        "b": AliasConfig(base_model="other"),
+    }
+    aliases["c"] = AliasConfig(base_model="smollm2-135m-instruct")
+    back = AliasRoute.from_hash(r.alias, data, aliases)
     if r.updated_at is None:
         assert back.updated_at  # to_hash stamps a time
         assert replace(back, updated_at=None) == r
@@ -187,10 +192,11 @@ def test_hash_round_trip(r: AliasRoute) -> None:
 
 def test_hash_as_redis_returns_it() -> None:
     """Redis answers bytes; the cache decodes them, and empty fields mean defaults."""
-    back = AliasRoute.from_hash("support", {"active": "2", "canary": ""}, "base-m")
+    aliases = {"support": AliasConfig(base_model="base-m")}
+    back = AliasRoute.from_hash("support", {"active": "2", "canary": ""}, aliases)
     assert back == AliasRoute(alias="support", base_model="base-m", active=2)
     assert back.canary is None and back.canary_weight == 0.0 and back.paused is False
-    assert AliasRoute.from_hash("support", {}, "base-m").active == 0
+    assert AliasRoute.from_hash("support", {}, aliases).active == 0
 
 
 def test_served_name() -> None:
@@ -219,15 +225,51 @@ def test_redis_keys() -> None:
 def test_an_invalid_field_is_refused_by_name(field: str, value: str) -> None:
     data = {**route(canary=4, canary_weight=0.2).to_hash(), field: value}
     with pytest.raises(InvalidRoute) as refused:
-        AliasRoute.from_hash("support", data, "base-m")
+        AliasRoute.from_hash("support", data, {"support": AliasConfig()})
     assert f"ratchet:alias:support: {field} is {value!r}" in str(refused.value)
+
+
+# What a hand-written hash could make vLLM's filesystem resolver load as "v0".
+FOREIGN_BASES = ["../x", "/etc/lora", "..", "other-model", "base-m/../x", "BASE-M", "base-m "]
+
+
+@pytest.mark.parametrize("base", FOREIGN_BASES)
+def test_a_base_model_not_in_the_config_is_refused(base: str) -> None:
+    aliases = {"support": AliasConfig(base_model="base-m")}
+    with pytest.raises(InvalidRoute) as refused:
+        AliasRoute.from_hash("support", {"active": "0", "base_model": base}, aliases)
+    assert "ratchet:alias:support: base_model is" in str(refused.value)
+    assert "ratchet.yaml" in str(refused.value)
+
+
+def test_a_base_model_of_another_configured_alias_is_served() -> None:
+    aliases = {"support": AliasConfig(base_model="a"), "sales": AliasConfig(base_model="b")}
+    route = AliasRoute.from_hash("support", {"active": "0", "base_model": "b"}, aliases)
+    assert served_name("support", 0, route.base_model) == "b"
+    # An alias only Redis knows routes only on a configured base model.
+    assert AliasRoute.from_hash("new", {"base_model": "a"}, aliases).base_model == "a"
+    with pytest.raises(InvalidRoute):
+        AliasRoute.from_hash("new", {"active": "1"}, aliases)  # no base model at all
+
+
+def test_a_foreign_base_model_keeps_the_last_route_and_is_listed() -> None:
+    aliases = {"support": AliasConfig(base_model="base-m")}
+    last = route(alias="support", base_model="base-m", active=0)
+    hashes = {
+        "support": {"active": "0", "base_model": "../../adapters/x"},
+        "new": {"base_model": "/x"},
+    }
+    table = RoutingTable.build(hashes, aliases, previous={"support": last})
+    assert table.routes["support"] == last
+    assert "new" not in table.routes
+    assert set(table.invalid) == {"support", "new"}
 
 
 def test_one_invalid_hash_keeps_its_last_route_and_costs_the_others_nothing() -> None:
     aliases = {"support": AliasConfig(base_model="base-m")}
     hashes = {
         "support": {"active": "x"},
-        "sales": {"active": "2", "base_model": "b"},
+        "sales": {"active": "2", "base_model": "base-m"},
         "new": {"canary_weight": "nope"},
     }
     last = route(alias="support", active=3)
