@@ -27,31 +27,72 @@ def server_secret(settings: RatchetSettings) -> bytes:
     return _machine_secret(settings.state_dir / SECRET_FILE)
 
 
+# The machine secret is 64 hex characters; a file holding fewer than this is not one we wrote
+# whole (a crash or a full disk mid-write, or someone's edit) and is refused, never used.
+MIN_SECRET_CHARS = 32
+
+
 def _machine_secret(path: Path) -> bytes:
+    """This machine's secret at ``path``: read if it exists, else created.
+
+    Created whole or not at all: written to a temporary file in the same folder, synced, then
+    linked to its name, which fails if another service linked its own first (their value is
+    then read). So no reader ever sees an empty or partial secret, and two services starting at
+    once agree on one.
+    """
     try:
-        return path.read_bytes().strip()
+        return _read_secret(path)
     except FileNotFoundError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
     value = secrets.token_hex(32).encode()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        # O_EXCL: when two services start at once, one writes and the other reads its value.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return _wait_for_contents(path)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(value)
-        fh.flush()
-        os.fsync(fh.fileno())
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(value)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)  # a rename that never replaces: the first writer's value wins
+        except FileExistsError:
+            return _read_secret(path)
+        _sync_folder(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
     return value
 
 
-def _wait_for_contents(path: Path) -> bytes:
-    for _ in range(1000):
-        value = path.read_bytes().strip()
-        if value:
-            return value
-    raise RuntimeError(f"{path} exists but is empty; delete it and start again")
+def _read_secret(path: Path) -> bytes:
+    """The secret in ``path``, refused (RuntimeError naming the file and the fix) unless it is
+    the current user's, readable by nobody else, and long enough to be one."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fh.fileno())
+        if info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise RuntimeError(
+                f"{path} holds the server secret but is owned by uid {info.st_uid} with mode "
+                f"{info.st_mode & 0o777:o}; it must be this user's (uid {os.getuid()}) and mode "
+                f"600: run 'chmod 600 {path}' (and chown it), or set RATCHET_SECRET"
+            )
+        value = fh.read(4096).strip()
+    if len(value) < MIN_SECRET_CHARS:
+        raise RuntimeError(
+            f"{path} holds {len(value)} characters, not a server secret (at least "
+            f"{MIN_SECRET_CHARS}): it was cut short or edited. Delete it to have a new one made "
+            "(API-key hashes and held-out prompts made with the old one then change), or set "
+            "RATCHET_SECRET"
+        )
+    return value
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make the new name durable: after a crash, the secret is there or not, never empty."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def keyed_hash(secret: bytes, *parts: str) -> str:
