@@ -114,9 +114,14 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
     # Asked of Redis now, answered below: the body is read and parsed meanwhile. With token
     # budgets the body comes first: the request reserves what it may use.
     admission = limiter.ask(key_hash) if limiter.enabled and not limiter.token_limits else None
-    payload, body = await read_json(request, state.limits)
-    alias = parse(payload, endpoint, state.limits)
-    version, arm, served, conceal = route(state, request, payload, alias, key_hash)
+    try:
+        payload, body = await read_json(request, state.limits)
+        alias = parse(payload, endpoint, state.limits)
+        version, arm, served, conceal = route(state, request, payload, alias, key_hash)
+    except ProxyError:
+        if limiter.token_limits:  # a refused request still takes one from the key's rate
+            await limiter.admit(key_hash)  # (429 first, as without budgets)
+        raise
     stream = bool(payload.get("stream"))
     forwarded, client_wants_usage = forward(payload, served, stream)
     reserved = prompt_tokens = 0

@@ -658,3 +658,18 @@ async def test_a_request_vllm_refuses_is_refunded_and_an_answer_charged_its_usag
         upstream["handler"] = answer
         assert (await post(app, chat_body(max_tokens=MAX_TOKENS))).status_code == 200
         assert 145 <= await spent(app, redis_url) <= 150  # vLLM's usage, not the reservation
+
+
+async def test_with_budgets_a_request_refused_for_its_body_still_counts(
+    budgeted: Any, upstream: dict[str, Any]
+) -> None:
+    async def answer(_: web.Request) -> web.Response:
+        return web.Response(body=answer_using(10), content_type="application/json")
+
+    limits = {**PER_DAY, "requests_per_minute": 1, "burst": 1}
+    async with budgeted(answer, rate_limit=limits) as app:
+        assert (await post(app, b"not json")).status_code == 400  # its body checked first
+        refused = await post(app, chat_body(max_tokens=MAX_TOKENS))
+        assert refused.status_code == 429, refused.text
+        assert "proxy.rate_limit.requests_per_minute" in refused.json()["error"]["message"]
+        assert (await post(app, b"not json")).status_code == 429  # over the rate: 429 first
