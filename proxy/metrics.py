@@ -179,13 +179,25 @@ class _LogCollector(Collector):
         dropped = CounterMetricFamily(
             "ratchet_proxy_log_dropped_records",
             "Dropped records (outcome=dropped above) by reason: spool_full (the spool holds "
-            "proxy.spool_max_bytes while Kafka is away), other (log queue full, spool unwritable, "
-            "a frame two log workers died holding)",
+            "proxy.spool_max_bytes while Kafka is away), worker_stuck (the frame a log worker "
+            "was handling when it was replaced for confirming nothing in "
+            "proxy.log_worker_stuck_s), other (log queue full, spool unwritable, a frame two log "
+            "workers died holding)",
             labels=["reason"],
         )
         dropped.add_metric(["spool_full"], p.spool_full)
-        dropped.add_metric(["other"], max(0, p.dropped - p.spool_full))
+        dropped.add_metric(["worker_stuck"], p.stuck)
+        dropped.add_metric(["other"], max(0, p.dropped - p.spool_full - p.stuck))
         yield dropped
+        redaction = CounterMetricFamily(
+            "ratchet_proxy_log_redaction_failed_records",
+            "Records logged with strings replaced whole instead of redacted, by reason: budget "
+            "(redacting the record took longer than proxy.redact_budget_s). Marked truncated, so "
+            "the judge does not learn from them",
+            labels=["reason"],
+        )
+        redaction.add_metric(["budget"], p.redact_over_budget)
+        yield redaction
         yield GaugeMetricFamily(
             "ratchet_proxy_log_queue_depth",
             "Records accepted and not yet sent or spooled (pipe, proxy and log worker)",

@@ -47,6 +47,8 @@ class ProxyState:
             max_record_bytes=settings.proxy.max_record_bytes,
             spool_max_bytes=settings.proxy.spool_max_bytes,
             redact_patterns=settings.proxy.redact_patterns,
+            redact_budget_s=settings.proxy.redact_budget_s,
+            stuck_after_s=settings.proxy.log_worker_stuck_s,
         )
         self.traffic_log = TrafficLog(
             worker,

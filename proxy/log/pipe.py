@@ -24,6 +24,7 @@ import contextlib
 import logging
 import pickle
 import sys
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +38,15 @@ log = logging.getLogger(__name__)
 
 RESTART_DELAY_S = 1.0
 # The worker's counters that carry on across restarts (a new worker counts from zero).
-WORKER_TOTALS = ("sent", "spooled", "replayed", "dead_lettered", "spool_full", "recovered")
+WORKER_TOTALS = (
+    "sent",
+    "spooled",
+    "replayed",
+    "dead_lettered",
+    "spool_full",
+    "recovered",
+    "redact_over_budget",
+)
 # Handed to this many workers at most: a frame that every one of them died holding is dropped.
 MAX_FRAME_ATTEMPTS = 2
 # Frames are written to the pipe this long after the first of them, together: the write (and
@@ -68,6 +77,11 @@ class TrafficLog:
         self.recovered = 0  # records a killed worker journaled, spooled by the next
         self.resent = 0  # frames a killed worker never confirmed, handed to the next
         self.spool_full = 0  # of the dropped: records the worker's spool had no room for
+        self.redact_over_budget = (
+            0  # records logged with strings replaced whole (proxy/log/exchange)
+        )
+        self.stuck = 0  # of the dropped: frames a worker was stuck on when it was replaced
+        self.stuck_after_s = config.stuck_after_s
         self.connected = False
         self.restarts = 0
         self._dropped_here = 0
@@ -75,6 +89,10 @@ class TrafficLog:
         self._dropped_by_dead = 0  # what earlier workers dropped
         self._written = 0  # frames written to the running worker
         self._received = 0  # of those, read by it (as of its last report)
+        self._read = 0  # of those, handled by it, durable or not (as of its last report)
+        # When the running worker last confirmed a frame, or was handed one while it held none.
+        self._progress_at = 0.0
+        self._killed_stuck = False  # the running worker was killed by the watchdog
         self._worker_depth = 0
         self._worker_totals = dict.fromkeys(WORKER_TOTALS, 0)
         # Frames waiting for a worker, with how many workers each was handed to before.
@@ -88,6 +106,7 @@ class TrafficLog:
         self._flush_at: asyncio.TimerHandle | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
         self._closing = False
 
     # ---- request path ------------------------------------------------------------------------
@@ -135,11 +154,15 @@ class TrafficLog:
 
     def _handed(self, frame: bytes, attempt: int) -> None:
         """``frame`` was written to the running worker; keep it until confirmed."""
+        if not self._unconfirmed:  # it held nothing: its time to confirm starts now
+            self._progress_at = time.monotonic()
         self._unconfirmed.append((frame, attempt))
         self._unconfirmed_bytes += len(frame)
         self._written += 1
 
     def _confirm(self, received: int) -> None:
+        if received > self._received:
+            self._progress_at = time.monotonic()
         for _ in range(min(received - self._received, len(self._unconfirmed))):
             frame, _ = self._unconfirmed.popleft()
             self._unconfirmed_bytes -= len(frame)
@@ -162,10 +185,13 @@ class TrafficLog:
     async def start(self) -> None:
         await self._spawn()
         self._watcher = asyncio.create_task(self._watch(), name="log-worker")
+        self._watchdog = asyncio.create_task(self._guard(), name="log-worker-watchdog")
 
     async def close(self, timeout_s: float = 30.0) -> None:
         """Stop taking frames; the worker sends or spools all it holds, then exits."""
         self._closing = True
+        if self._watchdog is not None:  # from here on, close's own timeout applies
+            self._watchdog.cancel()
         if self._flush_at is not None:
             self._flush_at.cancel()
         self._flush()
@@ -199,8 +225,10 @@ class TrafficLog:
             stdout=asyncio.subprocess.PIPE,
             start_new_session=True,  # stops when we say so, not on a signal to our group
         )
-        self._written = self._received = self._worker_depth = 0
+        self._written = self._received = self._read = self._worker_depth = 0
         self._worker_totals = dict.fromkeys(WORKER_TOTALS, 0)
+        self._progress_at = time.monotonic()  # starting counts as holding what it is handed
+        self._killed_stuck = False
         assert self._process.stdin is not None
         self._process.stdin.write(encode_frame(CONFIG, b"", b"", pickle.dumps(self.config)))
         while self._backlog:
@@ -208,6 +236,52 @@ class TrafficLog:
             self._waiting_bytes -= len(frame)
             self._process.stdin.write(frame)
             self._handed(frame, attempts + 1)
+
+    async def _guard(self) -> None:
+        """The watchdog: kill a worker that is alive but stuck (see :meth:`stalled`); the watcher
+        then replaces it like one that died."""
+        while True:
+            await asyncio.sleep(min(1.0, self.stuck_after_s / 4))
+            process = self._process
+            if process is None or process.returncode is not None or not self.stalled():
+                continue
+            log.error(
+                "log worker %d confirmed none of the %d frames it holds in %.0fs; replacing it",
+                process.pid,
+                len(self._unconfirmed),
+                time.monotonic() - self._progress_at,
+            )
+            self._killed_stuck = True
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            with contextlib.suppress(Exception):
+                await process.wait()
+
+    def stalled(self) -> bool:
+        """The running worker holds frames and has confirmed none for ``stuck_after_s``."""
+        return (
+            not self._closing
+            and not self._killed_stuck
+            and bool(self._unconfirmed)
+            and time.monotonic() - self._progress_at > self.stuck_after_s
+        )
+
+    def _drop_stuck_frame(self) -> None:
+        """Drop the frame a stuck worker had in hand, the first it had not reported handled, so
+        that it cannot stop the next worker too. Those before it are in its journal (and resent);
+        those after it it never read: they go to the next worker as if never handed."""
+        if not self._unconfirmed:
+            return
+        index = min(max(self._read - self._received, 0), len(self._unconfirmed) - 1)
+        frame, _ = self._unconfirmed[index]
+        del self._unconfirmed[index]
+        self._unconfirmed_bytes -= len(frame)
+        for later in range(index, len(self._unconfirmed)):  # unread: no attempt charged
+            after, attempt = self._unconfirmed[later]
+            self._unconfirmed[later] = (after, attempt - 1)
+        self.stuck += 1
+        self._dropped_by_dead += 1
+        log.error("dropped the frame (%d bytes) the stuck log worker was handling", len(frame))
 
     def _take_back_unconfirmed(self) -> int:
         """The dead worker's unconfirmed frames go first to the next one; return how many were
@@ -247,6 +321,8 @@ class TrafficLog:
                 self._unconfirmed_bytes = 0
                 log.error("log worker exited with %s while stopping; %d frames lost", code, lost)
                 return
+            if self._killed_stuck:
+                self._drop_stuck_frame()
             unconfirmed = len(self._unconfirmed)
             lost = self._take_back_unconfirmed()
             self._dropped_by_dead += lost
@@ -267,6 +343,7 @@ class TrafficLog:
 
     def _apply(self, report: dict[str, Any]) -> None:
         self._confirm(report["received"])
+        self._read = report["read"]
         self._worker_depth = report["depth"]
         # A restarted worker counts from zero; these totals carry on across workers.
         for name, before in self._worker_totals.items():

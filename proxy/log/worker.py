@@ -61,7 +61,10 @@ class WorkerConfig:
     max_record_bytes: int = 900 * 1024
     spool_max_bytes: int | None = None
     redact_patterns: list[str] = field(default_factory=list)
+    redact_budget_s: float = 0.5  # per record (proxy.redact_budget_s)
     report_s: float = 0.2
+    # The proxy replaces a worker that holds frames and confirms none for this long.
+    stuck_after_s: float = 30.0
 
 
 def encode_frame(kind: int, meta: bytes, a: bytes = b"", b: bytes = b"") -> bytes:
@@ -118,7 +121,8 @@ class Worker:
         from proxy.log.producer import RecordProducer
 
         self.config = config
-        self.redactor = Redactor(config.redact_patterns)
+        self.redactor = Redactor(config.redact_patterns, config.redact_budget_s)
+        self.redact_over_budget = 0  # records whose strings were replaced whole, past the budget
         self.journal = Journal(config.spool_dir / "journal")
         self.producer = RecordProducer(
             config.bootstrap,
@@ -205,6 +209,9 @@ class Worker:
         labels = (exchange.alias, str(exchange.version), exchange.canary_arm)
         if exchange.logged:
             record = exchange.to_record()
+            if record.truncated:  # only redaction has cut anything yet
+                self.redact_over_budget += 1
+                log.warning("redaction of %s ran past its budget; replaced", exchange.request_id)
             record.ts = _iso(started_at)  # when the request arrived, not when it was logged
             self.count_tokens(labels, record.input_tokens, record.output_tokens)
             value = bounded(record, self.config.max_record_bytes)
@@ -229,6 +236,9 @@ class Worker:
         line = orjson.dumps(
             {
                 "received": self.received,
+                # Frames handled, durable or not: the one after them is the one in hand.
+                "read": self.read,
+                "redact_over_budget": self.redact_over_budget,
                 "recovered": p.recovered,
                 "sent": p.sent,
                 "spooled": p.spooled,

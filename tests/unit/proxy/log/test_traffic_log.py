@@ -16,7 +16,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from proxy.log.pipe import TrafficLog
+from proxy.log.pipe import WORKER_TOTALS, TrafficLog
 from proxy.log.spool import Spool
 from proxy.log.worker import (
     EXCHANGE,
@@ -228,3 +228,67 @@ async def test_a_worker_killed_holding_records_loses_none_of_them(tmp_path: Path
     assert log.dropped == 0
     assert log.resent + log.recovered >= 25
     assert not list((tmp_path / "spool" / "journal").glob("journal-*"))  # all settled at stop
+
+
+async def test_a_worker_alive_but_stuck_is_replaced_and_the_next_exchange_logged(
+    tmp_path: Path,
+) -> None:
+    """Audit C-1: nothing replaced a worker that hung. This one is stopped (SIGSTOP: alive,
+    handling nothing); the watchdog kills it, the frame it held is counted lost, and a new worker
+    logs what comes next."""
+    log = TrafficLog(dataclasses.replace(config(tmp_path), stuck_after_s=3.0))
+    await log.start()
+    body, answer = orjson.dumps(CHAT), orjson.dumps(ANSWER)
+    log.submit_exchange(meta("before"), body, answer)
+    await wait_until_async(lambda: log.spooled == 1, 30, "log.spooled == 1")
+    process = log._process
+    assert process is not None
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        log.submit_exchange(meta("held"), body, answer)
+        await wait_until_async(lambda: log.restarts == 1, 60, "the stuck worker replaced")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)
+    assert process.returncode == -signal.SIGKILL
+    assert log.stuck == 1 and log.dropped == 1
+    log.submit_exchange(meta("after"), body, answer)
+    await wait_until_async(lambda: log.spooled == 2, 30, "log.spooled == 2")
+    await log.close()
+    assert sorted(key for _, key, _ in spooled(tmp_path)) == [b"after", b"before"]
+    assert log.restarts == 1
+
+
+def test_the_frame_dropped_for_a_stuck_worker_is_the_one_it_was_handling(tmp_path: Path) -> None:
+    """Frames it reported handled go on (to its journal's reader and the next worker); frames it
+    never read go to the next worker as never handed; only the one in hand is dropped."""
+    log = TrafficLog(config(tmp_path))
+    frames = [encode_frame(RECORD, b"{}", b"", bytes([i])) for i in range(4)]
+    for frame in frames:
+        log._handed(frame, 1)
+    log._apply(
+        {
+            "received": 1,
+            "read": 2,
+            "depth": 0,
+            "dropped": 0,
+            "spool_pending": 0,
+            "connected": False,
+            "tokens": [],
+            **dict.fromkeys(WORKER_TOTALS, 0),
+        }
+    )
+    log._drop_stuck_frame()
+    assert list(log._unconfirmed) == [(frames[1], 1), (frames[3], 0)]
+    assert log.stuck == 1 and log.dropped == 1
+    assert log._unconfirmed_bytes == len(frames[1]) + len(frames[3])
+
+
+async def test_an_idle_worker_or_one_confirming_is_not_stalled(tmp_path: Path) -> None:
+    log = TrafficLog(dataclasses.replace(config(tmp_path), stuck_after_s=1.0))
+    assert not log.stalled()  # holds nothing
+    log._handed(b"frame", 1)
+    log._progress_at -= 2.0
+    assert log.stalled()
+    log._confirm(1)  # it confirmed: progress
+    assert not log.stalled() and not log._unconfirmed
