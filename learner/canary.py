@@ -11,8 +11,9 @@ canary, so a restarted learner carries on counting. Once the canary arm has ``mi
 the configured margin; otherwise the ratings' sequential test (learner/canary_ratings.py)
 promotes or rolls back as soon as it can. Ratings lag the answers they rate, so a canary the
 test has not decided waits up to ``feedback_wait_s``, then is judged on error rate and the
-ratings' point estimate — at once if neither arm has a single rating while the active arm has
-answered :data:`UNRATED_AFTER` times ``min_requests``: an alias whose users don't rate.
+ratings' point estimate (of at least ``min_feedback`` pairs) — at once if neither arm has a
+single rating while the active arm has answered :data:`UNRATED_AFTER` times ``min_requests``:
+an alias whose users don't rate.
 
 The watcher also counts every alias's requests per minute, canary or not
 (learner/canary_weight.py): the next canary's share is sized by them.
@@ -38,7 +39,14 @@ from typing import Any, Literal
 
 import redis
 
-from learner.canary_ratings import Rating, mean_drop, rating_test
+from learner.canary_ratings import (
+    Rating,
+    client_cap,
+    mean_drop,
+    rater_share,
+    rating_test,
+    stored_cap,
+)
 from learner.canary_weight import count_requests, minute_of
 from learner.exchanges import read_exchanges
 from learner.guard import reward_model_gap
@@ -49,12 +57,14 @@ from ratchet.canary_state import (
     ARMS,
     ArmStats,
     canary_key,
+    raters_key,
     ratings_key,
     read_counts,
 )
 from ratchet.lease import LeaseKeeper, LeaseLost
 from ratchet.lifecycle import Lifecycle, LifecycleError
 from ratchet.records import (
+    ANONYMOUS_CLIENT,
     FeedbackRecord,
     TrafficRecord,
     decode,
@@ -83,14 +93,29 @@ GAP_RATINGS = 512
 RewardPredictor = Callable[[str, list[RatedAnswer]], "list[float] | None"]
 
 # Each arm's rating list keeps this many times canary.max_rating_pairs ratings (room for those the
-# per-key cap leaves out).
+# per-client cap leaves waiting).
 RATINGS_KEPT = 4
+
+# KEYS: the arm's rating list, its per-client counts. ARGV: the client, the encoded rating, the
+# most one client stores, the most the list holds. Counts the rating, and stores it when its
+# client and the list both have room: a client's flood cannot fill the list before others rate.
+STORE_RATING_SCRIPT = """
+if redis.call('HINCRBY', KEYS[2], ARGV[1], 1) > tonumber(ARGV[3]) then
+  return 0
+end
+if redis.call('LLEN', KEYS[1]) >= tonumber(ARGV[4]) then
+  return 0
+end
+redis.call('RPUSH', KEYS[1], ARGV[2])
+return 1
+"""
 
 # The error codes (proxy/upstream.py) that count against an arm: the model server failed (502
 # upstream_error: it answered 5xx, or dropped the answer or the stream), could not load the
 # version (502 adapter_unavailable), or could not be reached (503 upstream_unavailable). Not
-# counted: every 4xx (the client's request), 504 upstream_timeout (a client asking for a huge
-# max_tokens provokes it at will), and the proxy's own refusals and errors (429, 413, 500, 503
+# counted: every 4xx (the client's request), 504 upstream_timeout (a whole answer or a stream
+# that outlived proxy.upstream_timeout_s: a client asking for a huge max_tokens, or reading a
+# stream slowly, provokes it at will), and the proxy's own refusals and errors (429, 413, 500, 503
 # queue_full, ...), which say nothing about the version that would have answered.
 UPSTREAM_FAILURES = frozenset({"upstream_error", "adapter_unavailable", "upstream_unavailable"})
 
@@ -155,7 +180,9 @@ def canary_verdict(
             f"ratings undecided ({_evidence(ratings)}); deciding without them after "
             f"{config.feedback_wait_s:.0f} s"
         )
-    drop = mean_drop(ratings)
+    # Fewer than min_feedback pairs are no estimate: with few raters (canary_ratings.rater_share)
+    # pairs stop at one per rater (learner/canary_ratings.py), and one of two would be half.
+    drop = mean_drop(ratings) if ratings.n >= config.min_feedback else None
     if drop is not None and drop > config.max_feedback_drop:
         return "rollback", (
             f"feedback: canary's mean rating {drop:.3f} below active's "
@@ -183,6 +210,29 @@ def read_ratings(client: redis.Redis, alias: str, config: AliasConfig) -> Sequen
         for arm in ARMS
     ]
     return rating_test(arms[0], arms[1], config.canary, config.feedback.max_share)
+
+
+def fair_share(answers: list[RatedAnswer], share: float) -> list[RatedAnswer]:
+    """The most of ``answers`` (oldest first) that can be kept with no client holding more than
+    :func:`client_cap` of them, each client's newest kept; the anonymous client (no API keys)
+    is not capped. Fewer clients than ``1 / share`` keep one answer each."""
+    counts = Counter(a.owner for a in answers)
+
+    def fits(size: int) -> bool:
+        cap = client_cap(share, size)
+        return sum(n if c == ANONYMOUS_CLIENT else min(n, cap) for c, n in counts.items()) >= size
+
+    size = next((n for n in range(len(answers), 0, -1) if fits(n)), 0)
+    cap = client_cap(share, size)
+    taken: Counter[str] = Counter()
+    kept: list[RatedAnswer] = []
+    for answer in reversed(answers):
+        if len(kept) == size:
+            break
+        if answer.owner == ANONYMOUS_CLIENT or taken[answer.owner] < cap:
+            taken[answer.owner] += 1
+            kept.append(answer)
+    return kept[::-1]
 
 
 @dataclass
@@ -289,11 +339,29 @@ class CanaryWatcher:
     def _store(self, tally: _Tally) -> None:
         pipe = self.redis.pipeline(transaction=False)
         for alias, arm, rating in tally.ratings:
-            pipe.rpush(ratings_key(alias, arm), rating.encode())
-            # The test reads at most max_rating_pairs per arm after the per-key cap; keep room
-            # for the ratings the cap leaves out, and no more.
-            kept = RATINGS_KEPT * self._max_rating_pairs(alias)
-            pipe.ltrim(ratings_key(alias, arm), 0, kept - 1)
+            # The test takes at most max_rating_pairs per arm, and at most stored_cap of them
+            # from one client: keep room for the ratings that wait for others', and no more.
+            config = self.settings.aliases.get(alias) or AliasConfig()
+            pairs = config.canary.max_rating_pairs
+            kept = RATINGS_KEPT * pairs
+            # The anonymous client (no API keys) is the only one: not capped.
+            cap = (
+                kept
+                if rating.client == ANONYMOUS_CLIENT
+                else stored_cap(
+                    rater_share(config.feedback.max_share, config.canary.max_feedback_drop), pairs
+                )
+            )
+            pipe.eval(
+                STORE_RATING_SCRIPT,
+                2,
+                ratings_key(alias, arm),
+                raters_key(alias, arm),
+                rating.client,
+                rating.encode(),
+                cap,
+                kept,
+            )
         for alias, fields in tally.increments.items():
             for name, value in fields.items():
                 if name.endswith("_sum"):
@@ -301,10 +369,6 @@ class CanaryWatcher:
                 else:
                     pipe.hincrby(canary_key(alias), name, int(value))
         pipe.execute()
-
-    def _max_rating_pairs(self, alias: str) -> int:
-        config = self.settings.aliases.get(alias)
-        return (config.canary if config else CanaryConfig()).max_rating_pairs
 
     def _arm_of(self, alias: str, version: int, arm: str) -> str | None:
         """The arm to credit, if the exchange belongs to the alias's running canary."""
@@ -358,10 +422,17 @@ class CanaryWatcher:
         # new version look overrated.
         eval_fraction = config.feedback.eval_fraction
         secret = server_secret(self.settings)
-        answers = [
+        rated = [
             a
             for a in newest_ratings(self.redis, alias, GAP_RATINGS)
             if a.version in versions and is_eval_rating(secret, a.prompt_hash, eval_fraction)
+        ]
+        # Its verdict rolls back and pauses learning: no client may hold more than its share
+        # of either arm's answers (at most half max_reward_gap, which it moves by up to twice
+        # that), or one key rating the canary 0 and the active version 1 would open the gap.
+        share = rater_share(config.feedback.max_share, config.feedback.max_reward_gap)
+        answers = [
+            a for v in versions for a in fair_share([a for a in rated if a.version == v], share)
         ]
         predicted = self.predict(alias, answers) if answers else None
         if predicted is None:

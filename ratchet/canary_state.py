@@ -5,7 +5,9 @@
   ``<arm>_requests``, ``<arm>_errors``, ``<arm>_feedback`` and ``<arm>_feedback_sum``, and
   ``ratings``: the ratings' sequential test as of the watcher's last check (JSON, see
   ``SequentialTest.summary``);
-- ``ratchet:canary:<alias>:ratings:<arm>`` (list): the arm's counted ratings, oldest first.
+- ``ratchet:canary:<alias>:ratings:<arm>`` (list): the arm's counted ratings, oldest first;
+- ``ratchet:canary:<alias>:raters:<arm>`` (hash): ratings per client on the arm, stored or not
+  (each client stores at most its share of the test's pairs: learner/canary_ratings.py).
 
 All of it is reset in the transaction that starts a canary.
 """
@@ -33,9 +35,18 @@ def ratings_key(alias: str, arm: str) -> str:
     return f"ratchet:canary:{alias}:ratings:{arm}"
 
 
+def raters_key(alias: str, arm: str) -> str:
+    """Hash of client -> ratings it gave on the arm (how many the list may still take from it)."""
+    return f"ratchet:canary:{alias}:raters:{arm}"
+
+
 def reset_counts(pipe: Any, alias: str, version: int) -> None:
     """Queue the commands that start counting a new canary (into the caller's transaction)."""
-    pipe.delete(canary_key(alias), *(ratings_key(alias, arm) for arm in ARMS))
+    pipe.delete(
+        canary_key(alias),
+        *(ratings_key(alias, arm) for arm in ARMS),
+        *(raters_key(alias, arm) for arm in ARMS),
+    )
     pipe.hset(canary_key(alias), mapping={"version": version, "started": time.time()})
 
 

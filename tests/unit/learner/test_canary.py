@@ -32,7 +32,7 @@ from ratchet.records import (
 )
 from ratchet.registry import RegistryWriter
 from ratchet.rewards.reward_model import RatedAnswer, is_eval_rating
-from ratchet.secrets import server_secret
+from ratchet.secrets import client_source, server_secret
 from ratchet.settings import AliasConfig, CanaryConfig, RatchetSettings
 from ratchet.store import AdapterStore
 
@@ -99,14 +99,17 @@ def test_the_verdict_waits_for_ratings_then_decides_on_their_point_estimate() ->
     # Ratings come after the answers they rate: at min_requests the canary's ratings may still
     # be on their way, and promoting then would ignore them.
     active, canary = ArmStats(100, feedback=2, feedback_sum=2.0), ArmStats(10, feedback=2)
-    early = ratings([1.0, 1.0], [0.0, 0.0])
+    early = ratings([1.0] * 3, [0.0] * 3)
     assert early.decision == "continue"
     verdict, reason = canary_verdict(active, canary, CONFIG, 59.0, early)
-    assert verdict == "wait" and "ratings undecided (2 rating pairs" in reason
+    assert verdict == "wait" and "ratings undecided (3 rating pairs" in reason
     # Past feedback_wait_s the point estimate decides: a drop of 1.0 is beyond 0.2.
     verdict, reason = canary_verdict(active, canary, CONFIG, LATE, early)
     assert verdict == "rollback" and reason.startswith("feedback:")
-    mild = ratings([0.8, 0.8], [0.7, 0.7])
+    # ... of at least min_feedback pairs: two raters' two pairs are no estimate.
+    verdict, _ = canary_verdict(active, canary, CONFIG, LATE, ratings([1.0] * 2, [0.0] * 2))
+    assert verdict == "promote"
+    mild = ratings([0.8] * 3, [0.7] * 3)
     verdict, _ = canary_verdict(active, canary, CONFIG, LATE, mild)
     assert verdict == "promote"
     no_wait = CONFIG.model_copy(update={"feedback_wait_s": 0.0})
@@ -181,6 +184,7 @@ def traffic(
     rid: str | None = None,
     code: str | None = None,
     key: str | None = None,
+    source: str | None = None,
 ) -> Any:
     """A traffic record as the consumer reads it; ``code`` is the proxy's error code."""
     error = None if code is None else {"message": "m", "type": "t", "param": None, "code": code}
@@ -198,12 +202,17 @@ def traffic(
         error=error,
         latency_ms=12.0,
         api_key_hash=key,
+        source=source,
     )
     return SimpleNamespace(topic=TRAFFIC_TOPIC, value=record.to_json())
 
 
-def feedback(completion_id: str, score: float, key: str | None = None) -> Any:
-    record = FeedbackRecord(completion_id=completion_id, score=score, api_key_hash=key)
+def feedback(
+    completion_id: str, score: float, key: str | None = None, source: str | None = None
+) -> Any:
+    record = FeedbackRecord(
+        completion_id=completion_id, score=score, api_key_hash=key, source=source
+    )
     return SimpleNamespace(topic=FEEDBACK_TOPIC, value=record.to_json())
 
 
@@ -365,7 +374,8 @@ def test_a_ratings_drop_rolls_the_canary_back_once_the_test_is_sure(
 def test_one_key_cannot_outvote_the_others_on_the_canary(
     settings: RatchetSettings, lifecycle: Lifecycle
 ) -> None:
-    """A key counts for at most ceil(max_share * max_rating_pairs) ratings per arm."""
+    """A key holds at most its share of the pairs the test has taken (a first flood waits for
+    the others' ratings), and stores at most its share of max_rating_pairs."""
     config = AliasConfig(
         canary=CONFIG.model_copy(update={"max_rating_pairs": 20}), feedback={"max_share": 0.1}
     )
@@ -376,13 +386,42 @@ def test_one_key_cannot_outvote_the_others_on_the_canary(
         [traffic("active", 1, rid=f"a{i}", key=f"k{i}") for i in range(30)]
         + [traffic("canary", 2, rid=f"c{i}", key="mallory") for i in range(30)]
     )
-    # Mallory rates the canary's 30 answers 1.0 and the active arm's users rate 0.5: only
-    # mallory's first 2 ratings count, so the canary cannot be promoted on them.
+    # Mallory rates the canary's 30 answers 1.0 and the active arm's users rate 0.5: one of
+    # mallory's ratings is taken, so the canary cannot be promoted on them.
     watcher.count([feedback(f"c{i}", 1.0, "mallory") for i in range(30)])
     watcher.count([feedback(f"a{i}", 0.5, f"k{i}") for i in range(30)])
     watcher.check()
     assert route_of(lifecycle) == (1, 2)
-    assert watcher.metrics.canary_rating_pairs.labels(ALIAS)._value.get() == 2
+    assert watcher.metrics.canary_rating_pairs.labels(ALIAS)._value.get() == 1
+    # 10% of 20 pairs: mallory's flood takes 2 places in the canary's list, not 30.
+    redis = lifecycle.writer.redis
+    assert redis.llen(f"ratchet:canary:{ALIAS}:ratings:canary") == 2
+
+
+def test_a_one_key_app_whose_users_are_told_apart_decides_its_canary(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    """One API key serving 50 users, its key in proxy.user_vouching_keys: each user is a client
+    (the proxy's source), so their ratings decide the canary. The same ratings under the bare key
+    are one client's, and decide nothing."""
+    secret = server_secret(settings)
+    for vouched, expected in ((False, (1, 2)), (True, (2, None))):
+        if vouched:
+            lifecycle.rollback(ALIAS, "undecided: start it again", canary=2)
+        start_canary(lifecycle)
+        watcher = watcher_for(settings, lifecycle)
+        records, ratings_ = [], []
+        for i in range(100):
+            user = f"user{i % 50}"
+            source = client_source(secret, "app", user if vouched else None)
+            for arm, version in (("active", 1), ("canary", 2)):
+                rid = f"{vouched}-{arm}-{i}"
+                records.append(traffic(arm, version, rid=rid, key="app", source=source))
+                ratings_.append(feedback(rid, 1.0, "app", source))
+        watcher.count(records)
+        watcher.count(ratings_)
+        watcher.check()
+        assert route_of(lifecycle) == expected, vouched
 
 
 def test_records_outside_the_canary_are_not_counted(
@@ -598,3 +637,31 @@ def test_the_reward_gap_ignores_the_prompts_the_reward_model_trained_on(
 
     watcher = CanaryWatcher(settings, lifecycle, LearnerMetrics(), threading.Event(), None, predict)
     assert watcher.reward_gap(ALIAS, route, config) is None
+
+
+def test_one_key_cannot_open_the_reward_gap(redis_url: str, tmp_path: Path) -> None:
+    """The guard's verdict rolls back and pauses learning: mallory, rating the canary's answers
+    0 and the active version's 1 on held-out prompts, holds one answer of each arm among six
+    users' (each client at most half max_reward_gap of an arm), so the gap stays shut."""
+    config = AliasConfig(canary=CONFIG, reward={"kind": "feedback"})
+    settings = RatchetSettings(redis_url=redis_url, home=tmp_path, aliases={ALIAS: config})
+    lifecycle = lifecycle_of(settings)
+    start_canary(lifecycle)
+    secret = server_secret(settings)
+    held_out = (h for h in (f"h{n}" for n in range(10_000)) if is_eval_rating(secret, h, 0.25))
+    raters = [("mallory", {1: 1.0, 2: 0.0})] * 20 + [(f"u{i}", {1: 0.5, 2: 0.5}) for i in range(6)]
+    for i, ((key, scores), digest) in enumerate(zip(raters, held_out, strict=False)):
+        for version in (1, 2):
+            answer = RatedAnswer([], "a", scores[version], key, digest, f"{version}-{i}", version)
+            lifecycle.writer.redis.rpush(ratings_key(ALIAS), json.dumps(asdict(answer)))
+    route = lifecycle.writer.read(ALIAS)
+    assert route is not None
+    seen: list[list[str]] = []
+
+    def predict(alias: str, answers: list[RatedAnswer]) -> list[float]:
+        seen.append([a.owner for a in answers])
+        return [0.5] * len(answers)
+
+    watcher = CanaryWatcher(settings, lifecycle, LearnerMetrics(), threading.Event(), None, predict)
+    assert watcher.reward_gap(ALIAS, route, config) is None
+    assert seen[0].count("mallory") == 2  # one answer of each arm
