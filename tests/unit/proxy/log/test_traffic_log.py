@@ -16,6 +16,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from proxy.log.exchange import REDACTED
 from proxy.log.pipe import WORKER_TOTALS, TrafficLog
 from proxy.log.spool import Spool
 from proxy.log.worker import (
@@ -127,6 +128,23 @@ async def test_exchanges_and_feedback_become_records_with_tokens_reported(tmp_pa
         assert (alias, version, arm) == ("support", "3", "canary")
         by_direction[direction] = by_direction.get(direction, 0) + n
     assert by_direction == {"input": 12, "output": 5}
+
+
+async def test_a_record_past_its_redaction_budget_is_logged_replaced_and_counted(
+    tmp_path: Path,
+) -> None:
+    """Fail closed: the record still goes out, with no text as sent, marked cut (the judge
+    skips a cut request) and counted for the proxy's metric."""
+    log = TrafficLog(dataclasses.replace(config(tmp_path), redact_budget_s=-1.0))  # spent at once
+    await log.start()
+    log.submit_exchange(meta("r1"), orjson.dumps(CHAT), orjson.dumps(ANSWER))
+    await wait_until_async(lambda: log.spooled == 1, 30, "log.spooled == 1")
+    await log.close()
+    assert log.redact_over_budget == 1 and log.dropped == 0
+    [(_, _, record)] = spooled(tmp_path)
+    assert b"4111" not in orjson.dumps(record) and b"ok" not in orjson.dumps(record["choices"])
+    assert record["request"] == {REDACTED: [{REDACTED: REDACTED}]}  # keys replaced too
+    assert record["truncated"] == ["request", "answer"]
 
 
 async def test_a_killed_worker_is_replaced_and_its_loss_counted(tmp_path: Path) -> None:
