@@ -18,7 +18,9 @@ What a client controls does not steer the split: the traffic record's id is the 
 the client's ``x-request-id``), and which prompts are held out for the gate is a keyed hash under
 the server secret, so a client cannot craft prompts that land there more often than
 ``learning.heldout_fraction``. Groups and held-out prompts carry the client's key hash, which the
-learner uses to cap any one key's share (``learning.max_key_share``).
+learner uses to cap any one key's share (``learning.max_key_share``). Sampling is fair across
+clients (a record's ``client``): a batch asks for groups least-served client first
+(:func:`fair_order`), and backpressure counts only the groups a round could use.
 """
 
 from __future__ import annotations
@@ -215,17 +217,18 @@ class JudgeService(JudgeKafka):
     async def group_for(self, session: aiohttp.ClientSession, work: ToSample) -> Record | None:
         """The record's scored group (a dead letter if this code fails on it), or None: skipped
         (backpressure, a paused alias) or dropped (sampling or scoring failed), counted."""
-        alias = work.record.alias
+        alias, client = work.record.alias, work.record.client
         async with self.limit:
             try:
-                decision = await self.backpressure.clear(alias)
+                share = work.config.learning.max_key_share
+                decision = await self.backpressure.clear(alias, client, share)
                 if not decision.sample:
                     raise Skip(decision.reason)  # not marked seen: sampled when it comes again
                 self.metrics.in_flight.inc()
                 try:
                     return await self._sample_and_score(session, work)
                 except BaseException:
-                    self.backpressure.release(alias)
+                    self.backpressure.release(alias, client)
                     raise
                 finally:
                     self.metrics.in_flight.dec()
@@ -444,7 +447,7 @@ class JudgeService(JudgeKafka):
         if not await self._deliver([r.record for r in ready]):
             return False
         await self._mark_seen([r.seen for r in ready if r.seen is not None])
-        work = [t for t in triaged if isinstance(t, ToSample)]
+        work = fair_order([t for t in triaged if isinstance(t, ToSample)], self.backpressure)
         results = await asyncio.gather(*(self.group_for(session, w) for w in work))
         outputs = [r for r in results if r is not None]
         if not await self._deliver(outputs):
@@ -469,6 +472,24 @@ class JudgeService(JudgeKafka):
             return False
         await self._mark_done(outputs)
         return True
+
+
+def fair_order(work: list[ToSample], backpressure: Backpressure) -> list[ToSample]:
+    """The batch's records in the order they ask for a group (first come, first cleared): each
+    client's first record before any client's second, and clients with fewer groups among the
+    alias's last ones first. When the learner needs only some groups, a flooding client's
+    records then queue behind everyone else's instead of taking the budget in arrival order
+    (audit M-1)."""
+    served: dict[str, Counter[str]] = {}
+    turns: Counter[tuple[str, str]] = Counter()
+    keys: list[tuple[int, int]] = []
+    for at, item in enumerate(work):
+        alias, client = item.record.alias, item.record.client
+        if alias not in served:
+            served[alias] = backpressure.served(alias)
+        keys.append((served[alias][client] + turns[alias, client], at))
+        turns[alias, client] += 1
+    return [work[at] for _, at in sorted(keys)]
 
 
 def reward_models(settings: RatchetSettings) -> RewardModels | None:

@@ -13,11 +13,20 @@ learner adds the groups it has read (whatever became of them) to the progress ha
 field. Pending groups = produced - read (still in Kafka) + the learner's ``waiting`` ones. A
 learner that re-reads uncommitted groups after a restart counts them twice, so the judge then
 samples a little more than the bound, never less than needed.
+
+Only usable groups count against the bound: a round takes at most ``learning.max_key_share`` of
+its groups from one client (learner/fair.py), so a flooding client's groups past that share wait
+in vain. Counted, they filled the bound, the judge stopped sampling, and the other clients'
+records were skipped while the learner waited for their groups (audit M-1). The judge knows the
+clients of the groups it cleared and passes how many of the pending ones are past their client's
+share (:func:`unusable_groups`); past the bound, only a client under its share is sampled.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
@@ -136,25 +145,52 @@ class SamplingDecision:
     pending: int  # groups produced and not yet trained on, as far as Redis knows
 
 
+def pending_groups(progress: LearnerProgress | None, produced: int) -> int:
+    """Groups produced and not yet trained on: unread in Kafka, plus waiting in the learner."""
+    if progress is None:
+        return 0
+    return max(0, produced - progress.read) + progress.waiting
+
+
+def client_cap(size: int, share: float, clients: int) -> int:
+    """How many of ``size`` groups one client's may be while ``clients`` clients have some:
+    ``share`` of them, or an even split among fewer clients (learner/fair.py's rule for a
+    round, which a service cannot import)."""
+    effective = max(share, 1.0 / clients) if clients else share
+    return math.floor(effective * size + 1e-9)
+
+
+def unusable_groups(counts: Mapping[str, int], size: int, share: float) -> int:
+    """Of pending groups counted per client, those past their client's cap of ``size``. Every
+    client in ``counts`` shares the rounds, one with 0 groups (the one asking for its first)
+    too: a client alone may fill every round, not once another's group is on the way."""
+    cap = client_cap(size, share, len(counts))
+    return sum(max(0, count - cap) for count in counts.values())
+
+
 def sampling_decision(
     progress: LearnerProgress | None,
     produced: int,
     max_pending: int,
     pause_while_training: bool,
+    unusable: int = 0,
 ) -> SamplingDecision:
     """Whether a judge should sample a group for the alias now.
 
     ``produced``: the alias's groups_produced counter; ``max_pending``: the bound on groups
-    produced and not yet trained on (0: no bound). Without a live learner's progress there is
-    nothing to go by, so the judge samples (the groups wait in Kafka for the learner)."""
+    produced and not yet trained on (0: no bound); ``unusable``: how many of those no round can
+    take (past their client's share), which do not count against the bound. Without a live
+    learner's progress there is nothing to go by, so the judge samples (the groups wait in Kafka
+    for the learner)."""
     if progress is None:
         return SamplingDecision(True, "", 0)
-    pending = max(0, produced - progress.read) + progress.waiting
+    pending = pending_groups(progress, produced)
+    usable = max(0, pending - unusable)
     if pause_while_training and progress.busy:
         return SamplingDecision(False, "learner_training", pending)
-    if max_pending and pending >= max_pending:
+    if max_pending and usable >= max_pending:
         return SamplingDecision(False, "backpressure", pending)
-    if progress.phase == "waiting_heldout" and pending >= progress.batch_groups > 0:
+    if progress.phase == "waiting_heldout" and usable >= progress.batch_groups > 0:
         # A round's groups are in and it waits for held-out prompts, which only traffic brings:
         # more groups would not start it sooner, and would take vLLM from that traffic.
         return SamplingDecision(False, "backpressure", pending)

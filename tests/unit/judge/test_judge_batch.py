@@ -49,12 +49,15 @@ def prompts(service: JudgeService, heldout: bool, count: int) -> list[list[dict[
     raise AssertionError("not enough prompts")
 
 
-def message(request_id: str, messages: list[dict[str, str]], output_tokens: int = 20) -> Any:
+def message(
+    request_id: str, messages: list[dict[str, str]], output_tokens: int = 20, client: str = "k"
+) -> Any:
     record = build_traffic_record(
         request_id=request_id,
         request={"messages": messages},
         input_tokens=10,
         output_tokens=output_tokens,
+        api_key_hash=client,
     )
     return SimpleNamespace(topic=TRAFFIC_TOPIC, partition=0, offset=1, value=record.to_json())
 
@@ -249,14 +252,16 @@ def test_backpressure_caches_a_yes_for_a_second_rereads_a_no_and_counts_its_own_
         )
         seen = []
         for _ in range(3):  # 1 waiting + 2 cleared here = 3: the third is refused
-            decision = await gate.clear(ALIAS)
+            decision = await gate.clear(ALIAS, "k", 1.0)
             seen.append((decision.sample, decision.pending))
         client.delete(progress_key(ALIAS))  # the learner's hash expired: a "no" is read
-        seen.append(((await gate.clear(ALIAS)).sample, -1))  # afresh, so it samples at once
+        seen.append(
+            ((await gate.clear(ALIAS, "k", 1.0)).sample, -1)
+        )  # afresh, so it samples at once
         publish(client, LearnerProgress(alias=ALIAS, waiting=100))  # a "yes" is cached...
-        seen.append(((await gate.clear(ALIAS)).sample, -1))
+        seen.append(((await gate.clear(ALIAS, "k", 1.0)).sample, -1))
         now[0] += 1.5
-        seen.append(((await gate.clear(ALIAS)).sample, -1))  # ...for a second
+        seen.append(((await gate.clear(ALIAS, "k", 1.0)).sample, -1))  # ...for a second
         await async_client.aclose()
         return seen
 
@@ -280,8 +285,66 @@ def test_without_redis_the_judge_samples() -> None:
             f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=1
         )
         gate = Backpressure(client, max_pending=1, pause_while_training=True)
-        sample = (await gate.clear(ALIAS)).sample
+        sample = (await gate.clear(ALIAS, "k", 1.0)).sample
         await client.aclose()
         return sample
 
     assert asyncio.run(go())
+
+
+# ---- fair across clients ------------------------------------------------------------------------
+def sampled_ids(kafka: FakeKafka) -> list[str]:
+    return [
+        r.traffic_request_id for out in kafka.produced for r in out if isinstance(r, ScoredGroup)
+    ]
+
+
+def test_a_flooding_client_neither_fills_the_bound_nor_crowds_out_the_others(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bound is 8 groups (2 rounds of 4). One client's 8 filled it, and every other
+    client's record after that was skipped while the learner waited for them: a round takes at
+    most half its groups from one of two clients, so it could never start (audit M-1)."""
+    service = service_for(redis_url)  # learning.max_key_share 0.25: an even split of 2 or 3
+    kafka = FakeKafka(service, monkeypatch)
+    publish_progress(redis_url, waiting=0, read=0, batch_groups=4)
+    train = prompts(service, False, 15)
+
+    async def sampler(session: Any, work: ToSample) -> ScoredGroup:
+        return group_of(work)
+
+    monkeypatch.setattr(service, "_sample_and_score", sampler)
+    flood = [message(f"f{i}", p, client="flood") for i, p in enumerate(train[:8])]
+    later = [message(f"f{8 + i}", p, client="flood") for i, p in enumerate(train[8:13])]
+    others = [message("a0", train[13], client="a"), message("b0", train[14], client="b")]
+
+    async def go() -> None:
+        try:
+            assert await service.judge_batch(None, flood)  # type: ignore[arg-type]
+            assert await service.judge_batch(None, later + others)  # type: ignore[arg-type]
+        finally:
+            await service.redis.aclose()
+
+    asyncio.run(go())
+    assert sampled_ids(kafka) == [f"f{i}" for i in range(8)] + ["a0", "b0"]
+    assert skipped(service, "client_share") == 5.0
+    assert skipped(service, "backpressure") == 0.0
+
+
+def test_a_batch_asks_least_served_client_first(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Room for 2 groups; the flooding client's 6 records came first. Each client's first
+    record is cleared before any client's second, in arrival order among equals."""
+    service = service_for(redis_url)
+    kafka = FakeKafka(service, monkeypatch)
+    publish_progress(redis_url, waiting=6, read=0, batch_groups=4)  # 6 of the 8 pending
+    train = prompts(service, False, 7)
+
+    async def sampler(session: Any, work: ToSample) -> ScoredGroup:
+        return group_of(work)
+
+    batch = [message(f"f{i}", p, client="flood") for i, p in enumerate(train[:6])]
+    batch.append(message("a0", train[6], client="a"))
+    assert run_batch(service, batch, sampler, monkeypatch)
+    assert sampled_ids(kafka) == ["f0", "a0"]

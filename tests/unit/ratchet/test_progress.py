@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ratchet.progress import LearnerProgress, sampling_decision
+from ratchet.progress import LearnerProgress, client_cap, sampling_decision, unusable_groups
 
 
 def progress(**fields: object) -> LearnerProgress:
@@ -50,3 +50,24 @@ def test_a_round_waiting_only_for_heldout_prompts_needs_no_more_groups() -> None
     assert not decision.sample and decision.reason == "backpressure"
     short = progress(phase="waiting_heldout", waiting=20, read=20, batch_groups=32)
     assert sampling_decision(short, 20, 64, False).sample  # still short of a round's groups
+
+
+def test_a_clients_groups_past_its_share_are_unusable() -> None:
+    # Share 0.25 of 64 is 16 per client, or an even split among fewer than 4 clients.
+    assert client_cap(64, 0.25, 1) == 64 and client_cap(64, 0.25, 2) == 32
+    assert client_cap(64, 0.25, 8) == 16
+    assert unusable_groups({"flood": 64}, 64, 0.25) == 0  # alone, it may fill every round
+    assert unusable_groups({"flood": 64, "new": 0}, 64, 0.25) == 32  # not once another asks
+    assert unusable_groups({"flood": 62, "a": 2}, 64, 0.25) == 30
+    assert unusable_groups({"flood": 60, "a": 1, "b": 1, "c": 1, "d": 1}, 64, 0.25) == 44
+    assert unusable_groups({}, 64, 0.25) == 0
+
+
+def test_unusable_groups_do_not_count_against_the_bound() -> None:
+    """One flooding client's groups filled the bound and stopped sampling for everyone."""
+    learner = progress(waiting=64, read=0, batch_groups=32)
+    assert not sampling_decision(learner, 0, 64, False).sample
+    decision = sampling_decision(learner, 0, 64, False, unusable=30)
+    assert decision.sample and decision.pending == 64
+    starved = progress(phase="waiting_heldout", waiting=32, read=32, batch_groups=32)
+    assert sampling_decision(starved, 32, 64, False, unusable=10).sample
