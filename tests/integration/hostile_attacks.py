@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import orjson
+import redis
 import yaml
 
 from ratchet.dev.processes import Stack
@@ -41,7 +42,7 @@ from tests.integration.hostile_http import (
 )
 
 ONE, TWO, ADMIN = "sk-hostile-one", "sk-hostile-two", "sk-hostile-admin"
-RL_A, RL_B, RL_C, RL_NORMAL = "sk-rl-a", "sk-rl-b", "sk-rl-c", "sk-rl-normal"
+RL_A, RL_B, RL_C, RL_D, RL_NORMAL = "sk-rl-a", "sk-rl-b", "sk-rl-c", "sk-rl-d", "sk-rl-normal"
 TIMEOUT_S = 2.0  # the keyed proxy's header, body and keep-alive timeouts
 MAX_CONCURRENCY = 16
 KEYED = {
@@ -60,7 +61,12 @@ KEYED = {
     # The session's proxy shows arms to the tests; a public one must not.
     "expose_arm": False,
 }
-LIMITED = {"api_keys": [RL_A, RL_B, RL_C, RL_NORMAL], "rate_limit": {"requests_per_minute": 2}}
+LIMITED = {
+    "api_keys": [RL_A, RL_B, RL_C, RL_D, RL_NORMAL],
+    # A day budget of one token a second: what a key spent reads off its bucket's TTL. Redis is
+    # given a second to answer: budgets fail closed, and the test machine is loaded.
+    "rate_limit": {"requests_per_minute": 2, "tokens_per_day": 86_400, "timeout_s": 1.0},
+}
 ARM_HEADERS = ("x-ratchet-canary-arm", "x-ratchet-version", "x-ratchet-served-name")
 FEEDBACK = "/v1/feedback"
 GET_HEALTHZ = head("GET", "/healthz")
@@ -323,6 +329,37 @@ def over_the_limit(env: Env, proxy: Proxy) -> Exchange:
     for _ in range(2):
         generated(proxy, RL_A)
     return chat(RL_A)(env, proxy)
+
+
+def stream_left_is_charged(env: Env, proxy: Proxy) -> Exchange:
+    """RL_D leaves a long stream after a few tokens, before any usage event: its day budget is
+    charged its prompt (estimated, a token per 4 bytes of body) and the tokens streamed, not
+    nothing, nor all it reserved. Then it is still served."""
+    max_tokens = 256
+    body = orjson.dumps(chat_body(max_tokens=max_tokens, stream=True, ignore_eos=True))
+    prompt = len(body) // 4 + 1
+    server = redis.Redis.from_url(env.embedded.settings.redis_url)
+    pattern = "ratchet:ratelimit:*:tokens_per_day"
+    others = set(server.keys(pattern))
+    headers = {"Content-Type": "application/json", **auth_headers(proxy, RL_D)}
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=60) as sock:
+        sock.sendall(request_bytes("POST", CHAT, body, headers))
+        received = b""
+        while received.count(b'"finish_reason"') < 4:  # the role, then three tokens
+            data = sock.recv(65536)
+            assert data, received[-300:]
+            received += data
+    assert b'"usage":{' not in received
+    deadline = time.monotonic() + 30
+    while True:  # until the stream is settled: less than the reservation left charged
+        keys = set(server.keys(pattern)) - others
+        spent = server.pttl(keys.pop()) / 1000 if keys else 0.0
+        if 0 < spent < prompt + max_tokens / 2:
+            break
+        assert time.monotonic() < deadline, f"never settled: {spent} s"
+        time.sleep(0.1)
+    assert spent >= prompt + 3 - 10, (spent, prompt)  # 10 s of refill at most since
+    return generated(proxy, RL_D)
 
 
 def bad_requests_count(env: Env, proxy: Proxy) -> Exchange:

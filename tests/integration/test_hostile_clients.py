@@ -1,10 +1,11 @@
 """Hostile clients against the real proxy in front of the real vLLM, one table row per attack.
 
 Proxies (hostile_attacks.py): the session's (``open``: no keys, default limits), ``keyed`` (client
-and admin keys, small limits, 2 s timeouts) and ``limited`` (2 requests a minute per key). Each
-row goes over a raw socket (hostile_http.py); every answer must have the expected status, be the
-OpenAI envelope when an error, and hold no traceback or code path; then the proxy must still
-answer /healthz (a normal request too after every tenth row) and have logged no traceback.
+and admin keys, small limits, 2 s timeouts) and ``limited`` (2 requests a minute per key and a
+day budget of a token a second). Each row goes over a raw socket (hostile_http.py); every answer
+must have the expected status, be the OpenAI envelope when an error, and hold no traceback or
+code path; then the proxy must still answer /healthz (a normal request too after every tenth
+row) and have logged no traceback.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from tests.integration.hostile_attacks import (
     reused_request_id,
     short_message,
     statuses,
+    stream_left_is_charged,
     wrong,
 )
 from tests.integration.hostile_http import (
@@ -398,6 +400,7 @@ RATE = [
     Case("rate-other-key-served", L, chat(RL_B), 200, check=choices(1)),
     Case("rate-bad-requests-count", L, bad_requests_count, 429, RATE_LIMITED),
     Case("rate-no-key-is-401", L, chat(None), 401, NO_KEY),
+    Case("rate-stream-left-charged-its-tokens", L, stream_left_is_charged, 200),
 ]
 
 CASES = [*AUTH, *HTTP, *WEB_PAGES, *BODIES, *BOUNDS, *PATHS, *SIGNAL, *RATE]
