@@ -507,7 +507,12 @@ def test_a_one_key_app_with_fifty_users_trains_a_reward_model(
             )
             assert join.served(record) == ["stored"]
             assert join.on_feedback(rating(cid, score, key=app or "")) == "joined"
+    # Two other apps, a few ratings each: counted by key, the app would be one of three clients
+    # and kept to a third of each set.
+    for other in ("other-a", "other-b"):
+        for i in range(4):
+            rate(join, f"{other}-{i}", float(i % 2), other, f"{other} {i}?", polite(other))
     status = trainer.train(ALIAS)
     assert status.usable and status.auc is not None and status.auc > 0.9, status
-    assert status.trained_ratings + status.eval_ratings == 100  # no user passed over
+    assert status.trained_ratings + status.eval_ratings == 108  # no user passed over
     assert store.meta(reward_store_name(ALIAS), 1)["trained_on"]["keys"] > 30
