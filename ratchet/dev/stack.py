@@ -71,8 +71,11 @@ def redis_part(redis_url: str, data_dir: Path) -> Part:
         "no",
         "--dir",
         str(data_dir),
+        # Redis answers only loopback clients while it has no password: bound (by a setting)
+        # to an address others reach, it still serves nobody but this machine. Whoever writes
+        # Redis controls routing (audit M-7).
         "--protected-mode",
-        "no",
+        "yes",
     ]
     return Part(
         name="redis",

@@ -231,3 +231,27 @@ def test_infrastructure_is_asked_to_stop_once_the_parts_that_use_it_have_exited(
     took_s = time.monotonic() - started
     assert broker_saw.read_text() == "True", "the broker stopped before the service had flushed"
     assert took_s < 5, f"a graceful stop took {took_s:.1f}s: something waited for the deadline"
+
+
+def test_embedded_redis_serves_this_machine_in_protected_mode(tmp_path: Path) -> None:
+    """Started as `ratchet up` starts it: loopback clients are served, and protected mode (no
+    password: nobody but this machine) is on."""
+    import subprocess
+
+    import redis
+
+    from ratchet.dev.processes import free_port
+    from ratchet.dev.stack import redis_part
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    part = redis_part(url, tmp_path)
+    server = subprocess.Popen(part.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(part.is_ready, 15, "the embedded redis to listen")
+        client = redis.Redis.from_url(url)
+        assert client.ping()
+        assert client.config_get("protected-mode") == {"protected-mode": "yes"}
+        client.close()
+    finally:
+        server.terminate()
+        server.wait(10)
