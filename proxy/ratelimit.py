@@ -443,7 +443,7 @@ class RateLimiter:
                 self._takes[bucket] = self._takes.get(bucket, 0) + takes
 
     def _charge_lost(self, added: list[float] | None) -> None:
-        if added and any(added[i] for i in self._token_indexes):
+        if added and any(added):  # takes or settlements Redis may not have applied
             self._unavailable["charge"].inc()
 
     def _failed(self, call: str, exc: BaseException, count: int = 1) -> None:

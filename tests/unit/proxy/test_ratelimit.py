@@ -339,7 +339,7 @@ async def test_a_stalled_redis_does_not_open_the_limits_nor_drop_the_connection(
     budget = replica(tokens_per_minute=100, timeout_s=0.05)
     await limiter.admit(KEY_A)  # connected
     await budget.admit(KEY_A)
-    connections = server.info("clients")["connected_clients"]
+    connections = [r._redis._connection for r in (limiter, budget)]
     server.execute_command("CLIENT", "PAUSE", 2000, "WRITE")  # scripts that write wait
     try:
         await limiter.admit(KEY_B)  # late: checked here, from a full bucket
@@ -348,7 +348,8 @@ async def test_a_stalled_redis_does_not_open_the_limits_nor_drop_the_connection(
     finally:
         server.execute_command("CLIENT", "UNPAUSE")
     # One late reply drops nothing: the same connections, asked again at once (no back-off).
-    assert server.info("clients")["connected_clients"] == connections
+    assert [r._redis._connection for r in (limiter, budget)] == connections
+    assert not any(connection is None or connection.closed for connection in connections)
     await limiter.drain()
     await budget.admit(KEY_C, reserve=10)
     assert server.pttl(f"{KEY_PREFIX}{KEY_C}:tokens_per_minute") > 0
