@@ -236,9 +236,9 @@ class LocalBuckets:
             for index, value in enumerate(ms):
                 full_at[index] = max(now_ms, max(full_at[index], now_ms) + value)
 
-    def forget(self) -> None:
-        """Redis answers again: its buckets are the truth from here on."""
-        self._full_at.clear()
+    def forget(self, bucket: str) -> None:
+        """Redis answered for this bucket: its word is the truth from here on."""
+        self._full_at.pop(bucket, None)
 
     def _bucket(self, bucket: str, now_ms: float, seed: tuple[list[float], float]) -> list[float]:
         full_at = self._full_at.get(bucket)

@@ -73,6 +73,8 @@ SEND_AFTER_S = 0.05
 FRESH_S = 1.0
 FAST_FILL = 0.5
 _ERRORS = (RedisReplyError, OSError, TimeoutError)  # ConnectionError is an OSError
+# Failures after which Redis surely did not apply a command: an error reply, or no connection.
+_NOT_APPLIED = (RedisReplyError, ConnectionRefusedError)
 
 
 @dataclass(slots=True)
@@ -191,7 +193,7 @@ class RateLimiter:
         try:
             waiter = self._redis.send(self._admit_command(bucket, units, added))
         except ConnectionError as exc:  # too many commands waiting: none of it was sent
-            self._failed("admit", exc)
+            self._failed("admit", exc, count=0)
             self._later(bucket, added, takes)
             self._check_here(bucket, take_ms, now, redis_missed=True)
             return None
@@ -204,7 +206,7 @@ class RateLimiter:
             answer = await self._answer(admission)
         except _ERRORS as exc:
             self._confirm(admission.bucket, admission.takes)
-            refused = isinstance(exc, RedisReplyError)  # an error reply: nothing was applied
+            refused = isinstance(exc, _NOT_APPLIED)
             if refused:
                 self._later(admission.bucket, admission.added, 0)
             else:
@@ -275,9 +277,9 @@ class RateLimiter:
         if empty >= 0:
             self._refused[bucket] = (asked_at + wait / 1000, empty)
         self._views[bucket] = View(fills, asked_at, unconfirmed)
+        self._local.forget(bucket)  # Redis's word is newer than what this replica counted
         if self._down:
             self._down = False
-            self._local.forget()
             log.warning("rate limits checked in Redis again: Redis answers")
 
     def _confirm(self, bucket: str, takes: int) -> None:
@@ -422,7 +424,7 @@ class RateLimiter:
         error reply, a refused connection) wait to be sent again; the others, perhaps applied,
         are counted and no longer waited for."""
         self._failed("admit", exc, count=0)
-        if isinstance(exc, (RedisReplyError, ConnectionRefusedError)):
+        if isinstance(exc, _NOT_APPLIED):
             self._put_back(added, takes)
             return
         for bucket, count in takes.items():
