@@ -17,10 +17,12 @@ import httpx
 import orjson
 import redis
 import yaml
+from kafka.structs import TopicPartition
 
+from ratchet.bus import make_consumer
 from ratchet.dev.processes import Stack
 from ratchet.dev.stack import proxy_part
-from ratchet.records import TRAFFIC_TOPIC, TrafficRecord
+from ratchet.records import TRAFFIC_TOPIC, TrafficRecord, decode
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import load_settings
 from tests.integration.conftest import Embedded, write_config
@@ -391,6 +393,40 @@ def wait_healthy(proxy: Proxy, timeout_s: float = 5.0) -> None:
     while exchange(proxy.port, [GET_HEALTHZ]).first.status != 200:
         assert time.monotonic() < deadline, f"the {proxy.name} proxy is not healthy"
         time.sleep(0.05)
+
+
+def then_logged_within(attack: Send, within_s: float = 2.0) -> Send:
+    """``attack``, then a normal exchange whose traffic record must reach Kafka within
+    ``within_s`` of its answer: what the attack gave the log worker to redact did not stall it
+    (audit C-1: one long token froze it, and all traffic logging, for hours)."""
+
+    def send(env: Env, proxy: Proxy) -> Exchange:
+        result = attack(env, proxy)
+        settings = env.embedded.settings
+        consumer = make_consumer(settings.kafka_bootstrap_servers, settings.kafka, [], None)
+        try:
+            partitions = consumer.partitions_for_topic(TRAFFIC_TOPIC) or set()
+            tps = [TopicPartition(TRAFFIC_TOPIC, p) for p in partitions]
+            consumer.assign(tps)
+            consumer.seek_to_end(*tps)
+            for tp in tps:
+                consumer.position(tp)  # resolve the end now: only what comes after counts
+            client_id = f"after-{uuid.uuid4().hex}"
+            generated(proxy, proxy.key, {"x-request-id": client_id})
+            deadline = time.monotonic() + within_s
+            while time.monotonic() < deadline:
+                for messages in consumer.poll(timeout_ms=100).values():
+                    for message in messages:
+                        record = decode(message.topic, message.value)
+                        if isinstance(record, TrafficRecord) and (
+                            record.client_request_id == client_id
+                        ):
+                            return result
+            raise AssertionError(f"the next exchange was not logged within {within_s}s")
+        finally:
+            consumer.close()
+
+    return send
 
 
 # ---- after all cases ----------------------------------------------------------------------------

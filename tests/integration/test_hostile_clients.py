@@ -48,6 +48,7 @@ from tests.integration.hostile_attacks import (
     short_message,
     statuses,
     stream_left_is_charged,
+    then_logged_within,
     wrong,
 )
 from tests.integration.hostile_http import (
@@ -403,7 +404,20 @@ RATE = [
     Case("rate-stream-left-charged-its-tokens", L, stream_left_is_charged, 200),
 ]
 
-CASES = [*AUTH, *HTTP, *WEB_PAGES, *BODIES, *BOUNDS, *PATHS, *SIGNAL, *RATE]
+# What costs the log worker most to redact, on the open proxy (4 MiB bodies; the session's e-mail
+# pattern): after each, a normal exchange is logged within 2 s. With Python's re the first froze
+# the worker for about 15 hours (audit C-1). vLLM refuses both prompts as too long; a refused
+# exchange is logged too.
+LETTERS = "a" * (4 * 1024 * 1024 - 256)
+WORDS = [{"type": "text", "text": f"w{i}"} for i in range(10_000)]
+LOGGING = [
+    Case("log-4mib-run-of-letters", N, then_logged_within(
+        chat(messages=[{"role": "user", "content": LETTERS}])), 400),
+    Case("log-10000-short-strings", N, then_logged_within(
+        chat(messages=[{"role": "user", "content": WORDS}])), 400),
+]
+
+CASES = [*AUTH, *HTTP, *WEB_PAGES, *BODIES, *BOUNDS, *PATHS, *SIGNAL, *RATE, *LOGGING]
 # fmt: on
 
 
