@@ -6,10 +6,13 @@ Who may call what (keys are checked only when proxy.api_keys or proxy.admin_key 
 admin key is accepted wherever a client key is):
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models[/{alias}]``: a
-  client key.
+  client key. A model card names the canary's version and weight only to the admin key (or
+  with ``proxy.expose_arm``): a client that knew a canary was running could tell the arms
+  apart and rate only one.
 - ``POST /v1/feedback``, the one state a client changes (a rating of its own completion): the
   key that got the completion.
-- ``GET /metrics``: nothing, or the admin key when ``proxy.metrics_auth`` is on.
+- ``GET /metrics``: the admin key when ``proxy.metrics_auth`` is on, which it is by default
+  unless the proxy listens on loopback only (it counts requests per version and canary arm).
 - ``GET /healthz``, ``GET /readyz`` (probes): nothing.
 
 Anything else that changes state (routing, promotion, adapters) is not a route of the proxy;
@@ -55,6 +58,14 @@ def create_app(settings: RatchetSettings) -> FastAPI:
                 "set proxy.api_keys or RATCHET_PROXY__API_KEYS to require keys",
                 settings.proxy.host,
             )
+        if settings.proxy.metrics_need_admin_key and settings.proxy.admin_key is None:
+            log.warning(
+                "/metrics is refused to everyone: proxy.host %s is not loopback and "
+                "proxy.admin_key is not set; set proxy.admin_key (Prometheus sends it as a "
+                "bearer token), or proxy.metrics_auth: false to serve it to anyone who reaches "
+                "the port",
+                settings.proxy.host,
+            )
         yield
         await state.upstream.close()
         await state.routing.close()
@@ -97,22 +108,30 @@ def _add_generation_routes(app: FastAPI, state: ProxyState) -> None:
 def _add_model_routes(app: FastAPI, state: ProxyState) -> None:
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        state.authenticate(request)
+        detail = _shows_canary(state, request)
         routes = sorted(state.routing.routes.values(), key=lambda r: r.alias)
-        body = {"object": "list", "data": [_model_card(route) for route in routes]}
+        body = {"object": "list", "data": [_model_card(route, detail) for route in routes]}
         return Response(orjson.dumps(body), media_type="application/json")
 
     @app.get("/v1/models/{alias}")
     async def get_model(alias: str, request: Request) -> Response:
-        state.authenticate(request)
+        detail = _shows_canary(state, request)
         route = state.routing.routes.get(alias)
         if route is None:
             raise unknown_alias(alias)
-        return Response(orjson.dumps(_model_card(route)), media_type="application/json")
+        return Response(orjson.dumps(_model_card(route, detail)), media_type="application/json")
 
 
-def _model_card(route: AliasRoute) -> dict[str, Any]:
-    return {
+def _shows_canary(state: ProxyState, request: Request) -> bool:
+    """Authenticates the caller; whether its model cards may name the canary."""
+    key_hash = state.authenticate(request)
+    admin = state.admin_key_hash is not None and key_hash == state.admin_key_hash
+    return admin or state.settings.proxy.expose_arm
+
+
+def _model_card(route: AliasRoute, canary: bool) -> dict[str, Any]:
+    """The alias as an OpenAI model; with ``canary``, also its canary's version and weight."""
+    card: dict[str, Any] = {
         "id": route.alias,
         "object": "model",
         "created": 0,
@@ -120,11 +139,12 @@ def _model_card(route: AliasRoute) -> dict[str, Any]:
         "ratchet": {
             "active_version": route.active,
             "served_name": served_name(route.alias, route.active, route.base_model),
-            "canary_version": route.canary,
-            "canary_weight": route.canary_weight,
             "base_model": route.base_model,
         },
     }
+    if canary:
+        card["ratchet"] |= {"canary_version": route.canary, "canary_weight": route.canary_weight}
+    return card
 
 
 def _add_feedback_route(app: FastAPI, state: ProxyState) -> None:
@@ -161,7 +181,7 @@ def _add_health_routes(app: FastAPI, state: ProxyState) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        if state.settings.proxy.metrics_auth:
+        if state.settings.proxy.metrics_need_admin_key:
             state.require_admin(request)
         state.metrics.upstream_up.set(1 if state.upstream.ready else 0)
         state.metrics.registry_up.set(1 if state.routing.connected else 0)

@@ -388,8 +388,9 @@ class ProxySettings(_Section):
     expose_arm: bool = False
     # Per-key request rates and token budgets, shared by all replicas (proxy/ratelimit.py).
     rate_limit: RateLimitSettings = RateLimitSettings()
-    # /metrics names aliases, versions and traffic volumes: on, it needs the admin key.
-    metrics_auth: bool = False
+    # /metrics names aliases, versions, canary arms and traffic volumes: on, it needs the admin
+    # key. Unset: on unless host is loopback (off loopback without an admin key, nobody reads it).
+    metrics_auth: bool | None = None
     # Limits on one request, each refused with a 4xx that names it (proxy/validation.py).
     # Nesting of the JSON body; deeper would cost recursion everywhere the body is walked, and
     # orjson writes at most 254 levels.
@@ -462,6 +463,12 @@ class ProxySettings(_Section):
                     "only vouch for its users if it is a client key: add it to api_keys too"
                 )
         return self
+
+    @property
+    def metrics_need_admin_key(self) -> bool:
+        """Whether /metrics asks for the admin key: metrics_auth, else whether the proxy is
+        reachable from beyond this machine."""
+        return self.metrics_auth if self.metrics_auth is not None else not _is_loopback(self.host)
 
     @model_validator(mode="after")
     def _metrics_auth_needs_admin_key(self) -> ProxySettings:

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from ratchet.cli.app import ConfigOption, app, console, settings_or_exit
+from ratchet.settings import RatchetSettings
 
 if TYPE_CHECKING:  # imported when the command runs: the CLI starts without them
     import httpx
@@ -32,7 +33,8 @@ def demo(
 
     Prints the demo verifier's mean score per version that answered, so a promotion shows up as
     a new row with a higher score. Each score also goes back as user feedback, which is what a
-    canary is judged by.
+    canary is judged by. While a canary runs the proxy does not tell clients which version
+    answered (proxy.expose_arm): the demo reads it from the proxy's traffic records.
     """
     settings = settings_or_exit(config)
     if alias not in settings.aliases:
@@ -44,7 +46,13 @@ def demo(
     work = [prompts[i % len(prompts)] for i in range(count)] * rounds
     base_url = f"http://{settings.proxy.host}:{settings.proxy.port}/v1"
     replay = DemoReplay(alias, base_url, api_key, concurrency, feedback)
-    replay.run(work)
+    tail = TrafficTail(settings)  # before the first request: its records come after this
+    try:
+        replay.run(work)
+        if replay.concealed:
+            replay.resolve(tail.served_names(set(replay.concealed), CONCEALED_WAIT_S))
+    finally:
+        tail.close()
     table = Table(title=f"{alias}: demo verifier score by version that answered")
     for column in ("served as", "answers", "mean score"):
         table.add_column(column)
@@ -71,6 +79,8 @@ class DemoReplay:
         self.feedback = feedback
         self.scores: dict[str, list[float]] = {}
         self.failures: list[str] = []
+        # Answered during a canary, version not told: completion id -> score, until resolved.
+        self.concealed: dict[str, float] = {}
 
     def run(self, work: list[dict[str, Any]]) -> None:
         import asyncio
@@ -117,12 +127,22 @@ class DemoReplay:
             self.failures.append(str(exc)[:200])
             return
         completion = raw.parse()
-        served = raw.headers.get("x-ratchet-served-name", "?")
+        served = raw.headers.get("x-ratchet-served-name")
         sample = {"role": "assistant", "content": completion.choices[0].message.content}
         score = extraction_reward(messages, sample)
-        self.scores.setdefault(served, []).append(score)
+        if served is None:
+            self.concealed[completion.id] = score
+        else:
+            self.scores.setdefault(served, []).append(score)
         if self.feedback:
             await self.rate(raters, completion.id, score)
+
+    def resolve(self, served: dict[str, str]) -> None:
+        """Credit each concealed answer to the version its traffic record names ("?" for one
+        whose record did not arrive in time)."""
+        for completion_id, score in self.concealed.items():
+            self.scores.setdefault(served.get(completion_id, "?"), []).append(score)
+        self.concealed = {}
 
     async def rate(self, raters: httpx.AsyncClient, completion_id: str, score: float) -> None:
         import httpx
@@ -135,3 +155,61 @@ class DemoReplay:
             return
         if rated.status_code != 200:
             self.failures.append(f"feedback: {rated.status_code} {rated.text}"[:200])
+
+
+# How long the demo waits for the traffic records of the answers a canary concealed.
+CONCEALED_WAIT_S = 30.0
+
+
+class TrafficTail:
+    """The proxy's traffic records from the moment it is made: which version served each
+    completion. Kafka unreachable, it knows none."""
+
+    def __init__(self, settings: RatchetSettings) -> None:
+        from kafka.errors import KafkaError
+        from kafka.structs import TopicPartition
+
+        from ratchet.bus import make_consumer
+        from ratchet.records import TRAFFIC_TOPIC
+
+        self.consumer: Any = None
+        try:
+            consumer = make_consumer(
+                settings.kafka_bootstrap_servers, settings.kafka, [], None, consumer_timeout_ms=500
+            )
+        except KafkaError:
+            return
+        partitions = [
+            TopicPartition(TRAFFIC_TOPIC, p)
+            for p in consumer.partitions_for_topic(TRAFFIC_TOPIC) or ()
+        ]
+        consumer.assign(partitions)
+        for partition, offset in consumer.end_offsets(partitions).items():
+            consumer.seek(partition, offset)
+        self.consumer = consumer
+
+    def served_names(self, completion_ids: set[str], timeout_s: float) -> dict[str, str]:
+        """completion id -> the served name (``alias@vN``) of those among ``completion_ids``
+        whose records arrive within ``timeout_s``."""
+        import time
+
+        from ratchet.records import TrafficRecord, decode
+
+        found: dict[str, str] = {}
+        deadline = time.monotonic() + timeout_s
+
+        def done() -> bool:
+            return len(found) == len(completion_ids) or time.monotonic() > deadline
+
+        while self.consumer is not None and not done():
+            for message in self.consumer:  # stops after consumer_timeout_ms without one
+                record = decode(message.topic, message.value)
+                if isinstance(record, TrafficRecord) and record.response_id in completion_ids:
+                    found[record.response_id] = record.response_model
+                if done():
+                    break
+        return found
+
+    def close(self) -> None:
+        if self.consumer is not None:
+            self.consumer.close()

@@ -293,7 +293,8 @@ def canary_running(env: Env) -> Iterator[None]:
 
     def wait_for(canary: int | None) -> None:
         deadline = time.monotonic() + 15
-        url, headers = f"{keyed.url}/v1/models/support", auth_headers(keyed, ONE)
+        # Only the admin key is told the canary (a client key's card does not name it).
+        url, headers = f"{keyed.url}/v1/models/support", auth_headers(keyed, ADMIN)
         while httpx.get(url, headers=headers).json()["ratchet"]["canary_version"] != canary:
             assert time.monotonic() < deadline, "the proxy never saw the routing change"
             time.sleep(0.1)

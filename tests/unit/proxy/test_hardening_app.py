@@ -161,8 +161,24 @@ async def test_metrics_auth_needs_the_admin_key(
             assert b"ratchet_proxy" in resp.content
 
 
-async def test_metrics_are_open_by_default(proxy_with: ProxyFactory) -> None:
+async def test_metrics_are_open_by_default_on_loopback_only(proxy_with: ProxyFactory) -> None:
+    """They count requests per version and canary arm: off loopback they need the admin key
+    unless proxy.metrics_auth is turned off, and without one nobody reads them."""
     async with proxy_with(api_keys=[CLIENT], admin_key=ADMIN) as (client, _):
+        assert (await client.get("/metrics")).status_code == 200
+    async with proxy_with(host="0.0.0.0", api_keys=[CLIENT], admin_key=ADMIN) as (client, _):
+        assert (await client.get("/metrics")).status_code == 401
+        assert (
+            await client.get("/metrics", headers={"authorization": f"Bearer {CLIENT}"})
+        ).status_code == 403
+        assert (
+            await client.get("/metrics", headers={"authorization": f"Bearer {ADMIN}"})
+        ).status_code == 200
+    async with proxy_with(host="0.0.0.0", api_keys=[CLIENT]) as (client, _):
+        assert (
+            await client.get("/metrics", headers={"authorization": f"Bearer {CLIENT}"})
+        ).status_code == 403
+    async with proxy_with(host="0.0.0.0", api_keys=[CLIENT], metrics_auth=False) as (client, _):
         assert (await client.get("/metrics")).status_code == 200
 
 

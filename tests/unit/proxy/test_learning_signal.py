@@ -232,6 +232,23 @@ async def test_expose_arm_tells_the_arm_and_the_version(
             assert response.json()["model"] == meta["served_name"]
 
 
+async def test_model_cards_name_the_canary_only_to_the_admin(
+    upstream: dict[str, Any], redis_url: str, tmp_path: Path
+) -> None:
+    """A client that knew a canary was running, and its share, could tell the arms apart."""
+    admin = "sk-admin-0123456789"
+    async with proxy_on(upstream, redis_url, tmp_path, CANARY, admin_key=admin) as running:
+        for key, shown in ((KEY_A, False), (admin, True)):
+            one = await running.client.get("/v1/models/support", headers=auth(key))
+            listed = await running.client.get("/v1/models", headers=auth(key))
+            for card in (one.json(), listed.json()["data"][0]):
+                assert card["ratchet"]["active_version"] == 1
+                assert ("canary_version" in card["ratchet"]) is shown, card
+                assert ("canary_weight" in card["ratchet"]) is shown, card
+                if shown:
+                    assert card["ratchet"]["canary_version"] == 2
+
+
 async def test_outside_a_canary_the_version_is_told_but_not_the_arm(plain: Running) -> None:
     response = await plain.chat()
     assert response.json()["model"] == "support@v1"
@@ -365,9 +382,6 @@ def test_a_completion_owner_is_kept_as_long_as_a_rating_can_join(tmp_path: Path)
     config = {"feedback": {"join_ttl_s": 7200}}
     settings = RatchetSettings(home=tmp_path, aliases={"slow": config, "support": {}})
     assert owner_ttl_s(settings) == 7200
-    assert (
-        owner_ttl_s(
-            RatchetSettings(home=tmp_path, aliases={"fast": {"feedback": {"join_ttl_s": 60}}})
-        )
-        == 3600
-    )
+    fast = {"feedback": {"join_ttl_s": 60}}
+    assert owner_ttl_s(RatchetSettings(home=tmp_path, aliases={"fast": fast})) == 60
+    assert owner_ttl_s(RatchetSettings(home=tmp_path, aliases={})) == 3600
