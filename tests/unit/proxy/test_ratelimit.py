@@ -23,10 +23,17 @@ from aiohttp import web
 
 from proxy import ratelimit
 from proxy.app import create_app
-from proxy.buckets import KEY_PREFIX, choice_events, prompt_estimate, total_tokens
+from proxy.buckets import (
+    KEY_PREFIX,
+    choice_events,
+    prompt_estimate,
+    reservation,
+    total_tokens,
+)
 from proxy.errors import ProxyError
 from proxy.metrics import ProxyMetrics
 from proxy.ratelimit import RateLimiter
+from proxy.validation import RequestLimits
 from ratchet.dev.processes import free_port as closed_port
 from ratchet.settings import ConfigError, RateLimitSettings, load_settings
 
@@ -427,6 +434,18 @@ def test_total_tokens_reads_usage_without_parsing() -> None:
     # A client's text cannot pose as usage: inside a JSON string its quotes are escaped.
     cut_short = b'data: {"choices":[{"delta":{"content":"\\"total_tokens\\":999"}}]}\n\n'
     assert total_tokens(cut_short) == 0
+
+
+def test_a_reservation_covers_every_choice_of_every_prompt() -> None:
+    limits = RequestLimits.from_settings(load_settings().proxy)
+    limits.set_model_context(2048)
+    chat = {"messages": [], "n": 3, "max_tokens": 10, "max_completion_tokens": 20}
+    assert reservation(chat, "chat.completions", limits, prompt=7) == 7 + 3 * 20
+    prompts = {"prompt": ["a", "b"], "best_of": 4, "n": 2, "max_tokens": 5}
+    assert reservation(prompts, "completions", limits, prompt=1) == 1 + 2 * 4 * 5
+    token_ids = {"prompt": [1, 2, 3]}  # one prompt; no max_tokens: up to the model's context
+    assert reservation(token_ids, "completions", limits, prompt=1) == 1 + 2048
+    assert prompt_estimate(b"x" * 400) == 101
 
 
 def test_settings_come_from_the_environment_and_burst_needs_a_rate(
