@@ -93,7 +93,11 @@ class RoutingCache:
             self.routes.pop(alias, None)
             return
         table = RoutingTable.build({alias: raw}, self._aliases, self.routes)
-        self.routes[alias] = table.routes[alias]
+        route = table.routes.get(alias)
+        if route is None:  # invalid, and never valid here before (an alias only Redis knows)
+            self.routes.pop(alias, None)
+        else:
+            self.routes[alias] = route
         invalid = {name: why for name, why in self.invalid.now.items() if name != alias}
         self.invalid.update(invalid | table.invalid)
 

@@ -112,3 +112,26 @@ async def test_a_base_model_not_in_the_config_never_reaches_vllm(redis_url: str)
     finally:
         raw.close()
         await cache.close()
+
+
+async def test_a_new_alias_with_an_invalid_hash_leaves_the_listener_running(
+    redis_url: str,
+) -> None:
+    """Pushed by pub/sub, an alias never valid here (a base model this proxy's ratchet.yaml does
+    not name) is not routed; the listener goes on and the next change still arrives at once."""
+    cache = RoutingCache(redis_url, ALIASES, refresh_s=3600)  # no full refresh during the test
+    await cache.start()
+    writer = RegistryWriter(redis_url, {"other": AliasConfig(base_model="not-ours")})
+    try:
+        await wait_until_async(lambda: cache.connected, 5, "the change channel subscribed")
+        writer.write(AliasRoute(alias="other", base_model="not-ours", active=1))
+        await wait_until_async(
+            lambda: "other" in cache.invalid.now, 5, "the invalid alias to be noticed"
+        )
+        assert "other" not in cache.routes
+        RegistryWriter(redis_url, ALIASES).write(AliasRoute(alias="sub", base_model="b", active=4))
+        await wait_until_async(
+            lambda: "sub" in cache.routes, 5, "the next write to arrive by pub/sub"
+        )
+    finally:
+        await cache.close()
