@@ -34,6 +34,8 @@ class Redactor:
     def __init__(self, patterns: list[str], budget_s: float = 0.5) -> None:
         self.pattern: Any = redaction_regex(patterns) if patterns else None
         self.budget_s = budget_s
+        # Dict keys, redacted: most are the API's own ("role", "content"), in every record.
+        self.keys: dict[str, str] = {}
 
     def begin(self) -> Redaction:
         """The redaction of one record, its deadline starting now."""
@@ -42,6 +44,11 @@ class Redactor:
     def __call__(self, value: Any) -> Any:
         """``value`` redacted, on a budget of its own."""
         return self.begin()(value)
+
+
+# Redacted dict keys kept for the next records: a client sending new keys fills it, then no more.
+MAX_KEPT_KEYS = 4096
+MAX_KEPT_KEY = 64
 
 
 class Redaction:
@@ -72,8 +79,17 @@ class Redaction:
         if isinstance(value, list):
             return [self(v) for v in value]
         if isinstance(value, dict):
-            return {self._string(k): self(v) for k, v in value.items()}
+            return {self._key(k): self(v) for k, v in value.items()}
         return value
+
+    def _key(self, key: str) -> str:
+        keys = self.redactor.keys
+        if (known := keys.get(key)) is not None:
+            return known
+        redacted = self._string(key)
+        if not self.over_budget and len(key) <= MAX_KEPT_KEY and len(keys) < MAX_KEPT_KEYS:
+            keys[key] = redacted
+        return redacted
 
     def _string(self, text: str) -> str:
         if not self.over_budget and time.monotonic() > self.deadline:

@@ -304,6 +304,14 @@ def test_past_the_budget_every_string_left_is_replaced_whole(
     assert record.truncated == ["request", "answer"]
 
 
+def test_a_key_seen_before_is_redacted_again() -> None:
+    """Keys are remembered redacted, across records: never the key as sent."""
+    redact = Redactor([r"[\w.+-]+@[\w-]+\.[\w.]+"])
+    for _ in range(2):
+        assert redact({"ann@example.com": 1, "role": "user"}) == {REDACTED: 1, "role": "user"}
+    assert redact.keys == {"ann@example.com": REDACTED, "role": "role"}
+
+
 def test_keys_user_and_error_are_redacted() -> None:
     """The previous audit's L4: dict keys, the top-level ``user`` and ``error`` went through."""
     error = {
