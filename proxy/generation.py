@@ -49,10 +49,6 @@ SERVED_NAME_HEADER = "x-ratchet-served-name"
 ARM_HEADER = "x-ratchet-canary-arm"
 # Chunks of a stream past proxy.max_answer_bytes still kept: enough for the usage event.
 STREAM_TAIL_CHUNKS = 4
-# Errors of requests vLLM refused or never got: nothing was generated, nothing is charged.
-NOTHING_GENERATED = frozenset(
-    ("upstream_rejected", "adapter_unavailable", "upstream_auth", "upstream_unavailable")
-)
 
 
 @dataclass(slots=True)
@@ -310,14 +306,17 @@ def record(state: ProxyState, call: Call) -> None:
 
 def tokens_used(call: Call, answer: bytes) -> int:
     """The tokens a budgeted request is charged: vLLM's usage when the answer carries it; none
-    when vLLM refused it or never got it; for a stream cut short (the client left, vLLM broke
-    off or ran past its deadline), its prompt as estimated and a token per choice event relayed;
-    else (a 504, an answer too large to read: vLLM generated unseen) all it reserved."""
+    when vLLM answered it with an error (read whole) or was never reached; for a stream cut
+    short (the client left, vLLM broke off or ran past its deadline), its prompt as estimated
+    and a token per choice event relayed; else (a 504, an answer too large to read: vLLM
+    generated unseen) all it reserved."""
     used = total_tokens(answer)
     if used:
         return used
     error = call.meta.error
-    if error is not None and error.get("code") in NOTHING_GENERATED:
+    if error is not None and (
+        call.upstream_done is not None or error.get("code") == "upstream_unavailable"
+    ):
         return 0
     if call.meta.stream:
         return call.prompt_tokens + call.dropped_events + choice_events(answer)

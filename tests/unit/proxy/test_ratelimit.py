@@ -661,15 +661,18 @@ async def test_a_504_or_an_answer_too_large_is_charged_what_it_reserved(
     assert expected - 5 <= charged <= expected, (charged, expected)
 
 
+@pytest.mark.parametrize("status", [400, 500])
 async def test_a_request_vllm_refuses_is_refunded_and_an_answer_charged_its_usage(
-    budgeted: Any, redis_url: str, upstream: dict[str, Any]
+    budgeted: Any, redis_url: str, upstream: dict[str, Any], status: int
 ) -> None:
     async def refuse(_: web.Request) -> web.Response:
-        error = {"message": "too long", "type": "BadRequestError", "code": 400}
-        return web.json_response({"error": error}, status=400)
+        error = {"message": "too long or out of memory", "type": "Error", "code": status}
+        return web.json_response({"error": error}, status=status)
 
     async with budgeted(refuse) as app:
-        assert (await post(app, chat_body(max_tokens=MAX_TOKENS))).status_code == 400
+        for stream in (False, True):
+            answer = await post(app, chat_body(max_tokens=MAX_TOKENS, stream=stream))
+            assert answer.status_code in (400, 502), answer.text
         assert await spent(app, redis_url) == 0
 
         async def answer(_: web.Request) -> web.Response:
