@@ -230,7 +230,7 @@ def write_proxy_config(path: Path, base_model: str, rate_limit: bool = False) ->
     path.write_text(
         "proxy:\n"
         "  redact_patterns:\n"
-        "    - '[\\w.+-]+@[\\w-]+\\.[\\w.]+'\n"
+        "    - '[\\p{L}\\p{N}_.+-]+@[\\p{L}\\p{N}_-]+\\.[\\p{L}\\p{N}_.]+'\n"
         + (RATE_LIMITS if rate_limit else "")
         + f"aliases:\n  {ALIAS}:\n    base_model: {base_model}\n    log_rate: 1.0\n"
     )

@@ -16,9 +16,10 @@ import orjson
 
 from proxy.sse import iter_sse_data, last_usage
 from ratchet.records import TrafficRecord
-from ratchet.settings import redaction_regex
+from ratchet.settings import ProxySettings, redaction_regex
 
 REDACTED = "[REDACTED]"
+DEFAULT_BUDGET_S: float = ProxySettings.model_fields["redact_budget_s"].default
 
 
 class Redactor:
@@ -31,7 +32,7 @@ class Redactor:
     split a secret so that no pattern matches what is left of it.
     """
 
-    def __init__(self, patterns: list[str], budget_s: float = 0.5) -> None:
+    def __init__(self, patterns: list[str], budget_s: float = DEFAULT_BUDGET_S) -> None:
         self.pattern: Any = redaction_regex(patterns) if patterns else None
         self.budget_s = budget_s
         # Dict keys, redacted: most are the API's own ("role", "content"), in every record.

@@ -42,7 +42,7 @@ from typing import Any, BinaryIO
 import orjson
 
 from proxy.log.spool import OutgoingRecord
-from ratchet.settings import KafkaSettings
+from ratchet.settings import KafkaSettings, ProxySettings
 
 CONFIG, EXCHANGE, RECORD = 0, 1, 2
 _HEADER = struct.Struct("<IBII")  # size of what follows the u32, kind, meta length, a length
@@ -61,10 +61,10 @@ class WorkerConfig:
     max_record_bytes: int = 900 * 1024
     spool_max_bytes: int | None = None
     redact_patterns: list[str] = field(default_factory=list)
-    redact_budget_s: float = 0.5  # per record (proxy.redact_budget_s)
+    redact_budget_s: float = ProxySettings.model_fields["redact_budget_s"].default
     report_s: float = 0.2
     # The proxy replaces a worker that holds frames and confirms none for this long.
-    stuck_after_s: float = 30.0
+    stuck_after_s: float = ProxySettings.model_fields["log_worker_stuck_s"].default
 
 
 def encode_frame(kind: int, meta: bytes, a: bytes = b"", b: bytes = b"") -> bytes:
