@@ -12,6 +12,10 @@ the frame's records are durable in its journal (proxy/log/journal.py); the frame
 never confirmed go to its replacement first, and the replacement spools what the journal holds.
 A frame two workers in a row died holding is dropped and counted: it may be what kills them.
 
+A worker can also hang without dying. A watchdog kills one that holds frames and has confirmed
+none for ``stuck_after_s`` (proxy.log_worker_stuck_s); the frame it had in hand (the first it had
+not reported handled) is dropped and counted as ``stuck``, the rest go to the next worker.
+
 What waits on this side (the batch, the backlog and the pipe transport's write buffer) is bounded
 in bytes too, by ``max_bytes`` (proxy.log_queue_bytes): frames carry whole requests and answers,
 so a count alone would not bound the proxy's memory while the worker is slow or restarting.
@@ -77,9 +81,8 @@ class TrafficLog:
         self.recovered = 0  # records a killed worker journaled, spooled by the next
         self.resent = 0  # frames a killed worker never confirmed, handed to the next
         self.spool_full = 0  # of the dropped: records the worker's spool had no room for
-        self.redact_over_budget = (
-            0  # records logged with strings replaced whole (proxy/log/exchange)
-        )
+        # Records logged with their strings replaced whole, past the redaction budget.
+        self.redact_over_budget = 0
         self.stuck = 0  # of the dropped: frames a worker was stuck on when it was replaced
         self.stuck_after_s = config.stuck_after_s
         self.connected = False
