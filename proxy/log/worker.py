@@ -18,8 +18,9 @@ received only once its records are fsynced there, so a killed worker loses nothi
 resends the frames it never confirmed, and the next worker spools what the journal holds.
 
 Child -> parent, on its stdout: one JSON status line every ``report_s`` and a last one at exit:
-frames received (durably), the producer's counters, and the tokens counted since the previous
-line (the proxy adds those to its token metric). End of stdin means the proxy is gone or
+frames received (durably) and handled (durable or not: the proxy's watchdog reads which frame a
+stuck worker was on), the producer's counters, and the tokens counted since the previous line
+(the proxy adds those to its token metric). End of stdin means the proxy is gone or
 stopping: the child sends or spools everything it holds, reports, and exits. It runs in its own
 session so a Ctrl-C aimed at the proxy's process group cannot cut that short.
 """
