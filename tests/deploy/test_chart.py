@@ -632,6 +632,11 @@ def test_hpa_pdb_and_service_monitors(rendered: dict[str, Rendered]) -> None:
         assert port["targetPort"] in served, name
     learner = monitors[f"{FULLNAME}-learner"]["spec"]["endpoints"][0]
     assert learner["port"] == "metrics"
+    # Off loopback the proxy's /metrics needs the admin key: Prometheus sends it.
+    proxy_endpoint = monitors[f"{FULLNAME}-proxy"]["spec"]["endpoints"][0]
+    assert proxy_endpoint["authorization"]["type"] == "Bearer"
+    assert proxy_endpoint["authorization"]["credentials"]["key"] == "admin-key"
+    assert "authorization" not in learner
     # The console serves /metrics on the port its pages are on.
     console = monitors[f"{FULLNAME}-console"]["spec"]["endpoints"][0]
     assert console["port"] == "http"

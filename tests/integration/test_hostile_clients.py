@@ -11,12 +11,23 @@ row) and have logged no traceback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from tests.integration.conftest import ALIAS, Embedded
+from learner.canary import CanaryWatcher
+from learner.metrics import LearnerMetrics
+from ratchet.canary_state import canary_key, reset_counts
+from ratchet.lifecycle import Lifecycle
+from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord, TrafficRecord
+from ratchet.registry import RegistryWriter
+from ratchet.settings import AliasConfig, CanaryConfig, load_settings
+from ratchet.store import AdapterStore
+from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded
 from tests.integration.hostile_attacks import (
     ADMIN,
     FEEDBACK,
@@ -35,8 +46,10 @@ from tests.integration.hostile_attacks import (
     assert_no_traceback,
     bad_requests_count,
     body_has,
+    canary_running,
     choices,
     closed_within,
+    completion_id,
     generated,
     header,
     hostile_proxies,
@@ -471,3 +484,65 @@ def test_seeded_sampling_beside_long_prompts_leaves_vllm_serving(embedded: Embed
     assert asyncio.run(send()) == [200] * 6
     health = httpx.get(f"{embedded.settings.vllm_url}/health", timeout=30)
     assert health.status_code == 200
+
+
+@contextlib.contextmanager
+def counted_canary(writer: RegistryWriter) -> Iterator[None]:
+    """The running canary's counts reset, as the learner starts one (so the watcher judges it),
+    and removed after: no later test finds them."""
+    pipe = writer.redis.pipeline()
+    reset_counts(pipe, ALIAS, 1)
+    pipe.execute()
+    try:
+        yield
+    finally:
+        pipe = writer.redis.pipeline()
+        reset_counts(pipe, ALIAS, 1)
+        pipe.delete(canary_key(ALIAS))
+        pipe.execute()
+
+
+def test_one_key_cannot_decide_a_canary(hostile: Env) -> None:
+    """Audit H-1 on the real keyed proxy: under a canary, ONE rates every canary answer it got
+    0 and every active one 1 (the test reads the arms off the traffic records; a client cannot).
+    The canary watcher counts those records in the shared Redis and decides nothing: ONE holds
+    one rating pair (it decided in 15 pairs before). The proxy's records for a stream past its
+    deadline, and the watcher leaving them out, are the unit tests' (test_stream_relay,
+    test_canary): they need a proxy with a deadline of seconds."""
+    embedded, keyed = hostile.embedded, hostile.proxies["keyed"]
+    settings = load_settings(embedded.config_path)
+    canary = CanaryConfig(min_requests=5, feedback_wait_s=3600)
+    aliases = {ALIAS: AliasConfig(base_model=BASE_MODEL, canary=canary)}
+    settings = settings.model_copy(update={"aliases": aliases})
+    assert settings.store_dir is not None
+    writer = RegistryWriter(settings.redis_url, settings.aliases)
+    lifecycle = Lifecycle(writer, AdapterStore(settings.store_dir), sink=None)
+    with canary_running(hostile), counted_canary(writer):
+        ids = [
+            completion_id(generated(keyed, ONE, {"x-ratchet-sticky-key": f"h1-{i}"}).first)
+            for i in range(40)
+        ]
+        traffic = embedded.find_records(
+            TRAFFIC_TOPIC,
+            lambda r: isinstance(r, TrafficRecord) and r.response_id in ids,
+            count=len(ids),
+        )
+        arms = {r.response_id: r.canary_arm for r in traffic if isinstance(r, TrafficRecord)}
+        assert set(arms.values()) == {"active", "canary"}, arms
+        for completion, arm in arms.items():
+            score = 0.0 if arm == "canary" else 1.0
+            rated = post(FEEDBACK, {"completion_id": completion, "score": score}, ONE)
+            assert rated(hostile, keyed).first.status == 200
+        ratings = embedded.find_records(
+            FEEDBACK_TOPIC,
+            lambda r: isinstance(r, FeedbackRecord) and r.completion_id in arms,
+            count=len(arms),
+        )
+        watcher = CanaryWatcher(settings, lifecycle, LearnerMetrics(), threading.Event())
+        watcher.routes = writer.read_all().routes
+        watcher.count([SimpleNamespace(topic=r.TOPIC, value=r.to_json()) for r in traffic])
+        watcher.count([SimpleNamespace(topic=r.TOPIC, value=r.to_json()) for r in ratings])
+        watcher.check()
+        route = writer.read(ALIAS)
+        assert route is not None and (route.active, route.canary) == (0, 1)
+        assert watcher.metrics.canary_rating_pairs.labels(ALIAS)._value.get() == 1
