@@ -17,7 +17,7 @@ from proxy.ratelimit import RateLimiter
 from proxy.routing import RoutingCache
 from proxy.upstream import Upstream
 from proxy.validation import RequestLimits, check_depth, json_too_deep
-from ratchet.records import DEADLETTER_TOPIC, FEEDBACK_TOPIC, TRAFFIC_TOPIC
+from ratchet.records import ANONYMOUS_CLIENT, DEADLETTER_TOPIC, FEEDBACK_TOPIC, TRAFFIC_TOPIC
 from ratchet.secrets import client_source, hash_api_key, server_secret, vllm_api_key
 from ratchet.settings import RatchetSettings
 
@@ -99,7 +99,11 @@ class ProxyState:
 
     def source(self, key_hash: str | None, payload: dict[str, Any]) -> str | None:
         """The client a request counts as (ratchet.secrets.client_source): its key, or, for a
-        key in proxy.user_vouching_keys, that key and the body's `user`."""
+        key in proxy.user_vouching_keys, that key and the body's `user`. Without auth, every
+        request is one client (ANONYMOUS_CLIENT): a bearer token nobody checks is no identity,
+        and a client could send a new one with each rating to escape the caps."""
+        if not self.key_hashes:
+            return ANONYMOUS_CLIENT
         user = payload.get("user")
         vouched = key_hash in self.vouching_key_hashes and isinstance(user, str) and bool(user)
         return client_source(self.secret, key_hash, user if vouched else None)

@@ -27,6 +27,7 @@ from proxy.completions import completion_id_of, owner_ttl_s
 from proxy.log.exchange import Exchange, Redactor
 from proxy.state import ProxyState
 from ratchet.dev.processes import free_port as closed_port
+from ratchet.records import ANONYMOUS_CLIENT
 from ratchet.registry import AliasRoute, RegistryWriter
 from ratchet.settings import RatchetSettings
 
@@ -230,6 +231,23 @@ async def test_expose_arm_tells_the_arm_and_the_version(
             assert response.headers["x-ratchet-canary-arm"] == meta["canary_arm"]
             assert response.headers["x-ratchet-version"] == str(meta["version"])
             assert response.json()["model"] == meta["served_name"]
+
+
+async def test_without_auth_every_request_is_one_client(
+    upstream: dict[str, Any], redis_url: str, tmp_path: Path
+) -> None:
+    """A bearer token nobody checks is no identity: counted as clients, a new token per rating
+    would escape every per-client cap (the canary's among them). With keys, the key is."""
+    route = AliasRoute("support", BASE, 1)
+    async with proxy_on(upstream, redis_url, tmp_path, route, api_keys=[]) as running:
+        await running.chat(KEY_A)
+        await running.chat(KEY_B)
+        assert [m["source"] for m in running.metas] == [ANONYMOUS_CLIENT] * 2
+    async with proxy_on(upstream, redis_url, tmp_path, route) as running:
+        await running.chat(KEY_A)
+        await running.chat(KEY_B)
+        sources = [m["source"] for m in running.metas]
+        assert ANONYMOUS_CLIENT not in sources and len(set(sources)) == 2
 
 
 async def test_model_cards_name_the_canary_only_to_the_admin(
