@@ -11,7 +11,7 @@ canary, so a restarted learner carries on counting. Once the canary arm has ``mi
 the configured margin; otherwise the ratings' sequential test (learner/canary_ratings.py)
 promotes or rolls back as soon as it can. Ratings lag the answers they rate, so a canary the
 test has not decided waits up to ``feedback_wait_s``, then is judged on error rate and the
-ratings' point estimate (of at least ``min_feedback`` pairs) — at once if neither arm has a
+ratings' point estimate (of at least :func:`estimate_pairs`) — at once if neither arm has a
 single rating while the active arm has answered :data:`UNRATED_AFTER` times ``min_requests``:
 an alias whose users don't rate.
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -180,9 +181,7 @@ def canary_verdict(
             f"ratings undecided ({_evidence(ratings)}); deciding without them after "
             f"{config.feedback_wait_s:.0f} s"
         )
-    # Fewer than min_feedback pairs are no estimate: with few raters (canary_ratings.rater_share)
-    # pairs stop at one per rater (learner/canary_ratings.py), and one of two would be half.
-    drop = mean_drop(ratings) if ratings.n >= config.min_feedback else None
+    drop = mean_drop(ratings) if ratings.n >= estimate_pairs(config) else None
     if drop is not None and drop > config.max_feedback_drop:
         return "rollback", (
             f"feedback: canary's mean rating {drop:.3f} below active's "
@@ -192,6 +191,18 @@ def canary_verdict(
         f"{canary.requests} canary requests, error rate {canary.error_rate:.3f} "
         f"(active {active.error_rate:.3f}); ratings undecided ({_evidence(ratings)})"
     )
+
+
+def estimate_pairs(config: CanaryConfig) -> int:
+    """The fewest rating pairs whose point estimate may roll a canary back once the wait for
+    ratings ran out: ``min_feedback``, and enough that no client holds more than half
+    ``max_feedback_drop`` of them (it moves the estimate by up to twice its share, so alone it
+    cannot carry an even canary past the margin). A client holds at most ``max(1, floor(s n))``
+    of ``n`` pairs with ``s`` at most half the margin (learner/canary_ratings.py), so
+    ``n >= 2 / max_feedback_drop`` does it; with fewer raters the pairs stop short of it."""
+    if config.max_feedback_drop <= 0.0:
+        return config.max_rating_pairs + 1  # no margin: only the test decides on ratings
+    return max(config.min_feedback, math.ceil(2.0 / config.max_feedback_drop - 1e-9))
 
 
 def _evidence(test: SequentialTest) -> str:

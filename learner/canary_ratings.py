@@ -39,12 +39,14 @@ others' ratings make room, the client with the fewest taken first (:func:`fair_s
   crowd out later raters (learner/canary.py).
 * The stream only grows at its end (a rating is never taken back, and the stored lists only
   grow), so the test's guarantee holds however often it is replayed.
-* With fewer than ``1 / s`` clients rating, the stream stops at one rating per client
-  and the test does not decide: the canary is decided by its error rate once ``feedback_wait_s``
-  has passed (learner/canary.py ignores a point estimate of fewer than ``min_feedback`` pairs).
-* The anonymous client of a stack without API keys (the dev stack) is not capped: every request
-  there is that one client, there is nobody to protect from it, and a cap would only stop the
-  test. Its ratings decide as they arrive.
+* With fewer than ``1 / s`` clients rating, the stream stops at one rating per client and the
+  test does not decide: the canary is decided by its error rate once ``feedback_wait_s`` has
+  passed, the ratings' point estimate only counting from ``2 / max_feedback_drop`` pairs, where
+  no client holds more than half the margin (learner/canary.py ``estimate_pairs``).
+* The anonymous client of a stack without API keys (the dev stack: the proxy counts every
+  request there as this one client, whatever bearer token it sends) is not capped: there is
+  nobody to protect from it, and a cap would only stop the test. Its ratings decide as they
+  arrive.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from learner.canary import CanaryWatcher, canary_verdict
+from learner.canary import CanaryWatcher, canary_verdict, estimate_pairs
 from learner.canary_ratings import Rating, rating_test
 from learner.canary_weight import minute_of, requests_key
 from learner.leases import lease_key
@@ -99,17 +99,19 @@ def test_the_verdict_waits_for_ratings_then_decides_on_their_point_estimate() ->
     # Ratings come after the answers they rate: at min_requests the canary's ratings may still
     # be on their way, and promoting then would ignore them.
     active, canary = ArmStats(100, feedback=2, feedback_sum=2.0), ArmStats(10, feedback=2)
-    early = ratings([1.0] * 3, [0.0] * 3)
+    early = ratings([1.0] * 10, [0.5] * 10)
     assert early.decision == "continue"
     verdict, reason = canary_verdict(active, canary, CONFIG, 59.0, early)
-    assert verdict == "wait" and "ratings undecided (3 rating pairs" in reason
-    # Past feedback_wait_s the point estimate decides: a drop of 1.0 is beyond 0.2.
+    assert verdict == "wait" and "ratings undecided (10 rating pairs" in reason
+    # Past feedback_wait_s the point estimate decides: a drop of 0.5 is beyond 0.2.
     verdict, reason = canary_verdict(active, canary, CONFIG, LATE, early)
     assert verdict == "rollback" and reason.startswith("feedback:")
-    # ... of at least min_feedback pairs: two raters' two pairs are no estimate.
-    verdict, _ = canary_verdict(active, canary, CONFIG, LATE, ratings([1.0] * 2, [0.0] * 2))
+    # ... of at least 2 / max_feedback_drop pairs (10 here), where no rater holds more than
+    # half the margin: nine raters' nine pairs are no estimate (one of them could be 1/9).
+    assert estimate_pairs(CONFIG) == 10
+    verdict, _ = canary_verdict(active, canary, CONFIG, LATE, ratings([1.0] * 9, [0.5] * 9))
     assert verdict == "promote"
-    mild = ratings([0.8] * 3, [0.7] * 3)
+    mild = ratings([0.8] * 10, [0.7] * 10)
     verdict, _ = canary_verdict(active, canary, CONFIG, LATE, mild)
     assert verdict == "promote"
     no_wait = CONFIG.model_copy(update={"feedback_wait_s": 0.0})
