@@ -1,8 +1,8 @@
 """Ratings: once per completion, and only from the API key that got the answer.
 
 After each answer the proxy notes who got it, in Redis ``ratchet:completion:<id>`` (the caller's
-key hash, ``-`` without auth; first writer wins, kept :func:`owner_ttl_s`: as long as a rating
-can still count anywhere, an hour by default, then it is a 404). The notes are
+key hash, ``-`` without auth; first writer wins, kept :func:`owner_ttl_s`: as long as the
+learner waits for a rating, an hour by default; a later rating is a 404). The notes are
 written off the request path: :meth:`CompletionOwners.remember` only queues one, and a task
 sends what is queued in one pipeline. ``POST /v1/feedback`` then checks, in one script, that the
 caller's key got that completion and that it is not rated yet (``ratchet:completion:<id>:rated``,
@@ -27,13 +27,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from proxy.errors import ProxyError
-from ratchet.settings import RatchetSettings
+from ratchet.settings import FeedbackConfig, RatchetSettings
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "ratchet:completion:"
-# A canary counts a rating within an hour of its answer (learner/canary.py COMPLETION_TTL_S).
-CANARY_RATING_WINDOW_S = 3600
 ANONYMOUS = "-"  # the owner of completions served without auth
 # The first key of a JSON answer, or of a stream's first event.
 _ID = re.compile(rb'\s*(?:data:\s*)?\{\s*"id"\s*:\s*"([^"\\]{1,256})"')
@@ -61,10 +59,12 @@ def completion_id_of(answer: bytes) -> str | None:
 
 
 def owner_ttl_s(settings: RatchetSettings) -> int:
-    """How long a completion may still be rated: while a canary counts its rating, or the
-    ratings join waits for it (``feedback.join_ttl_s``). A note per answer, so no longer."""
-    joins = (config.feedback.join_ttl_s for config in settings.aliases.values())
-    return max(CANARY_RATING_WINDOW_S, *joins)
+    """How long a completion may still be rated: the longest ``feedback.join_ttl_s``, how long
+    the learner waits for a rating (the canary counts one only within the hour of its default).
+    A note per answer, so no longer."""
+    default = FeedbackConfig.model_fields["join_ttl_s"].default
+    joins = [config.feedback.join_ttl_s for config in settings.aliases.values()]
+    return max(joins, default=default)
 
 
 def owner_key(completion_id: str) -> str:
