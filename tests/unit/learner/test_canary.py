@@ -20,6 +20,7 @@ from learner.canary_weight import minute_of, requests_key
 from learner.leases import lease_key
 from learner.metrics import LearnerMetrics
 from learner.ratings import ratings_key
+from proxy.upstream import stream_dropped
 from ratchet.canary_state import ArmStats, read_counts, reset_counts
 from ratchet.lease import Lease
 from ratchet.lifecycle import Lifecycle
@@ -320,6 +321,21 @@ def test_only_upstream_failures_are_the_canarys_errors(
     _, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
     assert stats["canary"].requests == 4
     assert stats["canary"].errors == (4 if counted else 0)
+
+
+def test_streams_cut_at_the_proxys_deadline_do_not_roll_the_canary_back(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    """Audit H-1: a client reading its canary streams slowly, or asking for a long max_tokens,
+    has them cut at proxy.upstream_timeout_s; three such among ten answers were a 0.23 error
+    rate against the active arm's 0 and rolled the canary back."""
+    cut = stream_dropped(TimeoutError()).body()["error"]
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    watcher.count(healthy_traffic(10) + [traffic("canary", 2, status=504, code=cut["code"])] * 3)
+    age_canary(lifecycle, LATE)
+    watcher.check()
+    assert route_of(lifecycle) == (2, None)
 
 
 def test_feedback_counts_once_and_only_from_the_key_that_got_the_answer(
