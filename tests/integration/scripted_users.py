@@ -21,7 +21,9 @@ from tests.integration.test_learner import history
 
 # rate(prompt index, canary arm that answered, answer text) -> the user's rating, or None
 Rule = Callable[[int, str, str], float | None]
-KEYS = 8  # API keys: one key's ratings may be at most feedback.max_share (0.2) of an arm's
+# Bearer tokens, as users' apps send them; the session's proxy checks none, so all of them are
+# one client (ANONYMOUS_CLIENT), whose ratings the canary takes uncapped.
+KEYS = 8
 
 
 def send(

@@ -114,8 +114,8 @@ def users(
     env: Embedded, prompts: list[dict[str, Any]], concurrency: int = 8, temperature: float = 1.0
 ) -> dict[str, int]:
     """Each prompt through the proxy, its answer rated by the users' hidden criterion. Users
-    are eight API keys (a key's ratings count for at most feedback.max_share). Returns the
-    answers each canary arm gave."""
+    send eight bearer tokens, which the session's proxy (no auth) counts as one client. Returns
+    the answers each canary arm gave."""
     arms: dict[str, int] = {}
 
     async def run() -> None:
