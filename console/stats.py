@@ -84,6 +84,10 @@ class ThroughputReader:
         self.proxy_url = proxy_url
         judge = settings.judge
         self.judge_url = f"http://{reachable(judge.metrics_host)}:{judge.metrics_port}"
+        # Off loopback the proxy's /metrics needs the admin key (proxy.metrics_auth); the
+        # judge's ignores it.
+        admin = settings.proxy.admin_key
+        self.auth = {"authorization": f"Bearer {admin.get_secret_value()}"} if admin else {}
         self.samples: deque[tuple[float, Counts]] = deque()
         self.lag_checked = 0.0
         self.lags: tuple[int | None, int | None] = (None, None)
@@ -132,7 +136,8 @@ class ThroughputReader:
             ),
         ):
             try:
-                counts |= counts_of(httpx.get(f"{url}/metrics", timeout=1.0).text, metrics)
+                response = httpx.get(f"{url}/metrics", headers=self.auth, timeout=1.0)
+                counts |= counts_of(response.raise_for_status().text, metrics)
             except (httpx.HTTPError, ValueError):
                 continue  # that service is away: its counts are missing from this sample
         return counts

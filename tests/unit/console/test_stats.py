@@ -3,11 +3,15 @@ window of samples (a restarted service's counter starting again from zero)."""
 
 from __future__ import annotations
 
+import threading
 from collections import deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
-from console.stats import Counts, counts_of, increase
+from console.stats import Counts, ThroughputReader, counts_of, increase
+from ratchet.settings import RatchetSettings
 
 PAGE = """# HELP ratchet_proxy_requests_total Requests
 # TYPE ratchet_proxy_requests_total counter
@@ -49,3 +53,35 @@ def test_a_counter_missing_from_the_last_scrape_is_unknown() -> None:
     kept = samples((0, 5), (30, 9))
     kept.append((60, {}))  # the proxy did not answer
     assert increase(kept, ("requests", "a"), 60) is None
+
+
+def test_the_proxys_metrics_are_read_with_the_admin_key_and_a_refusal_is_no_count(
+    tmp_path: Path,
+) -> None:
+    """Off loopback the proxy's /metrics needs the admin key: the console sends it, and an
+    error page (a 401 envelope) is a missing sample, never parsed as counts."""
+    seen: list[str | None] = []
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("authorization"))
+            ok = self.headers.get("authorization") == "Bearer sk-admin-0123456789"
+            body = PAGE.encode() if ok else b'{"error": {"message": "needs the admin key"}}'
+            self.send_response(200 if ok else 401)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        keyed = RatchetSettings(home=tmp_path, proxy={"admin_key": "sk-admin-0123456789"})
+        assert ThroughputReader(keyed, url).scrape()[("requests", "a")] == 10.0
+        assert ThroughputReader(RatchetSettings(home=tmp_path), url).scrape() == {}
+    finally:
+        server.shutdown()
+    assert seen == ["Bearer sk-admin-0123456789", None]
