@@ -523,6 +523,11 @@ def test_existing_secrets_are_referenced_not_written(rendered: dict[str, Rendere
         "key": "admin",
         "optional": True,
     }
+    assert env["RATCHET_PROXY__USER_VOUCHING_KEYS"]["valueFrom"]["secretKeyRef"] == {
+        "name": "ratchet-proxy-keys",
+        "key": "user-vouching-keys",
+        "optional": True,
+    }
     assert env["RATCHET_KAFKA__SASL_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
         "name": "ratchet-kafka-user",
         "key": "password",

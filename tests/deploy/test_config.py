@@ -32,7 +32,7 @@ EXISTING_SECRETS = {
 }
 # Settings of a service's section that the chart sets itself, or that come from a Secret.
 CHART_OWNED = {
-    "proxy": {"host", "port", "api_keys", "admin_key"},
+    "proxy": {"host", "port", "api_keys", "admin_key", "user_vouching_keys"},
     "judge": {"metrics_host", "metrics_port", "judge_api_key"},
     "learner": {"metrics_host", "metrics_port", "base_model_path"},
 }
