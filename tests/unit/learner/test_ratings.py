@@ -498,7 +498,8 @@ def test_a_one_key_app_with_fifty_users_trains_a_reward_model(
     trainer = RewardTrainer(settings, client, store, real_base_model)
     join = Join(settings, client)
     for user in range(50):
-        topic = f"{TOPICS[user % len(TOPICS)]} for user {user}"
+        # Two users to a prompt: its answers are read in one forward pass (half the test's time).
+        topic = f"{TOPICS[user % 25 % len(TOPICS)]} #{user % 25}"
         for answer, score in ((polite(topic), 1.0), (curt(topic), 0.0)):
             cid = f"u{user}-{score:.0f}"
             record = traffic(cid, f"Tell me about {topic}.", answer, key=app or "")
