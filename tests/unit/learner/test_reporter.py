@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from learner.metrics import LearnerMetrics
 from learner.reporter import ProgressReporter
@@ -72,7 +74,10 @@ def test_reads_alone_are_published_once_the_interval_passes(redis_url: str) -> N
 def test_a_redis_error_is_counted_not_raised_and_its_reads_go_with_the_next_write(
     redis_url: str,
 ) -> None:
-    away = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=1)
+    # No retries: redis-py's default backs off for seconds before it gives up on a closed port.
+    away = redis.Redis(
+        host="127.0.0.1", port=free_port(), socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
+    )
     clock = Clock()
     r = reporter(away, clock)
     progress = LearnerProgress(ALIAS, waiting=2)
