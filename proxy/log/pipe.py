@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import pickle
 import sys
 import time
@@ -224,6 +225,7 @@ class TrafficLog:
             sys.executable,
             "-m",
             "proxy.log.worker",
+            str(os.getpid()),  # it dies with this process (proxy/log/worker.py die_with_parent)
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             start_new_session=True,  # stops when we say so, not on a signal to our group

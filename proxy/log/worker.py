@@ -22,15 +22,19 @@ frames received (durably) and handled (durable or not: the proxy's watchdog read
 stuck worker was on), the producer's counters, and the tokens counted since the previous line
 (the proxy adds those to its token metric). End of stdin means the proxy is gone or
 stopping: the child sends or spools everything it holds, reports, and exits. It runs in its own
-session so a Ctrl-C aimed at the proxy's process group cannot cut that short.
+session so a Ctrl-C aimed at the proxy's process group cannot cut that short. A worker stuck or
+busy never reads that end, so on Linux it also dies with the proxy (:func:`die_with_parent`):
+what it journaled is spooled by the next worker, so nothing it made durable is lost.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import pickle
+import signal
 import struct
 import sys
 import threading
@@ -278,6 +282,21 @@ def _iso(epoch_s: float) -> str:
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when ``parent`` (the proxy) dies, even killed hard,
+    so a stuck or busy worker is never left orphaned, holding a CPU; exit now if it already has."""
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG): %s", os.strerror(ctypes.get_errno()))
+    # The proxy may have died before the prctl: then the signal never comes.
+    if os.getppid() != parent:
+        sys.exit("proxy.log.worker: the proxy that started this worker is gone")
+
+
 def main() -> None:
     # Reports own the real stdout; anything else that prints (a library) lands on stderr.
     report = os.fdopen(os.dup(1), "wb", buffering=0)
@@ -287,6 +306,7 @@ def main() -> None:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    die_with_parent(int(sys.argv[1]))  # the proxy's pid, from proxy/log/pipe.py
     frames = sys.stdin.buffer
     first = read_frame(frames)
     if first is None or first[0] != CONFIG:

@@ -10,6 +10,8 @@ import io
 import os
 import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from proxy.log.worker import (
     read_frame,
 )
 from ratchet.dev.processes import free_port as closed_port
-from ratchet.dev.processes import wait_until_async
+from ratchet.dev.processes import wait_until, wait_until_async
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord
 from ratchet.settings import KafkaSettings
 
@@ -276,6 +278,63 @@ async def test_a_worker_alive_but_stuck_is_replaced_and_the_next_exchange_logged
     await log.close()
     assert sorted(key for _, key, _ in spooled(tmp_path)) == [b"after", b"before"]
     assert log.restarts == 1
+
+
+# A proxy in a process of its own: starts its log worker, waits until the worker has journaled a
+# record (so it is past its start), writes the worker's pid to argv[2], and waits to be killed.
+PROXY_WITH_WORKER = """
+import asyncio, sys
+from pathlib import Path
+from proxy.log.pipe import TrafficLog
+from proxy.log.worker import RECORD, WorkerConfig, encode_frame
+from ratchet.records import TRAFFIC_TOPIC
+from ratchet.settings import KafkaSettings
+
+async def main() -> None:
+    spool = Path(sys.argv[2]).parent / "spool"
+    config = WorkerConfig(sys.argv[1], KafkaSettings(), spool, [TRAFFIC_TOPIC], 10, report_s=0.05)
+    log = TrafficLog(config)
+    await log.start()
+    meta = ('{"topic": "%s", "key": null}' % TRAFFIC_TOPIC).encode()
+    log._submit(encode_frame(RECORD, meta, b"", b"{}"))
+    while log._received < 1:
+        await asyncio.sleep(0.02)
+    Path(sys.argv[2]).write_text(str(log._process.pid))
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (an orphan's reaper may be slow, or absent in a
+    container)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_stuck_when_its_proxy_is_killed_hard_dies_with_it(tmp_path: Path) -> None:
+    """A worker that is stuck (here SIGSTOPped) never reads the end of its pipe; when its proxy was
+    SIGKILLed it stayed, orphaned. It must die with the proxy."""
+    pid_file = tmp_path / "worker.pid"
+    bootstrap = f"127.0.0.1:{closed_port()}"
+    proxy = subprocess.Popen([sys.executable, "-c", PROXY_WITH_WORKER, bootstrap, str(pid_file)])
+    worker = 0
+    try:
+        wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", 60, "the worker")
+        worker = int(pid_file.read_text())
+        os.kill(worker, signal.SIGSTOP)
+        proxy.kill()
+        proxy.wait(30)
+        wait_until(lambda: not running(worker), 30, "the worker gone with its proxy")
+    finally:
+        proxy.kill()
+        if worker and running(worker):
+            os.kill(worker, signal.SIGKILL)
 
 
 def test_the_frame_dropped_for_a_stuck_worker_is_the_one_it_was_handling(tmp_path: Path) -> None:
