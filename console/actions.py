@@ -19,9 +19,10 @@ from kafka.errors import KafkaError
 
 from ratchet.lifecycle import EventSink, Lifecycle, LifecycleError
 from ratchet.records import DeadLetter, LifecycleEvent
-from ratchet.registry import AliasRoute, RegistryWriter, set_route
+from ratchet.registry import HISTORY_LIMIT, AliasRoute, RegistryWriter, set_route
 from ratchet.settings import RatchetSettings
 from ratchet.store import AdapterStore
+from ratchet.verdict import gate_verdict
 
 Action = Literal["promote", "rollback", "pause", "resume", "weight"]
 ACTIONS: tuple[Action, ...] = ("promote", "rollback", "pause", "resume", "weight")
@@ -110,6 +111,12 @@ class Actions:
                 version = lifecycle.route(alias).canary
                 if version is None:
                     raise ActionRefused(f"{alias} has no canary; name the version to promote")
+            history = self.writer.history(alias, HISTORY_LIMIT)
+            verdict = gate_verdict(self.store, history, alias, version)
+            if not verdict.servable:  # the console never overrides the gate: the CLI's --force does
+                raise ActionRefused(
+                    f"{verdict.describe()}; only `ratchet promote --force` serves it"
+                )
             return lifecycle.promote(alias, version, {"via": request.actor})
         if request.action == "rollback":
             return lifecycle.rollback(alias, reason)

@@ -375,14 +375,18 @@ def set_route(
     active: int | None = None,
     canary: int | object | None = KEEP,
     weight: float | None = None,
+    forced: list[str] | None = None,
 ) -> AliasRoute:
     """An operator's routing change (``ratchet alias set``, the console's canary weight): the
     given parts of the alias's route, with a ``route`` event naming ``actor``. LookupError for an
-    alias not in the config; an invalid hash is replaced, starting from the defaults."""
+    alias not in the config; an invalid hash is replaced, starting from the defaults. ``forced``:
+    the gate verdicts the operator overrode (ratchet/verdict.py), kept in the event's reason so
+    the console's history shows the override."""
     if weight is not None and not 0.0 <= weight <= 1.0:
         raise ValueError(f"the canary weight must be in [0, 1], not {weight}")
     if active is not None and active < 0:
         raise ValueError(f"the active version must be >= 0, not {active}")
+    overrode = {"forced": True, "reason": "forced: " + "; ".join(forced)} if forced else {}
 
     def compute(route: AliasRoute | None) -> tuple[AliasRoute, LifecycleEvent]:
         if route is None:
@@ -403,7 +407,7 @@ def set_route(
             version=new.active,
             previous_version=route.active,
             actor=actor,
-            detail={"canary": new.canary, "canary_weight": new.canary_weight},
+            detail={"canary": new.canary, "canary_weight": new.canary_weight, **overrode},
         )
         return new, event
 

@@ -25,6 +25,9 @@ def alias_set(
     active: Annotated[int | None, typer.Option(help="version to serve (0 = base model)")] = None,
     canary: Annotated[str | None, typer.Option(help="canary version, or 'none'")] = None,
     weight: Annotated[float | None, typer.Option(help="share of traffic for the canary")] = None,
+    force: Annotated[
+        bool, typer.Option(help="serve a version the gate rejected or never judged")
+    ] = False,
     config: ConfigOption = None,
 ) -> None:
     """Change an alias's routing; every proxy picks it up at once."""
@@ -46,11 +49,33 @@ def alias_set(
         new_canary: int | object | None = KEEP
         if canary is not None:
             new_canary = None if canary.lower() == "none" else int(canary)
-        new = set_route(writer, alias, "cli", active, new_canary, weight)
+        overrode = unservable(settings, writer, alias, [active, new_canary])
+        if overrode and not force:
+            for why in overrode:
+                console.print(f"[red]{why}; pass --force to serve it anyway[/red]")
+            raise typer.Exit(1)
+        new = set_route(writer, alias, "cli", active, new_canary, weight, forced=overrode)
     except (LookupError, ValueError) as exc:  # InvalidRoute is a ValueError too
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
     print_routes({alias: new})
+
+
+def unservable(
+    settings: RatchetSettings, writer: RegistryWriter, alias: str, versions: list[object]
+) -> list[str]:
+    """Why each of the versions to be served (ints; others are kept or none) is not servable."""
+    from ratchet.registry import HISTORY_LIMIT
+    from ratchet.store import AdapterStore
+    from ratchet.verdict import gate_verdict
+
+    wanted = [v for v in versions if isinstance(v, int) and v > 0]
+    if not wanted:
+        return []
+    assert settings.store_dir is not None  # RatchetSettings fills it in
+    store, history = AdapterStore(settings.store_dir), writer.history(alias, HISTORY_LIMIT)
+    verdicts = [gate_verdict(store, history, alias, version) for version in wanted]
+    return [v.describe() for v in verdicts if not v.servable]
 
 
 @alias_app.command("show")

@@ -69,6 +69,7 @@ def test_cli_alias_set_and_show(base_route: Embedded) -> None:
             ALIAS,
             "--active",
             "2",
+            "--force",  # the test adapters were never gated
             "--config",
             config,
         ],

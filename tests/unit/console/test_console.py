@@ -247,3 +247,30 @@ def test_a_rating_read_before_its_exchange_still_counts() -> None:
     for i in range(PENDING_RATINGS + 5):
         recent.add(FeedbackRecord(completion_id=f"never-{i}", score=1.0))
     assert len(recent.pending) == PENDING_RATINGS and "never-0" not in recent.pending
+
+
+def test_the_console_refuses_to_promote_a_version_the_gate_never_judged(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    """The console has no --force: a version written but never gated stays off."""
+    lifecycle.store.write(
+        ALIAS, 3, lambda f: (f / "adapter_config.json").write_text("{}"), "/models/base", {}
+    )
+    client = client_for(settings)
+    admin = {"authorization": f"Bearer {KEY}"}
+    refused = client.post(
+        f"/alias/{ALIAS}/promote",
+        data={"confirm": "yes", "version": "3"},
+        headers=admin,
+        follow_redirects=False,
+    )
+    assert (
+        "refused=" in refused.headers["location"] and "never%20gated" in refused.headers["location"]
+    )
+    route = lifecycle.writer.read(ALIAS)
+    assert route is not None and (route.active, route.canary) == (1, 2)
+    # The canary the gate passed is promoted as before.
+    done = client.post(
+        f"/alias/{ALIAS}/promote", data={"confirm": "yes"}, headers=admin, follow_redirects=False
+    )
+    assert done.headers["location"] == f"/alias/{ALIAS}?done=promote"
