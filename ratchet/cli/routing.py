@@ -44,6 +44,9 @@ def alias_set(
     if active is not None and active < 0:
         console.print("[red]--active must be >= 0[/red]")
         raise typer.Exit(2)
+    if alias not in settings.aliases:  # before the gate's verdicts, which would not say so
+        console.print(f"[red]unknown alias {alias!r}: add it to ratchet.yaml first[/red]")
+        raise typer.Exit(2)
     writer = RegistryWriter(settings.redis_url, settings.aliases)
     try:
         new_canary: int | object | None = KEEP

@@ -117,3 +117,8 @@ def test_the_verdict_outlives_a_trimmed_history_and_an_unmounted_store(
     assert gate_verdict(elsewhere, history, ALIAS, 1).verdict == "passed"
     assert gate_verdict(elsewhere, history, ALIAS, 2).verdict == "rejected"
     assert gate_verdict(elsewhere, history, ALIAS, 0).servable
+
+
+def test_an_unknown_alias_is_named_before_any_verdict(life: Lifecycle) -> None:
+    result = CliRunner().invoke(app, ["alias", "set", "billing", "--active", "3"])
+    assert result.exit_code == 2 and "unknown alias 'billing'" in result.output
