@@ -79,6 +79,7 @@ def test_components_switch_on_and_off(rendered: dict[str, Rendered]) -> None:
         f"Deployment/{FULLNAME}-vllm",
         f"Service/{FULLNAME}-vllm",
         f"NetworkPolicy/{FULLNAME}-vllm",
+        f"NetworkPolicy/{FULLNAME}-metrics",
         f"Pod/{FULLNAME}-test-proxy",
     }
     everything = rendered["all-on"]
@@ -92,7 +93,9 @@ def test_components_switch_on_and_off(rendered: dict[str, Rendered]) -> None:
     ]:
         assert everything.has(kind, f"{FULLNAME}-{name}"), (kind, name)
     existing = rendered["existing-vllm"]
-    assert not existing.kinds("NetworkPolicy")
+    assert [p["metadata"]["name"] for p in existing.kinds("NetworkPolicy")] == [
+        f"{FULLNAME}-metrics"  # no vLLM here to guard
+    ]
     assert not existing.has("ConfigMap", f"{FULLNAME}-vllm-guard")
     assert not existing.has("Deployment", f"{FULLNAME}-vllm")
     assert not existing.has("Service", f"{FULLNAME}-vllm")
@@ -880,6 +883,44 @@ def test_console_network_policy(chart: helm.Chart, rendered: dict[str, Rendered]
     assert not _selects(peer["podSelector"], pods["console"]["metadata"])
     off = render(chart, {**_with_console(), "networkPolicy": {"enabled": False}})
     assert not off.kinds("NetworkPolicy")
+
+
+METRICS_POLICY = f"{FULLNAME}-metrics"
+
+
+def test_metrics_network_policy(chart: helm.Chart, rendered: dict[str, Rendered]) -> None:
+    """Audit L-8: the judge's and learner's metrics listen on 0.0.0.0; their pods take connections
+    on that port only, from networkPolicy.metricsFrom, and from no peer without it."""
+    for values_file in ("defaults", "all-on"):
+        r = rendered[values_file]
+        policy = r.get("NetworkPolicy", METRICS_POLICY)["spec"]
+        pods = _component_pods(r)
+        guarded = {c for c, p in pods.items() if _selects(policy["podSelector"], p["metadata"])}
+        assert guarded == {"judge", "learner"}, values_file
+        assert policy["policyTypes"] == ["Ingress"]
+        for component in guarded:  # their only port: nothing else is reachable either
+            assert set(_ports(pods[component]["spec"]["containers"][0])) == {"metrics"}
+        stranger = {**pods["judge"]["metadata"]["labels"], "app.kubernetes.io/instance": "other"}
+        assert not _selects(policy["podSelector"], {"labels": stranger})
+    assert rendered["defaults"].get("NetworkPolicy", METRICS_POLICY)["spec"]["ingress"] == []
+    [rule] = rendered["all-on"].get("NetworkPolicy", METRICS_POLICY)["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert rule["from"] == load_values("all-on")["networkPolicy"]["metricsFrom"]
+    # Guards only what runs.
+    values = load_values("defaults")
+    judge_only = render(chart, {**values, "learner": {"enabled": False}})
+    policy = judge_only.get("NetworkPolicy", METRICS_POLICY)["spec"]
+    assert policy["podSelector"]["matchExpressions"][0]["values"] == ["judge"]
+    off = {"enabled": False}
+    neither = render(chart, {**values, "judge": {**off, "apiKey": "x"}, "learner": off})
+    assert not neither.has("NetworkPolicy", METRICS_POLICY)
+    assert not render(chart, {**values, "networkPolicy": off}).kinds("NetworkPolicy")
+    # A ServiceMonitor that Prometheus could never scrape through is refused, naming the fix.
+    with pytest.raises(helm.HelmRenderError) as exc:
+        render(chart, {**values, "serviceMonitor": {"enabled": True}})
+    assert "networkPolicy.metricsFrom is empty" in str(exc.value)
+    scraped = render(chart, {**values, "serviceMonitor": {"enabled": True}, "networkPolicy": off})
+    assert scraped.kinds("ServiceMonitor")
 
 
 def test_console_values_mirror_its_settings(chart: helm.Chart) -> None:
