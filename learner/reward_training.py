@@ -68,12 +68,15 @@ class RewardTrainer:
         client: redis.Redis,
         store: AdapterStore,
         base_model_path: Path,
+        features: AnswerFeatures | None = None,
     ) -> None:
         self.settings = settings
         self.redis = client
         self.store = store
         self.base_model_path = base_model_path
-        self._features: AnswerFeatures | None = None
+        # Loaded on first use unless given: the frozen base model is read-only, so one may serve
+        # several trainers (the tests share one).
+        self._features = features
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self.secret = server_secret(settings)
 

@@ -464,10 +464,12 @@ class RewardModels:
     """Score answers with an alias's live reward model. The base model is loaded once, on first
     use; each version's head is read from the store once."""
 
-    def __init__(self, store_root: Path, base_model_path: Path) -> None:
+    def __init__(
+        self, store_root: Path, base_model_path: Path, features: AnswerFeatures | None = None
+    ) -> None:
         self.store_root = store_root
         self.base_model_path = base_model_path
-        self._features: AnswerFeatures | None = None
+        self._features = features  # given: shared with whatever else reads the same base model
         self._heads: dict[tuple[str, int], RewardHead] = {}
 
     @property

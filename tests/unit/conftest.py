@@ -7,6 +7,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -86,6 +87,15 @@ def real_base_model() -> Path:
     from ratchet.settings import default_home
 
     return prepare_model(default_home(), quiet=True)
+
+
+@pytest.fixture(scope="session")
+def real_answer_features(real_base_model: Path) -> Any:
+    """The reward model's features of the real base model, loaded once (5 s) for the tests that
+    train or score with it."""
+    from ratchet.rewards.reward_model import AnswerFeatures
+
+    return AnswerFeatures(real_base_model)
 
 
 @pytest.fixture

@@ -39,6 +39,7 @@ from ratchet.records import (
 )
 from ratchet.rewards.agreement import AGREEMENT_QUEUE, to_judge_key
 from ratchet.rewards.reward_model import (
+    AnswerFeatures,
     RatedAnswer,
     RewardModels,
     RewardStatus,
@@ -260,7 +261,10 @@ def curt(topic: str) -> str:
 
 
 def test_a_reward_model_learns_what_users_prefer_and_scores_with_it(
-    settings: RatchetSettings, client: redis.Redis, real_base_model: Path
+    settings: RatchetSettings,
+    client: redis.Redis,
+    real_base_model: Path,
+    real_answer_features: AnswerFeatures,
 ) -> None:
     """Users rate polite answers up and curt ones down; the trained model, evaluated on prompts
     it never saw, ranks them the same way, and the judge's scorer uses it."""
@@ -269,7 +273,7 @@ def test_a_reward_model_learns_what_users_prefer_and_scores_with_it(
     store = AdapterStore(settings.store_dir)
     stopping = threading.Event()
     leases = AliasLeases(client, 30.0, LeaseKeeper(), LearnerMetrics(), "reward_model")
-    trainer = RewardTrainer(settings, client, store, base)
+    trainer = RewardTrainer(settings, client, store, base, real_answer_features)
     collector = RatingsCollector(settings, client, trainer, leases, LearnerMetrics(), stopping)
     join = Join(settings, client)
     n = 0
@@ -296,7 +300,7 @@ def test_a_reward_model_learns_what_users_prefer_and_scores_with_it(
     assert int(client.get(new_ratings_key(ALIAS)) or 0) == 0
     assert not trainer.due(ALIAS)
 
-    models = RewardModels(store.root, base)
+    models = RewardModels(store.root, base, real_answer_features)
     messages = [{"role": "user", "content": "Tell me about kites."}]
     scores, name = models.score(ALIAS, status, messages, [curt("kites"), polite("kites")])
     assert name == f"{ALIAS}.reward@v1" and scores[1] > scores[0]
@@ -486,7 +490,10 @@ def test_the_evaluation_set_is_capped_per_client_like_the_training_set(
 
 
 def test_a_one_key_app_with_fifty_users_trains_a_reward_model(
-    settings: RatchetSettings, client: redis.Redis, real_base_model: Path
+    settings: RatchetSettings,
+    client: redis.Redis,
+    real_base_model: Path,
+    real_answer_features: AnswerFeatures,
 ) -> None:
     """One backend key, its users told apart by `user` (a key in proxy.user_vouching_keys: the
     proxy writes each record's source as below): each user is a client, so the per-client caps
@@ -495,7 +502,7 @@ def test_a_one_key_app_with_fifty_users_trains_a_reward_model(
     app = hash_api_key(secret, "app-key")
     assert settings.store_dir is not None
     store = AdapterStore(settings.store_dir)
-    trainer = RewardTrainer(settings, client, store, real_base_model)
+    trainer = RewardTrainer(settings, client, store, real_base_model, real_answer_features)
     join = Join(settings, client)
     for user in range(50):
         # Two users to a prompt: its answers are read in one forward pass (half the test's time).

@@ -124,8 +124,8 @@ def test_a_head_round_trips_through_its_file(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def features(real_base_model: Path) -> AnswerFeatures:
-    return AnswerFeatures(real_base_model)
+def features(real_answer_features: AnswerFeatures) -> AnswerFeatures:
+    return real_answer_features
 
 
 def test_a_group_read_at_once_equals_each_answer_read_alone(features: AnswerFeatures) -> None:
