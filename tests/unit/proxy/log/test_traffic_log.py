@@ -283,7 +283,7 @@ async def test_a_worker_alive_but_stuck_is_replaced_and_the_next_exchange_logged
 # A proxy in a process of its own: starts its log worker, waits until the worker has journaled a
 # record (so it is past its start), writes the worker's pid to argv[2], and waits to be killed.
 PROXY_WITH_WORKER = """
-import asyncio, sys
+import asyncio, sys, time
 from pathlib import Path
 from proxy.log.pipe import TrafficLog
 from proxy.log.worker import RECORD, WorkerConfig, encode_frame
@@ -297,7 +297,10 @@ async def main() -> None:
     await log.start()
     meta = ('{"topic": "%s", "key": null}' % TRAFFIC_TOPIC).encode()
     log._submit(encode_frame(RECORD, meta, b"", b"{}"))
-    while log._received < 1:
+    deadline = time.monotonic() + 30
+    while log._received < 1:  # the worker is past its start: it has handled a record
+        if time.monotonic() > deadline:
+            raise SystemExit("the log worker handled no record within 30 s")
         await asyncio.sleep(0.02)
     Path(sys.argv[2]).write_text(str(log._process.pid))
     await asyncio.Event().wait()
