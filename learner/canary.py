@@ -33,7 +33,7 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -80,6 +80,11 @@ log = logging.getLogger(__name__)
 
 # How long a canary-time completion id is remembered for its feedback to be credited to its arm.
 COMPLETION_TTL_S = 3600
+# A rating and its answer are on different topics, read in no fixed order: a rating read before
+# its answer's traffic record waits this long for it (retried with every batch), and at most this
+# many wait at once.
+RATING_WAIT_S = 60.0
+MAX_WAITING_RATINGS = 5_000
 
 Verdict = Literal["wait", "promote", "rollback"]
 
@@ -131,13 +136,16 @@ def completion_key(completion_id: str) -> str:
     return f"ratchet:canary:completion:{completion_id}"
 
 
-# KEYS[1]: a completion; ARGV[1]: its value as read. Marks it rated if nobody did meanwhile.
 # KEYS[1]: the rated completion's key; ARGV[1]: the rater's key hash ("" for none). Claims the
 # rating when the completion was answered in a canary, is not rated yet, and went to that key
-# (the proxy checks that too): marks it rated for every replica, returns what it was; else nil.
+# (the proxy checks that too): marks it rated for every replica, returns what it was; 0 when the
+# completion is not known (yet: its answer may still be on its way); else nil.
 CLAIM_RATING_SCRIPT = """
 local answered = redis.call('GET', KEYS[1])
-if not answered or answered == 'rated' then
+if not answered then
+  return 0
+end
+if answered == 'rated' then
   return nil
 end
 if string.match(answered, '\t([^\t]*)$') ~= ARGV[1] then
@@ -282,6 +290,8 @@ class CanaryWatcher:
         )
         self.routes: dict[str, AliasRoute] = {}
         self._last_check = 0.0
+        # Ratings read before their answers: (rating, when first read), oldest first.
+        self._waiting: deque[tuple[FeedbackRecord, float]] = deque()
 
     def run(self) -> None:
         # Only traffic from now on can judge a canary: a new group starts at the end.
@@ -298,26 +308,52 @@ class CanaryWatcher:
 
     def count(self, messages: list[Any]) -> None:
         """Add a batch of traffic and feedback records to the running canaries' counts. Every
-        completion id is claimed and every rating claimed in one pipeline, in arrival order (so
-        a rating finds the claim of an answer read before it), and counted once it returns."""
+        completion id is claimed first, then every rating (those still waiting for their answer
+        as well), all in one pipeline, so a rating finds the claim of an answer in its batch;
+        a rating whose answer is not known yet waits for a later batch (:meth:`_wait`)."""
         tally = _Tally()
         claims = self.redis.pipeline(transaction=False)
-        rated: list[tuple[int, FeedbackRecord]] = []  # each rating's claim: its place in claims
+        read: list[tuple[FeedbackRecord, float]] = []
+        now = time.monotonic()
         for message in messages:
             record = decode(message.topic, message.value)
             if isinstance(record, TrafficRecord):
                 self._count_traffic(record, tally, claims)
             elif isinstance(record, FeedbackRecord) and record.api_key_hash != "":
                 # A key hash of "" is no key's: an answer without one is stored with "".
-                key = completion_key(record.completion_id)
-                claims.eval(CLAIM_RATING_SCRIPT, 1, key, record.api_key_hash or "")
-                rated.append((len(claims) - 1, record))
+                read.append((record, now))
+        rated = [*self._take_waiting(now), *read]
+        for record, _ in rated:
+            key = completion_key(record.completion_id)
+            claims.eval(CLAIM_RATING_SCRIPT, 1, key, record.api_key_hash or "")
+        first = len(claims) - len(rated)
         count_requests(claims, tally.requests)
-        replies = claims.execute()
-        for place, record in rated:
-            self._count_rating(record, replies[place], tally)
+        replies = claims.execute()[first : first + len(rated)]
+        for (record, since), answered in zip(rated, replies, strict=True):
+            if answered == 0:
+                self._wait(record, since)
+            else:
+                self._count_rating(record, answered, tally)
         if tally.increments:
             self._store(tally)
+
+    def _take_waiting(self, now: float) -> list[tuple[FeedbackRecord, float]]:
+        """The waiting ratings to claim again; those past :data:`RATING_WAIT_S` are given up."""
+        waiting, self._waiting = list(self._waiting), deque()
+        live = [(record, since) for record, since in waiting if now - since < RATING_WAIT_S]
+        if len(live) < len(waiting):
+            self.metrics.canary_ratings_unmatched.labels("expired").inc(len(waiting) - len(live))
+        return live
+
+    def _wait(self, record: FeedbackRecord, since: float) -> None:
+        """Keep a rating whose answer is not known yet, while a canary runs (without one no
+        answer is claimed, so none would come), up to :data:`MAX_WAITING_RATINGS`."""
+        if not any(route.canary is not None for route in self.routes.values()):
+            return
+        if len(self._waiting) >= MAX_WAITING_RATINGS:
+            self.metrics.canary_ratings_unmatched.labels("overflow").inc()
+            return
+        self._waiting.append((record, since))
 
     def _count_traffic(self, record: TrafficRecord, tally: _Tally, claims: Any) -> None:
         """The request in its minute, and in its arm if it is a canary's; its completion id
@@ -339,7 +375,7 @@ class CanaryWatcher:
     def _count_rating(self, record: FeedbackRecord, answered: Any, tally: _Tally) -> None:
         """A rating whose claim succeeded (``answered``: the completion's claim), in its arm."""
         if not isinstance(answered, bytes):
-            return  # unknown, rated already, another key's, or claimed by another replica
+            return  # rated already, another key's, or claimed by another replica
         alias, version, arm, _ = answered.decode(errors="replace").split("\t")
         if self._arm_of(alias, int(version), arm) is None:
             return  # feedback on an exchange from before this canary

@@ -170,6 +170,14 @@ class LearnerMetrics:
             ("alias",),
             registry=r,
         )
+        self.canary_ratings_unmatched = Counter(
+            "ratchet_learner_canary_ratings_unmatched_total",
+            "Ratings given up on while a canary ran because their answer was not read within "
+            "60 s (expired: an answer from before the canary, or lost) or too many waited "
+            "(overflow)",
+            ("reason",),
+            registry=r,
+        )
         self.canary_error_rate = Gauge(
             "ratchet_learner_canary_error_rate",
             "Server error rate of each arm during the running canary",

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from learner import canary
 from learner.canary import CanaryWatcher, canary_verdict, estimate_pairs
 from learner.canary_ratings import Rating, rating_test
 from learner.canary_weight import minute_of, requests_key
@@ -508,6 +509,55 @@ def test_a_rating_read_with_its_answer_counts(
     watcher.count([*batch, feedback("c1", 0.0, key="alice")])  # rated twice: counted once
     _, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
     assert (stats["canary"].feedback, stats["canary"].feedback_sum) == (1, 0.75)
+
+
+def test_a_rating_read_before_its_answer_counts_when_the_answer_comes(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    """Ratings and answers are on different topics, read in no fixed order: a rating read first
+    (in an earlier batch, or ahead of its answer in the same one) waits for the answer."""
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    watcher.count([feedback("c1", 0.25, key="alice")])
+    watcher.count([feedback("c2", 0.5, key="bob"), traffic("canary", 2, rid="c2", key="bob")])
+    watcher.count([])  # a poll that read nothing: still waiting
+    watcher.count([traffic("canary", 2, rid="c1", key="alice")])
+    _, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
+    assert (stats["canary"].feedback, stats["canary"].feedback_sum) == (2, 0.75)
+    watcher.count([traffic("canary", 2, rid="c1", key="alice")])  # read again: counted once
+    _, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
+    assert stats["canary"].feedback == 2
+
+
+def test_a_rating_whose_answer_never_comes_is_given_up_and_counted(
+    settings: RatchetSettings, lifecycle: Lifecycle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    watcher.count([feedback("gone", 0.0, key="alice")])
+    monkeypatch.setattr(canary, "RATING_WAIT_S", 0.0)
+    watcher.count([])
+    monkeypatch.setattr(canary, "RATING_WAIT_S", 60.0)
+    watcher.count([traffic("canary", 2, rid="gone", key="alice")])
+    _, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
+    assert stats["canary"].feedback == 0
+    unmatched = watcher.metrics.canary_ratings_unmatched.labels("expired")._value.get()
+    assert unmatched == 1
+
+
+def test_ratings_wait_for_their_answers_only_while_a_canary_runs_and_in_bounds(
+    settings: RatchetSettings, lifecycle: Lifecycle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    watcher = watcher_for(settings, lifecycle)  # no canary: no answer will be claimed
+    watcher.count([feedback("x1", 0.0, key="alice")])
+    assert not watcher._waiting
+    start_canary(lifecycle)
+    watcher.routes = lifecycle.writer.read_all().routes
+    monkeypatch.setattr(canary, "MAX_WAITING_RATINGS", 2)
+    watcher.count([feedback(f"y{i}", 0.0, key="alice") for i in range(3)])
+    assert [r.completion_id for r, _ in watcher._waiting] == ["y0", "y1"]
+    overflow = watcher.metrics.canary_ratings_unmatched.labels("overflow")._value.get()
+    assert overflow == 1
 
 
 def test_feedback_read_by_another_replica_is_credited_to_its_arm(
