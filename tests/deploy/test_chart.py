@@ -560,7 +560,7 @@ def test_redis_password_joins_the_url_in_the_container(rendered: dict[str, Rende
             "?ssl_ca_certs=/etc/ratchet/redis-ca/ca.crt"
         )
     # Without a password nothing overrides the ConfigMap's URL.
-    env = rendered["defaults"].container(f"{FULLNAME}-proxy")["env"]
+    env = rendered["existing-vllm"].container(f"{FULLNAME}-proxy")["env"]
     assert "RATCHET_REDIS_URL" not in {e["name"] for e in env}
 
 
@@ -835,7 +835,12 @@ def test_console_without_the_proxy_still_gets_the_admin_key(chart: helm.Chart) -
         k: base64.b64decode(v).decode()
         for k, v in r.get("Secret", f"{FULLNAME}-secrets")["data"].items()
     }
-    assert data == {"admin-key": CONSOLE_ADMIN_KEY}
+    # The proxy's keys are not written without a proxy; the backends' passwords still are.
+    assert data == {
+        "admin-key": CONSOLE_ADMIN_KEY,
+        "kafka-sasl-password": "SENTINEL-kafka-password",
+        "redis-password": "SENTINEL-redis-password",
+    }
     env = {e["name"]: e for e in r.container(CONSOLE)["env"]}
     assert env["RATCHET_PROXY__ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {
         "name": f"{FULLNAME}-secrets",

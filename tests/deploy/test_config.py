@@ -127,7 +127,11 @@ def test_rendered_config_loads_with_the_proxy_env(
         assert keys == ["sk-SENTINEL-op-1"]
         assert redis["password"] == "SENTINEL-op-redis"
         assert kafka["sasl_plain_password"] == "SENTINEL-op-kafka"
-    else:
+    elif values_file == "defaults":  # what the chart requires: SASL over TLS, a Redis password
+        assert redis["password"] == "SENTINEL-redis-password"
+        assert kafka["security_protocol"] == "SASL_SSL"
+        assert kafka["sasl_plain_password"] == "SENTINEL-kafka-password"
+    else:  # allowInsecure
         assert "password" not in redis
         default = ratchet_settings.KafkaSettings().session_timeout_ms
         assert settings.kafka.session_timeout_ms == default
@@ -180,8 +184,12 @@ def test_rendered_config_loads_with_the_judge_env(
     else:
         assert key is None
         assert judge.judge_api_base is None  # the release's vLLM
-        assert "password" not in redis
-        assert kafka == {"security_protocol": "PLAINTEXT"}
+        if values_file == "defaults":
+            assert redis["password"] == "SENTINEL-redis-password"
+            assert kafka["sasl_plain_password"] == "SENTINEL-kafka-password"
+        else:  # allowInsecure
+            assert "password" not in redis
+            assert kafka == {"security_protocol": "PLAINTEXT"}
 
 
 @pytest.mark.parametrize("values_file", VALUES_FILES)
@@ -327,10 +335,27 @@ def _literals(field: Any) -> set[str]:
 
 REQUIRED = {
     "model": {"name": "Qwen/Qwen2.5-1.5B-Instruct"},
-    "kafka": {"bootstrapServers": "kafka:9092"},
-    "redis": {"url": "redis://redis:6379/0"},
+    # Without the opt-outs the chart also requires SASL over TLS and a Redis password (tested
+    # below); the other checks are tested on the smallest values.
+    "kafka": {
+        "bootstrapServers": "kafka:9092",
+        "securityProtocol": "PLAINTEXT",
+        "allowInsecure": True,
+    },
+    "redis": {"url": "redis://redis:6379/0", "allowInsecure": True},
     "proxy": {"apiKeys": ["sk-1"]},
 }
+
+
+def _merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``override`` over ``base``, nested mappings merged as Helm merges values files."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merged(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def _with(path: str, value: Any) -> dict[str, Any]:
@@ -422,26 +447,34 @@ def test_schema_refuses_bad_values(
 
 
 TEMPLATE_CHECKS = [
+    (
+        {"kafka": {"allowInsecure": False}},
+        "kafka.securityProtocol is PLAINTEXT: whoever reaches the brokers could write the groups",
+    ),
+    (
+        {"kafka": {"allowInsecure": False, "securityProtocol": "SSL"}},
+        "kafka.securityProtocol is SSL: whoever reaches the brokers",
+    ),
+    (
+        {"kafka": {"securityProtocol": "SASL_SSL"}},
+        "kafka.securityProtocol is SASL_SSL but kafka.sasl.mechanism is empty",
+    ),
+    ({"redis": {"allowInsecure": False}}, "redis has no password: whoever reaches Redis"),
     ({"proxy": {"apiKeys": []}}, "proxy.apiKeys is empty and proxy.existingSecret is not set"),
     (
         {"vllm": {"enabled": True, "url": "http://vllm:8000"}},
         "vllm.url is set while vllm.enabled is true",
     ),
     (
-        {"kafka": {"bootstrapServers": "k:9092", "sasl": {"mechanism": "PLAIN", "username": "u"}}},
+        {"kafka": {"sasl": {"mechanism": "PLAIN", "username": "u"}}},
         "kafka.sasl.mechanism is set but there is no password",
     ),
     (
-        {
-            "kafka": {
-                "bootstrapServers": "k:9092",
-                "sasl": {"mechanism": "PLAIN", "username": "u", "password": "p"},
-            }
-        },
+        {"kafka": {"sasl": {"mechanism": "PLAIN", "username": "u", "password": "p"}}},
         "kafka.securityProtocol is not SASL_PLAINTEXT or SASL_SSL",
     ),
     (
-        {"redis": {"url": "redis://r:6379/0", "tls": {"caSecret": "ca"}}},
+        {"redis": {"tls": {"caSecret": "ca"}}},
         "redis.url does not start with rediss://",
     ),
     (
@@ -480,7 +513,7 @@ def test_template_refuses_inconsistent_values(
     chart: helm.Chart, override: dict[str, Any], expected: str
 ) -> None:
     with pytest.raises(helm.HelmRenderError, match=re.escape(expected)):
-        render(chart, {**REQUIRED, **override})
+        render(chart, _merged(REQUIRED, override))
 
 
 def test_consistent_values_pass_those_checks(chart: helm.Chart) -> None:
@@ -491,8 +524,17 @@ def test_consistent_values_pass_those_checks(chart: helm.Chart) -> None:
         {"vllm": {"enabled": False, "url": "http://v:8000"}, "learner": {"enabled": False}},
         {"learner": {"config": {"lora_rank": 16}}, "vllm": {"maxLoraRank": 16}},
         {"aliases": {"support": {"gate": {"min_pairs": 100, "max_pairs": 100}}}},
+        # Secure backends need no opt-out.
+        {
+            "kafka": {
+                "allowInsecure": False,
+                "securityProtocol": "SASL_SSL",
+                "sasl": {"mechanism": "PLAIN", "username": "u", "password": "p"},
+            },
+            "redis": {"allowInsecure": False, "auth": {"password": "p"}},
+        },
     ]:
-        assert render(chart, {**REQUIRED, **override}).objects
+        assert render(chart, _merged(REQUIRED, override)).objects
 
 
 def test_every_values_file_passes_the_schema(chart: helm.Chart) -> None:

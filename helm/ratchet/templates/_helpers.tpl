@@ -317,6 +317,15 @@ Values that the schema cannot check alone; each failure says what to set.
 {{- if and (include "ratchet.kafkaSasl" .) (not (hasPrefix "SASL_" .Values.kafka.securityProtocol)) }}
 {{- fail "kafka.sasl.mechanism is set but kafka.securityProtocol is not SASL_PLAINTEXT or SASL_SSL" }}
 {{- end }}
+{{- if and (hasPrefix "SASL_" .Values.kafka.securityProtocol) (not (include "ratchet.kafkaSasl" .)) }}
+{{- fail (printf "kafka.securityProtocol is %s but kafka.sasl.mechanism is empty: set kafka.sasl.mechanism (PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512), kafka.sasl.username and its password" .Values.kafka.securityProtocol) }}
+{{- end }}
+{{- if and (not .Values.kafka.allowInsecure) (ne .Values.kafka.securityProtocol "SASL_SSL") }}
+{{- fail (printf "kafka.securityProtocol is %s: whoever reaches the brokers could write the groups the learner trains on and the ratings it learns from. Set kafka.securityProtocol=SASL_SSL with kafka.sasl (mechanism, username, password) and kafka.tls.caSecret, or kafka.allowInsecure=true for a cluster where only Ratchet can reach Kafka" .Values.kafka.securityProtocol) }}
+{{- end }}
+{{- if and (not .Values.redis.allowInsecure) (not (include "ratchet.redisAuth" .)) }}
+{{- fail "redis has no password: whoever reaches Redis would control routing (which version answers). Set redis.auth.existingSecret (and passwordKey) or redis.auth.password, or redis.allowInsecure=true for a Redis only Ratchet can reach" }}
+{{- end }}
 {{- if and .Values.redis.tls.caSecret (not (hasPrefix "rediss://" .Values.redis.url)) }}
 {{- fail "redis.tls.caSecret is set but redis.url does not start with rediss://" }}
 {{- end }}
