@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.log.spool import OutgoingRecord, encode_line, read_segment
-from ratchet.durable import fsync_dir
+from ratchet.durable import fsync_dir, open_private_append, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class Journal:
 
     def __init__(self, directory: Path, segment_bytes: int = 1024 * 1024) -> None:
         self.directory = directory
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(self.directory)
         self.segment_bytes = segment_bytes
         self._lock = threading.Lock()
         self._file: Any = None
@@ -126,7 +126,7 @@ class Journal:
         existing = self.segments()
         last = int(existing[-1].stem.removeprefix(PREFIX)) if existing else -1
         self._number = max(last, self._number) + 1
-        self._file = self._path(self._number).open("ab")
+        self._file = open_private_append(self._path(self._number))
         self._size = 0
         self._unsettled[self._number] = 0
         fsync_dir(self.directory)  # the segment's name survives a crash with its records

@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from ratchet.durable import fsync_dir
+from ratchet.durable import fsync_dir, open_private_append, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Spool:
         max_bytes: int | None = None,
     ) -> None:
         self.directory = directory
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(self.directory)
         self.segment_bytes = segment_bytes
         self.max_bytes = max_bytes
         self.bytes = sum(path.stat().st_size for path in self.segments())
@@ -122,7 +122,7 @@ class Spool:
         existing = self.segments()
         number = int(existing[-1].stem.split("-")[1]) + 1 if existing else 0
         self._file_path = self.directory / f"spool-{number:09d}.jsonl"
-        self._file = self._file_path.open("ab")
+        self._file = open_private_append(self._file_path)
         fsync_dir(self.directory)  # the new segment's name survives a crash with its records
 
     def close(self) -> None:

@@ -3,10 +3,12 @@ it is settled, a finished segment is deleted, and a new worker finds what an old
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 from proxy.log.journal import Journal
-from proxy.log.spool import OutgoingRecord
+from proxy.log.spool import OutgoingRecord, Spool
 
 
 def record(i: int) -> OutgoingRecord:
@@ -66,3 +68,22 @@ def test_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
         fh.write(b'{"topic": "ratchet.traffic", "key"')  # killed mid-write
     [(_, records)] = Journal(tmp_path).take_leftovers()
     assert [r.key for r in records] == [b"k1"]
+
+
+def test_the_journal_and_the_spool_are_readable_by_their_user_alone(tmp_path: Path) -> None:
+    """They hold users' prompts and answers waiting for Kafka: mode 0600 files in a 0700 folder
+    whatever the umask (audit M-7)."""
+    old = os.umask(0o022)
+    try:
+        journal = Journal(tmp_path / "journal")
+        journal.append(record(0))
+        journal.sync()
+        spool = Spool(tmp_path / "spool")
+        spool.append([record(1)])
+        spool.close()
+    finally:
+        os.umask(old)
+    for folder in ("journal", "spool"):
+        assert stat.S_IMODE((tmp_path / folder).stat().st_mode) == 0o700, folder
+        files = list((tmp_path / folder).iterdir())
+        assert files and {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}, folder
