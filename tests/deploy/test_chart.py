@@ -450,12 +450,18 @@ def test_security_contexts(rendered: dict[str, Rendered], values_file: str) -> N
             assert sc["allowPrivilegeEscalation"] is False, name
             assert sc["capabilities"]["drop"] == ["ALL"], name
             assert c["resources"]["requests"], name
-            if component == "vllm":
-                continue  # the upstream image runs as root and writes its caches
             assert spec["securityContext"]["runAsNonRoot"] is True, name
-            assert spec["securityContext"]["runAsUser"] == 10001, name
             assert sc["readOnlyRootFilesystem"] is True, name
             writable = {m["mountPath"] for m in c.get("volumeMounts", []) if not m.get("readOnly")}
+            if component == "vllm":
+                # The upstream image's own user would be root: another one, whose HOME (the
+                # compile caches) and model cache are volumes it may write (audit L-9).
+                assert spec["securityContext"]["runAsUser"] not in (0, 10001), name
+                assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsUser"]
+                env = {e["name"]: e.get("value") for e in c["env"]}
+                assert {"/tmp", env["HOME"], env["HF_HOME"], "/dev/shm"} <= writable, name
+                continue
+            assert spec["securityContext"]["runAsUser"] == 10001, name
             if component != "test":
                 assert {"/tmp", "/var/lib/ratchet"} <= writable, name
 
