@@ -16,7 +16,7 @@ from ratchet.records import FeedbackRecord
 
 async def rate(state: ProxyState, owners: CompletionOwners, request: Request) -> Response:
     """``POST /v1/feedback``: a FeedbackRecord, once per completion, from its owner only."""
-    key_hash = state.authenticate(request)
+    key_hash = state.authenticate_client(request)
     payload, _ = await read_json(request, state.limits)
     completion_id, score, thumbs, comment = check_feedback(payload)
     await owners.claim_rating(completion_id, key_hash)

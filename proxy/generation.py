@@ -105,7 +105,7 @@ class Call:
 async def generate(state: ProxyState, request: Request, endpoint: str) -> Response:
     """One generation request, step by step; see :func:`relay` for how it ends."""
     started, started_at = time.perf_counter(), time.time()
-    key_hash = state.authenticate(request)
+    key_hash = state.authenticate_client(request)
     limiter = state.rate_limiter
     # Asked of Redis now, answered below: the body is read and parsed meanwhile. With token
     # budgets the body comes first: the request reserves what it may use.

@@ -97,6 +97,20 @@ class ProxyState:
             )
         return key_hash
 
+    def authenticate_client(self, request: Request) -> str | None:
+        """:meth:`authenticate` for the routes that answer and rate (what the loop learns from):
+        403 for the admin key, which reads and steers the proxy and is no client (audit L-6)."""
+        key_hash = self.authenticate(request)
+        if key_hash is not None and key_hash == self.admin_key_hash:
+            raise ProxyError(
+                403,
+                "the admin key (proxy.admin_key) is for admin routes; send a client key "
+                "(proxy.api_keys) to generate or rate",
+                type="permission_error",
+                code="admin_key_not_a_client_key",
+            )
+        return key_hash
+
     def source(self, key_hash: str | None, payload: dict[str, Any]) -> str | None:
         """The client a request counts as (ratchet.secrets.client_source): its key, or, for a
         key in proxy.user_vouching_keys, that key and the body's `user`. Without auth, every

@@ -136,7 +136,7 @@ AUTH = [
     # Whitespace around a key belongs to the header, and the scheme is case-insensitive.
     Case("auth-padded-key", K, authorized(b"Bearer    " + B1 + b"   "), 200),
     Case("auth-lower-case-scheme", K, authorized(b"bearer " + B1), 200),
-    Case("auth-admin-key-is-a-client-key", K, http("GET", "/v1/models", key=ADMIN), 200),
+    Case("auth-admin-key-lists-models", K, http("GET", "/v1/models", key=ADMIN), 200),
     Case("auth-metrics-no-key", K, http("GET", "/metrics", key=None), 401, NO_KEY),
     Case("auth-metrics-wrong-key", K, http("GET", "/metrics", key="sk-guess"), 401, NO_KEY),
     Case("auth-metrics-client-key", K, http("GET", "/metrics"), 403, "admin_key_required"),
@@ -392,7 +392,11 @@ SIGNAL = [
     Case("signal-rate-own-completion", K, rating(ONE), 200, check=body_has(b'"accepted"')),
     Case("signal-rate-twice", K, rating(ONE, again=True), 409, "already_rated"),
     Case("signal-rate-other-keys-completion", K, rating(TWO), 404, NOT_YOURS),
-    Case("signal-admin-rates-clients-completion", K, rating(ADMIN), 404, NOT_YOURS),
+    # The admin key steers the proxy; it is no client: it can neither answer nor rate (L-6).
+    Case("signal-admin-rates-clients-completion", K, rating(ADMIN), 403,
+         "admin_key_not_a_client_key"),
+    Case("signal-admin-key-cannot-generate", K, post(CHAT, OK_BODY, ADMIN), 403,
+         "admin_key_not_a_client_key"),
     Case("signal-rate-on-no-auth-proxy", N, rating(None, on="open"), 404, NOT_YOURS),
     Case("signal-rate-others-stream", K, rating(TWO, stream=True), 404, NOT_YOURS),
     Case("signal-rate-after-reusing-its-id", K, rate_after_reusing_its_id, 404, NOT_YOURS),

@@ -199,3 +199,19 @@ async def test_log_pipe_drops_past_its_byte_bound(tmp_path: Path) -> None:
     assert log.dropped == 2 and log.depth == 3
     assert (1 << 20) - (300 << 10) < log.buffered_bytes <= 1 << 20
     await log.close(timeout_s=0.1)
+
+
+async def test_the_admin_key_can_neither_generate_nor_rate(proxy_with: ProxyFactory) -> None:
+    """It reads and steers the proxy; traffic and ratings it sent would be learned from as a
+    client's (audit L-6)."""
+    async with proxy_with(api_keys=[CLIENT], admin_key=ADMIN) as (client, _):
+        headers = {"authorization": f"Bearer {ADMIN}"}
+        for path, body in (
+            ("/v1/chat/completions", {"model": "support", "messages": []}),
+            ("/v1/feedback", {"completion_id": "chatcmpl-1", "score": 1}),
+        ):
+            reply = await client.post(path, json=body, headers=headers)
+            assert reply.status_code == 403, (path, reply.text)
+            assert reply.json()["error"]["code"] == "admin_key_not_a_client_key"
+        models = await client.get("/v1/models", headers=headers)
+        assert models.status_code == 200
