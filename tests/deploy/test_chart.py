@@ -726,7 +726,9 @@ def test_console_deployment_and_service(rendered: dict[str, Rendered]) -> None:
     }
 
     env = {e["name"]: e for e in console["env"]}
-    assert {e["name"] for e in judge["env"]} <= set(env)
+    # The judge's environment, but for vLLM's key: the console reads only the open /health.
+    assert {e["name"] for e in judge["env"]} - {"RATCHET_VLLM_API_KEY"} <= set(env)
+    assert "RATCHET_VLLM_API_KEY" not in env
     assert env["RATCHET_PROXY__ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {
         "name": f"{FULLNAME}-secrets",
         "key": "admin-key",

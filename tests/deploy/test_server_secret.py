@@ -154,6 +154,9 @@ def test_every_component_that_calls_vllm_gets_its_key(
     assert len(keys) == 1 and len(secrets) == 1
     if r.has("Deployment", f"{FULLNAME}-vllm"):
         assert container_env(r, f"{FULLNAME}-vllm")["VLLM_API_KEY"] in keys
+    # The console reads only vLLM's /health, open without the key: it does not get it (L-6).
+    if r.has("Deployment", f"{FULLNAME}-console"):
+        assert "RATCHET_VLLM_API_KEY" not in container_env(r, f"{FULLNAME}-console")
     # The helm test pod calls the proxy only: it gets neither.
     test_pod = r.get("Pod", f"{FULLNAME}-test-proxy")["spec"]["containers"][0]
     assert not {"RATCHET_VLLM_API_KEY", "RATCHET_SECRET", "VLLM_API_KEY"} & {

@@ -482,8 +482,6 @@ Environment of every Ratchet container: secrets as RATCHET_* variables, never in
     secretKeyRef:
       name: {{ include "ratchet.serverSecretName" . }}
       key: {{ include "ratchet.serverSecretKey" . }}
-# Sent to vLLM on every call (the proxy, the judge's sampling and judge model, the gate).
-{{ include "ratchet.vllmApiKeyEnv" (dict "ctx" . "name" "RATCHET_VLLM_API_KEY") }}
 - name: HOME
   value: /tmp
 - name: PYTHONUNBUFFERED
