@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -26,7 +27,6 @@ def demo(
         bool,
         typer.Option(help="rate each answer with its verifier score via /v1/feedback, as a user"),
     ] = True,
-    api_key: Annotated[str, typer.Option(envvar="RATCHET_DEMO_API_KEY")] = "unused",
     config: ConfigOption = None,
 ) -> None:
     """Replay the bundled demo prompts through the proxy as traffic, and score the answers.
@@ -35,6 +35,9 @@ def demo(
     a new row with a higher score. Each score also goes back as user feedback, which is what a
     canary is judged by. While a canary runs the proxy does not tell clients which version
     answered (proxy.expose_arm): the demo reads it from the proxy's traffic records.
+
+    With API keys on, the demo's key is read from RATCHET_DEMO_API_KEY: there is no option for
+    it, so it never shows in `ps` or the shell's history.
     """
     settings = settings_or_exit(config)
     if alias not in settings.aliases:
@@ -45,6 +48,7 @@ def demo(
     prompts = load_prompts()
     work = [prompts[i % len(prompts)] for i in range(count)] * rounds
     base_url = f"http://{settings.proxy.host}:{settings.proxy.port}/v1"
+    api_key = os.environ.get("RATCHET_DEMO_API_KEY", "unused")
     replay = DemoReplay(alias, base_url, api_key, concurrency, feedback)
     tail = TrafficTail(settings)  # before the first request: its records come after this
     try:

@@ -7,7 +7,9 @@ from __future__ import annotations
 from importlib import resources
 
 import yaml
+from typer.testing import CliRunner
 
+from ratchet.cli import app
 from ratchet.cli.demo import DemoReplay
 
 
@@ -23,3 +25,9 @@ def test_concealed_answers_are_credited_to_the_version_their_records_name() -> N
 def test_the_packaged_config_does_not_expose_the_arm() -> None:
     text = resources.files("ratchet.dev").joinpath("ratchet.yaml").read_text(encoding="utf-8")
     assert "expose_arm" not in (yaml.safe_load(text).get("proxy") or {})
+
+
+def test_the_demo_takes_its_key_from_the_environment_not_the_command_line() -> None:
+    """A key on the command line shows in `ps` and the shell's history (audit L-6)."""
+    result = CliRunner().invoke(app, ["demo", "--api-key", "sk-secret"])
+    assert result.exit_code == 2 and "No such option" in result.output, result.output
