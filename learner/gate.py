@@ -45,6 +45,14 @@ log = logging.getLogger(__name__)
 
 ANSWER_ATTEMPTS = 2  # per answer, against a dropped connection
 KEPT_ANSWERS = 4096  # the live version's greedy answers kept (learner.heldout_pool is 1024)
+LOSS = 0.0  # a pair's outcome when the candidate lost it
+
+
+@dataclass(frozen=True)
+class CandidateFailed:
+    """vLLM refused or broke the candidate's answer to a held-out prompt."""
+
+    why: str
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,16 @@ def conclude(
         return GateResult(
             False,
             f"{drawn} held-out pairs drawn, fewer than {gate.min_pairs}",
+            **measured,
+            **common,
+        )
+    attempted = pairs + failed_pairs
+    if test.decision == "pass" and failed_pairs > gate.max_failed_share * attempted:
+        return GateResult(
+            False,
+            f"{head}, but {failed_pairs} of {attempted} pairs failed (more than "
+            f"gate.max_failed_share, {gate.max_failed_share}): the pairs judged may not speak "
+            "for the prompts",
             **measured,
             **common,
         )
@@ -273,13 +291,18 @@ class Gate:
         seed: int,
     ) -> list[Scored]:
         """Both versions' answers to ``prompts`` and each pair's outcome, in the drawn order."""
-        answered = await asyncio.gather(
+        pairs = await asyncio.gather(
             *(self._pair(session, p, config.gate, candidate, incumbent, seed) for p in prompts)
         )
+        answered = [None if isinstance(a, CandidateFailed) else a for a in pairs]
         scored = await self.scorer.score(config, prompts, answered, seed)
         return [
-            s if a is None else replace(s, answers=(_text(a[0]), _text(a[1])))
-            for s, a in zip(scored, answered, strict=True)
+            Scored(LOSS)  # the candidate could not answer: it lost this pair
+            if isinstance(a, CandidateFailed)
+            else s
+            if a is None
+            else replace(s, answers=(_text(a[0]), _text(a[1])))
+            for s, a in zip(scored, pairs, strict=True)
         ]
 
     async def _pair(
@@ -290,15 +313,29 @@ class Gate:
         candidate: str,
         incumbent: str,
         seed: int,
-    ) -> Answered:
-        try:
-            return (
-                await self._answer(session, candidate, prompt, gate, seed),
-                await self._incumbent_answer(session, incumbent, prompt, gate, seed),
-            )
-        except (aiohttp.ClientError, TimeoutError, GateError) as exc:
-            log.warning("gate: no answer pair for %s: %s", prompt.prompt_hash[:12], exc)
+    ) -> Answered | CandidateFailed:
+        """Both answers; :class:`CandidateFailed` when vLLM refused the candidate's answer but
+        gave the live version's (its adapter would not load, or its answer broke): a loss, not a
+        pair to leave out, or a candidate that fails where it would lose would pass. None when
+        neither could be had (the network, or a prompt vLLM refuses whoever answers)."""
+        answers: list[dict[str, Any] | Exception] = []
+        for ask in (
+            self._answer(session, candidate, prompt, gate, seed),
+            self._incumbent_answer(session, incumbent, prompt, gate, seed),
+        ):
+            try:
+                answers.append(await ask)
+            except (aiohttp.ClientError, TimeoutError, GateError) as exc:
+                answers.append(exc)
+        mine, theirs = answers
+        if isinstance(mine, GateError) and not isinstance(theirs, Exception):
+            log.warning("gate: %s lost %s unanswered: %s", candidate, prompt.prompt_hash[:12], mine)
+            return CandidateFailed(str(mine))
+        if isinstance(mine, Exception) or isinstance(theirs, Exception):
+            failure = mine if isinstance(mine, Exception) else theirs
+            log.warning("gate: no answer pair for %s: %s", prompt.prompt_hash[:12], failure)
             return None
+        return mine, theirs
 
     async def _incumbent_answer(
         self,

@@ -166,6 +166,10 @@ class GateConfig(_Section):
     # None: from the served answer lengths of the prompts drawn (as sampling.max_tokens), so the
     # pairs are cut where the groups the candidate trained on were.
     max_tokens: int | None = Field(default=None, ge=1)
+    # A pair is lost when the judge or vLLM fails on it (the candidate's own failure to answer
+    # counts as a loss instead). Failures that fall on the prompts a candidate would lose would
+    # pass it, so a gate with more than this share of its pairs lost does not pass.
+    max_failed_share: float = Field(default=0.1, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _pairs_fit(self) -> GateConfig:

@@ -265,18 +265,32 @@ def test_too_few_held_out_prompts_fail_even_when_all_are_won(vllm: StandIn) -> N
     assert result.win_rate == 1.0 and "5 held-out pairs drawn, fewer than 8" in result.reason
 
 
-def test_an_unanswerable_candidate_gives_failed_pairs_and_no_pass(vllm: StandIn) -> None:
+def test_a_candidate_vllm_cannot_answer_loses_its_pairs(vllm: StandIn) -> None:
+    """Left out, the prompts it fails on would be the ones it could not be judged on: a
+    candidate that breaks exactly where it would lose would pass on the rest."""
     result = evaluate(make_gate(vllm.url), verifier_alias(), prompts(10), "support@v9", "bad")
     assert not result.passed
-    assert result.pairs == 0 and result.failed_pairs == 10
-    assert result.win_rate is None
+    assert result.pairs >= 1 and result.failed_pairs == 0  # it stops once a pass is out of reach
+    assert result.win_rate == 0.0
 
 
-def test_prompts_without_an_answer_are_counted_and_left_out(vllm: StandIn) -> None:
-    held = prompts(3, tag="UNANSWERABLE") + prompts(20)
+def test_prompts_neither_version_answers_are_counted_and_left_out(vllm: StandIn) -> None:
+    held = prompts(1, tag="UNANSWERABLE") + prompts(20)
     result = evaluate(make_gate(vllm.url), verifier_alias(), held, "good", "bad")
     assert result.passed, result.reason
-    assert result.pairs == DECISIVE_SHORT and result.failed_pairs == 3
+    assert result.pairs == DECISIVE_SHORT and result.failed_pairs == 1
+
+
+def test_a_gate_with_too_many_pairs_left_out_does_not_pass(vllm: StandIn) -> None:
+    """3 of 17 pairs lost (above gate.max_failed_share, 0.1): the rest all won, but what was
+    judged may not speak for the prompts."""
+    held = prompts(3, tag="UNANSWERABLE") + prompts(20)
+    result = evaluate(make_gate(vllm.url), verifier_alias(), held, "good", "bad")
+    assert not result.passed
+    assert result.win_rate == 1.0 and result.failed_pairs == 3
+    assert "3 of 17 pairs failed (more than gate.max_failed_share" in result.reason
+    lenient = GATE.model_copy(update={"max_failed_share": 0.2})
+    assert evaluate(make_gate(vllm.url), verifier_alias(lenient), held, "good", "bad").passed
 
 
 def test_tools_are_sent_with_the_prompt(vllm: StandIn) -> None:
