@@ -37,7 +37,6 @@ from ratchet.rewards.ruler import JudgeReplyError, build_judge_request
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import RatchetSettings, RewardConfig
 
-
 # Above this share of groups won by an injected plea, calibrate warns against the judge.
 INJECTION_WARN = 0.1
 
