@@ -57,17 +57,27 @@ def promote(
     version: Annotated[
         int | None, typer.Option(help="version to make active (default: the running canary)")
     ] = None,
-    force: Annotated[bool, typer.Option(help="serve a version the gate rejected")] = False,
+    force: Annotated[
+        bool, typer.Option(help="serve a version the gate rejected or never judged")
+    ] = False,
     config: ConfigOption = None,
 ) -> None:
     """Make a version active now (ends any canary)."""
+    from ratchet.cli.routing import unservable
+
     settings = settings_or_exit(config)
+    lifecycle = _lifecycle(settings, alias)
     if version is None:
-        route = _lifecycle(settings, alias).route(alias)
+        route = lifecycle.route(alias)
         if route.canary is None:
             console.print(f"[red]{alias} has no canary; name one with --version N[/red]")
             raise typer.Exit(1)
         version = route.canary
+    # As `alias set` and the console: a version the gate never passed is not served by a typo.
+    refused = [] if force else unservable(settings, lifecycle.writer, alias, [version])
+    if refused:
+        console.print(f"[red]{'; '.join(refused)}; pass --force to serve it anyway[/red]")
+        raise typer.Exit(1)
     _apply(settings, alias, "promote", version=version, detail={"via": "cli"}, force=force)
 
 

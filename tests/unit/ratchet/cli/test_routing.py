@@ -122,3 +122,20 @@ def test_the_verdict_outlives_a_trimmed_history_and_an_unmounted_store(
 def test_an_unknown_alias_is_named_before_any_verdict(life: Lifecycle) -> None:
     result = CliRunner().invoke(app, ["alias", "set", "billing", "--active", "3"])
     assert result.exit_code == 2 and "unknown alias 'billing'" in result.output
+
+
+def promote(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["promote", ALIAS, *args])
+    return result.exit_code, " ".join(result.output.split())
+
+
+def test_promote_refuses_a_version_the_gate_never_passed_without_force(life: Lifecycle) -> None:
+    """As `alias set`: `ratchet promote --version 3` would otherwise serve a never-judged
+    candidate to every user at once."""
+    for version, said in (("3", "support@v3 is never gated"), ("2", "rejected by the gate")):
+        code, output = promote("--version", version)
+        assert code == 1 and said in output and "--force" in output, output
+        assert route_of(life).active == 1
+    code, output = promote("--version", "3", "--force")
+    assert code == 0, output
+    assert route_of(life).active == 3
