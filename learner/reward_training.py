@@ -214,6 +214,11 @@ def reward_predictor(client: redis.Redis, models: RewardModels) -> RewardPredict
     return predict
 
 
+# A failed retrain waits this long before the next try, doubling with each failure in a row.
+RETRAIN_BACKOFF_S = 30.0
+RETRAIN_BACKOFF_MAX_S = 600.0
+
+
 class RatingsCollector:
     """Joins ratings with answers, and retrains reward models when due. Runs in its own thread."""
 
@@ -235,6 +240,8 @@ class RatingsCollector:
         self.metrics = metrics
         self.stopping = stopping
         self.sink = sink or EventSink(settings)
+        # alias -> (failures in a row, monotonic time before which it is not tried again)
+        self._backoff: dict[str, tuple[int, float]] = {}
 
     def run(self) -> None:
         # Every rating is training data: a new group starts at the beginning.
@@ -275,14 +282,31 @@ class RatingsCollector:
 
     def retrain_due(self) -> None:
         for alias in sorted(self.join.feedback_aliases()):
-            if self.stopping.is_set() or not self.trainer.due(alias):
+            failures, retry_at = self._backoff.get(alias, (0, 0.0))
+            if self.stopping.is_set() or time.monotonic() < retry_at:
                 continue
-            # A lease of its own (<alias>.reward): training a reward model must not hold up the
-            # alias's rounds and canary decisions, which read only the finished versions.
-            with self.leases.hold(reward_store_name(alias)) as lease:
-                if lease is None:
-                    continue  # another replica trains it: its turn
-                status = self.trainer.train(alias)
-                self.metrics.reward_model_version.labels(alias).set(status.version)
-                if status.auc is not None:
-                    self.metrics.reward_model_auc.labels(alias).set(status.auc)
+            if not self.trainer.due(alias):
+                continue
+            try:
+                self._retrain(alias)
+            except Exception:
+                # Called on every poll: without a pause a failing retrain (a full store, a
+                # rating that breaks the fit) would be redone, features and all, every second.
+                failures += 1
+                pause = min(RETRAIN_BACKOFF_MAX_S, RETRAIN_BACKOFF_S * 2 ** (failures - 1))
+                self._backoff[alias] = (failures, time.monotonic() + pause)
+                self.metrics.failures.labels(alias, "reward_model").inc()
+                log.exception("%s: reward model retrain failed; next try in %.0f s", alias, pause)
+            else:
+                self._backoff.pop(alias, None)
+
+    def _retrain(self, alias: str) -> None:
+        # A lease of its own (<alias>.reward): training a reward model must not hold up the
+        # alias's rounds and canary decisions, which read only the finished versions.
+        with self.leases.hold(reward_store_name(alias)) as lease:
+            if lease is None:
+                return  # another replica trains it: its turn
+            status = self.trainer.train(alias)
+            self.metrics.reward_model_version.labels(alias).set(status.version)
+            if status.auc is not None:
+                self.metrics.reward_model_auc.labels(alias).set(status.auc)

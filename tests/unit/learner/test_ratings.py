@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from learner import reward_training
 from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
 from learner.ratings import (
@@ -524,3 +526,52 @@ def test_a_one_key_app_with_fifty_users_trains_a_reward_model(
     assert status.usable and status.auc is not None and status.auc > 0.9, status
     assert status.trained_ratings + status.eval_ratings == 108  # no user passed over
     assert store.meta(reward_store_name(ALIAS), 1)["trained_on"]["keys"] > 30
+
+
+class FailingTrainer:
+    """Due, and failing, every time it is asked."""
+
+    def __init__(self) -> None:
+        self.tries = 0
+
+    def due(self, alias: str) -> bool:
+        return True
+
+    def train(self, alias: str) -> RewardStatus:
+        self.tries += 1
+        raise OSError("No space left on device")
+
+
+def test_a_failing_retrain_backs_off_instead_of_running_on_every_poll(
+    settings: RatchetSettings, client: redis.Redis
+) -> None:
+    trainer = FailingTrainer()
+    leases = AliasLeases(client, 30.0, LeaseKeeper(), LearnerMetrics(), "reward_model")
+    metrics = LearnerMetrics()
+    collector = RatingsCollector(
+        settings,
+        client,
+        trainer,  # type: ignore[arg-type]
+        leases,
+        metrics,
+        threading.Event(),
+        Sink(),  # type: ignore[arg-type]
+    )
+    collector.join = Join(settings, client)
+
+    def pause_after_polls() -> float:
+        for _ in range(5):  # polls in a row: one try
+            collector.retrain_due()
+        failures, retry_at = collector._backoff[ALIAS]
+        collector._backoff[ALIAS] = (failures, 0.0)  # as if the pause were over
+        return retry_at - time.monotonic()
+
+    first = pause_after_polls()
+    assert trainer.tries == 1
+    assert metrics.failures.labels(ALIAS, "reward_model")._value.get() == 1
+    assert first == pytest.approx(reward_training.RETRAIN_BACKOFF_S, abs=5)
+    second = pause_after_polls()
+    assert trainer.tries == 2 and second == pytest.approx(2 * first, abs=5)
+    for _ in range(8):
+        last = pause_after_polls()
+    assert last == pytest.approx(reward_training.RETRAIN_BACKOFF_MAX_S, abs=5)
