@@ -4,16 +4,19 @@ groups and failures, and each consumer's lag.
 Counts come from the services' own /metrics (the proxy's requests, the judge's groups and
 failures), sampled at most every :data:`SAMPLE_S` and kept for an hour, so a window is the
 difference of two samples ("since the console started" while it is younger than the window).
-With several proxy replicas the console reads the one its request reaches; Prometheus and the
-dashboard see them all. Lag is asked of Kafka (ratchet/bus.py).
+Every address a service's name resolves to is read (on Kubernetes a headless Service names
+every replica): each replica's counters grow on their own and restart from zero on their own,
+so a window's increase is taken per replica and summed. Lag is asked of Kafka (ratchet/bus.py).
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,7 +30,7 @@ FIRST_GAP_S = 1.0
 LAG_S = 15.0
 KEPT_S = 3600.0
 
-Counts = dict[tuple[str, str], float]  # (metric, alias) -> value
+Counts = dict[tuple[str, str, str], float]  # (metric, alias, replica address) -> value
 
 
 @dataclass(frozen=True)
@@ -51,20 +54,55 @@ def reachable(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
 
-def counts_of(text: str, metrics: dict[str, str]) -> Counts:
+def counts_of(text: str, metrics: dict[str, str], replica: str = "-") -> Counts:
     """Sum each wanted counter's samples per alias. ``metrics``: sample name -> short name."""
     found: Counts = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             short = metrics.get(sample.name)
             if short is not None:
-                key = (short, sample.labels.get("alias", "-"))
+                key = (short, sample.labels.get("alias", "-"), replica)
                 found[key] = found.get(key, 0.0) + sample.value
     return found
 
 
+def replicas(url: str) -> list[str]:
+    """The base URL of every address ``url``'s host resolves to (one for a plain name or an
+    address; every ready pod for a headless Service); ``url`` itself if it does not resolve."""
+    parts = urlsplit(url)
+    port = parts.port or 80
+    found = addresses(parts.hostname or "", port)
+    if len(found) <= 1:
+        return [url]  # one replica: asked by name, as configured
+    return [
+        f"{parts.scheme}://{f'[{a}]' if ':' in a else a}:{port}{parts.path.rstrip('/')}"
+        for a in found
+    ]
+
+
+def addresses(host: str, port: int) -> list[str]:
+    """The addresses ``host`` resolves to, sorted; none if it does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return []
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def summed_increase(
+    samples: deque[tuple[float, Counts]], metric: str, alias: str, window_s: float
+) -> float | None:
+    """:func:`increase` of ``metric`` for ``alias``, per replica of the latest sample, summed."""
+    if not samples:
+        return None
+    keys = [k for k in samples[-1][1] if k[0] == metric and k[1] == alias]
+    grown = [increase(samples, key, window_s) for key in keys]
+    known = [g for g in grown if g is not None]
+    return sum(known) if known else None
+
+
 def increase(
-    samples: deque[tuple[float, Counts]], key: tuple[str, str], window_s: float
+    samples: deque[tuple[float, Counts]], key: tuple[str, str, str], window_s: float
 ) -> float | None:
     """How much a counter grew over the last ``window_s`` (or all samples kept, if fewer); a
     counter that went down (a restarted service) counts from zero."""
@@ -81,9 +119,12 @@ def increase(
 class ThroughputReader:
     def __init__(self, settings: RatchetSettings, proxy_url: str) -> None:
         self.settings = settings
-        self.proxy_url = proxy_url
-        judge = settings.judge
-        self.judge_url = f"http://{reachable(judge.metrics_host)}:{judge.metrics_port}"
+        console, judge = settings.console, settings.judge
+        self.proxy_url = (console.proxy_metrics_url or proxy_url).rstrip("/")
+        self.judge_url = (
+            console.judge_metrics_url
+            or f"http://{reachable(judge.metrics_host)}:{judge.metrics_port}"
+        ).rstrip("/")
         # Off loopback the proxy's /metrics needs the admin key (proxy.metrics_auth); the
         # judge's ignores it.
         admin = settings.proxy.admin_key
@@ -110,13 +151,13 @@ class ThroughputReader:
         span = self.samples[-1][0] - self.samples[0][0]
         result = Throughput(window_s=span, judge_lag=self.lags[0], learner_lag=self.lags[1])
         for alias in self.settings.aliases:
-            groups = increase(self.samples, ("groups", alias), 60.0)
+            groups = summed_increase(self.samples, "groups", alias, 60.0)
             minute = min(span, 60.0)
             result.aliases[alias] = AliasThroughput(
-                requests_minute=increase(self.samples, ("requests", alias), 60.0),
-                requests_hour=increase(self.samples, ("requests", alias), KEPT_S),
+                requests_minute=summed_increase(self.samples, "requests", alias, 60.0),
+                requests_hour=summed_increase(self.samples, "requests", alias, KEPT_S),
                 groups_per_minute=groups * 60.0 / minute if groups is not None and minute else None,
-                failures_hour=increase(self.samples, ("failures", alias), KEPT_S),
+                failures_hour=summed_increase(self.samples, "failures", alias, KEPT_S),
             )
         return result
 
@@ -135,19 +176,21 @@ class ThroughputReader:
                 },
             ),
         ):
-            try:
-                response = httpx.get(f"{url}/metrics", headers=self.auth, timeout=1.0)
-                counts |= counts_of(response.raise_for_status().text, metrics)
-            except (httpx.HTTPError, ValueError):
-                continue  # that service is away: its counts are missing from this sample
+            for replica in replicas(url):
+                try:
+                    response = httpx.get(f"{replica}/metrics", headers=self.auth, timeout=1.0)
+                    counts |= counts_of(response.raise_for_status().text, metrics, replica)
+                except (httpx.HTTPError, ValueError):
+                    continue  # that replica is away: its counts are missing from this sample
         return counts
 
     def kafka_up(self) -> bool | None:
-        """Whether the proxy's producer reaches Kafka, as of the last scrape (None: unknown)."""
+        """Whether every proxy replica's producer reaches Kafka, as of the last scrape (None:
+        unknown)."""
         if not self.samples:
             return None
-        up = self.samples[-1][1].get(("kafka_up", "-"))
-        return None if up is None else up > 0
+        up = [v for k, v in self.samples[-1][1].items() if k[:2] == ("kafka_up", "-")]
+        return all(v > 0 for v in up) if up else None
 
     def update_lag(self) -> None:
         s = self.settings

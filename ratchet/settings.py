@@ -647,6 +647,11 @@ class ConsoleSettings(_Section):
     # Where the health panel asks the proxy (its /healthz, and its /metrics for Kafka). None:
     # proxy.host and proxy.port, which is right when both run on one machine.
     proxy_url: str | None = None
+    # Where the overview reads the proxy's and the judge's counters (/metrics), every address
+    # the name resolves to (on Kubernetes, a headless Service: every replica). None: proxy_url,
+    # and judge.metrics_host and judge.metrics_port.
+    proxy_metrics_url: str | None = None
+    judge_metrics_url: str | None = None
     # The names browsers reach the console by (its Host header), besides loopback names, which
     # are always allowed: any other Host is refused with 400, so a page whose name rebinds to
     # the console's address (DNS rebinding) reads nothing. Host names or IP addresses, no port;

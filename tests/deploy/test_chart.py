@@ -723,7 +723,18 @@ def test_console_deployment_and_service(rendered: dict[str, Rendered]) -> None:
         "port": 8404,
         "refresh_s": 2.5,
         "proxy_url": f"http://{FULLNAME}-proxy:8400",
+        # Counters from every replica, through headless Services (their names resolve to each
+        # ready pod) on the ports the proxy and the judge serve /metrics on.
+        "proxy_metrics_url": f"http://{FULLNAME}-proxy-replicas:8400",
+        "judge_metrics_url": f"http://{FULLNAME}-judge-replicas:8402",
     }
+    for component, port in (("proxy", "http"), ("judge", "metrics")):
+        service = r.get("Service", f"{FULLNAME}-{component}-replicas")["spec"]
+        assert service["clusterIP"] == "None"
+        assert (
+            service["selector"] == r.get("Service", f"{FULLNAME}-{component}")["spec"]["selector"]
+        )
+        assert [p["targetPort"] for p in service["ports"]] == [port]
 
     env = {e["name"]: e for e in console["env"]}
     # The judge's environment, but for vLLM's key: the console reads only the open /health.
@@ -784,6 +795,8 @@ def test_console_port_and_settings_follow_the_values(chart: helm.Chart) -> None:
         "refresh_s": 5,
         # The health panel reaches the proxy through its Service, not the console's own pod.
         "proxy_url": f"http://{FULLNAME}-proxy:8400",
+        "proxy_metrics_url": f"http://{FULLNAME}-proxy-replicas:8400",
+        "judge_metrics_url": f"http://{FULLNAME}-judge-replicas:8402",
     }
     assert r.get("Deployment", CONSOLE)["spec"]["replicas"] == 2
     assert _ports(r.container(CONSOLE)) == {"http": 9404}
@@ -916,9 +929,16 @@ def test_metrics_network_policy(chart: helm.Chart, rendered: dict[str, Rendered]
         stranger = {**pods["judge"]["metadata"]["labels"], "app.kubernetes.io/instance": "other"}
         assert not _selects(policy["podSelector"], {"labels": stranger})
     assert rendered["defaults"].get("NetworkPolicy", METRICS_POLICY)["spec"]["ingress"] == []
-    [rule] = rendered["all-on"].get("NetworkPolicy", METRICS_POLICY)["spec"]["ingress"]
-    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    # all-on runs the console: Prometheus, and the console (for the judge's counters).
+    rule, console = rendered["all-on"].get("NetworkPolicy", METRICS_POLICY)["spec"]["ingress"]
+    assert rule["ports"] == console["ports"] == [{"port": "metrics", "protocol": "TCP"}]
     assert rule["from"] == load_values("all-on")["networkPolicy"]["metricsFrom"]
+    [peer] = console["from"]
+    console_pod = _component_pods(rendered["all-on"])["console"]["metadata"]
+    assert _selects(peer["podSelector"], console_pod)
+    assert not _selects(
+        peer["podSelector"], _component_pods(rendered["all-on"])["proxy"]["metadata"]
+    )
     # Guards only what runs.
     values = load_values("defaults")
     judge_only = render(chart, {**values, "learner": {"enabled": False}})
@@ -937,8 +957,8 @@ def test_metrics_network_policy(chart: helm.Chart, rendered: dict[str, Rendered]
 
 
 def test_console_values_mirror_its_settings(chart: helm.Chart) -> None:
-    """console.config has exactly ConsoleSettings' fields less host, port and proxy_url (which
-    the chart sets), with the same bounds, and the chart's defaults are the console's own."""
+    """console.config has exactly ConsoleSettings' fields less host, port and the services' URLs
+    (which the chart sets), with the same bounds, and the chart's defaults are the console's own."""
     schema = chart.schema
     assert schema is not None
     console = schema["properties"]["console"]
@@ -946,7 +966,8 @@ def test_console_values_mirror_its_settings(chart: helm.Chart) -> None:
     config = console["properties"]["config"]
     assert config["additionalProperties"] is False
     fields = ratchet_settings.ConsoleSettings.model_fields
-    assert set(config["properties"]) == set(fields) - {"host", "port", "proxy_url"}
+    chart_set = {"host", "port", "proxy_url", "proxy_metrics_url", "judge_metrics_url"}
+    assert set(config["properties"]) == set(fields) - chart_set
     for name in config["properties"]:
         _same_bounds(config["properties"][name], fields[name], f"console.{name}")
     _same_bounds(console["properties"]["port"], fields["port"], "console.port")

@@ -402,6 +402,11 @@ Secrets never appear here: they come in as RATCHET_* environment variables.
 {{- /* Its health panel asks the proxy through the proxy's Service, not its own pod. */}}
 {{- if .Values.proxy.enabled }}
 {{- $_ := set $console "proxy_url" (printf "http://%s-proxy:%d" (include "ratchet.fullname" .) (int .Values.proxy.port)) }}
+{{- /* Its counters from every replica: a headless Service's name resolves to each pod. */}}
+{{- $_ := set $console "proxy_metrics_url" (printf "http://%s-proxy-replicas:%d" (include "ratchet.fullname" .) (int .Values.proxy.port)) }}
+{{- end }}
+{{- if .Values.judge.enabled }}
+{{- $_ := set $console "judge_metrics_url" (printf "http://%s-judge-replicas:%d" (include "ratchet.fullname" .) (int .Values.judge.metricsPort)) }}
 {{- end }}
 {{- $_ := set $config "console" $console }}
 {{- end }}

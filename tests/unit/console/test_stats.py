@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from console.stats import Counts, ThroughputReader, counts_of, increase
+from console import stats
+from console.stats import Counts, ThroughputReader, counts_of, increase, summed_increase
 from ratchet.settings import RatchetSettings
 
 PAGE = """# HELP ratchet_proxy_requests_total Requests
@@ -26,11 +27,11 @@ ratchet_proxy_other_total{alias="a"} 100.0
 
 def test_counters_are_summed_per_alias_over_their_other_labels() -> None:
     counts = counts_of(PAGE, {"ratchet_proxy_requests_total": "requests"})
-    assert counts == {("requests", "a"): 10.0, ("requests", "b"): 2.0}
+    assert counts == {("requests", "a", "-"): 10.0, ("requests", "b", "-"): 2.0}
 
 
 def samples(*points: tuple[float, float]) -> deque[tuple[float, Counts]]:
-    return deque((t, {("requests", "a"): v}) for t, v in points)
+    return deque((t, {("requests", "a", "-"): v}) for t, v in points)
 
 
 @pytest.mark.parametrize(
@@ -46,13 +47,13 @@ def samples(*points: tuple[float, float]) -> deque[tuple[float, Counts]]:
 def test_increase_over_a_window(
     points: tuple[tuple[float, float], ...], window: float, expected: float | None
 ) -> None:
-    assert increase(samples(*points), ("requests", "a"), window) == expected
+    assert increase(samples(*points), ("requests", "a", "-"), window) == expected
 
 
 def test_a_counter_missing_from_the_last_scrape_is_unknown() -> None:
     kept = samples((0, 5), (30, 9))
     kept.append((60, {}))  # the proxy did not answer
-    assert increase(kept, ("requests", "a"), 60) is None
+    assert increase(kept, ("requests", "a", "-"), 60) is None
 
 
 def test_the_proxys_metrics_are_read_with_the_admin_key_and_a_refusal_is_no_count(
@@ -80,8 +81,59 @@ def test_the_proxys_metrics_are_read_with_the_admin_key_and_a_refusal_is_no_coun
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
         keyed = RatchetSettings(home=tmp_path, proxy={"admin_key": "sk-admin-0123456789"})
-        assert ThroughputReader(keyed, url).scrape()[("requests", "a")] == 10.0
+        assert ThroughputReader(keyed, url).scrape()[("requests", "a", url)] == 10.0
         assert ThroughputReader(RatchetSettings(home=tmp_path), url).scrape() == {}
     finally:
         server.shutdown()
     assert seen == ["Bearer sk-admin-0123456789", None]
+
+
+def test_replicas_restart_on_their_own_and_their_increases_add_up() -> None:
+    """Two proxies: one restarts (its counter from zero) while the other goes on."""
+    kept: deque[tuple[float, Counts]] = deque(
+        [
+            (0, {("requests", "a", "p1"): 100, ("requests", "a", "p2"): 40}),
+            (60, {("requests", "a", "p1"): 5, ("requests", "a", "p2"): 70}),
+        ]
+    )
+    # p1 restarted: 5 since; p2: 30. Summed over the pooled counter it would read 75 - 140 < 0.
+    assert summed_increase(kept, "requests", "a", 60) == 35
+    assert summed_increase(kept, "requests", "b", 60) is None
+
+
+def test_every_replica_a_name_resolves_to_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On Kubernetes a headless Service's name resolves to every ready pod; each is read (a
+    Service's one address would reach one replica per scrape, at random)."""
+    pages = {"127.0.0.1": PAGE, "127.0.0.2": PAGE.replace(" 7.0", " 17.0")}
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = pages[self.server.server_address[0]].encode()  # type: ignore[index]
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    first = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    port = first.server_address[1]
+    second = ThreadingHTTPServer(("127.0.0.2", port), Metrics)
+    for server in (first, second):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(
+        stats, "addresses", lambda host, _: list(pages) if "replicas" in host else []
+    )
+    url = f"http://proxy-replicas.ml.svc:{port}"
+    try:
+        settings = RatchetSettings(home=tmp_path, console={"proxy_metrics_url": url})
+        reader = ThroughputReader(settings, "http://unused:1")
+        counts = reader.scrape()
+    finally:
+        first.shutdown()
+        second.shutdown()
+    assert counts[("requests", "a", f"http://127.0.0.1:{port}")] == 10.0
+    assert counts[("requests", "a", f"http://127.0.0.2:{port}")] == 20.0
