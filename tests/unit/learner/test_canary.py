@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from learner import canary
+from learner import canary_counter
 from learner.canary import CanaryWatcher, canary_verdict, estimate_pairs
 from learner.canary_ratings import Rating, rating_test
 from learner.canary_weight import minute_of, requests_key
@@ -535,9 +535,9 @@ def test_a_rating_whose_answer_never_comes_is_given_up_and_counted(
     start_canary(lifecycle)
     watcher = watcher_for(settings, lifecycle)
     watcher.count([feedback("gone", 0.0, key="alice")])
-    monkeypatch.setattr(canary, "RATING_WAIT_S", 0.0)
+    monkeypatch.setattr(canary_counter, "RATING_WAIT_S", 0.0)
     watcher.count([])
-    monkeypatch.setattr(canary, "RATING_WAIT_S", 60.0)
+    monkeypatch.setattr(canary_counter, "RATING_WAIT_S", 60.0)
     watcher.count([traffic("canary", 2, rid="gone", key="alice")])
     _, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
     assert stats["canary"].feedback == 0
@@ -550,12 +550,12 @@ def test_ratings_wait_for_their_answers_only_while_a_canary_runs_and_in_bounds(
 ) -> None:
     watcher = watcher_for(settings, lifecycle)  # no canary: no answer will be claimed
     watcher.count([feedback("x1", 0.0, key="alice")])
-    assert not watcher._waiting
+    assert not watcher.counter.waiting
     start_canary(lifecycle)
     watcher.routes = lifecycle.writer.read_all().routes
-    monkeypatch.setattr(canary, "MAX_WAITING_RATINGS", 2)
+    monkeypatch.setattr(canary_counter, "MAX_WAITING_RATINGS", 2)
     watcher.count([feedback(f"y{i}", 0.0, key="alice") for i in range(3)])
-    assert [r.completion_id for r, _ in watcher._waiting] == ["y0", "y1"]
+    assert [r.completion_id for r, _ in watcher.counter.waiting] == ["y0", "y1"]
     overflow = watcher.metrics.canary_ratings_unmatched.labels("overflow")._value.get()
     assert overflow == 1
 
