@@ -40,7 +40,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learner.gate import decide
+from learner.gate_verdict import decide
 from ratchet.sequential import SequentialTest, one_look_bounds
 from ratchet.settings import GateConfig
 

@@ -11,8 +11,8 @@ The pairs are answered in their drawn order, a wave of ``learner.gate_concurrenc
 ``threshold`` (:mod:`ratchet.sequential`, with its look at the last pair): the gate stops as
 soon as the test passes
 (at least ``min_pairs`` pairs, false-promotion rate at most ``alpha``), fails (significantly
-worse, or a pass is out of reach), or the drawn pairs run out. The pure part (:func:`decide`
-and below) is tested without a model.
+worse, or a pass is out of reach), or the drawn pairs run out. The verdict
+(learner/gate_verdict.py) is pure, tested without a model.
 
 A greedy gate asks the live version for each prompt's answer once and reuses it while that
 version stays the incumbent: it is the same answer, and rejected rounds are gated against the
@@ -25,7 +25,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -33,12 +33,12 @@ import orjson
 
 from learner.gate_scoring import Answered, PairScorer, Scored
 from learner.gate_scoring import GateError as GateError  # raised by both; callers catch it here
+from learner.gate_verdict import GateResult, conclude, mean_or_none, score_lift, sequential_test
 from ratchet.answer_length import auto_max_tokens
 from ratchet.gate_pairs import ANSWER_CHARS, KEPT, GatePair
 from ratchet.records import HeldoutPrompt
 from ratchet.rewards.reward_model import RewardModels, RewardStatus
 from ratchet.secrets import vllm_api_key
-from ratchet.sequential import SequentialTest
 from ratchet.settings import AliasConfig, GateConfig, RatchetSettings
 
 log = logging.getLogger(__name__)
@@ -55,33 +55,6 @@ class CandidateFailed:
     why: str
 
 
-@dataclass(frozen=True)
-class GateResult:
-    passed: bool
-    reason: str
-    pairs: int
-    win_rate: float | None
-    ci_low: float | None
-    ci_high: float | None
-    threshold: float
-    min_pairs: int
-    candidate_score: float | None = None  # mean verifier score on the held-out prompts
-    incumbent_score: float | None = None
-    failed_pairs: int = 0  # prompts one of the versions could not answer, or not judged
-    # The sequential test: log-capital of the bet that the candidate is better (a pass needs
-    # log(1/alpha)); ci_low/ci_high above are its time-uniform bounds, each at 1 - alpha.
-    evidence: float | None = None
-    alpha: float | None = None
-    drawn: int = 0  # held-out pairs drawn for this gate
-    stopped_early: bool = False  # decided before every drawn pair was scored
-    # The first pairs scored, for the console's side-by-side view (ratchet/gate_pairs.py); not
-    # part of the gate event.
-    sample: tuple[GatePair, ...] = ()
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "sample"}
-
-
 def answer_max_tokens(config: AliasConfig, prompts: list[HeldoutPrompt]) -> int:
     """The gate's max_tokens: ``gate.max_tokens``, else ``sampling.max_tokens``, else drawn
     from the served answer lengths of the prompts drawn, as the judge draws a group's."""
@@ -91,97 +64,6 @@ def answer_max_tokens(config: AliasConfig, prompts: list[HeldoutPrompt]) -> int:
         return config.sampling.max_tokens
     served = [p.served_output_tokens for p in prompts if p.served_output_tokens is not None]
     return auto_max_tokens(served, None, config.sampling.max_tokens_cap)
-
-
-def sequential_test(gate: GateConfig, drawn: int) -> SequentialTest:
-    """The test a gate of ``drawn`` pairs runs; its futility bound counts on at most those. The
-    pairs end at ``drawn``, so it also looks once there (``final_look``, ratchet/sequential.py)."""
-    return SequentialTest(
-        theta=gate.threshold,
-        alpha=gate.alpha,
-        max_n=max(drawn, gate.min_pairs, 1),
-        min_n=gate.min_pairs,
-        final_look=True,
-    )
-
-
-def conclude(
-    test: SequentialTest,
-    gate: GateConfig,
-    drawn: int,
-    candidate_score: float | None = None,
-    incumbent_score: float | None = None,
-    failed_pairs: int = 0,
-) -> GateResult:
-    """The gate's verdict once the test decided or the drawn pairs ran out."""
-    test.close()  # pairs lost to failures end the stream before max_n: its last look is now
-    pairs = test.n
-    common: dict[str, Any] = {
-        "pairs": pairs,
-        "threshold": gate.threshold,
-        "min_pairs": gate.min_pairs,
-        "candidate_score": candidate_score,
-        "incumbent_score": incumbent_score,
-        "failed_pairs": failed_pairs,
-        "alpha": gate.alpha,
-        "drawn": drawn,
-    }
-    if not pairs:
-        unmeasured: dict[str, Any] = {"win_rate": None, "ci_low": None, "ci_high": None}
-        return GateResult(False, "no held-out pairs", **unmeasured, **common)
-    win_rate = test.total / pairs
-    measured: dict[str, Any] = {
-        "win_rate": win_rate,
-        "ci_low": test.lower,
-        "ci_high": test.upper,
-        "evidence": test.evidence,
-        "stopped_early": test.decision != "continue" and pairs + failed_pairs < drawn,
-    }
-    head = f"win rate {win_rate:.3f} on {pairs} pairs"
-    if drawn < gate.min_pairs:  # no pass was possible: say why, not that it was futile
-        return GateResult(
-            False,
-            f"{drawn} held-out pairs drawn, fewer than {gate.min_pairs}",
-            **measured,
-            **common,
-        )
-    attempted = pairs + failed_pairs
-    if test.decision == "pass" and failed_pairs > gate.max_failed_share * attempted:
-        return GateResult(
-            False,
-            f"{head}, but {failed_pairs} of {attempted} pairs failed (more than "
-            f"gate.max_failed_share, {gate.max_failed_share}): the pairs judged may not speak "
-            "for the prompts",
-            **measured,
-            **common,
-        )
-    if test.decision == "pass":
-        return GateResult(True, f"{head}: {test.reason}", **measured, **common)
-    if test.decision == "fail":
-        return GateResult(False, f"{head}: {test.reason}", **measured, **common)
-    if pairs < gate.min_pairs:
-        reason = f"{pairs} held-out pairs, fewer than {gate.min_pairs}"
-    else:
-        reason = f"{head}: undecided, {drawn} drawn ({test.lower:.3f} <= {gate.threshold})"
-    return GateResult(False, reason, **measured, **common)
-
-
-def decide(
-    outcomes: list[float],
-    gate: GateConfig,
-    drawn: int | None = None,
-    candidate_score: float | None = None,
-    incumbent_score: float | None = None,
-    failed_pairs: int = 0,
-) -> GateResult:
-    """Feed ``outcomes`` in order to the sequential test until it decides; ``drawn`` (default:
-    the outcomes and failed pairs) bounds how many the gate could have seen."""
-    drawn = len(outcomes) + failed_pairs if drawn is None else drawn
-    test = sequential_test(gate, drawn)
-    for outcome in outcomes:
-        if test.update(outcome) != "continue":
-            break
-    return conclude(test, gate, drawn, candidate_score, incumbent_score, failed_pairs)
 
 
 def answer_message(choice: dict[str, Any]) -> dict[str, Any]:
@@ -195,10 +77,6 @@ def answer_message(choice: dict[str, Any]) -> dict[str, Any]:
 
 def _text(answer: dict[str, Any]) -> str:
     return str(answer.get("content") or "")[:ANSWER_CHARS]
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
 
 
 Progress = Callable[[int, int, float], None]
@@ -277,7 +155,13 @@ class Gate:
                 if test.decision != "continue":
                     break
         result = conclude(
-            test, config.gate, len(prompts), _mean(cand_scores), _mean(inc_scores), failed
+            test,
+            config.gate,
+            len(prompts),
+            mean_or_none(cand_scores),
+            mean_or_none(inc_scores),
+            failed,
+            score_lift(cand_scores, inc_scores),
         )
         return replace(result, sample=tuple(sample))
 

@@ -31,7 +31,8 @@ import redis
 from kafka.errors import KafkaError
 
 from learner.canary_weight import canary_weight, requests_per_second
-from learner.gate import Gate, GateError, GateResult
+from learner.gate import Gate, GateError
+from learner.gate_verdict import GateResult
 from learner.heldout import HeldoutPool
 from learner.metrics import LearnerMetrics
 from learner.reporter import ProgressReporter

@@ -1,8 +1,9 @@
 """Offline evaluation of a fixed-size comparison: the mean outcome's bootstrap interval.
 
 For the benches and the outcome checks that compare two versions on a fixed set of prompts
-(bench/, tests/). The gate itself decides sequentially (ratchet/sequential.py) and never uses
-these: numpy stays out of the learner's gate.
+(bench/, tests/), and for the effect size the gate reports beside its verdict. The gate decides
+sequentially (ratchet/sequential.py), never on these intervals: they hold for a fixed sample,
+and the gate's stops where its test decides.
 """
 
 from __future__ import annotations

@@ -26,6 +26,16 @@ class RoundRow:
     # (rejected) candidate when the learner trained on from it (ratchet/carry.py).
     live: int | None = None
     trained_from: int | None = None
+    # The mean per-prompt score lift over the live version and its 95% interval (scored pairs).
+    lift: float | None = None
+    lift_low: float | None = None
+    lift_high: float | None = None
+
+    def lift_text(self) -> str:
+        """``lift +0.050 [+0.010, +0.090]``, or "" where no lift was measured."""
+        if self.lift is None or self.lift_low is None or self.lift_high is None:
+            return ""
+        return f"lift {self.lift:+.3f} [{self.lift_low:+.3f}, {self.lift_high:+.3f}]"
 
     @property
     def carried_on(self) -> bool:
@@ -68,6 +78,9 @@ def rounds_of(history: list[dict[str, Any]]) -> list[RoundRow]:
             row = rows[version]
             row.win_rate, row.ci_low = _float(detail.get("win_rate")), _float(detail.get("ci_low"))
             row.ci_high, row.pairs = _float(detail.get("ci_high")), _int(detail.get("pairs"))
+            row.lift, row.lift_low, row.lift_high = (
+                _float(detail.get(name)) for name in ("lift", "lift_low", "lift_high")
+            )
             passed = detail.get("passed")
             row.passed = passed if isinstance(passed, bool) else None
         elif kind in OUTCOME_KINDS:

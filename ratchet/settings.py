@@ -170,6 +170,11 @@ class GateConfig(_Section):
     # counts as a loss instead). Failures that fall on the prompts a candidate would lose would
     # pass it, so a gate with more than this share of its pairs lost does not pass.
     max_failed_share: float = Field(default=0.1, ge=0.0, le=1.0)
+    # None: a candidate passes on its win rate alone ("better more often than not"). Set: it
+    # must also lift the mean per-prompt score by at least this much (the point estimate of the
+    # lift the gate reports; needs scored pairs: a verifier or a reward model), so a promotion
+    # carries a gain worth a deploy.
+    min_lift: float | None = Field(default=None, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _pairs_fit(self) -> GateConfig:

@@ -5,6 +5,7 @@ promotions marked)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from ratchet.bus import consumer_lag
 from ratchet.records import GROUPS_TOPIC
@@ -25,14 +26,31 @@ def learner_lag(settings: RatchetSettings, timeout_s: float = 5.0) -> int | None
     )
 
 
+def _plot_lift(axis: Any, lifted: list[tuple[int, RoundRow]]) -> None:
+    """The gate's score lift over the live version per round, with its 95% interval."""
+    xs = [i for i, _ in lifted]
+    means = [r.lift or 0.0 for _, r in lifted]
+    low = [(r.lift or 0.0) - (r.lift_low or 0.0) for _, r in lifted]
+    high = [(r.lift_high or 0.0) - (r.lift or 0.0) for _, r in lifted]
+    colours = ["tab:green" if r.passed else "tab:red" for _, r in lifted]
+    axis.errorbar(xs, means, yerr=[low, high], fmt="none", ecolor="grey", capsize=3)
+    axis.scatter(xs, means, c=colours, zorder=3)
+    axis.axhline(0.0, linestyle="--", color="grey")
+    axis.set_ylabel("gate score lift (95% CI)")
+
+
 def plot_rounds(alias: str, rows: list[RoundRow], threshold: float, path: Path) -> Path:
-    """Reward per round on top, gate win rate with its 95% interval below; promotions marked."""
+    """Reward per round on top, gate win rate with its 95% interval below, and, where the pairs
+    had scores, the score lift with its interval under that; promotions marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    lifted = [(i, r) for i, r in enumerate(rows, 1) if r.lift is not None]
+    panels = 3 if lifted else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 3 * panels), sharex=True)
+    top, bottom = axes[0], axes[1]
     x = list(range(1, len(rows) + 1))
     rewards = [r.mean_reward if r.mean_reward is not None else float("nan") for r in rows]
     top.plot(x, rewards, marker="o", color="tab:blue")
@@ -54,9 +72,13 @@ def plot_rounds(alias: str, rows: list[RoundRow], threshold: float, path: Path) 
     bottom.set_xticks(x, [f"{i}\nv{r.version}" for i, r in zip(x, rows, strict=True)])
     for i, row in zip(x, rows, strict=True):
         if row.outcome == "promoted":
-            for axis in (top, bottom):
+            for axis in axes:
                 axis.axvline(i, color="tab:green", alpha=0.3, linewidth=6)
     bottom.legend(loc="lower right")
+    if lifted:
+        _plot_lift(axes[2], lifted)
+        axes[2].set_xticks(x, [f"{i}\nv{r.version}" for i, r in zip(x, rows, strict=True)])
+        axes[2].set_xlabel("round (candidate version below)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

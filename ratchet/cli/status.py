@@ -43,6 +43,8 @@ def status(
                 if row.win_rate is None
                 else f"win {row.win_rate:.2f} [{row.ci_low:.2f}, {row.ci_high:.2f}] n={row.pairs}"
             )
+            if row.lift_text():
+                gate += f", {row.lift_text()}"
             reward = "-" if row.mean_reward is None else f"{row.mean_reward:.3f}"
             start = f" (on from v{row.trained_from})" if row.carried_on else ""
             lines.append(f"v{row.version}{start}: reward {reward}, {gate}, {row.outcome}")

@@ -20,7 +20,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from learner.gate import Gate, GateResult
+from learner.gate import Gate
+from learner.gate_verdict import GateResult
 from ratchet.demo import load_prompts
 from ratchet.records import HeldoutPrompt, prompt_hash
 from ratchet.settings import AliasConfig, GateConfig, RatchetSettings, RewardConfig

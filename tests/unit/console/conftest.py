@@ -53,6 +53,7 @@ def lifecycle(settings: RatchetSettings) -> Lifecycle:
     life = Lifecycle(RegistryWriter(settings.redis_url, settings.aliases), store, sink=None)
     for version, win in ((1, 0.8), (2, 0.7)):
         gate = {"win_rate": win, "ci_low": win - 0.2, "ci_high": win + 0.1, "pairs": 40}
+        gate |= {"lift": win - 0.5, "lift_low": win - 0.6, "lift_high": win - 0.4}
         life.record(life.event(ALIAS, "candidate", version=version, detail={"mean_reward": 0.4}))
         life.record(life.event(ALIAS, "gate", version=version, detail={**gate, "passed": True}))
     life.promote(ALIAS, 1)

@@ -42,6 +42,7 @@ def test_the_alias_page_shows_lineage_rounds_plot_and_the_gates_pairs(
     assert "trained on 64 groups" in html and "over 2 round(s)" in html
     assert "<svg" in html and "Training reward and gate win rate per round" in html
     assert "0.700 [0.500, 0.800]" in html  # v2's gate in the rounds table
+    assert "0.200 [0.100, 0.300]" in html  # and its score lift
     assert 'data-testid="gate-pairs-v2"' in html
     assert "Sort 3 1 2" in html and ">1 2 3</pre>" in html and ">3 2 1</pre>" in html
     assert "candidate better" in html

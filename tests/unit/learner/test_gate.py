@@ -25,8 +25,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from learner.gate import Gate, GateError, answer_max_tokens, decide
+from learner.gate import Gate, GateError, answer_max_tokens
 from learner.gate_scoring import PairScorer, pairwise_outcome, verifier_outcome
+from learner.gate_verdict import decide, score_lift
 from ratchet.dev.processes import free_port
 from ratchet.records import HeldoutPrompt
 from ratchet.settings import AliasConfig, GateConfig, LearnerSettings, RatchetSettings, RewardConfig
@@ -204,6 +205,27 @@ def test_decide_reads_outcomes_in_order() -> None:
     assert not losses_first.passed and losses_first.pairs == DECISIVE
 
 
+def test_a_pass_by_too_small_a_lift_is_refused_with_gate_min_lift() -> None:
+    """Better more often than not, but by 0.02 a prompt: with gate.min_lift 0.05 it does not
+    pass; without a lift measured (a judge that only ranks) it cannot show one."""
+    wins = [1.0] * 20
+    assert decide(wins, GATE, lift=(0.02, 0.01, 0.03)).passed  # no floor: the win rate decides
+    floor = GATE.model_copy(update={"min_lift": 0.05})
+    small = decide(wins, floor, lift=(0.02, 0.01, 0.03))
+    assert not small.passed and "score lift +0.020 (gate.min_lift 0.05)" in small.reason
+    assert small.lift == 0.02 and small.lift_low == 0.01 and small.lift_high == 0.03
+    assert "no score lift measured" in decide(wins, floor).reason
+    assert decide(wins, floor, lift=(0.08, 0.04, 0.12)).passed
+
+
+def test_the_lift_is_the_mean_score_difference_with_a_seeded_interval() -> None:
+    candidate, incumbent = [0.9, 0.8, 1.0, 0.7] * 5, [0.5, 0.8, 0.6, 0.7] * 5
+    lift = score_lift(candidate, incumbent)
+    assert lift is not None and lift[0] == pytest.approx(0.2)
+    assert lift[1] < 0.2 < lift[2] and lift == score_lift(candidate, incumbent)
+    assert score_lift([1.0], [0.0]) is None
+
+
 def test_decide_without_pairs_is_a_result_not_a_crash() -> None:
     result = decide([], GATE, failed_pairs=3)
     assert not result.passed
@@ -230,6 +252,9 @@ def test_a_better_candidate_passes_and_stops_early(vllm: StandIn) -> None:
     assert result.stopped_early and result.ci_low is not None and result.ci_low > 0.5
     assert result.win_rate == 1.0
     assert result.candidate_score == 1.0 and result.incumbent_score == 0.0
+    # The effect size beside the win rate: every pair 1.0 against 0.0.
+    assert (result.lift, result.lift_low, result.lift_high) == (1.0, 1.0, 1.0)
+    assert result.as_dict()["lift"] == 1.0
     # Waves of 4 pairs in draw order until the 16th pair passed: 4 waves, 16 prompts answered
     # by each version (greedily, with the gate's settings), and none of the other 24.
     assert seen == [(4, 40, 1.0), (8, 40, 1.0), (12, 40, 1.0), (16, 40, 1.0)]

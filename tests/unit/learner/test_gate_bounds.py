@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from learner.gate import sequential_test
+from learner.gate_verdict import sequential_test
 from ratchet.settings import GateConfig
 
 

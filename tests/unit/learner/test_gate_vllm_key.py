@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from learner.gate import Gate, GateResult
+from learner.gate import Gate
+from learner.gate_verdict import GateResult
 from ratchet.records import HeldoutPrompt
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import AliasConfig, RatchetSettings

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from kafka.errors import KafkaError
 
-from learner.gate import GateError, GateResult
+from learner.gate import GateError
+from learner.gate_verdict import GateResult
 from learner.heldout import HeldoutPool
 from learner.round import RoundReport, Rounds, trained_key
 from learner.service import LearnerService

@@ -4,6 +4,7 @@ Lifecycle, the way the learner writes it), and the rounds plot as a PNG."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,16 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def gate_detail(win_rate: float, passed: bool) -> dict[str, Any]:
+    lift = round(win_rate - 0.5, 3)  # a verifier alias's gate measures a score lift too
     return {
         "passed": passed,
         "win_rate": win_rate,
         "ci_low": win_rate - 0.1,
         "ci_high": win_rate + 0.1,
         "pairs": 40,
+        "lift": lift,
+        "lift_low": lift - 0.05,
+        "lift_high": lift + 0.05,
     }
 
 
@@ -74,7 +79,10 @@ def test_rounds_of_gives_each_candidate_its_gate_and_fate(history: list[dict[str
     first = rows[0]
     assert (first.mean_reward, first.groups, first.pairs, first.passed) == (0.3, 8, 40, True)
     assert (first.win_rate, first.ci_low, first.ci_high) == pytest.approx((0.8, 0.7, 0.9))
+    assert (first.lift, first.lift_low, first.lift_high) == pytest.approx((0.3, 0.25, 0.35))
+    assert first.lift_text() == "lift +0.300 [+0.250, +0.350]"
     assert rows[1].passed is False and rows[1].win_rate == pytest.approx(0.3)
+    assert rows[4].lift is None and rows[4].lift_text() == ""
     assert rows[4].win_rate is None and rows[4].passed is None and rows[4].groups is None
 
 
@@ -94,6 +102,14 @@ def test_plot_rounds_writes_a_png(history: list[dict[str, Any]], tmp_path: Path)
     assert written == target
     data = target.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 5_000
+    # The gates measured a score lift: a third panel shows it (a taller figure).
+    without = [replace(r, lift=None, lift_low=None, lift_high=None) for r in rounds_of(history)]
+    plot_rounds(ALIAS, without, threshold=0.5, path=tmp_path / "two.png")
+    assert _png_height(target) > _png_height(tmp_path / "two.png")
+
+
+def _png_height(path: Path) -> int:
+    return int.from_bytes(path.read_bytes()[20:24], "big")  # the IHDR chunk's height
 
 
 def test_plot_rounds_without_any_gate_still_plots(tmp_path: Path) -> None:
