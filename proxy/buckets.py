@@ -33,7 +33,8 @@ KEY_PREFIX = "ratchet:ratelimit:"
 # per key: units taken now (a bucket needs room for at least one), then one per key: ms of refill
 # added first (earlier requests' takes and settlements; negative: a refund). Reply: {0 or the
 # index of the limit that refuses, ms to wait, then per key the ms until the bucket is full
-# again}. Refused: nothing taken; what was added is kept either way.
+# again}. Refused: nothing taken; what was added is kept either way. The debt (at - now) comes
+# first: at + need - now - room rounds, and a full bucket of one would refuse now and then.
 ADMIT_SCRIPT = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
@@ -45,7 +46,7 @@ for i = 1, n do
   at = math.max(now, at + tonumber(ARGV[3 * n + i]))
   full_at[i] = at
   local need = math.max(1, tonumber(ARGV[2 * n + i]))
-  local over = at + need * tonumber(ARGV[2 * i - 1]) - now - tonumber(ARGV[2 * i])
+  local over = (at - now) + need * tonumber(ARGV[2 * i - 1]) - tonumber(ARGV[2 * i])
   if over > wait then worst, wait = i, over end
 end
 local reply = {worst, math.ceil(wait)}
@@ -222,7 +223,10 @@ class LocalBuckets:
         worst: tuple[Limit, float] | None = None
         for index, limit in enumerate(self.limits):
             need = max(takes_ms[index], limit.unit_ms)
-            over = max(full_at[index], now_ms) + need - now_ms - limit.room_ms
+            # Debt first, then the take against the room: (now + need) - now - room is not
+            # exactly need - room in floats, and a full bucket of one request would then refuse
+            # it about once in 150 checks.
+            over = max(full_at[index] - now_ms, 0.0) + need - limit.room_ms
             if over > 0 and (worst is None or over > worst[1]):
                 worst = (limit, over)
         if worst is None:

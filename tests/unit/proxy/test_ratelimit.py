@@ -25,6 +25,8 @@ from proxy import ratelimit
 from proxy.app import create_app
 from proxy.buckets import (
     KEY_PREFIX,
+    Limit,
+    LocalBuckets,
     choice_events,
     prompt_estimate,
     reservation,
@@ -696,3 +698,14 @@ async def test_with_budgets_a_request_refused_for_its_body_still_counts(
         assert refused.status_code == 429, refused.text
         assert "proxy.rate_limit.requests_per_minute" in refused.json()["error"]["message"]
         assert (await post(app, b"not json")).status_code == 429  # over the rate: 429 first
+
+
+def test_a_full_bucket_of_one_admits_whatever_the_clock_reads() -> None:
+    """A burst-1 limit, full: the local buckets admit its one request at any time. Computed as
+    (now + need) - now - room, float rounding refused it at about 0.6% of clock readings (seen
+    in CI at 4170767.042693 ms)."""
+    one = Limit("requests_per_minute", "requests", 60_000.0, 1, 1, "1 request per minute")
+    for now_ms in (4_170_767.042693, *(1e6 + i * 7_919.123457 for i in range(2_000))):
+        local = LocalBuckets([one])
+        assert local.admit("b", [60_000.0], now_ms, ([1.0], 0.0)) is None, now_ms
+        assert local.admit("b", [60_000.0], now_ms, ([1.0], 0.0)) is not None  # now empty
