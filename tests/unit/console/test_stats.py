@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,21 +65,13 @@ def test_the_proxys_metrics_are_read_with_the_admin_key_and_a_refusal_is_no_coun
     error page (a 401 envelope) is a missing sample, never parsed as counts."""
     seen: list[str | None] = []
 
-    class Metrics(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            seen.append(self.headers.get("authorization"))
-            ok = self.headers.get("authorization") == "Bearer sk-admin-0123456789"
-            body = PAGE.encode() if ok else b'{"error": {"message": "needs the admin key"}}'
-            self.send_response(200 if ok else 401)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(headers: Any, _: str) -> tuple[int, bytes]:
+        seen.append(headers.get("authorization"))
+        if headers.get("authorization") == "Bearer sk-admin-0123456789":
+            return 200, PAGE.encode()
+        return 401, b'{"error": {"message": "needs the admin key"}}'
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = metrics_server("127.0.0.1", 0, answer)
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
         keyed = RatchetSettings(home=tmp_path, proxy={"admin_key": "sk-admin-0123456789"})
@@ -108,22 +102,12 @@ def test_every_replica_a_name_resolves_to_is_read(
     Service's one address would reach one replica per scrape, at random)."""
     pages = {"127.0.0.1": PAGE, "127.0.0.2": PAGE.replace(" 7.0", " 17.0")}
 
-    class Metrics(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = pages[self.server.server_address[0]].encode()  # type: ignore[index]
-            self.send_response(200)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(_: Any, address: str) -> tuple[int, bytes]:
+        return 200, pages[address].encode()
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    first = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    first = metrics_server("127.0.0.1", 0, answer)
     port = first.server_address[1]
-    second = ThreadingHTTPServer(("127.0.0.2", port), Metrics)
-    for server in (first, second):
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+    second = metrics_server("127.0.0.2", port, answer)
     monkeypatch.setattr(
         stats, "addresses", lambda host, _: list(pages) if "replicas" in host else []
     )
@@ -137,3 +121,25 @@ def test_every_replica_a_name_resolves_to_is_read(
         second.shutdown()
     assert counts[("requests", "a", f"http://127.0.0.1:{port}")] == 10.0
     assert counts[("requests", "a", f"http://127.0.0.2:{port}")] == 20.0
+
+
+def metrics_server(
+    host: str, port: int, answer: Callable[[Any, str], tuple[int, bytes]]
+) -> ThreadingHTTPServer:
+    """A /metrics stand-in on ``host:port`` (0: any), serving in a thread: ``answer(request
+    headers, the address it listens on)`` gives each reply's status and body."""
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status, body = answer(self.headers, host)
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer((host, port), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
