@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ratchet.dev.processes import Stack
 from ratchet.registry import RegistryWriter
+from ratchet.secrets import redis_connection_url
 from ratchet.settings import RatchetSettings
 
 POLL_S = 2.0
@@ -65,7 +66,7 @@ class Watch:
 class Watcher:
     def __init__(self, settings: RatchetSettings, alias: str, stack: Stack) -> None:
         self.alias, self.stack = alias, stack
-        self.registry = RegistryWriter(settings.redis_url, settings.aliases)
+        self.registry = RegistryWriter(redis_connection_url(settings), settings.aliases)
         self.judge_url = f"http://127.0.0.1:{settings.judge.metrics_port}/metrics"
         self.learner_url = f"http://127.0.0.1:{settings.learner.metrics_port}/metrics"
         self.watch = Watch()

@@ -72,6 +72,7 @@ from ratchet.records import (
     FeedbackRecord,
     TrafficRecord,
 )
+from ratchet.secrets import redis_connection_url
 from ratchet.settings import AliasConfig, RatchetSettings
 from ratchet.store import AdapterStore
 
@@ -135,7 +136,9 @@ class OwnerNotes:
         self.owners = self.call(self._make(settings))
 
     async def _make(self, settings: RatchetSettings) -> CompletionOwners:
-        return CompletionOwners(settings.redis_url, CollectorRegistry(), owner_ttl_s(settings))
+        return CompletionOwners(
+            redis_connection_url(settings), CollectorRegistry(), owner_ttl_s(settings)
+        )
 
     def call(self, coroutine: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=30)

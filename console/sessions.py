@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import redis
 
-from ratchet.secrets import keyed_hash, server_secret
+from ratchet.secrets import keyed_hash, redis_connection_url, server_secret
 from ratchet.settings import RatchetSettings
 
 SESSION_KEY = "ratchet:console:session:"  # + the token's SHA-256
@@ -52,7 +52,7 @@ def _digest(token: str) -> str:
 class Sessions:
     def __init__(self, settings: RatchetSettings, admin_key: str) -> None:
         self.redis = redis.Redis.from_url(
-            settings.redis_url, socket_timeout=2, socket_connect_timeout=2
+            redis_connection_url(settings), socket_timeout=2, socket_connect_timeout=2
         )
         self.ttl_s = settings.console.session_ttl_s
         self.key_mark = keyed_hash(server_secret(settings), "console-admin-key", admin_key)

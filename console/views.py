@@ -20,6 +20,7 @@ from ratchet.registry import AliasRoute, RegistryWriter, served_name
 from ratchet.rewards.agreement import probes_agreement, read_agreement
 from ratchet.rewards.reward_model import RewardStatus, describe_reward_model
 from ratchet.rounds import RoundRow, rounds_of
+from ratchet.secrets import redis_connection_url
 from ratchet.settings import RatchetSettings
 from ratchet.store import AdapterStore
 
@@ -79,7 +80,7 @@ class ConsoleData:
 
     def __init__(self, settings: RatchetSettings) -> None:
         self.settings = settings
-        self.writer = RegistryWriter(settings.redis_url, settings.aliases)
+        self.writer = RegistryWriter(redis_connection_url(settings), settings.aliases)
         self.redis: redis.Redis = self.writer.redis
         assert settings.store_dir is not None
         self.store = AdapterStore(settings.store_dir)

@@ -67,7 +67,7 @@ from ratchet.records import (
 )
 from ratchet.registry import AliasRoute, InvalidRoute, alias_key, decode_hash, served_name
 from ratchet.rewards.reward_model import RewardModels
-from ratchet.secrets import keyed_hash, server_secret, vllm_api_key
+from ratchet.secrets import keyed_hash, redis_connection_url, server_secret, vllm_api_key
 from ratchet.settings import AliasConfig, ConfigError, RatchetSettings
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class JudgeService(JudgeKafka):
         self.vllm_key = vllm_api_key(settings)  # for sampling, and the judge model when it is vLLM
         self.metrics = JudgeMetrics()
         self.redis = aioredis.Redis.from_url(
-            settings.redis_url, socket_timeout=2, socket_connect_timeout=1
+            redis_connection_url(settings), socket_timeout=2, socket_connect_timeout=1
         )
         self.scorer = GroupScorer(
             settings.judge,

@@ -60,6 +60,7 @@ from ratchet.records import (
     parse,
 )
 from ratchet.registry import AliasRoute, InvalidRoutes, RegistryWriter
+from ratchet.secrets import redis_connection_url
 from ratchet.settings import ConfigError, RatchetSettings
 from ratchet.store import AdapterStore
 
@@ -76,7 +77,7 @@ class LearnerService:
         self.metrics = LearnerMetrics()
         assert settings.store_dir is not None
         self.store = AdapterStore(settings.store_dir)
-        self.writer = RegistryWriter(settings.redis_url, settings.aliases)
+        self.writer = RegistryWriter(redis_connection_url(settings), settings.aliases)
         self.redis = self.writer.redis
         self.lifecycle = Lifecycle(self.writer, self.store, EventSink(settings), actor="learner")
         self.rounds = Rounds(

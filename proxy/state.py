@@ -18,7 +18,13 @@ from proxy.routing import RoutingCache
 from proxy.upstream import Upstream
 from proxy.validation import RequestLimits, check_depth, json_too_deep
 from ratchet.records import ANONYMOUS_CLIENT, DEADLETTER_TOPIC, FEEDBACK_TOPIC, TRAFFIC_TOPIC
-from ratchet.secrets import client_source, hash_api_key, server_secret, vllm_api_key
+from ratchet.secrets import (
+    client_source,
+    hash_api_key,
+    redis_connection_url,
+    server_secret,
+    vllm_api_key,
+)
 from ratchet.settings import RatchetSettings
 
 
@@ -29,7 +35,7 @@ class ProxyState:
         self.settings = settings
         self.metrics = ProxyMetrics()
         self.routing = RoutingCache(
-            settings.redis_url, settings.aliases, settings.proxy.registry_refresh_s
+            redis_connection_url(settings), settings.aliases, settings.proxy.registry_refresh_s
         )
         self.upstream = Upstream(
             settings.vllm_url,
@@ -74,12 +80,15 @@ class ProxyState:
         self.upstream.on_model_context = self.limits.set_model_context
         # Per key only when keys are required: without auth a client could invent one per request.
         self.rate_limiter = RateLimiter(
-            settings.proxy.rate_limit, settings.redis_url, self.metrics, bool(self.key_hashes)
+            settings.proxy.rate_limit,
+            redis_connection_url(settings),
+            self.metrics,
+            bool(self.key_hashes),
         )
         self.log_rates = {name: cfg.log_rate for name, cfg in settings.aliases.items()}
         # Who got each completion, so only that key may rate it, once (proxy/completions.py).
         self.completions = CompletionOwners(
-            settings.redis_url, self.metrics.registry, owner_ttl_s(settings)
+            redis_connection_url(settings), self.metrics.registry, owner_ttl_s(settings)
         )
         self.metrics.watch_log(self.traffic_log, self.routing)
 

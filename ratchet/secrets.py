@@ -13,8 +13,9 @@ import hmac
 import os
 import secrets
 from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 
-from ratchet.settings import RatchetSettings
+from ratchet.settings import DEFAULT_REDIS_URL, RatchetSettings
 
 SECRET_FILE = "secret"
 
@@ -126,3 +127,29 @@ def vllm_api_key(settings: RatchetSettings) -> str:
     if settings.vllm_api_key is not None:
         return settings.vllm_api_key.get_secret_value()
     return keyed_hash(server_secret(settings), "vllm-api-key")
+
+
+def redis_connection_url(settings: RatchetSettings) -> str:
+    """The URL every client of Redis connects with, password included.
+
+    ``redis_password`` replaces any password in ``redis_url``. Without either, the default URL
+    (the embedded stack's Redis, which `ratchet up` starts requiring this password) gets one
+    derived from the server secret, so every process of this machine's stack agrees on it
+    without it being written anywhere; any other URL is used as given.
+    """
+    if settings.redis_password is not None:
+        password = settings.redis_password.get_secret_value()
+    elif settings.redis_url == DEFAULT_REDIS_URL and "redis_url" not in settings.model_fields_set:
+        password = keyed_hash(server_secret(settings), "redis-password")
+    else:
+        return settings.redis_url
+    return with_password(settings.redis_url, password)
+
+
+def with_password(url: str, password: str) -> str:
+    """``url`` with ``password`` (percent-encoded) in place of any it had; a username is kept."""
+    parts = urlsplit(url)
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]  # as written: already percent-encoded
+    netloc = f"{user}:{quote(password, safe='')}@{host}"
+    return urlunsplit(parts._replace(netloc=netloc))

@@ -27,8 +27,10 @@ from pydantic import (
 )
 from pydantic_settings import (
     BaseSettings,
+    NestedSecretsSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     YamlConfigSettingsSource,
 )
 
@@ -682,6 +684,13 @@ class ConsoleSettings(_Section):
         return names
 
 
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6399/0"
+# A folder of secret files, one per setting, named as its environment variable
+# (RATCHET_PROXY__API_KEYS, ...): a Kubernetes Secret mounted as a volume, so that secrets are
+# not in the environment, where every process the service starts and every crash dump sees them.
+SECRETS_DIR_VARIABLE = "RATCHET_SECRETS_DIR"
+
+
 class RatchetSettings(BaseSettings):
     """Settings for every Ratchet service, validated once at start."""
 
@@ -692,7 +701,12 @@ class RatchetSettings(BaseSettings):
     )
 
     kafka_bootstrap_servers: str = "127.0.0.1:9092"
-    redis_url: str = "redis://127.0.0.1:6399/0"
+    # Left at this default it names the embedded stack's Redis, which requires a password derived
+    # from the secret (ratchet.secrets.redis_connection_url); a URL you set is used as given.
+    redis_url: str = DEFAULT_REDIS_URL
+    # Redis's password (with a username in redis_url, that user's), kept out of the URL so it
+    # can come from a secret file or RATCHET_REDIS_PASSWORD; it replaces one in redis_url.
+    redis_password: SecretStr | None = None
     vllm_url: str = "http://127.0.0.1:8401"
     # Keys API-key hashes, the held-out split and canary stickiness (ratchet/secrets.py). Every
     # replica of every service must share it; unset, the services of one machine share a random
@@ -711,7 +725,7 @@ class RatchetSettings(BaseSettings):
     console: ConsoleSettings = ConsoleSettings()
     aliases: dict[str, AliasConfig] = {"support": AliasConfig()}
 
-    @field_validator("secret", "vllm_api_key")
+    @field_validator("secret", "vllm_api_key", "redis_password")
     @classmethod
     def _secret_not_blank(cls, value: SecretStr | None) -> SecretStr | None:
         # Blank (an unset environment variable) would be a secret anyone knows, and vLLM given
@@ -807,9 +821,16 @@ class RatchetSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         yaml_path = _config_file or config_path()
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        secrets_dir = os.environ.get(SECRETS_DIR_VARIABLE)
+        if secrets_dir:
+            # A folder named but missing is a broken mount: an error, not the defaults.
+            sources.append(
+                NestedSecretsSettingsSource(
+                    file_secret_settings, secrets_dir=secrets_dir, secrets_dir_missing="error"
+                )
+            )
         if yaml_path.is_file():
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_path))
-        sources.append(file_secret_settings)
         return tuple(sources)
 
 
@@ -839,6 +860,17 @@ def config_path() -> Path:
 _config_file: Path | None = None
 
 
+def settings_error_hint(exc: SettingsError) -> str:
+    """pydantic-settings' message for a value a source could not read, with the fix."""
+    message = str(exc)
+    if "does not exist" in message or "secrets_dir" in message:
+        return f"{message}: {SECRETS_DIR_VARIABLE} names the folder of secret files"
+    return (
+        f"{message}: a list or mapping in the environment or a secret file is JSON, "
+        """e.g. RATCHET_PROXY__API_KEYS='["sk-one", "sk-two"]'"""
+    )
+
+
 def load_settings(path: Path | str | None = None, **overrides: Any) -> RatchetSettings:
     """Read and validate settings; raise ConfigError naming every bad setting and its fix."""
     global _config_file
@@ -851,6 +883,8 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> RatchetSe
     source = _config_file or config_path()
     try:
         return RatchetSettings(**overrides)
+    except SettingsError as exc:  # raised by a source, before validation
+        raise ConfigError(f"invalid Ratchet settings:\n  {settings_error_hint(exc)}") from None
     except ValidationError as exc:
         lines = []
         for err in exc.errors():

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 def _lifecycle(settings: RatchetSettings, alias: str) -> Lifecycle:
     from ratchet.lifecycle import EventSink, Lifecycle
     from ratchet.registry import RegistryWriter
+    from ratchet.secrets import redis_connection_url
     from ratchet.settings import NAME_PATTERN, NAME_RULE
     from ratchet.store import AdapterStore
 
@@ -23,7 +24,7 @@ def _lifecycle(settings: RatchetSettings, alias: str) -> Lifecycle:
         console.print(f"[red]alias {alias!r} is not a valid name: {NAME_RULE}[/red]")
         raise typer.Exit(2)
     assert settings.store_dir is not None
-    writer = RegistryWriter(settings.redis_url, settings.aliases)
+    writer = RegistryWriter(redis_connection_url(settings), settings.aliases)
     return Lifecycle(writer, AdapterStore(settings.store_dir), EventSink(settings, 5.0), "cli")
 
 

@@ -32,6 +32,7 @@ def alias_set(
 ) -> None:
     """Change an alias's routing; every proxy picks it up at once."""
     from ratchet.registry import KEEP, RegistryWriter, set_route
+    from ratchet.secrets import redis_connection_url
     from ratchet.settings import NAME_PATTERN, NAME_RULE
 
     settings = settings_or_exit(config)
@@ -47,7 +48,7 @@ def alias_set(
     if alias not in settings.aliases:  # before the gate's verdicts, which would not say so
         console.print(f"[red]unknown alias {alias!r}: add it to ratchet.yaml first[/red]")
         raise typer.Exit(2)
-    writer = RegistryWriter(settings.redis_url, settings.aliases)
+    writer = RegistryWriter(redis_connection_url(settings), settings.aliases)
     try:
         new_canary: int | object | None = KEEP
         if canary is not None:
@@ -94,8 +95,9 @@ def read_routes(
 ) -> tuple[RegistryWriter, dict[str, AliasRoute]]:
     """The registry and its routes: every alias's, or the one named (exit 2 if unknown)."""
     from ratchet.registry import RegistryWriter
+    from ratchet.secrets import redis_connection_url
 
-    writer = RegistryWriter(settings.redis_url, settings.aliases)
+    writer = RegistryWriter(redis_connection_url(settings), settings.aliases)
     table = writer.read_all()
     for why in table.invalid.values():
         console.print(f"[yellow]{why}: fix or delete that hash; shown with its defaults[/yellow]")

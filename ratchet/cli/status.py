@@ -118,12 +118,13 @@ def report(
     """Plot reward per round and gate win rate (95% CI) for an alias, promotions marked."""
     from ratchet.cli.report import plot_rounds, rounds_of
     from ratchet.registry import RegistryWriter
+    from ratchet.secrets import redis_connection_url
 
     settings = settings_or_exit(config)
     if alias not in settings.aliases:
         console.print(f"[red]unknown alias {alias!r}[/red]")
         raise typer.Exit(2)
-    writer = RegistryWriter(settings.redis_url, settings.aliases)
+    writer = RegistryWriter(redis_connection_url(settings), settings.aliases)
     rows = rounds_of(writer.history(alias, limit=1000))
     if not rows:
         console.print(f"{alias} has no learning rounds yet.")

@@ -49,6 +49,7 @@ from ratchet.records import (
     TrafficRecord,
     decode,
 )
+from ratchet.secrets import redis_connection_url
 from ratchet.settings import RatchetSettings
 
 FAULTS = ("broker", "redis", "vllm", "log_worker", "judge", "learner")
@@ -323,7 +324,9 @@ class Soak:
             ready["proxy"] = ready["kafka"] = False
         ready["vllm"] = ok(f"{s.vllm_url}/health")
         try:
-            ready["redis"] = bool(redis.Redis.from_url(s.redis_url, socket_timeout=1).ping())
+            ready["redis"] = bool(
+                redis.Redis.from_url(redis_connection_url(s), socket_timeout=1).ping()
+            )
         except redis.RedisError:
             ready["redis"] = False
         ready["judge"] = ok(f"http://{s.judge.metrics_host}:{s.judge.metrics_port}/metrics")

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from ratchet.dev.processes import (
     STATE_FILE,
@@ -31,8 +32,9 @@ from ratchet.dev.processes import (
     port_open,
     signal_group,
 )
+from ratchet.durable import open_private_append, private_dir
 from ratchet.records import ALL_TOPICS
-from ratchet.secrets import vllm_api_key
+from ratchet.secrets import redis_connection_url, vllm_api_key
 from ratchet.settings import RatchetSettings
 
 # What vLLM imports as middleware: the key on every route (see ratchet/dev/vllm_guard.py).
@@ -58,9 +60,19 @@ def redis_server_binary() -> str:
 
 
 def redis_part(redis_url: str, data_dir: Path) -> Part:
+    """Redis on ``redis_url``'s address, requiring its password if it has one: given in a
+    0600 file in ``data_dir``, never on the command line, where every local user's `ps` sees it."""
     host, port = host_port(redis_url, 6379)
-    command = [
-        redis_server_binary(),
+    command = [redis_server_binary()]
+    parsed = urlsplit(redis_url)
+    if parsed.password is not None:
+        private_dir(data_dir)
+        conf = data_dir / "redis.conf"
+        conf.unlink(missing_ok=True)
+        with open_private_append(conf) as handle:
+            handle.write(redis_auth_conf(unquote(parsed.username or ""), unquote(parsed.password)))
+        command.append(str(conf))  # redis-server reads a config file before its arguments
+    command += [
         "--bind",
         host,
         "--port",
@@ -71,9 +83,9 @@ def redis_part(redis_url: str, data_dir: Path) -> Part:
         "no",
         "--dir",
         str(data_dir),
-        # Redis answers only loopback clients while it has no password: bound (by a setting)
-        # to an address others reach, it still serves nobody but this machine. Whoever writes
-        # Redis controls routing (audit M-7).
+        # Without a password Redis answers only loopback clients: bound (by a setting) to an
+        # address others reach, it still serves nobody but this machine. Whoever writes Redis
+        # controls routing (audit M-7).
         "--protected-mode",
         "yes",
     ]
@@ -85,6 +97,20 @@ def redis_part(redis_url: str, data_dir: Path) -> Part:
         ready_timeout_s=15,
         infrastructure=True,
     )
+
+
+def redis_auth_conf(username: str, password: str) -> bytes:
+    """redis.conf lines that require ``password`` (of ``username``, when one is named)."""
+    if username in ("", "default"):
+        return f"requirepass {redis_conf_string(password)}\n".encode()
+    user, rule = redis_conf_string(username), redis_conf_string(">" + password)
+    return f"user default off\nuser {user} on {rule} ~* &* +@all\n".encode()
+
+
+def redis_conf_string(text: str) -> str:
+    """``text`` as a double-quoted redis.conf string (its parser undoes these escapes)."""
+    escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+    return '"' + "".join(escapes.get(c, c) for c in text) + '"'
 
 
 def cpu_count() -> int:
@@ -239,7 +265,7 @@ def embedded_stack(
     if "RATCHET_REDIS_URL" not in os.environ:
         redis_dir = settings.state_dir / "redis"
         redis_dir.mkdir(parents=True, exist_ok=True)
-        parts.append(redis_part(settings.redis_url, redis_dir))
+        parts.append(redis_part(redis_connection_url(settings), redis_dir))
     parts.append(vllm_part(settings, model_path, base_models.pop()))
     service_parts = {
         "proxy": proxy_part,

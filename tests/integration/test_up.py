@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import redis
 
 from ratchet.dev.model import model_dir, prepare_model
 from ratchet.dev.processes import wait_until
@@ -37,7 +38,12 @@ def test_up_serves_then_down_stops_everything(tmp_path: Path) -> None:
     model_dir(tmp_path).parent.mkdir(parents=True)
     model_dir(tmp_path).symlink_to(prepare_model(default_home(), quiet=True))
     proxy_url = f"http://127.0.0.1:{config['proxy']['port']}"
-    env = {**os.environ, "RATCHET_HOME": str(tmp_path)}
+    # Redis's password from a secret file, as the chart mounts it: the embedded Redis requires
+    # it, and every service and the CLI read it from the folder.
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "RATCHET_REDIS_PASSWORD").write_text("redis-pass-from-a-file\n")
+    env = {**os.environ, "RATCHET_HOME": str(tmp_path), "RATCHET_SECRETS_DIR": str(secrets)}
     env.pop("RATCHET_REDIS_URL", None)
     up = subprocess.Popen(
         [sys.executable, "-m", "ratchet", "up", "--config", str(config_path)],
@@ -68,6 +74,18 @@ def test_up_serves_then_down_stops_everything(tmp_path: Path) -> None:
         console_url = f"http://127.0.0.1:{config['console']['port']}"
         overview = httpx.get(f"{console_url}/")
         assert overview.status_code == 200 and f'href="/alias/{ALIAS}"' in overview.text
+
+        # The CLI reads Redis with the password; a client without it is refused.
+        status = subprocess.run(
+            [sys.executable, "-m", "ratchet", "status", ALIAS, "--config", str(config_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert status.returncode == 0, status.stdout + status.stderr
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis.from_url(config["redis_url"]).ping()
 
         down = subprocess.run(
             [sys.executable, "-m", "ratchet", "down", "--config", str(config_path)],

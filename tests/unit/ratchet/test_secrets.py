@@ -1,16 +1,19 @@
 """The machine secret file (ratchet/secrets.py): made whole or not at all, shared by services that
-start at once, and refused when it is empty, short, or readable by others."""
+start at once, and refused when it is empty, short, or readable by others; and the Redis URL with
+its password, which every Redis client connects with."""
 
 from __future__ import annotations
 
 import os
 import threading
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
+import redis
 from pydantic import SecretStr
 
-from ratchet.secrets import MIN_SECRET_CHARS, SECRET_FILE, server_secret
+from ratchet.secrets import MIN_SECRET_CHARS, SECRET_FILE, redis_connection_url, server_secret
 from ratchet.settings import RatchetSettings
 
 
@@ -99,3 +102,38 @@ def test_a_configured_secret_needs_no_file(settings: RatchetSettings) -> None:
     configured = settings.model_copy(update={"secret": SecretStr("s" * 40)})
     assert server_secret(configured) == b"s" * 40
     assert not secret_file(settings).exists()
+
+
+def test_the_embedded_redis_gets_a_password_derived_from_the_secret(
+    settings: RatchetSettings,
+) -> None:
+    """The default redis_url names the Redis `ratchet up` starts: every process of the stack
+    derives the same password from the secret, and another secret gives another password."""
+    url = redis_connection_url(settings)
+    password = redis.connection.parse_url(url)["password"]
+    assert len(password) == 64 and password in url
+    assert url == redis_connection_url(RatchetSettings(home=settings.home))  # another process
+    other = RatchetSettings(home=settings.home, secret=SecretStr("o" * 64))
+    assert redis.connection.parse_url(redis_connection_url(other))["password"] != password
+
+
+def test_a_redis_url_that_is_set_is_used_as_given(settings: RatchetSettings) -> None:
+    # Someone's own Redis, password-less on loopback or with the password in the URL.
+    for url in ("redis://127.0.0.1:6399/0", "redis://10.0.0.5:6379/2", "rediss://:pw@r:6380/0"):
+        assert redis_connection_url(RatchetSettings(home=settings.home, redis_url=url)) == url
+
+
+def test_redis_password_replaces_the_urls_and_keeps_its_user(settings: RatchetSettings) -> None:
+    password = 'p@ss:w/rd "%'
+    for url, user in (
+        ("redis://ops:old@10.0.0.5:6379/2", "ops"),
+        ("rediss://ratchet@r.example:6380/0?ssl_ca_certs=/ca.pem", "ratchet"),
+        ("redis://127.0.0.1:6399/0", None),
+    ):
+        s = RatchetSettings(home=settings.home, redis_url=url, redis_password=SecretStr(password))
+        parsed = redis.connection.parse_url(redis_connection_url(s))
+        assert parsed["password"] == password
+        assert parsed.get("username") == user
+        assert parsed["host"] == urlsplit(url).hostname and parsed["port"] == urlsplit(url).port
+    s = RatchetSettings(home=settings.home, redis_password=SecretStr(password))
+    assert redis.connection.parse_url(redis_connection_url(s))["password"] == password

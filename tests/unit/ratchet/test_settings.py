@@ -433,3 +433,54 @@ def test_replica_settings_defaults() -> None:
     settings = load_settings()
     assert settings.learner.lease_ttl_s == 30.0
     assert settings.judge.done_ttl_s == 3600
+
+
+def test_secrets_come_from_a_folder_of_files_named_as_their_variables(
+    tmp_path: Path, config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Kubernetes Secret mounted as a volume: one file per setting, the environment keeps no
+    secret. The environment still overrides a file, and a file overrides ratchet.yaml."""
+    write_yaml(config, "redis_password: from-yaml\nproxy: {admin_key: from-yaml}\n")
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "RATCHET_SECRET").write_text("s" * 64 + "\n")
+    (secrets / "RATCHET_PROXY__API_KEYS").write_text('["sk-file-one", "sk-file-two"]')
+    (secrets / "RATCHET_REDIS_PASSWORD").write_text("from-file")
+    (secrets / "RATCHET_PROXY__ADMIN_KEY").write_text("admin-from-file")
+    # Kubernetes' own entries beside the files (..data links) are not settings.
+    (secrets / "..data").mkdir()
+    monkeypatch.setenv("RATCHET_SECRETS_DIR", str(secrets))
+    monkeypatch.setenv("RATCHET_PROXY__ADMIN_KEY", "admin-from-env")
+    s = load_settings()
+    assert s.secret is not None and s.secret.get_secret_value() == "s" * 64
+    assert [k.get_secret_value() for k in s.proxy.api_keys] == ["sk-file-one", "sk-file-two"]
+    assert s.redis_password is not None and s.redis_password.get_secret_value() == "from-file"
+    assert s.proxy.admin_key is not None
+    assert s.proxy.admin_key.get_secret_value() == "admin-from-env"
+
+
+def test_a_missing_secrets_folder_is_an_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Secret that failed to mount must not start the service on defaults (no keys, no auth).
+    monkeypatch.setenv("RATCHET_SECRETS_DIR", str(tmp_path / "not-mounted"))
+    with pytest.raises(ConfigError, match=r"not-mounted.*RATCHET_SECRETS_DIR"):
+        load_settings()
+
+
+def test_an_empty_secret_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "RATCHET_REDIS_PASSWORD").write_text("\n")
+    monkeypatch.setenv("RATCHET_SECRETS_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"redis_password: .*blank"):
+        load_settings()
+
+
+def test_a_list_that_is_not_json_is_an_error_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Was a traceback: pydantic-settings fails before validation for a complex value.
+    monkeypatch.setenv("RATCHET_PROXY__API_KEYS", "sk-one,sk-two")
+    with pytest.raises(
+        ConfigError, match=r"field \"proxy\".*is JSON, e.g. RATCHET_PROXY__API_KEYS="
+    ):
+        load_settings()

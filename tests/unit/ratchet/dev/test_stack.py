@@ -255,3 +255,61 @@ def test_embedded_redis_serves_this_machine_in_protected_mode(tmp_path: Path) ->
     finally:
         server.terminate()
         server.wait(10)
+
+
+@pytest.mark.parametrize("user", ["", "ratchet"])
+def test_embedded_redis_with_a_password_requires_it_and_never_shows_it(
+    tmp_path: Path, user: str
+) -> None:
+    """The password is in a 0600 file, not on the command line (every local user's `ps`), and
+    Redis refuses a client without it; quotes, spaces and line breaks survive redis.conf."""
+    import subprocess
+
+    import redis
+
+    from ratchet.dev.processes import free_port
+    from ratchet.dev.stack import redis_part
+    from ratchet.secrets import with_password
+
+    password = 'a "quoted\\ pass\nword" @:/'
+    bare = f"redis://{user + '@' if user else ''}127.0.0.1:{free_port()}/0"
+    url = with_password(bare, password)
+    part = redis_part(url, tmp_path / "redis")
+    assert not [arg for arg in part.command if "quoted" in arg or "pass" in arg]
+    conf = tmp_path / "redis" / "redis.conf"
+    assert conf.stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "redis").stat().st_mode & 0o777 == 0o700
+    server = subprocess.Popen(part.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(part.is_ready, 15, "the embedded redis to listen")
+        client = redis.Redis.from_url(url)
+        assert client.ping()
+        client.close()
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis.from_url(bare).ping()
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis.from_url(with_password(bare, "guess")).ping()
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_ratchet_ups_own_redis_requires_the_password_every_service_derives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the default redis_url, `ratchet up` starts Redis requiring the password that every
+    process of this home derives from its secret: no file or setting to keep in step."""
+    import redis
+
+    from ratchet.dev.stack import embedded_stack
+    from ratchet.secrets import redis_connection_url
+    from ratchet.settings import RatchetSettings
+
+    monkeypatch.delenv("RATCHET_REDIS_URL", raising=False)
+    settings = RatchetSettings(home=tmp_path)
+    stack = embedded_stack(settings, None, tmp_path / "model", services=())
+    conf = Path(stack.part("redis").command[1]).read_text()
+    password = redis.connection.parse_url(redis_connection_url(settings))["password"]
+    assert conf == f'requirepass "{password}"\n'
+    # A service or the CLI started later in the same home connects with the same password.
+    assert redis_connection_url(RatchetSettings(home=tmp_path)) == redis_connection_url(settings)
