@@ -11,8 +11,10 @@ from typing import Any
 import helm_python as helm
 import kubernetes_validate
 import pytest
+from redis.connection import parse_url
 
 from ratchet import settings as ratchet_settings
+from ratchet.secrets import redis_connection_url
 from tests.deploy.conftest import (
     CHART,
     FULLNAME,
@@ -22,7 +24,13 @@ from tests.deploy.conftest import (
     load_values,
     render,
 )
-from tests.deploy.test_config import _load_in_pod, _same_bounds, container_env
+from tests.deploy.test_config import (
+    _load_in_pod,
+    _same_bounds,
+    container_inputs,
+    container_secret_files,
+    secret_file_refs,
+)
 
 # The newest Kubernetes kubernetes-validate 1.37 ships schemas for, and the oldest the chart
 # declares (Chart.yaml kubeVersion), so nothing newer than that floor slips in.
@@ -494,7 +502,8 @@ def test_chart_secret_holds_the_secrets(rendered: dict[str, Rendered]) -> None:
         assert "checksum/judge-secret" in pod["metadata"]["annotations"]
         # Neither gets client keys: they are the proxy's alone.
         assert not {"RATCHET_PROXY__API_KEYS", "RATCHET_PROXY__ADMIN_KEY"} & {
-            e["name"] for e in container["env"]
+            *(e["name"] for e in container["env"]),
+            *secret_file_refs(r, f"{FULLNAME}-{component}"),
         }
     # Without a judge key or other judge secrets there is no judge Secret and no envFrom.
     defaults = rendered["defaults"]
@@ -522,29 +531,27 @@ def test_existing_secrets_are_referenced_not_written(rendered: dict[str, Rendere
     assert not r.kinds("Secret")
     proxy = r.get("Deployment", f"{FULLNAME}-proxy")["spec"]["template"]
     assert "checksum/secret" not in proxy["metadata"]["annotations"]
-    env = {e["name"]: e for e in proxy["spec"]["containers"][0]["env"]}
-    assert env["RATCHET_PROXY__API_KEYS"]["valueFrom"]["secretKeyRef"] == {
-        "name": "ratchet-proxy-keys",
-        "key": "keys.json",
-    }
-    assert env["RATCHET_PROXY__ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {
-        "name": "ratchet-proxy-keys",
-        "key": "admin",
-        "optional": True,
-    }
-    assert env["RATCHET_PROXY__USER_VOUCHING_KEYS"]["valueFrom"]["secretKeyRef"] == {
-        "name": "ratchet-proxy-keys",
+    files = secret_file_refs(r, f"{FULLNAME}-proxy")
+    keys, admin = "ratchet-proxy-keys", True
+    assert files["RATCHET_PROXY__API_KEYS"] == {"name": keys, "key": "keys.json", "optional": False}
+    assert files["RATCHET_PROXY__ADMIN_KEY"] == {"name": keys, "key": "admin", "optional": admin}
+    assert files["RATCHET_PROXY__USER_VOUCHING_KEYS"] == {
+        "name": keys,
         "key": "user-vouching-keys",
         "optional": True,
     }
-    assert env["RATCHET_KAFKA__SASL_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
-        "name": "ratchet-kafka-user",
-        "key": "password",
-    }
-    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
-        "name": "redis-auth",
-        "key": "redis-password",
-    }
+    for component in RATCHET_COMPONENTS:
+        files = secret_file_refs(r, f"{FULLNAME}-{component}")
+        assert files["RATCHET_KAFKA__SASL_PASSWORD"] == {
+            "name": "ratchet-kafka-user",
+            "key": "password",
+            "optional": False,
+        }
+        assert files["RATCHET_REDIS_PASSWORD"] == {
+            "name": "redis-auth",
+            "key": "redis-password",
+            "optional": False,
+        }
     for component in ("judge", "learner"):
         container = r.container(f"{FULLNAME}-{component}")
         assert container["envFrom"] == [{"secretRef": {"name": "ratchet-judge-providers"}}]
@@ -553,21 +560,25 @@ def test_existing_secrets_are_referenced_not_written(rendered: dict[str, Rendere
     assert keys["valueFrom"]["secretKeyRef"] == {"name": "ratchet-proxy-keys", "key": "keys.json"}
 
 
-def test_redis_password_joins_the_url_in_the_container(rendered: dict[str, Rendered]) -> None:
+def test_redis_password_is_a_file_and_the_url_keeps_the_user(
+    rendered: dict[str, Rendered], clean_ratchet_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     r = rendered["all-on"]
+    url = "rediss://ratchet@my-redis.cache.example.com:6380/2?ssl_ca_certs=/etc/ratchet/redis-ca/ca.crt"
+    assert r.config["redis_url"] == url
     for component in RATCHET_COMPONENTS:
-        env = r.container(f"{FULLNAME}-{component}")["env"]
-        names = [e["name"] for e in env]
-        # $(REDIS_PASSWORD) only expands when the variable comes first.
-        assert names.index("REDIS_PASSWORD") < names.index("RATCHET_REDIS_URL")
-        url = next(e["value"] for e in env if e["name"] == "RATCHET_REDIS_URL")
-        assert url == (
-            "rediss://ratchet:$(REDIS_PASSWORD)@my-redis.cache.example.com:6380/2"
-            "?ssl_ca_certs=/etc/ratchet/redis-ca/ca.crt"
+        deployment = f"{FULLNAME}-{component}"
+        assert container_secret_files(r, deployment)["RATCHET_REDIS_PASSWORD"] == (
+            "SENTINEL-redis-password"
         )
-    # Without a password nothing overrides the ConfigMap's URL.
-    env = rendered["existing-vllm"].container(f"{FULLNAME}-proxy")["env"]
-    assert "RATCHET_REDIS_URL" not in {e["name"] for e in env}
+        with monkeypatch.context() as pod_env:
+            settings = _load_in_pod(r, deployment, clean_ratchet_env, pod_env)
+        parsed = parse_url(redis_connection_url(settings))
+        assert (parsed["username"], parsed["password"]) == ("ratchet", "SENTINEL-redis-password")
+    # Without a password there is no file, and the URL is the ConfigMap's as given.
+    r = rendered["existing-vllm"]
+    assert "RATCHET_REDIS_PASSWORD" not in secret_file_refs(r, f"{FULLNAME}-proxy")
+    assert "@" not in r.config["redis_url"]
 
 
 def test_tls_ca_secrets_are_mounted_where_the_config_points(
@@ -737,15 +748,20 @@ def test_console_deployment_and_service(rendered: dict[str, Rendered]) -> None:
         assert [p["targetPort"] for p in service["ports"]] == [port]
 
     env = {e["name"]: e for e in console["env"]}
-    # The judge's environment, but for vLLM's key: the console reads only the open /health.
-    assert {e["name"] for e in judge["env"]} - {"RATCHET_VLLM_API_KEY"} <= set(env)
-    assert "RATCHET_VLLM_API_KEY" not in env
-    assert env["RATCHET_PROXY__ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {
+    assert {e["name"] for e in judge["env"]} <= set(env)
+    # The judge's secret files, but for vLLM's key (the console reads only the open /health),
+    # and with the admin key.
+    files = secret_file_refs(r, CONSOLE)
+    judge_files = secret_file_refs(r, f"{FULLNAME}-judge")
+    assert set(judge_files) - {"RATCHET_VLLM_API_KEY"} <= set(files)
+    assert "RATCHET_VLLM_API_KEY" not in files
+    assert files["RATCHET_PROXY__ADMIN_KEY"] == {
         "name": f"{FULLNAME}-secrets",
         "key": "admin-key",
+        "optional": False,
     }
     # Client keys are the proxy's, the judge model's keys the judge's.
-    assert "RATCHET_PROXY__API_KEYS" not in env
+    assert "RATCHET_PROXY__API_KEYS" not in files
     assert "envFrom" not in console
 
     # The judge's mounts (ratchet.yaml, state, Kafka and Redis CAs), and the adapter store
@@ -818,9 +834,9 @@ def test_console_starts_with_the_admin_key(
     """The console's pod loads its settings: on 0.0.0.0 with the proxy's admin key, which the
     console checks before it listens, and the same Redis and Kafka as the judge."""
     r = rendered[values_file]
-    env = container_env(r, CONSOLE)
-    judge_env = container_env(r, f"{FULLNAME}-judge")
-    for name in ("RATCHET_REDIS_URL", "RATCHET_KAFKA__SASL_PASSWORD", "RATCHET_SECRET"):
+    env = container_inputs(r, CONSOLE)
+    judge_env = container_inputs(r, f"{FULLNAME}-judge")
+    for name in ("RATCHET_REDIS_PASSWORD", "RATCHET_KAFKA__SASL_PASSWORD", "RATCHET_SECRET"):
         assert env.get(name) == judge_env.get(name), name
     settings = _load_in_pod(r, CONSOLE, clean_ratchet_env, monkeypatch)
     assert (settings.console.host, settings.console.port) == ("0.0.0.0", 8404)
@@ -830,10 +846,9 @@ def test_console_starts_with_the_admin_key(
     assert settings.store_dir == Path(r.config["store_dir"])
     assert settings.kafka_bootstrap_servers == r.config["kafka_bootstrap_servers"]
     if values_file == "existing-secrets":
-        ref = r.container(CONSOLE)["env"]
-        admin = next(e for e in ref if e["name"] == "RATCHET_PROXY__ADMIN_KEY")
+        admin = secret_file_refs(r, CONSOLE)["RATCHET_PROXY__ADMIN_KEY"]
         # Not optional: a Secret without the key stops the pod with an event that names it.
-        assert admin["valueFrom"]["secretKeyRef"] == {"name": "ratchet-proxy-keys", "key": "admin"}
+        assert admin == {"name": "ratchet-proxy-keys", "key": "admin", "optional": False}
 
 
 def test_console_without_an_admin_key_is_refused(chart: helm.Chart) -> None:
@@ -862,10 +877,10 @@ def test_console_without_the_proxy_still_gets_the_admin_key(chart: helm.Chart) -
         "kafka-sasl-password": "SENTINEL-kafka-password",
         "redis-password": "SENTINEL-redis-password",
     }
-    env = {e["name"]: e for e in r.container(CONSOLE)["env"]}
-    assert env["RATCHET_PROXY__ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {
+    assert secret_file_refs(r, CONSOLE)["RATCHET_PROXY__ADMIN_KEY"] == {
         "name": f"{FULLNAME}-secrets",
         "key": "admin-key",
+        "optional": False,
     }
 
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from redis.connection import parse_url
 
 from ratchet import settings as ratchet_settings
+from ratchet.secrets import redis_connection_url
 from ratchet.settings import RatchetSettings, load_settings
 from tests.deploy.conftest import CHART, FULLNAME, VALUES_FILES, Rendered, load_values, render
 
@@ -47,11 +48,7 @@ SECTIONS = {
 def container_env(r: Rendered, deployment: str) -> dict[str, str]:
     """The environment Kubernetes gives the container: Secret references resolved, $(VAR)
     references expanded against the variables before them, as the kubelet does."""
-    secrets = {
-        s["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in s["data"].items()}
-        for s in r.kinds("Secret")
-    }
-    secrets.update(EXISTING_SECRETS)
+    secrets = _secret_values(r)
     env: dict[str, str] = {}
     container = r.container(deployment)
     # envFrom first: an `env` entry of the same name wins, as in Kubernetes.
@@ -74,16 +71,71 @@ def container_env(r: Rendered, deployment: str) -> dict[str, str]:
     return env
 
 
+def secret_file_refs(r: Rendered, deployment: str) -> dict[str, dict[str, Any]]:
+    """Each file of the folder RATCHET_SECRETS_DIR names, as the Secret key it projects:
+    {"RATCHET_SECRET": {"name": <Secret>, "key": <key>, "optional": bool}, ...}."""
+    container = r.container(deployment)
+    folder = next(v["value"] for v in container["env"] if v["name"] == "RATCHET_SECRETS_DIR")
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == folder)
+    assert mount.get("readOnly"), f"{deployment}: the secrets volume is writable"
+    pod = r.get("Deployment", deployment)["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    refs: dict[str, dict[str, Any]] = {}
+    for source in volume["projected"]["sources"]:
+        secret = source["secret"]
+        for item in secret["items"]:
+            assert item["path"] not in refs, f"{deployment}: two secrets write {item['path']}"
+            refs[item["path"]] = {
+                "name": secret["name"],
+                "key": item["key"],
+                "optional": secret.get("optional", False),
+            }
+    return refs
+
+
+def container_secret_files(r: Rendered, deployment: str) -> dict[str, str]:
+    """The files Kubernetes puts in that folder, optional ones left out when missing."""
+    secrets = _secret_values(r)
+    files: dict[str, str] = {}
+    for path, ref in secret_file_refs(r, deployment).items():
+        value = secrets.get(ref["name"], {}).get(ref["key"])
+        if value is None:
+            assert ref["optional"], f"{path}: no key {ref['key']} in {ref['name']}"
+            continue
+        files[path] = value
+    return files
+
+
+def container_inputs(r: Rendered, deployment: str) -> dict[str, str]:
+    """Every RATCHET_* value the service reads: its environment and its secret files."""
+    return {**container_secret_files(r, deployment), **container_env(r, deployment)}
+
+
+def _secret_values(r: Rendered) -> dict[str, dict[str, str]]:
+    secrets = {
+        s["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in s["data"].items()}
+        for s in r.kinds("Secret")
+    }
+    secrets.update(EXISTING_SECRETS)
+    return secrets
+
+
 def _load_in_pod(
     r: Rendered, deployment: str, workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> RatchetSettings:
-    """Settings as the container loads them: the rendered ratchet.yaml and its environment."""
+    """Settings as the container loads them: the rendered ratchet.yaml, its environment and
+    its secret files."""
     unknown = set(r.config) - set(RatchetSettings.model_fields)
     assert not unknown, f"ratchet.yaml has keys settings do not know: {unknown}"
     path = workdir / "ratchet.yaml"
     path.write_text(r.ratchet_yaml)
     for name, value in container_env(r, deployment).items():
         monkeypatch.setenv(name, value)
+    folder = workdir / f"secrets-{deployment}"
+    folder.mkdir(exist_ok=True)
+    for name, value in container_secret_files(r, deployment).items():
+        (folder / name).write_text(value)
+    monkeypatch.setenv("RATCHET_SECRETS_DIR", str(folder))
     return load_settings(path)
 
 
@@ -105,7 +157,7 @@ def test_rendered_config_loads_with_the_proxy_env(
     assert set(settings.aliases) == set(load_values(values_file).get("aliases", {"support": {}}))
     keys = [k.get_secret_value() for k in settings.proxy.api_keys]
     assert keys and all(k.startswith("sk-SENTINEL") for k in keys)
-    redis = parse_url(settings.redis_url)
+    redis = parse_url(redis_connection_url(settings))
     kafka = settings.kafka.client_options()
     if values_file == "all-on":
         assert redis["password"] == "SENTINEL-redis-password"
@@ -166,7 +218,7 @@ def test_rendered_config_loads_with_the_judge_env(
     for name in set(expected) - CHART_OWNED["judge"]:
         assert got[name] == expected[name], name
     assert settings.vllm_url == r.config["vllm_url"]
-    redis = parse_url(settings.redis_url)
+    redis = parse_url(redis_connection_url(settings))
     kafka = settings.kafka.client_options()
     key = judge.judge_api_key.get_secret_value() if judge.judge_api_key else None
     if values_file == "all-on":
@@ -239,11 +291,11 @@ def test_rendered_config_loads_with_the_learner_env(
         assert key == "sk-SENTINEL-judge"
         assert settings.judge.judge_api_base == "https://api.openai.com/v1"
         assert env["SQL_VERIFIER_DSN"] == "SENTINEL-verifier-dsn"
-        assert parse_url(settings.redis_url)["password"] == "SENTINEL-redis-password"
+        assert parse_url(redis_connection_url(settings))["password"] == "SENTINEL-redis-password"
         assert settings.kafka.client_options()["sasl_plain_password"] == "SENTINEL-kafka-password"
     elif values_file == "existing-secrets":
         assert key == "sk-SENTINEL-op-judge"
-        assert parse_url(settings.redis_url)["password"] == "SENTINEL-op-redis"
+        assert parse_url(redis_connection_url(settings))["password"] == "SENTINEL-op-redis"
     else:
         assert key is None
     if values_file == "gpu-learner":

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ratchet.dev.processes import free_port, wait_until
 from tests.deploy.conftest import FULLNAME, ROOT, Rendered
+from tests.deploy.test_config import container_secret_files
 
 OPS = ROOT / "ops"
 DASHBOARD = OPS / "grafana" / "ratchet.json"
@@ -396,9 +397,15 @@ def _scrape_service(r: Rendered, component: str, tmp: Path, timeout_s: float = 3
             if "value" in e and e["name"].startswith("RATCHET_") and e["name"] != "RATCHET_CONFIG"
         }
     )
+    # Its secret files as the pod gets them: the chart names a folder that is not here.
+    secrets = tmp / f"secrets-{component}"
+    secrets.mkdir(exist_ok=True)
+    for name, value in container_secret_files(r, f"{FULLNAME}-{component}").items():
+        (secrets / name).write_text(value)
     section = component.upper()
     env.update(
         {
+            "RATCHET_SECRETS_DIR": str(secrets),
             f"RATCHET_{section}__METRICS_HOST": "127.0.0.1",
             f"RATCHET_{section}__METRICS_PORT": str(port),
             "RATCHET_VLLM_URL": f"http://127.0.0.1:{free_port()}",

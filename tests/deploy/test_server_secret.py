@@ -24,7 +24,13 @@ from tests.deploy.conftest import (
     load_values,
     render,
 )
-from tests.deploy.test_config import _load_in_pod, container_env
+from tests.deploy.test_config import (
+    _load_in_pod,
+    _secret_values,
+    container_env,
+    container_inputs,
+    secret_file_refs,
+)
 
 GUARD_FILE = CHART / "files" / "ratchet_vllm_guard.py"
 GUARD_MODULE = ROOT / "ratchet" / "dev" / "vllm_guard.py"
@@ -85,12 +91,9 @@ def test_an_existing_secret_is_referenced_not_written(rendered: dict[str, Render
     vllm_env = {e["name"]: e for e in _vllm(r)["env"]}
     assert vllm_env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {**ref, "key": "vllm-key"}
     for component in _clients(r):
-        env = {e["name"]: e for e in r.container(f"{FULLNAME}-{component}")["env"]}
-        assert env["RATCHET_SECRET"]["valueFrom"]["secretKeyRef"] == {**ref, "key": "secret"}
-        assert env["RATCHET_VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {
-            **ref,
-            "key": "vllm-key",
-        }
+        files = secret_file_refs(r, f"{FULLNAME}-{component}")
+        assert files["RATCHET_SECRET"] == {**ref, "key": "secret", "optional": False}
+        assert files["RATCHET_VLLM_API_KEY"] == {**ref, "key": "vllm-key", "optional": False}
         pod = r.get("Deployment", f"{FULLNAME}-{component}")["spec"]["template"]
         # The chart cannot see an operator's Secret, so it has no checksum of it.
         assert "checksum/server-secret" not in pod["metadata"].get("annotations", {})
@@ -141,7 +144,7 @@ def test_every_component_that_calls_vllm_gets_its_key(
     r = rendered[values_file]
     keys, secrets = set(), set()
     for component in _clients(r):
-        env = container_env(r, f"{FULLNAME}-{component}")
+        env = container_inputs(r, f"{FULLNAME}-{component}")
         keys.add(env["RATCHET_VLLM_API_KEY"])
         secrets.add(env["RATCHET_SECRET"])
         # As the service loads its settings in the pod: it sends exactly that key.
@@ -156,7 +159,7 @@ def test_every_component_that_calls_vllm_gets_its_key(
         assert container_env(r, f"{FULLNAME}-vllm")["VLLM_API_KEY"] in keys
     # The console reads only vLLM's /health, open without the key: it does not get it (L-6).
     if r.has("Deployment", f"{FULLNAME}-console"):
-        assert "RATCHET_VLLM_API_KEY" not in container_env(r, f"{FULLNAME}-console")
+        assert "RATCHET_VLLM_API_KEY" not in container_inputs(r, f"{FULLNAME}-console")
     # The helm test pod calls the proxy only: it gets neither.
     test_pod = r.get("Pod", f"{FULLNAME}-test-proxy")["spec"]["containers"][0]
     assert not {"RATCHET_VLLM_API_KEY", "RATCHET_SECRET", "VLLM_API_KEY"} & {
@@ -170,7 +173,7 @@ def test_the_key_and_the_secret_are_never_in_a_configmap(
 ) -> None:
     r = rendered[values_file]
     client = _clients(r)[0]
-    env = container_env(r, f"{FULLNAME}-{client}")
+    env = container_inputs(r, f"{FULLNAME}-{client}")
     values = [env["RATCHET_VLLM_API_KEY"], env["RATCHET_SECRET"]]
     for obj in r.objects:
         if obj["kind"] == "Secret":
@@ -190,3 +193,33 @@ def test_no_secret_at_all_is_refused(chart: helm.Chart) -> None:
         helm.HelmRenderError, match=r"secret\.create is false and secret\.existingSecret is empty"
     ):
         render(chart, values)
+
+
+# Read from the environment by a third-party library, not by Ratchet's settings: Hugging Face's
+# token. (The judge's provider keys arrive by envFrom for the same reason: litellm reads them.)
+THIRD_PARTY_SECRET_VARIABLES = {"HF_TOKEN"}
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_no_service_has_a_secret_in_its_environment(
+    rendered: dict[str, Rendered], values_file: str
+) -> None:
+    """Secrets are files (audit L-6): a child process, a crash report or `kubectl describe`
+    sees a service's environment, and it holds no secret value or reference."""
+    r = rendered[values_file]
+    secret_values = {
+        value
+        for data in _secret_values(r).values()
+        for name, value in data.items()
+        if len(value) >= 8 and name != "RATCHET_JUDGE__JUDGE_API_KEY"
+    }
+    for component in ("proxy", "judge", "learner", "console"):
+        if not r.has("Deployment", f"{FULLNAME}-{component}"):
+            continue
+        for var in r.container(f"{FULLNAME}-{component}")["env"]:
+            if "valueFrom" in var:
+                assert var["name"] in THIRD_PARTY_SECRET_VARIABLES, (component, var["name"])
+            else:
+                assert not [v for v in secret_values if v in var["value"]], (component, var)
+        # ...and every secret it needs is a file in the folder its settings read.
+        assert "RATCHET_SECRET" in secret_file_refs(r, f"{FULLNAME}-{component}")

@@ -258,24 +258,20 @@ The Hugging Face token Secret the learner reads (learner.hfToken, else vllm.hfTo
 {{- end }}
 
 {{/*
-The Redis URL without a password; with a CA Secret, redis-py reads ssl_ca_certs from the query.
+The Redis URL, with redis.auth.username but never the password (the services read it from the
+secret file RATCHET_REDIS_PASSWORD); with a CA Secret, redis-py reads ssl_ca_certs from the query.
 */}}
 {{- define "ratchet.redisUrl" -}}
 {{- $url := .Values.redis.url }}
+{{- if and (include "ratchet.redisAuth" .) .Values.redis.auth.username }}
+{{- $scheme := regexFind "^rediss?://" $url }}
+{{- $url = printf "%s%s@%s" $scheme .Values.redis.auth.username (trimPrefix $scheme $url) }}
+{{- end }}
 {{- if .Values.redis.tls.caSecret }}
 {{- $sep := ternary "&" "?" (contains "?" $url) }}
 {{- $url = printf "%s%sssl_ca_certs=/etc/ratchet/redis-ca/%s" $url $sep .Values.redis.tls.caKey }}
 {{- end }}
 {{- $url }}
-{{- end }}
-
-{{/*
-The Redis URL with the password as a dependent environment variable reference.
-*/}}
-{{- define "ratchet.redisUrlWithPassword" -}}
-{{- $url := include "ratchet.redisUrl" . }}
-{{- $scheme := regexFind "^rediss?://" $url }}
-{{- printf "%s%s:$(REDIS_PASSWORD)@%s" $scheme .Values.redis.auth.username (trimPrefix $scheme $url) }}
 {{- end }}
 
 {{/*
@@ -476,44 +472,108 @@ checksum/server-secret: {{ include "ratchet.serverSecretData" . | sha256sum }}
 {{- end }}
 
 {{/*
-Environment of every Ratchet container: secrets as RATCHET_* variables, never in the ConfigMap.
+Environment of every Ratchet container. Secrets are not in it: they are files in the secrets
+volume (ratchet.secretsVolume), read through RATCHET_SECRETS_DIR, so that a process the
+service starts, a crash report or `kubectl describe` never carries them.
 */}}
 {{- define "ratchet.env" -}}
 - name: RATCHET_CONFIG
   value: /etc/ratchet/ratchet.yaml
-# Keys client-key hashes, the held-out split and canary stickiness: the same in every pod.
-- name: RATCHET_SECRET
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "ratchet.serverSecretName" . }}
-      key: {{ include "ratchet.serverSecretKey" . }}
+- name: RATCHET_SECRETS_DIR
+  value: {{ include "ratchet.secretsDir" . }}
 - name: HOME
   value: /tmp
 - name: PYTHONUNBUFFERED
   value: "1"
 - name: PYTHONDONTWRITEBYTECODE
   value: "1"
-{{- if include "ratchet.redisAuth" . }}
-- name: REDIS_PASSWORD
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "ratchet.redisSecretName" . }}
-      key: {{ include "ratchet.redisPasswordKey" . }}
-- name: RATCHET_REDIS_URL
-  value: {{ include "ratchet.redisUrlWithPassword" . | quote }}
 {{- end }}
-{{- if include "ratchet.kafkaSasl" . }}
-- name: RATCHET_KAFKA__SASL_PASSWORD
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "ratchet.kafkaSecretName" . }}
-      key: {{ include "ratchet.kafkaPasswordKey" . }}
+
+{{- define "ratchet.secretsDir" -}}
+/var/run/secrets/ratchet
 {{- end }}
+
+{{/*
+The secret files of one component, each named as the setting's variable (RATCHET_SECRET, ...):
+include with (dict "ctx" $ "component" "proxy"). Only what that component uses: the server
+secret and the Kafka and Redis passwords for all; vLLM's key for those that call vLLM (not the
+console, which reads only its open /health); the client keys for the proxy; the admin key for
+the proxy and the console.
+*/}}
+{{- define "ratchet.secretsVolume" -}}
+{{- $ := .ctx }}
+{{- $component := .component }}
+- name: secrets
+  projected:
+    # Group-readable: the pod's fsGroup, which the non-root user is in, owns the files.
+    defaultMode: 0440
+    sources:
+      - secret:
+          name: {{ include "ratchet.serverSecretName" $ }}
+          items:
+            # Keys client-key hashes, the held-out split and canary stickiness: the same in every pod.
+            - key: {{ include "ratchet.serverSecretKey" $ }}
+              path: RATCHET_SECRET
+            {{- if has $component (list "proxy" "judge" "learner") }}
+            - key: {{ include "ratchet.vllmApiKeyKey" $ }}
+              path: RATCHET_VLLM_API_KEY
+            {{- end }}
+      {{- if include "ratchet.redisAuth" $ }}
+      - secret:
+          name: {{ include "ratchet.redisSecretName" $ }}
+          items:
+            - key: {{ include "ratchet.redisPasswordKey" $ }}
+              path: RATCHET_REDIS_PASSWORD
+      {{- end }}
+      {{- if include "ratchet.kafkaSasl" $ }}
+      - secret:
+          name: {{ include "ratchet.kafkaSecretName" $ }}
+          items:
+            - key: {{ include "ratchet.kafkaPasswordKey" $ }}
+              path: RATCHET_KAFKA__SASL_PASSWORD
+      {{- end }}
+      {{- if eq $component "proxy" }}
+      - secret:
+          name: {{ include "ratchet.proxySecretName" $ }}
+          items:
+            - key: {{ include "ratchet.apiKeysKey" $ }}
+              path: RATCHET_PROXY__API_KEYS
+      {{- if or $.Values.proxy.adminKey $.Values.proxy.existingSecret }}
+      # Optional for the proxy: without it the admin key is off (a Secret may leave it out).
+      - secret:
+          name: {{ include "ratchet.proxySecretName" $ }}
+          optional: true
+          items:
+            - key: {{ include "ratchet.adminKeyKey" $ }}
+              path: RATCHET_PROXY__ADMIN_KEY
+      {{- end }}
+      {{- if or $.Values.proxy.userVouchingKeys $.Values.proxy.existingSecret }}
+      - secret:
+          name: {{ include "ratchet.proxySecretName" $ }}
+          optional: true
+          items:
+            - key: {{ if $.Values.proxy.existingSecret }}{{ $.Values.proxy.userVouchingKeysKey }}{{ else }}user-vouching-keys{{ end }}
+              path: RATCHET_PROXY__USER_VOUCHING_KEYS
+      {{- end }}
+      {{- end }}
+      {{- if eq $component "console" }}
+      # Off loopback the console refuses to start without it: every page and admin action asks
+      # for it. Not optional, so a Secret without the key stops the pod with an event naming it
+      # instead of a crash loop.
+      - secret:
+          name: {{ include "ratchet.proxySecretName" $ }}
+          items:
+            - key: {{ include "ratchet.adminKeyKey" $ }}
+              path: RATCHET_PROXY__ADMIN_KEY
+      {{- end }}
 {{- end }}
 
 {{- define "ratchet.volumeMounts" -}}
 - name: config
   mountPath: /etc/ratchet
+  readOnly: true
+- name: secrets
+  mountPath: {{ include "ratchet.secretsDir" . }}
   readOnly: true
 - name: state
   mountPath: {{ .Values.state.mountPath }}
