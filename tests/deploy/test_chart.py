@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from tests.deploy.conftest import (
     CHART,
     FULLNAME,
     NAMESPACE,
+    ROOT,
     VALUES_FILES,
     Rendered,
     load_values,
@@ -27,6 +29,7 @@ from tests.deploy.conftest import (
 from tests.deploy.test_config import (
     _load_in_pod,
     _same_bounds,
+    container_env,
     container_inputs,
     container_secret_files,
     secret_file_refs,
@@ -540,13 +543,21 @@ def test_existing_secrets_are_referenced_not_written(rendered: dict[str, Rendere
         "key": "user-vouching-keys",
         "optional": True,
     }
+    # The judge and the learner have Kafka users of their own (kafka.sasl.users).
+    kafka_users = {
+        "judge": ("ratchet-judge", "ratchet-judge-kafka", "password"),
+        "learner": ("ratchet-learner", "ratchet-learner-kafka", "pw"),
+    }
     for component in RATCHET_COMPONENTS:
         files = secret_file_refs(r, f"{FULLNAME}-{component}")
+        user, secret, key = kafka_users.get(component, ("", "ratchet-kafka-user", "password"))
         assert files["RATCHET_KAFKA__SASL_PASSWORD"] == {
-            "name": "ratchet-kafka-user",
-            "key": "password",
+            "name": secret,
+            "key": key,
             "optional": False,
         }
+        env = container_env(r, f"{FULLNAME}-{component}")
+        assert env.get("RATCHET_KAFKA__SASL_USERNAME", "") == user
         assert files["RATCHET_REDIS_PASSWORD"] == {
             "name": "redis-auth",
             "key": "redis-password",
@@ -835,9 +846,11 @@ def test_console_starts_with_the_admin_key(
     console checks before it listens, and the same Redis and Kafka as the judge."""
     r = rendered[values_file]
     env = container_inputs(r, CONSOLE)
-    judge_env = container_inputs(r, f"{FULLNAME}-judge")
+    # The proxy's Kafka user where there is a proxy (the judge may have its own).
+    peer = f"{FULLNAME}-proxy" if r.has("Deployment", f"{FULLNAME}-proxy") else f"{FULLNAME}-judge"
+    peer_env = container_inputs(r, peer)
     for name in ("RATCHET_REDIS_PASSWORD", "RATCHET_KAFKA__SASL_PASSWORD", "RATCHET_SECRET"):
-        assert env.get(name) == judge_env.get(name), name
+        assert env.get(name) == peer_env.get(name), name
     settings = _load_in_pod(r, CONSOLE, clean_ratchet_env, monkeypatch)
     assert (settings.console.host, settings.console.port) == ("0.0.0.0", 8404)
     assert settings.proxy.admin_key is not None
@@ -1060,3 +1073,35 @@ def _selects(selector: dict[str, Any], metadata_or_labels: dict[str, Any]) -> bo
         if not ok:
             return False
     return True
+
+
+def test_kafka_users_without_sasl_are_refused(chart: helm.Chart) -> None:
+    values = load_values("existing-vllm")  # allowInsecure, PLAINTEXT
+    users = {"judge": {"username": "ratchet-judge", "existingSecret": "ratchet-judge"}}
+    with pytest.raises(helm.HelmRenderError, match=r"kafka.sasl.users is set but"):
+        render(chart, {**values, "kafka": {**values["kafka"], "sasl": {"users": users}}})
+
+
+def test_the_kafka_acl_table_is_what_the_services_write_and_read() -> None:
+    """The chart README's per-user ACLs grant each component exactly the topics that
+    docs/architecture.md says it writes and, for the judge and learner, reads: an ACL too narrow
+    stops a service, one too wide lets it forge what another writes."""
+    from tests.unit.ratchet.test_architecture_doc import section, table_rows
+
+    def components(cell: str) -> set[str]:
+        return {c for c in ("proxy", "judge", "learner", "console") if re.search(rf"\b{c}\b", cell)}
+
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    writes: dict[str, set[str]] = {c: set() for c in ("proxy", "judge", "learner", "console")}
+    reads = {c: set() for c in writes}
+    for topic, _key, _record, written_by, read_by in table_rows(section(doc, "Kafka topics")):
+        name = topic.strip("`")
+        for component in components(written_by):
+            writes[component].add(name)
+        for component in components(read_by.split("people")[0]):
+            reads[component].add(name)
+    readme = (CHART / "README.md").read_text()
+    acls = readme.split("### Kafka users and ACLs")[1].split("\n## ")[0]
+    for user, write, read, _groups in table_rows(acls):
+        assert set(re.findall(r"`([\w.]+)`", write)) == writes[user], user
+        assert set(re.findall(r"`([\w.]+)`", read)) == reads[user], user

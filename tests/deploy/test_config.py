@@ -25,6 +25,8 @@ from tests.deploy.conftest import CHART, FULLNAME, VALUES_FILES, Rendered, load_
 EXISTING_SECRETS = {
     "ratchet-proxy-keys": {"keys.json": '["sk-SENTINEL-op-1"]', "admin": "sk-SENTINEL-op-admin"},
     "ratchet-kafka-user": {"password": "SENTINEL-op-kafka"},
+    "ratchet-judge-kafka": {"password": "SENTINEL-op-judge-kafka"},
+    "ratchet-learner-kafka": {"pw": "SENTINEL-op-learner-kafka"},
     "redis-auth": {"redis-password": "SENTINEL-op-redis"},
     "ratchet-judge-providers": {"RATCHET_JUDGE__JUDGE_API_KEY": "sk-SENTINEL-op-judge"},
     "hf-token": {"token": "hf_SENTINEL-vllm"},
@@ -232,7 +234,9 @@ def test_rendered_config_loads_with_the_judge_env(
     elif values_file == "existing-secrets":
         assert key == "sk-SENTINEL-op-judge"
         assert redis["password"] == "SENTINEL-op-redis"
-        assert kafka["sasl_plain_password"] == "SENTINEL-op-kafka"
+        # Its own Kafka user (kafka.sasl.users.judge): ACLs can let it alone write groups.
+        assert kafka["sasl_plain_username"] == "ratchet-judge"
+        assert kafka["sasl_plain_password"] == "SENTINEL-op-judge-kafka"
     else:
         assert key is None
         assert judge.judge_api_base is None  # the release's vLLM
@@ -296,6 +300,9 @@ def test_rendered_config_loads_with_the_learner_env(
     elif values_file == "existing-secrets":
         assert key == "sk-SENTINEL-op-judge"
         assert parse_url(redis_connection_url(settings))["password"] == "SENTINEL-op-redis"
+        kafka = settings.kafka.client_options()
+        assert kafka["sasl_plain_username"] == "ratchet-learner"  # kafka.sasl.users.learner
+        assert kafka["sasl_plain_password"] == "SENTINEL-op-learner-kafka"
     else:
         assert key is None
     if values_file == "gpu-learner":

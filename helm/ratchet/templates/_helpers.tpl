@@ -310,6 +310,9 @@ Values that the schema cannot check alone; each failure says what to set.
 {{- if and (include "ratchet.kafkaSasl" .) (not .Values.kafka.sasl.existingSecret) (not .Values.kafka.sasl.password) }}
 {{- fail "kafka.sasl.mechanism is set but there is no password: set kafka.sasl.existingSecret (and passwordKey) or kafka.sasl.password" }}
 {{- end }}
+{{- if and .Values.kafka.sasl.users (not (include "ratchet.kafkaSasl" .)) }}
+{{- fail "kafka.sasl.users is set but kafka.sasl.mechanism is empty: per-component users need SASL" }}
+{{- end }}
 {{- if and (include "ratchet.kafkaSasl" .) (not (hasPrefix "SASL_" .Values.kafka.securityProtocol)) }}
 {{- fail "kafka.sasl.mechanism is set but kafka.securityProtocol is not SASL_PLAINTEXT or SASL_SSL" }}
 {{- end }}
@@ -489,6 +492,17 @@ service starts, a crash report or `kubectl describe` never carries them.
   value: "1"
 {{- end }}
 
+{{/*
+The Kafka user of one component when kafka.sasl.users names one (its password is in the secrets
+volume): include with (dict "ctx" $ "component" "judge") after ratchet.env.
+*/}}
+{{- define "ratchet.kafkaUserEnv" -}}
+{{- with get .ctx.Values.kafka.sasl.users .component }}
+- name: RATCHET_KAFKA__SASL_USERNAME
+  value: {{ .username | quote }}
+{{- end }}
+{{- end }}
+
 {{- define "ratchet.secretsDir" -}}
 /var/run/secrets/ratchet
 {{- end }}
@@ -526,11 +540,20 @@ the proxy and the console.
               path: RATCHET_REDIS_PASSWORD
       {{- end }}
       {{- if include "ratchet.kafkaSasl" $ }}
+      {{- with get $.Values.kafka.sasl.users $component }}
+      # This component's own Kafka user (kafka.sasl.users).
+      - secret:
+          name: {{ .existingSecret }}
+          items:
+            - key: {{ .passwordKey | default "password" }}
+              path: RATCHET_KAFKA__SASL_PASSWORD
+      {{- else }}
       - secret:
           name: {{ include "ratchet.kafkaSecretName" $ }}
           items:
             - key: {{ include "ratchet.kafkaPasswordKey" $ }}
               path: RATCHET_KAFKA__SASL_PASSWORD
+      {{- end }}
       {{- end }}
       {{- if eq $component "proxy" }}
       - secret:
