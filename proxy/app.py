@@ -5,10 +5,11 @@ The generation routes are proxy/generation.py; the rest are small and live here.
 Who may call what (keys are checked only when proxy.api_keys or proxy.admin_key is set; the
 admin key is accepted wherever a client key is):
 
-- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models[/{alias}]``: a
-  client key. A model card names the canary's version and weight only to the admin key (or
-  with ``proxy.expose_arm``): a client that knew a canary was running could tell the arms
-  apart and rate only one.
+- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
+  ``GET /v1/models[/{alias}]``: a client key. ``GET`` and ``DELETE /v1/responses/{id}``: the
+  key that made that response. A model card names the canary's version and weight only to the
+  admin key (or with ``proxy.expose_arm``): a client that knew a canary was running could tell
+  the arms apart and rate only one.
 - ``POST /v1/feedback``, the one state a client changes (a rating of its own completion): the
   key that got the completion.
 - ``GET /metrics``: the admin key when ``proxy.metrics_auth`` is on, which it is by default
@@ -35,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy.errors import install_handler
 from proxy.feedback import rate
 from proxy.generation import generate
+from proxy.responses_route import create_response, delete_response, get_response
 from proxy.state import ProxyState
 from proxy.validation import unknown_alias
 from ratchet.registry import AliasRoute, served_name
@@ -71,6 +73,7 @@ def create_app(settings: RatchetSettings) -> FastAPI:
         await state.routing.close()
         await state.rate_limiter.close()  # sends the token charges still pending
         await state.completions.close()  # writes the completion owners still pending
+        await state.responses.close()
         # The worker sends what it holds to Kafka, or to the disk spool if the broker is away.
         await state.traffic_log.close()
 
@@ -103,6 +106,18 @@ def _add_generation_routes(app: FastAPI, state: ProxyState) -> None:
     # body machinery would only add latency to every request.
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_route("/v1/completions", completions, methods=["POST"])
+
+    async def responses(request: Request) -> Response:
+        return await create_response(state, request)
+
+    async def stored_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            return await delete_response(state, request, response_id)
+        return await get_response(state, request, response_id)
+
+    app.add_route("/v1/responses", responses, methods=["POST"])
+    app.add_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"])
 
 
 def _add_model_routes(app: FastAPI, state: ProxyState) -> None:

@@ -29,6 +29,7 @@ from proxy.buckets import choice_events, prompt_estimate, reservation, total_tok
 from proxy.errors import ProxyError, internal_error
 from proxy.http1 import UpstreamResponse
 from proxy.log.worker import ExchangeMeta
+from proxy.ratelimit import Admission
 from proxy.sse import without_usage_only
 from proxy.state import ProxyState, read_json
 from proxy.upstream import stream_dropped, upstream_error
@@ -102,29 +103,81 @@ class Call:
         return events
 
 
-async def generate(state: ProxyState, request: Request, endpoint: str) -> Response:
-    """One generation request, step by step; see :func:`relay` for how it ends."""
+@dataclass(slots=True)
+class Arrival:
+    """A request before its body is read: when it came, whose key, its rate-limit question."""
+
+    started: float  # perf_counter
+    started_at: float  # wall clock
+    key_hash: str | None
+    admission: Admission | None  # asked of Redis now, answered once the body is parsed
+
+
+def arrive(state: ProxyState, request: Request) -> Arrival:
     started, started_at = time.perf_counter(), time.time()
     key_hash = state.authenticate_client(request)
     limiter = state.rate_limiter
-    # Asked of Redis now, answered below: the body is read and parsed meanwhile. With token
-    # budgets the body comes first: the request reserves what it may use.
-    admission = limiter.ask(key_hash) if limiter.enabled and not limiter.token_limits else None
+    # With token budgets the body comes first: the request reserves what it may use.
+    asked = limiter.ask(key_hash) if limiter.enabled and not limiter.token_limits else None
+    return Arrival(started, started_at, key_hash, asked)
+
+
+async def refused(state: ProxyState, arrival: Arrival) -> None:
+    """A request refused before it was routed still takes one from its key's rate (429 first,
+    as without budgets)."""
+    if state.rate_limiter.token_limits:
+        await state.rate_limiter.admit(arrival.key_hash)
+
+
+async def generate(state: ProxyState, request: Request, endpoint: str) -> Response:
+    """One generation request, step by step; see :func:`relay` for how it ends."""
+    arrival = arrive(state, request)
     try:
         payload, body = await read_json(request, state.limits)
         alias = parse(payload, endpoint, state.limits)
-        version, arm, served, conceal = route(state, request, payload, alias, key_hash)
+        routed = route(state, request, payload, alias, arrival.key_hash)
     except ProxyError:
-        if limiter.token_limits:  # a refused request still takes one from the key's rate
-            await limiter.admit(key_hash)  # (429 first, as without budgets)
+        await refused(state, arrival)
         raise
+    call, exchange, headers = await start_call(
+        state, request, arrival, endpoint, payload, body, routed
+    )
+    try:
+        await anext(exchange)  # raises the ProxyError of a refused or failed call
+    except StopAsyncIteration:  # a whole answer: the call is over and recorded
+        answer = call.answer if call.concealed is None else call.shown(call.answer)
+        return Response(answer, media_type="application/json", headers=headers)
+    headers["Cache-Control"] = "no-cache"
+    return StreamingResponse(exchange, media_type="text/event-stream", headers=headers)
+
+
+async def start_call(
+    state: ProxyState,
+    request: Request,
+    arrival: Arrival,
+    endpoint: str,
+    payload: dict[str, Any],
+    body: bytes,
+    routed: tuple[int, str, str, bool],
+    client_api: str | None = None,
+    client_wants_usage: bool | None = None,
+) -> tuple[Call, AsyncIterator[bytes], dict[str, str]]:
+    """A parsed, routed request admitted and sent: its Call, the relay (not started yet) and
+    the response headers. ``client_api`` names the API the client called when the exchange was
+    translated to ``endpoint`` (the Responses API); ``client_wants_usage`` overrides the body's
+    ``stream_options`` for such a caller, which reads the usage event itself."""
+    limiter = state.rate_limiter
+    alias = payload["model"]
+    version, arm, served, conceal = routed
     stream = bool(payload.get("stream"))
-    forwarded, client_wants_usage = forward(payload, served, stream)
-    reserved = prompt_tokens = 0
+    forwarded, wants_usage = forward(payload, served, stream)
+    if client_wants_usage is not None:
+        wants_usage = client_wants_usage
+    admission, reserved, prompt_tokens = arrival.admission, 0, 0
     if limiter.token_limits:
         prompt_tokens = prompt_estimate(body)
         reserved = reservation(payload, endpoint, state.limits, prompt_tokens)
-        admission = limiter.ask(key_hash, reserved)
+        admission = limiter.ask(arrival.key_hash, reserved)
     if admission is not None:
         await limiter.settle(admission)  # 429 when a limit is reached
     log_rate = state.log_rates.get(alias, 1.0)
@@ -139,12 +192,14 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
         version=version,
         canary_arm=arm,
         stream=stream,
-        api_key_hash=key_hash,
-        source=state.source(key_hash, payload),
+        api_key_hash=arrival.key_hash,
+        source=state.source(arrival.key_hash, payload),
         logged=log_rate >= 1.0 or random.random() < log_rate,
-        started_at=started_at,
+        started_at=arrival.started_at,
+        client_api=client_api,
     )
-    call = Call(meta, body, forwarded, (alias, str(version), arm), client_wants_usage, started)
+    labels = (alias, str(version), arm)
+    call = Call(meta, body, forwarded, labels, wants_usage, arrival.started)
     if reserved:  # settled when the exchange is recorded; kept whole if the client left first
         call.reserved, call.prompt_tokens = reserved, prompt_tokens
     headers = {"x-request-id": meta.client_request_id or meta.request_id}
@@ -155,14 +210,7 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
         headers[SERVED_NAME_HEADER] = served
     if state.settings.proxy.expose_arm:
         headers[ARM_HEADER] = arm
-    exchange = relay(state, call)
-    try:
-        await anext(exchange)  # raises the ProxyError of a refused or failed call
-    except StopAsyncIteration:  # a whole answer: the call is over and recorded
-        answer = call.answer if call.concealed is None else call.shown(call.answer)
-        return Response(answer, media_type="application/json", headers=headers)
-    headers["Cache-Control"] = "no-cache"
-    return StreamingResponse(exchange, media_type="text/event-stream", headers=headers)
+    return call, relay(state, call), headers
 
 
 def parse(payload: dict[str, Any], endpoint: str, limits: RequestLimits) -> str:
@@ -283,7 +331,7 @@ def record(state: ProxyState, call: Call) -> None:
     total = now - call.started
     upstream = (call.upstream_done or now) - call.upstream_started
     meta, metrics = call.meta, state.metrics
-    metrics.count_request(call.labels, meta.endpoint, meta.status)
+    metrics.count_request(call.labels, meta.client_api or meta.endpoint, meta.status)
     children = metrics.call(call.labels)
     children.latency.observe(total)
     children.upstream_latency.observe(upstream)

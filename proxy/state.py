@@ -14,6 +14,7 @@ from proxy.log.pipe import TrafficLog
 from proxy.log.worker import WorkerConfig
 from proxy.metrics import ProxyMetrics
 from proxy.ratelimit import RateLimiter
+from proxy.response_store import ResponseStore
 from proxy.routing import RoutingCache
 from proxy.upstream import Upstream
 from proxy.validation import RequestLimits, check_depth, json_too_deep
@@ -89,6 +90,12 @@ class ProxyState:
         # Who got each completion, so only that key may rate it, once (proxy/completions.py).
         self.completions = CompletionOwners(
             redis_connection_url(settings), self.metrics.registry, owner_ttl_s(settings)
+        )
+        self.responses = ResponseStore(
+            redis_connection_url(settings),
+            self.metrics.registry,
+            settings.proxy.responses_store_ttl_s,
+            settings.proxy.responses_store_max_bytes,
         )
         self.metrics.watch_log(self.traffic_log, self.routing)
 

@@ -444,6 +444,11 @@ class ProxySettings(_Section):
     max_header_bytes: int = Field(default=32 * 1024, ge=1024, le=1 << 20)
     # At this many open connections (or requests in progress), a new request gets 503.
     max_concurrency: int = Field(default=1024, ge=1, le=1_000_000)
+    # Responses API (POST /v1/responses, store: true, OpenAI's default): how long a response
+    # is kept in Redis for GET /v1/responses/{id} and previous_response_id (0: none is), and the
+    # largest kept, with its conversation. Redis holds at most responses/s x TTL x this.
+    responses_store_ttl_s: int = Field(default=3600, ge=0, le=30 * 86400)
+    responses_store_max_bytes: int = Field(default=256 * 1024, ge=1024, le=64 * 1024 * 1024)
 
     @field_validator("api_keys")
     @classmethod

@@ -200,6 +200,7 @@ class Exchange:
     latency_ms: float = 0.0
     ttft_ms: float | None = None
     client_request_id: str | None = None
+    client_api: str | None = None
 
     def usage(self) -> tuple[int | None, int | None]:
         """(input, output) tokens, read without assembling the whole answer."""
@@ -250,6 +251,7 @@ class Exchange:
             api_key_hash=self.api_key_hash,
             source=self.source,
             user=user,
+            client_api=self.client_api,
             # Replaced whole past the redaction budget: not what the model saw.
             truncated=redact.failed,
         )

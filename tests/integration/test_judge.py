@@ -32,6 +32,7 @@ from ratchet.records import (
     DeadLetter,
     HeldoutPrompt,
     ScoredGroup,
+    TrafficRecord,
     prompt_hash,
 )
 from ratchet.registry import AliasRoute
@@ -485,3 +486,79 @@ def probes_of(scraped: str, alias: str) -> dict[str, float]:
         if sample.name == "ratchet_judge_agreement_probes_total"
         and sample.labels.get("alias") == alias
     }
+
+
+def test_an_agents_sdk_conversation_with_a_tool_becomes_scored_groups(
+    embedded: Embedded, tmp_path: Path
+) -> None:
+    """The OpenAI Agents SDK (Responses API, a function tool, two runs of one conversation)
+    through the proxy: every model call it makes is logged as its chat exchange, tool calls and
+    tool results included, and the judge samples and scores a group for each."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    alias = "jt-agent"
+    config = judge_config(embedded, tmp_path, alias)
+    settings = yaml.safe_load(config.read_text())
+    settings["aliases"][alias]["learning"]["heldout_fraction"] = 0.0  # every prompt a group
+    config.write_text(yaml.safe_dump(settings))
+    embedded.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
+    embedded.wait_for_proxy_route(alias)
+    asked: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return f"It is sunny in {city}."
+
+    async def conversation() -> list[Any]:
+        set_tracing_disabled(True)
+        client = openai.AsyncOpenAI(base_url=f"{embedded.proxy_url}/v1", api_key="k", max_retries=0)
+        agent = Agent(
+            name="weather",
+            instructions="Answer with the get_weather tool.",
+            tools=[get_weather],
+            model=OpenAIResponsesModel(model=alias, openai_client=client),
+            # The first call of each run must call the tool; the SDK then sets it back to auto.
+            model_settings=ModelSettings(tool_choice="required", max_tokens=64, temperature=0),
+        )
+        first = await Runner.run(agent, "What is the weather in Oslo?", max_turns=4)
+        turn = [*first.to_input_list(), {"role": "user", "content": "And in Bergen?"}]
+        second = await Runner.run(agent, turn, max_turns=4)
+        await client.close()
+        return [*first.raw_responses, *second.raw_responses]
+
+    responses = asyncio.run(conversation())
+    assert len(asked) == 2, asked  # each run called the tool once, then answered
+    assert len(responses) >= 4
+    completion_ids = {"chatcmpl-" + r.response_id.removeprefix("resp_") for r in responses}
+    records = embedded.find_records(
+        TRAFFIC_TOPIC,
+        lambda r: isinstance(r, TrafficRecord) and r.response_id in completion_ids,
+        count=len(completion_ids),
+    )
+    assert len(records) == len(completion_ids)
+    for record in records:
+        assert isinstance(record, TrafficRecord) and record.client_api == "responses"
+        assert record.request["tools"][0]["function"]["name"] == "get_weather"
+    # A call after the tool ran sends its call and result, as chat turns.
+    after_tool = [r for r in records if r.request["messages"][-1]["role"] == "tool"]  # type: ignore[union-attr]
+    assert len(after_tool) >= 2
+    messages = after_tool[0].request["messages"]  # type: ignore[union-attr]
+    assert messages[-2]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert messages[-1]["content"].startswith("It is sunny in")
+
+    request_ids = {r.request_id for r in records}  # type: ignore[union-attr]
+    with running_judge(config, tmp_path / "state"):
+        groups, heldout = outputs_for(embedded, request_ids, timeout_s=300)
+    assert not heldout and len(groups) == len(request_ids)
+    for group in groups:
+        assert group.tools is not None and group.tools[0]["function"]["name"] == "get_weather"
+        assert len(group.samples) == 3 and all(0.0 <= r <= 1.0 for r in group.rewards)
