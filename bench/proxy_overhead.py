@@ -24,6 +24,11 @@ measured in alternating blocks in A-B-B-A order (direct, proxy, proxy, direct, .
 drift of the machine (other load, CPU clocks) lands on both paths alike. ``concurrency`` workers
 each send their next request as soon as the previous one is answered (a closed loop).
 
+Modes ``responses`` and ``responses-stream`` send the same conversations through the proxy as
+Responses API requests (``POST /v1/responses``, not stored), which it translates to the chat
+request the direct path sends: their added latency against the chat modes' is what the
+translation costs.
+
 Per request latency is measured in the client, from send to the last byte of the answer.
 Reported: p50 and p99 per path, the added latency (proxy minus direct, in ms, per percentile),
 and the throughput ratio (requests per second through the proxy over direct; wall clock of the
@@ -77,6 +82,8 @@ ALIAS = "bench"
 # Targets for the fast upstream, JSON answers, concurrency 1.
 TARGET_ADDED_P50_MS = 0.5
 TARGET_ADDED_P99_MS = 1.5
+# The Responses API (translated to chat in the proxy) against the chat path, c=1.
+TARGET_RESPONSES_GAP_MS = 0.1
 
 # Wide enough for the results table when the output is piped to a file.
 console = Console(width=max(140, shutil.get_terminal_size((140, 40)).columns))
@@ -312,8 +319,27 @@ PROMPTS = [
 ]
 
 
-def make_bodies(model: str, n: int, max_tokens: int, stream: bool) -> list[bytes]:
-    """``n`` request bodies; ``ignore_eos`` makes vLLM produce exactly ``max_tokens`` each."""
+def make_bodies(
+    model: str, n: int, max_tokens: int, stream: bool, responses_api: bool = False
+) -> list[bytes]:
+    """``n`` request bodies; ``ignore_eos`` makes vLLM produce exactly ``max_tokens`` each.
+    ``responses_api``: the same conversations as Responses API bodies (``POST /v1/responses``,
+    which the proxy translates to the chat request the direct path sends), not stored."""
+    if responses_api:
+        return [
+            orjson.dumps(
+                {
+                    "model": model,
+                    "instructions": "You are a helpful assistant. Answer briefly.",
+                    "input": PROMPTS[i % len(PROMPTS)],
+                    "max_output_tokens": max_tokens,
+                    "temperature": 0.0,
+                    "store": False,
+                    **({"stream": True} if stream else {}),
+                }
+            )
+            for i in range(n)
+        ]
     bodies = []
     for i in range(n):
         payload: dict[str, Any] = {
@@ -428,14 +454,15 @@ def abba(rounds: int) -> Iterator[str]:
 async def measure(
     session: aiohttp.ClientSession, plan: Plan, direct_url: str, proxy_url: str, served: str
 ) -> Result:
-    stream = plan.mode == "stream"
+    stream = plan.mode.endswith("stream")
+    responses_api = plan.mode.startswith("responses")
     bodies = {
         "direct": make_bodies(served, plan.block_size, plan.max_tokens, stream),
-        "proxy": make_bodies(ALIAS, plan.block_size, plan.max_tokens, stream),
+        "proxy": make_bodies(ALIAS, plan.block_size, plan.max_tokens, stream, responses_api),
     }
     urls = {
         "direct": direct_url + "/v1/chat/completions",
-        "proxy": proxy_url + "/v1/chat/completions",
+        "proxy": proxy_url + ("/v1/responses" if responses_api else "/v1/chat/completions"),
     }
     for path in ("direct", "proxy"):
         warm = (bodies[path] * (plan.warmup // plan.block_size + 1))[: plan.warmup]
@@ -547,6 +574,19 @@ def check_targets(results: list[Result]) -> bool:
         verdict = "[green]MET" if value <= limit else "[red]NOT MET"
         console.print(
             f"target {name} <= {limit} ms (fast upstream, json, c=1): {value:.3f} ms -> {verdict}"
+        )
+    responses = next(
+        (r for r in results if (r.upstream, r.mode, r.concurrency) == ("fast", "responses", 1)),
+        None,
+    )
+    if responses is not None:
+        gap = responses.added_p50_ms - base.added_p50_ms
+        checks.append(("Responses API added p50 over chat's", gap, TARGET_RESPONSES_GAP_MS))
+        verdict = "[green]MET" if gap <= TARGET_RESPONSES_GAP_MS else "[red]NOT MET"
+        console.print(
+            f"target Responses API added p50 within {TARGET_RESPONSES_GAP_MS} ms of chat's "
+            f"(fast upstream, c=1): {responses.added_p50_ms:.3f} - {base.added_p50_ms:.3f} = "
+            f"{gap:+.3f} ms -> {verdict}"
         )
     return all(value <= limit for _, value, limit in checks)
 
@@ -664,7 +704,12 @@ def parse_args() -> argparse.Namespace:
         "--vllm-requests", type=int, default=48, help="per path and concurrency (vLLM)"
     )
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated list")
-    parser.add_argument("--modes", default="json,stream", help="json, stream, or both")
+    parser.add_argument(
+        "--modes",
+        default="json,stream,responses,responses-stream",
+        help="json, stream, responses, responses-stream (the last two: the Responses API "
+        "through the proxy against chat direct, fast upstream only)",
+    )
     parser.add_argument("--vllm-max-tokens", type=int, default=8)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument(
@@ -696,6 +741,8 @@ def make_plans(args: argparse.Namespace, with_vllm: bool) -> list[Plan]:
             )
     if with_vllm:
         for mode in modes:
+            if mode.startswith("responses"):
+                continue  # its bodies cannot ask vLLM for exact lengths (no ignore_eos)
             for c in concurrencies:
                 n = max(args.vllm_requests, 4 * c)
                 block = max(8, 2 * c)
