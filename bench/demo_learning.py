@@ -70,7 +70,7 @@ from ratchet.rewards.ruler import strip_code_fence
 from ratchet.rewards.verifiers import Verifier, run_verifier
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import AliasConfig, LearnerSettings, RatchetSettings
-from ratchet.tasks import TASKS, get_task
+from ratchet.tasks import TASKS, get_task, request_fields
 
 BASE = "smollm2-135m-instruct"
 T = TypeVar("T")
@@ -238,7 +238,8 @@ async def sample_groups(
     async with aiohttp.ClientSession() as session:
 
         async def one(i: int, prompt: dict[str, Any]) -> ScoredGroup:
-            body = sampling_body(served, prompt["messages"], {}, cfg.k, sampling, seed + i)
+            extras = request_fields(prompt)  # a tool task's tools travel with its prompt
+            body = sampling_body(served, prompt["messages"], extras, cfg.k, sampling, seed + i)
             async with limit:
                 group = parse_group(await chat(session, url, body, headers), cfg.k)
             rewards = [run_verifier(reward, prompt["messages"], s.message) for s in group.samples]
@@ -248,6 +249,7 @@ async def sample_groups(
                 version=version,
                 response_model=served,
                 prompt_messages=prompt["messages"],
+                tools=prompt.get("tools"),
                 prompt_token_ids=group.prompt_token_ids,
                 samples=group.samples,
                 rewards=rewards,
@@ -287,6 +289,7 @@ async def evaluate(
                 "messages": prompt["messages"],
                 "temperature": 0.0,
                 "max_tokens": max_tokens,
+                **request_fields(prompt),
             }
             async with limit:
                 data = await chat(session, url, body, headers)

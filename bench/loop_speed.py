@@ -62,7 +62,7 @@ from ratchet.dev.processes import Stack, free_port
 from ratchet.dev.stack import create_topics, embedded_stack
 from ratchet.evaluation import paired_lift
 from ratchet.settings import RatchetSettings, default_home, load_settings
-from ratchet.tasks import TASKS, Task, get_task
+from ratchet.tasks import TASKS, Task, get_task, request_fields
 
 BASE = "smollm2-135m-instruct"
 BOOTSTRAP_SAMPLES = 2000  # resamples of the lift's interval
@@ -141,6 +141,8 @@ async def replay(
                     max_tokens=max_tokens,
                     user=f"bench-{number}",
                     timeout=300,
+                    # A tool-use task's prompts carry their tools, as an app's requests would.
+                    **request_fields(prompt),
                 )
                 counts["answered"] += 1
             except openai.APIError:

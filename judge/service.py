@@ -207,6 +207,7 @@ class JudgeService(JudgeKafka):
             alias=record.alias,
             prompt_messages=prompt,
             tools=tools,
+            tool_choice=record.request.get("tool_choice") if tools else None,
             traffic_request_id=record.request_id,
             api_key_hash=record.api_key_hash,
             source=record.source,

@@ -260,6 +260,8 @@ class Gate:
         }
         if prompt.tools:
             body["tools"] = prompt.tools
+            if prompt.tool_choice is not None:
+                body["tool_choice"] = prompt.tool_choice
         url = self.settings.vllm_url.rstrip("/") + "/v1/chat/completions"
         headers = {"content-type": "application/json", "authorization": f"Bearer {self.vllm_key}"}
         for attempt in range(ANSWER_ATTEMPTS):

@@ -179,6 +179,9 @@ class HeldoutPrompt(Record):
     alias: str
     prompt_messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
+    # How the client asked for the tools to be used ("required", a named function): the gate
+    # answers the prompt as the client asked, as the judge samples it.
+    tool_choice: str | dict[str, Any] | None = None
     traffic_request_id: str
     api_key_hash: str | None = None  # whose prompt it is, as for ScoredGroup
     source: str | None = None

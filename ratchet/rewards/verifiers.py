@@ -1,7 +1,8 @@
 """Programmatic rewards: load an operator's verifier function and run it safely.
 
 A verifier is plain Python named in ``ratchet.yaml`` as ``"package.module:function"``; it takes
-the prompt messages and one sample (an assistant message) and returns a float in [0, 1]. It is
+the prompt messages and one sample (an assistant message: ``content``, and ``tool_calls`` when
+the model called a tool, which :func:`tool_calls_of` parses) and returns a float in [0, 1]. It is
 the operator's code, so a wrong value is treated as a bug to report, never silently repaired:
 an out-of-range or non-numeric result raises :class:`VerifierError` instead of being clamped.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import math
 from collections.abc import Callable
 from numbers import Real
@@ -22,6 +24,7 @@ __all__ = [
     "combine",
     "load_verifier",
     "run_verifier",
+    "tool_calls_of",
 ]
 
 Verifier = Callable[[list[dict[str, Any]], dict[str, Any]], float]
@@ -85,6 +88,29 @@ def run_verifier(
     except Exception as exc:
         raise VerifierError("exception", f"verifier {name} raised {exc!r}") from exc
     return _checked(name, value)
+
+
+# Arguments longer than this are not parsed: a verifier's input is the model's output.
+MAX_ARGUMENTS_CHARS = 64 * 1024
+
+
+def tool_calls_of(sample: dict[str, Any]) -> list[tuple[str, dict[str, Any] | None]]:
+    """The sample's function calls as (name, arguments): the arguments' JSON parsed to an
+    object, or None when it is not one (the model wrote broken JSON, or something too long)."""
+    calls: list[tuple[str, dict[str, Any] | None]] = []
+    for call in sample.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            continue
+        raw = function.get("arguments")
+        arguments: Any = raw if isinstance(raw, dict) else None
+        if isinstance(raw, str) and len(raw) <= MAX_ARGUMENTS_CHARS:
+            try:
+                arguments = json.loads(raw)
+            except ValueError:
+                arguments = None
+        calls.append((function["name"], arguments if isinstance(arguments, dict) else None))
+    return calls
 
 
 def _checked(name: str, value: Any) -> float:

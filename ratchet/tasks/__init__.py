@@ -2,7 +2,8 @@
 tasks nobody tuned it for (``bench/loop_speed.py``, ``bench/demo_learning.py --task``).
 
 :data:`TASKS` maps a task's name to its :class:`Task`; the demo (``ratchet.demo``) is listed by
-reference. A task's prompts are ``{"messages": [...], "expected": ...}``; ``expected`` is for
+reference. A task's prompts are ``{"messages": [...], "expected": ...}``, with ``"tools"`` when
+the task offers function tools (whoever sends the prompt sends them too); ``expected`` is for
 people reading the set: each verifier recovers the ground truth from the prompt itself.
 """
 
@@ -14,9 +15,9 @@ from typing import Any
 
 from ratchet import demo
 from ratchet.rewards.verifiers import Verifier, load_verifier
-from ratchet.tasks import bullets, sorting
+from ratchet.tasks import bullets, sorting, tool_use
 
-__all__ = ["TASKS", "Task", "get_task"]
+__all__ = ["TASKS", "Task", "get_task", "request_fields"]
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,24 @@ TASKS: dict[str, Task] = {
             bullets.load_prompts,
             'format: the items a sentence names as a "- " bulleted list, in order, nothing else',
         ),
+        Task(
+            "tool_use",
+            "ratchet.tasks.tool_use:tool_use_reward",
+            tool_use.load_prompts,
+            "tool use: the right one of three function tools, with the request's arguments",
+        ),
     )
 }
+
+
+# What a prompt may carry besides its messages, sent with them as an app would send them.
+REQUEST_FIELDS = ("tools", "tool_choice")
+
+
+def request_fields(prompt: dict[str, Any]) -> dict[str, Any]:
+    """The chat request fields a task's prompt carries (``tools``, ``tool_choice``), to send
+    with its ``messages``; empty for a prompt of messages alone."""
+    return {key: prompt[key] for key in REQUEST_FIELDS if prompt.get(key) is not None}
 
 
 def get_task(name: str) -> Task:

@@ -149,6 +149,23 @@ def test_a_held_out_prompt_carries_the_servers_request_id_and_the_key() -> None:
     assert held.served_output_tokens == record.output_tokens
 
 
+def test_a_held_out_prompt_keeps_how_the_client_asked_for_its_tools() -> None:
+    """tool_choice "required" (an agent that must act): the gate answers the prompt so too."""
+    config = AliasConfig(learning={"heldout_fraction": 0.5, "dedup_window_s": 0})
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    messages = next(
+        m
+        for i in range(10_000)
+        if is_heldout(SECRET, prompt_hash(m := [{"role": "user", "content": f"q{i}"}], [tool]), 0.5)
+    )
+    request = {"messages": messages, "tools": [tool], "tool_choice": "required"}
+    ready = asyncio.run(
+        judge_for(SECRET, config).classify(polled(traffic(request=request).to_json()))
+    )
+    assert isinstance(ready, Ready) and isinstance(ready.record, HeldoutPrompt)
+    assert ready.record.tools == [tool] and ready.record.tool_choice == "required"
+
+
 def traffic(**overrides: Any) -> TrafficRecord:
     return build_traffic_record(
         **{"request": {"messages": PROMPT}, "input_tokens": 10, **overrides}

@@ -318,11 +318,17 @@ def test_a_gate_with_too_many_pairs_left_out_does_not_pass(vllm: StandIn) -> Non
     assert evaluate(make_gate(vllm.url), verifier_alias(lenient), held, "good", "bad").passed
 
 
-def test_tools_are_sent_with_the_prompt(vllm: StandIn) -> None:
+def test_tools_and_the_clients_tool_choice_are_sent_with_the_prompt(vllm: StandIn) -> None:
     tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
     held = [p.model_copy(update={"tools": [tool]}) for p in prompts(2)]
     evaluate(make_gate(vllm.url), verifier_alias(), held, "good", "bad")
     assert vllm.requests and all(r["tools"] == [tool] for r in vllm.requests)
+    assert all("tool_choice" not in r for r in vllm.requests)
+    vllm.requests.clear()
+    # An agent that must act asked for a call: both versions answer it so, as it was served.
+    required = [p.model_copy(update={"tool_choice": "required"}) for p in held]
+    evaluate(make_gate(vllm.url), verifier_alias(), required, "good", "bad")
+    assert vllm.requests and all(r["tool_choice"] == "required" for r in vllm.requests)
 
 
 def test_a_verifier_that_cannot_score_a_prompt_is_a_gate_error(vllm: StandIn) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from ratchet.rewards.verifiers import run_verifier
-from ratchet.tasks import TASKS, Task, bullets, get_task, sorting
+from ratchet.rewards.verifiers import run_verifier, tool_calls_of
+from ratchet.tasks import TASKS, Task, bullets, get_task, sorting, tool_use
 from ratchet.tasks.common import lcs_share
 
 
@@ -148,3 +148,57 @@ def test_bullets_reward_grades_items_dashes_and_nothing_else() -> None:
     # A list, but of other things: only the shape earns.
     assert reward(messages, answer("- apples\n- pears")) == pytest.approx(0.4)
     assert reward(messages, answer("I do not know.")) == 0.0
+
+
+# --- tool use --------------------------------------------------------------------------------
+
+
+def called(name: str, arguments: Any) -> dict[str, Any]:
+    """An assistant message as vLLM's tool parser leaves it: ``arguments`` as JSON text."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    call = {"id": "call_1", "type": "function", "function": {"name": name, "arguments": text}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+def test_tool_calls_of_parses_arguments_and_tolerates_what_models_write() -> None:
+    assert tool_calls_of(called("f", {"a": 1})) == [("f", {"a": 1})]
+    assert tool_calls_of(called("f", '{"a": ')) == [("f", None)]  # broken JSON
+    assert tool_calls_of(called("f", "[1, 2]")) == [("f", None)]  # not an object
+    assert tool_calls_of(called("f", "x" * 70_000)) == [("f", None)]  # too long to parse
+    assert tool_calls_of(answer("text")) == []
+    assert tool_calls_of({"tool_calls": [None, {"function": {"name": 3}}, "x"]}) == []
+
+
+def test_tool_use_reward_grades_calling_the_tool_and_its_arguments() -> None:
+    prompts = {p["expected"]["name"]: p for p in tool_use.load_prompts()}
+    assert set(prompts) == {"get_weather", "convert_currency", "set_timer"}
+    for prompt in prompts.values():
+        assert prompt["tools"] == tool_use.TOOLS
+        assert json.dumps(prompt["expected"]["arguments"]) not in prompt["messages"][-1]["content"]
+    weather = prompts["get_weather"]
+    messages, want = weather["messages"], weather["expected"]["arguments"]
+    reward = tool_use.tool_use_reward
+    assert reward(messages, called("get_weather", want)) == 1.0
+    shouting = {k: v.upper() for k, v in want.items()}  # a city in any case is the city
+    assert reward(messages, called("get_weather", shouting)) == 1.0
+    assert reward(messages, called("get_weather", {**want, "day": "never"})) == pytest.approx(0.75)
+    assert reward(messages, called("get_weather", "{broken")) == pytest.approx(0.5)
+    assert reward(messages, called("set_timer", {"minutes": 5})) == pytest.approx(0.2)
+    assert reward(messages, answer("<tool_call>get_weather(...)")) == pytest.approx(0.1)
+    assert reward(messages, answer("It will rain.")) == 0.0
+    timer = prompts["set_timer"]
+    minutes = timer["expected"]["arguments"]["minutes"]
+    for given in (minutes, str(minutes), float(minutes)):  # a number as a number or its digits
+        assert reward(timer["messages"], called("set_timer", {"minutes": given})) == 1.0
+    assert reward(timer["messages"], called("set_timer", {"minutes": True})) < 1.0
+
+
+def test_a_tool_use_prompt_the_task_did_not_write_is_refused() -> None:
+    mine = tool_use.load_prompts()[0]["messages"][0]["content"]
+    for content in (
+        "What is the weather?",
+        mine + " Also in Rome.",
+        mine.split("\n")[0] + "\n\n" + "x" * 300,
+    ):
+        with pytest.raises(ValueError):
+            tool_use.tool_use_reward([{"role": "user", "content": content}], answer("x"))
