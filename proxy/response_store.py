@@ -6,7 +6,8 @@ as unknown, a 404 that says nothing about whether it exists. Each is kept
 ``proxy.responses_store_ttl_s`` (0: nothing is stored) and refused past
 ``proxy.responses_store_max_bytes``, conversation included: the store's memory is at most
 responses per second x TTL x that size, and a conversation continued turn after turn stops
-being stored once it outgrows it (the client is told: its Response says ``store: false``).
+being stored once it outgrows it (counted; a whole Response then says ``store: false``, a
+streamed one has already said what was asked when its last event is built).
 """
 
 from __future__ import annotations

@@ -96,12 +96,13 @@ async def response_events(
     """The relay's chat stream as Responses events. A finished response is stored before its
     last event goes out, so a next turn sent on that event finds it."""
     stream = ResponsesStream(translated.echo)
+    unsaved = translated.store
     async for chunk in exchange:
         events = stream.feed(chunk)
         final = stream.final
-        if final is not None and translated.store and final["status"] != "failed":
+        if unsaved and final is not None and final["status"] != "failed":
+            unsaved = False
             await keep(state, translated, final, key_hash)
-            translated.store = False  # once
         if events:
             yield events
 
