@@ -109,12 +109,16 @@ async def response_events(
 
 async def get_response(state: ProxyState, request: Request, response_id: str) -> Response:
     key_hash = state.authenticate_client(request)
+    if len(response_id) > RESPONSE_ID_MAX:  # no id of ours: not worth a Redis lookup
+        raise not_found(response_id)
     entry = await state.responses.load(response_id, key_hash)
     return Response(orjson.dumps(entry["response"]), media_type="application/json")
 
 
 async def delete_response(state: ProxyState, request: Request, response_id: str) -> Response:
     key_hash = state.authenticate_client(request)
+    if len(response_id) > RESPONSE_ID_MAX:
+        raise not_found(response_id)
     await state.responses.delete(response_id, key_hash)
     deleted = {"id": response_id, "object": "response", "deleted": True}
     return Response(orjson.dumps(deleted), media_type="application/json")

@@ -97,3 +97,13 @@ async def test_with_redis_away_an_answer_is_still_given_and_a_continuation_is_a_
         assert continued.status_code == 503
         assert continued.json()["error"]["code"] == "store_unavailable"
         assert continued.headers["retry-after"] == "1"
+
+
+async def test_an_id_longer_than_any_of_ours_is_unknown_without_asking_redis(
+    proxy_with: ProxyFactory,
+) -> None:
+    async with proxy_with() as (client, _):  # Redis is away: asking it would be a 503
+        for method in ("GET", "DELETE"):
+            answer = await client.request(method, "/v1/responses/resp_" + "x" * 300)
+            assert answer.status_code == 404
+            assert answer.json()["error"]["code"] == "response_not_found"
