@@ -149,16 +149,38 @@ class DemoReplay:
         self.concealed = {}
 
     async def rate(self, raters: httpx.AsyncClient, completion_id: str, score: float) -> None:
+        """POST the rating as a well-behaved client does: a 429 or 503 (the proxy could not
+        check the rating just then, and says when to come back) is retried after its
+        Retry-After, up to RATE_ATTEMPTS times, as the openai client retries its own calls."""
+        import asyncio
+
         import httpx
 
         rating = {"completion_id": completion_id, "score": score}
-        try:
-            rated = await raters.post("/feedback", json=rating)
-        except httpx.HTTPError as exc:
-            self.failures.append(f"feedback: {exc}"[:200])
-            return
+        for attempt in range(1, RATE_ATTEMPTS + 1):
+            try:
+                rated = await raters.post("/feedback", json=rating)
+            except httpx.HTTPError as exc:
+                self.failures.append(f"feedback: {exc}"[:200])
+                return
+            if rated.status_code not in (429, 503) or attempt == RATE_ATTEMPTS:
+                break
+            await asyncio.sleep(retry_after_s(rated.headers.get("retry-after")))
         if rated.status_code != 200:
             self.failures.append(f"feedback: {rated.status_code} {rated.text}"[:200])
+
+
+RATE_ATTEMPTS = 3
+RETRY_AFTER_CAP_S = 5.0  # the proxy asks 1-5 s; a demo waits no longer whatever it is told
+
+
+def retry_after_s(header: str | None) -> float:
+    """Seconds a Retry-After header asks for (1 when absent or not a number), capped."""
+    try:
+        wait = float(header) if header is not None else 1.0
+    except ValueError:
+        wait = 1.0
+    return min(max(wait, 0.0), RETRY_AFTER_CAP_S)
 
 
 # How long the demo waits for the traffic records of the answers a canary concealed.
