@@ -233,6 +233,7 @@ def test_vllm_serves_lora_from_the_adapter_store(rendered: dict[str, Rendered]) 
     assert "--enable-lora" in args
     assert _flag(args, "--max-loras") == "4"
     assert _flag(args, "--max-lora-rank") == "32"
+    assert "--max-cpu-loras" not in args  # vLLM's default
     assert _flag(args, "--port") == "8000"
     env = _env(vllm)
     store = r.config["store_dir"]
@@ -261,6 +262,7 @@ def test_vllm_extra_flags_and_token(rendered: dict[str, Rendered]) -> None:
     args = vllm["args"]
     assert _flag(args, "--served-model-name") == "llama-3.1-8b"
     assert _flag(args, "--max-loras") == "8"
+    assert _flag(args, "--max-cpu-loras") == "32"
     assert _flag(args, "--max-lora-rank") == "64"
     assert _flag(args, "--max-model-len") == "8192"
     assert args[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
