@@ -72,7 +72,9 @@ class ResponseStore:
         self.saved.labels("stored").inc()
         return True
 
-    async def load(self, response_id: str, key_hash: str | None) -> dict[str, Any]:
+    async def load(
+        self, response_id: str, key_hash: str | None, param: str | None = None
+    ) -> dict[str, Any]:
         """The stored entry, if ``key_hash`` owns it; else a 404 naming ``param``."""
         try:
             value = await self._redis.get(response_key(response_id))
@@ -80,7 +82,7 @@ class ResponseStore:
             raise _unavailable(exc) from None
         entry = orjson.loads(value) if value else None
         if entry is None or entry.get("owner") != (key_hash or ANONYMOUS):
-            raise not_found(response_id)
+            raise not_found(response_id, param)
         return entry  # type: ignore[no-any-return]
 
     async def delete(self, response_id: str, key_hash: str | None) -> None:

@@ -71,12 +71,7 @@ async def previous_conversation(
             "previous_response_id",
             "invalid_type",
         )
-    try:
-        entry = await state.responses.load(previous_id, key_hash)
-    except ProxyError as exc:
-        if exc.status == 404:
-            raise not_found(previous_id, "previous_response_id") from None
-        raise
+    entry = await state.responses.load(previous_id, key_hash, "previous_response_id")
     return list(entry["conversation"])
 
 

@@ -35,9 +35,9 @@ class ProxyState:
     def __init__(self, settings: RatchetSettings) -> None:
         self.settings = settings
         self.metrics = ProxyMetrics()
-        self.routing = RoutingCache(
-            redis_connection_url(settings), settings.aliases, settings.proxy.registry_refresh_s
-        )
+        # Derived once: with the embedded Redis's password it reads the secret and hashes.
+        redis_url = redis_connection_url(settings)
+        self.routing = RoutingCache(redis_url, settings.aliases, settings.proxy.registry_refresh_s)
         self.upstream = Upstream(
             settings.vllm_url,
             settings.proxy.upstream_connect_timeout_s,
@@ -82,17 +82,15 @@ class ProxyState:
         # Per key only when keys are required: without auth a client could invent one per request.
         self.rate_limiter = RateLimiter(
             settings.proxy.rate_limit,
-            redis_connection_url(settings),
+            redis_url,
             self.metrics,
             bool(self.key_hashes),
         )
         self.log_rates = {name: cfg.log_rate for name, cfg in settings.aliases.items()}
         # Who got each completion, so only that key may rate it, once (proxy/completions.py).
-        self.completions = CompletionOwners(
-            redis_connection_url(settings), self.metrics.registry, owner_ttl_s(settings)
-        )
+        self.completions = CompletionOwners(redis_url, self.metrics.registry, owner_ttl_s(settings))
         self.responses = ResponseStore(
-            redis_connection_url(settings),
+            redis_url,
             self.metrics.registry,
             settings.proxy.responses_store_ttl_s,
             settings.proxy.responses_store_max_bytes,

@@ -15,7 +15,7 @@ import secrets
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from ratchet.settings import DEFAULT_REDIS_URL, RatchetSettings
+from ratchet.settings import RatchetSettings
 
 SECRET_FILE = "secret"
 
@@ -139,7 +139,7 @@ def redis_connection_url(settings: RatchetSettings) -> str:
     """
     if settings.redis_password is not None:
         password = settings.redis_password.get_secret_value()
-    elif settings.redis_url == DEFAULT_REDIS_URL and "redis_url" not in settings.model_fields_set:
+    elif "redis_url" not in settings.model_fields_set:  # left at DEFAULT_REDIS_URL
         password = keyed_hash(server_secret(settings), "redis-password")
     else:
         return settings.redis_url
