@@ -64,6 +64,9 @@ class VersionNode:
     rounds: int | None = None
     groups_seen: int | None = None
     tokens_seen: int | None = None
+    # "import" and the folder it came from, for an adapter trained elsewhere (`ratchet import`).
+    origin: str | None = None
+    source: str | None = None
 
 
 @dataclass
@@ -174,9 +177,15 @@ class ConsoleData:
                     rounds=_count(meta.get("rounds")),
                     groups_seen=_count(meta.get("groups_seen")),
                     tokens_seen=_count(meta.get("completion_tokens_seen")),
+                    origin=_text(meta.get("origin")),
+                    source=_text(meta.get("source")),
                 )
             )
         return nodes
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _count(value: object) -> int | None:

@@ -53,26 +53,11 @@ from ratchet.registry import AliasRoute, served_name
 from ratchet.rewards.reward_model import RewardModels, RewardStatus
 from ratchet.settings import AliasConfig, RatchetSettings
 from ratchet.store import AdapterStore
+from ratchet.versions import next_version, unqueue_import
 
 log = logging.getLogger(__name__)
 
 TRAINED_TTL_S = 30 * 24 * 3600  # a group id older than the topic's retention cannot come back
-
-
-def next_version_key(alias: str) -> str:
-    return f"ratchet:learner:{alias}:next_version"
-
-
-# KEYS[1]: the counter; ARGV[1]: the highest version in the store. Returns the new version.
-NEXT_VERSION_SCRIPT = """
-local version = redis.call('INCR', KEYS[1])
-local floor = tonumber(ARGV[1])
-if version <= floor then
-  version = floor + 1
-  redis.call('SET', KEYS[1], version)
-end
-return version
-"""
 
 
 def trained_key(alias: str) -> str:
@@ -192,11 +177,7 @@ class Rounds:
         return self._trainer
 
     def next_version(self, alias: str) -> int:
-        """A version number no other learner will use, above any in the store. One script, so
-        the counter only ever moves up: a learner that finds it behind the store (Redis lost
-        it) lifts it, and never sets it back below what another learner has taken since."""
-        existing = max(self.store.versions(alias), default=0)
-        return int(self.redis.eval(NEXT_VERSION_SCRIPT, 1, next_version_key(alias), existing))
+        return next_version(self.redis, self.store, alias)
 
     def start_of_round(self, alias: str, live: int) -> Start:
         """The live version, or the carried candidate when there is one for it (ratchet/carry.py)
@@ -382,16 +363,32 @@ class Rounds:
             if result.win_rate is not None:
                 write_carry(pipe, alias, carry)
 
+        detail = {"gate": result.as_dict(), "mean_reward": stats.mean_reward}
+        outcome = self.decide(alias, config, version, result, detail, mark_trained)
+        if carry is not None:
+            log.info("%s: v%d not shown worse (win rate %.3f): the next round trains on from it",
+                     alias, version, carry.win_rate)  # fmt: skip
+        return outcome
+
+    def decide(
+        self,
+        alias: str,
+        config: AliasConfig,
+        version: int,
+        result: GateResult,
+        detail: dict[str, Any],
+        also: Callable[[Any], None],
+    ) -> str:
+        """Reject, start a canary or promote on the gate's ``result``; ``also`` writes in the
+        same transaction what else the outcome settles."""
+
         def start_canary(pipe: Any) -> None:
-            mark_trained(pipe)
+            also(pipe)
             reset_counts(pipe, alias, version)
 
-        detail = {"gate": result.as_dict(), "mean_reward": stats.mean_reward}
         if not result.passed:
             outcome = "rejected"
-            self.lifecycle.reject(
-                alias, version, {"reason": result.reason, **detail}, also=mark_trained
-            )
+            self.lifecycle.reject(alias, version, {"reason": result.reason, **detail}, also=also)
         elif config.canary.weight > 0:
             outcome = "canary"
             rate = requests_per_second(self.redis, alias)
@@ -400,11 +397,41 @@ class Rounds:
             self.lifecycle.start_canary(alias, version, weight, detail, also=start_canary)
         else:
             outcome = "promoted"
-            self.lifecycle.promote(alias, version, detail, also=mark_trained)
+            self.lifecycle.promote(alias, version, detail, also=also)
         self.metrics.rounds.labels(alias, outcome).inc()
         self.metrics.last_round_timestamp.labels(alias).set(time.time())
         log.info("%s: v%d %s (%s)", alias, version, outcome, result.reason)
-        if carry is not None:
-            log.info("%s: v%d not shown worse (win rate %.3f): the next round trains on from it",
-                     alias, version, carry.win_rate)  # fmt: skip
         return outcome
+
+    # --- imported versions ----------------------------------------------------------------------
+
+    def run_import(
+        self, alias: str, route: AliasRoute, version: int, heldout: HeldoutPool, waiting: int
+    ) -> str:
+        """An imported version (`ratchet import`) gated against the live one and settled as a
+        round's candidate is, without training; it leaves the import queue in the outcome's
+        transaction, so a learner killed meanwhile gates it again."""
+        config = self.settings.aliases[alias]
+        self._progress[alias] = LearnerProgress(
+            alias,
+            waiting=waiting,
+            batch_groups=self.settings.learner.batch_groups,
+            heldout=len(heldout),
+            version=route.active,
+            round_started_at=time.time(),
+        )
+        try:
+            result = self.gate_candidate(alias, config, route, version, heldout)
+            self.report(alias, "settle", detail=result.reason)
+            detail = {"gate": result.as_dict(), "origin": "import"}
+            return self.decide(
+                alias,
+                config,
+                version,
+                result,
+                detail,
+                lambda pipe: unqueue_import(pipe, alias, version),
+            )
+        finally:
+            self.report(alias, "idle", waiting=waiting, round_started_at=0.0)
+            del self._progress[alias]

@@ -63,6 +63,7 @@ from ratchet.registry import AliasRoute, InvalidRoutes, RegistryWriter
 from ratchet.secrets import redis_connection_url
 from ratchet.settings import ConfigError, RatchetSettings
 from ratchet.store import AdapterStore
+from ratchet.versions import imports_key, queued_imports, unqueue_import
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class LearnerService:
         self.routes: dict[str, AliasRoute] = {}
         self.invalid_routes = InvalidRoutes()  # no round for these until their hash is fixed
         self.routes_read_at = 0.0
+        self.imports_read_at = 0.0
         self.guard = Guard(settings.learner, self.redis, self.writer, self.lifecycle, self.metrics)
         self.lineage = Lineage(self.store)
         self._starved: set[str] = set()  # aliases told to wait for held-out prompts (logged once)
@@ -245,6 +247,65 @@ class LearnerService:
                 self.metrics.lease_lost.labels(alias, "round").inc()
                 return []
 
+    # --- imported versions ----------------------------------------------------------------------
+
+    def imports_waiting(self) -> list[str]:
+        """Aliases with an imported version queued for its gate (`ratchet import`)."""
+        aliases = list(self.settings.aliases)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for alias in aliases:
+                pipe.llen(imports_key(alias))
+            lengths = pipe.execute()
+        return [alias for alias, length in zip(aliases, lengths, strict=True) if length]
+
+    def leased_import(self, alias: str) -> None:
+        """The alias's oldest imported version gated and settled under its lease, once no canary
+        runs and the held-out pool can fill a gate. One already settled, or gone from the store,
+        leaves the queue unexamined; one whose gate raises is rejected with the reason (not
+        retried forever)."""
+        with self.leases.hold(alias) as lease:
+            if lease is None:
+                return
+            self.refresh_routes()
+            route, queued = self.routes.get(alias), queued_imports(self.redis, alias)
+            if not queued:
+                return
+            version = queued[0]
+            if not self.store.exists(alias, version) or self.store.status(alias, version):
+                log.warning(
+                    "%s: imported v%d is not in the store or settled: dropped", alias, version
+                )
+                self.redis.lrem(imports_key(alias), 0, str(version))
+                return
+            if route is None or route.canary is not None:
+                return  # gated once the canary ends, against what is live then
+            config = self.settings.aliases[alias]
+            share = config.learning.max_key_share
+            if (
+                self.heldout[alias].pairs_available(config.gate.max_pairs, share)
+                < config.gate.min_pairs
+            ):
+                return  # the pool fills from ratchet.heldout; the import waits, queued
+            waiting = len(self.waiting.get(alias) or ())
+            try:
+                with self.lifecycle.fenced(lease):
+                    self.rounds.run_import(alias, route, version, self.heldout[alias], waiting)
+            except LeaseLost as exc:
+                log.warning("%s: gate of imported v%d abandoned: %s", alias, version, exc)
+                self.metrics.lease_lost.labels(alias, "round").inc()
+            except (KafkaError, redis.RedisError, OSError):
+                raise  # an outage: the import stays queued and is gated once the part is back
+            except Exception as exc:
+                log.exception("%s: gate of imported v%d failed", alias, version)
+                self.metrics.failures.labels(alias, "import").inc()
+                reason = f"import_failed: {type(exc).__name__}: {str(exc)[:200]}"
+                self.lifecycle.reject(
+                    alias,
+                    version,
+                    {"reason": reason, "origin": "import"},
+                    also=lambda pipe: unqueue_import(pipe, alias, version),
+                )
+
     def drop_trained(self, alias: str) -> None:
         """Drop waiting groups whose round outcome is stored (by another learner, which read
         them too before a rebalance moved their partition)."""
@@ -367,6 +428,10 @@ class LearnerService:
             self.refresh_routes()
             if self.ready(alias):
                 reports += self.leased_round(alias)
+        if time.monotonic() - self.imports_read_at >= 1.0:
+            self.imports_read_at = time.monotonic()
+            for alias in self.imports_waiting():
+                self.leased_import(alias)
         # Events first: a round's outcome is in Redis; its events must reach Kafka before the
         # offsets move on (retried here until they do).
         if self.lifecycle.flush_events(raise_errors=False):

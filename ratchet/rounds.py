@@ -30,6 +30,10 @@ class RoundRow:
     lift: float | None = None
     lift_low: float | None = None
     lift_high: float | None = None
+    # Where the candidate came from: None for the learner's own rounds, "import" for an adapter
+    # trained elsewhere (`ratchet import`), whose folder is ``source``.
+    origin: str | None = None
+    source: str | None = None
 
     def lift_text(self) -> str:
         """``lift +0.050 [+0.010, +0.090]``, or "" where no lift was measured."""
@@ -73,6 +77,8 @@ def rounds_of(history: list[dict[str, Any]]) -> list[RoundRow]:
                 groups=_int(detail.get("groups")),
                 live=_int(event.get("previous_version")),
                 trained_from=_int(detail.get("trained_from")),
+                origin=_str(detail.get("origin")),
+                source=_str(detail.get("source")),
             )
         elif kind == "gate" and version in rows:
             row = rows[version]
@@ -100,3 +106,7 @@ def _float(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value)
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from ratchet.lifecycle import Lifecycle
 
 
-def _lifecycle(settings: RatchetSettings, alias: str) -> Lifecycle:
+def lifecycle_for(settings: RatchetSettings, alias: str) -> Lifecycle:
     from ratchet.lifecycle import EventSink, Lifecycle
     from ratchet.registry import RegistryWriter
     from ratchet.secrets import redis_connection_url
@@ -33,7 +33,7 @@ def _apply(settings: RatchetSettings, alias: str, change: str, **kwargs: object)
     from ratchet.lifecycle import LifecycleError
     from ratchet.registry import served_name
 
-    lifecycle = _lifecycle(settings, alias)
+    lifecycle = lifecycle_for(settings, alias)
     try:
         route = getattr(lifecycle, change)(alias, **kwargs)
     except LifecycleError as exc:
@@ -67,7 +67,7 @@ def promote(
     from ratchet.cli.routing import unservable
 
     settings = settings_or_exit(config)
-    lifecycle = _lifecycle(settings, alias)
+    lifecycle = lifecycle_for(settings, alias)
     if version is None:
         route = lifecycle.route(alias)
         if route.canary is None:

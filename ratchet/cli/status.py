@@ -45,9 +45,13 @@ def status(
             )
             if row.lift_text():
                 gate += f", {row.lift_text()}"
-            reward = "-" if row.mean_reward is None else f"{row.mean_reward:.3f}"
-            start = f" (on from v{row.trained_from})" if row.carried_on else ""
-            lines.append(f"v{row.version}{start}: reward {reward}, {gate}, {row.outcome}")
+            if row.origin == "import":
+                label, trained = f"v{row.version} (imported)", f"from {row.source}"
+            else:
+                reward = "-" if row.mean_reward is None else f"{row.mean_reward:.3f}"
+                start = f" (on from v{row.trained_from})" if row.carried_on else ""
+                label, trained = f"v{row.version}{start}", f"reward {reward}"
+            lines.append(f"{label}: {trained}, {gate}, {row.outcome}")
         canary = "-" if route.canary is None else f"v{route.canary} ({route.canary_weight:.0%})"
         learning = "paused" if route.paused else "on"
         if route.paused:

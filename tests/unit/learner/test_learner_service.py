@@ -18,7 +18,7 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 from learner.guard import baseline_length_key
 from learner.heldout import HeldoutPool
 from learner.leases import lease_key
-from learner.round import next_version_key, trained_key
+from learner.round import trained_key
 from learner.service import LearnerService
 from ratchet.carry import Carry, write_carry
 from ratchet.lease import Lease
@@ -32,6 +32,7 @@ from ratchet.settings import (
     LearningConfig,
     RatchetSettings,
 )
+from ratchet.versions import next_version_key
 
 ALIAS = "support"
 TP0 = TopicPartition(GROUPS_TOPIC, 0)
@@ -826,3 +827,110 @@ def test_a_redis_error_while_publishing_does_not_fail_the_loop(
     service.step()
     progress = progress_of(service)
     assert progress is not None and progress.read == 1  # the read was kept for the next write
+
+
+# --- imported versions (`ratchet import`) -------------------------------------------------------
+
+
+def scripted_gate(service: LearnerService, passed: bool | Exception) -> list[str]:
+    """The gate's verdict fixed (vLLM is not here); returns the served names it was asked to
+    compare, as (candidate, incumbent)."""
+    from learner.gate_verdict import GateResult
+
+    asked: list[str] = []
+
+    async def evaluate(alias: str, config: Any, prompts: Any, cand: str, inc: str, **_: Any) -> Any:
+        asked.extend([cand, inc])
+        if isinstance(passed, Exception):
+            raise passed
+        return GateResult(passed, "scripted", 3, 0.9 if passed else 0.1, 0.6, 1.0, 0.5, 2)
+
+    service.rounds.gate.evaluate = evaluate  # type: ignore[method-assign]
+    return asked
+
+
+def imported(service: LearnerService, version: int) -> None:
+    from ratchet.versions import queue_import
+
+    add_versions(service, (version, 0))
+    queue_import(service.redis, ALIAS, version)
+
+
+def kinds(service: LearnerService) -> list[str]:
+    return [e["kind"] for e in reversed(service.writer.history(ALIAS, limit=20))]
+
+
+def test_an_imported_version_waits_for_held_out_prompts_then_is_gated_and_canaried(
+    service: LearnerService,
+) -> None:
+    from ratchet.versions import queued_imports
+
+    asked = scripted_gate(service, passed=True)
+    imported(service, 1)
+    assert service.imports_waiting() == [ALIAS]
+    service.leased_import(ALIAS)
+    assert not asked and queued_imports(service.redis, ALIAS) == [1]  # no held-out prompts yet
+    for h in ("h1", "h2", "h3"):
+        service.add_heldout(heldout(h))
+    service.leased_import(ALIAS)
+    assert asked == [f"{ALIAS}@v1", service.routes[ALIAS].base_model]
+    assert kinds(service) == ["gate", "canary"]  # as a learned candidate: canary.weight > 0
+    canary = service.writer.history(ALIAS, limit=1)[0]
+    assert canary["version"] == 1 and canary["detail"]["origin"] == "import"
+    assert service.writer.read(ALIAS).canary == 1  # type: ignore[union-attr]
+    assert queued_imports(service.redis, ALIAS) == [] and service.imports_waiting() == []
+
+
+def test_an_imported_version_the_gate_rejects_leaves_the_queue_with_its_reason(
+    service: LearnerService,
+) -> None:
+    from ratchet.versions import queued_imports
+
+    scripted_gate(service, passed=False)
+    for h in ("h1", "h2", "h3"):
+        service.add_heldout(heldout(h))
+    imported(service, 2)
+    service.leased_import(ALIAS)
+    assert kinds(service) == ["gate", "reject"]
+    assert service.store.is_rejected(ALIAS, 2) and queued_imports(service.redis, ALIAS) == []
+    assert service.writer.read(ALIAS).active == 0  # type: ignore[union-attr]
+
+
+def test_an_import_whose_gate_breaks_is_rejected_not_retried_forever(
+    service: LearnerService,
+) -> None:
+    from ratchet.versions import queued_imports
+
+    scripted_gate(service, passed=RuntimeError("bug"))
+    for h in ("h1", "h2", "h3"):
+        service.add_heldout(heldout(h))
+    imported(service, 1)
+    service.leased_import(ALIAS)
+    [reject] = [e for e in service.writer.history(ALIAS, limit=5) if e["kind"] == "reject"]
+    assert reject["detail"]["reason"].startswith("import_failed: RuntimeError: bug")
+    assert queued_imports(service.redis, ALIAS) == []
+    assert metric(service, "ratchet_learner_failures_total", alias=ALIAS, cause="import") == 1
+
+
+def test_a_settled_or_missing_import_is_dropped_and_none_is_gated_during_a_canary(
+    service: LearnerService,
+) -> None:
+    from ratchet.registry import AliasRoute
+    from ratchet.versions import queue_import, queued_imports
+
+    asked = scripted_gate(service, passed=True)
+    for h in ("h1", "h2", "h3"):
+        service.add_heldout(heldout(h))
+    queue_import(service.redis, ALIAS, 7)  # never written to the store
+    service.leased_import(ALIAS)
+    assert queued_imports(service.redis, ALIAS) == [] and not asked
+    add_versions(service, (1, 0), (2, 0))
+    base = service.routes[ALIAS].base_model
+    service.writer.write(AliasRoute(alias=ALIAS, base_model=base, canary=1, canary_weight=0.1))
+    service.refresh_routes()
+    queue_import(service.redis, ALIAS, 2)
+    service.leased_import(ALIAS)
+    assert queued_imports(service.redis, ALIAS) == [2] and not asked  # waits for the canary
+    service.store.mark(ALIAS, 2, "rejected", {})
+    service.leased_import(ALIAS)
+    assert queued_imports(service.redis, ALIAS) == [] and not asked
