@@ -6,7 +6,7 @@ import sys
 
 # Importing a command group registers its commands on the app, in this order in `--help`.
 # isort: off
-from ratchet.cli import stack, services, routing, status, lifecycle, adapters, demo  # noqa: F401
+from ratchet.cli import stack, services, routing, status, lifecycle, adapters, export, demo  # noqa: F401
 
 # isort: on
 from ratchet.cli.app import app, console

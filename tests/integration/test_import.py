@@ -6,6 +6,7 @@ before anything is written."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,11 @@ def train_elsewhere(model_path: Path, out: Path, safe: bool = True, steps: int =
 
 def ratchet_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "ratchet", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "ratchet", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200"},  # rich wraps at the terminal's width
     )
 
 

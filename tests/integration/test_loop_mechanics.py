@@ -11,8 +11,11 @@ that is the outcome lane's (`scripts/test --outcomes`).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
@@ -21,9 +24,10 @@ from judge.service import is_heldout
 from ratchet.demo import load_prompts
 from ratchet.dev.processes import Stack, free_port
 from ratchet.dev.stack import judge_part, learner_part
+from ratchet.progress import read_progress
 from ratchet.records import GROUPS_TOPIC, ScoredGroup, prompt_hash
 from ratchet.registry import AliasRoute
-from ratchet.settings import load_settings
+from ratchet.settings import RatchetSettings, load_settings
 from ratchet.store import AdapterStore
 from tests.integration.conftest import BASE_MODEL, Embedded
 from tests.integration.scripted_users import (
@@ -33,6 +37,9 @@ from tests.integration.scripted_users import (
     send,
 )
 from tests.integration.test_learner import served_by
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 pytestmark = pytest.mark.integration
 
@@ -155,3 +162,70 @@ def test_a_round_of_judged_traffic_is_trained_gated_and_promoted_by_ratings(
     for group in kept.values():
         assert group.version == 0 and group.judge_model is None, group
         assert all(s.logprobs and len(s.logprobs) == len(s.token_ids) for s in group.samples)
+
+    # The run's data, out as datasets: every group the learner read, its users' ratings joined
+    # with the answers they rate, the gate's pairs and the traffic.
+    progress = read_progress(embedded.registry.redis, ALIAS)
+    assert progress is not None and progress.read == len(groups)
+    exported = export_groups_interrupted_then_continued(config, settings, tmp_path / "groups")
+    assert len(exported) == progress.read
+    assert sorted(exported["group_id"]) == sorted(g.group_id for g in groups)
+    assert exported.features["rewards"].feature.dtype == "float64"
+
+    ratings = ratchet_export(config, tmp_path / "ratings", "--what", "ratings")
+    assert len(ratings) == sum(arms.values())
+    # The join is right: users liked every canary answer and no live one.
+    assert {(r["version"], r["score"]) for r in ratings} == {(candidate, 1.0), (0, 0.0)}
+    assert len(set(ratings["completion_id"])) == len(ratings)
+    pairs = ratchet_export(config, tmp_path / "pairs", "--what", "pairs")
+    assert set(pairs["version"]) == {candidate} and 1 <= len(pairs) <= GATE_PAIRS
+    logged = ratchet_export(
+        config, tmp_path / "traffic", "--what", "traffic", "--format", "jsonl", "--since", "1h"
+    )
+    assert set(logged["alias"]) == {ALIAS}
+    assert len(logged) >= len(held) + len(grouped) + sum(arms.values())
+
+
+def ratchet_export(config: Path, out: Path, *args: str) -> Dataset:
+    """`ratchet export` as a user runs it, and what `datasets` loads from its folder."""
+    from datasets import load_dataset
+
+    run = subprocess.run(
+        [sys.executable, "-m", "ratchet", "export", ALIAS, "--out", str(out), "--config",
+         str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200"},  # rich wraps at the terminal's width
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    return load_dataset(str(out), split="train")
+
+
+def export_groups_interrupted_then_continued(
+    config: Path, settings: RatchetSettings, out: Path
+) -> Dataset:
+    """A groups export stopped once its first shard is written, then continued by the CLI:
+    what `datasets` loads has every group once."""
+    from datasets import load_dataset
+
+    from ratchet.export.run import begin, export
+
+    def stop_after_a_shard(done: int, total: int) -> None:
+        if any((out / "data").glob("part-*.parquet")):
+            raise KeyboardInterrupt
+
+    state = begin(settings, out, ALIAS, "groups", "parquet", None)
+    with pytest.raises(KeyboardInterrupt):
+        export(settings, out, state, 5, stop_after_a_shard)
+    assert not (out / "README.md").exists()
+    run = subprocess.run(
+        [sys.executable, "-m", "ratchet", "export", ALIAS, "--out", str(out), "--shard-rows",
+         "5", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200"},  # rich wraps at the terminal's width
+    )  # fmt: skip
+    assert run.returncode == 0 and "continuing the export" in run.stdout, run.stdout + run.stderr
+    return load_dataset("parquet", data_files=str(out / "data" / "*.parquet"), split="train")
