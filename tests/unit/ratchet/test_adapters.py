@@ -170,5 +170,5 @@ def test_a_folder_without_an_adapter_is_refused(base: Path, tmp_path: Path) -> N
     with pytest.raises(AdapterRefused, match="not a folder"):
         check_adapter(tmp_path / "missing", base, SHAPE)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(AdapterRefused, match="no adapter_model.safetensors"):
+    with pytest.raises(AdapterRefused, match=r"no adapter_model\.safetensors"):
         check_adapter(tmp_path / "empty", base, SHAPE)
