@@ -13,13 +13,14 @@ from typing import Any
 
 import redis
 
+from ratchet.bill import Bill, budget_line, read_spend
 from ratchet.canary_state import ArmStats, read_counts, read_ratings_summary
 from ratchet.gate_pairs import GatePair, read_gate_pairs
 from ratchet.progress import read_progress
 from ratchet.registry import AliasRoute, RegistryWriter, served_name
 from ratchet.rewards.agreement import probes_agreement, read_agreement
 from ratchet.rewards.reward_model import RewardStatus, describe_reward_model
-from ratchet.rounds import RoundRow, rounds_of
+from ratchet.rounds import RoundRow, promotion_bills, rounds_of
 from ratchet.secrets import redis_connection_url
 from ratchet.settings import RatchetSettings
 from ratchet.store import AdapterStore
@@ -50,6 +51,7 @@ class AliasSummary:
     reward_model: str | None  # for aliases that learn from ratings
     agreement: str | None  # for aliases judged by RULER
     last_round: RoundRow | None
+    judge_spend: str = ""  # today's judge spend, against learning.max_cost_per_day when set
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class VersionNode:
     # "import" and the folder it came from, for an adapter trained elsewhere (`ratchet import`).
     origin: str | None = None
     source: str | None = None
+    # A promoted version's cost: its round and the rejected ones since the previous promotion.
+    cost: Bill | None = None
 
 
 @dataclass
@@ -115,6 +119,7 @@ class ConsoleData:
             reward_model=self.reward_model_line(alias),
             agreement=self.agreement_line(alias),
             last_round=rounds[-1] if rounds else None,
+            judge_spend=self.judge_spend_line(alias),
         )
 
     def canary(self, alias: str, route: AliasRoute) -> CanaryView | None:
@@ -125,6 +130,13 @@ class ConsoleData:
             arms = {arm: ArmStats() for arm in arms}
         summary = read_ratings_summary(self.redis, alias) if version == route.canary else None
         return CanaryView(route.canary, route.canary_weight, arms, summary)
+
+    def judge_spend_line(self, alias: str) -> str:
+        cap = self.settings.aliases[alias].learning.max_cost_per_day
+        try:
+            return budget_line(read_spend(self.redis, alias), cap)
+        except (redis.RedisError, OSError):
+            return "judge spend today: unknown (Redis unreachable)"
 
     def learner_line(self, alias: str) -> str:
         progress = read_progress(self.redis, alias)
@@ -160,6 +172,7 @@ class ConsoleData:
     def lineage(self, alias: str, route: AliasRoute, rounds: list[RoundRow]) -> list[VersionNode]:
         """v0 and every version the store holds, each with its parent and fate."""
         by_version = {r.version: r for r in rounds}
+        costs = promotion_bills(rounds)
         nodes = [VersionNode(0, None, status_of(0, route, None), None)]
         for version in self.store.versions(alias):
             try:
@@ -179,6 +192,7 @@ class ConsoleData:
                     tokens_seen=_count(meta.get("completion_tokens_seen")),
                     origin=_text(meta.get("origin")),
                     source=_text(meta.get("source")),
+                    cost=costs.get(version),
                 )
             )
         return nodes

@@ -42,6 +42,37 @@ class JudgeMetrics:
             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
             registry=r,
         )
+        # The bill (ratchet/bill.py): what judging and sampling spend, failed calls included.
+        self.judge_calls = Counter(
+            "ratchet_judge_model_calls_total",
+            "Judge-model calls made, failed ones included",
+            ("alias",),
+            registry=r,
+        )
+        self.judge_seconds = Counter(
+            "ratchet_judge_model_seconds_total",
+            "Seconds spent in judge-model calls, failed ones included",
+            ("alias",),
+            registry=r,
+        )
+        self.judge_tokens = Counter(
+            "ratchet_judge_model_tokens_total",
+            "Tokens of judge-model calls, by kind (input, output)",
+            ("alias", "kind"),
+            registry=r,
+        )
+        self.judge_cost = Counter(
+            "ratchet_judge_model_cost_usd_total",
+            "Price of judge-model calls in USD, from litellm's price map (0 for local models)",
+            ("alias",),
+            registry=r,
+        )
+        self.sampled_tokens = Counter(
+            "ratchet_judge_sampled_tokens_total",
+            "Tokens of the groups sampled from vLLM, by kind (input: prompt, output: answers)",
+            ("alias", "kind"),
+            registry=r,
+        )
         self.cache_hits = Counter(
             "ratchet_judge_cache_hits_total",
             "Groups whose scores came from the Redis cache",

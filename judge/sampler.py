@@ -38,6 +38,9 @@ class SamplingError(Exception):
 class SampledGroup:
     prompt_token_ids: list[int]
     samples: list[Sample]
+    # vLLM's usage: the prompt's tokens (prefilled once for the n answers) and the answers'.
+    input_tokens: int = 0
+    output_tokens: int = 0
 
 
 def prompt_of(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
@@ -130,7 +133,22 @@ def parse_group(data: dict[str, Any], group_size: int) -> SampledGroup:
                 finish_reason=choice.get("finish_reason"),
             )
         )
-    return SampledGroup(prompt_token_ids=prompt_ids, samples=samples)
+    usage = data.get("usage")
+    usage = usage if isinstance(usage, dict) else {}
+    return SampledGroup(
+        prompt_token_ids=prompt_ids,
+        samples=samples,
+        input_tokens=_count(usage.get("prompt_tokens")),
+        output_tokens=_count(
+            usage.get("completion_tokens"), sum(len(s.token_ids) for s in samples)
+        ),
+    )
+
+
+def _count(value: Any, default: int = 0) -> int:
+    return (
+        value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
+    )
 
 
 async def sample_group(

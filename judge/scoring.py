@@ -18,6 +18,7 @@ import redis
 import redis.asyncio as aioredis
 
 from judge.metrics import JudgeMetrics
+from ratchet.bill import SPEND_TTL_S, Bill, spend_key, today
 from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, ask_judge_once, judge_scores
 from ratchet.rewards.reward_model import (
     RewardModels,
@@ -83,14 +84,18 @@ class GroupScorer:
         prompt: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         samples: list[dict[str, Any]],
+        bill: Bill | None = None,
     ) -> GroupScore:
+        """``bill`` gets the judge calls the scoring makes."""
         if reward.kind == "feedback":
             return await self.learned(alias, prompt, samples)
         ruler_scores: list[float] | None = None
         verified: list[float] | None = None
         explanations = [""] * len(samples)
         if reward.kind in ("ruler", "mixed"):
-            ruler_scores, explanations = await self.ruler(alias, reward, prompt, tools, samples)
+            ruler_scores, explanations = await self.ruler(
+                alias, reward, prompt, tools, samples, bill
+            )
         if reward.kind in ("verifier", "mixed"):
             verified = self.verify(reward, prompt, samples)
         judged_by = reward.judge_model if ruler_scores is not None else None
@@ -167,6 +172,7 @@ class GroupScorer:
         prompt: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         samples: list[dict[str, Any]],
+        bill: Bill | None = None,
     ) -> tuple[list[float], list[str]]:
         # Identical answers are judged once; a group of one distinct answer is not judged.
         unique: list[dict[str, Any]] = []
@@ -190,7 +196,7 @@ class GroupScorer:
             self.metrics.cache_hits.labels(alias).inc()
             scores, explanations = cached
         else:
-            scores, explanations = await self._judge(alias, reward, prompt, tools, unique)
+            scores, explanations = await self._judge(alias, reward, prompt, tools, unique, bill)
             await self._cache_set(key, {"scores": scores, "explanations": explanations})
         return [scores[s] for s in slots], [explanations[s] for s in slots]
 
@@ -200,11 +206,35 @@ class GroupScorer:
         )
 
     async def call_judge(
-        self, alias: str, reward: RewardConfig, request: JudgeRequest
+        self, alias: str, reward: RewardConfig, request: JudgeRequest, bill: Bill | None = None
     ) -> JudgeScores:
-        """One judge call, no retry: the parsed reply back (or JudgeReplyError, TimeoutError)."""
+        """One judge call, no retry: the parsed reply back (or JudgeReplyError, TimeoutError).
+        Counted, priced into the alias's spend today, and added to ``bill``."""
         observe = self.metrics.judge_latency.labels(alias).observe
-        return await ask_judge_once(request, self.judge_model(reward), on_latency=observe)
+        call = Bill()
+        try:
+            return await ask_judge_once(request, self.judge_model(reward), observe, call)
+        finally:
+            await self.account(alias, call)
+            if bill is not None:
+                bill.add(call)
+
+    async def account(self, alias: str, call: Bill) -> None:
+        """A judge call's tokens and price in the counters, its price in the day's spend (the
+        learning.max_cost_per_day budget); a Redis outage loses the spend, never the call."""
+        self.metrics.judge_calls.labels(alias).inc(call.judge_calls)
+        self.metrics.judge_seconds.labels(alias).inc(call.judge_seconds)
+        self.metrics.judge_tokens.labels(alias, "input").inc(call.judge_input_tokens)
+        self.metrics.judge_tokens.labels(alias, "output").inc(call.judge_output_tokens)
+        self.metrics.judge_cost.labels(alias).inc(call.judge_cost_usd)
+        if self.cache is None or call.judge_cost_usd <= 0:
+            return
+        key = spend_key(alias, today())
+        with contextlib.suppress(redis.RedisError, OSError):
+            pipe = self.cache.pipeline(transaction=False)
+            pipe.incrbyfloat(key, call.judge_cost_usd)
+            pipe.expire(key, SPEND_TTL_S)
+            await pipe.execute()
 
     async def _judge(
         self,
@@ -213,6 +243,7 @@ class GroupScorer:
         prompt: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         unique: list[dict[str, Any]],
+        bill: Bill | None = None,
     ) -> tuple[list[float], list[str]]:
         """Judge with retries; each retry shuffles anew. ScoringError when all attempts fail."""
 
@@ -225,7 +256,7 @@ class GroupScorer:
                 request_for,
                 self.judge_model(reward),
                 self.settings.judge_retries,
-                attempt=lambda request: self.call_judge(alias, reward, request),
+                attempt=lambda request: self.call_judge(alias, reward, request, bill),
             )
         except JudgeUnavailable as exc:
             raise ScoringError(exc.cause) from None

@@ -30,6 +30,7 @@ import hashlib
 import logging
 import signal
 import statistics
+import time
 from collections import Counter, deque
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -53,6 +54,7 @@ from judge.sampler import (
     sampling_max_tokens,
 )
 from judge.scoring import GroupScorer, ScoringError
+from ratchet.bill import Bill, budget_line, spend_key, today
 from ratchet.carry import Carry, carry_from_hash, carry_key, start_of_round
 from ratchet.records import (
     TRAFFIC_TOPIC,
@@ -148,6 +150,7 @@ class JudgeService(JudgeKafka):
             settings.judge.pause_while_training,
         )
         self.answer_lengths: dict[str, deque[int]] = {}
+        self._budget_logged: dict[str, str] = {}  # alias -> the day its budget ran out (logged)
         self.stopping = asyncio.Event()
         self.agreement = AgreementProbe(
             settings,
@@ -266,6 +269,8 @@ class JudgeService(JudgeKafka):
         if route.paused:
             # The learner would drop the group: don't spend vLLM and judge time sampling it.
             raise Skip("learning_paused")
+        if await self._over_budget(record.alias, config):
+            raise Skip("daily_budget")  # learning.max_cost_per_day: sampled again tomorrow
         if config.reward.kind == "feedback":
             status = await self.scorer.reward_status(record.alias)
             if status is None or not status.usable:
@@ -285,6 +290,7 @@ class JudgeService(JudgeKafka):
             seed,
             max_tokens,
         )
+        started = time.perf_counter()
         with self.metrics.sample_latency.labels(record.alias).time():
             group = await sample_group(
                 session,
@@ -293,8 +299,16 @@ class JudgeService(JudgeKafka):
                 self.settings.judge.sample_timeout_s,
                 self.vllm_key,
             )
+        bill = Bill(
+            sample_input_tokens=group.input_tokens,
+            sample_output_tokens=group.output_tokens,
+            sample_seconds=time.perf_counter() - started,
+        )
+        self.metrics.sampled_tokens.labels(record.alias, "input").inc(group.input_tokens)
+        self.metrics.sampled_tokens.labels(record.alias, "output").inc(group.output_tokens)
+        answers = [s.message for s in group.samples]
         score = await self.scorer.score(
-            record.alias, config.reward, work.prompt, work.tools, [s.message for s in group.samples]
+            record.alias, config.reward, work.prompt, work.tools, answers, bill
         )
         self._observe(record.alias, score.rewards)
         self.metrics.groups.labels(record.alias).inc()
@@ -314,7 +328,27 @@ class JudgeService(JudgeKafka):
             traffic_request_id=record.request_id,
             api_key_hash=record.api_key_hash,
             source=record.source,
+            bill=bill,
         )
+
+    async def _over_budget(self, alias: str, config: AliasConfig) -> bool:
+        """The alias's judge spend today has reached ``learning.max_cost_per_day``. Logged once
+        a day; with Redis away the spend is unknown and sampling goes on."""
+        cap = config.learning.max_cost_per_day
+        if cap is None:
+            return False
+        day = today()
+        try:
+            raw = await self.redis.get(spend_key(alias, day))
+        except (redis.RedisError, OSError):
+            return False
+        spent = float(raw) if raw else 0.0
+        if spent < cap:
+            return False
+        if self._budget_logged.get(alias) != day:
+            self._budget_logged[alias] = day
+            log.warning("%s: %s", alias, budget_line(spent, cap))
+        return True
 
     def _eligible(
         self, record: TrafficRecord, config: AliasConfig | None

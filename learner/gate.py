@@ -35,6 +35,7 @@ from learner.gate_scoring import Answered, PairScorer, Scored
 from learner.gate_scoring import GateError as GateError  # raised by both; callers catch it here
 from learner.gate_verdict import GateResult, conclude, mean_or_none, score_lift, sequential_test
 from ratchet.answer_length import auto_max_tokens
+from ratchet.bill import Bill
 from ratchet.gate_pairs import ANSWER_CHARS, KEPT, GatePair
 from ratchet.records import HeldoutPrompt
 from ratchet.rewards.reward_model import RewardModels, RewardStatus
@@ -116,6 +117,7 @@ class Gate:
         # on, and the learner runs each round's gate in a new one (asyncio.run).
         self.limit = asyncio.Semaphore(self.settings.learner.gate_concurrency)
         self.scorer.limit = self.limit
+        self.scorer.bill = Bill()
         wave = self.settings.learner.gate_concurrency
         gate = config.gate.model_copy(update={"max_tokens": answer_max_tokens(config, prompts)})
         config = config.model_copy(update={"gate": gate})
@@ -163,7 +165,7 @@ class Gate:
             failed,
             score_lift(cand_scores, inc_scores),
         )
-        return replace(result, sample=tuple(sample))
+        return replace(result, sample=tuple(sample), judge_bill=self.scorer.bill)
 
     async def _wave(
         self,

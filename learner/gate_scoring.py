@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 
+from ratchet.bill import Bill
 from ratchet.records import HeldoutPrompt
 from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, judge_scores
 from ratchet.rewards.reward_model import RewardModels, RewardModelUnavailable, RewardStatus
@@ -87,6 +88,8 @@ class PairScorer:
         # Judge calls in flight share the gate's limit with its answers (set by the gate for each
         # evaluation: a semaphore is bound to the event loop it first waits on).
         self.limit = asyncio.Semaphore(settings.learner.gate_concurrency)
+        # The judge calls of the running evaluation (reset by the gate for each).
+        self.bill = Bill()
 
     async def score(
         self,
@@ -206,7 +209,9 @@ class PairScorer:
             judge, reward.judge_model, self.settings.vllm_url.rstrip("/") + "/v1", self.vllm_key
         )
         try:
-            verdict = await judge_scores(request_for, model, judge.judge_retries, limit=self.limit)
+            verdict = await judge_scores(
+                request_for, model, judge.judge_retries, limit=self.limit, bill=self.bill
+            )
         except JudgeUnavailable:
             return None
         return verdict.scores

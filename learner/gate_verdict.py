@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ratchet.bill import Bill
 from ratchet.evaluation import paired_lift
 from ratchet.gate_pairs import GatePair
 from ratchet.sequential import SequentialTest
@@ -42,9 +43,12 @@ class GateResult:
     # The first pairs scored, for the console's side-by-side view (ratchet/gate_pairs.py); not
     # part of the gate event.
     sample: tuple[GatePair, ...] = ()
+    # The judge calls the gate made (a RULER-judged alias), for the round's bill; not part of
+    # the gate event either.
+    judge_bill: Bill | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "sample"}
+        return {k: v for k, v in asdict(self).items() if k not in ("sample", "judge_bill")}
 
 
 def sequential_test(gate: GateConfig, drawn: int) -> SequentialTest:

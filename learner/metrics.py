@@ -61,6 +61,18 @@ class LearnerMetrics:
             ("alias",),
             registry=r,
         )
+        self.gate_judge_calls = Counter(
+            "ratchet_learner_gate_judge_calls_total",
+            "Judge-model calls the gate made (RULER-judged aliases)",
+            ("alias",),
+            registry=r,
+        )
+        self.gate_judge_cost = Counter(
+            "ratchet_learner_gate_judge_cost_usd_total",
+            "Price of the gate's judge calls in USD, from litellm's price map",
+            ("alias",),
+            registry=r,
+        )
         self.tokens_per_second = Gauge(
             "ratchet_learner_tokens_per_second",
             "Completion tokens per second of the last round's optimizer steps",

@@ -43,6 +43,7 @@ from learner.trainer import (
     lora_settings,
     train_settings,
 )
+from ratchet.bill import Bill, add_spend, total
 from ratchet.canary_state import reset_counts
 from ratchet.carry import Start, carry_after, read_carry, start_of_round, write_carry
 from ratchet.gate_pairs import write_gate_pairs
@@ -63,6 +64,23 @@ TRAINED_TTL_S = 30 * 24 * 3600  # a group id older than the topic's retention ca
 def trained_key(alias: str) -> str:
     """Sorted set of the group ids whose round outcome is stored (score: when)."""
     return f"ratchet:learner:{alias}:trained"
+
+
+def round_bill(
+    groups: list[ScoredGroup], stats: RoundStats, gate_seconds: float, gate: GateResult
+) -> Bill:
+    """What a round cost: its groups' sampling and judging (as the judge billed each), its
+    training (answer tokens trained on, seconds) and its gate (seconds, judge calls)."""
+    bill = total(g.bill for g in groups)
+    bill.add(
+        Bill(
+            train_tokens=stats.completion_tokens,
+            train_seconds=stats.seconds,
+            gate_seconds=gate_seconds,
+        )
+    )
+    bill.add(gate.judge_bill or Bill())
+    return bill
 
 
 @dataclass
@@ -137,9 +155,11 @@ class Rounds:
             start = start or self.start_of_round(alias, route.active)
             stats = self.train(alias, route.active, start, groups)
             version = self.write(alias, route.active, start, groups, stats)
+            gate_started = time.perf_counter()
             result = self.gate_candidate(alias, config, route, version, heldout)
+            bill = round_bill(groups, stats, time.perf_counter() - gate_started, result)
             outcome = self.settle(
-                alias, config, route.active, start, version, groups, stats, result
+                alias, config, route.active, start, version, groups, stats, result, bill
             )
             left = max(0, waiting - len(groups))
         finally:
@@ -313,6 +333,7 @@ class Rounds:
             )
             self.metrics.failures.labels(alias, "gate").inc()
         self.metrics.round_seconds.labels(alias, "gate").observe(time.perf_counter() - started)
+        self.account_gate_judge(alias, result.judge_bill)
         self.keep_gate_pairs(alias, version, result)
         self.lifecycle.record(
             self.lifecycle.event(
@@ -323,6 +344,18 @@ class Rounds:
             self.metrics.gate_win_rate.labels(alias).set(result.win_rate)
             self.metrics.gate_ci_low.labels(alias).set(result.ci_low or 0.0)
         return result
+
+    def account_gate_judge(self, alias: str, bill: Bill | None) -> None:
+        """The gate's judge calls in the counters and in the alias's judge spend today (the
+        learning.max_cost_per_day budget the judge enforces); a Redis outage loses the spend."""
+        if bill is None or not bill.judge_calls:
+            return
+        self.metrics.gate_judge_calls.labels(alias).inc(bill.judge_calls)
+        self.metrics.gate_judge_cost.labels(alias).inc(bill.judge_cost_usd)
+        try:
+            add_spend(self.redis, alias, bill.judge_cost_usd)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("%s: the gate's judge spend was not recorded: %s", alias, exc)
 
     def keep_gate_pairs(self, alias: str, version: int, result: GateResult) -> None:
         """The gate's first pairs, for the console; losing them loses nothing else."""
@@ -341,9 +374,11 @@ class Rounds:
         groups: list[ScoredGroup],
         stats: RoundStats,
         result: GateResult,
+        bill: Bill,
     ) -> str:
         """Reject, start a canary or promote, in one transaction with the groups marked trained
-        and the carry for the next round. A gate that failed leaves the carry as it was."""
+        and the carry for the next round. A gate that failed leaves the carry as it was. The
+        outcome's event carries the round's ``bill``."""
         ids = [g.group_id for g in groups]
         self.report(alias, "settle", detail=result.reason)
         carry = carry_after(
@@ -363,7 +398,11 @@ class Rounds:
             if result.win_rate is not None:
                 write_carry(pipe, alias, carry)
 
-        detail = {"gate": result.as_dict(), "mean_reward": stats.mean_reward}
+        detail = {
+            "gate": result.as_dict(),
+            "mean_reward": stats.mean_reward,
+            "bill": bill.as_dict(),
+        }
         outcome = self.decide(alias, config, version, result, detail, mark_trained)
         if carry is not None:
             log.info("%s: v%d not shown worse (win rate %.3f): the next round trains on from it",
@@ -421,9 +460,12 @@ class Rounds:
             round_started_at=time.time(),
         )
         try:
+            gate_started = time.perf_counter()
             result = self.gate_candidate(alias, config, route, version, heldout)
+            bill = Bill(gate_seconds=time.perf_counter() - gate_started)
+            bill.add(result.judge_bill or Bill())
             self.report(alias, "settle", detail=result.reason)
-            detail = {"gate": result.as_dict(), "origin": "import"}
+            detail = {"gate": result.as_dict(), "origin": "import", "bill": bill.as_dict()}
             return self.decide(
                 alias,
                 config,

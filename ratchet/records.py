@@ -17,6 +17,8 @@ from typing import Any, ClassVar, Literal, Protocol
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ratchet.bill import Bill
+
 log = logging.getLogger(__name__)
 
 TRAFFIC_TOPIC = "ratchet.traffic"
@@ -165,6 +167,9 @@ class ScoredGroup(Record):
     # The key of the client whose prompt it is (learning.max_key_share); None: no key (auth off).
     api_key_hash: str | None = None
     source: str | None = None  # the traffic record's: the client, for the per-client caps
+    # What the group cost to make: its sampling request and judge calls (ratchet/bill.py).
+    # None in groups from before the field.
+    bill: Bill | None = None
 
     @property
     def client(self) -> str:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ratchet.bill import Bill, read_bill, total
+
 OUTCOME_KINDS = ("promote", "canary", "reject", "rollback")
 
 
@@ -34,6 +36,8 @@ class RoundRow:
     # trained elsewhere (`ratchet import`), whose folder is ``source``.
     origin: str | None = None
     source: str | None = None
+    # What the round cost (ratchet/bill.py), from its outcome event; None before the outcome.
+    bill: Bill | None = None
 
     def lift_text(self) -> str:
         """``lift +0.050 [+0.010, +0.090]``, or "" where no lift was measured."""
@@ -94,6 +98,8 @@ def rounds_of(history: list[dict[str, Any]]) -> list[RoundRow]:
             target = _int(event.get("previous_version")) if kind == "rollback" else version
             if target in rows:
                 rows[target].outcome = _OUTCOME_WORDS[kind]
+                if kind != "rollback":
+                    rows[target].bill = read_bill(detail.get("bill")) or rows[target].bill
     return sorted(rows.values(), key=lambda row: row.ts)
 
 
@@ -110,3 +116,16 @@ def _float(value: Any) -> float | None:
 
 def _str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
+
+
+def promotion_bills(rows: list[RoundRow]) -> dict[int, Bill]:
+    """What each promoted version cost: its own round and every round since the previous
+    promotion (the rejected candidates paid for it too), by version."""
+    bills: dict[int, Bill] = {}
+    since: list[Bill | None] = []
+    for row in rows:
+        since.append(row.bill)
+        if row.outcome == "promoted":
+            bills[row.version] = total(since)
+            since = []
+    return bills

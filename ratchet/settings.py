@@ -123,6 +123,11 @@ class LearningConfig(_Section):
     # so one client cannot steer what is learned or judged; with fewer than 1/share keys at
     # hand each key gets an even share (one key alone, or auth off, is never held back).
     max_key_share: float = Field(default=0.25, gt=0.0, le=1.0)
+    # The most the alias's judge calls (the judge's and the gate's) may cost a UTC day, in USD
+    # (litellm's price map: a local judge costs 0). Reached, the judge samples no more groups of
+    # the alias until the next day (`ratchet status` says so); rounds already under way finish.
+    # None: no cap.
+    max_cost_per_day: float | None = Field(default=None, gt=0.0)
 
 
 class SamplingConfig(_Section):

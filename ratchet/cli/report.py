@@ -39,16 +39,42 @@ def _plot_lift(axis: Any, lifted: list[tuple[int, RoundRow]]) -> None:
     axis.set_ylabel("gate score lift (95% CI)")
 
 
+# The parts of a round's bill the cost panel stacks, in seconds (ratchet/bill.py).
+COST_PARTS = (
+    ("sample_seconds", "sampling", "tab:blue"),
+    ("judge_seconds", "judge calls", "tab:orange"),
+    ("train_seconds", "training", "tab:green"),
+    ("gate_seconds", "gate", "tab:purple"),
+)
+
+
+def _plot_cost(axis: Any, rows: list[RoundRow]) -> None:
+    """Each round's seconds by part, stacked, and its judge spend above the bar when it has one."""
+    xs = list(range(1, len(rows) + 1))
+    bottom = [0.0] * len(rows)
+    for field, label, colour in COST_PARTS:
+        heights = [getattr(r.bill, field) if r.bill else 0.0 for r in rows]
+        axis.bar(xs, heights, bottom=bottom, label=label, color=colour)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    for x, row, top in zip(xs, rows, bottom, strict=True):
+        if row.bill is not None and row.bill.judge_cost_usd > 0:
+            axis.annotate(f"${row.bill.judge_cost_usd:.3f}", (x, top), ha="center", va="bottom")
+    axis.set_ylabel("cost (seconds)")
+    axis.legend(loc="upper left", fontsize="small")
+
+
 def plot_rounds(alias: str, rows: list[RoundRow], threshold: float, path: Path) -> Path:
-    """Reward per round on top, gate win rate with its 95% interval below, and, where the pairs
-    had scores, the score lift with its interval under that; promotions marked."""
+    """Reward per round on top, gate win rate with its 95% interval below, where the pairs had
+    scores the score lift with its interval, and where rounds were billed what each cost;
+    promotions marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     lifted = [(i, r) for i, r in enumerate(rows, 1) if r.lift is not None]
-    panels = 3 if lifted else 2
+    billed = any(r.bill is not None for r in rows)
+    panels = 2 + bool(lifted) + billed
     fig, axes = plt.subplots(panels, 1, figsize=(8, 3 * panels), sharex=True)
     top, bottom = axes[0], axes[1]
     x = list(range(1, len(rows) + 1))
@@ -75,10 +101,16 @@ def plot_rounds(alias: str, rows: list[RoundRow], threshold: float, path: Path) 
             for axis in axes:
                 axis.axvline(i, color="tab:green", alpha=0.3, linewidth=6)
     bottom.legend(loc="lower right")
+    extra = []
     if lifted:
         _plot_lift(axes[2], lifted)
-        axes[2].set_xticks(x, [f"{i}\nv{r.version}" for i, r in zip(x, rows, strict=True)])
-        axes[2].set_xlabel("round (candidate version below)")
+        extra.append(axes[2])
+    if billed:
+        _plot_cost(axes[-1], rows)
+        extra.append(axes[-1])
+    for axis in extra:
+        axis.set_xticks(x, [f"{i}\nv{r.version}" for i, r in zip(x, rows, strict=True)])
+        axis.set_xlabel("round (candidate version below)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -14,6 +14,7 @@ from ratchet.cli.routing import read_routes
 if TYPE_CHECKING:
     import redis
 
+    from ratchet.rounds import RoundRow
     from ratchet.settings import AliasConfig
 
 
@@ -24,14 +25,22 @@ def status(
     config: ConfigOption = None,
 ) -> None:
     """Per alias: active version, canary, pause, what the learner is doing, the last rounds
-    with reward and gate result."""
+    with reward, gate result and cost, and the judge's spend today."""
+    from ratchet.bill import budget_line, read_spend
     from ratchet.cli.report import learner_lag, rounds_of
     from ratchet.rewards.agreement import probes_agreement
 
     settings = settings_or_exit(config)
     writer, routes = read_routes(settings, alias)
     table = Table()
-    columns = ("alias", "active", "canary", "learning", "learner", "last rounds (reward, gate)")
+    columns = (
+        "alias",
+        "active",
+        "canary",
+        "learning",
+        "learner",
+        "last rounds (reward, gate, cost)",
+    )
     for column in columns:
         table.add_column(column)
     for name, route in sorted(routes.items()):
@@ -52,6 +61,8 @@ def status(
                 start = f" (on from v{row.trained_from})" if row.carried_on else ""
                 label, trained = f"v{row.version}{start}", f"reward {reward}"
             lines.append(f"{label}: {trained}, {gate}, {row.outcome}")
+            if row.bill is not None:
+                lines.append(f"  cost: {row.bill.line()}")
         canary = "-" if route.canary is None else f"v{route.canary} ({route.canary_weight:.0%})"
         learning = "paused" if route.paused else "on"
         if route.paused:
@@ -65,6 +76,9 @@ def status(
             learning += "\n" + reward_model_line(writer.redis, name)
         if alias_config is not None and probes_agreement(alias_config):
             learning += "\n" + agreement_line(writer.redis, name, alias_config)
+        if alias_config is not None:
+            cap = alias_config.learning.max_cost_per_day
+            learning += "\n" + budget_line(read_spend(writer.redis, name), cap)
         table.add_row(
             name,
             f"v{route.active}",
@@ -136,3 +150,24 @@ def report(
     path = out or Path(f"{alias}-report.png")
     plot_rounds(alias, rows, settings.aliases[alias].gate.threshold, path)
     console.print(f"Wrote {path} ({len(rows)} rounds)")
+    console.print(cost_table(rows))
+
+
+def cost_table(rows: list[RoundRow]) -> Table:
+    """Each round's bill, and for each promotion what it cost and what it bought."""
+    from ratchet.rounds import promotion_bills
+
+    promoted = promotion_bills(rows)
+    table = Table(title="What learning cost")
+    for column in ("version", "outcome", "round's cost", "cost to promote", "gate lift"):
+        table.add_column(column)
+    for row in rows:
+        bill = promoted.get(row.version)
+        table.add_row(
+            f"v{row.version}",
+            row.outcome,
+            row.bill.line() if row.bill else "-",
+            bill.line() if bill else "",
+            row.lift_text() or "-",
+        )
+    return table

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ratchet.bill import Bill
 from ratchet.rewards.ruler import JudgeReplyError, JudgeRequest, JudgeScores, parse_judge_reply
 from ratchet.settings import JudgeSettings
 
@@ -104,27 +105,63 @@ async def ask_judge_once(
     request: JudgeRequest,
     judge: JudgeModel,
     on_latency: Callable[[float], None] | None = None,
+    bill: Bill | None = None,
 ) -> JudgeScores:
     """One attempt, no retry: the request out, the parsed reply back. Raises JudgeReplyError for
-    a reply that cannot be trusted, TimeoutError, or whatever litellm raises."""
+    a reply that cannot be trusted, TimeoutError, or whatever litellm raises. ``bill`` gets the
+    call, its tokens and its price (a call that failed counts, with its seconds)."""
     import litellm  # heavy import, only where a judge call is made
 
     started = time.perf_counter()
-    reply: Any = await asyncio.wait_for(
-        litellm.acompletion(
-            model=judge.model,
-            messages=request.messages,
-            response_format=request.response_format,
-            temperature=0.0,
-            max_tokens=judge.max_tokens,
-            num_retries=0,  # retries are ours, with a fresh request each
-            **judge.endpoint,
-        ),
-        timeout=judge.timeout_s,
-    )
+    try:
+        reply: Any = await asyncio.wait_for(
+            litellm.acompletion(
+                model=judge.model,
+                messages=request.messages,
+                response_format=request.response_format,
+                temperature=0.0,
+                max_tokens=judge.max_tokens,
+                num_retries=0,  # retries are ours, with a fresh request each
+                **judge.endpoint,
+            ),
+            timeout=judge.timeout_s,
+        )
+    except BaseException:
+        if bill is not None:
+            bill.add_judge_call(0, 0, 0.0, time.perf_counter() - started)
+        raise
+    elapsed = time.perf_counter() - started
     if on_latency is not None:
-        on_latency(time.perf_counter() - started)
+        on_latency(elapsed)
+    if bill is not None:
+        input_tokens, output_tokens = usage_of(reply)
+        bill.add_judge_call(input_tokens, output_tokens, price_of(reply, judge.model), elapsed)
     return parse_judge_reply(reply.choices[0].message.content or "", request)
+
+
+def usage_of(reply: Any) -> tuple[int, int]:
+    """(prompt, completion) tokens of a chat completion; 0 where the server did not say."""
+    usage = getattr(reply, "usage", None)
+    prompt = getattr(usage, "prompt_tokens", 0)
+    completion = getattr(usage, "completion_tokens", 0)
+    return (
+        prompt if isinstance(prompt, int) else 0,
+        completion if isinstance(completion, int) else 0,
+    )
+
+
+def price_of(reply: Any, model: str) -> float:
+    """The call's price in USD from litellm's price map (bundled: no download); 0 for a model
+    it has no price for, such as a local vLLM judge, whose cost is the device time the bill
+    counts instead."""
+    import litellm
+
+    litellm.suppress_debug_info = True  # else it prints its provider list for each such model
+    try:
+        cost = litellm.completion_cost(completion_response=reply, model=model)
+    except Exception:  # litellm raises for any model missing from its map
+        return 0.0
+    return float(cost) if isinstance(cost, int | float) and cost > 0 else 0.0
 
 
 async def judge_scores(
@@ -135,15 +172,16 @@ async def judge_scores(
     limit: asyncio.Semaphore | None = None,
     on_latency: Callable[[float], None] | None = None,
     attempt: Attempt | None = None,
+    bill: Bill | None = None,
 ) -> JudgeScores:
     """The judge's verdict, after up to ``retries`` retries with backoff; JudgeUnavailable if no
     attempt gives one.
 
     ``request_for(n)`` builds the request of attempt n (0 first), so a retry can present the
     samples anew. ``limit`` is held for each attempt, never during a backoff. ``attempt``
-    replaces :func:`ask_judge_once` (``on_latency`` then goes unused).
+    replaces :func:`ask_judge_once` (``on_latency`` and ``bill`` then go unused).
     """
-    ask: Attempt = attempt or (lambda request: ask_judge_once(request, judge, on_latency))
+    ask: Attempt = attempt or (lambda request: ask_judge_once(request, judge, on_latency, bill))
     cause = "judge_unavailable"
     for n in range(retries + 1):
         if n:

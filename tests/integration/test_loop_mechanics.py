@@ -17,10 +17,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import pytest
 import yaml
 
+from console.views import ConsoleData
 from judge.service import is_heldout
+from ratchet.bill import Bill
 from ratchet.demo import load_prompts
 from ratchet.dev.processes import Stack, free_port
 from ratchet.dev.stack import judge_part, learner_part
@@ -128,6 +131,7 @@ def test_a_round_of_judged_traffic_is_trained_gated_and_promoted_by_ratings(
             count=len(grouped),
             timeout_s=240,
         )
+        judge_counters = scrape(load_settings(config).judge.metrics_port)
     finally:
         judge.stop()
     groups = [g for g in judged if isinstance(g, ScoredGroup)]
@@ -144,6 +148,7 @@ def test_a_round_of_judged_traffic_is_trained_gated_and_promoted_by_ratings(
         outcome = first_event(settings, ALIAS, {"canary", "reject", "promote"}, timeout_s=240)
         assert outcome["kind"] == "canary", outcome
         candidate = outcome["version"]
+        learner_counters = scrape(settings.learner.metrics_port)
         decided, arms = rate_canary_until_decided(
             embedded, settings, ALIAS, CANARY_TRAFFIC, canary_favoured
         )
@@ -162,6 +167,26 @@ def test_a_round_of_judged_traffic_is_trained_gated_and_promoted_by_ratings(
     for group in kept.values():
         assert group.version == 0 and group.judge_model is None, group
         assert all(s.logprobs and len(s.logprobs) == len(s.token_ids) for s in group.samples)
+
+    # What the round cost, in its outcome's event, as the services counted it: the judge's
+    # sampling of every group it produced (each group's own bill), the round's share (the groups
+    # it trained on) and its training.
+    bills = [g.bill for g in groups]
+    assert all(b is not None and b.judge_calls == 0 for b in bills)  # a verifier: no judge calls
+    for kind, field in (("input", "sample_input_tokens"), ("output", "sample_output_tokens")):
+        spent = sum(getattr(b, field) for b in bills)
+        counted = judge_counters[("ratchet_judge_sampled_tokens_total", ALIAS, kind)]
+        assert spent == counted > 0, (kind, spent, counted)
+    bill = Bill.model_validate(outcome["detail"]["bill"])
+    assert bill.sample_output_tokens == sum(g.bill.sample_output_tokens for g in kept.values())  # type: ignore[union-attr]
+    assert (
+        bill.train_tokens == learner_counters[("ratchet_learner_trained_tokens_total", ALIAS, "")]
+    )
+    assert bill.train_seconds > 0 and bill.gate_seconds > 0 and bill.judge_cost_usd == 0
+    status = ratchet_cli(config, "status", ALIAS)
+    assert f"cost: {bill.line()}" in status, status
+    [row] = [r for r in ConsoleData(settings).detail(ALIAS).rounds if r.version == candidate]  # type: ignore[union-attr]
+    assert row.bill == bill
 
     # The run's data, out as datasets: every group the learner read, its users' ratings joined
     # with the answers they rate, the gate's pairs and the traffic.
@@ -229,3 +254,27 @@ def export_groups_interrupted_then_continued(
     )  # fmt: skip
     assert run.returncode == 0 and "continuing the export" in run.stdout, run.stdout + run.stderr
     return load_dataset("parquet", data_files=str(out / "data" / "*.parquet"), split="train")
+
+
+def scrape(port: int) -> dict[tuple[str, str, str], float]:
+    """A service's counters: (sample name, alias, kind) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {
+        (sample.name, sample.labels.get("alias", ""), sample.labels.get("kind", "")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def ratchet_cli(config: Path, *args: str) -> str:
+    run = subprocess.run(
+        [sys.executable, "-m", "ratchet", *args, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "1000"},  # rich wraps at the terminal's width
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout

@@ -18,6 +18,7 @@ from aiohttp import web
 from judge.agreement import AgreementProbe
 from judge.metrics import JudgeMetrics
 from judge.scoring import GroupScorer
+from ratchet.bill import Bill
 from ratchet.dev.processes import free_port
 from ratchet.registry import AliasRoute
 from ratchet.rewards.agreement import agreement_key, decode_pair, to_judge_key
@@ -37,6 +38,7 @@ class ContentJudge(GroupScorer):
         prompt: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         samples: list[dict[str, Any]],
+        bill: Bill | None = None,
     ) -> tuple[list[float], list[str]]:
         scores = [0.9 if "good" in (s.get("content") or "") else 0.1 for s in samples]
         return scores, [""] * len(samples)

@@ -16,6 +16,7 @@ from rich.console import Console
 from judge import calibrate as cal
 from judge.metrics import JudgeMetrics
 from judge.scoring import GroupScorer
+from ratchet.bill import Bill
 from ratchet.rewards.ruler import JudgeRequest, JudgeScores
 from ratchet.settings import JudgeSettings, RatchetSettings, RewardConfig
 
@@ -37,7 +38,7 @@ class StandInJudge(GroupScorer):
         super().__init__(JudgeSettings(), "http://unused", None, JudgeMetrics())
 
     async def call_judge(
-        self, alias: str, reward: RewardConfig, request: JudgeRequest
+        self, alias: str, reward: RewardConfig, request: JudgeRequest, bill: Bill | None = None
     ) -> JudgeScores:
         blocks = dict(_SAMPLE.findall(request.messages[-1]["content"]))
         scores = [0.0] * len(request.ids)

@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 
 from judge.metrics import JudgeMetrics
 from judge.scoring import GroupScorer
+from ratchet.bill import Bill
 from ratchet.rewards.ruler import JudgeRequest, JudgeScores
 from ratchet.settings import JudgeSettings, RewardConfig
 
@@ -20,7 +21,7 @@ class CountingScorer(GroupScorer):
     calls = 0
 
     async def call_judge(
-        self, alias: str, reward: RewardConfig, request: JudgeRequest
+        self, alias: str, reward: RewardConfig, request: JudgeRequest, bill: Bill | None = None
     ) -> JudgeScores:
         self.calls += 1
         order = sorted(request.index_of.values())

@@ -38,6 +38,7 @@ from judge.service import (
     is_heldout,
 )
 from ratchet.answer_length import auto_max_tokens
+from ratchet.bill import Bill
 from ratchet.carry import Carry, write_carry
 from ratchet.dev.processes import free_port
 from ratchet.records import (
@@ -328,7 +329,7 @@ class ScriptedScorer(GroupScorer):
         self.requests: list[JudgeRequest] = []
 
     async def call_judge(
-        self, alias: str, reward: RewardConfig, request: JudgeRequest
+        self, alias: str, reward: RewardConfig, request: JudgeRequest, bill: Bill | None = None
     ) -> JudgeScores:
         self.requests.append(request)
         step = self.script.pop(0)
@@ -676,3 +677,66 @@ def test_groups_are_sampled_from_where_the_next_round_starts(redis_url: str) -> 
 def longer(prompt: list[dict[str, Any]], sample: dict[str, Any]) -> float:
     """A verifier for the tests: the longer answer scores higher."""
     return min(1.0, len(sample.get("content") or "") / 100)
+
+
+def test_a_group_carries_its_bill_and_a_spent_daily_budget_stops_sampling(redis_url: str) -> None:
+    """The group's sampling tokens are vLLM's usage and its seconds the request's, as the
+    counters say; once the alias's judge spend today reaches learning.max_cost_per_day, its
+    records are skipped (daily_budget) until the next UTC day's key."""
+    from ratchet.bill import read_spend, spend_key, today
+
+    key = "vllm-key"
+    alias = AliasConfig(
+        learning={
+            "heldout_fraction": 0.0,
+            "dedup_window_s": 0,
+            "group_size": 2,
+            "max_cost_per_day": 0.5,
+        },
+        reward={"kind": "verifier", "verifier": "tests.unit.judge.test_judge_service:longer"},
+    )
+
+    async def sample(service: JudgeService, request_id: str) -> Any:
+        record = build_traffic_record(
+            request_id=request_id, request={"messages": PROMPT}, input_tokens=3
+        )
+        message = SimpleNamespace(
+            topic=TRAFFIC_TOPIC, partition=0, offset=0, value=record.to_json()
+        )
+        async with aiohttp.ClientSession() as session:
+            work = await service.classify(message)
+            assert isinstance(work, ToSample)
+            return await service.group_for(session, work)
+
+    client = redis.Redis.from_url(redis_url)
+    with keyed_vllm(key) as vllm:
+        settings = RatchetSettings(
+            vllm_url=vllm.url, vllm_api_key=key, redis_url=redis_url, aliases={"support": alias}
+        )
+        RegistryWriter(redis_url, settings.aliases).write(
+            AliasRoute(alias="support", base_model=alias.base_model)
+        )
+        service = JudgeService(settings)
+        group = asyncio.run(sample(service, "r1"))
+        assert isinstance(group, ScoredGroup) and group.bill is not None
+        # keyed_vllm reports usage 3 prompt + 2 completion tokens.
+        assert (group.bill.sample_input_tokens, group.bill.sample_output_tokens) == (3, 2)
+        assert group.bill.sample_seconds > 0 and group.bill.judge_calls == 0  # a verifier
+        sampled = service.metrics.registry.get_sample_value
+        assert (
+            sampled("ratchet_judge_sampled_tokens_total", {"alias": "support", "kind": "output"})
+            == 2
+        )
+        assert sampled("ratchet_judge_sampling_seconds_sum", {"alias": "support"}) == pytest.approx(
+            group.bill.sample_seconds, abs=0.01
+        )
+
+        client.set(spend_key("support", today()), 0.5)  # the judge and the gate spent the cap
+        service = JudgeService(settings)  # one per event loop: its Redis client binds to one
+        assert asyncio.run(sample(service, "r2")) is None
+        skipped = service.metrics.registry.get_sample_value(
+            "ratchet_judge_skipped_total", {"alias": "support", "reason": "daily_budget"}
+        )
+        assert skipped == 1 and read_spend(client, "support") == 0.5
+        client.set(spend_key("support", today()), 0.49)
+        assert isinstance(asyncio.run(sample(JudgeService(settings), "r3")), ScoredGroup)

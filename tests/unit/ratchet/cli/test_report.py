@@ -108,6 +108,29 @@ def test_plot_rounds_writes_a_png(history: list[dict[str, Any]], tmp_path: Path)
     assert _png_height(target) > _png_height(tmp_path / "two.png")
 
 
+def test_billed_rounds_add_a_cost_panel_and_the_report_tables_what_promotions_cost(
+    history: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    from rich.console import Console
+
+    from ratchet.bill import Bill
+    from ratchet.cli.status import cost_table
+
+    rows = rounds_of(history)
+    plot_rounds(ALIAS, rows, threshold=0.5, path=tmp_path / "plain.png")
+    billed = [
+        replace(r, bill=Bill(sample_seconds=10.0 * i, train_seconds=5.0, judge_cost_usd=0.01))
+        for i, r in enumerate(rows, 1)
+    ]
+    plot_rounds(ALIAS, billed, threshold=0.5, path=tmp_path / "billed.png")
+    assert _png_height(tmp_path / "billed.png") > _png_height(tmp_path / "plain.png")
+    console = Console(width=300, record=True)
+    console.print(cost_table(billed))
+    text = console.export_text()
+    # v1 was promoted after its own round alone; the table gives each round's bill too.
+    assert "judge 0 calls $0.0100 (0 tok); sampling 0 tok 10 s; training 0 tok 5 s" in text
+
+
 def _png_height(path: Path) -> int:
     return int.from_bytes(path.read_bytes()[20:24], "big")  # the IHDR chunk's height
 

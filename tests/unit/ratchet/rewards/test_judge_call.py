@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
+from ratchet.bill import Bill
 from ratchet.rewards import judge_call
 from ratchet.rewards.judge_call import (
     JudgeModel,
@@ -235,3 +236,57 @@ def test_the_limit_is_held_for_each_attempt_only() -> None:
         return held
 
     assert asyncio.run(run()) == [True, False]
+
+
+# --- what a call costs (ratchet/bill.py) ----------------------------------------------------------
+
+
+def test_a_call_is_billed_with_the_servers_usage_and_a_local_judge_costs_nothing() -> None:
+    """The real litellm call to a stand-in vLLM that reports usage 3 + 2 tokens."""
+    req = request()
+    bill = Bill()
+    with keyed_vllm(VLLM_KEY) as vllm:
+        judge = JudgeModel.of(JudgeSettings(), "hosted_vllm/m", vllm.url + "/v1", VLLM_KEY)
+        asyncio.run(ask_judge_once(req, judge, bill=bill))
+        asyncio.run(ask_judge_once(req, judge, bill=bill))
+    assert (bill.judge_calls, bill.judge_input_tokens, bill.judge_output_tokens) == (2, 6, 4)
+    assert bill.judge_cost_usd == 0.0 and bill.judge_seconds > 0
+
+
+def test_a_priced_model_is_billed_from_litellms_price_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    import litellm
+    from litellm import ModelResponse
+
+    req = request()
+
+    async def acompletion(**kwargs: Any) -> Any:
+        content = reply_scoring(req, [0.9, 0.1]).choices[0].message.content
+        return ModelResponse(
+            model="gpt-4o-mini",
+            choices=[{"message": {"role": "assistant", "content": content}}],
+            usage={"prompt_tokens": 1000, "completion_tokens": 500, "total_tokens": 1500},
+        )
+
+    monkeypatch.setattr(litellm, "acompletion", acompletion)
+    bill = Bill()
+    judge = JudgeModel("openai/gpt-4o-mini", {}, 64, 5.0)
+    asyncio.run(ask_judge_once(req, judge, bill=bill))
+    prices = litellm.model_cost["gpt-4o-mini"]  # the bundled map (no download)
+    expected = 1000 * prices["input_cost_per_token"] + 500 * prices["output_cost_per_token"]
+    assert bill.judge_cost_usd == pytest.approx(expected) and bill.judge_cost_usd > 0
+    assert (bill.judge_input_tokens, bill.judge_output_tokens) == (1000, 500)
+
+
+def test_a_failed_call_is_billed_as_a_call_with_its_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import litellm
+
+    async def never(**kwargs: Any) -> Any:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(litellm, "acompletion", never)
+    bill = Bill()
+    with pytest.raises(TimeoutError):
+        asyncio.run(ask_judge_once(request(), JudgeModel("m", {}, 8, timeout_s=0.05), bill=bill))
+    assert bill.judge_calls == 1 and bill.judge_seconds >= 0.05 and bill.judge_cost_usd == 0
