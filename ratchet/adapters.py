@@ -218,6 +218,14 @@ def _check_tensors(
         )
 
 
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def check_adapter(folder: Path, base_model: Path, learner_shape: LoraShape) -> CheckedAdapter:
     """The adapter in ``folder`` if it can be imported for ``base_model``; else AdapterRefused."""
     if not folder.is_dir():
@@ -229,10 +237,6 @@ def check_adapter(folder: Path, base_model: Path, learner_shape: LoraShape) -> C
     _check_shape(found, learner_shape, base)
     header = safetensors_header(weights)
     _check_tensors(header, learner_shape, base)
-    digest = hashlib.sha256()
-    with weights.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
     declared = config.get("base_model_name_or_path")
     ignored = sorted(
         p.name for p in folder.iterdir() if p.name not in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
@@ -241,7 +245,7 @@ def check_adapter(folder: Path, base_model: Path, learner_shape: LoraShape) -> C
         folder=folder,
         shape=learner_shape,
         declared_base=declared if isinstance(declared, str) else None,
-        sha256=digest.hexdigest(),
+        sha256=file_sha256(weights),
         tensors=len(header),
         ignored_files=tuple(ignored),
     )

@@ -3,7 +3,6 @@ and queued for the same gate and canary as a learned candidate (the learner runs
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -52,24 +51,16 @@ def learner_shape(settings: RatchetSettings, base: Path) -> LoraShape:
     return LoraShape(s.lora_rank, s.lora_alpha, names)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def copy_adapter(checked: CheckedAdapter, folder: Path) -> None:
     """The two files the store keeps, the config in the learner's own form; the weights are
     hashed again after the copy, so a file changed since it was checked is not stored."""
-    from ratchet.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from ratchet.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, file_sha256
 
     config = json.loads((checked.folder / ADAPTER_CONFIG).read_text())
     config["target_modules"] = list(checked.shape.target_modules)
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     shutil.copyfile(checked.folder / ADAPTER_WEIGHTS, folder / ADAPTER_WEIGHTS)
-    if _sha256(folder / ADAPTER_WEIGHTS) != checked.sha256:
+    if file_sha256(folder / ADAPTER_WEIGHTS) != checked.sha256:
         raise OSError(f"{ADAPTER_WEIGHTS} changed while it was imported")
 
 
@@ -149,8 +140,7 @@ def import_adapter(
     """Bring in a LoRA adapter trained elsewhere: checked, stored as the next version, then gated
     and canaried by the learner exactly as a learned one."""
     from ratchet.adapters import AdapterRefused, check_adapter
-    from ratchet.cli.lifecycle import lifecycle_for
-    from ratchet.lifecycle import LifecycleError
+    from ratchet.cli.lifecycle import lifecycle_session
 
     settings = settings_or_exit(config)
     if alias not in settings.aliases:
@@ -162,8 +152,7 @@ def import_adapter(
     except AdapterRefused as exc:
         console.print(f"[red]refused: {exc}[/red]")
         raise typer.Exit(1) from None
-    lifecycle = lifecycle_for(settings, alias)
-    try:
+    with lifecycle_session(settings, alias) as lifecycle:
         version, live = store_import(lifecycle, settings, alias, checked)
         if checked.ignored_files:
             console.print(f"not imported (never read): {', '.join(checked.ignored_files)}")
@@ -176,9 +165,3 @@ def import_adapter(
             detail = outcome.get("detail") or {}
             reason = detail.get("reason") or (detail.get("gate") or {}).get("reason", "")
             console.print(f"{alias}: v{version} {outcome['kind']}: {reason}")
-    except LifecycleError as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from None
-    finally:
-        if lifecycle.sink is not None:
-            lifecycle.sink.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -28,20 +30,29 @@ def lifecycle_for(settings: RatchetSettings, alias: str) -> Lifecycle:
     return Lifecycle(writer, AdapterStore(settings.store_dir), EventSink(settings, 5.0), "cli")
 
 
-def _apply(settings: RatchetSettings, alias: str, change: str, **kwargs: object) -> None:
-    """Run one Lifecycle change and report it; a refused change exits 1 with the reason."""
+@contextlib.contextmanager
+def lifecycle_session(settings: RatchetSettings, alias: str) -> Iterator[Lifecycle]:
+    """The alias's Lifecycle for one command: a refused change exits 1 with the reason, and its
+    event sink is closed (its events flushed) however the command ends."""
     from ratchet.lifecycle import LifecycleError
-    from ratchet.registry import served_name
 
     lifecycle = lifecycle_for(settings, alias)
     try:
-        route = getattr(lifecycle, change)(alias, **kwargs)
+        yield lifecycle
     except LifecycleError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from None
     finally:
         if lifecycle.sink is not None:
             lifecycle.sink.close()
+
+
+def _apply(settings: RatchetSettings, alias: str, change: str, **kwargs: object) -> None:
+    """Run one Lifecycle change and report it; a refused change exits 1 with the reason."""
+    from ratchet.registry import served_name
+
+    with lifecycle_session(settings, alias) as lifecycle:
+        route = getattr(lifecycle, change)(alias, **kwargs)
     served = served_name(alias, route.active, route.base_model)
     paused = " (learning paused)" if route.paused else ""
     console.print(f"{alias}: active v{route.active} ({served}){paused}")
@@ -67,15 +78,16 @@ def promote(
     from ratchet.cli.routing import unservable
 
     settings = settings_or_exit(config)
-    lifecycle = lifecycle_for(settings, alias)
-    if version is None:
-        route = lifecycle.route(alias)
-        if route.canary is None:
-            console.print(f"[red]{alias} has no canary; name one with --version N[/red]")
-            raise typer.Exit(1)
-        version = route.canary
-    # As `alias set` and the console: a version the gate never passed is not served by a typo.
-    refused = [] if force else unservable(settings, lifecycle.writer, alias, [version])
+    with lifecycle_session(settings, alias) as lifecycle:  # an unknown alias: exit 1, said why
+        if version is None:
+            route = lifecycle.route(alias)
+            if route.canary is None:
+                console.print(f"[red]{alias} has no canary; name one with --version N[/red]")
+                raise typer.Exit(1)
+            version = route.canary
+        # As `alias set` and the console: a version the gate never passed is not served by a
+        # typo.
+        refused = [] if force else unservable(settings, lifecycle.writer, alias, [version])
     if refused:
         console.print(f"[red]{'; '.join(refused)}; pass --force to serve it anyway[/red]")
         raise typer.Exit(1)

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +44,20 @@ if TYPE_CHECKING:
 
 ALIAS = "support"
 BASE_MODEL = "smollm2-135m-instruct"
+
+
+def ratchet_cli(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    """`ratchet ARGS` as a user runs it, its output unwrapped (rich wraps at the terminal's
+    width, which a captured run does not have)."""
+    return subprocess.run(
+        [sys.executable, "-m", "ratchet", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, "COLUMNS": "1000"},
+    )
+
+
 # Fixed, so which prompts the judge holds out is the same in every run (the loop test relies
 # on how many of its prompts are held out).
 TEST_SECRET = "ratchet-integration-tests"

@@ -5,9 +5,6 @@ run's groups, ratings, pairs and traffic are exported in test_loop_mechanics.py.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,7 @@ from kafka import KafkaProducer
 from ratchet.export.run import begin, export
 from ratchet.records import GROUPS_TOPIC, Sample, ScoredGroup
 from ratchet.settings import load_settings
-from tests.integration.conftest import BASE_MODEL, Embedded
+from tests.integration.conftest import BASE_MODEL, Embedded, ratchet_cli
 
 pytestmark = pytest.mark.integration
 
@@ -66,13 +63,9 @@ def test_an_interrupted_export_continues_and_takes_every_record_of_a_batch_once(
 
     with pytest.raises(KeyboardInterrupt):
         export(settings, out, state, 5, stop_after_a_shard)
-    run = subprocess.run(
-        [sys.executable, "-m", "ratchet", "export", "ex-batch", "--format", "jsonl", "--out",
-         str(out), "--shard-rows", "5", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "COLUMNS": "200"},  # rich wraps at the terminal's width
+    run = ratchet_cli(
+        "export", "ex-batch", "--format", "jsonl", "--out", str(out), "--shard-rows", "5",
+        "--config", str(path),
     )  # fmt: skip
     assert run.returncode == 0 and "continuing the export" in run.stdout, run.stdout + run.stderr
     assert "12 rows of groups" in run.stdout, run.stdout
@@ -83,12 +76,7 @@ def test_an_interrupted_export_continues_and_takes_every_record_of_a_batch_once(
     assert sorted(rows["group_id"], key=lambda g: int(g.rsplit("-", 1)[1])) == [
         f"ex-batch-{i}" for i in range(12)
     ]
-    again = subprocess.run(
-        [sys.executable, "-m", "ratchet", "export", "ex-batch", "--format", "jsonl", "--out",
-         str(out), "--config", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "COLUMNS": "200"},  # rich wraps at the terminal's width
-    )  # fmt: skip
+    again = ratchet_cli(
+        "export", "ex-batch", "--format", "jsonl", "--out", str(out), "--config", str(path)
+    )
     assert again.returncode == 0 and "is complete: 12 rows" in again.stdout, again.stdout

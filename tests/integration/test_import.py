@@ -6,9 +6,6 @@ before anything is written."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +17,7 @@ from ratchet.registry import AliasRoute
 from ratchet.settings import load_settings
 from ratchet.store import AdapterStore
 from ratchet.versions import queued_imports
-from tests.integration.conftest import BASE_MODEL, Embedded
+from tests.integration.conftest import BASE_MODEL, Embedded, ratchet_cli
 from tests.integration.test_learner import (
     LONG_ROUND_S,
     TRAIN,
@@ -63,16 +60,6 @@ def train_elsewhere(model_path: Path, out: Path, safe: bool = True, steps: int =
         optimizer.zero_grad()
     model.save_pretrained(str(out), safe_serialization=safe)
     return out
-
-
-def ratchet_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ratchet", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "COLUMNS": "200"},  # rich wraps at the terminal's width
-    )
 
 
 @pytest.mark.timeout(900)

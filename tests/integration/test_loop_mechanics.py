@@ -11,9 +11,6 @@ that is the outcome lane's (`scripts/test --outcomes`).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +29,7 @@ from ratchet.records import GROUPS_TOPIC, ScoredGroup, prompt_hash
 from ratchet.registry import AliasRoute
 from ratchet.settings import RatchetSettings, load_settings
 from ratchet.store import AdapterStore
-from tests.integration.conftest import BASE_MODEL, Embedded
+from tests.integration.conftest import BASE_MODEL, Embedded, ratchet_cli
 from tests.integration.scripted_users import (
     canary_favoured,
     first_event,
@@ -183,8 +180,8 @@ def test_a_round_of_judged_traffic_is_trained_gated_and_promoted_by_ratings(
         bill.train_tokens == learner_counters[("ratchet_learner_trained_tokens_total", ALIAS, "")]
     )
     assert bill.train_seconds > 0 and bill.gate_seconds > 0 and bill.judge_cost_usd == 0
-    status = ratchet_cli(config, "status", ALIAS)
-    assert f"cost: {bill.line()}" in status, status
+    status = ratchet_cli("status", ALIAS, "--config", str(config))
+    assert status.returncode == 0 and f"cost: {bill.line()}" in status.stdout, status
     [row] = [r for r in ConsoleData(settings).detail(ALIAS).rounds if r.version == candidate]  # type: ignore[union-attr]
     assert row.bill == bill
 
@@ -215,14 +212,7 @@ def ratchet_export(config: Path, out: Path, *args: str) -> Dataset:
     """`ratchet export` as a user runs it, and what `datasets` loads from its folder."""
     from datasets import load_dataset
 
-    run = subprocess.run(
-        [sys.executable, "-m", "ratchet", "export", ALIAS, "--out", str(out), "--config",
-         str(config), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "COLUMNS": "200"},  # rich wraps at the terminal's width
-    )  # fmt: skip
+    run = ratchet_cli("export", ALIAS, "--out", str(out), "--config", str(config), *args)
     assert run.returncode == 0, run.stdout + run.stderr
     return load_dataset(str(out), split="train")
 
@@ -244,14 +234,9 @@ def export_groups_interrupted_then_continued(
     with pytest.raises(KeyboardInterrupt):
         export(settings, out, state, 5, stop_after_a_shard)
     assert not (out / "README.md").exists()
-    run = subprocess.run(
-        [sys.executable, "-m", "ratchet", "export", ALIAS, "--out", str(out), "--shard-rows",
-         "5", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "COLUMNS": "200"},  # rich wraps at the terminal's width
-    )  # fmt: skip
+    run = ratchet_cli(
+        "export", ALIAS, "--out", str(out), "--shard-rows", "5", "--config", str(config)
+    )
     assert run.returncode == 0 and "continuing the export" in run.stdout, run.stdout + run.stderr
     return load_dataset("parquet", data_files=str(out / "data" / "*.parquet"), split="train")
 
@@ -266,15 +251,3 @@ def scrape(port: int) -> dict[tuple[str, str, str], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
-
-
-def ratchet_cli(config: Path, *args: str) -> str:
-    run = subprocess.run(
-        [sys.executable, "-m", "ratchet", *args, "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "COLUMNS": "1000"},  # rich wraps at the terminal's width
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    return run.stdout

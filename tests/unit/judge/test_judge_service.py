@@ -637,18 +637,6 @@ def test_groups_are_sampled_from_where_the_next_round_starts(redis_url: str) -> 
         write_carry(pipe, "support", value)
         pipe.execute()
 
-    async def sample(service: JudgeService, request_id: str) -> Any:
-        record = build_traffic_record(
-            request_id=request_id, request={"messages": PROMPT}, input_tokens=3
-        )
-        message = SimpleNamespace(
-            topic=TRAFFIC_TOPIC, partition=0, offset=0, value=record.to_json()
-        )
-        async with aiohttp.ClientSession() as session:
-            work = await service.classify(message)
-            assert isinstance(work, ToSample)
-            return await service.group_for(session, work)
-
     with keyed_vllm(key) as vllm:
         settings = RatchetSettings(
             vllm_url=vllm.url,
@@ -674,6 +662,18 @@ def test_groups_are_sampled_from_where_the_next_round_starts(redis_url: str) -> 
     assert versions == [(2, "support@v2"), (5, "support@v5"), (2, "support@v2"), (2, "support@v2")]
 
 
+async def sample(service: JudgeService, request_id: str) -> Any:
+    """A traffic record of PROMPT classified and sampled by ``service``: its group, or None."""
+    record = build_traffic_record(
+        request_id=request_id, request={"messages": PROMPT}, input_tokens=3
+    )
+    message = SimpleNamespace(topic=TRAFFIC_TOPIC, partition=0, offset=0, value=record.to_json())
+    async with aiohttp.ClientSession() as session:
+        work = await service.classify(message)
+        assert isinstance(work, ToSample)
+        return await service.group_for(session, work)
+
+
 def longer(prompt: list[dict[str, Any]], sample: dict[str, Any]) -> float:
     """A verifier for the tests: the longer answer scores higher."""
     return min(1.0, len(sample.get("content") or "") / 100)
@@ -695,18 +695,6 @@ def test_a_group_carries_its_bill_and_a_spent_daily_budget_stops_sampling(redis_
         },
         reward={"kind": "verifier", "verifier": "tests.unit.judge.test_judge_service:longer"},
     )
-
-    async def sample(service: JudgeService, request_id: str) -> Any:
-        record = build_traffic_record(
-            request_id=request_id, request={"messages": PROMPT}, input_tokens=3
-        )
-        message = SimpleNamespace(
-            topic=TRAFFIC_TOPIC, partition=0, offset=0, value=record.to_json()
-        )
-        async with aiohttp.ClientSession() as session:
-            work = await service.classify(message)
-            assert isinstance(work, ToSample)
-            return await service.group_for(session, work)
 
     client = redis.Redis.from_url(redis_url)
     with keyed_vllm(key) as vllm:

@@ -17,6 +17,7 @@ from ratchet.gate_pairs import GatePair, write_gate_pairs
 from ratchet.records import FeedbackRecord, Sample, ScoredGroup, TrafficRecord
 from ratchet.settings import AliasConfig, RatchetSettings
 from ratchet.store import AdapterStore
+from tests.records import build_traffic_record
 
 PROMPT = [
     {"role": "system", "content": "Be brief."},
@@ -49,22 +50,14 @@ def scored_group(i: int) -> ScoredGroup:
 
 
 def traffic_record(completion_id: str = "chatcmpl-1") -> TrafficRecord:
-    return TrafficRecord(
-        request_id="r1",
-        endpoint="chat.completions",
+    return build_traffic_record(
         alias="sorting",
-        request_model="sorting",
         response_model="sorting@v2",
         version=2,
-        canary_arm="active",
         request={"model": "sorting", "messages": PROMPT},
         response_id=completion_id,
         choices=[{"index": 0, "message": {"role": "assistant", "content": "1 2 3"}}],
-        input_tokens=12,
-        output_tokens=3,
         finish_reasons=["stop"],
-        status=200,
-        latency_ms=80.5,
         api_key_hash="k1",
     )
 
