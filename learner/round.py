@@ -35,6 +35,7 @@ from learner.gate import Gate, GateError
 from learner.gate_verdict import GateResult
 from learner.heldout import HeldoutPool
 from learner.metrics import LearnerMetrics
+from learner.parallel import send_round
 from learner.reporter import ProgressReporter
 from learner.trainer import (
     LoraGRPOLearner,
@@ -142,14 +143,7 @@ class Rounds:
         however it ended."""
         config = self.settings.aliases[alias]
         waiting = len(groups) if waiting is None else waiting
-        self._progress[alias] = LearnerProgress(
-            alias,
-            waiting=waiting,
-            batch_groups=self.settings.learner.batch_groups,
-            heldout=len(heldout),
-            version=route.active,
-            round_started_at=time.time(),
-        )
+        self.begin_progress(alias, route, heldout, waiting)
         left = waiting  # a round that fails leaves its groups waiting
         try:
             start = start or self.start_of_round(alias, route.active)
@@ -166,6 +160,19 @@ class Rounds:
             self.report(alias, "idle", waiting=left, round_started_at=0.0)
             del self._progress[alias]
         return RoundReport(alias, version, stats, result, outcome)
+
+    def begin_progress(
+        self, alias: str, route: AliasRoute, heldout: HeldoutPool, waiting: int
+    ) -> None:
+        """The progress a round (or an import's gate) publishes from now until it is idle."""
+        self._progress[alias] = LearnerProgress(
+            alias,
+            waiting=waiting,
+            batch_groups=self.settings.learner.batch_groups,
+            heldout=len(heldout),
+            version=route.active,
+            round_started_at=time.time(),
+        )
 
     def report(self, alias: str, phase: Phase | None = None, **changes: Any) -> None:
         """Publish the running round's progress with these changes; a new phase resets its
@@ -225,13 +232,23 @@ class Rounds:
         started = time.perf_counter()
         steps = self.settings.learner.steps_per_round
         self.report(alias, "train", version=start.version, steps=steps)
-        trainer.load_adapter(self.store.path(alias, start.version) if start.version > 0 else None)
+        adapter = self.store.path(alias, start.version) if start.version > 0 else None
+        if trainer.ranks.size > 1:  # the other ranks train the round with us
+            send_round(groups, adapter)
+        trainer.load_adapter(adapter)
 
         def on_step(step: StepProgress) -> None:
             self.metrics.step_loss.labels(alias).set(step.loss)
             self.report(alias, step=step.step, steps=step.steps, detail=step.line())
 
-        stats = trainer.train_round(groups, on_step)
+        try:
+            stats = trainer.train_round(groups, on_step)
+        except Exception as exc:
+            if trainer.ranks.size > 1:
+                # The other ranks may wait in a collective this rank will never join: end the
+                # process group (torchrun restarts it) rather than fail one round.
+                raise SystemExit(f"data-parallel round failed: {exc!r}") from exc
+            raise
         self.metrics.round_seconds.labels(alias, "train").observe(time.perf_counter() - started)
         m = self.metrics
         m.train_reward.labels(alias).set(stats.mean_reward)
@@ -451,14 +468,7 @@ class Rounds:
         round's candidate is, without training; it leaves the import queue in the outcome's
         transaction, so a learner killed meanwhile gates it again."""
         config = self.settings.aliases[alias]
-        self._progress[alias] = LearnerProgress(
-            alias,
-            waiting=waiting,
-            batch_groups=self.settings.learner.batch_groups,
-            heldout=len(heldout),
-            version=route.active,
-            round_started_at=time.time(),
-        )
+        self.begin_progress(alias, route, heldout, waiting)
         try:
             gate_started = time.perf_counter()
             result = self.gate_candidate(alias, config, route, version, heldout)

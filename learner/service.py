@@ -44,9 +44,11 @@ from learner.intake import Consumers, Waiting
 from learner.leases import AliasLeases
 from learner.lineage import Lineage
 from learner.metrics import LearnerMetrics
+from learner.parallel import follow, send_stop, start_from_env
 from learner.ratings import joins_ratings
 from learner.reward_training import RatingsCollector, RewardTrainer, reward_predictor
 from learner.round import RoundReport, Rounds, trained_key
+from learner.trainer import LoraGRPOLearner, lora_settings, train_settings
 from ratchet.carry import Start
 from ratchet.lease import LeaseKeeper, LeaseLost
 from ratchet.lifecycle import EventSink, Lifecycle, LifecycleError
@@ -567,4 +569,23 @@ def serve(settings: RatchetSettings) -> None:
         import torch
 
         torch.set_num_threads(settings.learner.cpu_threads)
+    ranks = start_from_env(settings.learner.device)  # torchrun: data parallel rounds
+    if ranks.rank > 0:
+        follow_rounds(settings, base)
+        return
     LearnerService(settings, base).run()
+    if ranks.size > 1:  # a clean stop; after a failure torchrun stops the other ranks
+        send_stop()
+
+
+def follow_rounds(settings: RatchetSettings, base: Path) -> None:
+    """A rank other than 0: trains each round rank 0 leads (learner/parallel.py), nothing else."""
+    s = settings.learner
+    device = None if s.device == "auto" else s.device
+    trainer = LoraGRPOLearner(base, lora_settings(s), train_settings(s), device=device)
+
+    def train(groups: list[ScoredGroup], adapter: Path | None) -> None:
+        trainer.load_adapter(adapter)
+        trainer.train_round(groups)
+
+    follow(train)

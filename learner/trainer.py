@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from learner.batch import Batch, pack_groups, token_logprobs
 from learner.loss import GRPOLossConfig, grpo_loss, loss_config
+from learner.parallel import Ranks, all_reduce, all_reduce_grads
 from ratchet.records import ScoredGroup
 from ratchet.settings import LearnerSettings
 from ratchet.store import AdapterStore
@@ -200,6 +201,7 @@ class LoraGRPOLearner:
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self._fresh = [p.detach().clone() for p in self.params]
+        self.ranks = Ranks.current()  # data parallel under torchrun (learner/parallel.py)
         self.load_adapter(None)
 
     # --- state -------------------------------------------------------------------------------
@@ -344,6 +346,8 @@ class LoraGRPOLearner:
                     on_step(progress)
         self.optimizer_steps += len(plan) - acc.skipped
         self.groups_seen += int(informative.sum())
+        if self.ranks.size > 1:
+            acc.reduce()
         stats = acc.finish(
             kl_on=cfg.kl_beta > 0.0,
             start=start,
@@ -367,7 +371,9 @@ class LoraGRPOLearner:
         count = batch.completion_mask[step_rows.to(self.device)].sum()
         step_tokens = count.clamp(min=1)
         step_loss = torch.zeros((), device=self.device, dtype=torch.float64)
-        for rows in self._micro_batches(step_rows, lengths):
+        for index, rows in enumerate(self._micro_batches(step_rows, lengths)):
+            if not self.ranks.mine(index):  # another rank's (learner/parallel.py)
+                continue
             micro = batch.select(rows, int(lengths[rows].max()))
             with self._autocast():
                 logprobs = token_logprobs(self.model, micro)
@@ -387,6 +393,8 @@ class LoraGRPOLearner:
             torch.autograd.backward(loss * share)  # Tensor.backward is untyped
             step_loss += loss.detach().double() * share
             acc.add(loss.detach(), stats, int(lengths[rows].sum()))
+        if self.ranks.size > 1:  # every rank now holds the step's whole gradient and loss
+            [step_loss] = all_reduce_grads(self.params, step_loss)
         max_norm = self.train.max_grad_norm if self.train.max_grad_norm > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         if torch.isfinite(norm):  # one device sync a step
@@ -494,6 +502,15 @@ class _Accumulator:
         self.ratio_min = torch.fmin(self.ratio_min, stats["ratio_min"].double())
         self.ratio_max = torch.fmax(self.ratio_max, stats["ratio_max"].double())
         self.total_tokens += total_tokens
+
+    def reduce(self) -> None:
+        """The sums over every rank's micro-batches (data parallel: learner/parallel.py)."""
+        sums = all_reduce(torch.stack(list(self.sums.values())), "sum")
+        self.sums = dict(zip(self.sums, sums.unbind(), strict=True))
+        self.ratio_min = all_reduce(self.ratio_min, "min")
+        self.ratio_max = all_reduce(self.ratio_max, "max")
+        total = torch.tensor(float(self.total_tokens), dtype=torch.float64)
+        self.total_tokens = int(all_reduce(total.to(self.ratio_min.device), "sum").item())
 
     def finish(self, *, kl_on: bool, start: float, **fields: Any) -> RoundStats:
         norm = torch.stack(self.grad_norms).double().mean() if self.grad_norms else self.ratio_min

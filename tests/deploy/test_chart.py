@@ -290,6 +290,13 @@ def test_gpu_learner(rendered: dict[str, Rendered]) -> None:
     assert learner["imagePullPolicy"] == "Always"
     assert learner["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert learner["resources"]["requests"]["nvidia.com/gpu"] == 2
+    # Two GPUs, two ranks: torchrun starts one learner process per GPU (learner/parallel.py).
+    assert learner["command"] == [
+        "torchrun", "--standalone", "--nproc-per-node", "2",
+        "-m", "ratchet", "learner", "--config", "/etc/ratchet/ratchet.yaml",
+    ]  # fmt: skip
+    one_gpu = rendered["defaults"].container(f"{FULLNAME}-learner")
+    assert one_gpu["command"] == ["ratchet", "learner", "--config", "/etc/ratchet/ratchet.yaml"]
     assert learner["resources"]["limits"]["memory"] == "32Gi"
     assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
     assert {t["key"] for t in pod["tolerations"]} == {"nvidia.com/gpu", "dedicated"}

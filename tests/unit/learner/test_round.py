@@ -15,6 +15,7 @@ from kafka.errors import KafkaError
 from learner.gate import GateError
 from learner.gate_verdict import GateResult
 from learner.heldout import HeldoutPool
+from learner.parallel import Ranks
 from learner.round import RoundReport, Rounds, trained_key
 from learner.service import LearnerService
 from learner.trainer import RoundStats, StepCallback, StepProgress
@@ -34,6 +35,7 @@ class StandInTrainer:
         self.loaded: list[Path | None] = []
         self.trained: list[list[str]] = []
         self.fail: Exception | None = None
+        self.ranks = Ranks()  # one process
 
     def load_adapter(self, folder: Path | None) -> None:
         self.loaded.append(folder)

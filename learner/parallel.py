@@ -1,0 +1,131 @@
+"""A round's micro-batches across devices: data parallel with torch.distributed.
+
+``torchrun --nproc-per-node N ratchet learner`` starts N processes (``learner.devices``: the
+chart's learner pod with N GPUs starts it so). Rank 0 is the learner service: it reads Kafka,
+gates, writes adapters. Every other rank follows (:func:`follow`): for each round rank 0 sends
+it the groups and the adapter the round starts from, and all ranks train together.
+
+Each rank holds the whole model, the same adapter and the same optimizer state (the base model
+must fit one device: DDP's setting, not FSDP's). A step's micro-batches are dealt round-robin
+(the plan is the same on every rank: it is seeded), each rank back-propagates its own with the
+weight it has in the step's token mean, and one all-reduce of the flat LoRA gradient (a sum)
+gives every rank the gradient one rank would have computed alone. Clipping and the AdamW step
+then run on every rank on the same numbers, so the adapters stay identical without a broadcast;
+rank 0 saves adapter and optimizer state once. Why not DistributedDataParallel's wrapper: its
+per-forward hooks and bucketing serve large models; a LoRA's gradient is a few MB, reduced once
+a step, and the token-mean weights must be global, which its averaging is not.
+
+With ``lora_dropout > 0`` each rank draws its own dropout masks, so the sum is an estimate as
+good as one rank's, not the same numbers.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ratchet.records import ScoredGroup
+
+log = logging.getLogger(__name__)
+
+# Followers wait for the next round inside a collective; rounds can be hours apart.
+WAIT_FOR_ROUND = _dt.timedelta(days=7)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the learner's processes."""
+
+    rank: int = 0
+    size: int = 1
+
+    @classmethod
+    def current(cls) -> Ranks:
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+    def mine(self, index: int) -> bool:
+        """Whether the ``index``-th micro-batch of a step is this rank's to compute."""
+        return index % self.size == self.rank
+
+
+def start_from_env(device: str) -> Ranks:
+    """Join the process group torchrun describes (``WORLD_SIZE`` > 1): NCCL on GPUs, with this
+    rank's GPU (``LOCAL_RANK``) made the current one, so ``cuda`` means it; gloo on CPUs."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return Ranks()
+    use_cuda = device != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=WAIT_FOR_ROUND)
+    ranks = Ranks.current()
+    log.info("learner rank %d of %d (%s)", ranks.rank, ranks.size, "nccl" if use_cuda else "gloo")
+    return ranks
+
+
+def all_reduce_grads(params: Sequence[Tensor], *extra: Tensor) -> list[Tensor]:
+    """Sum every parameter's gradient (and ``extra`` scalars) over the ranks, in one collective
+    on one flat buffer. A rank that computed no micro-batch of the step adds zeros."""
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [e.reshape(1).to(grads[0]) for e in extra])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+    return [flat[offset + i].to(e.dtype) for i, e in enumerate(extra)]
+
+
+def all_reduce(values: Tensor, op: str) -> Tensor:
+    """``values`` summed (``"sum"``), or their minimum or maximum (``"min"``, ``"max"``: NaN, a
+    rank that saw nothing, loses to any number) over the ranks."""
+    out = values.clone()
+    if op == "sum":
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+    fill = torch.inf if op == "min" else -torch.inf
+    out = torch.nan_to_num(out, nan=fill)
+    dist.all_reduce(out, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
+    return torch.where(torch.isinf(out), torch.full_like(out, torch.nan), out)
+
+
+# --- rank 0 leads, the others follow -----------------------------------------------------------
+
+
+def send_round(groups: list[ScoredGroup], adapter: Path | None) -> None:
+    """Rank 0: the next round's groups and starting adapter (None: a fresh LoRA) to the others."""
+    message: list[Any] = [("train", [g.to_json() for g in groups], adapter and str(adapter))]
+    dist.broadcast_object_list(message, src=0)
+
+
+def send_stop() -> None:
+    dist.broadcast_object_list([("stop", [], None)], src=0)
+
+
+def follow(train: Any) -> None:
+    """A follower's life: each round rank 0 sends, trained alongside it, until it says stop.
+    ``train(groups, adapter)`` loads the adapter and trains the round (LoraGRPOLearner)."""
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0)
+        kind, groups, adapter = message[0]
+        if kind == "stop":
+            return
+        train(
+            [ScoredGroup.model_validate_json(g) for g in groups],
+            Path(adapter) if adapter else None,
+        )

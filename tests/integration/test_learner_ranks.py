@@ -1,0 +1,64 @@
+"""`ratchet learner` on two ranks, as the chart starts it on a pod with two GPUs, here on the CPU:
+`torchrun --nproc-per-node 2` (gloo). Rank 0 is the service: it reads the groups, leads the round
+the other rank trains with it, gates the candidate and writes it once. That the two ranks
+compute the one-rank adapter is tests/unit/learner/test_parallel.py's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from ratchet.dev.processes import Stack
+from ratchet.dev.stack import learner_part
+from ratchet.registry import AliasRoute
+from ratchet.settings import load_settings
+from ratchet.store import AdapterStore
+from tests.integration.conftest import BASE_MODEL, Embedded
+from tests.integration.test_learner import (
+    LONG_ROUND_S,
+    BasePolicy,
+    better_groups,
+    heldout_prompts,
+    history,
+    informative,
+    learner_config,
+    produce,
+    wait_for_event,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(900)
+def test_a_learner_on_two_ranks_trains_gates_and_writes_one_candidate(
+    embedded: Embedded, policy: BasePolicy, base_answers: list[str], tmp_path: Path
+) -> None:
+    alias = "lt-ranks"
+    config = learner_config(
+        embedded, tmp_path, alias, gate_tokens=16, min_groups=4, steps_per_round=4,
+        device="cpu", cpu_threads=1,
+    )  # fmt: skip
+    settings = load_settings(config)
+    embedded.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
+    groups = better_groups(policy, alias, base_answers, count=12)
+    produce(embedded, [*heldout_prompts(alias), *groups])
+
+    part = learner_part(settings, config)
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    part.command = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", *part.command[2:]]
+    stack = Stack([part], tmp_path / "state")
+    stack.start()
+    try:
+        [outcome] = wait_for_event(settings, alias, {"promote", "reject"}, timeout_s=LONG_ROUND_S)
+        log = part.log_path.read_text() if part.log_path else ""
+        assert "learner rank 0 of 2 (gloo)" in log and "learner rank 1 of 2 (gloo)" in log, log
+    finally:
+        stack.stop()
+    store = AdapterStore(embedded.settings.store_dir)  # type: ignore[arg-type]
+    version = outcome["version"]
+    assert store.versions(alias) == [version]  # written once, by rank 0
+    assert sorted(store.meta(alias, version)["group_ids"]) == informative(groups)
+    kinds = [e["kind"] for e in reversed(history(settings, alias))]
+    assert kinds == ["candidate", "gate", outcome["kind"]]
