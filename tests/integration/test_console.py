@@ -24,6 +24,7 @@ import httpx
 import pytest
 import yaml
 
+from ratchet.bill import Bill
 from ratchet.dev.processes import Stack, wait_until
 from ratchet.dev.stack import console_part, learner_part
 from ratchet.records import EVENTS_TOPIC, LifecycleEvent
@@ -177,6 +178,13 @@ def test_the_console_shows_the_loop_and_steers_it_in_a_browser(
             incumbent_answer = first.get_by_test_id("incumbent-answer").inner_text()
             assert candidate_answer.strip() and incumbent_answer.strip()
             expect(first.locator(".verdict")).to_contain_text("Verdict:")
+            # What the round cost, as its outcome's event says, and the judge's spend today (the
+            # groups were made here, not sampled by the judge: training and gate only).
+            bill = Bill.model_validate(started["detail"]["bill"])
+            assert bill.train_tokens > 0 and bill.gate_seconds > 0, bill
+            print(f"the round's bill: {bill.line()}")
+            expect(page.get_by_test_id(f"round-cost-v{candidate}")).to_have_text(bill.line())
+            expect(page.get_by_test_id("judge-spend")).to_have_text("judge spend today $0.0000")
             check_accessibility(page)
             page.screenshot(path=str(screenshots / "console-alias.png"), full_page=True)
 
@@ -191,6 +199,10 @@ def test_the_console_shows_the_loop_and_steers_it_in_a_browser(
                 f"v{candidate}", timeout=5000
             )
             expect(page.get_by_test_id(f"canary-{ALIAS}")).to_have_text("none")
+            # Promoted, the version says what its promotion cost (its round alone here).
+            expect(page.get_by_test_id(f"cost-v{candidate}")).to_contain_text(
+                f"cost to promote: {bill.line()}"
+            )
 
             # Without the admin key an action is refused, and changes nothing.
             page.locator("#rollback-reason").fill("not allowed")
