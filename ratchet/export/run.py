@@ -229,9 +229,8 @@ def scan(
             for tp, messages in batch.items():
                 key = f"{tp.topic}:{tp.partition}"
                 for message in messages:
-                    # Every record fetched is taken, also one past the end read at the start:
-                    # a broker may report the end as the last batch's first offset + 1 (Tansu
-                    # does), and the end only says where to stop, not what to leave out.
+                    # A record appended since the export began comes in the fetch that holds
+                    # the end: taken too, as the end only says where to stop.
                     positions[key] = message.offset + 1
                     scanned += 1
                     if state.since_ms is None or message.timestamp >= state.since_ms:
