@@ -199,5 +199,8 @@ def _add_health_routes(app: FastAPI, state: ProxyState) -> None:
         if state.settings.proxy.metrics_need_admin_key:
             state.require_admin(request)
         state.metrics.upstream_up.set(1 if state.upstream.ready else 0)
+        state.metrics.show_endpoints(
+            {url: (e.outstanding, e.healthy) for url, e in state.upstream.endpoints.items()}
+        )
         state.metrics.registry_up.set(1 if state.routing.connected else 0)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

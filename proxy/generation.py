@@ -259,7 +259,7 @@ async def call_vllm(state: ProxyState, call: Call) -> UpstreamResponse | None:
     """Forward the request. A 200 stream is returned to be relayed; a whole answer (not streamed,
     or refused) is read here, left in ``call.answer`` or raised as a ProxyError."""
     call.upstream_started = time.perf_counter()
-    response = await state.upstream.post(call.meta.endpoint, call.forwarded)
+    response = await state.upstream.post(call.meta.endpoint, call.forwarded, call.meta.served_name)
     if response.status == 200 and call.meta.stream:
         call.meta.status = 200
         return response

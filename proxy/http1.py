@@ -14,7 +14,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -51,6 +51,8 @@ class UpstreamResponse:
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._released = False
+        # Called once, when released: the upstream's count of requests in flight on its replica.
+        self.on_release: Callable[[], None] | None = None
 
     # ---- fed by the connection ----
     def _feed(self, chunk: bytes) -> None:
@@ -118,6 +120,8 @@ class UpstreamResponse:
             return
         self._released = True
         self._connection.finish_response(reusable=self._complete and self._error is None)
+        if self.on_release is not None:
+            self.on_release()
 
 
 class _Connection(asyncio.Protocol):

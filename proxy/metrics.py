@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -92,6 +93,28 @@ class ProxyMetrics:
         self.upstream_up = Gauge(
             "ratchet_proxy_upstream_up", "1 when vLLM answers its health check", registry=r
         )
+        # Per vLLM replica (vllm_endpoints): where requests went, what is in flight on each, and
+        # whether it passes its health check.
+        self.endpoint_requests = Counter(
+            "ratchet_proxy_endpoint_requests_total",
+            "Requests sent to each vLLM replica",
+            ("endpoint",),
+            registry=r,
+        )
+        self.endpoint_outstanding = Gauge(
+            "ratchet_proxy_endpoint_outstanding",
+            "Requests in flight on each vLLM replica",
+            ("endpoint",),
+            registry=r,
+        )
+        self.endpoint_up = Gauge(
+            "ratchet_proxy_endpoint_up",
+            "1 when the vLLM replica answers its health check",
+            ("endpoint",),
+            registry=r,
+        )
+        self._endpoint_children: dict[str, Any] = {}  # the counter's child per replica
+        self._shown_endpoints: set[str] = set()
         self.kafka_up = Gauge(
             "ratchet_proxy_kafka_up", "1 when the traffic producer reaches the broker", registry=r
         )
@@ -121,6 +144,25 @@ class ProxyMetrics:
             ("call",),
             registry=r,
         )
+
+    def count_endpoint_request(self, url: str) -> None:
+        child = self._endpoint_children.get(url)
+        if child is None:
+            child = self._endpoint_children[url] = self.endpoint_requests.labels(url)
+        child.inc()
+
+    def show_endpoints(self, states: dict[str, tuple[int, bool]]) -> None:
+        """Each replica's requests in flight and health, at a scrape; a replica that left is
+        dropped from the series, so pods that come and go do not pile up."""
+        for url in (set(self._endpoint_children) | self._shown_endpoints) - set(states):
+            for metric in (self.endpoint_requests, self.endpoint_outstanding, self.endpoint_up):
+                with contextlib.suppress(KeyError):
+                    metric.remove(url)
+            self._endpoint_children.pop(url, None)
+        for url, (outstanding, healthy) in states.items():
+            self.endpoint_outstanding.labels(url).set(outstanding)
+            self.endpoint_up.labels(url).set(1 if healthy else 0)
+        self._shown_endpoints = set(states)
 
     def call(self, labels: tuple[str, str, str]) -> CallMetrics:
         found = self._calls.get(labels)

@@ -39,10 +39,11 @@ class ProxyState:
         redis_url = redis_connection_url(settings)
         self.routing = RoutingCache(redis_url, settings.aliases, settings.proxy.registry_refresh_s)
         self.upstream = Upstream(
-            settings.vllm_url,
+            settings.vllm_endpoints or settings.vllm_url,
             settings.proxy.upstream_connect_timeout_s,
             settings.proxy.upstream_timeout_s,
             vllm_api_key(settings),
+            resolve=bool(settings.vllm_endpoints),
         )
         worker = WorkerConfig(
             bootstrap=settings.kafka_bootstrap_servers,
@@ -79,6 +80,7 @@ class ProxyState:
         )
         self.limits = RequestLimits.from_settings(settings.proxy, settings.aliases)
         self.upstream.on_model_context = self.limits.set_model_context
+        self.upstream.on_choice = self.metrics.count_endpoint_request
         # Per key only when keys are required: without auth a client could invent one per request.
         self.rate_limiter = RateLimiter(
             settings.proxy.rate_limit,

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import orjson
 
 from proxy.errors import ProxyError
 from proxy.http1 import AnswerTooLarge, UpstreamPool, UpstreamResponse
+from ratchet.fleet import choose, expand
 
 log = logging.getLogger(__name__)
 
@@ -29,24 +31,81 @@ FORWARDED_PATHS = {
 }
 
 
+class Endpoint:
+    """One vLLM replica: its connections, whether it answers its health check, and the requests
+    in flight on it (what the choice of replica balances)."""
+
+    def __init__(
+        self, url: str, connect_timeout_s: float, total_timeout_s: float, api_key: str | None
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.pool = UpstreamPool(url, connect_timeout_s, total_timeout_s, api_key)
+        self.healthy = False
+        self.outstanding = 0
+
+
 class Upstream:
-    """vLLM as the proxy sees it: forwarded calls, readiness, and errors as ProxyErrors."""
+    """vLLM as the proxy sees it: one replica or several (``vllm_endpoints``), each request sent
+    to the one :func:`ratchet.fleet.choose` picks for its served name among those that answer
+    their health check; a replica that refuses a connection is out until its check passes
+    again. Readiness, and errors as ProxyErrors."""
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         connect_timeout_s: float,
         total_timeout_s: float,
         api_key: str | None = None,
+        resolve: bool = False,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        """``resolve``: the URLs are re-resolved at each health check, a name standing for every
+        address it has (:func:`ratchet.fleet.expand`: a headless Service's pods)."""
+        self.configured = [base_url] if isinstance(base_url, str) else list(base_url)
+        self.resolve = resolve
         # vLLM's key on every call; the client's own key never reaches vLLM.
-        self.pool = UpstreamPool(base_url, connect_timeout_s, total_timeout_s, api_key)
-        self.ready = False
+        self._connection = (connect_timeout_s, total_timeout_s, api_key)
+        self.endpoints = {u.rstrip("/"): Endpoint(u, *self._connection) for u in self.configured}
+        self._expanded: dict[str, list[str]] = {}
         # vLLM's max_model_len, read from /v1/models once it answers; told to this listener.
         self.model_context: int | None = None
         self.on_model_context: Callable[[int], None] | None = None
+        # Each request's replica, counted as it is chosen (proxy/metrics.py), if set.
+        self.on_choice: Callable[[str], None] | None = None
         self._health_task: asyncio.Task[None] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return next(iter(self.endpoints), self.configured[0])
+
+    @property
+    def pool(self) -> UpstreamPool:
+        """The first replica's connections (the one replica of a stack without a fleet)."""
+        return self.endpoints[self.base_url].pool
+
+    async def refresh_endpoints(self) -> None:
+        """With ``resolve``: the replicas the configured names stand for now; a new one joins
+        (used once its health check passes), a gone one leaves. A name that does not resolve
+        keeps the replicas it had (a DNS blip must not empty the fleet)."""
+        if not self.resolve:
+            return
+        wanted: list[str] = []
+        for url in self.configured:
+            try:
+                self._expanded[url] = await expand(url)
+            except OSError as exc:
+                log.warning("vLLM endpoint %s did not resolve: %s", url, exc)
+            wanted += self._expanded.get(url, [])
+        for url in wanted:
+            if url not in self.endpoints:
+                self.endpoints[url] = Endpoint(url, *self._connection)
+                log.info("vLLM replica %s joined", url)
+        for url in [u for u in self.endpoints if u not in wanted and wanted]:
+            self.endpoints.pop(url).pool.close()  # its requests in flight hold their replica
+            log.info("vLLM replica %s left", url)
+
+    @property
+    def ready(self) -> bool:
+        return any(e.healthy for e in self.endpoints.values())
 
     async def start(self, health_interval_s: float) -> None:
         await self.check_health()
@@ -57,24 +116,31 @@ class Upstream:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
-        self.pool.close()
+        for endpoint in self.endpoints.values():
+            endpoint.pool.close()
 
     async def check_health(self) -> bool:
-        try:
-            response = await self.pool.request(b"GET", "/health", timeout_s=2.0)
-            await response.read()
-            self.ready = response.status == 200
-        except (OSError, TimeoutError):  # UpstreamClosed is an OSError
-            self.ready = False
+        """Every replica's health check; True when one answers."""
+        await self.refresh_endpoints()
+        await asyncio.gather(*(self._check(e) for e in self.endpoints.values()))
         if self.ready and self.model_context is None:
             await self._read_model_context()
         return self.ready
 
+    async def _check(self, endpoint: Endpoint) -> None:
+        try:
+            response = await endpoint.pool.request(b"GET", "/health", timeout_s=2.0)
+            await response.read()
+            endpoint.healthy = response.status == 200
+        except (OSError, TimeoutError):  # UpstreamClosed is an OSError
+            endpoint.healthy = False
+
     async def _read_model_context(self) -> None:
         """The longest max_model_len vLLM lists (a LoRA adapter has its base model's), for the
         default max_tokens limit; left unknown if the answer has none, and asked again later."""
+        pool = next(e.pool for e in self.endpoints.values() if e.healthy)
         try:
-            response = await self.pool.request(b"GET", "/v1/models", timeout_s=2.0)
+            response = await pool.request(b"GET", "/v1/models", timeout_s=2.0)
             answer = await response.read(MODELS_ANSWER_MAX)
             if response.status != 200:
                 return
@@ -91,26 +157,59 @@ class Upstream:
 
     async def _watch(self, interval_s: float) -> None:
         while True:
-            was_ready = self.ready
-            self.pool.prune()
+            was = {url: e.healthy for url, e in self.endpoints.items()}
+            for endpoint in self.endpoints.values():
+                endpoint.pool.prune()
             await self.check_health()
-            if was_ready != self.ready:
-                log.warning("vLLM at %s is %s", self.base_url, "up" if self.ready else "DOWN")
+            for url, endpoint in self.endpoints.items():
+                if was.get(url, False) != endpoint.healthy:
+                    log.warning("vLLM at %s is %s", url, "up" if endpoint.healthy else "DOWN")
             await asyncio.sleep(interval_s if self.ready else min(interval_s, 0.5))
 
-    async def post(self, endpoint: str, body: bytes) -> UpstreamResponse:
-        """POST to vLLM; a refused or broken connection is a 503, no answer in time a 504."""
-        try:
-            return await self.pool.request(b"POST", FORWARDED_PATHS[endpoint], body)
-        except TimeoutError:
-            raise ProxyError(
-                504,
-                "the model server did not answer in time",
-                type="server_error",
-                code="upstream_timeout",
-            ) from None
-        except OSError as exc:
-            raise self._unavailable(exc) from None
+    def choose(self, key: str, exclude: Collection[str] = ()) -> Endpoint:
+        """The replica for a request of served name ``key``, not one of ``exclude``: among those
+        whose health check passed (all of them when none has: the request then says whether
+        any is up)."""
+        left = [url for url in self.endpoints if url not in exclude]
+        live = [url for url in left if self.endpoints[url].healthy] or left
+        outstanding = {url: self.endpoints[url].outstanding for url in live}
+        return self.endpoints[choose(key, live, outstanding)]
+
+    async def post(self, endpoint: str, body: bytes, key: str = "") -> UpstreamResponse:
+        """POST to the replica chosen for ``key`` (the served name). A replica whose connection
+        fails before it answers is out until its health check passes, and the request goes to
+        the next one chosen, so a replica that dies costs only the requests it was answering;
+        with none left, a 503. No answer in time is a 504. The replica counts the request as
+        outstanding until its response is released (read whole, or relayed and released)."""
+        tried: set[str] = set()
+        while True:
+            replica = self.choose(key, exclude=tried)
+            if self.on_choice is not None:
+                self.on_choice(replica.url)
+            replica.outstanding += 1
+            try:
+                response = await replica.pool.request(b"POST", FORWARDED_PATHS[endpoint], body)
+            except TimeoutError:
+                replica.outstanding -= 1
+                raise ProxyError(
+                    504,
+                    "the model server did not answer in time",
+                    type="server_error",
+                    code="upstream_timeout",
+                ) from None
+            except OSError as exc:
+                replica.outstanding -= 1
+                error = self._unavailable(replica, exc)
+                tried.add(replica.url)
+                if len(tried) == len(self.endpoints):
+                    raise error from None
+                continue
+            response.on_release = functools.partial(self._done, replica)
+            return response
+
+    @staticmethod
+    def _done(replica: Endpoint) -> None:
+        replica.outstanding -= 1
 
     @staticmethod
     async def read(response: UpstreamResponse, max_bytes: int | None = None) -> bytes:
@@ -141,9 +240,9 @@ class Upstream:
                 code="upstream_error",
             ) from None
 
-    def _unavailable(self, exc: Exception) -> ProxyError:
-        self.ready = False
-        log.warning("vLLM unreachable: %s", exc)
+    def _unavailable(self, replica: Endpoint, exc: Exception) -> ProxyError:
+        replica.healthy = False
+        log.warning("vLLM at %s unreachable: %s", replica.url, exc)
         return ProxyError(
             503,
             "the model server is unavailable; retry shortly",

@@ -718,6 +718,10 @@ class RatchetSettings(BaseSettings):
     # can come from a secret file or RATCHET_REDIS_PASSWORD; it replaces one in redis_url.
     redis_password: SecretStr | None = None
     vllm_url: str = "http://127.0.0.1:8401"
+    # vLLM replicas the proxy balances across, request by request (ratchet/fleet.py: a served
+    # name sticks to the replicas that hold its adapter, and spreads when it is hot; a replica
+    # that fails its health check is left out until it passes). Empty: vllm_url alone.
+    vllm_endpoints: list[str] = []
     # Keys API-key hashes, the held-out split and canary stickiness (ratchet/secrets.py). Every
     # replica of every service must share it; unset, the services of one machine share a random
     # one kept in state_dir.

@@ -1,0 +1,106 @@
+"""Which vLLM replica answers a request: consistent hashing with bounded loads. Pure.
+
+A version's requests should go to the replicas that already hold its adapter (each holds at most
+``max_loras`` on the GPU; a miss loads it from the store in the request's path) and share its
+prefix cache, so the served name is hashed onto a ring of the replicas and its requests go to
+the first one clockwise. A version that is hot would then pin one replica: with bounded loads
+(Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing with Bounded Loads", 2018) a replica
+takes a request only while its outstanding requests are under ``load_factor`` times the mean
+(counting the new one), else the next one on the ring does, so a hot version spreads over a few
+replicas and no replica carries more than that bound. A replica that leaves or comes back moves
+only its own share of the keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import hashlib
+import ipaddress
+import math
+import socket
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from urllib.parse import urlsplit, urlunsplit
+
+# Points per replica on the ring: enough that keys split evenly between a few replicas.
+POINTS = 64
+LOAD_FACTOR = 1.25
+
+
+def _point(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+@lru_cache(maxsize=64)
+def ring(endpoints: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The sorted ring of ``endpoints``' points, and the endpoint of each point."""
+    points = sorted(
+        (_point(f"{endpoint}#{i}"), endpoint) for endpoint in endpoints for i in range(POINTS)
+    )
+    return tuple(p for p, _ in points), tuple(e for _, e in points)
+
+
+def capacity(outstanding: Mapping[str, int], endpoints: Sequence[str], factor: float) -> int:
+    """The most outstanding requests a replica may hold and still take one more."""
+    total = sum(outstanding.get(e, 0) for e in endpoints) + 1
+    return max(1, math.ceil(factor * total / len(endpoints)))
+
+
+def choose(
+    key: str,
+    endpoints: Sequence[str],
+    outstanding: Mapping[str, int],
+    load_factor: float = LOAD_FACTOR,
+) -> str:
+    """The replica for a request hashed by ``key`` (the served name): the first on the ring from
+    the key's point whose outstanding requests are under the bound."""
+    if not endpoints:
+        raise ValueError("no endpoint to choose from")
+    if len(endpoints) == 1:
+        return endpoints[0]
+    points, owners = ring(tuple(sorted(endpoints)))
+    bound = capacity(outstanding, endpoints, load_factor)
+    start = bisect.bisect(points, _point(key))
+    seen: set[str] = set()
+    for i in range(len(points)):
+        endpoint = owners[(start + i) % len(points)]
+        if endpoint in seen:
+            continue
+        if outstanding.get(endpoint, 0) < bound:
+            return endpoint
+        seen.add(endpoint)
+        if len(seen) == len(endpoints):
+            break
+    return min(endpoints, key=lambda e: outstanding.get(e, 0))  # unreachable: the bound admits one
+
+
+# --- the replicas behind a name ----------------------------------------------------------------
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+async def expand(url: str) -> list[str]:
+    """The replicas one configured endpoint stands for: an ``http`` URL whose host is a name,
+    every address the name resolves to (a Kubernetes headless Service lists each ready pod), as
+    its own URL, IPv4 ones where there are any; an address, or an ``https`` URL (its
+    certificate names the host), itself. OSError when the name does not resolve."""
+    parts = urlsplit(url.rstrip("/"))
+    host = parts.hostname
+    if parts.scheme != "http" or host is None or _is_ip(host):
+        return [url.rstrip("/")]
+    port = parts.port or 80
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    found = {str(info[4][0]) for info in infos}
+    v4 = sorted(a for a in found if ipaddress.ip_address(a).version == 4)
+    addresses = v4 or sorted(found)
+    return [
+        urlunsplit(parts._replace(netloc=f"[{a}]:{port}" if ":" in a else f"{a}:{port}"))
+        for a in addresses
+    ]
