@@ -28,8 +28,9 @@ import redis
 import redis.asyncio as aioredis
 
 from judge.metrics import JudgeMetrics
-from judge.sampler import SamplingError, prompt_of, sample_group, sampling_body, sampling_max_tokens
+from judge.sampler import SamplingError, prompt_of, sample_from, sampling_body, sampling_max_tokens
 from judge.scoring import GroupScorer, ScoringError
+from ratchet.fleet import Replicas
 from ratchet.registry import AliasRoute, served_name
 from ratchet.rewards.agreement import (
     agreement,
@@ -61,6 +62,7 @@ class AgreementProbe:
         lengths_of: Callable[[str], Sequence[int]],
         limit: asyncio.Semaphore,
         vllm_key: str,
+        replicas: Replicas | None = None,
     ) -> None:
         self.settings = settings
         self.redis = client
@@ -70,6 +72,7 @@ class AgreementProbe:
         self.lengths_of = lengths_of
         self.limit = limit  # shared with the judge's groups: vLLM serves both
         self.vllm_key = vllm_key
+        self.replicas = replicas or Replicas.of(settings.vllm_url, settings.vllm_endpoints)
         self.aliases = sorted(a for a, c in settings.aliases.items() if probes_agreement(c))
         for alias in self.aliases:
             self.metrics.agreement_min.labels(alias).set(
@@ -163,11 +166,7 @@ class AgreementProbe:
             config.sampling,
             max_tokens=max_tokens,
         )
-        group = await sample_group(
-            session,
-            self.settings.vllm_url,
-            body,
-            self.settings.judge.sample_timeout_s,
-            self.vllm_key,
+        group = await sample_from(
+            self.replicas, session, body, self.settings.judge.sample_timeout_s, self.vllm_key
         )
         return [s.message for s in group.samples]

@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 
 from ratchet.answer_length import auto_max_tokens
+from ratchet.fleet import Replicas
 from ratchet.records import Sample
 from ratchet.settings import SamplingConfig
 
@@ -172,3 +173,27 @@ async def sample_group(
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         raise SamplingError("vllm_unavailable", str(exc) or type(exc).__name__) from None
     return parse_group(orjson.loads(payload), body["n"])
+
+
+async def sample_from(
+    replicas: Replicas,
+    session: aiohttp.ClientSession,
+    body: dict[str, Any],
+    timeout_s: float,
+    api_key: str,
+) -> SampledGroup:
+    """The group from the replica chosen for its version (``body["model"]``), as the proxy
+    chooses (ratchet/fleet.py); a replica that cannot be reached is marked, and the next one is
+    asked, until none is left."""
+    tried: list[str] = []
+    while True:
+        async with replicas.use(body["model"], exclude=tried) as url:
+            try:
+                return await sample_group(session, url, body, timeout_s, api_key)
+            except SamplingError as exc:
+                if exc.cause != "vllm_unavailable":
+                    raise
+                replicas.failed(url)
+                tried.append(url)
+                if len(set(tried)) >= len(replicas.urls):
+                    raise

@@ -49,13 +49,14 @@ from judge.sampler import (
     SamplingError,
     group_seed,
     prompt_of,
-    sample_group,
+    sample_from,
     sampling_body,
     sampling_max_tokens,
 )
 from judge.scoring import GroupScorer, ScoringError
 from ratchet.bill import Bill, budget_line, spend_key, today
 from ratchet.carry import Carry, carry_from_hash, carry_key, start_of_round
+from ratchet.fleet import Replicas
 from ratchet.records import (
     TRAFFIC_TOPIC,
     DeadLetter,
@@ -141,6 +142,8 @@ class JudgeService(JudgeKafka):
             self.vllm_key,
             reward_models(settings),
         )
+        # vLLM's replicas, each group sampled from the one its version's requests go to.
+        self.replicas = Replicas.of(settings.vllm_url, settings.vllm_endpoints)
         self.routes: dict[str, AliasRoute] = {}
         self.carries: dict[str, Carry | None] = {}  # the last read, for while Redis is away
         self.limit = asyncio.Semaphore(settings.judge.concurrency)
@@ -161,6 +164,7 @@ class JudgeService(JudgeKafka):
             self._lengths,
             self.limit,
             self.vllm_key,
+            self.replicas,
         )
 
     # ---- one traffic record: classified first, sampled later ----------------------------------
@@ -292,12 +296,8 @@ class JudgeService(JudgeKafka):
         )
         started = time.perf_counter()
         with self.metrics.sample_latency.labels(record.alias).time():
-            group = await sample_group(
-                session,
-                self.settings.vllm_url,
-                body,
-                self.settings.judge.sample_timeout_s,
-                self.vllm_key,
+            group = await sample_from(
+                self.replicas, session, body, self.settings.judge.sample_timeout_s, self.vllm_key
             )
         bill = Bill(
             sample_input_tokens=group.input_tokens,

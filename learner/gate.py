@@ -36,6 +36,7 @@ from learner.gate_scoring import GateError as GateError  # raised by both; calle
 from learner.gate_verdict import GateResult, conclude, mean_or_none, score_lift, sequential_test
 from ratchet.answer_length import auto_max_tokens
 from ratchet.bill import Bill
+from ratchet.fleet import Replicas
 from ratchet.gate_pairs import ANSWER_CHARS, KEPT, GatePair
 from ratchet.records import HeldoutPrompt
 from ratchet.rewards.reward_model import RewardModels, RewardStatus
@@ -96,6 +97,7 @@ class Gate:
         self.vllm_key = vllm_api_key(settings)  # vLLM's key, for its answers and as the judge
         self.limit = asyncio.Semaphore(settings.learner.gate_concurrency)
         self.scorer = PairScorer(settings, self.vllm_key, reward_models, reward_status)
+        self.replicas = Replicas.of(settings.vllm_url, settings.vllm_endpoints)
         # The incumbent's greedy answers, by (served name, prompt, max_tokens): cleared when
         # another version is the incumbent.
         self.incumbent_answers: dict[tuple[str, str, int | None], dict[str, Any]] = {}
@@ -264,25 +266,33 @@ class Gate:
             body["tools"] = prompt.tools
             if prompt.tool_choice is not None:
                 body["tool_choice"] = prompt.tool_choice
-        url = self.settings.vllm_url.rstrip("/") + "/v1/chat/completions"
         headers = {"content-type": "application/json", "authorization": f"Bearer {self.vllm_key}"}
         for attempt in range(ANSWER_ATTEMPTS):
-            try:
-                async with (
-                    self.limit,
-                    session.post(url, data=orjson.dumps(body), headers=headers) as response,
-                ):
-                    payload = await response.read()
-                    if response.status != 200:
-                        raise GateError(
-                            f"{served}: vLLM answered {response.status}: {payload[:200]!r}"
-                        )
-                break
-            except aiohttp.ClientConnectionError:
-                # A pooled keep-alive connection the server had closed ("Can not write request
-                # body"): seen losing one pair of a 96-pair gate. Another connection answers.
-                if attempt == ANSWER_ATTEMPTS - 1:
-                    raise
+            # The replica the version's requests go to (ratchet/fleet.py), as the proxy's.
+            async with self.replicas.use(served) as base:
+                try:
+                    async with (
+                        self.limit,
+                        session.post(
+                            base + "/v1/chat/completions",
+                            data=orjson.dumps(body),
+                            headers=headers,
+                        ) as response,
+                    ):
+                        payload = await response.read()
+                        if response.status != 200:
+                            raise GateError(
+                                f"{served}: vLLM answered {response.status}: {payload[:200]!r}"
+                            )
+                    break
+                except aiohttp.ClientConnectionError as exc:
+                    # A refused connection: the replica is down (the next attempt asks another).
+                    # Else a pooled keep-alive connection the server had closed ("Can not write
+                    # request body"): seen losing one pair of a 96-pair gate; another answers.
+                    if isinstance(exc, aiohttp.ClientConnectorError):
+                        self.replicas.failed(base)
+                    if attempt == ANSWER_ATTEMPTS - 1:
+                        raise
         try:
             choices = orjson.loads(payload).get("choices") or []
         except (orjson.JSONDecodeError, AttributeError) as exc:

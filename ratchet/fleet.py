@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import hashlib
 import ipaddress
+import logging
 import math
 import socket
-from collections.abc import Mapping, Sequence
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from functools import lru_cache
 from urllib.parse import urlsplit, urlunsplit
+
+log = logging.getLogger(__name__)
 
 # Points per replica on the ring: enough that keys split evenly between a few replicas.
 POINTS = 64
@@ -104,3 +110,62 @@ async def expand(url: str) -> list[str]:
         urlunsplit(parts._replace(netloc=f"[{a}]:{port}" if ":" in a else f"{a}:{port}"))
         for a in addresses
     ]
+
+
+# A replica a client outside the proxy could not reach is avoided this long.
+FAILED_S = 30.0
+# How often a client outside the proxy resolves the replicas' names again.
+REFRESH_S = 10.0
+
+
+class Replicas:
+    """The vLLM replicas a client outside the proxy (the judge's sampling, the learner's gate)
+    spreads its requests over, as the proxy does: ``vllm_endpoints`` (names resolved again every
+    ``REFRESH_S``), else ``vllm_url`` alone; each request to the replica :func:`choose` picks
+    for its served name among those that did not fail in the last ``FAILED_S``, counted in
+    flight while it runs. It has no health checks of its own: a failure marks the replica."""
+
+    def __init__(self, urls: Sequence[str], resolve: bool) -> None:
+        self.configured = [u.rstrip("/") for u in urls]
+        self.resolve = resolve
+        self.urls = list(self.configured)
+        self.outstanding: Counter[str] = Counter()
+        self.failed_until: dict[str, float] = {}
+        self.resolved_at = 0.0 if resolve else math.inf
+
+    @classmethod
+    def of(cls, vllm_url: str, vllm_endpoints: Sequence[str]) -> Replicas:
+        return cls(list(vllm_endpoints) or [vllm_url], resolve=bool(vllm_endpoints))
+
+    async def refresh(self) -> None:
+        """The replicas the names stand for now; one that does not resolve keeps its last."""
+        urls: list[str] = []
+        for url in self.configured:
+            try:
+                found = await expand(url)
+            except OSError as exc:
+                log.warning("vLLM endpoint %s did not resolve: %s", url, exc)
+                found = [u for u in self.urls if u not in urls]
+            urls += found
+        self.urls = urls or self.urls
+        self.resolved_at = time.monotonic()
+
+    @contextlib.asynccontextmanager
+    async def use(self, key: str, exclude: Collection[str] = ()) -> AsyncIterator[str]:
+        """The base URL of the replica for a request of served name ``key``, not one of
+        ``exclude``, in flight until the block ends."""
+        if time.monotonic() - self.resolved_at > REFRESH_S:
+            await self.refresh()
+        now = time.monotonic()
+        left = [u for u in self.urls if u not in exclude] or self.urls
+        live = [u for u in left if self.failed_until.get(u, 0.0) <= now] or left
+        url = choose(key, live, self.outstanding)
+        self.outstanding[url] += 1
+        try:
+            yield url
+        finally:
+            self.outstanding[url] -= 1
+
+    def failed(self, url: str) -> None:
+        """``url`` could not be reached: avoided for ``FAILED_S``."""
+        self.failed_until[url] = time.monotonic() + FAILED_S

@@ -1114,3 +1114,21 @@ def test_the_kafka_acl_table_is_what_the_services_write_and_read() -> None:
     for user, write, read, _groups in table_rows(acls):
         assert set(re.findall(r"`([\w.]+)`", write)) == writes[user], user
         assert set(re.findall(r"`([\w.]+)`", read)) == reads[user], user
+
+
+def test_several_vllm_replicas_are_reached_one_by_one_through_a_headless_service(
+    rendered: dict[str, Rendered],
+) -> None:
+    """Two vLLM replicas: a headless Service lists each pod, and the proxy, judge and gate
+    balance across its addresses (vllm_endpoints); one replica needs neither."""
+    r = rendered["all-on"]
+    headless = r.get("Service", f"{FULLNAME}-vllm-replicas")["spec"]
+    deployment = r.get("Deployment", f"{FULLNAME}-vllm")
+    assert headless["clusterIP"] == "None"
+    assert headless["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert deployment["spec"]["replicas"] == 2
+    assert r.config["vllm_endpoints"] == [f"http://{FULLNAME}-vllm-replicas:8000"]
+    assert r.config["vllm_url"] == f"http://{FULLNAME}-vllm:8000"  # the judge model's address
+    one = rendered["defaults"]
+    assert "vllm_endpoints" not in one.config
+    assert not one.has("Service", f"{FULLNAME}-vllm-replicas")

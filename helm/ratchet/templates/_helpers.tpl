@@ -372,6 +372,9 @@ Secrets never appear here: they come in as RATCHET_* environment variables.
 {{- $_ := set $proxy "port" (int .Values.proxy.port) }}
 {{- $aliases := include "ratchet.aliases" . | fromYaml }}
 {{- $config := dict "kafka_bootstrap_servers" .Values.kafka.bootstrapServers "redis_url" (include "ratchet.redisUrl" .) "vllm_url" (include "ratchet.vllmUrl" .) "home" .Values.state.mountPath "state_dir" (printf "%s/state" .Values.state.mountPath) "store_dir" .Values.adapters.mountPath "kafka" $kafka "proxy" $proxy "aliases" $aliases }}
+{{- if and .Values.vllm.enabled (gt (int .Values.vllm.replicaCount) 1) }}
+{{- $_ := set $config "vllm_endpoints" (list (printf "http://%s-vllm-replicas:%d" (include "ratchet.fullname" .) (int .Values.vllm.port))) }}
+{{- end }}
 {{- /* A service's section is written only when it runs, so a release without it never depends
   on settings it does not have yet. Metrics listen on the pod network for probes and Prometheus. */}}
 {{- /* The learner's gate calls the judge model with the judge's settings, so the judge section is

@@ -728,3 +728,31 @@ def test_a_group_carries_its_bill_and_a_spent_daily_budget_stops_sampling(redis_
         assert skipped == 1 and read_spend(client, "support") == 0.5
         client.set(spend_key("support", today()), 0.49)
         assert isinstance(asyncio.run(sample(JudgeService(settings), "r3")), ScoredGroup)
+
+
+def test_a_group_is_sampled_from_its_versions_replica_and_past_a_dead_one() -> None:
+    """sample_from asks the replica the proxy would pick for the group's version; one that
+    refuses connections is marked and the next one answers."""
+    from judge.sampler import sample_from
+    from ratchet.dev.processes import free_port
+    from ratchet.fleet import Replicas, choose
+
+    key = "vllm-key"
+    dead = f"http://127.0.0.1:{free_port()}"
+    with keyed_vllm(key) as vllm:
+        replicas = Replicas([dead, vllm.url], resolve=False)
+        # A served name the ring sends to the dead replica first.
+        served = next(
+            f"support@v{i}"
+            for i in range(50)
+            if choose(f"support@v{i}", [dead, vllm.url], {}) == dead
+        )
+        body = {"model": served, "messages": PROMPT, "n": 2, "max_tokens": 4}
+
+        async def sample() -> Any:
+            async with aiohttp.ClientSession() as session:
+                return await sample_from(replicas, session, body, 10.0, key)
+
+        group = asyncio.run(sample())
+        assert len(group.samples) == 2 and group.samples[0].text.startswith(f"{served} answer")
+        assert dead in replicas.failed_until and replicas.outstanding[dead] == 0

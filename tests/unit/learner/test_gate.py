@@ -519,3 +519,22 @@ def test_the_gate_cuts_answers_where_the_alias_served_them() -> None:
     assert answer_max_tokens(AliasConfig(sampling={"max_tokens": 48}), prompts) == 48
     config = AliasConfig(sampling={"max_tokens": 48}, gate={"max_tokens": 32})
     assert answer_max_tokens(config, prompts) == 32
+
+
+def test_the_gate_asks_the_replica_of_each_version_and_steps_past_a_dead_one(
+    vllm: StandIn,
+) -> None:
+    """With vllm_endpoints the gate answers each version from the replica the proxy would pick
+    for it; a replica that refuses connections is passed over, and no pair is lost."""
+    from ratchet.dev.processes import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    settings = RatchetSettings(
+        vllm_url=vllm.url,
+        vllm_endpoints=[dead, vllm.url],
+        learner=LearnerSettings(gate_concurrency=4, gate_timeout_s=10),
+    )
+    gate = Gate(settings)
+    result = evaluate(gate, verifier_alias(), prompts(40), "good", "bad")
+    assert result.passed and result.failed_pairs == 0, result.reason
+    assert dead in gate.replicas.failed_until  # tried once, then avoided
