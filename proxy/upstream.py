@@ -57,11 +57,14 @@ class Upstream:
         total_timeout_s: float,
         api_key: str | None = None,
         resolve: bool = False,
+        round_robin: bool = False,
     ) -> None:
         """``resolve``: the URLs are re-resolved at each health check, a name standing for every
         address it has (:func:`ratchet.fleet.expand`: a headless Service's pods)."""
         self.configured = [base_url] if isinstance(base_url, str) else list(base_url)
         self.resolve = resolve
+        self.round_robin = round_robin
+        self._turn = 0
         # vLLM's key on every call; the client's own key never reaches vLLM.
         self._connection = (connect_timeout_s, total_timeout_s, api_key)
         self.endpoints = {u.rstrip("/"): Endpoint(u, *self._connection) for u in self.configured}
@@ -172,6 +175,9 @@ class Upstream:
         any is up)."""
         left = [url for url in self.endpoints if url not in exclude]
         live = [url for url in left if self.endpoints[url].healthy] or left
+        if self.round_robin:
+            self._turn += 1
+            return self.endpoints[live[self._turn % len(live)]]
         outstanding = {url: self.endpoints[url].outstanding for url in live}
         return self.endpoints[choose(key, live, outstanding)]
 

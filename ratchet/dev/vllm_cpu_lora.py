@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger, whose handler vLLM sets up in every process it starts: a plain module
+# logger has none there, and its lines would be lost.
+log = logging.getLogger("vllm.ratchet_cpu_lora")
 
 PLUGIN_NAME = "ratchet_cpu_lora"
 NO_LORA = -1
@@ -116,3 +118,29 @@ def register() -> None:
             if hasattr(module, name):
                 setattr(module, name, replacement)
     log.info("%s: vLLM's CPU LoRA ops replaced (grouped by adapter, -1 = no adapter)", PLUGIN_NAME)
+    _log_slot_loads()
+
+
+SLOT_LOAD = "adapter loaded into a slot"
+
+
+def _log_slot_loads() -> None:
+    """A log line each time an adapter is moved into one of the ``--max-loras`` slots (vLLM
+    counts none): how often a replica's adapters churn, which bench/fleet_routing.py reads."""
+    from vllm.lora.model_manager import LRUCacheLoRAModelManager
+
+    original = LRUCacheLoRAModelManager.activate_adapter
+    if getattr(original, "_ratchet_logged", False):
+        return
+    loads = 0
+
+    def activate_adapter(self: Any, lora_id: int) -> bool:
+        nonlocal loads
+        activated = bool(original(self, lora_id))
+        if activated:
+            loads += 1
+            log.info("%s: %s (id %d; %d so far)", PLUGIN_NAME, SLOT_LOAD, lora_id, loads)
+        return activated
+
+    activate_adapter._ratchet_logged = True  # type: ignore[attr-defined]
+    LRUCacheLoRAModelManager.activate_adapter = activate_adapter  # type: ignore[method-assign]

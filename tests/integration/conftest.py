@@ -30,6 +30,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from ratchet.bus import make_consumer
+from ratchet.dev.adapters import write_random_adapters
 from ratchet.dev.model import prepare_model
 from ratchet.dev.processes import Stack, free_port, wait_until
 from ratchet.dev.stack import create_topics, embedded_stack
@@ -182,36 +183,8 @@ def vllm_headers(settings: RatchetSettings) -> dict[str, str]:
 
 
 def write_test_adapters(model_path: Path, store: AdapterStore, versions: list[int]) -> None:
-    """Real LoRA adapters (random weights, so each version answers differently) for vLLM."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    missing = [version for version in versions if not store.exists(ALIAS, version)]
-    if not missing:
-        return
-    # One load of the base for all versions; each gets its own adapter, unloaded after writing
-    # so the next one wraps the bare base again.
-    # Any: peft's unload() gives the base back typed as a bare torch Module.
-    base: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    for version in missing:
-        torch.manual_seed(version)
-        config = LoraConfig(
-            r=8,
-            lora_alpha=16,
-            target_modules=["q_proj", "v_proj"],
-            init_lora_weights=False,
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(base, config)
-        store.write(
-            ALIAS,
-            version,
-            lambda folder, m=model: m.save_pretrained(folder),
-            base_model_path=str(model_path),
-            meta={"parent_version": 0, "note": "random test adapter"},
-        )
-        base = model.unload()  # the base without this version's LoRA layers
+    """Real LoRA adapters of ALIAS (random weights, so each version answers differently)."""
+    write_random_adapters(model_path, store, ALIAS, versions)
 
 
 def write_config(home: Path, **proxy: Any) -> tuple[Path, dict[str, Any]]:

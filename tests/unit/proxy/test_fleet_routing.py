@@ -206,3 +206,30 @@ async def test_replicas_behind_a_name_join_and_leave_as_it_resolves(
     finally:
         for replica in replicas:
             await replica.stop()
+
+
+async def test_round_robin_takes_each_replica_in_turn(tmp_path: Path) -> None:
+    """proxy.balance round_robin, the fleet bench's peer: one version's requests alternate."""
+    replicas = [Replica(), Replica()]
+    for replica in replicas:
+        await replica.start()
+    try:
+        settings = RatchetSettings(
+            home=tmp_path,
+            kafka_bootstrap_servers=f"127.0.0.1:{free_port()}",
+            redis_url=f"redis://127.0.0.1:{free_port()}/0",
+            vllm_endpoints=[r.url for r in replicas],
+            aliases={"a0": {"base_model": NAMES[0]}},
+            proxy={"balance": "round_robin", "upstream_health_interval_s": 0.1},
+        )
+        app = create_app(settings)
+        async with app.router.lifespan_context(app):
+            state = app.state.ratchet
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+                await wait_for(lambda: all(e.healthy for e in state.upstream.endpoints.values()))
+                answered = [await ask(client, "a0") for _ in range(4)]
+        assert answered[0] != answered[1] and answered[:2] == answered[2:]
+    finally:
+        for replica in replicas:
+            await replica.stop()
