@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from functools import lru_cache
 from urllib.parse import urlsplit, urlunsplit
 
+from ratchet.settings import is_ip_address
+
 log = logging.getLogger(__name__)
 
 # Points per replica on the ring: enough that keys split evenly between a few replicas.
@@ -84,14 +86,6 @@ def choose(
 # --- the replicas behind a name ----------------------------------------------------------------
 
 
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 async def expand(url: str) -> list[str]:
     """The replicas one configured endpoint stands for: an ``http`` URL whose host is a name,
     every address the name resolves to (a Kubernetes headless Service lists each ready pod), as
@@ -99,7 +93,7 @@ async def expand(url: str) -> list[str]:
     certificate names the host), itself. OSError when the name does not resolve."""
     parts = urlsplit(url.rstrip("/"))
     host = parts.hostname
-    if parts.scheme != "http" or host is None or _is_ip(host):
+    if parts.scheme != "http" or host is None or is_ip_address(host):
         return [url.rstrip("/")]
     port = parts.port or 80
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)

@@ -689,7 +689,7 @@ class ConsoleSettings(_Section):
             if (
                 name != "*"
                 and not _HOST_PATTERN.match(name.removeprefix("*."))
-                and not _is_ip(name)
+                and not is_ip_address(name)
             ):
                 raise ValueError(
                     f"{name!r} is not a host name or IP address: write it as browsers send it "
@@ -852,7 +852,7 @@ class RatchetSettings(BaseSettings):
         return tuple(sources)
 
 
-def _is_ip(host: str) -> bool:
+def is_ip_address(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
     except ValueError:
