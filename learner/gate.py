@@ -167,7 +167,7 @@ class Gate:
             failed,
             score_lift(cand_scores, inc_scores),
         )
-        return replace(result, sample=tuple(sample), judge_bill=self.scorer.bill)
+        return replace(result, sample=tuple(sample), bill=self.scorer.bill)
 
     async def _wave(
         self,

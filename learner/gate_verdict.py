@@ -43,12 +43,12 @@ class GateResult:
     # The first pairs scored, for the console's side-by-side view (ratchet/gate_pairs.py); not
     # part of the gate event.
     sample: tuple[GatePair, ...] = ()
-    # The judge calls the gate made (a RULER-judged alias), for the round's bill; not part of
-    # the gate event either.
-    judge_bill: Bill | None = None
+    # What the gate cost (its seconds, and the judge calls of a RULER-judged alias), for the
+    # round's bill; not part of the gate event either.
+    bill: Bill | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k not in ("sample", "judge_bill")}
+        return {k: v for k, v in asdict(self).items() if k not in ("sample", "bill")}
 
 
 def sequential_test(gate: GateConfig, drawn: int) -> SequentialTest:

@@ -67,20 +67,12 @@ def trained_key(alias: str) -> str:
     return f"ratchet:learner:{alias}:trained"
 
 
-def round_bill(
-    groups: list[ScoredGroup], stats: RoundStats, gate_seconds: float, gate: GateResult
-) -> Bill:
+def round_bill(groups: list[ScoredGroup], stats: RoundStats, gate: GateResult) -> Bill:
     """What a round cost: its groups' sampling and judging (as the judge billed each), its
     training (answer tokens trained on, seconds) and its gate (seconds, judge calls)."""
     bill = total(g.bill for g in groups)
-    bill.add(
-        Bill(
-            train_tokens=stats.completion_tokens,
-            train_seconds=stats.seconds,
-            gate_seconds=gate_seconds,
-        )
-    )
-    bill.add(gate.judge_bill or Bill())
+    bill.add(Bill(train_tokens=stats.completion_tokens, train_seconds=stats.seconds))
+    bill.add(gate.bill or Bill())
     return bill
 
 
@@ -149,9 +141,8 @@ class Rounds:
             start = start or self.start_of_round(alias, route.active)
             stats = self.train(alias, route.active, start, groups)
             version = self.write(alias, route.active, start, groups, stats)
-            gate_started = time.perf_counter()
             result = self.gate_candidate(alias, config, route, version, heldout)
-            bill = round_bill(groups, stats, time.perf_counter() - gate_started, result)
+            bill = round_bill(groups, stats, result)
             outcome = self.settle(
                 alias, config, route.active, start, version, groups, stats, result, bill
             )
@@ -349,8 +340,11 @@ class Rounds:
                 min_pairs=config.gate.min_pairs,
             )
             self.metrics.failures.labels(alias, "gate").inc()
-        self.metrics.round_seconds.labels(alias, "gate").observe(time.perf_counter() - started)
-        self.account_gate_judge(alias, result.judge_bill)
+        seconds = time.perf_counter() - started
+        self.metrics.round_seconds.labels(alias, "gate").observe(seconds)
+        self.account_gate_judge(alias, result.bill)
+        # The gate's cost: its judge calls (Gate.evaluate) and its time, timed once, here.
+        result = replace(result, bill=(result.bill or Bill()) + Bill(gate_seconds=seconds))
         self.keep_gate_pairs(alias, version, result)
         self.lifecycle.record(
             self.lifecycle.event(
@@ -470,10 +464,8 @@ class Rounds:
         config = self.settings.aliases[alias]
         self.begin_progress(alias, route, heldout, waiting)
         try:
-            gate_started = time.perf_counter()
             result = self.gate_candidate(alias, config, route, version, heldout)
-            bill = Bill(gate_seconds=time.perf_counter() - gate_started)
-            bill.add(result.judge_bill or Bill())
+            bill = result.bill or Bill()
             self.report(alias, "settle", detail=result.reason)
             detail = {"gate": result.as_dict(), "origin": "import", "bill": bill.as_dict()}
             return self.decide(

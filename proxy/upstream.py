@@ -18,7 +18,7 @@ import orjson
 
 from proxy.errors import ProxyError
 from proxy.http1 import AnswerTooLarge, UpstreamPool, UpstreamResponse
-from ratchet.fleet import choose, expand
+from ratchet.fleet import Resolver, candidates, choose
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +61,13 @@ class Upstream:
     ) -> None:
         """``resolve``: the URLs are re-resolved at each health check, a name standing for every
         address it has (:func:`ratchet.fleet.expand`: a headless Service's pods)."""
-        self.configured = [base_url] if isinstance(base_url, str) else list(base_url)
-        self.resolve = resolve
+        configured = [base_url] if isinstance(base_url, str) else list(base_url)
+        self.resolver = Resolver(configured) if resolve else None
         self.round_robin = round_robin
         self._turn = 0
         # vLLM's key on every call; the client's own key never reaches vLLM.
         self._connection = (connect_timeout_s, total_timeout_s, api_key)
-        self.endpoints = {u.rstrip("/"): Endpoint(u, *self._connection) for u in self.configured}
-        self._expanded: dict[str, list[str]] = {}
+        self.endpoints = {u.rstrip("/"): Endpoint(u, *self._connection) for u in configured}
         # vLLM's max_model_len, read from /v1/models once it answers; told to this listener.
         self.model_context: int | None = None
         self.on_model_context: Callable[[int], None] | None = None
@@ -78,7 +77,7 @@ class Upstream:
 
     @property
     def base_url(self) -> str:
-        return next(iter(self.endpoints), self.configured[0])
+        return next(iter(self.endpoints))
 
     @property
     def pool(self) -> UpstreamPool:
@@ -86,23 +85,18 @@ class Upstream:
         return self.endpoints[self.base_url].pool
 
     async def refresh_endpoints(self) -> None:
-        """With ``resolve``: the replicas the configured names stand for now; a new one joins
-        (used once its health check passes), a gone one leaves. A name that does not resolve
-        keeps the replicas it had (a DNS blip must not empty the fleet)."""
-        if not self.resolve:
+        """With a resolver: the replicas the configured names stand for now; a new one joins
+        (used once its health check passes), a gone one leaves."""
+        if self.resolver is None:
             return
-        wanted: list[str] = []
-        for url in self.configured:
-            try:
-                self._expanded[url] = await expand(url)
-            except OSError as exc:
-                log.warning("vLLM endpoint %s did not resolve: %s", url, exc)
-            wanted += self._expanded.get(url, [])
+        wanted = await self.resolver.resolve()
+        if not wanted:
+            return
         for url in wanted:
             if url not in self.endpoints:
                 self.endpoints[url] = Endpoint(url, *self._connection)
                 log.info("vLLM replica %s joined", url)
-        for url in [u for u in self.endpoints if u not in wanted and wanted]:
+        for url in [u for u in self.endpoints if u not in wanted]:
             self.endpoints.pop(url).pool.close()  # its requests in flight hold their replica
             log.info("vLLM replica %s left", url)
 
@@ -173,8 +167,9 @@ class Upstream:
         """The replica for a request of served name ``key``, not one of ``exclude``: among those
         whose health check passed (all of them when none has: the request then says whether
         any is up)."""
-        left = [url for url in self.endpoints if url not in exclude]
-        live = [url for url in left if self.endpoints[url].healthy] or left
+        if len(self.endpoints) == 1:  # no fleet: nothing to choose, on every request
+            return next(iter(self.endpoints.values()))
+        live = candidates(self.endpoints, lambda url: self.endpoints[url].healthy, exclude)
         if self.round_robin:
             self._turn += 1
             return self.endpoints[live[self._turn % len(live)]]

@@ -23,7 +23,7 @@ import math
 import socket
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
 from functools import lru_cache
 from urllib.parse import urlsplit, urlunsplit
 
@@ -106,6 +106,35 @@ async def expand(url: str) -> list[str]:
     ]
 
 
+def candidates(
+    urls: Iterable[str], usable: Callable[[str], bool], exclude: Collection[str] = ()
+) -> list[str]:
+    """The replicas a request may go to: those not in ``exclude`` that are ``usable`` (passing
+    their health check, not failed lately); all of them when none is, so the request itself
+    says whether any is up."""
+    left = [u for u in urls if u not in exclude] or list(urls)
+    return [u for u in left if usable(u)] or left
+
+
+class Resolver:
+    """The replicas the configured endpoints stand for now (:func:`expand`), each endpoint's
+    last answer kept while it does not resolve: a DNS blip must not empty the fleet."""
+
+    def __init__(self, configured: Sequence[str]) -> None:
+        self.configured = [u.rstrip("/") for u in configured]
+        self._last: dict[str, list[str]] = {}
+
+    async def resolve(self) -> list[str]:
+        urls: list[str] = []
+        for url in self.configured:
+            try:
+                self._last[url] = await expand(url)
+            except OSError as exc:
+                log.warning("vLLM endpoint %s did not resolve: %s", url, exc)
+            urls += self._last.get(url, [])
+        return urls
+
+
 # A replica a client outside the proxy could not reach is avoided this long.
 FAILED_S = 30.0
 # How often a client outside the proxy resolves the replicas' names again.
@@ -120,39 +149,25 @@ class Replicas:
     flight while it runs. It has no health checks of its own: a failure marks the replica."""
 
     def __init__(self, urls: Sequence[str], resolve: bool) -> None:
-        self.configured = [u.rstrip("/") for u in urls]
-        self.resolve = resolve
-        self.urls = list(self.configured)
+        self.resolver = Resolver(urls) if resolve else None
+        self.urls = [u.rstrip("/") for u in urls]
         self.outstanding: Counter[str] = Counter()
         self.failed_until: dict[str, float] = {}
-        self.resolved_at = 0.0 if resolve else math.inf
+        self.resolved_at = 0.0
 
     @classmethod
     def of(cls, vllm_url: str, vllm_endpoints: Sequence[str]) -> Replicas:
         return cls(list(vllm_endpoints) or [vllm_url], resolve=bool(vllm_endpoints))
 
-    async def refresh(self) -> None:
-        """The replicas the names stand for now; one that does not resolve keeps its last."""
-        urls: list[str] = []
-        for url in self.configured:
-            try:
-                found = await expand(url)
-            except OSError as exc:
-                log.warning("vLLM endpoint %s did not resolve: %s", url, exc)
-                found = [u for u in self.urls if u not in urls]
-            urls += found
-        self.urls = urls or self.urls
-        self.resolved_at = time.monotonic()
-
     @contextlib.asynccontextmanager
     async def use(self, key: str, exclude: Collection[str] = ()) -> AsyncIterator[str]:
         """The base URL of the replica for a request of served name ``key``, not one of
         ``exclude``, in flight until the block ends."""
-        if time.monotonic() - self.resolved_at > REFRESH_S:
-            await self.refresh()
+        if self.resolver is not None and time.monotonic() - self.resolved_at > REFRESH_S:
+            self.urls = await self.resolver.resolve() or self.urls
+            self.resolved_at = time.monotonic()
         now = time.monotonic()
-        left = [u for u in self.urls if u not in exclude] or self.urls
-        live = [u for u in left if self.failed_until.get(u, 0.0) <= now] or left
+        live = candidates(self.urls, lambda u: self.failed_until.get(u, 0.0) <= now, exclude)
         url = choose(key, live, self.outstanding)
         self.outstanding[url] += 1
         try:

@@ -65,10 +65,11 @@ def copy_adapter(checked: CheckedAdapter, folder: Path) -> None:
 
 
 def store_import(
-    lifecycle: Lifecycle, settings: RatchetSettings, alias: str, checked: CheckedAdapter
+    lifecycle: Lifecycle, base_id: str, alias: str, checked: CheckedAdapter
 ) -> tuple[int, int]:
-    """The adapter written as the alias's next version, and its ``candidate`` event written with
-    the version queued for the gate, in one transaction. Returns (version, live version)."""
+    """The adapter written as the alias's next version (its base named ``base_id``, vLLM's
+    --model), and its ``candidate`` event written with the version queued for the gate, in one
+    transaction. Returns (version, live version)."""
     from ratchet.records import utc_now
     from ratchet.versions import next_version, queue_import
 
@@ -89,7 +90,6 @@ def store_import(
             "target_modules": list(checked.shape.target_modules),
         },
     }
-    _, base_id = base_model_of(settings)
     lifecycle.store.write(
         alias, version, lambda folder: copy_adapter(checked, folder), base_id, meta
     )
@@ -146,14 +146,14 @@ def import_adapter(
     if alias not in settings.aliases:
         console.print(f"[red]unknown alias {alias!r}: add it to ratchet.yaml first[/red]")
         raise typer.Exit(2)
-    base, _ = base_model_of(settings)
+    base, base_id = base_model_of(settings)
     try:
         checked = check_adapter(path, base, learner_shape(settings, base))
     except AdapterRefused as exc:
         console.print(f"[red]refused: {exc}[/red]")
         raise typer.Exit(1) from None
     with lifecycle_session(settings, alias) as lifecycle:
-        version, live = store_import(lifecycle, settings, alias, checked)
+        version, live = store_import(lifecycle, base_id, alias, checked)
         if checked.ignored_files:
             console.print(f"not imported (never read): {', '.join(checked.ignored_files)}")
         console.print(

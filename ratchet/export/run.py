@@ -205,9 +205,7 @@ def scan(
     from kafka.structs import TopicPartition
 
     wanted = {k: v for k, v in state.ends.items() if k.startswith(f"{topic}:")}
-    consumer = make_consumer(
-        settings.kafka_bootstrap_servers, settings.kafka, [], None, consumer_timeout_ms=10_000
-    )
+    consumer = make_consumer(settings.kafka_bootstrap_servers, settings.kafka, [], None)
     try:
         tps = {key: TopicPartition(topic, int(key.rsplit(":", 1)[1])) for key in wanted}
         consumer.assign(list(tps.values()))

@@ -16,7 +16,7 @@ import httpx
 from aiohttp import web
 
 from proxy.app import create_app
-from ratchet.dev.processes import free_port
+from ratchet.dev.processes import free_port, wait_until_async
 from ratchet.fleet import choose
 from ratchet.settings import RatchetSettings
 
@@ -28,15 +28,19 @@ NAMES = [f"base-{i}" for i in range(20)]
 class Replica:
     """A stand-in vLLM on a fixed port that can be stopped and started again."""
 
-    def __init__(self, delay_s: float = 0.0, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.host, self.port = host, port or free_port()
         self.url = f"http://{host}:{self.port}"
-        self.delay_s = delay_s
+        # Set: answers wait until it is opened, so a test can hold requests in flight.
+        self.gate: asyncio.Event | None = None
+        self.held = 0
         self.runner: web.AppRunner | None = None
 
     async def answer(self, request: web.Request) -> web.Response:
         body = await request.json()
-        await asyncio.sleep(self.delay_s)
+        if self.gate is not None:
+            self.held += 1
+            await self.gate.wait()
         message = {"role": "assistant", "content": self.url}
         return web.json_response(
             {
@@ -100,13 +104,6 @@ async def ask(client: httpx.AsyncClient, alias: str) -> str:
     return answered
 
 
-async def wait_for(predicate: Any, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
 def apart(replicas: list[Replica]) -> list[str]:
     """Two served names the ring puts on different replicas."""
     urls = [r.url for r in replicas]
@@ -125,7 +122,9 @@ async def test_a_version_sticks_to_its_replica_and_a_dead_one_costs_no_request(
     home = {name: choose(name, [r.url for r in replicas], {}) for name in names}
     try:
         async with fleet_proxy(tmp_path, replicas, names) as (client, state):
-            await wait_for(lambda: state.upstream.ready)
+            await wait_until_async(
+                lambda: state.upstream.ready, 5, "a replica to pass its health check"
+            )
             for i, name in enumerate(names):
                 assert {await ask(client, f"a{i}") for _ in range(6)} == {home[name]}
             metrics = (await client.get("/metrics")).text
@@ -143,7 +142,11 @@ async def test_a_version_sticks_to_its_replica_and_a_dead_one_costs_no_request(
             assert not state.upstream.endpoints[dead.url].healthy
             # Back, and healthy again: a1's requests return to it.
             await dead.start()
-            await wait_for(lambda: state.upstream.endpoints[dead.url].healthy)
+            await wait_until_async(
+                lambda: state.upstream.endpoints[dead.url].healthy,
+                5,
+                "the restarted replica healthy again",
+            )
             assert await ask(client, "a1") == dead.url
             assert all(e.outstanding == 0 for e in state.upstream.endpoints.values())
     finally:
@@ -152,13 +155,22 @@ async def test_a_version_sticks_to_its_replica_and_a_dead_one_costs_no_request(
 
 
 async def test_a_hot_version_spreads_over_the_replicas_within_the_bound(tmp_path: Path) -> None:
-    replicas = [Replica(delay_s=0.3), Replica(delay_s=0.3)]
+    replicas = [Replica(), Replica()]
+    gate = asyncio.Event()  # every answer waits: the 12 requests are all in flight at once
     for replica in replicas:
+        replica.gate = gate
         await replica.start()
     try:
         async with fleet_proxy(tmp_path, replicas, NAMES[:1]) as (client, state):
-            await wait_for(lambda: state.upstream.ready)
-            answered = Counter(await asyncio.gather(*(ask(client, "a0") for _ in range(12))))
+            await wait_until_async(
+                lambda: state.upstream.ready, 5, "a replica to pass its health check"
+            )
+            asked = asyncio.gather(*(ask(client, "a0") for _ in range(12)))
+            await wait_until_async(
+                lambda: sum(r.held for r in replicas) == 12, 5, "all 12 requests in flight"
+            )
+            gate.set()
+            answered = Counter(await asked)
             # 12 at once of one version: ceil(1.25 x 12 / 2) = 8 at most on one replica.
             assert set(answered) == {r.url for r in replicas} and max(answered.values()) <= 8
             assert all(e.outstanding == 0 for e in state.upstream.endpoints.values())
@@ -187,18 +199,32 @@ async def test_replicas_behind_a_name_join_and_leave_as_it_resolves(
     name = f"http://vllm-headless.ml.svc:{port}"
     try:
         async with fleet_proxy(tmp_path, [name], NAMES[:1]) as (client, state):
-            await wait_for(lambda: state.upstream.ready)
+            await wait_until_async(
+                lambda: state.upstream.ready, 5, "a replica to pass its health check"
+            )
             assert list(state.upstream.endpoints) == [replicas[0].url]
             assert await ask(client, "a0") == replicas[0].url
 
             addresses.append("127.0.0.2")  # a second pod is ready
-            await wait_for(lambda: replicas[1].url in state.upstream.endpoints)
-            await wait_for(lambda: state.upstream.endpoints[replicas[1].url].healthy)
+            await wait_until_async(
+                lambda: replicas[1].url in state.upstream.endpoints,
+                5,
+                "the second pod in the fleet",
+            )
+            await wait_until_async(
+                lambda: state.upstream.endpoints[replicas[1].url].healthy,
+                5,
+                "the second pod healthy",
+            )
             answered = set(await asyncio.gather(*(ask(client, "a0") for _ in range(2))))
             assert answered <= {r.url for r in replicas}
 
             addresses.remove("127.0.0.1")  # the first pod is gone
-            await wait_for(lambda: list(state.upstream.endpoints) == [replicas[1].url])
+            await wait_until_async(
+                lambda: list(state.upstream.endpoints) == [replicas[1].url],
+                5,
+                "the first pod gone from the fleet",
+            )
             assert await ask(client, "a0") == replicas[1].url
             metrics = (await client.get("/metrics")).text
             assert f'endpoint="{replicas[1].url}"' in metrics
@@ -227,7 +253,11 @@ async def test_round_robin_takes_each_replica_in_turn(tmp_path: Path) -> None:
             state = app.state.ratchet
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
-                await wait_for(lambda: all(e.healthy for e in state.upstream.endpoints.values()))
+                await wait_until_async(
+                    lambda: all(e.healthy for e in state.upstream.endpoints.values()),
+                    5,
+                    "both replicas healthy",
+                )
                 answered = [await ask(client, "a0") for _ in range(4)]
         assert answered[0] != answered[1] and answered[:2] == answered[2:]
     finally:
