@@ -91,6 +91,9 @@ class Config:
     scale_rewards: str
     reward: str  # the training reward: "shipped" (ratchet.demo) or "strict"
     seed: int
+    epochs: int  # passes over a round's groups (learner.epochs_per_round)
+    epoch_max_kl: float  # learner.epoch_max_kl
+    epoch_max_clip: float  # learner.epoch_max_clip_frac
 
 
 def shipped_settings() -> tuple[LearnerSettings, AliasConfig]:
@@ -114,6 +117,9 @@ SHIPPED = Config(
     scale_rewards=SHIPPED_LEARNER.scale_rewards,
     reward="shipped",
     seed=SHIPPED_LEARNER.seed,
+    epochs=SHIPPED_LEARNER.epochs_per_round,
+    epoch_max_kl=SHIPPED_LEARNER.epoch_max_kl,
+    epoch_max_clip=SHIPPED_LEARNER.epoch_max_clip_frac,
 )
 CONFIGS: dict[str, Config] = {
     "shipped": SHIPPED,
@@ -121,6 +127,10 @@ CONFIGS: dict[str, Config] = {
     "half": replace(SHIPPED, groups=16, steps=8),  # round 1 0.57, round 2 0.61
     "half-t1.0": replace(SHIPPED, groups=16, steps=8, temperature=1.0),  # 0.57, then 0.45
     "strict": replace(SHIPPED, reward="strict"),  # format-only reward, for comparison
+    # Up to three passes over each round's groups, stopped on KL or clipping (README, "Levers"),
+    # and three whole passes.
+    "epochs3": replace(SHIPPED, epochs=3),
+    "epochs3-whole": replace(SHIPPED, epochs=3, epoch_max_kl=1e9, epoch_max_clip=1.0),
 }
 
 
@@ -365,6 +375,9 @@ def run_config(
             "steps_per_round": cfg.steps,
             "scale_rewards": cfg.scale_rewards,
             "seed": cfg.seed,
+            "epochs_per_round": cfg.epochs,
+            "epoch_max_kl": cfg.epoch_max_kl,
+            "epoch_max_clip_frac": cfg.epoch_max_clip,
         }
     )
     learner = LoraGRPOLearner(
@@ -428,6 +441,10 @@ def run_config(
             "ratio_min": stats.ratio_min,
             "ratio_max": stats.ratio_max,
             "clip_frac": stats.clip_frac_low + stats.clip_frac_high,
+            "approx_kl": stats.approx_kl,
+            "steps": stats.steps,
+            "epochs": stats.epochs,
+            "stopped": stats.stopped,
             "grad_norm": stats.grad_norm,
             "groups_skipped": stats.groups_skipped,
             "vllm_restarts": vllm.restarts,

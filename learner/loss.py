@@ -162,8 +162,11 @@ def grpo_loss(
     Returns the scalar loss and detached stats: ``num_tokens`` (N), ``policy_loss`` (L without
     the KL), ``ratio_mean``/``ratio_min``/``ratio_max`` over completion tokens, ``clip_frac_low``
     and ``clip_frac_high`` (fraction of completion tokens whose ppo_clip gradient the low/high
-    clip zeroed; for cispo: 0, and the fraction whose weight was capped at w_max), and ``kl``
-    (the mean k3 estimate, only when ``kl_beta > 0``).
+    clip zeroed; for cispo: 0, and the fraction whose weight was capped at w_max),
+    ``approx_kl`` (how far the policy has moved from the one that sampled: the token mean of the
+    k3 estimate of KL(pi_beh || pi_theta) on tokens sampled from pi_beh, (r_it - 1) - log r_it,
+    which is what the learner's later PPO epochs stop on), and ``kl`` (the mean k3 estimate to
+    the base model, only when ``kl_beta > 0``).
     """
     _check_shapes(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs, config)
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
@@ -172,7 +175,8 @@ def grpo_loss(
     behaviour = torch.where(valid, behaviour_logprobs.detach().to(dtype), 0.0)
     adv = advantages.detach().to(dtype)
     adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
-    ratio = torch.exp(logp - behaviour)
+    log_ratio = logp - behaviour
+    ratio = torch.exp(log_ratio)
 
     if config.mode == "ppo_clip":
         clipped = ratio.clamp(1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
@@ -190,7 +194,7 @@ def grpo_loss(
         kl = _k3(ref - logp)
         loss = policy_loss + config.kl_beta * torch.where(valid, kl, 0.0).sum() / denominator
 
-    stats = _stats(ratio, adv, valid, num_tokens, policy_loss, kl, config)
+    stats = _stats(ratio, log_ratio, adv, valid, num_tokens, policy_loss, kl, config)
     return loss, stats
 
 
@@ -199,9 +203,10 @@ def _bessel_std(sum_sq: Tensor, count: Tensor) -> Tensor:
     return torch.sqrt(sum_sq / (count - 1).clamp(min=1))
 
 
-def _k3(log_ref_over_policy: Tensor) -> Tensor:
-    """Schulman's k3 estimator of KL(policy || ref) per sampled token: e^d - d - 1 >= 0."""
-    return torch.exp(log_ref_over_policy) - log_ref_over_policy - 1.0
+def _k3(log_p_over_q: Tensor) -> Tensor:
+    """Schulman's k3 estimator per sampled token, e^d - d - 1 >= 0, with d = log(p / q) on
+    tokens sampled from q: of KL(q || p)."""
+    return torch.exp(log_p_over_q) - log_p_over_q - 1.0
 
 
 def _check_shapes(
@@ -231,6 +236,7 @@ def _check_shapes(
 @torch.no_grad()
 def _stats(
     ratio: Tensor,
+    log_ratio: Tensor,
     adv: Tensor,
     valid: Tensor,
     num_tokens: Tensor,
@@ -259,6 +265,7 @@ def _stats(
         "ratio_max": ratios.max() if ratios.numel() else nan,
         "clip_frac_low": token_mean(low),
         "clip_frac_high": token_mean(high),
+        "approx_kl": token_mean(_k3(log_ratio)),
     }
     if kl is not None:
         stats["kl"] = token_mean(kl)

@@ -88,6 +88,18 @@ class LearnerMetrics:
             ("alias",),
             registry=r,
         )
+        self.approx_kl = Gauge(
+            "ratchet_learner_approx_kl",
+            "Token-mean KL of the last round's policy from the one that sampled its groups (k3)",
+            ("alias",),
+            registry=r,
+        )
+        self.epochs = Gauge(
+            "ratchet_learner_epochs",
+            "Passes over its groups the last round began (learner.epochs_per_round at most)",
+            ("alias",),
+            registry=r,
+        )
         self.round_phase = Gauge(
             "ratchet_learner_round_phase",
             "1 for the phase the alias is in (idle, waiting_heldout, train, write, gate, settle), "

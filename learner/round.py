@@ -248,6 +248,8 @@ class Rounds:
         if stats.loss == stats.loss:  # not NaN
             m.loss.labels(alias).set(stats.loss)
             m.clip_fraction.labels(alias).set(stats.clip_frac_low + stats.clip_frac_high)
+            m.approx_kl.labels(alias).set(stats.approx_kl)
+        m.epochs.labels(alias).set(stats.epochs)
         return stats
 
     def write(

@@ -15,10 +15,16 @@ Data flow of a round:
   advantages) and are dropped before any compute is spent on them, as DAPO's dynamic sampling
   does.
 * The kept groups are put in an order of their content (not of their arrival, which the judge's
-  timing decides), then shuffled (seeded by ``seed`` and the round number) and dealt into
-  ``steps_per_round`` mini-batches of whole groups (one PPO epoch; the stream wraps when a round
-  has fewer groups than steps), so a step's advantages are centred within it. vLLM's logprobs are
-  the old policy of every step's importance ratio, so no extra forward pass recomputes them.
+  timing decides), then shuffled (seeded by ``seed``, the round number and the epoch) and dealt
+  into ``steps_per_round`` mini-batches of whole groups (one PPO epoch; the stream wraps when a
+  round has fewer groups than steps), so a step's advantages are centred within it. vLLM's
+  logprobs are the old policy of every step's importance ratio, so no extra forward pass
+  recomputes them.
+* ``epochs_per_round`` > 1 passes over the same groups again, each pass reshuffled. From the
+  second pass on, a step whose forward finds the policy too far from the one that sampled (its
+  token-mean ``approx_kl`` above ``epoch_max_kl``, or more than ``epoch_max_clip_frac`` of its
+  tokens clipped) is not taken and the round ends: :func:`epoch_stop` says why, and the round's
+  stats keep it. The first pass always runs whole: it is the plain on-policy GRPO round.
 * A step's rows are sorted by length and cut into micro-batches of at most
   ``micro_batch_tokens`` padded tokens; gradients accumulate, each micro-batch's loss weighted by
   its share of the step's completion tokens, so the step's loss is the token mean over the whole
@@ -42,7 +48,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -60,6 +66,8 @@ OPTIMIZER_FILE = "optimizer.pt"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _STATE_FORMAT = 1
+
+Precision = Literal["auto", "fp32", "bf16"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,10 @@ class TrainSettings:
     weight_decay: float
     loss: GRPOLossConfig
     seed: int
+    epochs_per_round: int
+    epoch_max_kl: float
+    epoch_max_clip_frac: float
+    precision: Precision
 
 
 def lora_settings(s: LearnerSettings) -> LoraSettings:
@@ -108,7 +120,42 @@ def train_settings(s: LearnerSettings) -> TrainSettings:
         weight_decay=s.weight_decay,
         loss=loss_config(s),
         seed=s.seed,
+        epochs_per_round=s.epochs_per_round,
+        epoch_max_kl=s.epoch_max_kl,
+        epoch_max_clip_frac=s.epoch_max_clip_frac,
+        precision=s.precision,
     )
+
+
+def native_bf16_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX). Elsewhere torch
+    emulates it, slower than float32."""
+    try:
+        flags = cpuinfo.read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def uses_bf16(precision: Precision, device: torch.device) -> bool:
+    """What ``learner.precision`` means on this device."""
+    if precision != "auto":
+        return precision == "bf16"
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    return device.type == "cpu" and native_bf16_cpu()
+
+
+def epoch_stop(epoch: int, approx_kl: float, clip_frac: float, train: TrainSettings) -> str | None:
+    """Why a step of this 1-based epoch is not taken (the round ends there), or None. The
+    first epoch always runs whole."""
+    if epoch <= 1:
+        return None
+    if approx_kl > train.epoch_max_kl:
+        return f"kl {approx_kl:.4f} > {train.epoch_max_kl:g} in epoch {epoch}"
+    if clip_frac > train.epoch_max_clip_frac:
+        return f"clip fraction {clip_frac:.3f} > {train.epoch_max_clip_frac:g} in epoch {epoch}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -127,6 +174,9 @@ class RoundStats:
     ratio_max: float
     clip_frac_low: float
     clip_frac_high: float
+    approx_kl: float  # token mean over the round of the KL from the sampling policy (k3)
+    epochs: int  # passes over the groups begun (learner.epochs_per_round at most)
+    stopped: str | None  # why a later epoch ended the round early; None: every step taken
     grad_norm: float  # mean over the steps taken, before clipping
     steps_skipped: int  # steps whose gradient was not finite: no update
     completion_tokens: int  # completion tokens trained on, summed over the steps
@@ -179,7 +229,13 @@ class LoraGRPOLearner:
         self.base_model_id = str(base_model_path)
         self.lora, self.train = lora, train
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        bf16 = uses_bf16(train.precision, self.device)
+        # The frozen base's weights: bfloat16 on a GPU that computes in it; float32 on a CPU,
+        # where autocast casts per op and keeps LoRA and AdamW in float32.
+        gpu_bf16 = bf16 and self.device.type == "cuda"
+        self.dtype = dtype or (torch.bfloat16 if gpu_bf16 else torch.float32)
+        low = (torch.bfloat16, torch.float16)
+        self.autocast_dtype = torch.bfloat16 if bf16 else self.dtype if self.dtype in low else None
         # SDPA takes the boolean shared-prompt mask of learner/batch.py as it is.
         base = AutoModelForCausalLM.from_pretrained(
             self.base_model_path, dtype=self.dtype, attn_implementation="sdpa"
@@ -306,8 +362,9 @@ class LoraGRPOLearner:
     def train_round(
         self, groups: list[ScoredGroup], on_step: StepCallback | None = None
     ) -> RoundStats:
-        """steps_per_round optimizer steps of GRPO on the groups; see the module docstring.
-        After each step its line is logged and ``on_step`` (if given) called with it."""
+        """``epochs_per_round`` passes of ``steps_per_round`` optimizer steps of GRPO on the
+        groups; see the module docstring. After each step taken its line is logged and
+        ``on_step`` (if given) called with it."""
         start = time.perf_counter()
         cfg = self.train.loss
         groups = sorted(groups, key=content_order)
@@ -321,30 +378,41 @@ class LoraGRPOLearner:
         lengths = packed.lengths  # on the CPU: planning never waits for the device
         batch = packed.to(self.device)
         self.rounds += 1
-        plan = self._plan_steps(len(batch))
+        epochs = [self._plan_steps(len(batch), e + 1) for e in range(self.train.epochs_per_round)]
+        planned = sum(len(steps) for steps in epochs)
         acc = _Accumulator(self.device)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         devices = [self.device] if self.device.type == "cuda" else []
-        tokens = 0
+        taken = tokens = epochs_begun = 0
+        stopped: str | None = None
         with torch.random.fork_rng(devices=devices):  # LoRA dropout: seeded by the round
             torch.manual_seed(self.train.seed * 1_000_003 + self.rounds)
-            for k, step_rows in enumerate(plan, 1):
-                step_loss, step_tokens = self._step(batch, step_rows, lengths, acc)
-                tokens += step_tokens
-                progress = StepProgress(
-                    round=self.rounds,
-                    step=k,
-                    steps=len(plan),
-                    loss=step_loss,
-                    reward=_mean_reward([kept_groups[i] for i in step_rows.tolist()]),
-                    completion_tokens=tokens,
-                    seconds=time.perf_counter() - start,
-                )
-                log.info("%s", progress.line())
-                if on_step is not None:
-                    on_step(progress)
-        self.optimizer_steps += len(plan) - acc.skipped
+            for epoch, steps in enumerate(epochs, 1):
+                epochs_begun = epoch if steps else epochs_begun
+                for step_rows in steps:
+                    step = self._step(batch, step_rows, lengths, acc, epoch)
+                    if step.stopped is not None:
+                        stopped = step.stopped
+                        log.info("round %d: stopped: %s", self.rounds, stopped)
+                        break
+                    taken += 1
+                    tokens += step.tokens
+                    progress = StepProgress(
+                        round=self.rounds,
+                        step=taken,
+                        steps=planned,
+                        loss=step.loss,
+                        reward=_mean_reward([kept_groups[i] for i in step_rows.tolist()]),
+                        completion_tokens=tokens,
+                        seconds=time.perf_counter() - start,
+                    )
+                    log.info("%s", progress.line())
+                    if on_step is not None:
+                        on_step(progress)
+                if stopped is not None:
+                    break
+        self.optimizer_steps += taken - acc.skipped
         self.groups_seen += int(informative.sum())
         if self.ranks.size > 1:
             acc.reduce()
@@ -352,7 +420,9 @@ class LoraGRPOLearner:
             kl_on=cfg.kl_beta > 0.0,
             start=start,
             round=self.rounds,
-            steps=len(plan),
+            steps=taken,
+            epochs=epochs_begun,
+            stopped=stopped,
             groups=len(groups),
             groups_skipped=len(groups) - int(informative.sum()),
             samples=int(packed.samples.sum()),
@@ -363,14 +433,17 @@ class LoraGRPOLearner:
         return stats
 
     def _step(
-        self, batch: Batch, step_rows: Tensor, lengths: Tensor, acc: _Accumulator
-    ) -> tuple[float, int]:
+        self, batch: Batch, step_rows: Tensor, lengths: Tensor, acc: _Accumulator, epoch: int
+    ) -> StepResult:
         """One optimizer step: micro-batches accumulate the gradient of the step's token mean.
-        Returns that token-mean loss and the step's completion tokens."""
+        Not taken (``stopped`` says why) when :func:`epoch_stop` says the policy has moved too
+        far from the sampler's; its micro-batches then count in no statistic."""
         cfg = self.train.loss
         count = batch.completion_mask[step_rows.to(self.device)].sum()
         step_tokens = count.clamp(min=1)
-        step_loss = torch.zeros((), device=self.device, dtype=torch.float64)
+        zero = torch.zeros((), device=self.device, dtype=torch.float64)
+        step_loss, step_kl, step_clip = zero.clone(), zero.clone(), zero.clone()
+        micro_stats: list[tuple[Tensor, dict[str, Tensor], int]] = []
         for index, rows in enumerate(self._micro_batches(step_rows, lengths)):
             if not self.ranks.mine(index):  # another rank's (learner/parallel.py)
                 continue
@@ -392,9 +465,21 @@ class LoraGRPOLearner:
             share = stats["num_tokens"] / step_tokens
             torch.autograd.backward(loss * share)  # Tensor.backward is untyped
             step_loss += loss.detach().double() * share
-            acc.add(loss.detach(), stats, int(lengths[rows].sum()))
-        if self.ranks.size > 1:  # every rank now holds the step's whole gradient and loss
-            [step_loss] = all_reduce_grads(self.params, step_loss)
+            step_kl += stats["approx_kl"].double() * share
+            step_clip += (stats["clip_frac_low"] + stats["clip_frac_high"]).double() * share
+            micro_stats.append((loss.detach(), stats, int(lengths[rows].sum())))
+        if self.ranks.size > 1:  # every rank now holds the step's whole gradient and stats
+            step_loss, step_kl, step_clip = all_reduce_grads(
+                self.params, step_loss, step_kl, step_clip
+            )
+        if epoch > 1:  # one sync a step, for the decision every rank must make alike
+            approx_kl, clip_frac = torch.stack([step_kl, step_clip]).tolist()
+            reason = epoch_stop(epoch, approx_kl, clip_frac, self.train)
+            if reason is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+                return StepResult(math.nan, 0, reason)
+        for loss, stats, total_tokens in micro_stats:
+            acc.add(loss, stats, total_tokens)
         max_norm = self.train.max_grad_norm if self.train.max_grad_norm > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         if torch.isfinite(norm):  # one device sync a step
@@ -406,15 +491,16 @@ class LoraGRPOLearner:
         self.optimizer.zero_grad(set_to_none=True)
         # One more sync a step, for its log line; the step's work is done by now anyway.
         loss_value, tokens = torch.stack([step_loss, count.double()]).tolist()
-        return loss_value, int(tokens)
+        return StepResult(loss_value, int(tokens), None)
 
-    def _plan_steps(self, n: int) -> list[Tensor]:
-        """steps_per_round mini-batches of rows (groups): seeded shuffles, dealt evenly,
-        wrapping."""
+    def _plan_steps(self, n: int, epoch: int = 1) -> list[Tensor]:
+        """steps_per_round mini-batches of rows (groups) for one epoch: seeded shuffles, dealt
+        evenly, wrapping."""
         if n == 0:
             return []
         steps = self.train.steps_per_round
-        gen = torch.Generator().manual_seed(self.train.seed * 1_000_003 + self.rounds)
+        seed = self.train.seed * 1_000_003 + self.rounds
+        gen = torch.Generator().manual_seed(seed if epoch == 1 else seed * 8191 + epoch)
         if n >= steps:  # one epoch: sizes differ by at most one
             return list(torch.tensor_split(torch.randperm(n, generator=gen), steps))
         # fewer groups than steps: one group a step, from shuffles laid end to end
@@ -434,9 +520,9 @@ class LoraGRPOLearner:
         return [rows[torch.tensor(chunk)] for chunk in out]
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16):
-            return torch.autocast("cuda", dtype=self.dtype)
-        return contextlib.nullcontext()
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
 
 def _mean_reward(groups: list[ScoredGroup]) -> float:
@@ -448,6 +534,12 @@ def content_order(group: ScoredGroup) -> tuple[list[int], list[list[int]]]:
     """A group's place in a round: by its prompt's tokens, then its samples'. The same groups
     then train the same candidate however the judge's timing ordered them."""
     return group.prompt_token_ids, [sample.token_ids for sample in group.samples]
+
+
+class StepResult(NamedTuple):
+    loss: float  # the step's token-mean loss (NaN: not taken)
+    tokens: int  # its completion tokens (0: not taken)
+    stopped: str | None  # why it was not taken (epoch_stop), and the round ends
 
 
 @dataclass(frozen=True)
@@ -479,7 +571,7 @@ StepCallback = Callable[[StepProgress], None]
 class _Accumulator:
     """Token-weighted sums of the loss stats, read once at the end (one device sync a round)."""
 
-    _KEYS = ("policy_loss", "kl", "ratio_mean", "clip_frac_low", "clip_frac_high")
+    _KEYS = ("policy_loss", "kl", "ratio_mean", "clip_frac_low", "clip_frac_high", "approx_kl")
 
     def __init__(self, device: torch.device) -> None:
         def full(value: float) -> Tensor:
@@ -529,6 +621,7 @@ class _Accumulator:
             ratio_max=ratio_max,
             clip_frac_low=mean["clip_frac_low"],
             clip_frac_high=mean["clip_frac_high"],
+            approx_kl=mean["approx_kl"],
             grad_norm=grad_norm if self.grad_norms else math.nan,
             steps_skipped=self.skipped,
             completion_tokens=int(n),

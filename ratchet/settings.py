@@ -595,6 +595,13 @@ class LearnerSettings(_Section):
     max_waiting_groups: int = Field(default=256, ge=1)
     steps_per_round: int = Field(default=8, ge=1)
     learning_rate: float = Field(default=2e-3, gt=0)
+    # Passes over a round's groups (PPO epochs), each of steps_per_round steps. From the second
+    # on, a step whose policy has moved past epoch_max_kl (the token-mean KL from the sampling
+    # policy, k3) or clips more than epoch_max_clip_frac of its tokens is not taken and the round
+    # ends there: the importance ratio corrects a small move, not a large one.
+    epochs_per_round: int = Field(default=1, ge=1, le=16)
+    epoch_max_kl: float = Field(default=0.02, gt=0)
+    epoch_max_clip_frac: float = Field(default=0.2, gt=0, le=1.0)
     # A candidate the gate rejected while it won more than the threshold of its pairs is where
     # the next round starts (ratchet/carry.py), up to this many rounds of training beyond the
     # live version; 1: every round starts from the live version. A round of a few dozen groups
@@ -628,6 +635,10 @@ class LearnerSettings(_Section):
     kl_beta: float = Field(default=0.0, ge=0.0)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # The forward and backward's arithmetic: "bf16" autocasts them to bfloat16 (weights, LoRA and
+    # AdamW stay float32 on a CPU); "auto" is bf16 on a GPU and on a CPU with native bfloat16
+    # (avx512_bf16 or AMX), float32 elsewhere, where bfloat16 is emulated and slower.
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
     # Torch's CPU threads for training. Empty: torch's default, every core. On a machine that
     # also serves vLLM, fewer: torch's threads meet at a barrier after every op, so one thread
     # starved by vLLM stalls them all (measured: a round's step 50x slower than alone). The

@@ -24,7 +24,13 @@ __all__ = ["tiny_model"]  # the session fixture, shared with the trainer's tests
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # Small micro-batches: each step has several, so both ranks compute some of every step.
-KNOBS: dict[str, Any] = {"steps_per_round": 3, "micro_batch_tokens": 64, "learning_rate": 5e-3}
+# Two epochs: the second's stop decision (learner.epoch_max_*) is made alike on both ranks.
+KNOBS: dict[str, Any] = {
+    "steps_per_round": 3,
+    "micro_batch_tokens": 64,
+    "learning_rate": 5e-3,
+    "epochs_per_round": 2,
+}
 
 
 def learner(model: Path) -> LoraGRPOLearner:
@@ -40,6 +46,9 @@ def outcome(trainer: LoraGRPOLearner, stats: Any) -> dict[str, Any]:
         "ratio_min": stats.ratio_min,
         "ratio_max": stats.ratio_max,
         "grad_norm": stats.grad_norm,
+        "steps": stats.steps,
+        "stopped": stats.stopped,
+        "approx_kl": stats.approx_kl,
     }
 
 
@@ -83,8 +92,9 @@ def test_two_ranks_train_the_round_one_rank_trains(tiny_model: Path, tmp_path: P
             for a, b in zip(expected["params"], got["params"], strict=True):
                 torch.testing.assert_close(b, a, rtol=0.0, atol=1e-5)
             assert any(p.abs().max() > 0 for p in got["params"])  # it did learn something
-            for key in ("loss", "ratio_min", "ratio_max", "grad_norm"):
+            for key in ("loss", "ratio_min", "ratio_max", "grad_norm", "approx_kl"):
                 assert got[key] == pytest.approx(expected[key], abs=1e-5), key
+            assert (got["steps"], got["stopped"]) == (expected["steps"], expected["stopped"])
             assert (got["completion_tokens"], got["total_tokens"]) == (
                 expected["completion_tokens"],
                 expected["total_tokens"],

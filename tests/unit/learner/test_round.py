@@ -54,7 +54,9 @@ class StandInTrainer:
         return RoundStats(
             round=1, steps=2, groups=len(groups), groups_skipped=0, samples=2 * len(groups),
             mean_reward=0.25, loss=nan, policy_loss=nan, kl=None, ratio_mean=1.0, ratio_min=1.0,
-            ratio_max=1.0, clip_frac_low=0.0, clip_frac_high=0.0, grad_norm=0.1, steps_skipped=0,
+            ratio_max=1.0, clip_frac_low=0.0, clip_frac_high=0.0, approx_kl=0.0, epochs=1,
+            stopped=None,
+            grad_norm=0.1, steps_skipped=0,
             completion_tokens=40, total_tokens=100, seconds=2.0,
         )  # fmt: skip
 

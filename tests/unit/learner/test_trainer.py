@@ -306,6 +306,10 @@ def test_every_trainer_knob_comes_from_the_learner_settings(tiny_model: Path) ->
         "lora_alpha": 8,
         "lora_dropout": 0.1,
         "lora_target_modules": ["v_proj", "q_proj"],
+        "epochs_per_round": 3,
+        "epoch_max_kl": 0.05,
+        "epoch_max_clip_frac": 0.3,
+        "precision": "bf16",
     }
     defaults = LearnerSettings()
     assert all(getattr(defaults, knob) != value for knob, value in knobs.items())
@@ -326,6 +330,10 @@ def test_every_trainer_knob_comes_from_the_learner_settings(tiny_model: Path) ->
         "weight_decay": 0.01,
         "loss": loss,
         "seed": 5,
+        "epochs_per_round": 3,
+        "epoch_max_kl": 0.05,
+        "epoch_max_clip_frac": 0.3,
+        "precision": "bf16",
     }
     shape = lora_settings(settings)
     assert asdict(shape) == {
