@@ -95,9 +95,36 @@ def group_id_of(request_id: str, version: int) -> str:
     return hashlib.sha256(f"{request_id}\0{version}".encode()).hexdigest()[:32]
 
 
+def seen_key(alias: str, prompt_digest: str) -> str:
+    """String, for ``learning.dedup_window_s``: ``v<version>`` once a group of the prompt was
+    sampled from that version; ``1`` once it was held out."""
+    return f"ratchet:judge:seen:{alias}:{prompt_digest}"
+
+
+def flat_key(alias: str, prompt_digest: str) -> str:
+    """String, for ``learning.dedup_window_s``: how many of the prompt's groups in a row, the
+    last one included, had answers that all scored alike (no GRPO signal)."""
+    return f"ratchet:judge:flat:{alias}:{prompt_digest}"
+
+
+def repeat_reason(
+    seen: bytes | None, flat: bytes | None, version: int, skip_after: int
+) -> str | None:
+    """Why a training prompt is not sampled from ``version`` now, from its marks: a group of
+    it was sampled from this version within the window (``recent_duplicate``; any other mark,
+    an older judge's included, counts too), or its last ``skip_after`` groups carried no signal
+    (``no_signal``; 0: never). None: sample it."""
+    if seen is not None and (not seen.startswith(b"v") or seen == b"v%d" % version):
+        return "recent_duplicate"
+    if skip_after and flat is not None and flat.isdigit() and int(flat) >= skip_after:
+        return "no_signal"
+    return None
+
+
 class SeenMark(NamedTuple):
     key: str
     window_s: int
+    value: bytes = b"1"
 
 
 class Ready(NamedTuple):
@@ -201,13 +228,12 @@ class JudgeService(JudgeKafka):
         if record.output_tokens:
             self._lengths(record.alias).append(record.output_tokens)
         digest = prompt_hash(prompt, tools)
-        seen = SeenMark(
-            f"ratchet:judge:seen:{record.alias}:{digest}", config.learning.dedup_window_s
-        )
+        seen = SeenMark(seen_key(record.alias, digest), config.learning.dedup_window_s)
+        if not is_heldout(self.secret, digest, config.learning.heldout_fraction):
+            await self._check_repeat(record.alias, digest, config)
+            return ToSample(message, record, config, prompt, tools, digest, seen)
         if seen.window_s and await self._seen(seen.key):
             raise Skip("recent_duplicate")
-        if not is_heldout(self.secret, digest, config.learning.heldout_fraction):
-            return ToSample(message, record, config, prompt, tools, digest, seen)
         self.metrics.heldout.labels(record.alias).inc()
         held = HeldoutPrompt(
             prompt_hash=digest,
@@ -380,6 +406,24 @@ class JudgeService(JudgeKafka):
         if spread == 0:
             self.metrics.zero_variance.labels(alias).inc()
 
+    async def _check_repeat(self, alias: str, digest: str, config: AliasConfig) -> None:
+        """Skip a training prompt already sampled from the version a group would come from now,
+        or one whose recent groups carried no signal (:func:`repeat_reason`). A prompt comes
+        back once per version: the next round learns from the new policy's answers to it, as
+        on-policy GRPO passes over its prompts again, and a client repeating a prompt gets it
+        sampled at most once a version. Without Redis nothing is skipped; nothing is lost."""
+        learning = config.learning
+        if not learning.dedup_window_s:
+            return
+        try:
+            seen, flat = await self.redis.mget(seen_key(alias, digest), flat_key(alias, digest))
+        except (redis.RedisError, OSError):
+            return
+        version = await self._policy(alias, await self._route(alias, config))
+        reason = repeat_reason(seen, flat, version, learning.skip_after_flat_groups)
+        if reason is not None:
+            raise Skip(reason)
+
     async def _seen(self, key: str) -> bool:
         try:
             return bool(await self.redis.exists(key))
@@ -412,10 +456,32 @@ class JudgeService(JudgeKafka):
             pipe = self.redis.pipeline(transaction=False)
             for mark in marks:
                 if mark.window_s:
-                    pipe.set(mark.key, b"1", ex=mark.window_s)
+                    pipe.set(mark.key, mark.value, ex=mark.window_s)
             await pipe.execute()
         except (redis.RedisError, OSError):
             pass  # a prompt not marked may be judged again; that costs time, loses nothing
+
+    async def _mark_sampled(self, sampled: list[tuple[ToSample, ScoredGroup]]) -> None:
+        """Each prompt sampled: seen at the group's version, and its run of signal-less groups
+        one longer (every answer scored alike) or over (they differed)."""
+        await self._mark_seen(
+            [work.seen._replace(value=b"v%d" % group.version) for work, group in sampled]
+        )
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for work, group in sampled:
+                window = work.config.learning.dedup_window_s
+                if not window:
+                    continue
+                key = flat_key(group.alias, work.digest)
+                if group.rewards and max(group.rewards) == min(group.rewards):
+                    pipe.incr(key)
+                    pipe.expire(key, window)
+                else:
+                    pipe.delete(key)
+            await pipe.execute()
+        except (redis.RedisError, OSError):
+            pass  # a prompt's run not counted is sampled again; that costs time, loses nothing
 
     async def _route(self, alias: str, config: AliasConfig) -> AliasRoute:
         """The live version, from Redis; the last one read while Redis is away or while the
@@ -491,8 +557,8 @@ class JudgeService(JudgeKafka):
             Counter(r.alias for r in outputs if isinstance(r, ScoredGroup))
         )
         await loop.run_in_executor(None, self._commit)
-        await self._mark_seen(
-            [w.seen for w, r in zip(work, results, strict=True) if isinstance(r, ScoredGroup)]
+        await self._mark_sampled(
+            [(w, r) for w, r in zip(work, results, strict=True) if isinstance(r, ScoredGroup)]
         )
         return True
 

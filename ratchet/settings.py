@@ -117,8 +117,14 @@ class LearningConfig(_Section):
     heldout_fraction: float = Field(default=0.5, ge=0.0, lt=1.0)
     # Prompts longer than this (in the model's tokens) are not re-sampled.
     max_prompt_tokens: int = Field(default=1024, ge=1)
-    # A prompt seen within this window is not judged again.
+    # Within this window a training prompt is sampled once per version (the version its group
+    # comes from: once that changes, a new round can learn from the new policy's answers to it),
+    # a held-out prompt is kept once; 0: no dedup.
     dedup_window_s: int = Field(default=3600, ge=0)
+    # A prompt whose last this many groups each had answers that all scored alike (no GRPO
+    # signal: solved, or out of reach) is not sampled again within the dedup window; a group
+    # whose answers differ resets the count. 0: always sampled.
+    skip_after_flat_groups: int = Field(default=2, ge=0)
     # No API key fills more than this share of a round's groups or of a gate's held-out pairs,
     # so one client cannot steer what is learned or judged; with fewer than 1/share keys at
     # hand each key gets an even share (one key alone, or auth off, is never held back).

@@ -15,9 +15,10 @@ import redis
 
 from judge.backpressure import Backpressure
 from judge.sampler import SamplingError
-from judge.service import JudgeService, ToSample, is_heldout
+from judge.service import JudgeService, ToSample, flat_key, is_heldout, repeat_reason, seen_key
 from ratchet.progress import LearnerProgress, produced_key, progress_key, publish
 from ratchet.records import TRAFFIC_TOPIC, HeldoutPrompt, Record, ScoredGroup, prompt_hash
+from ratchet.registry import AliasRoute, RegistryWriter
 from ratchet.settings import AliasConfig, JudgeSettings, LearnerSettings, RatchetSettings
 from tests.records import build_traffic_record
 
@@ -348,3 +349,58 @@ def test_a_batch_asks_least_served_client_first(
     batch.append(message("a0", train[6], client="a"))
     assert run_batch(service, batch, sampler, monkeypatch)
     assert sampled_ids(kafka) == ["f0", "a0"]
+
+
+def test_a_training_prompt_is_sampled_once_a_version_and_rested_after_two_flat_groups(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Within the dedup window a prompt gets one group per version (the live one, here), and
+    one whose last two groups scored all alike is not sampled again."""
+    flat, varied = prompts(service_for(redis_url), False, 2)
+    rewards = {"flat": [1.0, 1.0], "varied": [0.0, 1.0]}
+    skips: list[dict[str, float]] = []
+
+    def judge(version: int) -> list[str]:
+        """One batch of both prompts while ``version`` is live: those sampled."""
+        service = service_for(redis_url)
+        config = service.settings.aliases[ALIAS]
+        RegistryWriter(redis_url, service.settings.aliases).write(
+            AliasRoute(alias=ALIAS, base_model=config.base_model, active=version)
+        )
+        kafka = FakeKafka(service, monkeypatch)
+
+        async def sampler(session: Any, work: ToSample) -> ScoredGroup:
+            kind = work.record.request_id.split("-")[0]
+            return group_of(work).model_copy(update={"version": version, "rewards": rewards[kind]})
+
+        n = len(skips)  # each batch's records are new traffic: ids of their own
+        batch = [message(f"flat-{n}", flat), message(f"varied-{n}", varied)]
+        assert run_batch(service, batch, sampler, monkeypatch)
+        skips.append({r: skipped(service, r) for r in ("recent_duplicate", "no_signal")})
+        return sorted(
+            r.traffic_request_id.split("-")[0]
+            for out in kafka.produced
+            for r in out
+            if isinstance(r, ScoredGroup)
+        )
+
+    client = redis.Redis.from_url(redis_url)
+    assert judge(1) == ["flat", "varied"]
+    assert judge(1) == [] and skips[-1] == {"recent_duplicate": 2.0, "no_signal": 0.0}
+    assert judge(2) == ["flat", "varied"]  # a new version: both again
+    assert client.get(seen_key(ALIAS, prompt_hash(flat))) == b"v2"
+    assert client.get(flat_key(ALIAS, prompt_hash(flat))) == b"2"
+    assert not client.exists(flat_key(ALIAS, prompt_hash(varied)))
+    assert judge(3) == ["varied"] and skips[-1] == {"recent_duplicate": 0.0, "no_signal": 1.0}
+    ttl = client.ttl(flat_key(ALIAS, prompt_hash(flat)))
+    assert 0 < ttl <= 600  # rested for the dedup window, then tried again
+
+
+def test_repeat_reason() -> None:
+    assert repeat_reason(None, None, 3, 2) is None
+    assert repeat_reason(b"v3", None, 3, 2) == "recent_duplicate"
+    assert repeat_reason(b"v2", None, 3, 2) is None
+    assert repeat_reason(b"1", None, 3, 2) == "recent_duplicate"  # an older judge's mark
+    assert repeat_reason(b"v2", b"1", 3, 2) is None
+    assert repeat_reason(b"v2", b"2", 3, 2) == "no_signal"
+    assert repeat_reason(None, b"5", 3, 0) is None  # 0: never rested
