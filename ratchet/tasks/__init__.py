@@ -15,7 +15,7 @@ from typing import Any
 
 from ratchet import demo
 from ratchet.rewards.verifiers import Verifier, load_verifier
-from ratchet.tasks import bullets, sorting, tool_use
+from ratchet.tasks import bullets, sorting, tool_use, triage
 
 __all__ = ["TASKS", "Task", "get_task", "request_fields"]
 
@@ -57,6 +57,12 @@ TASKS: dict[str, Task] = {
             "ratchet.tasks.tool_use:tool_use_reward",
             tool_use.load_prompts,
             "tool use: the right one of three function tools, with the request's arguments",
+        ),
+        Task(
+            "triage",
+            "ratchet.tasks.triage:triage_reward",
+            triage.load_prompts,
+            "classification: which of five teams a support message goes to, the name alone",
         ),
     )
 }

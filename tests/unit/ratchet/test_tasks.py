@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 from typing import Any
 
 import pytest
 
 from ratchet.rewards.verifiers import run_verifier, tool_calls_of
-from ratchet.tasks import TASKS, Task, bullets, get_task, sorting, tool_use
+from ratchet.tasks import TASKS, Task, bullets, get_task, sorting, tool_use, triage
 from ratchet.tasks.common import lcs_share
 
 
@@ -59,7 +60,7 @@ def test_get_task_names_the_known_tasks() -> None:
     assert TASKS["demo"].verifier == "ratchet.demo:extraction_reward"
 
 
-@pytest.mark.parametrize("module", [sorting, bullets])
+@pytest.mark.parametrize("module", [sorting, bullets, triage])
 def test_generators_are_seeded_and_the_answer_is_not_in_the_prompt(module: Any) -> None:
     assert module.generate_prompts(5, seed=1) == module.generate_prompts(5, seed=1)
     assert module.generate_prompts(5, seed=1) != module.generate_prompts(5, seed=2)
@@ -67,18 +68,26 @@ def test_generators_are_seeded_and_the_answer_is_not_in_the_prompt(module: Any) 
         text = prompt["messages"][-1]["content"]
         if module is sorting:
             assert ", ".join(map(str, prompt["expected"])) not in text  # never given sorted
+        elif module is triage:  # the message never names a team; the instruction names all
+            message = text.split(triage.MARKER)[1].lower()
+            assert not set(re.findall(r"[a-z]+", message)) & set(triage.TEAMS)
         else:
             assert "\n- " not in text  # never given as the list
 
 
-@pytest.mark.parametrize("reward", [sorting.sorting_reward, bullets.bullets_reward])
-def test_a_prompt_the_task_did_not_write_is_a_broken_setup_not_a_bad_answer(reward: Any) -> None:
-    mine = (sorting if reward is sorting.sorting_reward else bullets).load_prompts()[0]["messages"]
+@pytest.mark.parametrize("module", [sorting, bullets, triage], ids=["sorting", "bullets", "triage"])
+def test_a_prompt_the_task_did_not_write_is_a_broken_setup_not_a_bad_answer(module: Any) -> None:
+    reward = getattr(module, f"{module.__name__.rsplit('.', 1)[1]}_reward")
+    mine = module.load_prompts()[0]["messages"][0]["content"]
+    # A prompt of this task's shape whose data it did not write.
+    edited = (
+        mine + " and 7" if module is not triage else mine.split("Message: ")[0] + "Message: Hi."
+    )
     for messages in (
         [],
         [{"role": "user", "content": None}],
         [{"role": "user", "content": "Sort these: 3, 1"}],
-        [{"role": "user", "content": mine[0]["content"] + " and 7"}],
+        [{"role": "user", "content": edited}],
     ):
         with pytest.raises(ValueError):
             reward(messages, answer("1, 3"))
@@ -202,3 +211,32 @@ def test_a_tool_use_prompt_the_task_did_not_write_is_refused() -> None:
     ):
         with pytest.raises(ValueError):
             tool_use.tool_use_reward([{"role": "user", "content": content}], answer("x"))
+
+
+# --- triage ----------------------------------------------------------------------------------
+
+
+def test_triage_prompts_cover_every_team_evenly_and_the_verifier_finds_each() -> None:
+    prompts = triage.load_prompts()
+    counts = {team: sum(p["expected"] == team for p in prompts) for team in triage.TEAMS}
+    assert set(counts.values()) == {len(prompts) // len(triage.TEAMS)}
+    for prompt in prompts:
+        assert triage.expected_team(prompt["messages"]) == prompt["expected"]
+    phrasings = [p for problems in triage.PROBLEMS.values() for p in problems]
+    assert len(set(phrasings)) == len(phrasings)
+    assert not any(a in b for a in phrasings for b in phrasings if a != b)  # one team a message
+
+
+def test_triage_reward_grades_the_name_alone_above_the_name_in_words() -> None:
+    prompt = next(p for p in triage.load_prompts() if p["expected"] == "shipping")
+    messages = prompt["messages"]
+
+    def reward(content: Any) -> float:
+        return run_verifier(triage.triage_reward, messages, answer(content))
+
+    for alone in ("shipping", "Shipping", " SHIPPING.", '"shipping"', "shipping\n"):
+        assert reward(alone) == triage.ALONE, alone
+    assert reward("The shipping team should handle this.") == triage.WITH_TEXT
+    assert reward("Team: shipping") == triage.WITH_TEXT
+    for wrong in ("billing", "shipping or returns", "returns, not shipping", "", None, "ship"):
+        assert reward(wrong) == 0.0, wrong
