@@ -108,12 +108,14 @@ def flat_key(alias: str, prompt_digest: str) -> str:
 
 
 def repeat_reason(
-    seen: bytes | None, flat: bytes | None, version: int, skip_after: int
+    seen: bytes | str | None, flat: bytes | str | None, version: int, skip_after: int
 ) -> str | None:
     """Why a training prompt is not sampled from ``version`` now, from its marks: a group of
     it was sampled from this version within the window (``recent_duplicate``; any other mark,
     an older judge's included, counts too), or its last ``skip_after`` groups carried no signal
     (``no_signal``; 0: never). None: sample it."""
+    seen = seen.encode() if isinstance(seen, str) else seen
+    flat = flat.encode() if isinstance(flat, str) else flat
     if seen is not None and (not seen.startswith(b"v") or seen == b"v%d" % version):
         return "recent_duplicate"
     if skip_after and flat is not None and flat.isdigit() and int(flat) >= skip_after:
