@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import statistics
 import sys
@@ -66,6 +67,7 @@ from ratchet.tasks import TASKS, Task, get_task, request_fields
 
 BASE = "smollm2-135m-instruct"
 BOOTSTRAP_SAMPLES = 2000  # resamples of the lift's interval
+LIFT_BAR = 0.1  # issue 31's: a held-out lift of at least this, its interval above 0
 PASSED = ("canary", "promote")  # lifecycle events of a candidate that passed its gate
 
 
@@ -124,9 +126,11 @@ async def replay(
     clients: int,
     max_tokens: int,
     done: threading.Event,
+    counts: dict[str, int],
 ) -> dict[str, int]:
-    """Each client sends every ``clients``-th prompt, cycling, until ``done``."""
-    counts = {"answered": 0, "failed": 0}
+    """Each client sends every ``clients``-th prompt, cycling, until ``done``; ``counts``
+    (answered, failed) kept up to date as it goes."""
+    counts.update(answered=0, failed=0)
     api = openai.AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key="bench", max_retries=0)
 
     async def client(number: int) -> None:
@@ -218,9 +222,14 @@ def run_task(task: Task, args: argparse.Namespace, console: Console) -> dict[str
             watcher.watch.peak_rss = max(watcher.watch.peak_rss, peak)
             for name in ("proxy", "judge", "learner"):  # the evaluation has vLLM to itself
                 stack.stop_part(name)
-            return report(
+            result = report(
                 settings, task, watcher.watch, held, counts, console, args.traffic_max_tokens
             )
+            if args.curve:
+                result |= learning_curve(
+                    settings, task, watcher.watch, held, result, args.traffic_max_tokens, console
+                )
+            return result
         finally:
             stack.stop()
 
@@ -238,16 +247,16 @@ def drive(
     args: argparse.Namespace,
     console: Console,
 ) -> dict[str, int]:
-    """Traffic and the watcher until the first promotion or the deadline, with a progress bar."""
+    """Traffic and the watcher until the first promotion (``--curve``: until the deadline) or
+    the deadline, with a progress bar."""
     stop = threading.Event()
     proxy = f"http://{settings.proxy.host}:{settings.proxy.port}"
     counts: dict[str, int] = {}
+    watcher.traffic = counts
 
     def traffic() -> None:
-        counts.update(
-            asyncio.run(
-                replay(proxy, task.name, train, args.clients, args.traffic_max_tokens, stop)
-            )
+        asyncio.run(
+            replay(proxy, task.name, train, args.clients, args.traffic_max_tokens, stop, counts)
         )
 
     threads = [
@@ -279,7 +288,7 @@ def drive(
                         f"live v{w.last('active'):.0f}"
                     ),
                 )
-                if watcher.promoted.wait(1.0):
+                if watcher.promoted.wait(1.0) and not args.curve:
                     break
     finally:
         stop.set()
@@ -306,6 +315,7 @@ def report(
     # Cut where the traffic's answers were: base and promoted alike.
     base = score(settings, task, BASE, held, max_tokens)
     result: dict[str, Any] = {
+        "base_scores": base,
         "task": task.name,
         "verifier": task.verifier,
         "minutes_run": round(minutes, 2),
@@ -346,6 +356,63 @@ def report(
         result |= {"promoted_score": statistics.fmean(promoted)}
         result |= lift(promoted, base, BOOTSTRAP_SAMPLES)
     return result
+
+
+def learning_curve(
+    settings: RatchetSettings,
+    task: Task,
+    watch: Watch,
+    held: list[dict[str, Any]],
+    result: dict[str, Any],
+    max_tokens: int,
+    console: Console,
+) -> dict[str, Any]:
+    """``--curve``: every promoted version scored on the prompts never sent, against the base
+    (paired, with its 95% interval), at the minute and the count of prompts it went live; and
+    what the run's last one bought per CPU-minute and per 1,000 prompts of traffic."""
+    base = result["base_scores"]
+    points = []
+    promotions = [e for e in watch.events if e["kind"] == "promote" and e.get("version")]
+    for event in promotions:
+        version = int(event["version"])
+        console.print(f"scoring v{version} (promoted at {event['bench_s'] / 60:.1f} min) ...")
+        scores = score(settings, task, f"{task.name}@v{version}", held, max_tokens)
+        points.append(
+            {
+                "version": version,
+                "minute": round(event["bench_s"] / 60, 2),
+                "prompts": prompts_at(watch, event["bench_s"]),
+                "score": statistics.fmean(scores),
+                **lift(scores, base, BOOTSTRAP_SAMPLES),
+            }
+        )
+    answered = result["traffic"].get("answered", 0)
+    return curve_summary(points, result["minutes_run"], answered, os.cpu_count() or 1)
+
+
+def curve_summary(
+    points: list[dict[str, Any]], minutes_run: float, answered: int, cores: int
+) -> dict[str, Any]:
+    """The curve and what it bought: the last promoted version's lift per CPU-minute of the
+    run and per 1,000 prompts of its traffic, and the minute the first version whose lift
+    reached LIFT_BAR, with its interval above 0, was promoted."""
+    final = points[-1]["lift"] if points else 0.0
+    cpu_minutes = minutes_run * cores
+    proven = [p for p in points if p["lift"] >= LIFT_BAR and p["lift_low"] > 0]
+    return {
+        "curve": points,
+        "final_lift": final,
+        "cpu_minutes": round(cpu_minutes, 1),
+        "lift_per_cpu_minute": final / cpu_minutes if cpu_minutes else None,
+        "lift_per_1000_prompts": final / (answered / 1000) if answered else None,
+        "minutes_to_lift_bar": proven[0]["minute"] if proven else None,
+    }
+
+
+def prompts_at(watch: Watch, seconds: float) -> int:
+    """Prompts the traffic had had answered by then (the watcher's last poll before)."""
+    seen = [p["answered"] for p in watch.timeline if p["t"] <= seconds]
+    return int(seen[-1]) if seen else 0
 
 
 # --- output ----------------------------------------------------------------------------------
@@ -433,6 +500,74 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def print_curve(console: Console, results: list[dict[str, Any]], minutes: float) -> None:
+    table = Table(title=f"Learning curves: {minutes:g} minutes of the loop per task, on defaults")
+    for column in (
+        "task", "base", "promoted versions: minute (prompts) lift [95% CI]", "first promotion",
+        f"lift >= {LIFT_BAR} (min)", "lift per CPU-minute", "lift per 1,000 prompts",
+    ):  # fmt: skip
+        table.add_column(column, justify="left" if column == "task" else "right")
+    for r in results:
+        points = "\n".join(
+            f"v{p['version']}: {p['minute']:.1f} ({p['prompts']}) {p['lift']:+.3f} "
+            f"[{p['lift_low']:+.3f}, {p['lift_high']:+.3f}]"
+            for p in r.get("curve", [])
+        )
+        table.add_row(
+            r["task"],
+            _fmt(r["base_score"], ".3f"),
+            points or "none",
+            _fmt(r["minutes_to_first_promotion"], ".1f"),
+            _fmt(r.get("minutes_to_lift_bar"), ".1f"),
+            _fmt(r.get("lift_per_cpu_minute"), "+.4f"),
+            _fmt(r.get("lift_per_1000_prompts"), "+.3f"),
+        )
+    console.print(table)
+
+
+def plot_curve(results: list[dict[str, Any]], path: Path) -> None:
+    """The held-out lift of the live version (the base's 0 until the first promotion, then
+    each promoted version's, with its 95% interval) against minutes and against prompts of
+    traffic, one line per task."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_time, by_prompts) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        points = r.get("curve", [])
+        answered = r["traffic"].get("answered", 0)
+        axes = ((by_time, "minute", r["minutes_run"]), (by_prompts, "prompts", answered))
+        for ax, key, end in axes:
+            xs = [0.0] + [p[key] for p in points] + [end]
+            ys = [0.0] + [p["lift"] for p in points]
+            ys.append(ys[-1])
+            (line,) = ax.step(xs, ys, where="post", label=r["task"])
+            if points:
+                ax.errorbar(
+                    [p[key] for p in points],
+                    [p["lift"] for p in points],
+                    yerr=[
+                        [p["lift"] - p["lift_low"] for p in points],
+                        [p["lift_high"] - p["lift"] for p in points],
+                    ],
+                    fmt="o",
+                    color=line.get_color(),
+                    capsize=3,
+                )
+    for ax, label in ((by_time, "minutes of the loop"), (by_prompts, "prompts of traffic")):
+        ax.axhline(LIFT_BAR, color="grey", linestyle=":", label=f"+{LIFT_BAR}")
+        ax.axhline(0.0, color="grey", linewidth=0.5)
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out lift of the live version (greedy)")
+    by_time.legend(fontsize=7)
+    fig.suptitle("What the loop bought, on its defaults (bench/loop_speed.py --curve)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -443,6 +578,11 @@ def main() -> None:
         "--tasks", default=",".join(TASKS), help=f"comma-separated, of {list(TASKS)}"
     )
     parser.add_argument("--minutes", type=float, default=20.0, help="of traffic per task, at most")
+    parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="run the whole --minutes and score every promoted version (the learning curve)",
+    )
     parser.add_argument(
         "--set", action="append", default=[], help="key.path=value (alias.* for the task's alias)"
     )
@@ -466,7 +606,10 @@ def main() -> None:
         summary = {"minutes": args.minutes, "set": args.set, "clients": args.clients}
         args.out.write_text(json.dumps({**summary, "tasks": results}, indent=2, default=str))
         plot(results, args.out.with_suffix(".png"))
-    console.print(f"written: {args.out} and {args.out.with_suffix('.png')}")
+        if args.curve:
+            print_curve(console, results, args.minutes)
+            plot_curve(results, args.out.with_name(args.out.stem + "_curve.png"))
+    console.print(f"written: {args.out} and the plots beside it")
 
 
 if __name__ == "__main__":

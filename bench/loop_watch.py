@@ -73,6 +73,7 @@ class Watcher:
         self.seen: set[str] = set()
         self.started = time.monotonic()
         self.promoted = threading.Event()
+        self.traffic: dict[str, int] = {}  # the traffic's live counts, when it shares them
 
     def poll(self) -> None:
         t = time.monotonic() - self.started
@@ -104,6 +105,7 @@ class Watcher:
                 "trained_tokens": metric(learner, "ratchet_learner_trained_tokens_total", **a),
                 "train_s": metric(learner, "ratchet_learner_round_seconds_sum", phase="train", **a),
                 "rss": rss,
+                "answered": self.traffic.get("answered", 0),
             }
         )
         if active and self.watch.first_promotion_s is None:

@@ -9,6 +9,12 @@ README. Each check runs in its own process, one after the other, on a stack of i
   demo task): traffic until the first promotion or ``--minutes``, then the promoted version's
   lift over the base on the task's prompts never sent, with its paired 95% interval. Bar: a
   promotion within ``--minutes`` and an interval above 0.
+* ``curve`` (only when named: ``--checks curve``; about an hour and ten minutes a task):
+  bench/loop_speed.py --curve, ``--curve-minutes`` (60) of the whole loop on the
+  shipped defaults for each of ``--curve-tasks`` (default: all five bundled tasks), every
+  promoted version scored on the task's prompts never sent (issue 31's learning curve). Bar, per
+  task: the first promotion within 15 minutes and a lift of at least +0.1, its interval above
+  0, from a version promoted within 30. Writes ``curve.json`` and ``curve_curve.png``.
 * ``ratings``: tests/outcomes/test_learning_from_ratings.py, a loop driven by users' ratings
   alone (a reward model trained on them scores groups and gates; the ratings decide the
   canary). Bar: the test's own (a promoted version's lift on unseen prompts, its interval above
@@ -36,7 +42,10 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKS = ("loop", "ratings")
+CHECKS = ("loop", "curve", "ratings")
+DEFAULT_CHECKS = ("loop", "ratings")  # the curve takes hours: run only when named
+CURVE_FIRST_PROMOTION_MIN = 15.0  # the curve's bar: the first promotion within this ...
+CURVE_LIFT_BY_MIN = 30.0  # ... and a lift of loop_speed.LIFT_BAR proven by this minute
 RATINGS_TEST = "tests/outcomes/test_learning_from_ratings.py"
 
 
@@ -50,6 +59,20 @@ def loop_command(args: argparse.Namespace) -> list[str]:
         str(args.minutes),
         "--out",
         str(args.out / "loop_speed.json"),
+    ]
+
+
+def curve_command(args: argparse.Namespace) -> list[str]:
+    return [
+        sys.executable,
+        str(ROOT / "bench" / "loop_speed.py"),
+        "--curve",
+        "--tasks",
+        args.curve_tasks,
+        "--minutes",
+        str(args.curve_minutes),
+        "--out",
+        str(args.out / "curve.json"),
     ]
 
 
@@ -125,6 +148,37 @@ def loop_rows(out: Path, minutes: float, code: int) -> list[dict[str, Any]]:
     return rows
 
 
+def curve_rows(out: Path, code: int) -> list[dict[str, Any]]:
+    """One row per task of curve.json: its last promoted version's lift, and the bar."""
+    path = out / "curve.json"
+    if not path.is_file():
+        return [missing("curve", f"no {path.name} (exit {code})")]
+    rows = []
+    for task in json.loads(path.read_text())["tasks"]:
+        points = task.get("curve") or []
+        last = points[-1] if points else None
+        first = task.get("minutes_to_first_promotion")
+        proven = task.get("minutes_to_lift_bar")
+        rows.append(
+            {
+                "check": f"curve: {task['task']}, {len(points)} promotion(s)",
+                "settings": "the shipped defaults",
+                "minutes_to_first_promotion": first,
+                "minutes_run": task.get("minutes_run"),
+                "lift": (last["lift"], last["lift_low"], last["lift_high"]) if last else None,
+                "prompts": task.get("eval_prompts"),
+                "ratings": None,
+                "bar": f"promoted within {CURVE_FIRST_PROMOTION_MIN:g} min; +0.1 (interval "
+                f"above 0) within {CURVE_LIFT_BY_MIN:g}",
+                "passed": first is not None
+                and first <= CURVE_FIRST_PROMOTION_MIN
+                and proven is not None
+                and proven <= CURVE_LIFT_BY_MIN,
+            }
+        )
+    return rows
+
+
 def ratings_rows(out: Path, code: int) -> list[dict[str, Any]]:
     path = out / "ratings.json"
     if not path.is_file():
@@ -191,9 +245,15 @@ def summary_table(rows: list[dict[str, Any]]) -> Table:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated, of {CHECKS}")
+    parser.add_argument(
+        "--checks", default=",".join(DEFAULT_CHECKS), help=f"comma-separated, of {CHECKS}"
+    )
     parser.add_argument("--tasks", default="demo", help="loop_speed's tasks (comma-separated)")
     parser.add_argument("--minutes", type=float, default=20.0, help="loop_speed's traffic, at most")
+    parser.add_argument(
+        "--curve-tasks", default="demo,sorting,bullets,tool_use,triage", help="the curve's tasks"
+    )
+    parser.add_argument("--curve-minutes", type=float, default=60.0, help="of the loop per task")
     parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "outcomes", help="folder"
     )
@@ -208,18 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     timings: dict[str, float] = {}
     for check in checks:
-        stale = args.out / ("loop_speed.json" if check == "loop" else "ratings.json")
-        stale.unlink(missing_ok=True)  # a figure left by an earlier run must not count
+        figures = {"loop": "loop_speed.json", "curve": "curve.json", "ratings": "ratings.json"}
+        (args.out / figures[check]).unlink(missing_ok=True)  # an earlier run's must not count
         log = args.out / f"{check}.log"
         console.rule(f"{check}: log in {log}")
-        command = loop_command(args) if check == "loop" else ratings_command(args)
-        code, timings[check] = run_check(check, command, log, env, console)
+        commands = {"loop": loop_command, "curve": curve_command, "ratings": ratings_command}
+        code, timings[check] = run_check(check, commands[check](args), log, env, console)
         console.print(f"{check}: exit {code} after {timings[check] / 60:.1f} min")
-        rows += (
-            loop_rows(args.out, args.minutes, code)
-            if check == "loop"
-            else ratings_rows(args.out, code)
-        )
+        if check == "loop":
+            rows += loop_rows(args.out, args.minutes, code)
+        elif check == "curve":
+            rows += curve_rows(args.out, code)
+        else:
+            rows += ratings_rows(args.out, code)
     console.print(summary_table(rows))
     summary = {
         "checks": rows,

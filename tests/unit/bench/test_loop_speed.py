@@ -1,18 +1,22 @@
 """bench/loop_speed.py's pure parts: the generated config leaves every setting at its default but
-the task's verifier; --set reaches the task's alias; the lift and its interval; /proc memory."""
+the task's verifier; --set reaches the task's alias; the lift and its interval; /proc memory;
+the learning curve's summary and plot, and the outcome lane's bar on it."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from bench.loop_speed import lift, loop_config, parse_sets
-from bench.loop_watch import metric, proc_memory
+from bench.loop_speed import curve_summary, lift, loop_config, parse_sets, plot_curve, prompts_at
+from bench.loop_watch import Watch, metric, proc_memory
 from ratchet.settings import AliasConfig, LearnerSettings, load_settings
 from ratchet.tasks import TASKS
+from tests.outcomes.lane import curve_rows
 
 MODEL = Path("/models/smollm2-135m-instruct")
 
@@ -73,3 +77,63 @@ def test_metric_sums_matching_samples_and_memory_comes_from_proc() -> None:
     rss, peak = proc_memory(os.getpid())
     assert 0 < rss <= peak
     assert proc_memory(None) == (0, 0)
+
+
+def point(version: int, minute: float, prompts: int, lift: float, low: float) -> dict[str, Any]:
+    return {
+        "version": version,
+        "minute": minute,
+        "prompts": prompts,
+        "score": 0.5 + lift,
+        "lift": lift,
+        "lift_low": low,
+        "lift_high": lift + (lift - low),
+    }
+
+
+def test_the_curve_says_what_the_last_version_bought_and_when_the_bar_was_first_proven() -> None:
+    points = [point(2, 12.0, 800, 0.12, -0.01), point(5, 26.5, 1700, 0.15, 0.05)]
+    summary = curve_summary(points, minutes_run=60.0, answered=4000, cores=2)
+    assert summary["final_lift"] == 0.15
+    assert summary["cpu_minutes"] == 120.0
+    assert summary["lift_per_cpu_minute"] == pytest.approx(0.15 / 120)
+    assert summary["lift_per_1000_prompts"] == pytest.approx(0.15 / 4)
+    # v2 lifted +0.12 but its interval reached below 0: the bar was proven by v5
+    assert summary["minutes_to_lift_bar"] == 26.5
+    none = curve_summary([], minutes_run=60.0, answered=0, cores=2)
+    assert none["final_lift"] == 0.0 and none["minutes_to_lift_bar"] is None
+    assert none["lift_per_1000_prompts"] is None
+
+
+def test_prompts_at_is_the_traffic_count_at_the_last_poll_before() -> None:
+    watch = Watch(timeline=[{"t": 0.0, "answered": 0}, {"t": 2.0, "answered": 7}])
+    assert prompts_at(watch, 1.9) == 0
+    assert prompts_at(watch, 5.0) == 7
+
+
+def test_the_curve_plot_and_the_lane_read_a_run(tmp_path: Path) -> None:
+    def task(name: str, points: list[dict[str, Any]], first: float | None) -> dict[str, Any]:
+        minutes = 60.0
+        return {
+            "task": name,
+            "base_score": 0.4,
+            "minutes_run": minutes,
+            "minutes_to_first_promotion": first,
+            "eval_prompts": 64,
+            "traffic": {"answered": 3000},
+            **curve_summary(points, minutes, 3000, 2),
+        }
+
+    tasks = [
+        task("sorting", [point(2, 9.0, 500, 0.11, 0.02), point(4, 41.0, 2100, 0.2, 0.1)], 9.0),
+        task("bullets", [point(3, 17.0, 900, 0.3, 0.2)], 17.0),  # first promotion too late
+        task("triage", [], None),
+    ]
+    plot_curve(tasks, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 10_000
+    (tmp_path / "curve.json").write_text(json.dumps({"tasks": tasks}))
+    rows = curve_rows(tmp_path, 0)
+    assert [row["passed"] for row in rows] == [True, False, False]
+    assert rows[0]["lift"] == pytest.approx((0.2, 0.1, 0.3))
+    assert rows[2]["lift"] is None and rows[2]["check"] == "curve: triage, 0 promotion(s)"
+    assert curve_rows(tmp_path / "nowhere", 1)[0]["passed"] is False
