@@ -421,7 +421,9 @@ class JudgeService(JudgeKafka):
             seen, flat = await self.redis.mget(seen_key(alias, digest), flat_key(alias, digest))
         except (redis.RedisError, OSError):
             return
-        version = await self._policy(alias, await self._route(alias, config))
+        version = -1  # read only where a version's mark makes it matter
+        if isinstance(seen, bytes) and seen.startswith(b"v"):
+            version = await self._policy(alias, await self._route(alias, config))
         reason = repeat_reason(seen, flat, version, learning.skip_after_flat_groups)
         if reason is not None:
             raise Skip(reason)
