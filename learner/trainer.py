@@ -379,39 +379,15 @@ class LoraGRPOLearner:
         batch = packed.to(self.device)
         self.rounds += 1
         epochs = [self._plan_steps(len(batch), e + 1) for e in range(self.train.epochs_per_round)]
-        planned = sum(len(steps) for steps in epochs)
         acc = _Accumulator(self.device)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         devices = [self.device] if self.device.type == "cuda" else []
-        taken = tokens = epochs_begun = 0
-        stopped: str | None = None
         with torch.random.fork_rng(devices=devices):  # LoRA dropout: seeded by the round
             torch.manual_seed(self.train.seed * 1_000_003 + self.rounds)
-            for epoch, steps in enumerate(epochs, 1):
-                epochs_begun = epoch if steps else epochs_begun
-                for step_rows in steps:
-                    step = self._step(batch, step_rows, lengths, acc, epoch)
-                    if step.stopped is not None:
-                        stopped = step.stopped
-                        log.info("round %d: stopped: %s", self.rounds, stopped)
-                        break
-                    taken += 1
-                    tokens += step.tokens
-                    progress = StepProgress(
-                        round=self.rounds,
-                        step=taken,
-                        steps=planned,
-                        loss=step.loss,
-                        reward=_mean_reward([kept_groups[i] for i in step_rows.tolist()]),
-                        completion_tokens=tokens,
-                        seconds=time.perf_counter() - start,
-                    )
-                    log.info("%s", progress.line())
-                    if on_step is not None:
-                        on_step(progress)
-                if stopped is not None:
-                    break
+            taken, epochs_begun, stopped = self._run_epochs(
+                batch, epochs, lengths, acc, kept_groups, start, on_step
+            )
         self.optimizer_steps += taken - acc.skipped
         self.groups_seen += int(informative.sum())
         if self.ranks.size > 1:
@@ -431,6 +407,43 @@ class LoraGRPOLearner:
         self.tokens_seen += stats.completion_tokens
         self.last_round = stats
         return stats
+
+    def _run_epochs(
+        self,
+        batch: Batch,
+        epochs: list[list[Tensor]],
+        lengths: Tensor,
+        acc: _Accumulator,
+        kept_groups: list[ScoredGroup],
+        start: float,
+        on_step: StepCallback | None,
+    ) -> tuple[int, int, str | None]:
+        """The planned steps, pass after pass, until they run out or a step is not taken
+        (:func:`epoch_stop`): (steps taken, passes begun, why it stopped)."""
+        planned = sum(len(steps) for steps in epochs)
+        taken = tokens = epochs_begun = 0
+        for epoch, steps in enumerate(epochs, 1):
+            epochs_begun = epoch if steps else epochs_begun
+            for step_rows in steps:
+                step = self._step(batch, step_rows, lengths, acc, epoch)
+                if step.stopped is not None:
+                    log.info("round %d: stopped: %s", self.rounds, step.stopped)
+                    return taken, epochs_begun, step.stopped
+                taken += 1
+                tokens += step.tokens
+                progress = StepProgress(
+                    round=self.rounds,
+                    step=taken,
+                    steps=planned,
+                    loss=step.loss,
+                    reward=_mean_reward([kept_groups[i] for i in step_rows.tolist()]),
+                    completion_tokens=tokens,
+                    seconds=time.perf_counter() - start,
+                )
+                log.info("%s", progress.line())
+                if on_step is not None:
+                    on_step(progress)
+        return taken, epochs_begun, None
 
     def _step(
         self, batch: Batch, step_rows: Tensor, lengths: Tensor, acc: _Accumulator, epoch: int
