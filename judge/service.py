@@ -108,14 +108,12 @@ def flat_key(alias: str, prompt_digest: str) -> str:
 
 
 def repeat_reason(
-    seen: bytes | str | None, flat: bytes | str | None, version: int, skip_after: int
+    seen: bytes | None, flat: bytes | None, version: int, skip_after: int
 ) -> str | None:
     """Why a training prompt is not sampled from ``version`` now, from its marks: a group of
     it was sampled from this version within the window (``recent_duplicate``; any other mark,
     an older judge's included, counts too), or its last ``skip_after`` groups carried no signal
     (``no_signal``; 0: never). None: sample it."""
-    seen = seen.encode() if isinstance(seen, str) else seen
-    flat = flat.encode() if isinstance(flat, str) else flat
     if seen is not None and (not seen.startswith(b"v") or seen == b"v%d" % version):
         return "recent_duplicate"
     if skip_after and flat is not None and flat.isdigit() and int(flat) >= skip_after:
@@ -418,11 +416,12 @@ class JudgeService(JudgeKafka):
         if not learning.dedup_window_s:
             return
         try:
-            seen, flat = await self.redis.mget(seen_key(alias, digest), flat_key(alias, digest))
+            marks = await self.redis.mget(seen_key(alias, digest), flat_key(alias, digest))
         except (redis.RedisError, OSError):
             return
+        seen, flat = (m.encode() if isinstance(m, str) else m for m in marks)
         version = -1  # read only where a version's mark makes it matter
-        if isinstance(seen, bytes) and seen.startswith(b"v"):
+        if seen is not None and seen.startswith(b"v"):
             version = await self._policy(alias, await self._route(alias, config))
         reason = repeat_reason(seen, flat, version, learning.skip_after_flat_groups)
         if reason is not None:
