@@ -353,7 +353,7 @@ def report(
     }
     if version:
         promoted = score(settings, task, f"{task.name}@v{version}", held, max_tokens)
-        result |= {"promoted_score": statistics.fmean(promoted)}
+        result |= {"promoted_score": statistics.fmean(promoted), "promoted_scores": promoted}
         result |= lift(promoted, base, BOOTSTRAP_SAMPLES)
     return result
 
@@ -371,12 +371,18 @@ def learning_curve(
     (paired, with its 95% interval), at the minute and the count of prompts it went live; and
     what the run's last one bought per CPU-minute and per 1,000 prompts of traffic."""
     base = result["base_scores"]
+    # report() has scored the version it evaluated already: the same answers, not drawn twice.
+    scored: dict[int, list[float]] = {}
+    if result["evaluated_version"] is not None and "promoted_scores" in result:
+        scored[int(result["evaluated_version"])] = result["promoted_scores"]
     points = []
     promotions = [e for e in watch.events if e["kind"] == "promote" and e.get("version")]
     for event in promotions:
         version = int(event["version"])
-        console.print(f"scoring v{version} (promoted at {event['bench_s'] / 60:.1f} min) ...")
-        scores = score(settings, task, f"{task.name}@v{version}", held, max_tokens)
+        scores = scored.get(version)
+        if scores is None:
+            console.print(f"scoring v{version} (promoted at {event['bench_s'] / 60:.1f} min) ...")
+            scores = score(settings, task, f"{task.name}@v{version}", held, max_tokens)
         points.append(
             {
                 "version": version,
