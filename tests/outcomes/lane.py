@@ -120,6 +120,39 @@ def last_line(log: Path, width: int = 100) -> str:
     return lines[-1][:width] if lines else ""
 
 
+def row(
+    check: str,
+    settings: str,
+    *,
+    first: float | None = None,
+    minutes_run: float | None = None,
+    lift: tuple[float, float, float] | None = None,
+    prompts: int | None = None,
+    ratings: int | None = None,
+    bar: str = "-",
+    passed: bool = False,
+) -> dict[str, Any]:
+    """One row of the lane's table (and of its JSON), whichever check it reports."""
+    return {
+        "check": check,
+        "settings": settings,
+        "minutes_to_first_promotion": first,
+        "minutes_run": minutes_run,
+        "lift": lift,
+        "prompts": prompts,
+        "ratings": ratings,
+        "bar": bar,
+        "passed": passed,
+    }
+
+
+def interval(point: dict[str, Any] | None) -> tuple[float, float, float] | None:
+    """A measured lift and its 95% interval, where there is one."""
+    if point is None or point.get("lift") is None:
+        return None
+    return (point["lift"], point["lift_low"], point["lift_high"])
+
+
 def loop_rows(out: Path, minutes: float, code: int) -> list[dict[str, Any]]:
     """One row per task of loop_speed.json (none when the run wrote none)."""
     path = out / "loop_speed.json"
@@ -128,22 +161,21 @@ def loop_rows(out: Path, minutes: float, code: int) -> list[dict[str, Any]]:
     rows = []
     for task in json.loads(path.read_text())["tasks"]:
         promoted = task.get("evaluated_is_promoted") and task.get("minutes_to_first_promotion")
-        interval = (task.get("lift"), task.get("lift_low"), task.get("lift_high"))
+        lift = interval(task)
         check = f"loop: {task['task']}"
         if task.get("evaluated_version") and not task.get("evaluated_is_promoted"):
             check += f" (v{task['evaluated_version']} measured, not promoted)"
         rows.append(
-            {
-                "check": check,
-                "settings": "the shipped defaults",
-                "minutes_to_first_promotion": task.get("minutes_to_first_promotion"),
-                "minutes_run": task.get("minutes_run"),
-                "lift": interval if interval[0] is not None else None,
-                "prompts": task.get("eval_prompts"),
-                "ratings": None,
-                "bar": f"promoted within {minutes:g} min; lift's 95% interval above 0",
-                "passed": bool(promoted and interval[1] is not None and interval[1] > 0),
-            }
+            row(
+                check,
+                "the shipped defaults",
+                first=task.get("minutes_to_first_promotion"),
+                minutes_run=task.get("minutes_run"),
+                lift=lift,
+                prompts=task.get("eval_prompts"),
+                bar=f"promoted within {minutes:g} min; lift's 95% interval above 0",
+                passed=bool(promoted and lift is not None and lift[1] > 0),
+            )
         )
     return rows
 
@@ -156,25 +188,23 @@ def curve_rows(out: Path, code: int) -> list[dict[str, Any]]:
     rows = []
     for task in json.loads(path.read_text())["tasks"]:
         points = task.get("curve") or []
-        last = points[-1] if points else None
         first = task.get("minutes_to_first_promotion")
         proven = task.get("minutes_to_lift_bar")
         rows.append(
-            {
-                "check": f"curve: {task['task']}, {len(points)} promotion(s)",
-                "settings": "the shipped defaults",
-                "minutes_to_first_promotion": first,
-                "minutes_run": task.get("minutes_run"),
-                "lift": (last["lift"], last["lift_low"], last["lift_high"]) if last else None,
-                "prompts": task.get("eval_prompts"),
-                "ratings": None,
-                "bar": f"promoted within {CURVE_FIRST_PROMOTION_MIN:g} min; +0.1 (interval "
+            row(
+                f"curve: {task['task']}, {len(points)} promotion(s)",
+                "the shipped defaults",
+                first=first,
+                minutes_run=task.get("minutes_run"),
+                lift=interval(points[-1] if points else None),
+                prompts=task.get("eval_prompts"),
+                bar=f"promoted within {CURVE_FIRST_PROMOTION_MIN:g} min; +0.1 (interval "
                 f"above 0) within {CURVE_LIFT_BY_MIN:g}",
-                "passed": first is not None
+                passed=first is not None
                 and first <= CURVE_FIRST_PROMOTION_MIN
                 and proven is not None
                 and proven <= CURVE_LIFT_BY_MIN,
-            }
+            )
         )
     return rows
 
@@ -186,32 +216,23 @@ def ratings_rows(out: Path, code: int) -> list[dict[str, Any]]:
     figures = json.loads(path.read_text())
     last = figures["promotions"][-1] if figures["promotions"] else None
     return [
-        {
-            "check": f"ratings: {len(figures['promotions'])} promotion(s) measured",
-            "settings": figures["settings"],
-            "minutes_to_first_promotion": figures["minutes_to_first_promotion"],
-            "minutes_run": figures.get("minutes_run"),
-            "lift": (last["lift"], last["lift_low"], last["lift_high"]) if last else None,
-            "prompts": figures["unseen_prompts"],
-            "ratings": figures["ratings"],
-            "bar": figures["bar"],
+        row(
+            f"ratings: {len(figures['promotions'])} promotion(s) measured",
+            figures["settings"],
+            first=figures["minutes_to_first_promotion"],
+            minutes_run=figures.get("minutes_run"),
+            lift=interval(last),
+            prompts=figures["unseen_prompts"],
+            ratings=figures["ratings"],
+            bar=figures["bar"],
             # The test's exit says it too; both must agree that the bar was met.
-            "passed": bool(figures["passed"]) and code == 0,
-        }
+            passed=bool(figures["passed"]) and code == 0,
+        )
     ]
 
 
 def missing(check: str, why: str) -> dict[str, Any]:
-    return {
-        "check": check,
-        "settings": why,
-        "minutes_to_first_promotion": None,
-        "lift": None,
-        "prompts": None,
-        "ratings": None,
-        "bar": "-",
-        "passed": False,
-    }
+    return row(check, why)
 
 
 def first_promotion(row: dict[str, Any]) -> str:
