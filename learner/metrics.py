@@ -44,7 +44,8 @@ class LearnerMetrics:
         )
         self.round_seconds = Histogram(
             "ratchet_learner_round_seconds",
-            "Wall time of a round's phases (train, gate)",
+            "Wall time of a round's phases (train, gate), and of each reward model retrain "
+            "(reward_model), which waits for the round's training to end",
             ("alias", "phase"),
             buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200, 3600),
             registry=r,
@@ -170,8 +171,14 @@ class LearnerMetrics:
         )
         self.reward_model_auc = Gauge(
             "ratchet_learner_reward_model_auc",
-            "Held-out AUC of the alias's newest reward model (it gives rewards only above "
-            "feedback.min_auc)",
+            "Held-out AUC of the alias's newest reward model",
+            ("alias",),
+            registry=r,
+        )
+        self.reward_model_auc_low = Gauge(
+            "ratchet_learner_reward_model_auc_low",
+            "Lower end of that AUC's 95% interval (the model gives rewards only while it is "
+            "above feedback.min_auc)",
             ("alias",),
             registry=r,
         )

@@ -2,23 +2,27 @@
 
 :class:`RatingsCollector` reads ``ratchet.traffic`` and ``ratchet.feedback`` from the start (as
 its own consumer group), joins ratings with the answers they rate (learner/ratings.py), and once
-an alias with ``reward.kind: feedback`` has ``feedback.retrain_every`` new joined ratings,
-:class:`RewardTrainer` trains a new version under the alias's lease:
+an alias with ``reward.kind: feedback`` has enough new joined ratings (:func:`ratings_needed`)
+and no round is training the policy in this process, :class:`RewardTrainer` trains a new
+version under the alias's lease:
 
 1. split the ratings by prompt: ``feedback.eval_fraction`` of the prompts are never trained on
    (a split keyed with the server secret, so no client can aim at it);
 2. cap each client (a rating's ``owner``: its key, or a vouching key's user) at
    ``feedback.max_share`` of the training set and of the evaluation set (learner/fair.py);
 3. fit the head on the frozen base model's features (ratchet/rewards/reward_model.py);
-4. evaluate on the held-out ratings: AUC with a bootstrap interval, pairwise accuracy;
-5. write ``<alias>.reward@v<N>`` to the store (atomic, immutable, with its counts and metrics),
-   then the alias's RewardStatus in Redis: usable only while the AUC is above
-   ``feedback.min_auc``.
+4. evaluate on the held-out ratings: AUC with a bootstrap interval, pairwise accuracy, and
+   the live model on the same ratings;
+5. write ``<alias>.reward@v<N>`` to the store (atomic, immutable, with its counts, metrics and
+   seconds), then the alias's RewardStatus in Redis: it goes live only while its AUC's lower
+   bound is above ``feedback.min_auc`` and it ranks the held-out ratings no worse than the live
+   model (:func:`reward_verdict`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -39,7 +43,9 @@ from ratchet.lifecycle import EventSink
 from ratchet.records import DeadLetter, FeedbackRecord, TrafficRecord, decode
 from ratchet.rewards.reward_model import (
     AnswerFeatures,
+    Evaluation,
     RatedAnswer,
+    RewardHead,
     RewardModels,
     RewardModelUnavailable,
     RewardStatus,
@@ -47,11 +53,12 @@ from ratchet.rewards.reward_model import (
     fit_head,
     good_ratings,
     is_eval_rating,
+    reward_model_name,
     reward_store_name,
     write_meta,
 )
 from ratchet.secrets import server_secret
-from ratchet.settings import RatchetSettings
+from ratchet.settings import FeedbackConfig, RatchetSettings
 from ratchet.store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -87,9 +94,9 @@ class RewardTrainer:
         return self._features
 
     def due(self, alias: str) -> bool:
-        config = self.settings.aliases[alias]
+        config = self.settings.aliases[alias].feedback
         raw = self.redis.get(new_ratings_key(alias))
-        return int(raw or 0) >= config.feedback.retrain_every
+        return int(raw or 0) >= ratings_needed(config, RewardStatus.read(self.redis, alias))
 
     def rows(self, answers: list[RatedAnswer]) -> Any:
         """Features of rated answers, computed once per completion and cached."""
@@ -132,23 +139,19 @@ class RewardTrainer:
             log.info("%s: reward model not trained: %s", alias, why)
             return status
         head = fit_head(self.rows(trained), trained)
-        result = evaluate(head.predict(self.rows(held)), held)
+        held_rows = self.rows(held)
+        result = evaluate(head.predict(held_rows), held)
+        live = self.live_on(alias, previous, held, held_rows)
+        usable, reason = reward_verdict(result, live, config.min_auc)
         clients = len({a.owner for a in trained})
         meta = write_meta(result, len(trained), clients, str(self.base_model_path))
         meta["trained_on"]["passed_over_for_key_share"] = passed_over
+        if live is not None:
+            meta["live_on_same_ratings"] = {"version": live[0], **live[1].to_dict()}
+        meta["seconds"] = round(time.monotonic() - started, 3)
         name = reward_store_name(alias)
         version = max(self.store.folder_versions(name), default=0) + 1
         self.store.write_folder(name, version, head.save, meta)
-        usable = (
-            result.auc is not None and result.auc > self.settings.aliases[alias].feedback.min_auc
-        )
-        reason = (
-            f"held-out AUC {result.auc:.3f} on {result.ratings} ratings"
-            if result.auc is not None
-            else "no held-out AUC"
-        )
-        if not usable:
-            reason += f", not above feedback.min_auc {config.min_auc}"
         newest = RewardStatus(
             version=version,
             usable=usable,
@@ -156,6 +159,7 @@ class RewardTrainer:
             auc=result.auc,
             trained_ratings=len(trained),
             eval_ratings=len(held),
+            auc_low=result.auc_interval[0] if result.auc_interval else None,
         )
         status = _keep_live(previous, newest)
         pipe = self.redis.pipeline(transaction=True)
@@ -172,6 +176,47 @@ class RewardTrainer:
             usable,
         )
         return status
+
+    def live_on(
+        self, alias: str, live: RewardStatus | None, held: list[RatedAnswer], held_rows: Any
+    ) -> tuple[int, Evaluation] | None:
+        """The live model on the new model's held-out ratings (its version, its evaluation):
+        both versions measured on the same ratings, so they compare. None: none is live, or its
+        files are gone."""
+        if live is None or not live.usable or not live.version:
+            return None
+        folder = self.store.root / reward_model_name(alias, live.version)
+        try:
+            head = RewardHead.load(folder)
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("%s: live reward model v%d unreadable: %s", alias, live.version, exc)
+            return None
+        return live.version, evaluate(head.predict(held_rows), held)
+
+
+def ratings_needed(config: FeedbackConfig, live: RewardStatus | None) -> int:
+    """New ratings before the next retrain: ``retrain_every``, or ``retrain_growth`` times the
+    ratings the live model was trained on where that is more."""
+    trained = live.trained_ratings if live is not None else 0
+    return max(config.retrain_every, math.ceil(config.retrain_growth * trained))
+
+
+def reward_verdict(
+    new: Evaluation, live: tuple[int, Evaluation] | None, min_auc: float
+) -> tuple[bool, str]:
+    """Whether a newly trained model may give rewards, and why, in RewardStatus's words: the
+    lower end of its held-out AUC's 95% interval above ``min_auc``, and, where a model is live,
+    an AUC on the same held-out ratings not below the live one's (a retrain on more ratings can
+    still rank worse: the live one then stays)."""
+    if new.auc is None or new.auc_interval is None:
+        return False, "no held-out AUC"
+    low, high = new.auc_interval
+    reason = f"held-out AUC {new.auc:.3f} [{low:.3f}, {high:.3f}] on {new.ratings} ratings"
+    if low <= min_auc:
+        return False, f"{reason}, its lower bound not above feedback.min_auc {min_auc}"
+    if live is not None and live[1].auc is not None and new.auc < live[1].auc:
+        return False, f"{reason}, below live v{live[0]}'s {live[1].auc:.3f} on the same ratings"
+    return True, reason
 
 
 def owner_of(answer: RatedAnswer) -> str:
@@ -231,6 +276,7 @@ class RatingsCollector:
         metrics: LearnerMetrics,
         stopping: threading.Event,
         sink: EventSink | None = None,
+        policy_training: threading.Event | None = None,
     ) -> None:
         self.settings = settings
         self.fetcher = TrafficFetcher(settings)
@@ -240,6 +286,10 @@ class RatingsCollector:
         self.metrics = metrics
         self.stopping = stopping
         self.sink = sink or EventSink(settings)
+        # Set while a round trains the policy in this process: a retrain then waits, so that
+        # the two never share the cores (issue 35: a round beside retrains ran at a third of
+        # its speed). A retrain under way when a round starts finishes.
+        self.policy_training = policy_training or threading.Event()
         # alias -> (failures in a row, monotonic time before which it is not tried again)
         self._backoff: dict[str, tuple[int, float]] = {}
 
@@ -281,6 +331,8 @@ class RatingsCollector:
         return []  # another schema or malformed: counted by decode's caller elsewhere
 
     def retrain_due(self) -> None:
+        if self.policy_training.is_set():
+            return  # between rounds; the ratings keep being joined meanwhile
         for alias in sorted(self.join.feedback_aliases()):
             failures, retry_at = self._backoff.get(alias, (0, 0.0))
             if self.stopping.is_set() or time.monotonic() < retry_at:
@@ -306,7 +358,12 @@ class RatingsCollector:
         with self.leases.hold(reward_store_name(alias)) as lease:
             if lease is None:
                 return  # another replica trains it: its turn
+            started = time.monotonic()
             status = self.trainer.train(alias)
-            self.metrics.reward_model_version.labels(alias).set(status.version)
+            m = self.metrics
+            m.round_seconds.labels(alias, "reward_model").observe(time.monotonic() - started)
+            m.reward_model_version.labels(alias).set(status.version)
             if status.auc is not None:
-                self.metrics.reward_model_auc.labels(alias).set(status.auc)
+                m.reward_model_auc.labels(alias).set(status.auc)
+            if status.auc_low is not None:
+                m.reward_model_auc_low.labels(alias).set(status.auc_low)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -115,6 +116,8 @@ class Rounds:
             lambda alias: RewardStatus.read(self.redis, alias),
         )
         self._trainer: LoraGRPOLearner | None = None
+        # Set while a round trains the policy: the reward models' retrains wait for it to clear.
+        self.training = threading.Event()
         # Shared with the service's loop: one throttle and one view of what Redis holds.
         self.progress = ProgressReporter(self.redis, metrics)
         self._progress: dict[str, LearnerProgress] = {}  # each running round's, as reported
@@ -232,6 +235,7 @@ class Rounds:
             self.metrics.step_loss.labels(alias).set(step.loss)
             self.report(alias, step=step.step, steps=step.steps, detail=step.line())
 
+        self.training.set()
         try:
             stats = trainer.train_round(groups, on_step)
         except Exception as exc:
@@ -240,6 +244,8 @@ class Rounds:
                 # process group (torchrun restarts it) rather than fail one round.
                 raise SystemExit(f"data-parallel round failed: {exc!r}") from exc
             raise
+        finally:
+            self.training.clear()
         self.metrics.round_seconds.labels(alias, "train").observe(time.perf_counter() - started)
         m = self.metrics
         m.train_reward.labels(alias).set(stats.mean_reward)

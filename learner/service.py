@@ -543,6 +543,7 @@ class LearnerService:
             ),
             self.metrics,
             self.stopping,
+            policy_training=self.rounds.training,
         )
         thread = threading.Thread(target=collector.run, name="ratings", daemon=True)
         thread.start()

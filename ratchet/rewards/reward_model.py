@@ -412,6 +412,7 @@ class RewardStatus:
     auc: float | None = None
     trained_ratings: int = 0
     eval_ratings: int = 0
+    auc_low: float | None = None  # the lower end of the AUC's 95% interval, what decides
 
     def to_hash(self) -> dict[str, str]:
         return {
@@ -421,6 +422,7 @@ class RewardStatus:
             "auc": "" if self.auc is None else repr(self.auc),
             "trained_ratings": str(self.trained_ratings),
             "eval_ratings": str(self.eval_ratings),
+            "auc_low": "" if self.auc_low is None else repr(self.auc_low),
         }
 
     def write(self, client: Any, alias: str) -> None:
@@ -448,6 +450,7 @@ class RewardStatus:
             auc=float(data["auc"]) if data.get("auc") else None,
             trained_ratings=int(data.get("trained_ratings") or 0),
             eval_ratings=int(data.get("eval_ratings") or 0),
+            auc_low=float(data["auc_low"]) if data.get("auc_low") else None,
         )
 
 

@@ -4,6 +4,7 @@ with the real embedded model's features, written to the store and used to score 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from ratchet.records import (
 from ratchet.rewards.agreement import AGREEMENT_QUEUE, to_judge_key
 from ratchet.rewards.reward_model import (
     AnswerFeatures,
+    Evaluation,
     RatedAnswer,
     RewardModels,
     RewardStatus,
@@ -307,6 +309,68 @@ def test_a_reward_model_learns_what_users_prefer_and_scores_with_it(
     scores, name = models.score(ALIAS, status, messages, [curt("kites"), polite("kites")])
     assert name == f"{ALIAS}.reward@v1" and scores[1] > scores[0]
 
+    # The next retrain waits for half as many new ratings as v1 trained on (retrain_growth),
+    # not for retrain_every's 8; then v2 is measured beside v1 on the same held-out ratings.
+    needed = reward_training.ratings_needed(settings.aliases[ALIAS].feedback, status)
+    assert needed == math.ceil(0.5 * status.trained_ratings) > 8
+    for i in range(24, 24 + needed):
+        topic = f"{TOPICS[i % len(TOPICS)]} #{i}"
+        good = i % 2 == 0
+        cid = f"c{n}"
+        n += 1
+        answer = polite(topic) if good else curt(topic)
+        join.served(traffic(cid, f"Tell me about {topic}.", answer, key=f"user{i % 9}"))
+        join.on_feedback(rating(cid, float(good), key=f"user{i % 9}"))
+        assert trainer.due(ALIAS) == (i == 24 + needed - 1), i
+    collector.retrain_due()
+    second = RewardStatus.read(client, ALIAS)
+    assert second is not None and second.version == 2 and second.usable, second
+    assert second.auc_low is not None and second.auc_low > 0.55
+    meta = store.meta(reward_store_name(ALIAS), 2)
+    assert meta["live_on_same_ratings"]["version"] == 1
+    assert meta["live_on_same_ratings"]["ratings"] == meta["heldout"]["ratings"]
+    assert meta["seconds"] > 0
+
+
+def evaluation(auc: float, low: float, ratings: int = 100) -> Evaluation:
+    return Evaluation(ratings, auc, (low, min(1.0, 2 * auc - low)), 0, None)
+
+
+def test_a_reward_model_goes_live_on_its_aucs_lower_bound_and_only_if_no_worse_than_live() -> None:
+    from learner.reward_training import reward_verdict
+
+    # 0.80 on a handful of ratings: an interval down to a coin, not live.
+    usable, why = reward_verdict(evaluation(0.80, 0.50, 13), None, 0.55)
+    assert not usable and why == (
+        "held-out AUC 0.800 [0.500, 1.000] on 13 ratings, its lower bound not above "
+        "feedback.min_auc 0.55"
+    )
+    # 0.66 on many: its lower bound clears the bar.
+    assert reward_verdict(evaluation(0.66, 0.60), None, 0.55) == (
+        True,
+        "held-out AUC 0.660 [0.600, 0.720] on 100 ratings",
+    )
+    # A model is live: the new one must rank the same held-out ratings at least as well.
+    usable, why = reward_verdict(evaluation(0.66, 0.60), (3, evaluation(0.70, 0.64)), 0.55)
+    assert not usable and why.endswith("below live v3's 0.700 on the same ratings")
+    assert reward_verdict(evaluation(0.72, 0.66), (3, evaluation(0.70, 0.64)), 0.55)[0]
+    assert reward_verdict(Evaluation(10, None, None, 0, None), None, 0.55) == (
+        False,
+        "no held-out AUC",
+    )
+
+
+def test_retrains_grow_rarer_as_ratings_pile_up() -> None:
+    from learner.reward_training import ratings_needed
+    from ratchet.settings import FeedbackConfig
+
+    config = FeedbackConfig()  # retrain_every 64, retrain_growth 0.5
+    assert ratings_needed(config, None) == 64
+    assert ratings_needed(config, RewardStatus(1, True, "", trained_ratings=100)) == 64
+    assert ratings_needed(config, RewardStatus(4, True, "", trained_ratings=600)) == 300
+    fixed = FeedbackConfig(retrain_growth=0)
+    assert ratings_needed(fixed, RewardStatus(4, True, "", trained_ratings=600)) == 64
+
 
 def test_a_worse_retrain_does_not_stop_a_live_reward_model() -> None:
     from learner.reward_training import _keep_live
@@ -540,6 +604,34 @@ class FailingTrainer:
     def train(self, alias: str) -> RewardStatus:
         self.tries += 1
         raise OSError("No space left on device")
+
+
+def test_no_retrain_starts_while_a_round_trains_the_policy(
+    settings: RatchetSettings, client: redis.Redis
+) -> None:
+    """The collector's thread shares the learner's cores: a due retrain waits for the round's
+    training to end, then runs."""
+    trainer = FailingTrainer()
+    leases = AliasLeases(client, 30.0, LeaseKeeper(), LearnerMetrics(), "reward_model")
+    training = threading.Event()
+    collector = RatingsCollector(
+        settings,
+        client,
+        trainer,  # type: ignore[arg-type]
+        leases,
+        LearnerMetrics(),
+        threading.Event(),
+        Sink(),  # type: ignore[arg-type]
+        policy_training=training,
+    )
+    collector.join = Join(settings, client)
+    training.set()
+    for _ in range(3):
+        collector.retrain_due()
+    assert trainer.tries == 0
+    training.clear()
+    collector.retrain_due()
+    assert trainer.tries == 1
 
 
 def test_a_failing_retrain_backs_off_instead_of_running_on_every_poll(
