@@ -35,7 +35,6 @@ from learner.gate_scoring import Answered, PairScorer, Scored
 from learner.gate_scoring import GateError as GateError  # raised by both; callers catch it here
 from learner.gate_verdict import GateResult, conclude, mean_or_none, score_lift, sequential_test
 from ratchet.answer_length import auto_max_tokens
-from ratchet.bill import Bill
 from ratchet.fleet import Replicas
 from ratchet.gate_pairs import ANSWER_CHARS, KEPT, GatePair
 from ratchet.records import HeldoutPrompt
@@ -119,7 +118,7 @@ class Gate:
         # on, and the learner runs each round's gate in a new one (asyncio.run).
         self.limit = asyncio.Semaphore(self.settings.learner.gate_concurrency)
         self.scorer.limit = self.limit
-        self.scorer.bill = Bill()
+        reward_model = self.scorer.begin(alias, config)
         wave = self.settings.learner.gate_concurrency
         gate = config.gate.model_copy(update={"max_tokens": answer_max_tokens(config, prompts)})
         config = config.model_copy(update={"gate": gate})
@@ -167,7 +166,9 @@ class Gate:
             failed,
             score_lift(cand_scores, inc_scores),
         )
-        return replace(result, sample=tuple(sample), bill=self.scorer.bill)
+        return replace(
+            result, sample=tuple(sample), bill=self.scorer.bill, reward_model=reward_model
+        )
 
     async def _wave(
         self,

@@ -24,7 +24,12 @@ import orjson
 from ratchet.bill import Bill
 from ratchet.records import HeldoutPrompt
 from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, judge_scores
-from ratchet.rewards.reward_model import RewardModels, RewardModelUnavailable, RewardStatus
+from ratchet.rewards.reward_model import (
+    RewardModels,
+    RewardModelUnavailable,
+    RewardStatus,
+    reward_model_name,
+)
 from ratchet.rewards.ruler import JudgeRequest, build_judge_request
 from ratchet.rewards.verifiers import VerifierError, load_verifier, run_verifier
 from ratchet.settings import AliasConfig, RatchetSettings
@@ -90,6 +95,21 @@ class PairScorer:
         self.limit = asyncio.Semaphore(settings.learner.gate_concurrency)
         # The judge calls of the running evaluation (reset by the gate for each).
         self.bill = Bill()
+        # A feedback alias's reward model, read once per evaluation (begin): every pair of a gate
+        # is scored by the same version, even if a retrain goes live meanwhile.
+        self.pinned: RewardStatus | None = None
+
+    def begin(self, alias: str, config: AliasConfig) -> str | None:
+        """A new evaluation: a bill of its own and, for a feedback alias, the reward model that
+        will score all of its pairs, whose name this returns (None: no reward model scores)."""
+        self.bill = Bill()
+        self.pinned = None
+        if config.reward.kind != "feedback" or self.reward_status is None:
+            return None
+        self.pinned = self.reward_status(alias)
+        if self.pinned is None or not self.pinned.usable:
+            return None
+        return reward_model_name(alias, self.pinned.version)
 
     async def score(
         self,
@@ -152,7 +172,7 @@ class PairScorer:
         if self.reward_models is None or self.reward_status is None:
             raise GateError("a feedback alias's gate needs the reward models")
         alias = prompts[0].alias if prompts else ""
-        status = self.reward_status(alias)
+        status = self.pinned
         out = []
         for prompt, answers in zip(prompts, answered, strict=True):
             if answers is None:

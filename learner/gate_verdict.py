@@ -40,6 +40,9 @@ class GateResult:
     lift: float | None = None
     lift_low: float | None = None
     lift_high: float | None = None
+    # The reward model that scored every pair (a feedback alias's, ``<alias>.reward@v<N>``),
+    # read once at the gate's start; None where a verifier or a judge scored.
+    reward_model: str | None = None
     # The first pairs scored, for the console's side-by-side view (ratchet/gate_pairs.py); not
     # part of the gate event.
     sample: tuple[GatePair, ...] = ()

@@ -30,6 +30,7 @@ from learner.gate_scoring import PairScorer, pairwise_outcome, verifier_outcome
 from learner.gate_verdict import decide, score_lift
 from ratchet.dev.processes import free_port
 from ratchet.records import HeldoutPrompt
+from ratchet.rewards.reward_model import RewardStatus
 from ratchet.settings import AliasConfig, GateConfig, LearnerSettings, RatchetSettings, RewardConfig
 
 EXPECTED_LINE = re.compile(r"EXPECTED: (\{.*\})")
@@ -269,6 +270,46 @@ def test_a_better_candidate_passes_and_stops_early(vllm: StandIn) -> None:
     assert first.prompt_messages == prompts(1)[0].prompt_messages
     assert first.outcome == 1.0 and first.verdict == "candidate better"
     assert first.candidate != first.incumbent and "sample" not in result.as_dict()
+
+
+class RetrainedMidGate:
+    """A feedback alias's reward models, with a retrain (v2) going live after the gate began:
+    scores an answer 1 unless it is the bad one, and notes which version scored it."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.scored_by: list[int] = []
+
+    def status(self, alias: str) -> RewardStatus:
+        self.reads += 1
+        return RewardStatus(1 if self.reads == 1 else 2, usable=True, reason="held-out AUC 0.9")
+
+    def score(
+        self, alias: str, status: RewardStatus, messages: list[Any], texts: list[str]
+    ) -> tuple[list[float], str]:
+        self.scored_by.append(status.version)
+        return [0.0 if "nobody" in t else 1.0 for t in texts], f"{alias}.reward@v{status.version}"
+
+
+def test_a_feedback_gate_scores_every_pair_with_the_reward_model_live_at_its_start(
+    vllm: StandIn,
+) -> None:
+    models = RetrainedMidGate()
+    settings = RatchetSettings(
+        vllm_url=vllm.url, learner=LearnerSettings(gate_concurrency=4, gate_timeout_s=10)
+    )
+    gate = Gate(settings, models, models.status)  # type: ignore[arg-type]
+    config = AliasConfig(reward=RewardConfig(kind="feedback"), gate=GATE)
+    result = evaluate(gate, config, prompts(40), "good", "bad")
+    assert result.passed and result.pairs == DECISIVE, result.reason
+    assert models.reads == 1 and set(models.scored_by) == {1}, models.scored_by
+    assert result.reward_model == "support.reward@v1"
+    assert result.as_dict()["reward_model"] == "support.reward@v1"
+    # A verifier's gate names no reward model.
+    assert (
+        evaluate(make_gate(vllm.url), verifier_alias(), prompts(16), "good", "bad").reward_model
+        is None
+    )
 
 
 def test_a_worse_candidate_fails_early(vllm: StandIn) -> None:
