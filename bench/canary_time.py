@@ -1,0 +1,263 @@
+"""How long a canary takes to decide on a quiet alias, and how often it promotes a worse one.
+
+Run it from the repository root (pure simulation, no services; about a minute)::
+
+    .venv/bin/python bench/canary_time.py [--rate 20] [--rated 0.8] [--runs 300]
+        [--set canary.feedback_wait_s=600 ...]
+
+``bench/canary_decisions.py`` counts rating *pairs* to a decision; what a user waits for is
+*minutes*, and those depend on the traffic: how many answers a minute the alias serves, the
+share the canary gets (``learner/canary_weight.py``), how many answers users rate and how late,
+and the canary's waits (``min_requests``, ``feedback_wait_s``). This bench plays that in time,
+with the learner's own pieces:
+
+* answers arrive at ``--rate`` a minute (20: what the embedded stack serves on this 2-core
+  machine beside a learner), each on the canary arm with the probability
+  :func:`canary_weight` gives for that rate;
+* a share ``--rated`` of answers is rated (users who never rate), ``--lag`` seconds later on
+  average (exponential); a rating is a thumbs up with the arm's probability of a good answer,
+  flipped with probability ``--noise`` (users disagree);
+* every ``--tick`` seconds :func:`canary_verdict` decides as the learner's canary watcher does,
+  on the arms' counts and the sequential test over the rating pairs so far
+  (``learner/canary_ratings.py``; the dev stack's anonymous client, so no rater cap).
+
+Scenarios: the canary better by ``--gain`` (the lift issue 35's promotion carried), equal,
+worse by ``canary.max_feedback_drop`` (the boundary: a promotion there is a false one), and
+clearly worse. Each configuration (the shipped defaults, then each ``--set`` group) is reported
+as the share promoted, the minutes to a decision (median and 90th percentile), and the share the
+sequential test decided (the rest fell back, after ``feedback_wait_s``, to the error rate and
+the ratings' point estimate). A table, and with ``--plot`` the minutes to a decision by
+scenario and configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from learner.canary import canary_verdict
+from learner.canary_ratings import new_test
+from learner.canary_weight import canary_weight
+from ratchet.canary_state import ArmStats
+from ratchet.sequential import SequentialTest
+from ratchet.settings import CanaryConfig
+
+MAX_MINUTES = 120.0  # a canary undecided by then counts as undecided
+
+
+@dataclass(frozen=True)
+class Traffic:
+    rate_per_min: float
+    rated: float
+    lag_s: float
+    noise: float
+    tick_s: float
+
+
+@dataclass(frozen=True)
+class Outcome:
+    verdict: str  # promote, rollback, undecided
+    minutes: float
+    by_test: bool  # decided by the sequential test, not by the wait's fallback
+
+
+def scenarios(base: float, gain: float, drop: float) -> dict[str, tuple[float, float]]:
+    """name: (the active arm's chance of a good answer, the canary's)."""
+    return {
+        f"better by {gain:g}": (base, base + gain),
+        "equal": (base, base),
+        f"worse by {drop:g} (boundary)": (base, base - drop),
+        "clearly worse": (base, base - 0.25),
+    }
+
+
+def rating(rng: random.Random, p_good: float, noise: float) -> float:
+    good = rng.random() < p_good
+    return float(good != (rng.random() < noise))
+
+
+def play(
+    rng: random.Random, config: CanaryConfig, traffic: Traffic, p_active: float, p_canary: float
+) -> Outcome:
+    """One canary from its start until it is decided, in ticks of ``traffic.tick_s``."""
+    weight = canary_weight(config, traffic.rate_per_min / 60.0)
+    requests = {"active": 0, "canary": 0}
+    due: list[tuple[float, str, float]] = []  # (arrival time, arm, score), unordered
+    scores: dict[str, list[float]] = {"active": [], "canary": []}
+    test: SequentialTest = new_test(config)
+    paired = 0
+    t, next_answer = 0.0, rng.expovariate(traffic.rate_per_min / 60.0)
+    while t < MAX_MINUTES * 60:
+        t += traffic.tick_s
+        while next_answer <= t:  # the answers of this tick, and their ratings to come
+            arm = "canary" if rng.random() < weight else "active"
+            requests[arm] += 1
+            if rng.random() < traffic.rated:
+                p = p_canary if arm == "canary" else p_active
+                arrives = next_answer + rng.expovariate(1.0 / traffic.lag_s)
+                due.append((arrives, arm, rating(rng, p, traffic.noise)))
+            next_answer += rng.expovariate(traffic.rate_per_min / 60.0)
+        arrived = sorted(d for d in due if d[0] <= t)
+        due = [d for d in due if d[0] > t]
+        for _, arm, score in arrived:
+            scores[arm].append(score)
+        while paired < min(len(scores["active"]), len(scores["canary"])):
+            if test.decision == "continue":  # stopped at its decision, as rating_test is
+                test.update((1.0 + scores["canary"][paired] - scores["active"][paired]) / 2.0)
+            paired += 1
+        active, canary = (
+            ArmStats(requests[a], 0, len(scores[a]), sum(scores[a])) for a in ("active", "canary")
+        )
+        verdict, _ = canary_verdict(active, canary, config, t, test)
+        if verdict != "wait":
+            by_test = test.decision != "continue"
+            return Outcome(verdict, t / 60.0, by_test)
+    return Outcome("undecided", MAX_MINUTES, False)
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``canary.<field>=<value>`` items as CanaryConfig updates (values read as JSON)."""
+    update: dict[str, Any] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        if section != "canary" or name not in CanaryConfig.model_fields:
+            raise SystemExit(f"--set {item!r}: expected canary.<field>=<value>")
+        update[name] = json.loads(value)
+    return update
+
+
+def summarise(outcomes: list[Outcome]) -> dict[str, float]:
+    minutes = sorted(o.minutes for o in outcomes)
+    return {
+        "promoted": sum(o.verdict == "promote" for o in outcomes) / len(outcomes),
+        "undecided": sum(o.verdict == "undecided" for o in outcomes) / len(outcomes),
+        "median_minutes": statistics.median(minutes),
+        "p90_minutes": minutes[int(0.9 * (len(minutes) - 1))],
+        "by_test": sum(o.by_test for o in outcomes) / len(outcomes),
+    }
+
+
+def run(
+    configs: dict[str, CanaryConfig], traffic: Traffic, args: argparse.Namespace
+) -> dict[str, dict[str, dict[str, float]]]:
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for name, config in configs.items():
+        results[name] = {}
+        cases = scenarios(args.base, args.gain, config.max_feedback_drop)
+        for scenario, (p_active, p_canary) in cases.items():
+            rng = random.Random(f"{scenario}/{args.seed}")  # the same users for every config
+            outcomes = [
+                play(rng, config, traffic, p_active, p_canary)
+                for _ in track(range(args.runs), description=f"{name}: {scenario}", transient=True)
+            ]
+            results[name][scenario] = summarise(outcomes)
+    return results
+
+
+def print_table(
+    console: Console, results: dict[str, dict[str, dict[str, float]]], traffic: Traffic
+) -> None:
+    table = Table(
+        title=f"canary decisions in time: {traffic.rate_per_min:g} answers/min, "
+        f"{traffic.rated:.0%} rated ~{traffic.lag_s:g} s late, {traffic.noise:.0%} flipped"
+    )
+    for column in ("configuration", "scenario", "promoted", "median min", "p90 min", "by test"):
+        table.add_column(
+            column, justify="left" if column in ("configuration", "scenario") else "right"
+        )
+    for name, by_scenario in results.items():
+        for scenario, s in by_scenario.items():
+            table.add_row(
+                name,
+                scenario,
+                f"{s['promoted']:.3f}",
+                f"{s['median_minutes']:.1f}",
+                f"{s['p90_minutes']:.1f}",
+                f"{s['by_test']:.2f}",
+            )
+    console.print(table)
+
+
+def plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    scenario_names = list(next(iter(results.values())))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [j + i * width for j in range(len(scenario_names))]
+        medians = [results[name][s]["median_minutes"] for s in scenario_names]
+        p90 = [
+            results[name][s]["p90_minutes"] - m
+            for s, m in zip(scenario_names, medians, strict=True)
+        ]
+        axes[0].bar(xs, medians, width, yerr=[[0] * len(p90), p90], capsize=3, label=name)
+        axes[1].bar(xs, [results[name][s]["promoted"] for s in scenario_names], width, label=name)
+    labels = ("minutes to a decision (median, bar to p90)", "share promoted")
+    for ax, label in zip(axes, labels, strict=True):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(scenario_names))])
+        ax.set_xticklabels(scenario_names, rotation=15, fontsize=8)
+        ax.set_ylabel(label)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=20.0, help="answers a minute")
+    parser.add_argument("--rated", type=float, default=0.8, help="share of answers rated")
+    parser.add_argument("--lag", type=float, default=30.0, help="mean seconds to a rating")
+    parser.add_argument("--noise", type=float, default=0.1, help="share of ratings flipped")
+    parser.add_argument("--tick", type=float, default=10.0, help="seconds between verdicts")
+    parser.add_argument("--base", type=float, default=0.59, help="active arm's good share")
+    parser.add_argument("--gain", type=float, default=0.1, help="the better canary's gain")
+    parser.add_argument("--runs", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--set",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="canary.FIELD=VALUE",
+        help="a configuration to compare with the shipped defaults (repeat for several)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench/results/canary_time.json"))
+    parser.add_argument("--plot", action="store_true")
+    args = parser.parse_args()
+    traffic = Traffic(args.rate, args.rated, args.lag, args.noise, args.tick)
+    configs = {"shipped defaults": CanaryConfig()}
+    for items in args.set:
+        configs[" ".join(items)] = CanaryConfig(**parse_set(items))
+    console = Console(width=max(Console().width, 110))  # the configurations' names, unwrapped
+    results = run(configs, traffic, args)
+    print_table(console, results, traffic)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"traffic": vars(traffic), "results": results}, indent=2))
+    console.print(f"figures: {args.out}")
+    if args.plot:
+        png = args.out.with_suffix(".png")
+        plot(results, png)
+        console.print(f"plot: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
