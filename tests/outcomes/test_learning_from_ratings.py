@@ -201,11 +201,11 @@ def progress(started: float, what: str) -> None:
     print(f"[{(time.monotonic() - started) / 60:5.1f} min] {what}", flush=True)
 
 
-def write_figures(figures: dict[str, Any], tmp_path: Path) -> Path:
+def write_figures(figures: dict[str, Any], tmp_path: Path, name: str = "ratings.json") -> Path:
     """The run's figures, for the outcome lane's summary and to compare runs."""
     folder = Path(os.environ.get("RATCHET_OUTCOMES_DIR") or tmp_path)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "ratings.json"
+    path = folder / name
     path.write_text(json.dumps(figures, indent=2))
     return path
 

@@ -16,7 +16,7 @@ from bench.loop_speed import curve_summary, lift, loop_config, parse_sets, plot_
 from bench.loop_watch import Watch, metric, proc_memory
 from ratchet.settings import AliasConfig, LearnerSettings, load_settings
 from ratchet.tasks import TASKS
-from tests.outcomes.lane import curve_rows
+from tests.outcomes.lane import curve_rows, ratings_rows
 
 MODEL = Path("/models/smollm2-135m-instruct")
 
@@ -137,3 +137,28 @@ def test_the_curve_plot_and_the_lane_read_a_run(tmp_path: Path) -> None:
     assert rows[0]["lift"] == pytest.approx((0.2, 0.1, 0.3))
     assert rows[2]["lift"] is None and rows[2]["check"] == "curve: triage, 0 promotion(s)"
     assert curve_rows(tmp_path / "nowhere", 1)[0]["passed"] is False
+
+
+def test_the_lane_reports_the_defaults_ratings_check_with_its_minutes_by_part(
+    tmp_path: Path,
+) -> None:
+    figures = {
+        "settings": "the shipped defaults",
+        "minutes_to_first_promotion": 21.5,
+        "minutes_run": 45.1,
+        "promotions": [{"version": 2, "lift": 0.12, "lift_low": 0.05, "lift_high": 0.19}],
+        "unseen_prompts": 320,
+        "ratings": 700,
+        "bar": "first promotion within 25 min ...",
+        "passed": True,
+        "minutes_by_part": {"reward_model_training": 3.25, "policy_training": 12.0},
+    }
+    (tmp_path / "ratings_defaults.json").write_text(json.dumps(figures))
+    [row] = ratings_rows(tmp_path, 0, "ratings-defaults")
+    assert row["check"] == "ratings-defaults: 1 promotion(s) measured" and row["passed"]
+    assert row["settings"] == (
+        "the shipped defaults; minutes: reward_model_training 3.2, policy_training 12.0"
+    )
+    assert row["lift"] == (0.12, 0.05, 0.19) and row["ratings"] == 700
+    assert not ratings_rows(tmp_path, 1, "ratings-defaults")[0]["passed"]  # the test's exit too
+    assert ratings_rows(tmp_path, 0, "ratings")[0]["settings"] == "no ratings.json (exit 0)"

@@ -1,0 +1,253 @@
+"""The loop learns from noisy users' ratings on the shipped defaults (issue 35's bar).
+
+The alias says only ``reward: {kind: feedback}``: every learning, gate, canary and feedback
+setting is the shipped default. Users send the bulleted-list task's prompts through the proxy
+without pause, eight at a time, and rate answers through ``POST /v1/feedback`` by the task's
+verifier, which no part of the loop is given; but a fifth of them never rate, and a tenth of
+the ratings given say the opposite (users disagree). After ``MINUTES`` of that, every promoted
+version is compared with the base on prompts never sent (the users' rule, greedy answers), with
+its paired 95% interval.
+
+Bar: the first promotion within ``FIRST_PROMOTION_MIN`` minutes, and a version promoted within
+``MINUTES`` whose lift is at least ``LIFT`` with its interval above 0. The figures
+(``ratings_defaults.json``) also say where the learner's time went: reward-model training,
+policy training and gates (the learner's own ``ratchet_learner_round_seconds``), and canaries
+(from each canary's start to its decision).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import statistics
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+from bench.loop_watch import metric, scrape
+from ratchet.dev.processes import Stack, free_port
+from ratchet.dev.stack import judge_part, learner_part
+from ratchet.evaluation import paired_lift
+from ratchet.registry import AliasRoute
+from ratchet.settings import load_settings
+from ratchet.tasks.bullets import bullets_reward
+from tests.integration.conftest import BASE_MODEL, Embedded
+from tests.integration.test_learner import history
+from tests.outcomes.test_learning_from_ratings import (
+    PROMPTS,
+    UNSEEN,
+    greedy_prompt_scores,
+    progress,
+    write_figures,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.outcome]
+
+ALIAS = "lt-rated-defaults"
+TRAFFIC = PROMPTS[:256]  # sent again and again; UNSEEN never
+MINUTES = 45.0
+FIRST_PROMOTION_MIN = 25.0
+LIFT = 0.1
+NEVER_RATE = 0.2  # the share of users who never rate
+DISAGREE = 0.1  # the share of given ratings that say the opposite of the rule
+USERS = 40
+BAR = (
+    f"first promotion within {FIRST_PROMOTION_MIN:g} min; a version promoted within "
+    f"{MINUTES:g} min lifts {len(UNSEEN)} unseen prompts by >= {LIFT} (interval above 0)"
+)
+SETTINGS = (
+    f"the shipped defaults; users: {NEVER_RATE:.0%} never rate, {DISAGREE:.0%} of ratings "
+    "flipped, traffic without pause"
+)
+
+
+def config_for(env: Embedded, home: Path) -> Path:
+    config = yaml.safe_load(env.config_path.read_text())
+    config["home"] = str(home)
+    config["store_dir"] = str(env.settings.store_dir)
+    config["judge"] = {"consumer_group": "judge-rated-defaults", "metrics_port": free_port()}
+    config["learner"] = {
+        "consumer_group": "learner-rated-defaults",
+        "metrics_port": free_port(),
+        "base_model_path": str(env.model_path),
+    }
+    config["aliases"] = {ALIAS: {"base_model": BASE_MODEL, "reward": {"kind": "feedback"}}}
+    path = home / "rated-defaults.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def rating_of(rng: random.Random, prompt: dict[str, Any], answer: dict[str, Any]) -> float:
+    """The users' rule, and a tenth of the time its opposite."""
+    score = bullets_reward(prompt["messages"], answer)
+    return 1.0 - score if rng.random() < DISAGREE else score
+
+
+def noisy_users(env: Embedded, stop: threading.Event, counts: dict[str, int]) -> None:
+    """Users at work until ``stop``: each prompt of TRAFFIC in turn, eight in flight."""
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(
+            base_url=f"{env.proxy_url}/v1", api_key="user", max_retries=2, timeout=300
+        )
+        rng = random.Random(0)
+
+        async def one(i: int) -> None:
+            prompt, user = TRAFFIC[i % len(TRAFFIC)], i % USERS
+            answer = await client.chat.completions.create(
+                model=ALIAS,
+                messages=prompt["messages"],
+                max_tokens=64,
+                temperature=0.7,
+                user=f"user-{user}",
+            )
+            counts["answered"] += 1
+            if user < NEVER_RATE * USERS:
+                return
+            score = rating_of(rng, prompt, answer.choices[0].message.to_dict())
+            await client.post(
+                "/feedback", body={"completion_id": answer.id, "score": score}, cast_to=object
+            )
+            counts["rated"] += 1
+
+        async def worker(worker_id: int) -> None:
+            for i in itertools.count(worker_id, 8):
+                if stop.is_set():
+                    return
+                try:
+                    await one(i)
+                except openai.OpenAIError:  # counted; users come back (after a breath)
+                    counts["failed"] += 1
+                    await asyncio.sleep(1.0)
+
+        await asyncio.gather(*(worker(w) for w in range(8)))
+        await client.close()
+
+    asyncio.run(run())
+
+
+def _ts(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(str(event["ts"]).replace("Z", "+00:00")).timestamp()
+
+
+def canary_seconds(events: list[dict[str, Any]]) -> float:
+    """From each canary's start to its promotion or roll-back (a canary still running: none)."""
+    total = 0.0
+    ordered = sorted(events, key=_ts)
+    for i, event in enumerate(ordered):
+        if event["kind"] != "canary":
+            continue
+        end = next(
+            (
+                e
+                for e in ordered[i + 1 :]
+                if e["kind"] in ("promote", "rollback") and e.get("version") == event["version"]
+            ),
+            None,
+        )
+        if end is not None:
+            total += _ts(end) - _ts(event)
+    return total
+
+
+def minutes_by_part(learner_metrics_url: str, events: list[dict[str, Any]]) -> dict[str, float]:
+    """Where the learner's time went, in minutes."""
+    samples = scrape(learner_metrics_url)
+    phase = "ratchet_learner_round_seconds_sum"
+    return {
+        "reward_model_training": metric(samples, phase, alias=ALIAS, phase="reward_model") / 60,
+        "policy_training": metric(samples, phase, alias=ALIAS, phase="train") / 60,
+        "gate": metric(samples, phase, alias=ALIAS, phase="gate") / 60,
+        "canary": canary_seconds(events) / 60,
+    }
+
+
+def watch(settings: Any, started: float) -> list[dict[str, Any]]:
+    """The alias's events until MINUTES have passed, each new one printed as it comes."""
+    seen = 0
+    events: list[dict[str, Any]] = []
+    while time.monotonic() - started < MINUTES * 60:
+        events = sorted(history(settings, ALIAS), key=_ts)
+        for event in events[seen:]:
+            detail = event.get("detail") or {}
+            what = detail.get("reason") or (detail.get("gate") or {}).get("reason") or ""
+            progress(started, f"{event['kind']} v{event.get('version')} {str(what)[:80]}")
+        seen = len(events)
+        time.sleep(15)
+    return events
+
+
+@pytest.mark.timeout(int(MINUTES * 60) + 1800)
+def test_the_loop_learns_from_noisy_ratings_on_the_defaults(
+    embedded: Embedded, tmp_path: Path
+) -> None:
+    config = config_for(embedded, tmp_path)
+    settings = load_settings(config)
+    embedded.registry.write(AliasRoute(alias=ALIAS, base_model=BASE_MODEL))
+    embedded.wait_for_proxy_route(ALIAS)
+    services = Stack(
+        [judge_part(settings, config), learner_part(settings, config)], tmp_path / "services"
+    )
+    figures: dict[str, Any] = {
+        "check": "ratings-defaults",
+        "bar": BAR,
+        "settings": SETTINGS,
+        "passed": False,
+        "minutes_to_first_promotion": None,
+        "unseen_prompts": len(UNSEEN),
+        "promotions": [],
+    }
+    counts = {"answered": 0, "rated": 0, "failed": 0}
+    stop = threading.Event()
+    users = threading.Thread(target=noisy_users, args=(embedded, stop, counts), daemon=True)
+    services.start()
+    started = time.monotonic()
+    start_ts = time.time()
+    users.start()
+    try:
+        events = watch(settings, started)
+        figures["minutes_by_part"] = minutes_by_part(
+            f"http://127.0.0.1:{settings.learner.metrics_port}/metrics", events
+        )
+    finally:
+        stop.set()
+        users.join(timeout=120)
+        figures |= {"ratings": counts["rated"], "traffic": dict(counts)}
+        figures["minutes_run"] = round((time.monotonic() - started) / 60, 2)
+        services.stop()
+    promotions = [e for e in events if e["kind"] == "promote" and e.get("version")]
+    if promotions:
+        figures["minutes_to_first_promotion"] = round((_ts(promotions[0]) - start_ts) / 60, 2)
+    # Every promoted version beside the base, answering side by side: vLLM batches them.
+    served = [f"{ALIAS}@v{e['version']}" for e in promotions]
+    scores = greedy_prompt_scores(embedded, [BASE_MODEL, *served], UNSEEN, bullets_reward)
+    base = scores[0]
+    for event, version_scores in zip(promotions, scores[1:], strict=True):
+        mean, low, high = paired_lift(version_scores, base, samples=2000)
+        figures["promotions"].append(
+            {
+                "version": event["version"],
+                "minutes": round((_ts(event) - start_ts) / 60, 2),
+                "score": statistics.fmean(version_scores),
+                "lift": mean,
+                "lift_low": low,
+                "lift_high": high,
+            }
+        )
+        progress(started, f"v{event['version']}: lift {mean:+.3f} [{low:+.3f}, {high:+.3f}]")
+    figures["base_score"] = statistics.fmean(base)
+    first = figures["minutes_to_first_promotion"]
+    figures["passed"] = (
+        first is not None
+        and first <= FIRST_PROMOTION_MIN
+        and any(p["lift"] >= LIFT and p["lift_low"] > 0 for p in figures["promotions"])
+    )
+    progress(started, f"figures: {write_figures(figures, tmp_path, 'ratings_defaults.json')}")
+    assert figures["passed"], figures
