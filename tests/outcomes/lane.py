@@ -20,7 +20,7 @@ README. Each check runs in its own process, one after the other, on a stack of i
   canary). Bar: the test's own (a promoted version's lift on unseen prompts, its interval above
   0 and mean at least 0.02, within 40 minutes). Its alias is tuned, not on the defaults.
 * ``ratings-defaults``: tests/outcomes/test_ratings_on_defaults.py, the same on the shipped
-  defaults with noisy users (a fifth never rate, a tenth of ratings flipped) and traffic
+  defaults with noisy users (a fifth never rate, the rest off the rule by N(0, 0.1)) and traffic
   without pause, 45 minutes and then every promoted version measured (issue 35). Bar: the first
   promotion within 25 minutes and a lift of at least +0.1, interval above 0. Its figures say
   where the learner's minutes went (reward model, training, gates, canaries).

@@ -3,10 +3,10 @@
 The alias says only ``reward: {kind: feedback}``: every learning, gate, canary and feedback
 setting is the shipped default. Users send the bulleted-list task's prompts through the proxy
 without pause, eight at a time, and rate answers through ``POST /v1/feedback`` by the task's
-verifier, which no part of the loop is given; but a fifth of them never rate, and a tenth of
-the ratings given say the opposite (users disagree). After ``MINUTES`` of that, every promoted
-version is compared with the base on prompts never sent (the users' rule, greedy answers), with
-its paired 95% interval.
+verifier, which no part of the loop is given; but a fifth of them never rate, and the others
+disagree with the rule by a normal error of ``DISAGREE`` (clipped to [0, 1]). After ``MINUTES``
+of that, every promoted version is compared with the base on prompts never sent (the users'
+rule, greedy answers), with its paired 95% interval.
 
 Bar: the first promotion within ``FIRST_PROMOTION_MIN`` minutes, and a version promoted within
 ``MINUTES`` whose lift is at least ``LIFT`` with its interval above 0. The figures
@@ -56,15 +56,19 @@ MINUTES = 45.0
 FIRST_PROMOTION_MIN = 25.0
 LIFT = 0.1
 NEVER_RATE = 0.2  # the share of users who never rate
-DISAGREE = 0.1  # the share of given ratings that say the opposite of the rule
+# How far a rating strays from the rule (the sd of a normal error). Not "a tenth of the ratings
+# say the opposite": most base answers score 0.25 here and a good one is rare, so inverted
+# ratings outnumbered the true good ones and a first run's reward models stayed at AUC 0.44-0.57
+# through five retrains (292 ratings): no signal left to learn, on any settings.
+DISAGREE = 0.1
 USERS = 40
 BAR = (
     f"first promotion within {FIRST_PROMOTION_MIN:g} min; a version promoted within "
     f"{MINUTES:g} min lifts {len(UNSEEN)} unseen prompts by >= {LIFT} (interval above 0)"
 )
 SETTINGS = (
-    f"the shipped defaults; users: {NEVER_RATE:.0%} never rate, {DISAGREE:.0%} of ratings "
-    "flipped, traffic without pause"
+    f"the shipped defaults; users: {NEVER_RATE:.0%} never rate, the others off the rule by "
+    f"N(0, {DISAGREE:g}); traffic without pause"
 )
 
 
@@ -85,9 +89,9 @@ def config_for(env: Embedded, home: Path) -> Path:
 
 
 def rating_of(rng: random.Random, prompt: dict[str, Any], answer: dict[str, Any]) -> float:
-    """The users' rule, and a tenth of the time its opposite."""
-    score = bullets_reward(prompt["messages"], answer)
-    return 1.0 - score if rng.random() < DISAGREE else score
+    """The users' rule, as each user sees it."""
+    score = bullets_reward(prompt["messages"], answer) + rng.gauss(0.0, DISAGREE)
+    return min(1.0, max(0.0, score))
 
 
 def noisy_users(env: Embedded, stop: threading.Event, counts: dict[str, int]) -> None:
