@@ -79,7 +79,8 @@ def is_eval_rating(secret: bytes, prompt_hash: str, fraction: float) -> bool:
 
 
 def good_ratings(scores: Sequence[float]) -> list[bool] | None:
-    """Which ratings count as good for the AUC: a thumbs up (at least :data:`POSITIVE`) when
+    """Which ratings count as good (a model trains only on sets with both kinds): a thumbs up
+    (at least :data:`POSITIVE`) when
     ratings fall on both sides of it; else, for users who rate on a scale and never reach it (or
     never fall below it), those above the ratings' mean. None when every rating is the same."""
     if any(s >= POSITIVE for s in scores) and any(s < POSITIVE for s in scores):
@@ -89,16 +90,29 @@ def good_ratings(scores: Sequence[float]) -> list[bool] | None:
     return good if any(good) and not all(good) else None
 
 
+# Rows of the pair matrix compared at a time: bounds the memory of a large held-out set.
+CONCORDANCE_ROWS = 512
+
+
 def auc(predictions: Sequence[float], scores: Sequence[float]) -> float | None:
-    """Area under the ROC curve of ``predictions`` for the good ratings (:func:`good_ratings`):
-    the chance that a good answer outranks a bad one, ties half; None without both kinds."""
-    good = good_ratings(scores)
-    if good is None:
-        return None
-    pos = [p for p, g in zip(predictions, good, strict=True) if g]
-    neg = [p for p, g in zip(predictions, good, strict=True) if not g]
-    p, n = np.asarray(pos)[:, None], np.asarray(neg)[None, :]
-    return float(((p > n).sum() + 0.5 * (p == n).sum()) / (len(pos) * len(neg)))
+    """The chance that, of two rated answers whose ratings differ, ``predictions`` rank the
+    higher-rated one higher (ties in prediction count half); None without two different ratings.
+
+    For thumbs (0 and 1) this is the AUC. For ratings on a scale it is the AUC's generalisation
+    (Harrell's concordance): every pair of different ratings counts, not only pairs across a cut
+    at :data:`POSITIVE`. A cut measured what a handful of ratings above it said: on the bulleted
+    task most answers score 0.25 and a good one is rare, and issue 35's defaults run saw the
+    cut's AUC go 0.46, 0.96, 0.80, 0.12 over four retrains on 12-59 held-out ratings."""
+    p = np.asarray(predictions, dtype=float)
+    s = np.asarray(scores, dtype=float)
+    concordant, pairs = 0.0, 0
+    for start in range(0, len(s), CONCORDANCE_ROWS):
+        rows_p = p[start : start + CONCORDANCE_ROWS, None]
+        higher = s[start : start + CONCORDANCE_ROWS, None] > s[None, :]  # row rated above column
+        pairs += int(higher.sum())
+        concordant += float((higher & (rows_p > p[None, :])).sum())
+        concordant += 0.5 * float((higher & (rows_p == p[None, :])).sum())
+    return concordant / pairs if pairs else None
 
 
 def preference_pairs(answers: Sequence[RatedAnswer]) -> list[tuple[int, int]]:
@@ -140,7 +154,8 @@ def bootstrap_metric(
     seed: int = 0,
     level: float = 0.95,
 ) -> tuple[float, float] | None:
-    """Percentile bootstrap interval of the AUC, resampling ratings with replacement."""
+    """Percentile bootstrap interval of the AUC (:func:`auc`), resampling ratings with
+    replacement."""
     rng = np.random.default_rng(seed)
     n = len(predictions)
     if n == 0:

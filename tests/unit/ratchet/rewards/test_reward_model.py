@@ -7,6 +7,7 @@ import math
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from ratchet.rewards.reward_model import (
     RatedAnswer,
     RewardHead,
     auc,
+    bootstrap_metric,
     evaluate,
     fit_head,
     is_eval_rating,
@@ -47,9 +49,26 @@ def test_auc_is_the_chance_a_positive_outranks_a_negative() -> None:
     assert auc([0.9, 0.3, 0.6], [1, 0, 0]) == 1.0
     assert auc([0.9, 0.3, 0.6], [1, 1, 0]) == 0.5
     assert auc([0.9], [1]) is None  # no negative: undefined
-    # Users who rate on a scale and never give half marks: good is above their mean (0.2).
-    assert auc([0.1, 0.3, 0.2, 0.05], [0.1, 0.3, 0.35, 0.05]) == 1.0
+    # Ratings on a scale: every pair of different ratings counts (Harrell's concordance). Here
+    # one of the six is ranked the wrong way round (0.35 rated, 0.2 predicted, below 0.3's 0.3).
+    assert auc([0.1, 0.3, 0.2, 0.05], [0.1, 0.3, 0.35, 0.05]) == pytest.approx(5 / 6)
     assert auc([0.5, 0.5], [0.2, 0.2]) is None  # every rating the same: nothing to rank
+
+
+def test_the_auc_of_scale_ratings_uses_every_pair_not_a_cut_few_answers_pass() -> None:
+    """Most answers rated about 0.25 and two above 0.5, by a model that ranks the bulk of the
+    ratings well but those two badly: a cut at 0.5 would say 0 (what the two said); every pair
+    says the model mostly ranks as users do, with an interval to decide on."""
+    rng = np.random.default_rng(0)
+    bulk = [float(s) for s in np.clip(0.25 + rng.normal(0, 0.1, 60), 0.0, 0.49)]
+    scores = [*bulk, 0.9, 0.8]
+    predictions = [s + float(rng.normal(0, 0.05)) for s in bulk] + [0.0, 0.0]
+    value = auc(predictions, scores)
+    assert value is not None and value > 0.75
+    interval = bootstrap_metric(predictions, scores)
+    assert interval is not None and interval[0] > 0.6
+    # Row chunks (here 3 of 512) count each pair once: copies change no pair's verdict.
+    assert auc(predictions * 20, scores * 20) == pytest.approx(value)
 
 
 def test_preference_pairs_come_from_one_prompts_differently_rated_answers() -> None:
