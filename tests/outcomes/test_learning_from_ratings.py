@@ -110,6 +110,18 @@ def config_for(env: Embedded, home: Path) -> Path:
     return path
 
 
+def rated_alias_services(
+    env: Embedded, config: Path, alias: str, home: Path
+) -> tuple[RatchetSettings, Stack]:
+    """``alias`` routed to the base model on the shared stack, and a judge and a learner of its
+    own for it (not started yet)."""
+    settings = load_settings(config)
+    env.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
+    env.wait_for_proxy_route(alias)
+    services = Stack([judge_part(settings, config), learner_part(settings, config)], home)
+    return settings, services
+
+
 def users(
     env: Embedded, prompts: list[dict[str, Any]], concurrency: int = 8, temperature: float = 1.0
 ) -> dict[str, int]:
@@ -270,12 +282,7 @@ def lift_on_unseen(embedded: Embedded, candidate: int) -> tuple[float, float, fl
 @pytest.mark.timeout(2400)
 def test_the_loop_learns_from_ratings_alone(embedded: Embedded, tmp_path: Path) -> None:
     config = config_for(embedded, tmp_path)
-    settings = load_settings(config)
-    embedded.registry.write(AliasRoute(alias=ALIAS, base_model=BASE_MODEL))
-    embedded.wait_for_proxy_route(ALIAS)
-    services = Stack(
-        [judge_part(settings, config), learner_part(settings, config)], tmp_path / "services"
-    )
+    settings, services = rated_alias_services(embedded, config, ALIAS, tmp_path / "services")
     figures: dict[str, Any] = {
         "check": "ratings",
         "bar": BAR,

@@ -32,11 +32,8 @@ import pytest
 import yaml
 
 from bench.loop_watch import metric, scrape
-from ratchet.dev.processes import Stack, free_port
-from ratchet.dev.stack import judge_part, learner_part
+from ratchet.dev.processes import free_port
 from ratchet.evaluation import paired_lift
-from ratchet.registry import AliasRoute
-from ratchet.settings import load_settings
 from ratchet.tasks.bullets import bullets_reward
 from tests.integration.conftest import BASE_MODEL, Embedded
 from tests.integration.test_learner import history
@@ -45,6 +42,7 @@ from tests.outcomes.test_learning_from_ratings import (
     UNSEEN,
     greedy_prompt_scores,
     progress,
+    rated_alias_services,
     write_figures,
 )
 
@@ -193,12 +191,7 @@ def test_the_loop_learns_from_noisy_ratings_on_the_defaults(
     embedded: Embedded, tmp_path: Path
 ) -> None:
     config = config_for(embedded, tmp_path)
-    settings = load_settings(config)
-    embedded.registry.write(AliasRoute(alias=ALIAS, base_model=BASE_MODEL))
-    embedded.wait_for_proxy_route(ALIAS)
-    services = Stack(
-        [judge_part(settings, config), learner_part(settings, config)], tmp_path / "services"
-    )
+    settings, services = rated_alias_services(embedded, config, ALIAS, tmp_path / "services")
     figures: dict[str, Any] = {
         "check": "ratings-defaults",
         "bar": BAR,
