@@ -18,6 +18,7 @@ policy training and gates (the learner's own ``ratchet_learner_round_seconds``),
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import statistics
@@ -32,7 +33,7 @@ import pytest
 import yaml
 
 from bench.loop_watch import metric, scrape
-from ratchet.dev.processes import free_port
+from ratchet.dev.processes import free_port, http_ok, wait_until
 from ratchet.evaluation import paired_lift
 from ratchet.tasks.bullets import bullets_reward
 from tests.integration.conftest import BASE_MODEL, Embedded
@@ -125,9 +126,9 @@ def noisy_users(env: Embedded, stop: threading.Event, counts: dict[str, int]) ->
                     return
                 try:
                     await one(i)
-                except openai.OpenAIError:  # counted; users come back (after a breath)
+                except openai.OpenAIError:  # counted; users come back once the proxy is up
                     counts["failed"] += 1
-                    await asyncio.sleep(1.0)
+                    await asyncio.to_thread(proxy_up_or_stopped, env, stop)
 
         await asyncio.gather(*(worker(w) for w in range(8)))
         await client.close()
@@ -171,18 +172,30 @@ def minutes_by_part(learner_metrics_url: str, events: list[dict[str, Any]]) -> d
     }
 
 
+def proxy_up_or_stopped(env: Embedded, stop: threading.Event) -> None:
+    """After a failed request: until the proxy answers its health check again (or the run
+    ends), polled, within the run's length."""
+    healthz = f"{env.proxy_url}/healthz"
+    wait_until(lambda: stop.is_set() or http_ok(healthz), MINUTES * 60, "the proxy healthy", 0.5)
+
+
 def watch(settings: Any, started: float) -> list[dict[str, Any]]:
     """The alias's events until MINUTES have passed, each new one printed as it comes."""
-    seen = 0
+    deadline = started + MINUTES * 60
     events: list[dict[str, Any]] = []
-    while time.monotonic() - started < MINUTES * 60:
+    while time.monotonic() < deadline:
+        seen = len(events)
+
+        def more(seen: int = seen) -> bool:
+            return len(history(settings, ALIAS)) > seen
+
+        with contextlib.suppress(TimeoutError):  # polled: the next event, or the run's end
+            wait_until(more, deadline - time.monotonic(), "the alias's next event", 2.0)
         events = sorted(history(settings, ALIAS), key=_ts)
         for event in events[seen:]:
             detail = event.get("detail") or {}
             what = detail.get("reason") or (detail.get("gate") or {}).get("reason") or ""
             progress(started, f"{event['kind']} v{event.get('version')} {str(what)[:80]}")
-        seen = len(events)
-        time.sleep(15)
     return events
 
 
