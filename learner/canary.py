@@ -10,10 +10,12 @@ canary, so a restarted learner carries on counting. Once the canary arm has ``mi
 :func:`canary_verdict` decides: roll back if its error rate is worse than the active arm's beyond
 the configured margin; otherwise the ratings' sequential test (learner/canary_ratings.py)
 promotes or rolls back as soon as it can. Ratings lag the answers they rate, so a canary the
-test has not decided waits up to ``feedback_wait_s``, then is judged on error rate and the
-ratings' point estimate (of at least :func:`estimate_pairs`) — at once if neither arm has a
-single rating while the active arm has answered :data:`UNRATED_AFTER` times ``min_requests``:
-an alias whose users don't rate.
+test has not decided waits up to ``feedback_wait_s``; there the test's stream ends and it looks
+once (a z-test on the pairs so far, ratchet/sequential.py): promote if it shows the canary no
+worse than the margin, roll back if not. With fewer pairs than that look needs, the canary is
+judged on error rate and the ratings' point estimate (of at least :func:`estimate_pairs`) — at
+once if neither arm has a single rating while the two have answered :data:`UNRATED_AFTER` times
+``min_requests``, or after :data:`UNRATED_WAIT_S`: an alias whose users don't rate.
 
 The watcher also counts every alias's requests per minute, canary or not
 (learner/canary_weight.py): the next canary's share is sized by them.
@@ -74,9 +76,12 @@ log = logging.getLogger(__name__)
 
 Verdict = Literal["wait", "promote", "rollback"]
 
-# With no rating on either arm by the time the active arm has this many times canary.min_requests
-# answers, a canary does not wait feedback_wait_s for ratings (see canary_verdict).
+# With no rating on either arm by the time the two arms together have this many times
+# canary.min_requests answers, or by UNRATED_WAIT_S, a canary does not wait feedback_wait_s for
+# ratings (see canary_verdict): a quiet alias's canary takes half its traffic, and waiting on
+# answers alone would hold a canary of users who never rate for 10 minutes at 20 a minute.
 UNRATED_AFTER = 4
+UNRATED_WAIT_S = 300.0
 # The reward-hacking guard compares the reward model with the users on this many of the alias's
 # newest joined ratings (those of the canary's and the active version's answers).
 GAP_RATINGS = 512
@@ -106,18 +111,31 @@ def canary_verdict(
         return "promote", f"ratings: not worse by {config.max_feedback_drop}: {_evidence(ratings)}"
     if ratings.decision == "fail":
         return "rollback", f"ratings: {ratings.reason}: {_evidence(ratings)}"
-    # Not one rating on either arm while the active arm answered several times the canary's
-    # minimum: this alias's users do not rate, and waiting for ratings would only delay.
+    # Not one rating on either arm among several times the canary's minimum of answers, or in
+    # five minutes: this alias's users do not rate, and waiting for ratings would only delay.
     unrated = (
         active.feedback == 0
         and canary.feedback == 0
-        and active.requests >= UNRATED_AFTER * config.min_requests
+        and (
+            active.requests + canary.requests >= UNRATED_AFTER * config.min_requests
+            or age_s >= UNRATED_WAIT_S
+        )
     )
     if not unrated and age_s < config.feedback_wait_s:
         return "wait", (
             f"ratings undecided ({_evidence(ratings)}); deciding without them after "
             f"{config.feedback_wait_s:.0f} s"
         )
+    # The wait ran out: the test's stream ends here, and it looks once at what it has.
+    looked, reason = ratings.looked()
+    if looked == "pass":
+        return "promote", f"ratings: when the wait ran out, {reason}: {_evidence(ratings)}"
+    if looked == "fail":
+        return "rollback", (
+            f"ratings: when the wait ran out, {reason}, not shown within "
+            f"{config.max_feedback_drop} of the active arm: {_evidence(ratings)}"
+        )
+    # Too few pairs for the look: the point estimate may still roll back a clear drop.
     drop = mean_drop(ratings) if ratings.n >= estimate_pairs(config) else None
     if drop is not None and drop > config.max_feedback_drop:
         return "rollback", (

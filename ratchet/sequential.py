@@ -57,7 +57,7 @@ half (Bonferroni: the false-pass rate stays at most ``alpha``):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from statistics import NormalDist
 from typing import Any, Literal
 
@@ -216,6 +216,16 @@ class SequentialTest:
         if self.decision == "continue" and self._can_look(self.n):
             self.decision, self.reason = self._look()
         return self.decision
+
+    def looked(self) -> tuple[Decision, str]:
+        """The decision and its reason were the stream to end now, the test left as it is: the
+        decision already made, else the final look's (with a final look and enough outcomes),
+        else ``continue``. For a caller whose stream ends on a clock (the canary's wait)."""
+        if self.decision != "continue" or not self._can_look(self.n):
+            return self.decision, self.reason
+        ended = replace(self)  # the look changes only scalar fields: a shallow copy will do
+        ended.close()
+        return ended.decision, ended.reason
 
     def _can_look(self, n: int) -> bool:
         return self.final_look and n >= max(self.min_n, FINAL_LOOK_MIN_N)

@@ -5,6 +5,7 @@ handed to ``count()`` as the consumer would)."""
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 from dataclasses import asdict
@@ -90,7 +91,8 @@ def test_the_verdict_follows_the_ratings_test_as_soon_as_it_decides() -> None:
     worse = ratings([0.9] * 40, [0.1] * 40)
     assert worse.decision == "fail"
     verdict, reason = canary_verdict(active, canary, CONFIG, 0.0, worse)
-    assert verdict == "rollback" and reason.startswith("ratings:") and "22 rating pairs" in reason
+    # 26 pairs: the betting test runs at alpha / 2, the other half kept for the wait's last look.
+    assert verdict == "rollback" and reason.startswith("ratings:") and "26 rating pairs" in reason
     same = ratings([0.9] * 80, [0.9] * 80)  # no worse: the margin (0.2) is cleared
     assert same.decision == "pass"
     verdict, reason = canary_verdict(active, canary, CONFIG, 0.0, same)
@@ -121,13 +123,48 @@ def test_the_verdict_waits_for_ratings_then_decides_on_their_point_estimate() ->
     assert verdict == "promote"
 
 
+def thumbs(good: int, n: int = 36, seed: int = 0) -> list[float]:
+    scores = [1.0] * good + [0.0] * (n - good)
+    random.Random(seed).shuffle(scores)
+    return scores
+
+
+def test_when_the_wait_runs_out_the_ratings_look_once_and_decide() -> None:
+    """36 pairs, no betting decision yet: at the wait's end the look's z-test decides, so a
+    canary not shown within the margin is rolled back rather than promoted on its estimate."""
+    half = [1.0] * 18 + [0.0] * 18
+    active, canary = ArmStats(100, feedback=36), ArmStats(40, feedback=36)
+    better, even = ratings(half, thumbs(24)), ratings(half, thumbs(18))
+    assert better.decision == even.decision == "continue"
+    verdict, reason = canary_verdict(active, canary, CONFIG, 59.0, better)
+    assert verdict == "wait"
+    verdict, reason = canary_verdict(active, canary, CONFIG, LATE, better)
+    assert verdict == "promote" and "at the last look" in reason, reason
+    # Even ratings whose estimate (drop 0) the old fallback promoted: not shown within 0.2.
+    verdict, reason = canary_verdict(active, canary, CONFIG, LATE, even)
+    assert verdict == "rollback" and "inconclusive after 36" in reason, reason
+    worse = ratings(half, thumbs(9))
+    verdict, reason = canary_verdict(active, canary, CONFIG, LATE, worse)
+    assert verdict == "rollback", reason
+    # The look left the test as it was: the watcher replays it from Redis anyway, the bench not.
+    assert better.decision == even.decision == "continue" and better.n == 36
+
+
 def test_the_verdict_does_not_wait_for_ratings_an_alias_never_gets() -> None:
-    # At weight 0.1 the active arm answers about nine times the canary's requests: not one
-    # rating among them means this alias's users don't rate.
+    # Not one rating among four times the canary's minimum of answers, the two arms together
+    # (at weight 0.1 the active arm alone has nine times the canary's), means this alias's
+    # users don't rate ...
     canary = ArmStats(10)
-    verdict, reason = canary_verdict(ArmStats(39), canary, CONFIG, 0.0, NONE)
+    verdict, reason = canary_verdict(ArmStats(29), canary, CONFIG, 0.0, NONE)
     assert verdict == "wait" and "no rating pairs" in reason
-    verdict, _ = canary_verdict(ArmStats(40), canary, CONFIG, 0.0, NONE)
+    verdict, _ = canary_verdict(ArmStats(30), canary, CONFIG, 0.0, NONE)
+    assert verdict == "promote"
+    # ... and so does none in five minutes, however quiet the alias (at a quiet alias's weight
+    # 0.5 the active arm answers as often as the canary), even where the wait is longer.
+    patient = CONFIG.model_copy(update={"feedback_wait_s": 900.0})
+    verdict, _ = canary_verdict(ArmStats(10), canary, patient, 299.0, NONE)
+    assert verdict == "wait"
+    verdict, _ = canary_verdict(ArmStats(10), canary, patient, 300.0, NONE)
     assert verdict == "promote"
     # One rating anywhere, and the canary waits for the ratings as before.
     rated = ArmStats(90, feedback=1, feedback_sum=1.0)

@@ -203,3 +203,18 @@ def test_a_horizon_too_short_for_a_final_look_keeps_all_of_alpha_for_betting() -
     assert short.threshold == plain.threshold
     long = SequentialTest(theta=0.5, alpha=0.3, max_n=96, min_n=16, final_look=True)
     assert long.threshold > plain.threshold
+
+
+def test_looking_before_the_end_decides_as_the_final_look_would_and_changes_nothing() -> None:
+    outcomes = [1.0, 0.0, 1.0, 1.0] * 10  # mean 0.75 over 40: the look passes it above 0.5
+    test = run(outcomes, max_n=1024, min_n=8, final_look=True)
+    assert test.decision == "continue"
+    before = test.to_dict()
+    decision, reason = test.looked()
+    assert decision == "pass" and "at the last look" in reason
+    assert test.to_dict() == before
+    closed = run(outcomes, max_n=1024, min_n=8, final_look=True)
+    assert closed.close() == decision and closed.reason == reason
+    # Too few outcomes for the look, or no look at all: nothing is decided yet.
+    assert run(outcomes[:20], max_n=1024, min_n=8, final_look=True).looked()[0] == "continue"
+    assert run(outcomes, max_n=1024, min_n=8).looked()[0] == "continue"
