@@ -16,7 +16,8 @@ with the learner's own pieces:
   :func:`canary_weight` gives for that rate;
 * a share ``--rated`` of answers is rated (users who never rate), ``--lag`` seconds later on
   average (exponential); a rating is a thumbs up with the arm's probability of a good answer,
-  flipped with probability ``--noise`` (users disagree);
+  flipped with probability ``--noise`` (users disagree); with ``--scale``, a rating in [0, 1]:
+  the arm's mean plus a normal spread ``--noise`` (0.25 by default), clipped;
 * every ``--tick`` seconds :func:`canary_verdict` decides as the learner's canary watcher does,
   on the arms' counts and the sequential test over the rating pairs so far
   (``learner/canary_ratings.py``; the dev stack's anonymous client, so no rater cap).
@@ -24,9 +25,10 @@ with the learner's own pieces:
 Scenarios: the canary better by ``--gain`` (the lift issue 35's promotion carried), equal,
 worse by ``canary.max_feedback_drop`` (the boundary: a promotion there is a false one), and
 clearly worse. Each configuration (the shipped defaults, then each ``--set`` group) is reported
-as the share promoted, the minutes to a decision (median and 90th percentile), and the share the
-sequential test decided (the rest fell back, after ``feedback_wait_s``, to the error rate and
-the ratings' point estimate). A table, and with ``--plot`` the minutes to a decision by
+as the share promoted, the minutes to a decision (median and 90th percentile), the share the
+ratings' betting test decided before ``feedback_wait_s`` ran out and the share its one look then
+decided (the rest fell back to the error rate and, with too few pairs for the look, the
+ratings' point estimate). A table, and with ``--plot`` the minutes to a decision by
 scenario and configuration.
 """
 
@@ -62,15 +64,17 @@ class Traffic:
     rate_per_min: float
     rated: float
     lag_s: float
-    noise: float
+    noise: float  # thumbs: the share flipped; scale: the spread of one answer's rating
     tick_s: float
+    scale: bool = False  # ratings in [0, 1] around the arm's mean, not thumbs
 
 
 @dataclass(frozen=True)
 class Outcome:
     verdict: str  # promote, rollback, undecided
     minutes: float
-    by_test: bool  # decided by the sequential test, not by the wait's fallback
+    by_test: bool  # decided by the ratings' betting test before the wait ran out
+    by_look: bool = False  # by the test's one look when the wait ran out
 
 
 def scenarios(base: float, gain: float, drop: float) -> dict[str, tuple[float, float]]:
@@ -83,7 +87,12 @@ def scenarios(base: float, gain: float, drop: float) -> dict[str, tuple[float, f
     }
 
 
-def rating(rng: random.Random, p_good: float, noise: float) -> float:
+def rating(rng: random.Random, p_good: float, noise: float, scale: bool = False) -> float:
+    """Thumbs: up with the arm's chance of a good answer, flipped with chance ``noise``. On a
+    scale: the arm's mean plus a normal spread ``noise`` (answers differ, users disagree),
+    clipped to [0, 1]."""
+    if scale:
+        return min(1.0, max(0.0, rng.gauss(p_good, noise)))
     good = rng.random() < p_good
     return float(good != (rng.random() < noise))
 
@@ -107,7 +116,7 @@ def play(
             if rng.random() < traffic.rated:
                 p = p_canary if arm == "canary" else p_active
                 arrives = next_answer + rng.expovariate(1.0 / traffic.lag_s)
-                due.append((arrives, arm, rating(rng, p, traffic.noise)))
+                due.append((arrives, arm, rating(rng, p, traffic.noise, traffic.scale)))
             next_answer += rng.expovariate(traffic.rate_per_min / 60.0)
         arrived = sorted(d for d in due if d[0] <= t)
         due = [d for d in due if d[0] > t]
@@ -123,7 +132,8 @@ def play(
         verdict, _ = canary_verdict(active, canary, config, t, test)
         if verdict != "wait":
             by_test = test.decision != "continue"
-            return Outcome(verdict, t / 60.0, by_test)
+            by_look = not by_test and test.looked()[0] != "continue"
+            return Outcome(verdict, t / 60.0, by_test, by_look)
     return Outcome("undecided", MAX_MINUTES, False)
 
 
@@ -147,6 +157,7 @@ def summarise(outcomes: list[Outcome]) -> dict[str, float]:
         "median_minutes": statistics.median(minutes),
         "p90_minutes": minutes[int(0.9 * (len(minutes) - 1))],
         "by_test": sum(o.by_test for o in outcomes) / len(outcomes),
+        "by_look": sum(o.by_look for o in outcomes) / len(outcomes),
     }
 
 
@@ -172,9 +183,23 @@ def print_table(
 ) -> None:
     table = Table(
         title=f"canary decisions in time: {traffic.rate_per_min:g} answers/min, "
-        f"{traffic.rated:.0%} rated ~{traffic.lag_s:g} s late, {traffic.noise:.0%} flipped"
+        f"{traffic.rated:.0%} rated ~{traffic.lag_s:g} s late, "
+        + (
+            f"on a scale, spread {traffic.noise:g}"
+            if traffic.scale
+            else f"{traffic.noise:.0%} flipped"
+        )
     )
-    for column in ("configuration", "scenario", "promoted", "median min", "p90 min", "by test"):
+    columns = (
+        "configuration",
+        "scenario",
+        "promoted",
+        "median min",
+        "p90 min",
+        "by test",
+        "by look",
+    )
+    for column in columns:
         table.add_column(
             column, justify="left" if column in ("configuration", "scenario") else "right"
         )
@@ -187,6 +212,7 @@ def print_table(
                 f"{s['median_minutes']:.1f}",
                 f"{s['p90_minutes']:.1f}",
                 f"{s['by_test']:.2f}",
+                f"{s.get('by_look', 0.0):.2f}",
             )
     console.print(table)
 
@@ -225,7 +251,13 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=20.0, help="answers a minute")
     parser.add_argument("--rated", type=float, default=0.8, help="share of answers rated")
     parser.add_argument("--lag", type=float, default=30.0, help="mean seconds to a rating")
-    parser.add_argument("--noise", type=float, default=0.1, help="share of ratings flipped")
+    parser.add_argument(
+        "--noise",
+        type=float,
+        default=None,
+        help="thumbs: share flipped (0.1); --scale: the normal spread of a rating (0.25)",
+    )
+    parser.add_argument("--scale", action="store_true", help="ratings in [0, 1], not thumbs")
     parser.add_argument("--tick", type=float, default=10.0, help="seconds between verdicts")
     parser.add_argument("--base", type=float, default=0.59, help="active arm's good share")
     parser.add_argument("--gain", type=float, default=0.1, help="the better canary's gain")
@@ -242,7 +274,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results/canary_time.json"))
     parser.add_argument("--plot", action="store_true")
     args = parser.parse_args()
-    traffic = Traffic(args.rate, args.rated, args.lag, args.noise, args.tick)
+    noise = args.noise if args.noise is not None else (0.25 if args.scale else 0.1)
+    traffic = Traffic(args.rate, args.rated, args.lag, noise, args.tick, args.scale)
     configs = {"shipped defaults": CanaryConfig()}
     for items in args.set:
         configs[" ".join(items)] = CanaryConfig(**parse_set(items))
