@@ -39,7 +39,7 @@ from tests.deploy.test_config import (
 # declares (Chart.yaml kubeVersion), so nothing newer than that floor slips in.
 KUBE_VERSIONS = ["1.37.0", "1.29.0"]
 # Objects of CRDs have no upstream schema; they are checked field by field below.
-CRD_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"ServiceMonitor", "InferencePool", "HTTPRoute"}
 RATCHET_COMPONENTS = ("proxy", "judge", "learner", "console")
 SENTINEL = "SENTINEL"
 
@@ -208,7 +208,11 @@ def test_every_probe_and_service_uses_a_named_port(
         for c in pod["spec"]["containers"]:
             names = set(_ports(c))
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-                if probe in c:
+                if probe in c and "grpc" in c[probe]:  # a gRPC probe's port is a number
+                    port = c[probe]["grpc"]["port"]
+                    numbers = {p["containerPort"] for p in c["ports"]}
+                    assert port in numbers, (pod_name, probe, port)
+                elif probe in c:
                     port = c[probe]["httpGet"]["port"]
                     assert isinstance(port, str) and port in names, (pod_name, probe, port)
     for svc in r.kinds("Service"):
@@ -404,6 +408,9 @@ def test_pods_roll_when_their_config_changes(
         annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
         if component == "vllm":
             continue  # vLLM does not read ratchet.yaml
+        if component == "endpoint-picker":  # its own config: test_inference_gateway.py
+            assert annotations["checksum/config"] not in (digest, "")
+            continue
         assert annotations["checksum/config"] == digest, deployment["metadata"]["name"]
 
 
@@ -460,9 +467,14 @@ def test_security_contexts(rendered: dict[str, Rendered], values_file: str) -> N
     r = rendered[values_file]
     for name, pod in r.pod_templates().items():
         spec = pod["spec"]
-        assert spec["automountServiceAccountToken"] is False, name
+        if pod["metadata"]["labels"]["app.kubernetes.io/component"] == "endpoint-picker":
+            # It watches its InferencePool and pods: its own account, with a token (and a Role
+            # for those alone: tests/deploy/test_inference_gateway.py).
+            assert spec["serviceAccountName"] == f"{FULLNAME}-endpoint-picker"
+        else:
+            assert spec["automountServiceAccountToken"] is False, name
+            assert spec["serviceAccountName"] == FULLNAME
         assert spec["enableServiceLinks"] is False, name
-        assert spec["serviceAccountName"] == FULLNAME
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         component = pod["metadata"]["labels"]["app.kubernetes.io/component"]
         for c in spec["containers"]:
@@ -480,6 +492,9 @@ def test_security_contexts(rendered: dict[str, Rendered], values_file: str) -> N
                 assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsUser"]
                 env = {e["name"]: e.get("value") for e in c["env"]}
                 assert {"/tmp", env["HOME"], env["HF_HOME"], "/dev/shm"} <= writable, name
+                continue
+            if component == "endpoint-picker":  # the router image's own unprivileged user
+                assert spec["securityContext"]["runAsUser"] == 65532 and not writable, name
                 continue
             assert spec["securityContext"]["runAsUser"] == 10001, name
             if component != "test":

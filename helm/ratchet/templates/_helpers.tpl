@@ -127,7 +127,9 @@ The base model's served name: model.servedName, else the last part of model.name
 Where the services reach vLLM.
 */}}
 {{- define "ratchet.vllmUrl" -}}
-{{- if .Values.vllm.enabled }}
+{{- if .Values.inferenceGateway.enabled }}
+{{- .Values.inferenceGateway.url | trimSuffix "/" }}
+{{- else if .Values.vllm.enabled }}
 {{- printf "http://%s-vllm:%d" (include "ratchet.fullname" .) (int .Values.vllm.port) }}
 {{- else }}
 {{- .Values.vllm.url | trimSuffix "/" }}
@@ -288,7 +290,52 @@ Whether the adapter store is mounted by anything in this release (the console re
 {{/*
 Values that the schema cannot check alone; each failure says what to set.
 */}}
+{{/*
+Whether the chart renders the headless Service of vLLM's pods that the proxy, judge and gate
+balance over (vllm_endpoints): several replicas, and no inference gateway doing it for them.
+*/}}
+{{- define "ratchet.vllmReplicasService" -}}
+{{- if and .Values.vllm.enabled (gt (int .Values.vllm.replicaCount) 1) (not .Values.inferenceGateway.enabled) }}true{{ end }}
+{{- end }}
+
+{{/*
+The endpoint picker's EndpointPickerConfig (llm-d router): vLLM's metrics scraped from each pod,
+the request body parsed as OpenAI's, and one scheduling profile of inferenceGateway's scorers.
+*/}}
+{{- define "ratchet.endpointPickerConfig" -}}
+ratchet-plugins.yaml: |
+  apiVersion: llm-d.ai/v1alpha1
+  kind: EndpointPickerConfig
+  plugins:
+    - type: metrics-data-source
+      parameters:
+        scheme: http
+        path: /metrics
+    - type: core-metrics-extractor
+    {{- range $scorer, $weight := .Values.inferenceGateway.endpointPicker.scorers }}
+    - type: {{ $scorer }}
+    {{- end }}
+  schedulingProfiles:
+    - name: default
+      plugins:
+        {{- range $scorer, $weight := .Values.inferenceGateway.endpointPicker.scorers }}
+        - pluginRef: {{ $scorer }}
+          weight: {{ $weight }}
+        {{- end }}
+{{- end }}
+
 {{- define "ratchet.validate" -}}
+{{- if .Values.inferenceGateway.enabled }}
+{{- if not .Values.vllm.enabled }}
+{{- fail "inferenceGateway.enabled needs vllm.enabled: the InferencePool selects the chart's own vLLM pods. For a vLLM you run, point vllm.url at your inference gateway instead" }}
+{{- end }}
+{{- if not .Values.inferenceGateway.gateway.name }}
+{{- fail "inferenceGateway.enabled is true but inferenceGateway.gateway.name is empty: name the Gateway (one that implements the Inference Extension) the HTTPRoute attaches to" }}
+{{- end }}
+{{- if not .Values.inferenceGateway.url }}
+{{- fail "inferenceGateway.enabled is true but inferenceGateway.url is empty: set it to where Ratchet's pods reach that Gateway's listener, e.g. http://inference-gateway.gateway-system.svc:80" }}
+{{- end }}
+{{- end }}
 {{- if and .Values.vllm.enabled .Values.vllm.url }}
 {{- fail "vllm.url is set while vllm.enabled is true: set vllm.enabled=false to use an existing vLLM, or remove vllm.url" }}
 {{- end }}
@@ -372,7 +419,7 @@ Secrets never appear here: they come in as RATCHET_* environment variables.
 {{- $_ := set $proxy "port" (int .Values.proxy.port) }}
 {{- $aliases := include "ratchet.aliases" . | fromYaml }}
 {{- $config := dict "kafka_bootstrap_servers" .Values.kafka.bootstrapServers "redis_url" (include "ratchet.redisUrl" .) "vllm_url" (include "ratchet.vllmUrl" .) "home" .Values.state.mountPath "state_dir" (printf "%s/state" .Values.state.mountPath) "store_dir" .Values.adapters.mountPath "kafka" $kafka "proxy" $proxy "aliases" $aliases }}
-{{- if and .Values.vllm.enabled (gt (int .Values.vllm.replicaCount) 1) }}
+{{- if include "ratchet.vllmReplicasService" . }}
 {{- $_ := set $config "vllm_endpoints" (list (printf "http://%s-vllm-replicas:%d" (include "ratchet.fullname" .) (int .Values.vllm.port))) }}
 {{- end }}
 {{- /* A service's section is written only when it runs, so a release without it never depends
