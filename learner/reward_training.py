@@ -2,9 +2,12 @@
 
 :class:`RatingsCollector` reads ``ratchet.traffic`` and ``ratchet.feedback`` from the start (as
 its own consumer group), joins ratings with the answers they rate (learner/ratings.py), and once
-an alias with ``reward.kind: feedback`` has enough new joined ratings (:func:`ratings_needed`)
-and no round is training the policy in this process, :class:`RewardTrainer` trains a new
-version under the alias's lease:
+an alias with ``reward.kind: feedback`` has enough new joined ratings (:func:`ratings_needed`),
+or ``retrain_every`` of them with which the live model agrees less than its held-out ratings
+promised (:meth:`RewardTrainer.agreement_drop`), and no round is training the policy in this
+process, :class:`RewardTrainer` trains a new version under the alias's lease. Until then it
+computes the new ratings' features, a batch a poll (:meth:`RewardTrainer.warm`): the retrain
+finds them cached, and the agreement can be looked at. The retrain:
 
 1. split the ratings by prompt: ``feedback.eval_fraction`` of the prompts are never trained on
    (a split keyed with the server secret, so no client can aim at it);
@@ -38,7 +41,7 @@ from learner.exchanges import TrafficFetcher, read_exchanges
 from learner.fair import fair_select
 from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
-from learner.ratings import RatingsJoin, new_ratings_key, read_ratings
+from learner.ratings import RatingsJoin, new_ratings_key, newest_ratings, read_ratings
 from ratchet.lifecycle import EventSink
 from ratchet.records import DeadLetter, FeedbackRecord, TrafficRecord, decode
 from ratchet.rewards.reward_model import (
@@ -49,6 +52,7 @@ from ratchet.rewards.reward_model import (
     RewardModels,
     RewardModelUnavailable,
     RewardStatus,
+    auc,
     evaluate,
     fit_head,
     good_ratings,
@@ -64,6 +68,9 @@ from ratchet.store import AdapterStore
 log = logging.getLogger(__name__)
 
 FEATURE_CACHE = 50_000  # rated answers whose features are kept between retrains
+# New ratings whose features one poll computes ahead of the retrain (a few seconds on two cores):
+# short enough that a round starting meanwhile waits little for the cores.
+WARM_BATCH = 16
 
 
 class RewardTrainer:
@@ -86,6 +93,10 @@ class RewardTrainer:
         self._features = features
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self.secret = server_secret(settings)
+        # alias -> ((live version, new ratings) last checked, why a retrain was due or None)
+        self._agreement: dict[str, tuple[tuple[int, int], str | None]] = {}
+        self._heads: dict[tuple[str, int], RewardHead] = {}
+        self._warmed: dict[str, int] = {}  # alias -> new ratings whose features are all cached
 
     @property
     def features(self) -> AnswerFeatures:
@@ -94,9 +105,76 @@ class RewardTrainer:
         return self._features
 
     def due(self, alias: str) -> bool:
+        """A retrain is due on :func:`ratings_needed` new ratings, or sooner, on
+        ``retrain_every`` of them, where the live model agrees with them less than its own
+        held-out ratings promised (:meth:`agreement_drop`)."""
         config = self.settings.aliases[alias].feedback
-        raw = self.redis.get(new_ratings_key(alias))
-        return int(raw or 0) >= ratings_needed(config, RewardStatus.read(self.redis, alias))
+        new = int(self.redis.get(new_ratings_key(alias)) or 0)
+        live = RewardStatus.read(self.redis, alias)
+        if new >= ratings_needed(config, live):
+            return True
+        return new >= config.retrain_every and self.agreement_drop(alias, live, new) is not None
+
+    def agreement_drop(self, alias: str, live: RewardStatus | None, new: int) -> str | None:
+        """Why the live model no longer ranks what users say as well as when it went live: its
+        AUC on the ``new`` ratings since the last retrain (none of which it trained on) below
+        the lower end of its held-out AUC's interval; None while it does, or while those
+        ratings' features are not all computed yet (:meth:`warm` computes them, a batch a poll,
+        so this never holds the collector for long)."""
+        if live is None or not live.usable or not live.version or live.auc_low is None:
+            return None
+        checked = (live.version, new // WARM_BATCH)  # looked at again every WARM_BATCH ratings
+        last = self._agreement.get(alias)
+        if last is not None and last[0] == checked:
+            return last[1]
+        answers = newest_ratings(self.redis, alias, new)
+        if not answers or any(a.completion_id not in self._cache for a in answers):
+            return None
+        head = self._live_head(alias, live.version)
+        value = (
+            None
+            if head is None
+            else auc(head.predict(self.rows(answers)), [a.score for a in answers])
+        )
+        why = None
+        if value is not None and value < live.auc_low:
+            why = (
+                f"live v{live.version}'s AUC on the {len(answers)} ratings since the last retrain "
+                f"is {value:.3f}, below its held-out lower bound {live.auc_low:.3f}"
+            )
+            log.info("%s: reward model retrain due early: %s", alias, why)
+        self._agreement[alias] = (checked, why)
+        return why
+
+    def _live_head(self, alias: str, version: int) -> RewardHead | None:
+        key = (alias, version)
+        if key not in self._heads:
+            try:
+                self._heads[key] = RewardHead.load(
+                    self.store.root / reward_model_name(alias, version)
+                )
+            except (OSError, ValueError, KeyError) as exc:
+                log.warning("%s: live reward model v%d unreadable: %s", alias, version, exc)
+                return None
+        return self._heads[key]
+
+    def warm(self, alias: str, limit: int = WARM_BATCH) -> int:
+        """Compute the features of up to ``limit`` of the ratings since the last retrain that
+        have none yet: the retrain then finds them cached (it is that much shorter when a round
+        starts beside it), and :meth:`agreement_drop` can look. Returns how many it computed."""
+        new = int(self.redis.get(new_ratings_key(alias)) or 0)
+        warmed = self._warmed.get(alias, 0)
+        if warmed > new:  # a retrain consumed them: start again
+            warmed = 0
+        if new <= warmed:
+            return 0
+        fresh = newest_ratings(self.redis, alias, new - warmed)  # only those not looked at
+        missing = [a for a in fresh if a.completion_id not in self._cache]
+        if missing:
+            self.rows(missing[:limit])
+        if len(missing) <= limit:
+            self._warmed[alias] = new
+        return min(len(missing), limit)
 
     def rows(self, answers: list[RatedAnswer]) -> Any:
         """Features of rated answers, computed once per completion and cached."""
@@ -338,6 +416,7 @@ class RatingsCollector:
             if self.stopping.is_set() or time.monotonic() < retry_at:
                 continue
             if not self.trainer.due(alias):
+                self._warm(alias)
                 continue
             try:
                 self._retrain(alias)
@@ -351,6 +430,12 @@ class RatingsCollector:
                 log.exception("%s: reward model retrain failed; next try in %.0f s", alias, pause)
             else:
                 self._backoff.pop(alias, None)
+
+    def _warm(self, alias: str) -> None:
+        # Under the same lease as the retrain: only the replica that will train computes.
+        with self.leases.hold(reward_store_name(alias)) as lease:
+            if lease is not None:
+                self.trainer.warm(alias)
 
     def _retrain(self, alias: str) -> None:
         # A lease of its own (<alias>.reward): training a reward model must not hold up the

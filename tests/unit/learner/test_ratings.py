@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -330,6 +331,96 @@ def test_a_reward_model_learns_what_users_prefer_and_scores_with_it(
     assert meta["live_on_same_ratings"]["version"] == 1
     assert meta["live_on_same_ratings"]["ratings"] == meta["heldout"]["ratings"]
     assert meta["seconds"] > 0
+
+
+def test_users_who_change_their_minds_bring_the_retrain_forward(
+    settings: RatchetSettings,
+    client: redis.Redis,
+    real_base_model: Path,
+    real_answer_features: AnswerFeatures,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """v1 learns that users like polite answers; then they come to prefer curt ones. The live
+    model's agreement with the ratings since (features computed a batch a poll, ahead of the
+    retrain) falls below its held-out lower bound, so v2 is trained at retrain_every's 8 new
+    ratings, not at the 17 or so retrain_growth would wait for."""
+    caplog.set_level("INFO", logger="learner.reward_training")
+    assert settings.store_dir is not None
+    store = AdapterStore(settings.store_dir)
+    leases = AliasLeases(client, 30.0, LeaseKeeper(), LearnerMetrics(), "reward_model")
+    trainer = RewardTrainer(settings, client, store, real_base_model, real_answer_features)
+    collector = RatingsCollector(
+        settings, client, trainer, leases, LearnerMetrics(), threading.Event()
+    )
+    join = Join(settings, client)
+
+    def rate(i: int, polite_is_good: bool) -> None:
+        topic = f"{TOPICS[i % len(TOPICS)]} #{i}"
+        for answer, score in ((polite(topic), 1.0), (curt(topic), 0.0)):
+            cid = f"c{i}-{score}"
+            join.served(traffic(cid, f"Tell me about {topic}.", answer, key=f"user{i % 9}"))
+            good = score if polite_is_good else 1.0 - score
+            join.on_feedback(rating(cid, good, key=f"user{i % 9}"))
+
+    for i in range(24):
+        rate(i, polite_is_good=True)
+    collector.retrain_due()
+    live = RewardStatus.read(client, ALIAS)
+    assert live is not None and live.version == 1 and live.usable and live.auc_low is not None
+    needed = reward_training.ratings_needed(settings.aliases[ALIAS].feedback, live)
+    assert needed >= 16
+    i = 24
+    while (status := RewardStatus.read(client, ALIAS)) is not None and status.version == 1:
+        assert i < 24 + needed // 2, "no early retrain"
+        rate(i, polite_is_good=False)  # two ratings: a polite answer down, a curt one up
+        i += 1
+        for _ in range(3):  # the polls between ratings: warm a batch, look, retrain when due
+            collector.retrain_due()
+    new_ratings = 2 * (i - 24)
+    assert 8 <= new_ratings < needed, (new_ratings, needed)
+    assert status is not None and status.version == 2
+    assert "retrain due early: live v1's AUC on the" in caplog.text
+
+
+class CountingFeatures:
+    """Features that cost nothing, counting the answers asked for."""
+
+    def __init__(self) -> None:
+        self.computed: list[str] = []
+
+    def rated(self, answers: list[RatedAnswer]) -> list[Any]:
+        import torch
+
+        self.computed += [a.completion_id for a in answers]
+        return [torch.zeros(4) for _ in answers]
+
+
+def test_the_features_of_new_ratings_are_computed_a_batch_a_poll_and_once(
+    settings: RatchetSettings, client: redis.Redis, tmp_path: Path
+) -> None:
+    features = CountingFeatures()
+    trainer = RewardTrainer(
+        settings,
+        client,
+        AdapterStore(tmp_path / "s"),
+        tmp_path,
+        features,  # type: ignore[arg-type]
+    )
+    join = Join(settings, client)
+    for i in range(40):
+        join.served(traffic(f"c{i}", f"prompt {i}", "an answer"))
+        join.on_feedback(rating(f"c{i}", float(i % 2)))
+    batch = reward_training.WARM_BATCH
+    assert [trainer.warm(ALIAS) for _ in range(4)] == [batch, batch, 40 - 2 * batch, 0]
+    assert sorted(features.computed) == sorted(f"c{i}" for i in range(40))  # each once
+    join.served(traffic("c40", "prompt 40", "an answer"))
+    join.on_feedback(rating("c40", 1.0))
+    assert trainer.warm(ALIAS) == 1 and features.computed[-1] == "c40"
+    # A retrain consumed them (the counter drops): the next ones are looked at from scratch.
+    client.set(new_ratings_key(ALIAS), 0)
+    assert trainer.warm(ALIAS) == 0
+    client.set(new_ratings_key(ALIAS), 3)
+    assert trainer.warm(ALIAS) == 0 and len(features.computed) == 41  # cached already
 
 
 def evaluation(auc: float, low: float, ratings: int = 100) -> Evaluation:
