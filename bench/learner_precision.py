@@ -21,7 +21,7 @@ completion tokens per second (median of its measured rounds) and x the reference
 loss, and how its adapter's update (trained weights minus the initial ones) compares with the
 reference's after the first round and after the last: the cosine of the two directions and the
 norm of their difference over the reference's norm. Also printed: whether this CPU computes
-bfloat16 natively (``auto`` picks bf16 only where it does; elsewhere torch emulates it). Writes
+bfloat16 natively (where it does not, torch emulates it, far slower). Writes
 ``--out`` (JSON) and, with matplotlib, a PNG beside it.
 """
 

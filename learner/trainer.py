@@ -138,12 +138,15 @@ def native_bf16_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 
 
 def uses_bf16(precision: Precision, device: torch.device) -> bool:
-    """What ``learner.precision`` means on this device."""
+    """What ``learner.precision`` means on this device: ``auto`` is bf16 on a GPU that computes
+    it, float32 on a CPU even where it computes bfloat16 natively (AMX). There the embedded vLLM
+    samples in float32, and a bf16 learner's logprobs differ from the sampler's by bf16's
+    rounding: the importance ratios move, tokens are clipped that should not be, and the
+    integration test's better round (float32: promoted) was rejected in bf16 on an AMX host,
+    for 1.24-1.31x the speed (bench/learner_precision.py)."""
     if precision != "auto":
         return precision == "bf16"
-    if device.type == "cuda":
-        return bool(torch.cuda.is_bf16_supported())
-    return device.type == "cpu" and native_bf16_cpu()
+    return device.type == "cuda" and bool(torch.cuda.is_bf16_supported())
 
 
 def epoch_stop(epoch: int, approx_kl: float, clip_frac: float, train: TrainSettings) -> str | None:

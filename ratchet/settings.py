@@ -652,8 +652,9 @@ class LearnerSettings(_Section):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # The forward and backward's arithmetic: "bf16" autocasts them to bfloat16 (weights, LoRA and
-    # AdamW stay float32 on a CPU); "auto" is bf16 on a GPU and on a CPU with native bfloat16
-    # (avx512_bf16 or AMX), float32 elsewhere, where bfloat16 is emulated and slower.
+    # AdamW stay float32 on a CPU); "auto" is bf16 on a GPU, float32 on a CPU: there the embedded
+    # vLLM samples in float32, and a bf16 learner's mismatched logprobs cost more learning than
+    # its 1.2-1.3x speed on AMX buys (learner/trainer.py uses_bf16).
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     # Torch's CPU threads for training. Empty: torch's default, every core. On a machine that
     # also serves vLLM, fewer: torch's threads meet at a barrier after every op, so one thread

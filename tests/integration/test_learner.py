@@ -208,6 +208,9 @@ def learner_config(
         "lora_rank": 8,
         "lora_alpha": 16,
         "loss_mode": "ppo_clip",
+        # The figures above are float32's (auto's on a CPU): in bf16 on an AMX host this round's
+        # better candidate was rejected (learner/trainer.py uses_bf16).
+        "precision": "fp32",
         "canary_check_s": 0.5,
         "seed": 0,
         **learner,

@@ -149,10 +149,11 @@ def test_bf16_on_a_cpu_keeps_float32_weights_and_the_round_s_loss(tiny_model: Pa
     assert cosine > 0.95  # the update points the same way
 
 
-def test_auto_precision_is_bf16_only_where_the_hardware_computes_it(tmp_path: Path) -> None:
+def test_auto_precision_is_float32_on_a_cpu_whatever_it_computes(tmp_path: Path) -> None:
     cpu = torch.device("cpu")
     assert uses_bf16("bf16", cpu) and not uses_bf16("fp32", cpu)
-    assert uses_bf16("auto", cpu) == native_bf16_cpu()
+    assert not uses_bf16("auto", cpu)  # AMX or not: the embedded vLLM samples in float32
+    # Whether the CPU computes bfloat16 natively is still told (bench/learner_precision.py).
     with_bf16, without = tmp_path / "a", tmp_path / "b"
     with_bf16.write_text("flags\t\t: fpu sse2 avx512f avx512_bf16 amx_tile\n")
     without.write_text("flags\t\t: fpu sse2 avx512f\n")

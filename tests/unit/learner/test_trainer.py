@@ -60,8 +60,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def train(**knobs: Any) -> TrainSettings:
     """The learner settings' training config, with these LearnerSettings knobs changed. In
-    float32 unless a test names the precision: these tests check exact arithmetic, and ``auto``
-    is bf16 on a CPU with AMX (tests/unit/learner/test_epochs.py checks bf16's parity)."""
+    float32 unless a test names the precision: these tests check exact arithmetic, whatever
+    ``auto`` comes to mean (tests/unit/learner/test_epochs.py checks bf16's parity)."""
     return train_settings(LearnerSettings(**{"precision": "fp32", **knobs}))
 
 
