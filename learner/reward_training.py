@@ -95,7 +95,7 @@ class RewardTrainer:
         self.secret = server_secret(settings)
         # alias -> ((live version, new ratings) last checked, why a retrain was due or None)
         self._agreement: dict[str, tuple[tuple[int, int], str | None]] = {}
-        self._heads: dict[tuple[str, int], RewardHead] = {}
+        self._heads: dict[str, tuple[int, RewardHead]] = {}  # alias -> its live head, loaded once
         self._warmed: dict[str, int] = {}  # alias -> new ratings whose features are all cached
 
     @property
@@ -109,7 +109,7 @@ class RewardTrainer:
         ``retrain_every`` of them, where the live model agrees with them less than its own
         held-out ratings promised (:meth:`agreement_drop`)."""
         config = self.settings.aliases[alias].feedback
-        new = int(self.redis.get(new_ratings_key(alias)) or 0)
+        new = self.new_ratings(alias)
         live = RewardStatus.read(self.redis, alias)
         if new >= ratings_needed(config, live):
             return True
@@ -147,28 +147,36 @@ class RewardTrainer:
         return why
 
     def _live_head(self, alias: str, version: int) -> RewardHead | None:
-        key = (alias, version)
-        if key not in self._heads:
-            try:
-                self._heads[key] = RewardHead.load(
-                    self.store.root / reward_model_name(alias, version)
-                )
-            except (OSError, ValueError, KeyError) as exc:
-                log.warning("%s: live reward model v%d unreadable: %s", alias, version, exc)
-                return None
-        return self._heads[key]
+        """The live version's head, loaded once while it stays live; None if unreadable."""
+        cached = self._heads.get(alias)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        try:
+            head = RewardHead.load(self.store.root / reward_model_name(alias, version))
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("%s: live reward model v%d unreadable: %s", alias, version, exc)
+            return None
+        self._heads[alias] = (version, head)
+        return head
+
+    def new_ratings(self, alias: str) -> int:
+        """Ratings joined since the last retrain."""
+        return int(self.redis.get(new_ratings_key(alias)) or 0)
+
+    def unwarmed(self, alias: str, new: int) -> int:
+        """How many of the ``new`` ratings :meth:`warm` has not looked at yet."""
+        warmed = self._warmed.get(alias, 0)
+        return new if warmed > new else new - warmed  # warmed > new: a retrain consumed them
 
     def warm(self, alias: str, limit: int = WARM_BATCH) -> int:
         """Compute the features of up to ``limit`` of the ratings since the last retrain that
         have none yet: the retrain then finds them cached (it is that much shorter when a round
         starts beside it), and :meth:`agreement_drop` can look. Returns how many it computed."""
-        new = int(self.redis.get(new_ratings_key(alias)) or 0)
-        warmed = self._warmed.get(alias, 0)
-        if warmed > new:  # a retrain consumed them: start again
-            warmed = 0
-        if new <= warmed:
+        new = self.new_ratings(alias)
+        unseen = self.unwarmed(alias, new)
+        if unseen <= 0:
             return 0
-        fresh = newest_ratings(self.redis, alias, new - warmed)  # only those not looked at
+        fresh = newest_ratings(self.redis, alias, unseen)  # only those not looked at
         missing = [a for a in fresh if a.completion_id not in self._cache]
         if missing:
             self.rows(missing[:limit])
@@ -206,7 +214,7 @@ class RewardTrainer:
         config = self.settings.aliases[alias].feedback
         started = time.monotonic()
         answers = read_ratings(self.redis, alias)
-        consumed = int(self.redis.get(new_ratings_key(alias)) or 0)
+        consumed = self.new_ratings(alias)
         trained, held, passed_over = self.split(answers, config.eval_fraction, config.max_share)
         why = _cannot_train(trained, held)
         previous = RewardStatus.read(self.redis, alias)
@@ -263,11 +271,8 @@ class RewardTrainer:
         files are gone."""
         if live is None or not live.usable or not live.version:
             return None
-        folder = self.store.root / reward_model_name(alias, live.version)
-        try:
-            head = RewardHead.load(folder)
-        except (OSError, ValueError, KeyError) as exc:
-            log.warning("%s: live reward model v%d unreadable: %s", alias, live.version, exc)
+        head = self._live_head(alias, live.version)
+        if head is None:
             return None
         return live.version, evaluate(head.predict(held_rows), held)
 
@@ -432,6 +437,9 @@ class RatingsCollector:
                 self._backoff.pop(alias, None)
 
     def _warm(self, alias: str) -> None:
+        # Called on every poll: the lease is asked for only when there is something to compute.
+        if self.trainer.unwarmed(alias, self.trainer.new_ratings(alias)) <= 0:
+            return
         # Under the same lease as the retrain: only the replica that will train computes.
         with self.leases.hold(reward_store_name(alias)) as lease:
             if lease is not None:
