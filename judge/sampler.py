@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 
 from ratchet.answer_length import auto_max_tokens
-from ratchet.fleet import Replicas
+from ratchet.fleet import Replicas, conversation_key
 from ratchet.records import Sample
 from ratchet.settings import SamplingConfig
 
@@ -186,8 +186,9 @@ async def sample_from(
     chooses (ratchet/fleet.py); a replica that cannot be reached is marked, and the next one is
     asked, until none is left."""
     tried: list[str] = []
+    conversation = conversation_key(body)
     while True:
-        async with replicas.use(body["model"], exclude=tried) as url:
+        async with replicas.use(body["model"], exclude=tried, conversation=conversation) as url:
             try:
                 return await sample_group(session, url, body, timeout_s, api_key)
             except SamplingError as exc:

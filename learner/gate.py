@@ -35,7 +35,7 @@ from learner.gate_scoring import Answered, PairScorer, Scored
 from learner.gate_scoring import GateError as GateError  # raised by both; callers catch it here
 from learner.gate_verdict import GateResult, conclude, mean_or_none, score_lift, sequential_test
 from ratchet.answer_length import auto_max_tokens
-from ratchet.fleet import Replicas
+from ratchet.fleet import Replicas, conversation_key
 from ratchet.gate_pairs import ANSWER_CHARS, KEPT, GatePair
 from ratchet.records import HeldoutPrompt
 from ratchet.rewards.reward_model import RewardModels, RewardStatus
@@ -270,7 +270,7 @@ class Gate:
         headers = {"content-type": "application/json", "authorization": f"Bearer {self.vllm_key}"}
         for attempt in range(ANSWER_ATTEMPTS):
             # The replica the version's requests go to (ratchet/fleet.py), as the proxy's.
-            async with self.replicas.use(served) as base:
+            async with self.replicas.use(served, conversation=conversation_key(body)) as base:
                 try:
                     async with (
                         self.limit,

@@ -41,6 +41,7 @@ from proxy.validation import (
     check_limits,
     unknown_alias,
 )
+from ratchet.fleet import conversation_key
 from ratchet.records import CLIENT_REQUEST_ID_MAX
 from ratchet.registry import served_name
 
@@ -74,6 +75,7 @@ class Call:
     reserved: int = 0  # tokens reserved from the key's budgets (0: none are on)
     prompt_tokens: int = 0  # the prompt's tokens as estimated for the reservation
     dropped_events: int = 0  # choice events in the chunks of a stream no longer kept
+    conversation: str | None = None  # its replica's key in a fleet (ratchet/fleet.py)
 
     def fail(self, error: ProxyError) -> None:
         self.meta.status, self.meta.error = error.status, error.body()["error"]
@@ -202,6 +204,8 @@ async def start_call(
     call = Call(meta, body, forwarded, labels, wants_usage, arrival.started)
     if reserved:  # settled when the exchange is recorded; kept whole if the client left first
         call.reserved, call.prompt_tokens = reserved, prompt_tokens
+    if state.upstream.fleet:
+        call.conversation = conversation_key(payload)
     headers = {"x-request-id": meta.client_request_id or meta.request_id}
     if conceal:
         call.concealed = (served, alias)
@@ -246,6 +250,7 @@ def forward(payload: dict[str, Any], served: str, stream: bool) -> tuple[bytes, 
     """
     upstream_payload = dict(payload)
     upstream_payload["model"] = served
+    upstream_payload.pop("prompt_cache_key", None)  # the proxy's routing key, not vLLM's
     client_wants_usage = False
     if stream:
         options = dict(payload.get("stream_options") or {})
@@ -259,7 +264,9 @@ async def call_vllm(state: ProxyState, call: Call) -> UpstreamResponse | None:
     """Forward the request. A 200 stream is returned to be relayed; a whole answer (not streamed,
     or refused) is read here, left in ``call.answer`` or raised as a ProxyError."""
     call.upstream_started = time.perf_counter()
-    response = await state.upstream.post(call.meta.endpoint, call.forwarded, call.meta.served_name)
+    response = await state.upstream.post(
+        call.meta.endpoint, call.forwarded, call.meta.served_name, call.conversation
+    )
     if response.status == 200 and call.meta.stream:
         call.meta.status = 200
         return response

@@ -42,9 +42,8 @@ ECHOED_DEFAULTS: dict[str, Any] = {
     "user": None,
 }
 # Accepted and without effect here: hints about caching, routing and billing on OpenAI's side.
-IGNORED = frozenset(
-    {"prompt_cache_key", "prompt_cache_retention", "safety_identifier", "service_tier"}
-)
+# (prompt_cache_key is passed on: with several vLLM replicas it keys the conversation's replica.)
+IGNORED = frozenset({"prompt_cache_retention", "safety_identifier", "service_tier"})
 # Accepted only at the value that asks for nothing vLLM lacks.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "background": (False, None),
@@ -58,7 +57,9 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "context_management": (None,),
     "stream_options": (None, {}),
 }
-KNOWN = frozenset({"model", "input", "stream", "store", "text", *ECHOED_DEFAULTS})
+KNOWN = frozenset(
+    {"model", "input", "stream", "store", "text", "prompt_cache_key", *ECHOED_DEFAULTS}
+)
 MESSAGE_ROLES = {
     "user": "user",
     "system": "system",
@@ -111,6 +112,7 @@ def to_chat(payload: dict[str, Any], previous: list[dict[str, Any]] | None) -> R
         ("max_output_tokens", "max_tokens"),
         ("user", "user"),
         ("parallel_tool_calls", "parallel_tool_calls"),
+        ("prompt_cache_key", "prompt_cache_key"),
     ):
         if payload.get(name) is not None:
             chat[chat_name] = payload[name]

@@ -44,7 +44,7 @@ class ProxyState:
             settings.proxy.upstream_timeout_s,
             vllm_api_key(settings),
             resolve=bool(settings.vllm_endpoints),
-            round_robin=settings.proxy.balance == "round_robin",
+            balance=settings.proxy.balance,
         )
         worker = WorkerConfig(
             bootstrap=settings.kafka_bootstrap_servers,

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import orjson
 
 from proxy.errors import ProxyError
 from proxy.http1 import AnswerTooLarge, UpstreamPool, UpstreamResponse
-from ratchet.fleet import Resolver, candidates, choose
+from ratchet.fleet import LOAD_FACTOR, Resolver, Spread, candidates, choose, needed_width
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,9 @@ class Endpoint:
 
 class Upstream:
     """vLLM as the proxy sees it: one replica or several (``vllm_endpoints``), each request sent
-    to the one :func:`ratchet.fleet.choose` picks for its served name among those that answer
-    their health check; a replica that refuses a connection is out until its check passes
-    again. Readiness, and errors as ProxyErrors."""
+    to the one :func:`ratchet.fleet.choose` picks for its served name and conversation among
+    those that answer their health check; a replica that refuses a connection is out until its
+    check passes again. Readiness, and errors as ProxyErrors."""
 
     def __init__(
         self,
@@ -57,14 +58,18 @@ class Upstream:
         total_timeout_s: float,
         api_key: str | None = None,
         resolve: bool = False,
-        round_robin: bool = False,
+        balance: str = "affinity",
     ) -> None:
         """``resolve``: the URLs are re-resolved at each health check, a name standing for every
-        address it has (:func:`ratchet.fleet.expand`: a headless Service's pods)."""
+        address it has (:func:`ratchet.fleet.expand`: a headless Service's pods). ``balance``:
+        proxy.balance."""
         configured = [base_url] if isinstance(base_url, str) else list(base_url)
         self.resolver = Resolver(configured) if resolve else None
-        self.round_robin = round_robin
+        self.balance = balance
         self._turn = 0
+        # Requests in flight per served name: how many replicas a version needs now.
+        self.outstanding_by_key: Counter[str] = Counter()
+        self.spread = Spread()  # how many replicas each version's conversations use
         # vLLM's key on every call; the client's own key never reaches vLLM.
         self._connection = (connect_timeout_s, total_timeout_s, api_key)
         self.endpoints = {u.rstrip("/"): Endpoint(u, *self._connection) for u in configured}
@@ -163,35 +168,50 @@ class Upstream:
                     log.warning("vLLM at %s is %s", url, "up" if endpoint.healthy else "DOWN")
             await asyncio.sleep(interval_s if self.ready else min(interval_s, 0.5))
 
-    def choose(self, key: str, exclude: Collection[str] = ()) -> Endpoint:
-        """The replica for a request of served name ``key``, not one of ``exclude``: among those
-        whose health check passed (all of them when none has: the request then says whether
-        any is up)."""
+    @property
+    def fleet(self) -> bool:
+        """Whether there is a replica to choose (and a conversation key worth computing)."""
+        return len(self.endpoints) > 1 and self.balance == "affinity"
+
+    def choose(
+        self, key: str, exclude: Collection[str] = (), conversation: str | None = None
+    ) -> Endpoint:
+        """The replica for a request of served name ``key`` and ``conversation``
+        (:func:`ratchet.fleet.conversation_key`), not one of ``exclude``: among those whose
+        health check passed (all of them when none has: the request then says whether any is
+        up)."""
         if len(self.endpoints) == 1:  # no fleet: nothing to choose, on every request
             return next(iter(self.endpoints.values()))
         live = candidates(self.endpoints, lambda url: self.endpoints[url].healthy, exclude)
-        if self.round_robin:
+        if self.balance == "round_robin":
             self._turn += 1
             return self.endpoints[live[self._turn % len(live)]]
         outstanding = {url: self.endpoints[url].outstanding for url in live}
-        return self.endpoints[choose(key, live, outstanding)]
+        width = 1
+        if conversation is not None:
+            needed = needed_width(self.outstanding_by_key[key], outstanding, live)
+            width = self.spread.width(key, needed)
+        return self.endpoints[choose(key, live, outstanding, LOAD_FACTOR, conversation, width)]
 
-    async def post(self, endpoint: str, body: bytes, key: str = "") -> UpstreamResponse:
-        """POST to the replica chosen for ``key`` (the served name). A replica whose connection
-        fails before it answers is out until its health check passes, and the request goes to
-        the next one chosen, so a replica that dies costs only the requests it was answering;
-        with none left, a 503. No answer in time is a 504. The replica counts the request as
-        outstanding until its response is released (read whole, or relayed and released)."""
+    async def post(
+        self, endpoint: str, body: bytes, key: str = "", conversation: str | None = None
+    ) -> UpstreamResponse:
+        """POST to the replica chosen for ``key`` (the served name) and ``conversation``. A
+        replica whose connection fails before it answers is out until its health check passes,
+        and the request goes to the next one chosen, so a replica that dies costs only the
+        requests it was answering; with none left, a 503. No answer in time is a 504. The
+        replica counts the request as outstanding until its response is released (read whole,
+        or relayed and released)."""
         tried: set[str] = set()
         while True:
-            replica = self.choose(key, exclude=tried)
+            replica = self.choose(key, exclude=tried, conversation=conversation)
             if self.on_choice is not None:
                 self.on_choice(replica.url)
-            replica.outstanding += 1
+            self._take(replica, key)
             try:
                 response = await replica.pool.request(b"POST", FORWARDED_PATHS[endpoint], body)
             except TimeoutError:
-                replica.outstanding -= 1
+                self._release(replica, key)
                 raise ProxyError(
                     504,
                     "the model server did not answer in time",
@@ -199,18 +219,24 @@ class Upstream:
                     code="upstream_timeout",
                 ) from None
             except OSError as exc:
-                replica.outstanding -= 1
+                self._release(replica, key)
                 error = self._unavailable(replica, exc)
                 tried.add(replica.url)
                 if len(tried) == len(self.endpoints):
                     raise error from None
                 continue
-            response.on_release = functools.partial(self._done, replica)
+            response.on_release = functools.partial(self._release, replica, key)
             return response
 
-    @staticmethod
-    def _done(replica: Endpoint) -> None:
+    def _take(self, replica: Endpoint, key: str) -> None:
+        replica.outstanding += 1
+        self.outstanding_by_key[key] += 1
+
+    def _release(self, replica: Endpoint, key: str) -> None:
         replica.outstanding -= 1
+        self.outstanding_by_key[key] -= 1
+        if not self.outstanding_by_key[key]:
+            del self.outstanding_by_key[key]  # versions come and go: keep no zero counts
 
     @staticmethod
     async def read(response: UpstreamResponse, max_bytes: int | None = None) -> bytes:

@@ -97,6 +97,11 @@ _COMMON: dict[str, tuple[Check, str]] = {
     "seed": (_is_int, "an integer"),
     "stop": (_is_str_or_str_list, "a string or a list of strings"),
     "user": (lambda v: isinstance(v, str) and len(v) <= 256, "a string of at most 256 chars"),
+    # Keys the conversation's replica in a fleet (ratchet/fleet.py); vLLM never sees it.
+    "prompt_cache_key": (
+        lambda v: isinstance(v, str) and len(v) <= 256,
+        "a string of at most 256 chars",
+    ),
 }
 CHAT_FIELDS: dict[str, tuple[Check, str]] = {
     **_COMMON,

@@ -9,6 +9,13 @@ takes a request only while its outstanding requests are under ``load_factor`` ti
 (counting the new one), else the next one on the ring does, so a hot version spreads over a few
 replicas and no replica carries more than that bound. A replica that leaves or comes back moves
 only its own share of the keys.
+
+A conversation's later turns repeat its earlier ones, which the replica that answered them holds
+in its prefix cache. While a version fits one replica its conversations share it anyway; once it
+spreads, each conversation (:func:`conversation_key`) is kept on one of the replicas the version
+needs (:class:`Spread`: the first ``width`` on its ring, as many as its requests in flight fill
+at the bound, held a minute), chosen by rendezvous hashing (Thaler and Ravishankar, 1998), so a
+change of width moves only the conversations of the replica that joins or leaves.
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
 from functools import lru_cache
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+
+import orjson
 
 from ratchet.settings import is_ip_address
 
@@ -55,32 +65,110 @@ def capacity(outstanding: Mapping[str, int], endpoints: Sequence[str], factor: f
     return max(1, math.ceil(factor * total / len(endpoints)))
 
 
+@lru_cache(maxsize=4096)
+def preference(key: str, endpoints: tuple[str, ...]) -> tuple[str, ...]:
+    """Every one of ``endpoints`` (sorted), in the order the ring meets them from ``key``'s
+    point: the replicas a key's requests try, first to last."""
+    points, owners = ring(endpoints)
+    start = bisect.bisect(points, _point(key))
+    order: dict[str, None] = {}
+    for i in range(len(points)):
+        order.setdefault(owners[(start + i) % len(points)])
+        if len(order) == len(endpoints):
+            break
+    return tuple(order)
+
+
 def choose(
     key: str,
     endpoints: Sequence[str],
     outstanding: Mapping[str, int],
     load_factor: float = LOAD_FACTOR,
+    conversation: str | None = None,
+    width: int = 1,
 ) -> str:
-    """The replica for a request hashed by ``key`` (the served name): the first on the ring from
-    the key's point whose outstanding requests are under the bound."""
+    """The replica for a request hashed by ``key`` (the served name): the first in its ring
+    order whose outstanding requests are under the bound. With a ``conversation``, the first
+    ``width`` replicas in that order (:class:`Spread`) are tried first, in the conversation's
+    rendezvous order."""
     if not endpoints:
         raise ValueError("no endpoint to choose from")
     if len(endpoints) == 1:
         return endpoints[0]
-    points, owners = ring(tuple(sorted(endpoints)))
+    order = preference(key, tuple(sorted(endpoints)))
     bound = capacity(outstanding, endpoints, load_factor)
-    start = bisect.bisect(points, _point(key))
-    seen: set[str] = set()
-    for i in range(len(points)):
-        endpoint = owners[(start + i) % len(points)]
-        if endpoint in seen:
-            continue
+    width = min(width, len(order))
+    if conversation is not None and width > 1:
+        home = sorted(order[:width], key=lambda e: _point(f"{conversation}#{e}"))
+        order = (*home, *order[width:])
+    for endpoint in order:
         if outstanding.get(endpoint, 0) < bound:
             return endpoint
-        seen.add(endpoint)
-        if len(seen) == len(endpoints):
-            break
     return min(endpoints, key=lambda e: outstanding.get(e, 0))  # unreachable: the bound admits one
+
+
+def needed_width(
+    key_outstanding: int,
+    outstanding: Mapping[str, int],
+    endpoints: Sequence[str],
+    load_factor: float = LOAD_FACTOR,
+) -> int:
+    """How many replicas a key's ``key_outstanding`` requests and one more fill at the bound."""
+    if len(endpoints) < 2:
+        return 1
+    bound = capacity(outstanding, endpoints, load_factor)
+    return min(len(endpoints), math.ceil((key_outstanding + 1) / bound))
+
+
+# A version's width is held this long after it was last needed: a width that followed each
+# moment's load would move a conversation between replicas as its version's traffic ebbs and
+# flows (measured: bench/fleet_routing.py's hot alias lost prefix-cache hits to it).
+SPREAD_HOLD_S = 60.0
+
+
+class Spread:
+    """How many replicas each key's conversations are spread over: the most its requests in
+    flight needed (:func:`needed_width`) within the last ``hold_s``."""
+
+    def __init__(self, hold_s: float = SPREAD_HOLD_S) -> None:
+        self.hold_s = hold_s
+        self._held: dict[str, tuple[int, float]] = {}  # key -> (width, when last needed)
+
+    def width(self, key: str, needed: int, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        held, since = self._held.get(key, (1, now))
+        if needed >= held or now - since >= self.hold_s:
+            if needed > 1:
+                self._held[key] = (needed, now)
+            else:  # a quiet key keeps no entry: versions come and go
+                self._held.pop(key, None)
+            return needed
+        return held
+
+
+# Of a completion's prompt, the head that keys its conversation: a shared preamble keeps the
+# prompts that open with it together, where their common prefix is cached.
+PROMPT_HEAD_CHARS = 512
+
+
+def conversation_key(payload: Mapping[str, Any]) -> str | None:
+    """What a conversation's turns have in common, as a short digest: the client's
+    ``prompt_cache_key`` (OpenAI's name for it); else a chat's messages up to its first user
+    message, which every later turn repeats; else the first ``PROMPT_HEAD_CHARS`` of a text
+    prompt. None when there is none (the request is keyed by its version alone)."""
+    given, messages, prompt = (payload.get(k) for k in ("prompt_cache_key", "messages", "prompt"))
+    if isinstance(given, str) and given:
+        text = b"k:" + given.encode(errors="replace")
+    elif isinstance(messages, list) and messages:
+        users = (
+            i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"
+        )
+        text = b"m:" + orjson.dumps(messages[: next(users, 0) + 1], option=orjson.OPT_SORT_KEYS)
+    elif isinstance(prompt, str) and prompt:
+        text = b"p:" + prompt[:PROMPT_HEAD_CHARS].encode(errors="replace")
+    else:
+        return None
+    return hashlib.blake2b(text, digest_size=8).hexdigest()
 
 
 # --- the replicas behind a name ----------------------------------------------------------------
@@ -145,13 +233,16 @@ class Replicas:
     """The vLLM replicas a client outside the proxy (the judge's sampling, the learner's gate)
     spreads its requests over, as the proxy does: ``vllm_endpoints`` (names resolved again every
     ``REFRESH_S``), else ``vllm_url`` alone; each request to the replica :func:`choose` picks
-    for its served name among those that did not fail in the last ``FAILED_S``, counted in
-    flight while it runs. It has no health checks of its own: a failure marks the replica."""
+    for its served name and conversation among those that did not fail in the last
+    ``FAILED_S``, counted in flight while it runs. It has no health checks of its own: a
+    failure marks the replica."""
 
     def __init__(self, urls: Sequence[str], resolve: bool) -> None:
         self.resolver = Resolver(urls) if resolve else None
         self.urls = [u.rstrip("/") for u in urls]
         self.outstanding: Counter[str] = Counter()
+        self.outstanding_by_key: Counter[str] = Counter()
+        self.spread = Spread()
         self.failed_until: dict[str, float] = {}
         self.resolved_at = 0.0
 
@@ -160,20 +251,30 @@ class Replicas:
         return cls(list(vllm_endpoints) or [vllm_url], resolve=bool(vllm_endpoints))
 
     @contextlib.asynccontextmanager
-    async def use(self, key: str, exclude: Collection[str] = ()) -> AsyncIterator[str]:
-        """The base URL of the replica for a request of served name ``key``, not one of
-        ``exclude``, in flight until the block ends."""
+    async def use(
+        self, key: str, exclude: Collection[str] = (), conversation: str | None = None
+    ) -> AsyncIterator[str]:
+        """The base URL of the replica for a request of served name ``key`` (and
+        ``conversation``, :func:`conversation_key`), not one of ``exclude``, in flight until
+        the block ends."""
         if self.resolver is not None and time.monotonic() - self.resolved_at > REFRESH_S:
             self.urls = await self.resolver.resolve() or self.urls
             self.resolved_at = time.monotonic()
         now = time.monotonic()
         live = candidates(self.urls, lambda u: self.failed_until.get(u, 0.0) <= now, exclude)
-        url = choose(key, live, self.outstanding)
+        width = self.spread.width(
+            key, needed_width(self.outstanding_by_key[key], self.outstanding, live)
+        )
+        url = choose(key, live, self.outstanding, LOAD_FACTOR, conversation, width)
         self.outstanding[url] += 1
+        self.outstanding_by_key[key] += 1
         try:
             yield url
         finally:
             self.outstanding[url] -= 1
+            self.outstanding_by_key[key] -= 1
+            if not self.outstanding_by_key[key]:
+                del self.outstanding_by_key[key]
 
     def failed(self, url: str) -> None:
         """``url`` could not be reached: avoided for ``FAILED_S``."""

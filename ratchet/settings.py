@@ -416,9 +416,10 @@ class ProxySettings(_Section):
     registry_refresh_s: float = Field(default=5.0, gt=0)
     upstream_health_interval_s: float = Field(default=2.0, gt=0)
     # How a request's vLLM replica is chosen (vllm_endpoints): "affinity", by its served name
-    # with bounded loads (ratchet/fleet.py); "round_robin", each in turn (bench/fleet_routing.py's
-    # peer, and a fleet that serves no adapters).
-    balance: Literal["affinity", "round_robin"] = "affinity"
+    # with bounded loads and, once its version spreads, by its conversation (ratchet/fleet.py);
+    # "version", by served name alone; "round_robin", each in turn (the last two are
+    # bench/fleet_routing.py's peers; round-robin also suits a fleet that serves no adapters).
+    balance: Literal["affinity", "version", "round_robin"] = "affinity"
     # Tell clients their canary arm (x-ratchet-canary-arm) and, while a canary runs, the version
     # that answered. Off: a client that knew its arm could rate only that arm's answers.
     expose_arm: bool = False

@@ -15,9 +15,10 @@ from typing import Any
 import httpx
 from aiohttp import web
 
+import proxy.upstream
 from proxy.app import create_app
 from ratchet.dev.processes import free_port, wait_until_async
-from ratchet.fleet import choose
+from ratchet.fleet import choose, conversation_key
 from ratchet.settings import RatchetSettings
 
 # Two aliases whose served names (their base models: no Redis here, so both serve v0) the ring
@@ -34,10 +35,12 @@ class Replica:
         # Set: answers wait until it is opened, so a test can hold requests in flight.
         self.gate: asyncio.Event | None = None
         self.held = 0
+        self.bodies: list[dict[str, Any]] = []
         self.runner: web.AppRunner | None = None
 
     async def answer(self, request: web.Request) -> web.Response:
         body = await request.json()
+        self.bodies.append(body)
         if self.gate is not None:
             self.held += 1
             await self.gate.wait()
@@ -263,3 +266,47 @@ async def test_round_robin_takes_each_replica_in_turn(tmp_path: Path) -> None:
     finally:
         for replica in replicas:
             await replica.stop()
+
+
+async def test_each_request_is_routed_by_its_conversation_too(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The key the replica is chosen by: a conversation's turns share it, the client's
+    prompt_cache_key replaces it, and vLLM never gets that parameter."""
+    replicas = [Replica(), Replica()]
+    for replica in replicas:
+        await replica.start()
+    keys: list[str | None] = []
+
+    def choose_recorded(*args: Any) -> str:
+        keys.append(args[4])  # choose(key, endpoints, outstanding, load_factor, conversation, …)
+        return choose(*args)
+
+    monkeypatch.setattr(proxy.upstream, "choose", choose_recorded)
+
+    async def chat(messages: list[dict[str, str]], **extra: Any) -> httpx.Response:
+        body = {"model": "a0", "messages": messages, "max_tokens": 1, **extra}
+        return await client.post("/v1/chat/completions", json=body)
+
+    opening = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Oslo?"}]
+    later = [*opening, {"role": "assistant", "content": "Rain."}, {"role": "user", "content": "?"}]
+    try:
+        async with fleet_proxy(tmp_path, replicas, NAMES[:1]) as (client, state):
+            await wait_until_async(
+                lambda: state.upstream.ready, 5, "a replica to pass its health check"
+            )
+            for messages in (opening, later, [{"role": "user", "content": "Bergen?"}]):
+                assert (await chat(messages)).status_code == 200
+            assert keys[0] is not None and keys[0] == keys[1] != keys[2]
+            assert keys[0] == conversation_key({"messages": opening})
+            for messages in (opening, [{"role": "user", "content": "Bergen?"}]):
+                assert (await chat(messages, prompt_cache_key="ticket-7")).status_code == 200
+            assert keys[3] == keys[4] == conversation_key({"prompt_cache_key": "ticket-7"})
+            refused = await chat(opening, prompt_cache_key=7)
+            assert refused.status_code == 400
+            assert refused.json()["error"]["param"] == "prompt_cache_key"
+    finally:
+        for replica in replicas:
+            await replica.stop()
+    bodies = [b for r in replicas for b in r.bodies]
+    assert len(bodies) == 5 and not any("prompt_cache_key" in b for b in bodies)

@@ -95,7 +95,8 @@ def test_agent_items_become_the_chat_turns_of_a_tool_loop() -> None:
             "tool_choice": {"type": "function", "name": "get_weather"},
             "parallel_tool_calls": False,
             "include": [],
-            "prompt_cache_key": "ignored",
+            "prompt_cache_key": "support-42",
+            "service_tier": "ignored",
         },
         None,
     )
@@ -125,7 +126,8 @@ def test_agent_items_become_the_chat_turns_of_a_tool_loop() -> None:
     assert req.chat["tools"] == [{"type": "function", "function": function}]
     assert req.chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert req.chat["parallel_tool_calls"] is False
-    assert "include" not in req.chat and "prompt_cache_key" not in req.chat
+    assert "include" not in req.chat and "service_tier" not in req.chat
+    assert req.chat["prompt_cache_key"] == "support-42"  # the conversation's replica key
 
 
 def test_previous_turns_come_first_and_a_json_schema_is_a_response_format() -> None:
