@@ -5,15 +5,26 @@ chart's learner pod with N GPUs starts it so). Rank 0 is the learner service: it
 gates, writes adapters. Every other rank follows (:func:`follow`): for each round rank 0 sends
 it the groups and the adapter the round starts from, and all ranks train together.
 
-Each rank holds the whole model, the same adapter and the same optimizer state (the base model
-must fit one device: DDP's setting, not FSDP's). A step's micro-batches are dealt round-robin
-(the plan is the same on every rank: it is seeded), each rank back-propagates its own with the
-weight it has in the step's token mean, and one all-reduce of the flat LoRA gradient (a sum)
-gives every rank the gradient one rank would have computed alone. Clipping and the AdamW step
-then run on every rank on the same numbers, so the adapters stay identical without a broadcast;
-rank 0 saves adapter and optimizer state once. Why not DistributedDataParallel's wrapper: its
-per-forward hooks and bucketing serve large models; a LoRA's gradient is a few MB, reduced once
-a step, and the token-mean weights must be global, which its averaging is not.
+With ``learner.sharding: replicate`` (the default) each rank holds the whole model, the same
+adapter and the same optimizer state (the base model must fit one device: DDP's setting). A
+step's micro-batches are dealt round-robin (the plan is the same on every rank: it is seeded),
+each rank back-propagates its own with the weight it has in the step's token mean, and one
+all-reduce of the flat LoRA gradient (a sum) gives every rank the gradient one rank would have
+computed alone. Clipping and the AdamW step then run on every rank on the same numbers, so the
+adapters stay identical without a broadcast; rank 0 saves adapter and optimizer state once. Why
+not DistributedDataParallel's wrapper: its per-forward hooks and bucketing serve large models; a
+LoRA's gradient is a few MB, reduced once a step, and the token-mean weights must be global,
+which its averaging is not.
+
+With ``learner.sharding: fsdp``, for a base that does not fit one device, FSDP2 (:func:`shard`)
+splits the decoder layers' weights, the frozen base's, the LoRA's and AdamW's moments, over the
+ranks: each layer's are gathered for its forward and backward and freed after, and their
+gradient is reduce-scattered, averaged, in every backward (the embeddings and LM head, frozen,
+stay whole on each rank). The micro-batches are dealt the same way; a rank
+with fewer than the busiest runs one again at weight zero (FSDP's gathers need every rank), and
+each rank's loss is scaled by the number of ranks so the average is the sum. Clipping and AdamW
+work on the shards; at the end of a round every rank gathers the whole adapter and optimizer
+state (:func:`gathered`), which rank 0 saves in the format one rank writes.
 
 With ``lora_dropout > 0`` each rank draws its own dropout masks, so the sum is an estimate as
 good as one rank's, not the same numbers.
@@ -31,7 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from ratchet.records import ScoredGroup
 
@@ -101,6 +112,74 @@ def all_reduce(values: Tensor, op: str) -> Tensor:
     out = torch.nan_to_num(out, nan=fill)
     dist.all_reduce(out, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
     return torch.where(torch.isinf(out), torch.full_like(out, torch.nan), out)
+
+
+# --- FSDP2: the weights sharded over the ranks --------------------------------------------------
+
+
+def shard(model: nn.Module, blocks: Sequence[str], device: torch.device) -> None:
+    """Shard ``model`` (built on the CPU) over the ranks with FSDP2: each module whose class is
+    named in ``blocks`` (a transformers model's ``_no_split_modules``: its decoder layers,
+    nearly all of a large model's weights) is one unit, gathered for its own forward and
+    backward. Each rank's shards move to ``device``; the whole base never does. The rest (the
+    embeddings, the last norm, the LM head) stays whole on every rank and moves too: the
+    learner calls the backbone and the head apart (learner/batch.py), and a head tied to the
+    embeddings cannot be in a unit of its own."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    names = set(blocks)
+    units = [m for m in model.modules() if type(m).__name__ in names]
+    if not units:
+        raise ValueError(f"learner.sharding fsdp: no module of the model is one of {sorted(names)}")
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    model.to(device)  # what no unit holds; the units' shards are there already
+
+
+def is_sharded(tensor: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def whole(tensor: Tensor) -> Tensor:
+    """A sharded tensor gathered (a collective: every rank calls it), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def like(full: Tensor, param: Tensor) -> Tensor:
+    """``full`` laid out as ``param`` is: this rank's shard of it where ``param`` is sharded."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor):
+        return full.to(param.device)
+    return distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
+
+
+def gathered(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's ``state_dict()`` with every sharded tensor gathered whole."""
+    state = {
+        index: {key: whole(value) for key, value in entry.items()}
+        for index, entry in optimizer_state["state"].items()
+    }
+    return {**optimizer_state, "state": state}
+
+
+def scattered(optimizer_state: dict[str, Any], params: Sequence[Tensor]) -> dict[str, Any]:
+    """A whole optimizer state (:func:`gathered`, or one rank's) laid out as ``params`` are: each
+    tensor of a parameter's shape sharded as the parameter is."""
+    state = {}
+    for index, entry in optimizer_state["state"].items():
+        param = params[int(index)]
+        state[index] = {
+            key: like(value, param) if value.shape == param.shape else value
+            for key, value in entry.items()
+        }
+    return {**optimizer_state, "state": state}
 
 
 # --- rank 0 leads, the others follow -----------------------------------------------------------

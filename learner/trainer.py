@@ -55,7 +55,17 @@ from torch import Tensor, nn
 
 from learner.batch import Batch, pack_groups, token_logprobs
 from learner.loss import GRPOLossConfig, grpo_loss, loss_config
-from learner.parallel import Ranks, all_reduce, all_reduce_grads
+from learner.parallel import (
+    Ranks,
+    all_reduce,
+    all_reduce_grads,
+    gathered,
+    is_sharded,
+    like,
+    scattered,
+    shard,
+    whole,
+)
 from ratchet.records import ScoredGroup
 from ratchet.settings import LearnerSettings
 from ratchet.store import AdapterStore
@@ -68,6 +78,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _STATE_FORMAT = 1
 
 Precision = Literal["auto", "fp32", "bf16"]
+Sharding = Literal["replicate", "fsdp"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,7 @@ class TrainSettings:
     epoch_max_kl: float
     epoch_max_clip_frac: float
     precision: Precision
+    sharding: Sharding
 
 
 def lora_settings(s: LearnerSettings) -> LoraSettings:
@@ -124,7 +136,13 @@ def train_settings(s: LearnerSettings) -> TrainSettings:
         epoch_max_kl=s.epoch_max_kl,
         epoch_max_clip_frac=s.epoch_max_clip_frac,
         precision=s.precision,
+        sharding=s.sharding,
     )
+
+
+def saved_key(param_name: str, adapter: str = "default") -> str:
+    """The key peft saves a LoRA parameter under: its name without the adapter's."""
+    return param_name.replace(f".{adapter}", "")
 
 
 def native_bf16_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -254,13 +272,29 @@ class LoraGRPOLearner:
         )
         with torch.random.fork_rng(devices=[]):  # LoRA A's init is random: seeded, and local
             torch.manual_seed(train.seed)
-            self.model = get_peft_model(base, config).to(self.device)
+            model = get_peft_model(base, config)
+        self.ranks = Ranks.current()  # data parallel under torchrun (learner/parallel.py)
+        # FSDP2 over the ranks, or each rank the whole model (learner/parallel.py)
+        self.sharded = self.ranks.size > 1 and train.sharding == "fsdp"
+        if self.sharded:
+            shard(model, getattr(base, "_no_split_modules", None) or [], self.device)
+        else:
+            model = model.to(self.device)
+        self.model = model
         self.model.train()
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        loose = [n for n, p in named if self.sharded and not is_sharded(p)]
+        if loose:  # FSDP would not reduce their gradient
+            raise ValueError(
+                f"learner.sharding fsdp shards the decoder layers; LoRA on {loose[:3]} is "
+                "outside them: leave those modules out of learner.lora_target_modules"
+            )
         self._fresh = [p.detach().clone() for p in self.params]
-        self.ranks = Ranks.current()  # data parallel under torchrun (learner/parallel.py)
+        # Sharded: the whole adapter and optimizer state, gathered by every rank after a load
+        # and after a round, for rank 0 to save.
+        self._whole: tuple[dict[str, Tensor], dict[str, Any]] | None = None
         self.load_adapter(None)
 
     # --- state -------------------------------------------------------------------------------
@@ -269,6 +303,11 @@ class LoraGRPOLearner:
         """Start from a fresh LoRA (None: v0 -> v1) or from a stored version, with its optimizer
         state when the folder has one. The stored adapter's rank, alpha and target modules must
         match the settings: a different shape cannot continue it."""
+        self._load_adapter(folder)
+        if self.sharded:
+            self._gather()
+
+    def _load_adapter(self, folder: Path | None) -> None:
         self.rounds = self.optimizer_steps = self.groups_seen = self.tokens_seen = 0
         self.last_round: RoundStats | None = None
         self.optimizer = self._new_optimizer()
@@ -277,7 +316,6 @@ class LoraGRPOLearner:
                 for param, fresh in zip(self.params, self._fresh, strict=True):
                     param.copy_(fresh)
             return
-        from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
         folder = Path(folder)
@@ -292,13 +330,7 @@ class LoraGRPOLearner:
                 f"{wanted}; start a fresh adapter to change its shape"
             )
         weights = load_file(folder / ADAPTER_WEIGHTS, device=str(self.device))
-        result: Any = set_peft_model_state_dict(self.model, weights)  # peft types it loosely
-        missing = [k for k in result.missing_keys if "lora_" in k]
-        if result.unexpected_keys or missing or len(weights) != len(self.params):
-            raise ValueError(
-                f"{folder.name}: adapter weights do not fit the model "
-                f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})"
-            )
+        self._set_weights(folder, weights)
         path = folder / OPTIMIZER_FILE
         if not path.is_file():
             log.info("%s has no %s: fresh optimizer state", folder.name, OPTIMIZER_FILE)
@@ -307,11 +339,46 @@ class LoraGRPOLearner:
         if state.get("format") != _STATE_FORMAT or state.get("param_names") != self.param_names:
             log.warning("%s: optimizer state does not fit this model; starting it fresh", path)
             return
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(scattered(state["optimizer"], self.params))
         for group in self.optimizer.param_groups:  # the settings win over the stored values
             group.update(lr=self.train.learning_rate, weight_decay=self.train.weight_decay)
         self.rounds, self.optimizer_steps = int(state["rounds"]), int(state["optimizer_steps"])
         self.groups_seen, self.tokens_seen = int(state["groups_seen"]), int(state["tokens_seen"])
+
+    def _set_weights(self, folder: Path, weights: dict[str, Tensor]) -> None:
+        """The adapter's weights (as peft saves them) into the model; ValueError if they do not
+        fit it."""
+        if not self.sharded:
+            from peft import set_peft_model_state_dict
+
+            result: Any = set_peft_model_state_dict(self.model, weights)  # peft types it loosely
+            missing = [k for k in result.missing_keys if "lora_" in k]
+            unexpected = list(result.unexpected_keys)
+        else:  # peft's loader copies whole tensors; each rank takes its shard of each
+            keys = [saved_key(name) for name in self.param_names]
+            missing = [k for k in keys if k not in weights]
+            unexpected = sorted(set(weights) - set(keys))
+            if not missing:
+                with torch.no_grad():
+                    for key, param in zip(keys, self.params, strict=True):
+                        param.copy_(like(weights[key].to(param.dtype), param))
+        if unexpected or missing or len(weights) != len(self.params):
+            raise ValueError(
+                f"{folder.name}: adapter weights do not fit the model "
+                f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
+
+    def _gather(self) -> None:
+        """Every rank: the whole adapter and optimizer state, kept for :meth:`save_candidate`."""
+        weights = {n: whole(p.detach()) for n, p in zip(self.param_names, self.params, strict=True)}
+        self._whole = weights, gathered(self.optimizer.state_dict())
+
+    def adapter_weights(self) -> dict[str, Tensor]:
+        """The adapter's whole weights by parameter name (sharded: as of the last load or
+        round)."""
+        if self._whole is not None:
+            return dict(self._whole[0])
+        return {n: p.detach() for n, p in zip(self.param_names, self.params, strict=True)}
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         fused = self.device.type in ("cuda", "cpu")
@@ -328,7 +395,8 @@ class LoraGRPOLearner:
         """Write the adapter and its optimizer state as ``<alias>@v<version>``, atomically."""
 
         def write(folder: Path) -> None:
-            self.model.save_pretrained(str(folder), safe_serialization=True)
+            weights = self.adapter_weights()  # sharded: the whole tensors, not this rank's shard
+            self.model.save_pretrained(str(folder), safe_serialization=True, state_dict=weights)
             (folder / "README.md").unlink(missing_ok=True)  # peft's model card stub
             config_path = folder / ADAPTER_CONFIG
             config = json.loads(config_path.read_text())
@@ -353,7 +421,7 @@ class LoraGRPOLearner:
         return {
             "format": _STATE_FORMAT,
             "param_names": self.param_names,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self._whole[1] if self._whole else self.optimizer.state_dict(),
             "rounds": self.rounds,
             "optimizer_steps": self.optimizer_steps,
             "groups_seen": self.groups_seen,
@@ -409,6 +477,8 @@ class LoraGRPOLearner:
         )
         self.tokens_seen += stats.completion_tokens
         self.last_round = stats
+        if self.sharded:
+            self._gather()
         return stats
 
     def _run_epochs(
@@ -460,9 +530,11 @@ class LoraGRPOLearner:
         zero = torch.zeros((), device=self.device, dtype=torch.float64)
         step_loss, step_kl, step_clip = zero.clone(), zero.clone(), zero.clone()
         micro_stats: list[tuple[Tensor, dict[str, Tensor], int]] = []
-        for index, rows in enumerate(self._micro_batches(step_rows, lengths)):
-            if not self.ranks.mine(index):  # another rank's (learner/parallel.py)
-                continue
+        micro_batches = self._micro_batches(step_rows, lengths)
+        # FSDP averages the ranks' gradients: scaled by their number, the average is the sum.
+        scale = self.ranks.size if self.sharded else 1
+        for index in self._turns(len(micro_batches)):
+            rows = micro_batches[0 if index is None else index]
             micro = batch.select(rows, int(lengths[rows].max()))
             with self._autocast():
                 logprobs = token_logprobs(self.model, micro)
@@ -478,16 +550,16 @@ class LoraGRPOLearner:
                 cfg,
                 ref,
             )
+            if index is None:
+                torch.autograd.backward(loss * 0.0)
+                continue
             share = stats["num_tokens"] / step_tokens
-            torch.autograd.backward(loss * share)  # Tensor.backward is untyped
+            torch.autograd.backward(loss * (share * scale))  # Tensor.backward is untyped
             step_loss += loss.detach().double() * share
             step_kl += stats["approx_kl"].double() * share
             step_clip += (stats["clip_frac_low"] + stats["clip_frac_high"]).double() * share
             micro_stats.append((loss.detach(), stats, int(lengths[rows].sum())))
-        if self.ranks.size > 1:  # every rank now holds the step's whole gradient and stats
-            step_loss, step_kl, step_clip = all_reduce_grads(
-                self.params, step_loss, step_kl, step_clip
-            )
+        step_loss, step_kl, step_clip = self._reduce(step_loss, step_kl, step_clip)
         if epoch > 1:  # one sync a step, for the decision every rank must make alike
             approx_kl, clip_frac = torch.stack([step_kl, step_clip]).tolist()
             reason = epoch_stop(epoch, approx_kl, clip_frac, self.train)
@@ -497,7 +569,7 @@ class LoraGRPOLearner:
         for loss, stats, total_tokens in micro_stats:
             acc.add(loss, stats, total_tokens)
         max_norm = self.train.max_grad_norm if self.train.max_grad_norm > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        norm = whole(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         if torch.isfinite(norm):  # one device sync a step
             acc.grad_norms.append(norm)
             self.optimizer.step()
@@ -508,6 +580,24 @@ class LoraGRPOLearner:
         # One more sync a step, for its log line; the step's work is done by now anyway.
         loss_value, tokens = torch.stack([step_loss, count.double()]).tolist()
         return StepResult(loss_value, int(tokens), None)
+
+    def _turns(self, count: int) -> list[int | None]:
+        """The indices of this rank's micro-batches of a step's ``count`` (learner/parallel.py);
+        sharded, padded to the busiest rank's number with None: the first again, at weight zero,
+        as FSDP's gathers need every rank."""
+        turns: list[int | None] = [i for i in range(count) if self.ranks.mine(i)]
+        if self.sharded:
+            turns += [None] * (math.ceil(count / self.ranks.size) - len(turns))
+        return turns
+
+    def _reduce(self, *stats: Tensor) -> list[Tensor]:
+        """After a step's micro-batches, on several ranks: the step's ``stats`` summed over
+        them, and the gradient too where FSDP did not reduce it in the backward."""
+        if self.sharded:
+            return list(all_reduce(torch.stack(list(stats)), "sum").unbind())
+        if self.ranks.size > 1:  # every rank now holds the step's whole gradient and stats
+            return all_reduce_grads(self.params, *stats)
+        return list(stats)
 
     def _plan_steps(self, n: int, epoch: int = 1) -> list[Tensor]:
         """steps_per_round mini-batches of rows (groups) for one epoch: seeded shuffles, dealt

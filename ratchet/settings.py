@@ -657,6 +657,11 @@ class LearnerSettings(_Section):
     # vLLM samples in float32, and a bf16 learner's mismatched logprobs cost more learning than
     # its 1.2-1.3x speed on AMX buys (learner/trainer.py uses_bf16).
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # Under torchrun (learner.devices > 1 in the chart): "replicate", each rank holds the whole
+    # base (for a base that fits one device: one all-reduce of the LoRA gradient a step);
+    # "fsdp", the base, LoRA and optimizer state sharded over the ranks with FSDP2 (a base too
+    # large for one device; weights gathered layer by layer). learner/parallel.py.
+    sharding: Literal["replicate", "fsdp"] = "replicate"
     # Torch's CPU threads for training. Empty: torch's default, every core. On a machine that
     # also serves vLLM, fewer: torch's threads meet at a barrier after every op, so one thread
     # starved by vLLM stalls them all (measured: a round's step 50x slower than alone). The
