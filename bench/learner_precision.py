@@ -238,6 +238,7 @@ def plot(result: dict, path: Path) -> None:
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = result["learners"]
     fig, (speed, loss) = plt.subplots(1, 2, figsize=(11, 4))
@@ -249,6 +250,7 @@ def plot(result: dict, path: Path) -> None:
     for row in rows:
         loss.plot(range(1, len(row["losses"]) + 1), row["losses"], marker="o", label=row["learner"])
     loss.set_xlabel("round (the first unmeasured)")
+    loss.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole
     loss.set_ylabel("round loss")
     loss.set_title("the same round, round by round")
     loss.legend()
