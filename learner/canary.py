@@ -277,6 +277,9 @@ class CanaryWatcher:
                 if hacked is not None:
                     verdict, reason = "rollback", hacked
             if verdict != "wait":
+                # Past the wait the test's stream has ended: the event keeps its last look.
+                if age_s >= config.canary.feedback_wait_s:
+                    ratings = ratings.ended()
                 self.decide(alias, route.canary, verdict, reason, stats, ratings)
 
     def reward_gap(self, alias: str, route: AliasRoute, config: AliasConfig) -> str | None:

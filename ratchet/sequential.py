@@ -217,14 +217,21 @@ class SequentialTest:
             self.decision, self.reason = self._look()
         return self.decision
 
-    def looked(self) -> tuple[Decision, str]:
-        """The decision and its reason were the stream to end now, the test left as it is: the
-        decision already made, else the final look's (with a final look and enough outcomes),
-        else ``continue``. For a caller whose stream ends on a clock (the canary's wait)."""
+    def ended(self) -> SequentialTest:
+        """The test as it would stand were the stream to end now, this one left as it is: a
+        closed copy (the final look's decision) where it has a final look, enough outcomes and
+        no decision yet; else this test. For a caller whose stream ends on a clock (the
+        canary's wait)."""
         if self.decision != "continue" or not self._can_look(self.n):
-            return self.decision, self.reason
+            return self
         ended = replace(self)  # the look changes only scalar fields: a shallow copy will do
         ended.close()
+        return ended
+
+    def looked(self) -> tuple[Decision, str]:
+        """The decision and its reason were the stream to end now (:meth:`ended`): the
+        decision already made, else the final look's, else ``continue``."""
+        ended = self.ended()
         return ended.decision, ended.reason
 
     def _can_look(self, n: int) -> bool:

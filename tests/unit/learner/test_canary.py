@@ -427,6 +427,33 @@ def test_a_ratings_drop_rolls_the_canary_back_once_the_test_is_sure(
     assert detail["ratings"]["decision"] == "fail" and detail["ratings"]["n"] <= 20
 
 
+def test_a_canary_decided_by_the_waits_last_look_records_that_look(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    """36 even pairs and the wait over: rolled back as not shown within the margin, and the
+    history's detail says so (not the running test's "continue")."""
+    ended = CONFIG.model_copy(update={"feedback_wait_s": 0.0})
+    settings = settings.model_copy(update={"aliases": {ALIAS: AliasConfig(canary=ended)}})
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    n = 36
+    watcher.count(
+        [traffic("active", 1, rid=f"a{i}", key=f"k{i}") for i in range(n)]
+        + [traffic("canary", 2, rid=f"c{i}", key=f"k{i}") for i in range(n)]
+    )
+    # Each user likes one arm's answer, half of them each: even on average, not sure at all.
+    watcher.count(
+        [feedback(f"a{i}", float(i % 2), f"k{i}") for i in range(n)]
+        + [feedback(f"c{i}", float((i + 1) % 2), f"k{i}") for i in range(n)]
+    )
+    watcher.check()
+    assert route_of(lifecycle) == (1, None)
+    detail = lifecycle.writer.history(ALIAS)[0]["detail"]
+    assert "when the wait ran out" in detail["reason"], detail
+    assert detail["ratings"]["decision"] == "fail", detail["ratings"]
+    assert f"inconclusive after {n}" in detail["ratings"]["reason"]
+
+
 def test_one_key_cannot_outvote_the_others_on_the_canary(
     settings: RatchetSettings, lifecycle: Lifecycle
 ) -> None:
