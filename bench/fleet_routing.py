@@ -1,13 +1,23 @@
 """Two embedded vLLM replicas behind the proxy: Ratchet's routing against round-robin, in one run.
 
-Traffic: ``--aliases`` aliases, each serving its own adapter (``alias@v1``, random LoRA weights),
-``--conversations`` multi-turn conversations of ``--turns`` turns (each turn's prompt is the
-conversation so far, so a turn can reuse the previous turn's prefix cache), ``--concurrency`` at
-a time, the same traffic through two proxies in front of the same two replicas: one with
-``proxy.balance: affinity`` (consistent hashing with bounded loads by served name,
-ratchet/fleet.py), one with ``round_robin``, alternating A B B A. Each replica has fewer LoRA
-slots (``--max-loras``) than there are aliases, so where a version's requests land decides how
-often adapters are moved into slots.
+Two mixes of traffic, each through three proxies in front of the same two replicas:
+``proxy.balance: affinity`` (consistent hashing with bounded loads by served name, and by
+conversation once a version spreads: ratchet/fleet.py), ``version`` (by served name alone) and
+``round_robin``, in the order A B C C B A.
+
+- ``many``: ``--aliases`` aliases, each serving its own adapter (``alias@v1``, random LoRA
+  weights), ``--conversations`` multi-turn conversations of ``--turns`` turns (each turn's
+  prompt is the conversation so far, so a turn can reuse the previous turn's prefix cache),
+  ``--concurrency`` at a time. Each replica has fewer LoRA slots (``--max-loras``) than there
+  are aliases, so where a version's requests land decides how often adapters are moved into
+  slots.
+- ``hot``: one alias, busy enough (``--hot-concurrency`` conversations at a time) that its
+  version needs both replicas; each conversation opens with its own long system message, so
+  whether its later turns find their prefix cached depends on the replica they reach. Its users
+  read each answer before the next turn (``--think-s``, each pause uniform in 0.5-1.5 times it),
+  so a turn arrives when the loads have moved on. (Without pauses, a closed loop of clients, a
+  turn is sent the moment its last one frees a place on its replica, and bounded loads alone put
+  it back there: by served name alone kept as many turns as by conversation then.)
 
 Reported per policy: p50 and p99 latency, adapter loads into the replicas' slots (counted in
 their logs by the ratchet_cpu_lora plugin), and the prefix-cache hit rate (vLLM's
@@ -56,6 +66,30 @@ from ratchet.store import AdapterStore
 BASE_MODEL = "smollm2-135m-instruct"
 console = Console()
 TOPICS = ["the weather", "a recipe", "a train timetable", "a birthday", "a garden", "a song"]
+BALANCES = ("affinity", "version", "round_robin")
+WORDS = [
+    "ticket",
+    "refund",
+    "delay",
+    "platform",
+    "carriage",
+    "seat",
+    "reservation",
+    "connection",
+    "timetable",
+    "station",
+    "luggage",
+    "bicycle",
+    "discount",
+    "season",
+    "pass",
+    "conductor",
+    "weather",
+    "signal",
+    "works",
+    "replacement",
+    "bus",
+]
 
 
 def parse_args() -> argparse.Namespace:
@@ -65,8 +99,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--conversations", type=int, default=24, help="per round of a policy")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--hot-concurrency", type=int, default=12)
+    parser.add_argument("--think-s", type=float, default=4.0, help="hot: a user's pause")
+    parser.add_argument("--mixes", default="many,hot", help="comma-separated: many, hot")
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=Path("bench-results/fleet_routing"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/fleet_routing"))
     return parser.parse_args()
 
 
@@ -116,13 +153,13 @@ def start_stack(args: argparse.Namespace, home: Path, stack: Stack) -> dict[str,
         one = settings.model_copy(update={"vllm_url": url})
         stack.parts.append(replica_part(one, model, f"vllm-{i}", args.max_loras))
     proxies = {}
-    for balance in ("affinity", "round_robin"):
+    for balance in BALANCES:
         path, proxy_settings = proxy_config(home, base, balance)
         part = proxy_part(proxy_settings, path)
         part.name = f"proxy-{balance}"
         stack.parts.append(part)
         proxies[balance] = f"http://127.0.0.1:{proxy_settings.proxy.port}"
-    with console.status("starting Kafka, Redis, two vLLM replicas and two proxies (minutes)"):
+    with console.status("starting Kafka, Redis, two vLLM replicas and three proxies (minutes)"):
         stack.start()
     create_topics(settings)
     writer = RegistryWriter(settings.redis_url, settings.aliases)
@@ -134,21 +171,42 @@ def start_stack(args: argparse.Namespace, home: Path, stack: Stack) -> dict[str,
 # ---- traffic and what vLLM says ----------------------------------------------------------------
 
 
-def conversations(aliases: list[str], n: int, seed: int) -> list[tuple[str, str]]:
+Talk = tuple[str, str | None, str]  # (alias, its own system message or None, the opening)
+
+
+def conversations(aliases: list[str], n: int, seed: int, mix: str) -> list[Talk]:
+    """``many``: short conversations spread over the aliases; ``hot``: all to the first alias,
+    each opening with a system message of its own (a case file of ~150 words)."""
     rng = random.Random(seed)
-    return [
-        (rng.choice(aliases), f"Tell me about {rng.choice(TOPICS)}, briefly. (#{seed}-{i})")
-        for i in range(n)
-    ]
+    talks: list[Talk] = []
+    for i in range(n):
+        opening = f"Tell me about {rng.choice(TOPICS)}, briefly. (#{seed}-{i})"
+        if mix == "hot":
+            case = " ".join(rng.choice(WORDS) for _ in range(150))
+            talks.append((aliases[0], f"Case {seed}-{i}: {case}", opening))
+        else:
+            talks.append((rng.choice(aliases), None, opening))
+    return talks
 
 
 async def converse(
-    client: httpx.AsyncClient, proxy: str, alias: str, opening: str, turns: int, max_tokens: int
+    client: httpx.AsyncClient,
+    proxy: str,
+    talk: Talk,
+    turns: int,
+    max_tokens: int,
+    think_s: float = 0.0,
 ) -> tuple[list[float], int]:
-    """One conversation: each turn sends the conversation so far. (latencies, failures)"""
-    messages: list[dict[str, str]] = [{"role": "user", "content": opening}]
+    """One conversation: each turn sends the conversation so far, ``think_s`` (on average)
+    after the last answer. (latencies, failures)"""
+    alias, system, opening = talk
+    pauses = random.Random(opening)
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": opening})
     latencies, failures = [], 0
     for turn in range(turns):
+        if turn and think_s:
+            await asyncio.sleep(think_s * pauses.uniform(0.5, 1.5))  # the user reads the answer
         started = time.perf_counter()
         try:
             response = await client.post(
@@ -171,16 +229,20 @@ async def converse(
 
 
 async def run_traffic(
-    proxy: str, talks: list[tuple[str, str]], args: argparse.Namespace
+    proxy: str,
+    talks: list[Talk],
+    args: argparse.Namespace,
+    concurrency: int,
+    think_s: float = 0.0,
 ) -> tuple[list[float], int]:
-    limit = asyncio.Semaphore(args.concurrency)
+    limit = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=120) as client:
 
-        async def one(alias: str, opening: str) -> tuple[list[float], int]:
+        async def one(talk: Talk) -> tuple[list[float], int]:
             async with limit:
-                return await converse(client, proxy, alias, opening, args.turns, args.max_tokens)
+                return await converse(client, proxy, talk, args.turns, args.max_tokens, think_s)
 
-        results = await asyncio.gather(*(one(a, o) for a, o in talks))
+        results = await asyncio.gather(*(one(talk) for talk in talks))
     return [x for lat, _ in results for x in lat], sum(f for _, f in results)
 
 
@@ -203,12 +265,19 @@ def slot_loads(stack: Stack, names: list[str]) -> int:
 
 
 def measure(
-    stack: Stack, fleet: dict[str, Any], balance: str, talks: list[tuple[str, str]], args: Any
+    stack: Stack,
+    fleet: dict[str, Any],
+    balance: str,
+    talks: list[Talk],
+    args: Any,
+    concurrency: int,
+    think_s: float = 0.0,
 ) -> dict[str, Any]:
     names = [f"vllm-{i}" for i in range(2)]
     loads_before = slot_loads(stack, names)
     before = [vllm_counters(u) for u in fleet["replicas"]]
-    latencies, failures = asyncio.run(run_traffic(fleet["proxies"][balance], talks, args))
+    proxy = fleet["proxies"][balance]
+    latencies, failures = asyncio.run(run_traffic(proxy, talks, args, concurrency, think_s))
     after = [vllm_counters(u) for u in fleet["replicas"]]
     hits = sum(
         a["prefix_cache_hits"] - b["prefix_cache_hits"] for a, b in zip(after, before, strict=True)
@@ -229,7 +298,7 @@ def measure(
 def kill_mid_run(stack: Stack, fleet: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Traffic through Ratchet's routing; one replica killed halfway: failed requests against
     those in flight on it at the kill (the proxy's own count)."""
-    talks = conversations(fleet["aliases"], args.conversations, seed=99)
+    talks = conversations(fleet["aliases"], args.conversations, seed=99, mix="many")
     proxy = fleet["proxies"]["affinity"]
     victim = stack.part("vllm-1")
     in_flight: dict[str, float] = {}
@@ -249,7 +318,7 @@ def kill_mid_run(stack: Stack, fleet: dict[str, Any], args: argparse.Namespace) 
 
     killer = threading.Thread(target=kill_later)
     killer.start()
-    latencies, failures = asyncio.run(run_traffic(proxy, talks, args))
+    latencies, failures = asyncio.run(run_traffic(proxy, talks, args, args.concurrency))
     killer.join()
     return {
         "failures": failures,
@@ -263,63 +332,86 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 if ordered else float("nan")
 
 
+def run_mix(
+    stack: Stack, fleet: dict[str, Any], mix: str, args: argparse.Namespace
+) -> dict[str, list[dict[str, Any]]]:
+    """Each policy twice, A B C C B A, on the same conversations per position."""
+    concurrency = args.hot_concurrency if mix == "hot" else args.concurrency
+    think_s = args.think_s if mix == "hot" else 0.0
+    results: dict[str, list[dict[str, Any]]] = {balance: [] for balance in BALANCES}
+    order = [*BALANCES, *reversed(BALANCES)]
+    for i, balance in enumerate(order):
+        talks = conversations(fleet["aliases"], args.conversations, seed=100 * i, mix=mix)
+        with console.status(f"{mix}: round {i + 1}/{len(order)}: {balance}"):
+            result = measure(stack, fleet, balance, talks, args, concurrency, think_s)
+            results[balance].append(result)
+    return results
+
+
+def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    latencies = [x for r in rounds for x in r["latencies"]]
+    hits = sum(r["prefix_hits"] for r in rounds)
+    queries = sum(r["prefix_queries"] for r in rounds)
+    return {
+        "requests": len(latencies),
+        "failed": sum(r["failures"] for r in rounds),
+        "p50_ms": pct(latencies, 0.5),
+        "p99_ms": pct(latencies, 0.99),
+        "slot_loads": sum(r["slot_loads"] for r in rounds),
+        "prefix_hit_rate": hits / queries if queries else None,
+    }
+
+
 def main() -> int:
     args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    mixes = [m for m in args.mixes.split(",") if m]
     home = Path(tempfile.mkdtemp(prefix="ratchet-fleet-"))
     stack = Stack([], home / "state")
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     try:
         fleet = start_stack(args, home, stack)
         # Warm-up: every adapter once through each proxy.
-        warm = [(alias, "Hello.") for alias in fleet["aliases"]]
-        for balance in ("affinity", "round_robin"):
-            asyncio.run(run_traffic(fleet["proxies"][balance], warm, args))
-        results: dict[str, list[dict[str, Any]]] = {"affinity": [], "round_robin": []}
-        for i, balance in enumerate(("affinity", "round_robin", "round_robin", "affinity")):
-            talks = conversations(fleet["aliases"], args.conversations, seed=i)
-            with console.status(f"round {i + 1}/4: {balance}"):
-                results[balance].append(measure(stack, fleet, balance, talks, args))
+        warm: list[Talk] = [(alias, None, "Hello.") for alias in fleet["aliases"]]
+        for balance in BALANCES:
+            asyncio.run(run_traffic(fleet["proxies"][balance], warm, args, args.concurrency))
+        for mix in mixes:
+            results[mix] = run_mix(stack, fleet, mix, args)
         killed = kill_mid_run(stack, fleet, args)
     finally:
         stack.stop()
-    table = Table(title="Two vLLM replicas, one traffic, two ways to route it")
-    for column in ("routing", "requests", "failed", "p50 ms", "p99 ms", "adapter slot loads",
-                   "prefix-cache hit rate"):  # fmt: skip
+    table = Table(title="Two vLLM replicas, the same traffic, three ways to route it")
+    for column in ("traffic", "routing", "requests", "failed", "p50 ms", "p99 ms",
+                   "adapter slot loads", "prefix-cache hit rate"):  # fmt: skip
         table.add_column(column)
     summary: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
-    for balance, rounds in results.items():
-        latencies = [x for r in rounds for x in r["latencies"]]
-        hits = sum(r["prefix_hits"] for r in rounds)
-        queries = sum(r["prefix_queries"] for r in rounds)
-        row = {
-            "requests": len(latencies),
-            "failed": sum(r["failures"] for r in rounds),
-            "p50_ms": pct(latencies, 0.5),
-            "p99_ms": pct(latencies, 0.99),
-            "slot_loads": sum(r["slot_loads"] for r in rounds),
-            "prefix_hit_rate": hits / queries if queries else None,
-        }
-        summary[balance] = row
-        table.add_row(
-            balance,
-            str(row["requests"]),
-            str(row["failed"]),
-            f"{row['p50_ms']:.0f}",
-            f"{row['p99_ms']:.0f}",
-            str(row["slot_loads"]),
-            "-" if row["prefix_hit_rate"] is None else f"{row['prefix_hit_rate']:.3f}",
-        )
+    for mix, by_balance in results.items():
+        summary[mix] = {}
+        for balance, rounds in by_balance.items():
+            row = summary[mix][balance] = summarise(rounds)
+            rate = row["prefix_hit_rate"]
+            table.add_row(
+                mix,
+                balance,
+                str(row["requests"]),
+                str(row["failed"]),
+                f"{row['p50_ms']:.0f}",
+                f"{row['p99_ms']:.0f}",
+                str(row["slot_loads"]),
+                "-" if rate is None else f"{rate:.3f}",
+            )
     console.print(table)
     summary["replica_killed"] = killed
     console.print(
         f"one replica killed mid-run (Ratchet's routing): {killed['failures']} requests failed, "
         f"{killed['in_flight_at_kill']} were in flight on it at the kill, {killed['ok']} answered"
     )
-    affinity, rr = summary["affinity"], summary["round_robin"]
-    if rr["slot_loads"]:
-        ratio = affinity["slot_loads"] / rr["slot_loads"]
-        console.print(f"adapter slot loads, affinity / round-robin: {ratio:.2f}")
-    console.print(f"p50 latency, affinity / round-robin: {affinity['p50_ms'] / rr['p50_ms']:.2f}")
+    for mix in results:
+        affinity, rr = summary[mix]["affinity"], summary[mix]["round_robin"]
+        ratios = [f"p50 {affinity['p50_ms'] / rr['p50_ms']:.2f}"]
+        if rr["slot_loads"]:
+            ratios.append(f"adapter slot loads {affinity['slot_loads'] / rr['slot_loads']:.2f}")
+        console.print(f"{mix}: affinity / round-robin: " + ", ".join(ratios))
     (args.out / "fleet_routing.json").write_text(json.dumps(summary, indent=2))
     console.print(f"results: {args.out / 'fleet_routing.json'}")
     return 0
