@@ -42,7 +42,11 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.learner_step import synthetic_groups, with_behaviour_logprobs  # noqa: E402
+from bench.learner_step import (  # noqa: E402
+    add_round_shape,
+    synthetic_groups,
+    with_behaviour_logprobs,
+)
 from learner.trainer import (  # noqa: E402
     LoraGRPOLearner,
     lora_settings,
@@ -104,14 +108,7 @@ def parse_args() -> argparse.Namespace:
         help="comma-separated: cpu, cuda (the first device's first precision is the reference)",
     )
     parser.add_argument("--precisions", type=lambda text: text.split(","), default=list(PRECISIONS))
-    parser.add_argument("--model-path", type=Path, default=None)
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per learner")
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--completion-len", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per round")
-    parser.add_argument("--seed", type=int, default=0)
+    add_round_shape(parser)
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/learner_precision.json")
     args = parser.parse_args()
     for device in args.devices:

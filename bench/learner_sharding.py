@@ -39,7 +39,11 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.learner_step import synthetic_groups, with_behaviour_logprobs  # noqa: E402
+from bench.learner_step import (  # noqa: E402
+    add_round_shape,
+    synthetic_groups,
+    with_behaviour_logprobs,
+)
 from learner.parallel import is_sharded  # noqa: E402
 from learner.trainer import LoraGRPOLearner, lora_settings, train_settings  # noqa: E402
 from ratchet.dev.processes import free_port  # noqa: E402
@@ -52,14 +56,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--model-path", type=Path, default=None)
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per run")
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--completion-len", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per round")
-    parser.add_argument("--seed", type=int, default=0)
+    add_round_shape(parser)
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/learner_sharding.json")
     args = parser.parse_args()
     if args.ranks < 2:

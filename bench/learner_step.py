@@ -126,6 +126,19 @@ class Timings:
     rounds: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in METHODS})
 
 
+def add_round_shape(parser: argparse.ArgumentParser) -> None:
+    """The synthetic round's shape (:func:`synthetic_groups`) as the learner's comparison benches
+    take it (bench/learner_precision.py, bench/learner_sharding.py), and ``--model-path``."""
+    parser.add_argument("--model-path", type=Path, default=None)
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per learner")
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--completion-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per round")
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def synthetic_groups(args: argparse.Namespace, vocab: int) -> list[ScoredGroup]:
     gen = torch.Generator().manual_seed(args.seed)
 
