@@ -312,6 +312,7 @@ def test_every_trainer_knob_comes_from_the_learner_settings(tiny_model: Path) ->
         "epoch_max_kl": 0.05,
         "epoch_max_clip_frac": 0.3,
         "precision": "bf16",
+        "sharding": "fsdp",
     }
     defaults = LearnerSettings()
     assert all(getattr(defaults, knob) != value for knob, value in knobs.items())
@@ -336,6 +337,7 @@ def test_every_trainer_knob_comes_from_the_learner_settings(tiny_model: Path) ->
         "epoch_max_kl": 0.05,
         "epoch_max_clip_frac": 0.3,
         "precision": "bf16",
+        "sharding": "fsdp",
     }
     shape = lora_settings(settings)
     assert asdict(shape) == {
