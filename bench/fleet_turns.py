@@ -3,9 +3,9 @@ choice of replica (ratchet/fleet.py) simulated, without vLLM, for one busy versi
 
 Conversations arrive at ``--rates`` per second (Poisson), each of ``--turns`` turns; a turn is
 answered in 1.5-3.5 s (uniform) and the user's next turn comes ``--think`` s later (uniform in
-0.5-1.5 times it; 0: at once, a closed loop). Each turn goes to the replica :func:`choose`
-picks, keyed by the version alone, or by the version and the conversation with the version's
-width held for ``--hold`` s (:class:`Spread`). Reported: the share of later turns that reached a
+0.5-1.5 times it; 0: at once, a closed loop). Each turn goes to the replica the proxy's
+:class:`Router` picks, keyed by the version alone, or by the version and the conversation with
+the version's width held for ``--hold`` s. Reported: the share of later turns that reached a
 replica the conversation had used (the ones whose prefix can be in that replica's cache).
 
     .venv/bin/python bench/fleet_turns.py
@@ -26,7 +26,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ratchet.fleet import LOAD_FACTOR, Spread, choose, needed_width
+from ratchet.fleet import Router
 
 VERSION = "support@v7"
 
@@ -43,9 +43,8 @@ def revisit_share(
     """The share of later turns sent to a replica their conversation had used; ``hold_s`` None:
     keyed by the version alone."""
     rng = random.Random(seed)
-    spread = Spread(hold_s=hold_s or 0.0)
+    router = Router(hold_s=hold_s or 0.0)  # the proxy's: it counts the version's requests
     outstanding: Counter[str] = Counter()
-    in_flight = 0
     used: dict[int, set[str]] = {}
     revisits = later = 0
     # (time, kind, conversation, turn, replica): "ask" a turn, or its answer is "done"
@@ -58,22 +57,19 @@ def revisit_share(
         now, kind, conversation, turn, replica = heapq.heappop(events)
         if kind == "done":
             outstanding[replica] -= 1
-            in_flight -= 1
+            router.released(VERSION)
             if turn + 1 < turns:
                 pause = think_s * rng.uniform(0.5, 1.5)
                 heapq.heappush(events, (now + pause, "ask", conversation, turn + 1, ""))
             continue
-        if hold_s is None:
-            replica = choose(VERSION, replicas, outstanding)
-        else:
-            width = spread.width(VERSION, needed_width(in_flight, outstanding, replicas), now)
-            replica = choose(VERSION, replicas, outstanding, LOAD_FACTOR, str(conversation), width)
+        key = None if hold_s is None else str(conversation)
+        replica = router.choose(VERSION, replicas, outstanding, key, now)
         if turn:
             later += 1
             revisits += replica in used[conversation]
         used.setdefault(conversation, set()).add(replica)
         outstanding[replica] += 1
-        in_flight += 1
+        router.taken(VERSION)
         heapq.heappush(events, (now + rng.uniform(1.5, 3.5), "done", conversation, turn, replica))
     return revisits / later if later else float("nan")
 

@@ -268,9 +268,10 @@ class Gate:
             if prompt.tool_choice is not None:
                 body["tool_choice"] = prompt.tool_choice
         headers = {"content-type": "application/json", "authorization": f"Bearer {self.vllm_key}"}
+        conversation = conversation_key(body)
         for attempt in range(ANSWER_ATTEMPTS):
             # The replica the version's requests go to (ratchet/fleet.py), as the proxy's.
-            async with self.replicas.use(served, conversation=conversation_key(body)) as base:
+            async with self.replicas.use(served, conversation=conversation) as base:
                 try:
                     async with (
                         self.limit,

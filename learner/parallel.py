@@ -38,7 +38,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -146,18 +146,18 @@ def is_sharded(tensor: Tensor) -> bool:
 
 def whole(tensor: Tensor) -> Tensor:
     """A sharded tensor gathered (a collective: every rank calls it), or the tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    sharded: Any = tensor
+    return cast(Tensor, sharded.full_tensor()) if is_sharded(tensor) else tensor
 
 
 def like(full: Tensor, param: Tensor) -> Tensor:
     """``full`` laid out as ``param`` is: this rank's shard of it where ``param`` is sharded."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
 
-    if not isinstance(param, DTensor):
+    if not is_sharded(param):
         return full.to(param.device)
-    return distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
+    sharded: Any = param
+    return distribute_tensor(full.to(param.device), sharded.device_mesh, sharded.placements)
 
 
 def gathered(optimizer_state: dict[str, Any]) -> dict[str, Any]:

@@ -346,27 +346,20 @@ class LoraGRPOLearner:
         self.groups_seen, self.tokens_seen = int(state["groups_seen"]), int(state["tokens_seen"])
 
     def _set_weights(self, folder: Path, weights: dict[str, Tensor]) -> None:
-        """The adapter's weights (as peft saves them) into the model; ValueError if they do not
-        fit it."""
-        if not self.sharded:
-            from peft import set_peft_model_state_dict
-
-            result: Any = set_peft_model_state_dict(self.model, weights)  # peft types it loosely
-            missing = [k for k in result.missing_keys if "lora_" in k]
-            unexpected = list(result.unexpected_keys)
-        else:  # peft's loader copies whole tensors; each rank takes its shard of each
-            keys = [saved_key(name) for name in self.param_names]
-            missing = [k for k in keys if k not in weights]
-            unexpected = sorted(set(weights) - set(keys))
-            if not missing:
-                with torch.no_grad():
-                    for key, param in zip(keys, self.params, strict=True):
-                        param.copy_(like(weights[key].to(param.dtype), param))
-        if unexpected or missing or len(weights) != len(self.params):
+        """The adapter's weights (keyed as peft saves them) into the model, each rank's shard
+        of each where it is sharded (peft's loader copies whole tensors); ValueError if they do
+        not fit it."""
+        keys = [saved_key(name) for name in self.param_names]
+        missing = [k for k in keys if k not in weights]
+        unexpected = sorted(set(weights) - set(keys))
+        if unexpected or missing:
             raise ValueError(
                 f"{folder.name}: adapter weights do not fit the model "
                 f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
             )
+        with torch.no_grad():
+            for key, param in zip(keys, self.params, strict=True):
+                param.copy_(like(weights[key].to(param.dtype), param))
 
     def _gather(self) -> None:
         """Every rank: the whole adapter and optimizer state, kept for :meth:`save_candidate`."""

@@ -204,7 +204,7 @@ async def start_call(
     call = Call(meta, body, forwarded, labels, wants_usage, arrival.started)
     if reserved:  # settled when the exchange is recorded; kept whole if the client left first
         call.reserved, call.prompt_tokens = reserved, prompt_tokens
-    if state.upstream.fleet:
+    if state.upstream.routes_by_conversation:
         call.conversation = conversation_key(payload)
     headers = {"x-request-id": meta.client_request_id or meta.request_id}
     if conceal:

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -19,7 +18,7 @@ import orjson
 
 from proxy.errors import ProxyError
 from proxy.http1 import AnswerTooLarge, UpstreamPool, UpstreamResponse
-from ratchet.fleet import LOAD_FACTOR, Resolver, Spread, candidates, choose, needed_width
+from ratchet.fleet import Resolver, Router, candidates
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +66,7 @@ class Upstream:
         self.resolver = Resolver(configured) if resolve else None
         self.balance = balance
         self._turn = 0
-        # Requests in flight per served name: how many replicas a version needs now.
-        self.outstanding_by_key: Counter[str] = Counter()
-        self.spread = Spread()  # how many replicas each version's conversations use
+        self.router = Router()  # requests in flight per served name, and their widths
         # vLLM's key on every call; the client's own key never reaches vLLM.
         self._connection = (connect_timeout_s, total_timeout_s, api_key)
         self.endpoints = {u.rstrip("/"): Endpoint(u, *self._connection) for u in configured}
@@ -169,8 +166,9 @@ class Upstream:
             await asyncio.sleep(interval_s if self.ready else min(interval_s, 0.5))
 
     @property
-    def fleet(self) -> bool:
-        """Whether there is a replica to choose (and a conversation key worth computing)."""
+    def routes_by_conversation(self) -> bool:
+        """Whether a request's conversation key is worth computing: several replicas to
+        choose from, by affinity."""
         return len(self.endpoints) > 1 and self.balance == "affinity"
 
     def choose(
@@ -187,11 +185,7 @@ class Upstream:
             self._turn += 1
             return self.endpoints[live[self._turn % len(live)]]
         outstanding = {url: self.endpoints[url].outstanding for url in live}
-        width = 1
-        if conversation is not None:
-            needed = needed_width(self.outstanding_by_key[key], outstanding, live)
-            width = self.spread.width(key, needed)
-        return self.endpoints[choose(key, live, outstanding, LOAD_FACTOR, conversation, width)]
+        return self.endpoints[self.router.choose(key, live, outstanding, conversation)]
 
     async def post(
         self, endpoint: str, body: bytes, key: str = "", conversation: str | None = None
@@ -230,13 +224,11 @@ class Upstream:
 
     def _take(self, replica: Endpoint, key: str) -> None:
         replica.outstanding += 1
-        self.outstanding_by_key[key] += 1
+        self.router.taken(key)
 
     def _release(self, replica: Endpoint, key: str) -> None:
         replica.outstanding -= 1
-        self.outstanding_by_key[key] -= 1
-        if not self.outstanding_by_key[key]:
-            del self.outstanding_by_key[key]  # versions come and go: keep no zero counts
+        self.router.released(key)
 
     @staticmethod
     async def read(response: UpstreamResponse, max_bytes: int | None = None) -> bytes:

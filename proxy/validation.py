@@ -84,6 +84,10 @@ def _is_stream_options(value: Any) -> bool:
 
 
 # field -> (check, what it must be). Shared by both endpoints unless overridden below.
+_SHORT_STRING: tuple[Check, str] = (
+    lambda v: isinstance(v, str) and len(v) <= 256,
+    "a string of at most 256 chars",
+)
 _COMMON: dict[str, tuple[Check, str]] = {
     "stream": (_is_bool, "a boolean"),
     "stream_options": (_is_stream_options, "an object with a boolean include_usage"),
@@ -96,12 +100,9 @@ _COMMON: dict[str, tuple[Check, str]] = {
     "frequency_penalty": (_number_range(-2.0, 2.0), "a number from -2 to 2"),
     "seed": (_is_int, "an integer"),
     "stop": (_is_str_or_str_list, "a string or a list of strings"),
-    "user": (lambda v: isinstance(v, str) and len(v) <= 256, "a string of at most 256 chars"),
+    "user": _SHORT_STRING,
     # Keys the conversation's replica in a fleet (ratchet/fleet.py); vLLM never sees it.
-    "prompt_cache_key": (
-        lambda v: isinstance(v, str) and len(v) <= 256,
-        "a string of at most 256 chars",
-    ),
+    "prompt_cache_key": _SHORT_STRING,
 }
 CHAT_FIELDS: dict[str, tuple[Check, str]] = {
     **_COMMON,

@@ -147,6 +147,39 @@ class Spread:
         return held
 
 
+class Router:
+    """One client's choice of replica (the proxy's, or a :class:`Replicas`'): :func:`choose`
+    for a request's served name and conversation, with the width :class:`Spread` holds for the
+    served name given its requests in flight, which the caller counts with :meth:`taken` and
+    :meth:`released`."""
+
+    def __init__(self, hold_s: float = SPREAD_HOLD_S) -> None:
+        self.in_flight: Counter[str] = Counter()  # per served name
+        self.spread = Spread(hold_s)
+
+    def choose(
+        self,
+        key: str,
+        endpoints: Sequence[str],
+        outstanding: Mapping[str, int],
+        conversation: str | None = None,
+        now: float | None = None,
+    ) -> str:
+        width = 1
+        if conversation is not None:
+            needed = needed_width(self.in_flight[key], outstanding, endpoints)
+            width = self.spread.width(key, needed, now)
+        return choose(key, endpoints, outstanding, LOAD_FACTOR, conversation, width)
+
+    def taken(self, key: str) -> None:
+        self.in_flight[key] += 1
+
+    def released(self, key: str) -> None:
+        self.in_flight[key] -= 1
+        if not self.in_flight[key]:
+            del self.in_flight[key]  # versions come and go: keep no zero counts
+
+
 # Of a completion's prompt, the head that keys its conversation: a shared preamble keeps the
 # prompts that open with it together, where their common prefix is cached.
 PROMPT_HEAD_CHARS = 512
@@ -242,8 +275,7 @@ class Replicas:
         self.resolver = Resolver(urls) if resolve else None
         self.urls = [u.rstrip("/") for u in urls]
         self.outstanding: Counter[str] = Counter()
-        self.outstanding_by_key: Counter[str] = Counter()
-        self.spread = Spread()
+        self.router = Router()
         self.failed_until: dict[str, float] = {}
         self.resolved_at = 0.0
 
@@ -263,19 +295,14 @@ class Replicas:
             self.resolved_at = time.monotonic()
         now = time.monotonic()
         live = candidates(self.urls, lambda u: self.failed_until.get(u, 0.0) <= now, exclude)
-        width = self.spread.width(
-            key, needed_width(self.outstanding_by_key[key], self.outstanding, live)
-        )
-        url = choose(key, live, self.outstanding, LOAD_FACTOR, conversation, width)
+        url = self.router.choose(key, live, self.outstanding, conversation)
         self.outstanding[url] += 1
-        self.outstanding_by_key[key] += 1
+        self.router.taken(key)
         try:
             yield url
         finally:
             self.outstanding[url] -= 1
-            self.outstanding_by_key[key] -= 1
-            if not self.outstanding_by_key[key]:
-                del self.outstanding_by_key[key]
+            self.router.released(key)
 
     def failed(self, url: str) -> None:
         """``url`` could not be reached: avoided for ``FAILED_S``."""

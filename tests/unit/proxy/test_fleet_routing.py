@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 from aiohttp import web
 
-import proxy.upstream
+import ratchet.fleet
 from proxy.app import create_app
 from ratchet.dev.processes import free_port, wait_until_async
 from ratchet.fleet import choose, conversation_key
@@ -282,7 +282,7 @@ async def test_each_request_is_routed_by_its_conversation_too(
         keys.append(args[4])  # choose(key, endpoints, outstanding, load_factor, conversation, …)
         return choose(*args)
 
-    monkeypatch.setattr(proxy.upstream, "choose", choose_recorded)
+    monkeypatch.setattr(ratchet.fleet, "choose", choose_recorded)
 
     async def chat(messages: list[dict[str, str]], **extra: Any) -> httpx.Response:
         body = {"model": "a0", "messages": messages, "max_tokens": 1, **extra}
