@@ -53,6 +53,7 @@ from ratchet.rewards.reward_model import (
     RewardModelUnavailable,
     RewardStatus,
     auc,
+    choose_l2,
     evaluate,
     fit_head,
     good_ratings,
@@ -127,15 +128,15 @@ class RewardTrainer:
         last = self._agreement.get(alias)
         if last is not None and last[0] == checked:
             return last[1]
+        head = self._live_head(alias, live.version)
+        if head is None:  # unreadable, or trained on other features: it scores nothing now
+            why: str | None = f"live v{live.version} cannot score (see the log): retrain"
+            self._agreement[alias] = (checked, why)
+            return why
         answers = newest_ratings(self.redis, alias, new)
         if not answers or any(a.completion_id not in self._cache for a in answers):
             return None
-        head = self._live_head(alias, live.version)
-        value = (
-            None
-            if head is None
-            else auc(head.predict(self.rows(answers)), [a.score for a in answers])
-        )
+        value = auc(head.predict(self.rows(answers)), [a.score for a in answers])
         why = None
         if value is not None and value < live.auc_low:
             why = (
@@ -224,13 +225,15 @@ class RewardTrainer:
             status.write(self.redis, alias)
             log.info("%s: reward model not trained: %s", alias, why)
             return status
-        head = fit_head(self.rows(trained), trained)
+        trained_rows = self.rows(trained)
+        l2, l2_scores = choose_l2(trained_rows, trained)
+        head = fit_head(trained_rows, trained, l2=l2)
         held_rows = self.rows(held)
         result = evaluate(head.predict(held_rows), held)
         live = self.live_on(alias, previous, held, held_rows)
         usable, reason = reward_verdict(result, live, config.min_auc)
         clients = len({a.owner for a in trained})
-        meta = write_meta(result, len(trained), clients, str(self.base_model_path))
+        meta = write_meta(result, len(trained), clients, str(self.base_model_path), l2, l2_scores)
         meta["trained_on"]["passed_over_for_key_share"] = passed_over
         if live is not None:
             meta["live_on_same_ratings"] = {"version": live[0], **live[1].to_dict()}

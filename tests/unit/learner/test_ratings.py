@@ -43,10 +43,14 @@ from ratchet.records import (
 )
 from ratchet.rewards.agreement import AGREEMENT_QUEUE, to_judge_key
 from ratchet.rewards.reward_model import (
+    FEATURES,
+    HEAD_FILE,
+    L2_GRID,
     AnswerFeatures,
     Evaluation,
     RatedAnswer,
     RewardModels,
+    RewardModelUnavailable,
     RewardStatus,
     reward_store_name,
 )
@@ -380,6 +384,62 @@ def test_users_who_change_their_minds_bring_the_retrain_forward(
     assert 8 <= new_ratings < needed, (new_ratings, needed)
     assert status is not None and status.version == 2
     assert "retrain due early: live v1's AUC on the" in caplog.text
+
+
+def test_a_model_trained_on_other_features_scores_nothing_and_is_retrained_soon(
+    settings: RatchetSettings,
+    client: redis.Redis,
+    real_base_model: Path,
+    real_answer_features: AnswerFeatures,
+) -> None:
+    """v1 as a release before the features moved wrote it (no features named in its head file):
+    the judge's scorer refuses it rather than read today's features with it, and the learner
+    retrains at retrain_every's 8 new ratings, not at the 17 or so retrain_growth would wait for.
+    A new version records its features and the L2 its cross-validation chose."""
+    from safetensors.torch import load_file, save_file
+
+    assert settings.store_dir is not None
+    store = AdapterStore(settings.store_dir)
+    leases = AliasLeases(client, 30.0, LeaseKeeper(), LearnerMetrics(), "reward_model")
+    trainer = RewardTrainer(settings, client, store, real_base_model, real_answer_features)
+    collector = RatingsCollector(
+        settings, client, trainer, leases, LearnerMetrics(), threading.Event()
+    )
+    join = Join(settings, client)
+
+    def rate(i: int) -> None:
+        topic = f"{TOPICS[i % len(TOPICS)]} #{i}"
+        for answer, score in ((polite(topic), 1.0), (curt(topic), 0.0)):
+            cid = f"c{i}-{score}"
+            join.served(traffic(cid, f"Tell me about {topic}.", answer, key=f"user{i % 9}"))
+            join.on_feedback(rating(cid, score, key=f"user{i % 9}"))
+
+    for i in range(24):
+        rate(i)
+    collector.retrain_due()
+    live = RewardStatus.read(client, ALIAS)
+    assert live is not None and live.version == 1 and live.usable
+    meta = store.meta(reward_store_name(ALIAS), 1)
+    assert meta["features"] == FEATURES and meta["l2"] in L2_GRID
+    assert set(meta["l2_cross_validated"]) == {repr(g) for g in L2_GRID}
+    head_file = store.root / f"{reward_store_name(ALIAS)}@v1" / HEAD_FILE
+    save_file(load_file(str(head_file)), str(head_file))  # rewritten without its features
+    models = RewardModels(store.root, real_base_model, real_answer_features)
+    messages = [{"role": "user", "content": "Tell me about kites."}]
+    with pytest.raises(RewardModelUnavailable, match="trained on other features"):
+        models.score(ALIAS, live, messages, [curt("kites"), polite("kites")])
+    needed = reward_training.ratings_needed(settings.aliases[ALIAS].feedback, live)
+    assert needed >= 16
+    for i in range(24, 28):  # 8 new ratings
+        rate(i)
+    assert trainer.due(ALIAS)
+    collector.retrain_due()
+    second = RewardStatus.read(client, ALIAS)
+    assert second is not None and second.version == 2 and second.usable, second
+    scores, name = RewardModels(store.root, real_base_model, real_answer_features).score(
+        ALIAS, second, messages, [curt("kites"), polite("kites")]
+    )
+    assert name == f"{ALIAS}.reward@v2" and scores[1] > scores[0]
 
 
 class CountingFeatures:

@@ -12,16 +12,21 @@ import pytest
 import torch
 
 from ratchet.rewards.reward_model import (
+    FEATURE_DEPTH,
+    HEAD_FILE,
     AnswerFeatures,
     RatedAnswer,
     RewardHead,
     auc,
     bootstrap_metric,
+    choose_l2,
     evaluate,
+    feature_backbone,
     fit_head,
     is_eval_rating,
     pairwise_accuracy,
     preference_pairs,
+    prompt_folds,
     reward_loss,
 )
 
@@ -127,6 +132,81 @@ def test_the_head_learns_a_direction_and_its_heldout_metrics_say_so() -> None:
     # A head of the wrong sign ranks them backwards: the metric is not a constant.
     flipped = RewardHead(-head.weight, -head.bias, head.mean, head.std)
     assert evaluate(flipped.predict(test_x), test_y).auc < 0.2  # type: ignore[operator]
+
+
+def test_folds_keep_each_prompts_answers_together_and_split_alike() -> None:
+    answers = [rated(f"p{i % 7}", f"a{i}", 0.5) for i in range(30)]
+    folds = prompt_folds(answers, 3)
+    assert sorted(i for fold in folds for i in fold) == list(range(30))
+    for fold in folds:
+        assert fold
+        prompts = {answers[i].prompt_hash for i in fold}
+        others = {answers[i].prompt_hash for f in folds if f is not fold for i in f}
+        assert not prompts & others
+    assert prompt_folds(answers, 3) == folds
+
+
+def test_the_l2_chosen_is_the_one_that_ranks_held_out_prompts_best() -> None:
+    """Each strength's score is the mean AUC of heads fitted without one fold of prompts, on that
+    fold; the choice is the best score. (That strong L2 ranks unseen prompts better on the real
+    model's features is bench/reward_model_quality.py's measurement: random features do not
+    show it.)"""
+    rng = random.Random(1)
+    x = torch.randn(120, 40, generator=torch.Generator().manual_seed(1))
+    answers = [
+        rated(
+            f"p{i // 4}",
+            f"a{i}",
+            min(1.0, max(0.0, 0.5 + 0.2 * float(x[i, 0]) + rng.gauss(0, 0.2))),
+        )
+        for i in range(120)
+    ]
+    grid = (1e-3, 1.0, 30.0)
+    l2, scores = choose_l2(x, answers, grid=grid, folds=3)
+    assert l2 == max(grid, key=lambda g: scores[g])  # type: ignore[arg-type,return-value]
+    folds = prompt_folds(answers, 3)
+    by_hand = []
+    for held in folds:
+        rest = [i for i in range(120) if i not in held]
+        head = fit_head(x[rest], [answers[i] for i in rest], l2=1.0)
+        by_hand.append(auc(head.predict(x[held]), [answers[i].score for i in held]))
+    assert scores[1.0] == pytest.approx(float(np.mean(by_hand)))
+
+
+def test_strengths_that_rank_alike_give_the_strongest() -> None:
+    """One feature: any head ranks answers by it, so every strength scores the same AUC."""
+    x = torch.arange(24, dtype=torch.float32)[:, None]
+    answers = [rated(f"p{i // 3}", f"a{i}", i / 23) for i in range(24)]
+    l2, scores = choose_l2(x, answers, grid=(0.1, 1.0, 10.0))
+    assert len(set(scores.values())) == 1 and l2 == 10.0
+
+
+def test_l2_falls_back_to_the_grids_middle_without_prompts_to_fold() -> None:
+    x = torch.randn(4, 3)
+    answers = [rated("one prompt", f"a{i}", float(i % 2)) for i in range(4)]
+    assert choose_l2(x, answers, grid=(0.1, 1.0, 10.0)) == (1.0, {})
+
+
+def test_the_features_come_from_the_first_two_thirds_of_the_layers() -> None:
+    backbone = torch.nn.Module()
+    backbone.layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(30))
+    first = list(backbone.layers)
+    cut = feature_backbone(backbone)
+    assert len(cut.layers) == round(FEATURE_DEPTH * 30) == 20
+    assert list(cut.layers) == first[:20]
+    plain = torch.nn.Linear(2, 2)  # no list of layers: used whole
+    assert feature_backbone(plain) is plain
+
+
+def test_a_head_of_other_features_is_refused_not_misread(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    head = RewardHead(torch.tensor([1.0]), 0.0, torch.tensor([0.0]), torch.tensor([1.0]))
+    head.save(tmp_path)
+    tensors = load_file(str(tmp_path / HEAD_FILE))
+    save_file(tensors, str(tmp_path / HEAD_FILE))  # as written before features were named
+    with pytest.raises(ValueError, match="trained on other features"):
+        RewardHead.load(tmp_path)
 
 
 def test_a_head_round_trips_through_its_file(tmp_path: Path) -> None:
