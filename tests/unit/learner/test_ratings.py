@@ -269,6 +269,31 @@ def curt(topic: str) -> str:
     return f"{topic}. Figure it out."
 
 
+def reward_trainer(
+    settings: RatchetSettings, client: redis.Redis, base: Path, features: AnswerFeatures
+) -> tuple[AdapterStore, RewardTrainer, RatingsCollector]:
+    """(the store, a trainer on the real features, its collector) for one alias's retrains."""
+    assert settings.store_dir is not None
+    store = AdapterStore(settings.store_dir)
+    leases = AliasLeases(client, 30.0, LeaseKeeper(), LearnerMetrics(), "reward_model")
+    trainer = RewardTrainer(settings, client, store, base, features)
+    collector = RatingsCollector(
+        settings, client, trainer, leases, LearnerMetrics(), threading.Event()
+    )
+    return store, trainer, collector
+
+
+def rate_pair(join: Join, i: int, polite_is_good: bool = True) -> None:
+    """A polite and a curt answer to the i-th topic, each rated as users who like polite ones
+    (or, ``polite_is_good`` False, curt ones) would."""
+    topic = f"{TOPICS[i % len(TOPICS)]} #{i}"
+    for answer, score in ((polite(topic), 1.0), (curt(topic), 0.0)):
+        cid = f"c{i}-{score}"
+        join.served(traffic(cid, f"Tell me about {topic}.", answer, key=f"user{i % 9}"))
+        good = score if polite_is_good else 1.0 - score
+        join.on_feedback(rating(cid, good, key=f"user{i % 9}"))
+
+
 def test_a_reward_model_learns_what_users_prefer_and_scores_with_it(
     settings: RatchetSettings,
     client: redis.Redis,
@@ -349,25 +374,11 @@ def test_users_who_change_their_minds_bring_the_retrain_forward(
     retrain) falls below its held-out lower bound, so v2 is trained at retrain_every's 8 new
     ratings, not at the 17 or so retrain_growth would wait for."""
     caplog.set_level("INFO", logger="learner.reward_training")
-    assert settings.store_dir is not None
-    store = AdapterStore(settings.store_dir)
-    leases = AliasLeases(client, 30.0, LeaseKeeper(), LearnerMetrics(), "reward_model")
-    trainer = RewardTrainer(settings, client, store, real_base_model, real_answer_features)
-    collector = RatingsCollector(
-        settings, client, trainer, leases, LearnerMetrics(), threading.Event()
-    )
+    _, _, collector = reward_trainer(settings, client, real_base_model, real_answer_features)
     join = Join(settings, client)
 
-    def rate(i: int, polite_is_good: bool) -> None:
-        topic = f"{TOPICS[i % len(TOPICS)]} #{i}"
-        for answer, score in ((polite(topic), 1.0), (curt(topic), 0.0)):
-            cid = f"c{i}-{score}"
-            join.served(traffic(cid, f"Tell me about {topic}.", answer, key=f"user{i % 9}"))
-            good = score if polite_is_good else 1.0 - score
-            join.on_feedback(rating(cid, good, key=f"user{i % 9}"))
-
     for i in range(24):
-        rate(i, polite_is_good=True)
+        rate_pair(join, i, polite_is_good=True)
     collector.retrain_due()
     live = RewardStatus.read(client, ALIAS)
     assert live is not None and live.version == 1 and live.usable and live.auc_low is not None
@@ -376,7 +387,7 @@ def test_users_who_change_their_minds_bring_the_retrain_forward(
     i = 24
     while (status := RewardStatus.read(client, ALIAS)) is not None and status.version == 1:
         assert i < 24 + needed // 2, "no early retrain"
-        rate(i, polite_is_good=False)  # two ratings: a polite answer down, a curt one up
+        rate_pair(join, i, polite_is_good=False)  # two ratings: a polite answer down, a curt one up
         i += 1
         for _ in range(3):  # the polls between ratings: warm a batch, look, retrain when due
             collector.retrain_due()
@@ -398,24 +409,13 @@ def test_a_model_trained_on_other_features_scores_nothing_and_is_retrained_soon(
     A new version records its features and the L2 its cross-validation chose."""
     from safetensors.torch import load_file, save_file
 
-    assert settings.store_dir is not None
-    store = AdapterStore(settings.store_dir)
-    leases = AliasLeases(client, 30.0, LeaseKeeper(), LearnerMetrics(), "reward_model")
-    trainer = RewardTrainer(settings, client, store, real_base_model, real_answer_features)
-    collector = RatingsCollector(
-        settings, client, trainer, leases, LearnerMetrics(), threading.Event()
+    store, trainer, collector = reward_trainer(
+        settings, client, real_base_model, real_answer_features
     )
     join = Join(settings, client)
 
-    def rate(i: int) -> None:
-        topic = f"{TOPICS[i % len(TOPICS)]} #{i}"
-        for answer, score in ((polite(topic), 1.0), (curt(topic), 0.0)):
-            cid = f"c{i}-{score}"
-            join.served(traffic(cid, f"Tell me about {topic}.", answer, key=f"user{i % 9}"))
-            join.on_feedback(rating(cid, score, key=f"user{i % 9}"))
-
     for i in range(24):
-        rate(i)
+        rate_pair(join, i)
     collector.retrain_due()
     live = RewardStatus.read(client, ALIAS)
     assert live is not None and live.version == 1 and live.usable
@@ -431,7 +431,7 @@ def test_a_model_trained_on_other_features_scores_nothing_and_is_retrained_soon(
     needed = reward_training.ratings_needed(settings.aliases[ALIAS].feedback, live)
     assert needed >= 16
     for i in range(24, 28):  # 8 new ratings
-        rate(i)
+        rate_pair(join, i)
     assert trainer.due(ALIAS)
     collector.retrain_due()
     second = RewardStatus.read(client, ALIAS)
