@@ -15,6 +15,7 @@ import importlib.util
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -78,8 +79,37 @@ def port_open(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
+# Ports free_port chooses from start here: above the well-known ones local services use.
+CHOSEN_PORTS_FROM = 15_000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the OS hands ports out of for a bind to port 0 (Linux's default without
+    /proc)."""
+    try:
+        low, high = EPHEMERAL_RANGE.read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the OS picks it), for tests and benchmarks."""
+    """A TCP port nothing listens on right now, for tests and benchmarks, chosen at random
+    below the OS's ephemeral range. A port the OS picks (port 0) is one it hands out again to
+    any process's next port-0 socket, and vLLM's workers open a dozen while they start: two
+    test workers starting stacks at once saw a console's chosen port taken by the other's vLLM
+    before the console bound it. Below that range only another free_port can take it."""
+    low, _ = ephemeral_ports()
+    if low - CHOSEN_PORTS_FROM >= 1000:
+        for _ in range(64):
+            port = random.randrange(CHOSEN_PORTS_FROM, low)
+            with socket.socket() as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
