@@ -21,9 +21,11 @@ README. Each check runs in its own process, one after the other, on a stack of i
   0 and mean at least 0.02, within 40 minutes). Its alias is tuned, not on the defaults.
 * ``ratings-defaults``: tests/outcomes/test_ratings_on_defaults.py, the same on the shipped
   defaults with noisy users (a fifth never rate, the rest off the rule by N(0, 0.1)) and traffic
-  without pause, 45 minutes and then every promoted version measured (issue 35). Bar: the first
-  promotion within 25 minutes and a lift of at least +0.1, interval above 0. Its figures say
-  where the learner's minutes went (reward model, training, gates, canaries).
+  without pause, 45 minutes and then every promoted version measured (issue 35), once for each
+  of ``--ratings-tasks`` (default: bullets and sorting, a format task and a correctness task),
+  each in its own process on its own stack. Bar, per task: the first promotion within 25
+  minutes and a lift of at least +0.1, interval above 0. Its figures say where the learner's
+  minutes went (reward model, training, gates, canaries).
 
 Prints one summary table, with each check's bar, and writes ``outcomes.json``, the loop's
 ``loop_speed.json`` and its learning-curve ``loop_speed.png`` and each check's log into
@@ -59,6 +61,7 @@ FIGURES = {
     "ratings": "ratings.json",
     "ratings-defaults": "ratings_defaults.json",
 }
+RATINGS_TASKS = ("bullets", "sorting")  # the tasks test_ratings_on_defaults knows
 
 
 def loop_command(args: argparse.Namespace) -> list[str]:
@@ -92,10 +95,23 @@ def ratings_command(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "pytest", RATINGS_TEST, "-p", "no:cacheprovider", "-s", "-q"]
 
 
-def ratings_defaults_command(args: argparse.Namespace) -> list[str]:
-    return [
-        sys.executable, "-m", "pytest", RATINGS_DEFAULTS_TEST, "-p", "no:cacheprovider", "-s", "-q"
-    ]  # fmt: skip
+def ratings_defaults_command(task: str) -> list[str]:
+    test = f"{RATINGS_DEFAULTS_TEST}::test_the_loop_learns_from_noisy_ratings_on_the_defaults"
+    return [sys.executable, "-m", "pytest", f"{test}[{task}]", "-p", "no:cacheprovider", "-s", "-q"]
+
+
+def figures_name(check: str, task: str | None = None) -> str:
+    """The file a check's run writes its figures to (one per task where a check runs several)."""
+    name = FIGURES[check]
+    return name if task is None else name.replace(".json", f"_{task}.json")
+
+
+def runs_of(check: str, args: argparse.Namespace) -> list[tuple[str | None, list[str]]]:
+    """A check's runs, one after the other: (its task, where it runs one per task; command)."""
+    if check == "ratings-defaults":
+        return [(task, ratings_defaults_command(task)) for task in args.ratings_tasks]
+    commands = {"loop": loop_command, "curve": curve_command, "ratings": ratings_command}
+    return [(None, commands[check](args))]
 
 
 def run_check(
@@ -227,10 +243,13 @@ def curve_rows(out: Path, code: int) -> list[dict[str, Any]]:
     return rows
 
 
-def ratings_rows(out: Path, code: int, check: str = "ratings") -> list[dict[str, Any]]:
-    path = out / FIGURES[check]
+def ratings_rows(
+    out: Path, code: int, check: str = "ratings", task: str | None = None
+) -> list[dict[str, Any]]:
+    path = out / figures_name(check, task)
+    label = check if task is None else f"{check} ({task})"
     if not path.is_file():
-        return [missing(check, f"no {path.name} (exit {code})")]
+        return [missing(label, f"no {path.name} (exit {code})")]
     figures = json.loads(path.read_text())
     last = figures["promotions"][-1] if figures["promotions"] else None
     settings = figures["settings"]
@@ -238,7 +257,7 @@ def ratings_rows(out: Path, code: int, check: str = "ratings") -> list[dict[str,
         settings += "; minutes: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items())
     return [
         row(
-            f"{check}: {len(figures['promotions'])} promotion(s) measured",
+            f"{label}: {len(figures['promotions'])} promotion(s) measured",
             settings,
             first=figures["minutes_to_first_promotion"],
             minutes_run=figures.get("minutes_run"),
@@ -297,12 +316,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--curve-minutes", type=float, default=60.0, help="of the loop per task")
     parser.add_argument(
+        "--ratings-tasks",
+        default=",".join(RATINGS_TASKS),
+        help=f"ratings-defaults' tasks (comma-separated, of {RATINGS_TASKS})",
+    )
+    parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "outcomes", help="folder"
     )
     args = parser.parse_args(argv)
     checks = [c.strip() for c in args.checks.split(",") if c.strip()]
     if unknown := set(checks) - set(CHECKS):
         parser.error(f"unknown checks {sorted(unknown)}: pick from {CHECKS}")
+    args.ratings_tasks = [t.strip() for t in args.ratings_tasks.split(",") if t.strip()]
+    if unknown := set(args.ratings_tasks) - set(RATINGS_TASKS):
+        parser.error(f"unknown --ratings-tasks {sorted(unknown)}: pick from {RATINGS_TASKS}")
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -310,23 +337,19 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     timings: dict[str, float] = {}
     for check in checks:
-        (args.out / FIGURES[check]).unlink(missing_ok=True)  # an earlier run's must not count
-        log = args.out / f"{check}.log"
-        console.rule(f"{check}: log in {log}")
-        commands = {
-            "loop": loop_command,
-            "curve": curve_command,
-            "ratings": ratings_command,
-            "ratings-defaults": ratings_defaults_command,
-        }
-        code, timings[check] = run_check(check, commands[check](args), log, env, console)
-        console.print(f"{check}: exit {code} after {timings[check] / 60:.1f} min")
-        if check == "loop":
-            rows += loop_rows(args.out, args.minutes, code)
-        elif check == "curve":
-            rows += curve_rows(args.out, code)
-        else:
-            rows += ratings_rows(args.out, code, check)
+        for task, command in runs_of(check, args):
+            name = check if task is None else f"{check}-{task}"
+            (args.out / figures_name(check, task)).unlink(missing_ok=True)  # not an earlier run's
+            log = args.out / f"{name}.log"
+            console.rule(f"{name}: log in {log}")
+            code, timings[name] = run_check(name, command, log, env, console)
+            console.print(f"{name}: exit {code} after {timings[name] / 60:.1f} min")
+            if check == "loop":
+                rows += loop_rows(args.out, args.minutes, code)
+            elif check == "curve":
+                rows += curve_rows(args.out, code)
+            else:
+                rows += ratings_rows(args.out, code, check, task)
     console.print(summary_table(rows))
     summary = {
         "checks": rows,

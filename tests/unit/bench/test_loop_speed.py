@@ -4,6 +4,7 @@ the learning curve's summary and plot, and the outcome lane's bar on it."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -16,7 +17,14 @@ from bench.loop_speed import curve_summary, lift, loop_config, parse_sets, plot_
 from bench.loop_watch import Watch, metric, proc_memory
 from ratchet.settings import AliasConfig, LearnerSettings, load_settings
 from ratchet.tasks import TASKS
-from tests.outcomes.lane import curve_rows, ratings_rows
+from tests.outcomes.lane import (
+    RATINGS_DEFAULTS_TEST,
+    RATINGS_TASKS,
+    curve_rows,
+    ratings_rows,
+    runs_of,
+)
+from tests.outcomes.test_ratings_on_defaults import RATED_TASKS
 
 MODEL = Path("/models/smollm2-135m-instruct")
 
@@ -153,12 +161,24 @@ def test_the_lane_reports_the_defaults_ratings_check_with_its_minutes_by_part(
         "passed": True,
         "minutes_by_part": {"reward_model_training": 3.25, "policy_training": 12.0},
     }
-    (tmp_path / "ratings_defaults.json").write_text(json.dumps(figures))
-    [row] = ratings_rows(tmp_path, 0, "ratings-defaults")
-    assert row["check"] == "ratings-defaults: 1 promotion(s) measured" and row["passed"]
+    (tmp_path / "ratings_defaults_sorting.json").write_text(json.dumps(figures))
+    [row] = ratings_rows(tmp_path, 0, "ratings-defaults", "sorting")
+    assert row["check"] == "ratings-defaults (sorting): 1 promotion(s) measured" and row["passed"]
     assert row["settings"] == (
         "the shipped defaults; minutes: reward_model_training 3.2, policy_training 12.0"
     )
     assert row["lift"] == (0.12, 0.05, 0.19) and row["ratings"] == 700
-    assert not ratings_rows(tmp_path, 1, "ratings-defaults")[0]["passed"]  # the test's exit too
+    assert not ratings_rows(tmp_path, 1, "ratings-defaults", "sorting")[0]["passed"]  # exit too
+    assert ratings_rows(tmp_path, 0, "ratings-defaults", "bullets")[0]["settings"] == (
+        "no ratings_defaults_bullets.json (exit 0)"  # each task's run reads its own figures
+    )
     assert ratings_rows(tmp_path, 0, "ratings")[0]["settings"] == "no ratings.json (exit 0)"
+
+
+def test_the_lane_runs_the_defaults_ratings_check_once_per_task_each_its_own_test() -> None:
+    args = argparse.Namespace(ratings_tasks=["bullets", "sorting"])
+    runs = runs_of("ratings-defaults", args)
+    assert [task for task, _ in runs] == ["bullets", "sorting"]
+    assert [command[3].rsplit("[", 1)[1] for _, command in runs] == ["bullets]", "sorting]"]
+    assert all(c[3].startswith(RATINGS_DEFAULTS_TEST + "::") for _, c in runs)
+    assert RATINGS_TASKS == RATED_TASKS  # the lane offers exactly the tasks the test knows
