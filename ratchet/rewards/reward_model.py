@@ -347,6 +347,29 @@ def prompt_folds(answers: Sequence[RatedAnswer], folds: int) -> list[list[int]]:
     return out
 
 
+def fold_trials(
+    features: Any, answers: Sequence[RatedAnswer], split: Sequence[Sequence[int]]
+) -> list[tuple[Any, list[RatedAnswer], Any, list[float]]]:
+    """Per fold of ``split`` held out: (the other folds' features and answers, the fold's
+    features and scores), built once for every strength tried; a fold whose rest holds no
+    usable ratings is left out."""
+    trials = []
+    for held in split:
+        held_set = set(held)
+        rest = [i for i in range(len(answers)) if i not in held_set]
+        if good_ratings([answers[i].score for i in rest]) is None:
+            continue
+        trials.append(
+            (
+                features[rest],
+                [answers[i] for i in rest],
+                features[list(held)],
+                [answers[i].score for i in held],
+            )
+        )
+    return trials
+
+
 def choose_l2(
     features: Any,
     answers: Sequence[RatedAnswer],
@@ -363,16 +386,13 @@ def choose_l2(
     split = [fold for fold in prompt_folds(answers, folds) if fold]
     if len(split) < 2:
         return middle, {}
+    trials = fold_trials(features, answers, split)
     scores: dict[float, float | None] = {}
     for l2 in sorted(grid):
         aucs = []
-        for held in split:
-            held_set = set(held)
-            rest = [i for i in range(len(answers)) if i not in held_set]
-            if good_ratings([answers[i].score for i in rest]) is None:
-                continue
-            head = fit_head(features[rest], [answers[i] for i in rest], l2=l2)
-            value = auc(head.predict(features[held]), [answers[i].score for i in held])
+        for train_features, train_answers, held_features, held_scores in trials:
+            head = fit_head(train_features, train_answers, l2=l2)
+            value = auc(head.predict(held_features), held_scores)
             if value is not None:
                 aucs.append(value)
         scores[l2] = float(np.mean(aucs)) if aucs else None
