@@ -1,6 +1,6 @@
 """The outcome lane: does the loop learn? Run with ``scripts/test --outcomes [options]``.
 
-CI does not run it (it takes about two hours of the whole 2-core machine, and a correct
+CI does not run it (it takes about three hours of the whole 2-core machine, and a correct
 change can miss a bar by chance); run it before a release, after a change to what or how the
 loop learns (learner, judge, gate, canary, rewards, their defaults), and put its table in the
 README. Each check runs in its own process, one after the other, on a stack of its own:
