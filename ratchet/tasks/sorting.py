@@ -15,7 +15,7 @@ from typing import Any
 
 from ratchet.tasks.common import lcs_share, prompt_loader, task_data, user_turn
 
-__all__ = ["expected_order", "generate_prompts", "load_prompts", "sorting_reward"]
+__all__ = ["expected_order", "generate_prompts", "load_prompts", "sorting_parts", "sorting_reward"]
 
 DEFAULT_COUNT = 480
 DEFAULT_SEED = 20250112
@@ -59,20 +59,27 @@ def expected_order(prompt_messages: list[dict[str, Any]]) -> list[int]:
     return sorted(int(p) for p in parts)
 
 
-def sorting_reward(prompt_messages: list[dict[str, Any]], sample: dict[str, Any]) -> float:
-    """How well the reply sorts the numbers, in [0, 1].
-
-    ``1 - FORMAT_WEIGHT`` is the longest run of the sorted numbers that the reply's integers
-    follow in order, over the longer of the two lists (a missing, extra or misplaced number
-    costs its share; prose around the numbers is tolerated); ``FORMAT_WEIGHT`` more for a reply
-    that is nothing but the comma-separated list.
-    """
+def sorting_parts(
+    prompt_messages: list[dict[str, Any]], sample: dict[str, Any]
+) -> tuple[float, bool]:
+    """The reward's two parts: (the order share: the longest run of the sorted numbers that the
+    reply's integers follow in order, over the longer of the two lists; whether the reply is
+    nothing but the comma-separated list)."""
     want = expected_order(prompt_messages)
     content = sample.get("content")
     text = content if isinstance(content, str) else ""
     got = [int(n) for n in _NUMBER.findall(text[:4000])]
-    alone = _LIST_ALONE.fullmatch(text) is not None
-    share = lcs_share(got, want)
+    return lcs_share(got, want), _LIST_ALONE.fullmatch(text) is not None
+
+
+def sorting_reward(prompt_messages: list[dict[str, Any]], sample: dict[str, Any]) -> float:
+    """How well the reply sorts the numbers, in [0, 1].
+
+    ``1 - FORMAT_WEIGHT`` is the order share of :func:`sorting_parts` (a missing, extra or
+    misplaced number costs its share; prose around the numbers is tolerated); ``FORMAT_WEIGHT``
+    more for a reply that is nothing but the comma-separated list.
+    """
+    share, alone = sorting_parts(prompt_messages, sample)
     if share == 0.0:
         return 0.0
     return min(1.0, (1.0 - FORMAT_WEIGHT) * share + (FORMAT_WEIGHT if alone else 0.0))

@@ -125,6 +125,18 @@ def test_sorting_reward_grades_order_and_format() -> None:
     assert reward(messages, answer(", ".join(map(str, reversed(want))))) < 0.5
 
 
+def test_sorting_parts_are_the_order_share_and_the_format_the_reward_weighs() -> None:
+    prompt = next(p for p in sorting.load_prompts() if len(p["expected"]) == 5)
+    messages, want = prompt["messages"], prompt["expected"]
+    swapped = ", ".join(map(str, [want[1], want[0], *want[2:]]))
+    assert sorting.sorting_parts(messages, answer(swapped)) == (pytest.approx(4 / 5), True)
+    assert sorting.sorting_parts(messages, answer(f"The numbers are {swapped}")) == (
+        pytest.approx(4 / 5),
+        False,
+    )
+    assert sorting.sorting_parts(messages, answer("no numbers")) == (0.0, False)
+
+
 # --- bullets ---------------------------------------------------------------------------------
 
 
