@@ -68,12 +68,30 @@ def sample_answers(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     torch.manual_seed(seed)
+    return generate_answers(model, tokenizer, prompts, k, temperature=0.7)
+
+
+def generate_answers(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[dict[str, Any]],
+    k: int = 1,
+    temperature: float | None = None,
+    chunk_prompts: int = 16,
+) -> list[list[str]]:
+    """``k`` answers of at most 64 tokens to each prompt from ``model`` (a PEFT model too),
+    sampled at ``temperature``, or greedy where it is None; ``chunk_prompts`` prompts a batch."""
+    import torch
+
+    tokenizer.padding_side = "left"
+    sampling: dict[str, Any] = {"do_sample": temperature is not None}
+    if temperature is not None:
+        sampling["temperature"] = temperature
     out: list[list[str]] = []
-    for start in track(range(0, len(prompts), 16), description="sampling answers"):
-        chunk = prompts[start : start + 16]
+    for start in track(range(0, len(prompts), chunk_prompts), description="answering"):
+        chunk = prompts[start : start + chunk_prompts]
         texts = [
             tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=False)
             for p in chunk
@@ -82,11 +100,7 @@ def sample_answers(
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
             generated = model.generate(
-                **batch,
-                do_sample=True,
-                temperature=0.7,
-                max_new_tokens=64,
-                pad_token_id=tokenizer.pad_token_id,
+                **batch, **sampling, max_new_tokens=64, pad_token_id=tokenizer.pad_token_id
             )
         answers = tokenizer.batch_decode(
             generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True

@@ -30,12 +30,11 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.reward_model_quality import generate_answers  # noqa: E402
 from ratchet.dev.model import prepare_model  # noqa: E402
 from ratchet.evaluation import paired_lift  # noqa: E402
 from ratchet.settings import default_home  # noqa: E402
 from ratchet.tasks.sorting import generate_prompts, sorting_parts, sorting_reward  # noqa: E402
-
-BATCH = 32
 
 
 def rewards_of(prompts: list[dict[str, Any]], texts: list[str]) -> list[float]:
@@ -69,26 +68,6 @@ def lift_text(result: dict[str, float]) -> str:
     return f"{result['lift']:+.3f} [{result['lift_low']:+.3f}, {result['lift_high']:+.3f}]"
 
 
-def greedy_answers(model: Any, tokenizer: Any, prompts: list[dict[str, Any]]) -> list[str]:
-    import torch
-
-    out: list[str] = []
-    for start in range(0, len(prompts), BATCH):
-        texts = [
-            tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=False)
-            for p in prompts[start : start + BATCH]
-        ]
-        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            generated = model.generate(
-                **batch, max_new_tokens=64, do_sample=False, pad_token_id=tokenizer.pad_token_id
-            )
-        out += tokenizer.batch_decode(
-            generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
-        )
-    return out
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("adapters", type=Path, nargs="*", help="adapter folders (PEFT)")
@@ -100,21 +79,19 @@ def main() -> int:
 
     import torch
     from peft import PeftModel
-    from rich.progress import track
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_path = args.model_path or prepare_model(default_home(), quiet=True)
     prompts = generate_prompts(args.skip + args.count)[args.skip :]
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    tokenizer.padding_side = "left"
     results: dict[str, dict[str, float]] = {}
     base: list[float] = []
-    for adapter in track([None, *args.adapters], description="answering"):
+    for adapter in [None, *args.adapters]:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         if adapter is not None:
             model = PeftModel.from_pretrained(model, adapter)
         name = "base" if adapter is None else adapter.name.rpartition("@")[2] or adapter.name
-        texts = greedy_answers(model.eval(), tokenizer, prompts)
+        texts = [a for [a] in generate_answers(model.eval(), tokenizer, prompts, chunk_prompts=32)]
         results[name] = parts_of(prompts, texts)
         rewards = rewards_of(prompts, texts)
         if adapter is None:

@@ -48,6 +48,8 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from tests.outcomes.test_ratings_on_defaults import RATED_TASKS as RATINGS_TASKS
+
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ("loop", "curve", "ratings", "ratings-defaults")
 DEFAULT_CHECKS = ("loop", "ratings", "ratings-defaults")  # the curve takes hours: when named
@@ -61,7 +63,6 @@ FIGURES = {
     "ratings": "ratings.json",
     "ratings-defaults": "ratings_defaults.json",
 }
-RATINGS_TASKS = ("bullets", "sorting")  # the tasks test_ratings_on_defaults knows
 
 
 def loop_command(args: argparse.Namespace) -> list[str]:
