@@ -507,14 +507,15 @@ class JudgeService(JudgeKafka):
 
     async def _policy(self, alias: str, route: AliasRoute) -> int:
         """The version to sample from: where the alias's next round starts (the live version,
-        or the candidate the learner carries on from); the last carry read while Redis is away."""
+        or the candidate the learner carries on from, the canary included while it runs); the
+        last carry read while Redis is away."""
         try:
             carry = carry_from_hash(await self.redis.hgetall(carry_key(alias)))
             self.carries[alias] = carry
         except (redis.RedisError, OSError):
             carry = self.carries.get(alias)
         rounds = self.settings.learner.max_candidate_rounds
-        return start_of_round(carry, route.active, rounds).version
+        return start_of_round(carry, route.active, rounds, route.canary).version
 
     # ---- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:

@@ -337,7 +337,7 @@ class CanaryWatcher:
         }
         with self.leases.hold(alias) as lease:
             if lease is None:
-                return  # another learner is deciding (or running a round): its call
+                return  # another learner holds the alias (deciding, or in a round): its call
             try:
                 with self.lifecycle.fenced(lease):
                     if verdict == "promote":

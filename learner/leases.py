@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+from collections import Counter
 from collections.abc import Iterator
 
 import redis
@@ -28,9 +30,21 @@ def lease_key(alias: str) -> str:
     return f"ratchet:learner:{alias}:lease"
 
 
+class _Holds:
+    """What the holders of one replica share: one Lease per alias, and how many of them hold it
+    now (the lease is released when the last one is done)."""
+
+    def __init__(self) -> None:
+        self.leases: dict[str, Lease] = {}
+        self.holders: Counter[str] = Counter()
+        self.lock = threading.Lock()
+
+
 class AliasLeases:
     """One holder's leases (a round loop, a canary watcher): one Lease per alias, kept renewed
-    by a shared keeper while held."""
+    by a shared keeper while held. Holders made with :meth:`sharing` are threads of one replica
+    that hold the same leases: while one holds an alias's lease the other may act under it too
+    (a round that trains on from a canary must not keep the canary's own decision waiting)."""
 
     def __init__(
         self,
@@ -39,32 +53,43 @@ class AliasLeases:
         keeper: LeaseKeeper,
         metrics: LearnerMetrics,
         what: str,
+        holds: _Holds | None = None,
     ) -> None:
         self.client = client
         self.ttl_s = ttl_s
         self.keeper = keeper
         self.metrics = metrics
         self.what = what  # "round" or "canary", for the metrics' labels
-        self._leases: dict[str, Lease] = {}
+        self._holds = holds or _Holds()
+
+    def sharing(self, what: str) -> AliasLeases:
+        """Another holder in this replica, holding the same leases as this one."""
+        return AliasLeases(self.client, self.ttl_s, self.keeper, self.metrics, what, self._holds)
 
     def lease(self, alias: str) -> Lease:
-        if alias not in self._leases:
-            self._leases[alias] = Lease(self.client, lease_key(alias), self.ttl_s)
-        return self._leases[alias]
+        with self._holds.lock:
+            if alias not in self._holds.leases:
+                self._holds.leases[alias] = Lease(self.client, lease_key(alias), self.ttl_s)
+            return self._holds.leases[alias]
 
-    @contextlib.contextmanager
-    def hold(self, alias: str) -> Iterator[Lease | None]:
-        """The alias's lease, held and renewed for the block; None if another holder has it."""
+    def _take(self, alias: str) -> Lease | None:
+        """The alias's lease, held by one more holder here; None if another replica has it."""
         lease = self.lease(alias)
-        if not lease.acquire():
-            self.metrics.lease_waits.labels(alias, self.what).inc()
-            yield None
-            return
-        self.keeper.keep(lease)
-        self.metrics.lease_held.labels(alias).set(1)
-        try:
-            yield lease
-        finally:
+        with self._holds.lock:
+            if not self._holds.holders[alias]:
+                if not lease.acquire():
+                    return None
+                self.keeper.keep(lease)
+                self.metrics.lease_held.labels(alias).set(1)
+            self._holds.holders[alias] += 1
+        return lease
+
+    def _give_back(self, alias: str, lease: Lease) -> None:
+        with self._holds.lock:
+            self._holds.holders[alias] -= 1
+            if self._holds.holders[alias]:
+                return  # another holder here still acts under it
+            del self._holds.holders[alias]
             self.keeper.drop(lease)
             self.metrics.lease_held.labels(alias).set(0)
             try:
@@ -72,3 +97,16 @@ class AliasLeases:
             except (redis.RedisError, OSError) as exc:
                 # It expires by itself: the next holder waits out its TTL at most.
                 log.warning("could not release %s (%s)", lease.key, exc)
+
+    @contextlib.contextmanager
+    def hold(self, alias: str) -> Iterator[Lease | None]:
+        """The alias's lease, held and renewed for the block; None if another replica has it."""
+        lease = self._take(alias)
+        if lease is None:
+            self.metrics.lease_waits.labels(alias, self.what).inc()
+            yield None
+            return
+        try:
+            yield lease
+        finally:
+            self._give_back(alias, lease)

@@ -11,6 +11,11 @@
 4. outcome: canary (or promote at once when ``canary.weight`` is 0) or reject, written to Redis
    in ONE transaction with the ids of the groups the round used and where the next round starts.
 
+A round that starts from the alias's canary (ratchet/carry.py: the next round trains on from it
+while its canary runs) stops after step 2: its candidate is *held*, and
+:meth:`Rounds.settle_held` gates and settles it once the canary has ended, against the version
+live then; rejected without a gate if the canary it trained on from was rolled back.
+
 The service commits the groups' offsets only after step 4. A learner killed before step 4
 re-reads the groups and trains them again (a new version number; the orphaned folder is never
 served). Killed after step 4, it re-reads them and drops them all as duplicates: a round's
@@ -68,6 +73,13 @@ def trained_key(alias: str) -> str:
     return f"ratchet:learner:{alias}:trained"
 
 
+def mark_trained(pipe: Any, alias: str, ids: list[str]) -> None:
+    """Queue the groups' ids as trained (a round's outcome is stored) on a Redis pipeline."""
+    now = time.time()
+    pipe.zadd(trained_key(alias), {gid: now for gid in ids})
+    pipe.zremrangebyscore(trained_key(alias), 0, now - TRAINED_TTL_S)
+
+
 def round_bill(groups: list[ScoredGroup], stats: RoundStats, gate: GateResult) -> Bill:
     """What a round cost: its groups' sampling and judging (as the judge billed each), its
     training (answer tokens trained on, seconds) and its gate (seconds, judge calls)."""
@@ -75,6 +87,17 @@ def round_bill(groups: list[ScoredGroup], stats: RoundStats, gate: GateResult) -
     bill.add(Bill(train_tokens=stats.completion_tokens, train_seconds=stats.seconds))
     bill.add(gate.bill or Bill())
     return bill
+
+
+@dataclass(frozen=True)
+class HeldCandidate:
+    """A round trained on from the alias's canary while it ran: written to the store, gated
+    once the canary ends (:meth:`Rounds.settle_held`)."""
+
+    version: int
+    canary: int  # the canary it trained on from, and its parent
+    groups: list[ScoredGroup]
+    stats: RoundStats
 
 
 @dataclass
@@ -141,7 +164,7 @@ class Rounds:
         self.begin_progress(alias, route, heldout, waiting)
         left = waiting  # a round that fails leaves its groups waiting
         try:
-            start = start or self.start_of_round(alias, route.active)
+            start = start or self.start_of_round(alias, route.active, route.canary)
             stats = self.train(alias, route.active, start, groups)
             version = self.write(alias, route.active, start, groups, stats)
             result = self.gate_candidate(alias, config, route, version, heldout)
@@ -154,6 +177,70 @@ class Rounds:
             self.report(alias, "idle", waiting=left, round_started_at=0.0)
             del self._progress[alias]
         return RoundReport(alias, version, stats, result, outcome)
+
+    def train_through_canary(
+        self,
+        alias: str,
+        route: AliasRoute,
+        groups: list[ScoredGroup],
+        heldout: HeldoutPool,
+        waiting: int,
+        start: Start,
+    ) -> HeldCandidate:
+        """Steps 1 and 2 of a round that starts from the alias's canary (``start``), which is
+        the candidate's parent: the version it would replace once the canary is promoted."""
+        assert route.canary is not None and start.version == route.canary
+        self.begin_progress(alias, route, heldout, waiting)
+        left = waiting
+        try:
+            stats = self.train(alias, route.active, start, groups)
+            version = self.write(alias, route.canary, Start(route.canary), groups, stats)
+            left = max(0, waiting - len(groups))
+        finally:
+            self.report(alias, "idle", waiting=left, round_started_at=0.0)
+            del self._progress[alias]
+        log.info("%s: v%d held: gated once canary v%d ends", alias, version, route.canary)
+        return HeldCandidate(version, route.canary, groups, stats)
+
+    def settle_held(
+        self, alias: str, route: AliasRoute, held: HeldCandidate, heldout: HeldoutPool, waiting: int
+    ) -> RoundReport:
+        """A held candidate once its canary has ended (``route`` has none): gated against the
+        canary it trained on from, which is live now, and settled as any round's candidate; or,
+        when that canary was rolled back, rejected without a gate."""
+        assert route.canary is None
+        config = self.settings.aliases[alias]
+        self.begin_progress(alias, route, heldout, waiting)
+        try:
+            if route.active != held.canary:
+                return self.reject_orphan(alias, route.active, held)
+            result = self.gate_candidate(alias, config, route, held.version, heldout)
+            bill = round_bill(held.groups, held.stats, result)
+            outcome = self.settle(
+                alias, config, route.active, Start(route.active), held.version, held.groups,
+                held.stats, result, bill,
+            )  # fmt: skip
+            return RoundReport(alias, held.version, held.stats, result, outcome)
+        finally:
+            self.report(alias, "idle", waiting=waiting, round_started_at=0.0)
+            del self._progress[alias]
+
+    def reject_orphan(self, alias: str, live: int, held: HeldCandidate) -> RoundReport:
+        """The held candidate rejected, its groups spent: it trained on from a canary that was
+        rolled back, so it holds what the canary learned, which its users did not want."""
+        reason = f"trained on from canary v{held.canary}, which was rolled back"
+        result = GateResult(
+            passed=False, reason=reason, pairs=0, win_rate=None, ci_low=None, ci_high=None,
+            threshold=self.settings.aliases[alias].gate.threshold, min_pairs=0,
+        )  # fmt: skip
+        detail = {"reason": reason, "bill": round_bill(held.groups, held.stats, result).as_dict()}
+        ids = [g.group_id for g in held.groups]
+        self.lifecycle.reject(
+            alias, held.version, detail, also=lambda pipe: mark_trained(pipe, alias, ids)
+        )
+        self.metrics.rounds.labels(alias, "rejected").inc()
+        log.info("%s: v%d rejected (%s)", alias, held.version, reason)
+        return RoundReport(alias, held.version, held.stats, result, "rejected")
 
     def begin_progress(
         self, alias: str, route: AliasRoute, heldout: HeldoutPool, waiting: int
@@ -200,11 +287,11 @@ class Rounds:
     def next_version(self, alias: str) -> int:
         return next_version(self.redis, self.store, alias)
 
-    def start_of_round(self, alias: str, live: int) -> Start:
-        """The live version, or the carried candidate when there is one for it (ratchet/carry.py)
-        and its folder is still in the store."""
+    def start_of_round(self, alias: str, live: int, canary: int | None = None) -> Start:
+        """The live version, or the carried candidate when there is one for it (ratchet/carry.py;
+        the alias's ``canary`` among them) and its folder is still in the store."""
         start = start_of_round(
-            read_carry(self.redis, alias), live, self.settings.learner.max_candidate_rounds
+            read_carry(self.redis, alias), live, self.settings.learner.max_candidate_rounds, canary
         )
         if start.carried and not self.store.exists(alias, start.version):
             log.warning("%s: carried v%d is not in the store: starting from v%d",
@@ -217,8 +304,8 @@ class Rounds:
     def train(self, alias: str, live: int, start: Start, groups: list[ScoredGroup]) -> RoundStats:
         if start.carried:
             log.info(
-                "%s: round on %d groups from v%d (rejected, not shown worse; round %d beyond "
-                "v%d): training", alias, len(groups), start.version, start.rounds + 1, live,
+                "%s: round on %d groups from candidate v%d (round %d beyond v%d): training",
+                alias, len(groups), start.version, start.rounds + 1, live,
             )  # fmt: skip
         else:
             log.info("%s: round on %d groups from v%d: training", alias, len(groups), live)
@@ -259,18 +346,19 @@ class Rounds:
         return stats
 
     def write(
-        self, alias: str, live: int, start: Start, groups: list[ScoredGroup], stats: RoundStats
+        self, alias: str, parent: int, start: Start, groups: list[ScoredGroup], stats: RoundStats
     ) -> int:
         """The candidate written to the store as the next version, and its ``candidate`` event.
-        Its parent is the live version it would replace (the lineage rollbacks and staleness
-        follow); ``trained_from`` is where its weights started."""
+        Its ``parent`` is the version it would replace, the live one (or the canary it trained on
+        from: live by the time it is gated); the lineage rollbacks and staleness walk follows
+        it. ``trained_from`` is where its weights started, ``start.rounds`` beyond ``parent``."""
         version = self.next_version(alias)
         self.report(alias, "write", version=version)
         self.trainer().save_candidate(
             self.store,
             alias,
             version,
-            parent=live,
+            parent=parent,
             meta={
                 "group_ids": [g.group_id for g in groups],
                 "alias": alias,
@@ -285,7 +373,7 @@ class Rounds:
         summary["judged_by"] = sorted({g.judge_model or "" for g in groups})
         self.lifecycle.record(
             self.lifecycle.event(
-                alias, "candidate", version=version, previous_version=live, detail=summary
+                alias, "candidate", version=version, previous_version=parent, detail=summary
             )
         )
         log.info(
@@ -408,12 +496,11 @@ class Rounds:
             result.win_rate,
             result.ci_high,
             config.gate.threshold,
+            to_canary=config.canary.weight > 0 and self.settings.learner.train_during_canary,
         )
 
-        def mark_trained(pipe: Any) -> None:
-            now = time.time()
-            pipe.zadd(trained_key(alias), {gid: now for gid in ids})
-            pipe.zremrangebyscore(trained_key(alias), 0, now - TRAINED_TTL_S)
+        def spend(pipe: Any) -> None:
+            mark_trained(pipe, alias, ids)
             if result.win_rate is not None:
                 write_carry(pipe, alias, carry)
 
@@ -422,8 +509,11 @@ class Rounds:
             "mean_reward": stats.mean_reward,
             "bill": bill.as_dict(),
         }
-        outcome = self.decide(alias, config, version, result, detail, mark_trained)
-        if carry is not None:
+        outcome = self.decide(alias, config, version, result, detail, spend)
+        if carry is not None and carry.canary:
+            log.info("%s: the next round trains on from v%d while its canary runs",
+                     alias, version)  # fmt: skip
+        elif carry is not None:
             log.info("%s: v%d not shown worse (win rate %.3f): the next round trains on from it",
                      alias, version, carry.win_rate)  # fmt: skip
         return outcome

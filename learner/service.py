@@ -6,11 +6,14 @@ counted by reason (duplicate id, all-equal rewards, sampled by a version more th
 ``max_staleness`` rounds of training behind where the next round starts, learning paused or
 off), or waits for its alias's next round. A round (learner/round.py) runs when
 ``batch_groups`` wait, or ``interval_s`` after the oldest one arrived with at least
-``min_groups`` waiting, never while the alias has a canary, and only in the learner replica
-holding the alias's lease (learner/leases.py), which first drops the groups another replica has
+``min_groups`` waiting, and only in the learner replica holding the alias's lease
+(learner/leases.py), which first drops the groups another replica has
 trained meanwhile and those gone stale since they arrived (a carried candidate dropped, a
-promotion). It trains the groups sampled nearest to where it starts first: its own answers,
-when it carries on from a candidate (ratchet/carry.py). No API key fills more than
+promotion). While the alias has a canary, a round runs only when it trains on from that canary
+(``learner.train_during_canary``, ratchet/carry.py); its candidate is held, one per alias, and
+gated once the canary has ended (its groups' offsets stay uncommitted until then). It trains
+the groups sampled nearest to where it starts first: its own answers, when it carries on from a
+candidate (ratchet/carry.py). No API key fills more than
 ``learning.max_key_share`` of a round (learner/fair.py): its surplus groups wait for later rounds
 (counted), and when too many wait, the key with the most loses its oldest. A partition's offset
 is committed only past groups whose round outcome is stored, and only while it is assigned here.
@@ -29,6 +32,7 @@ import signal
 import threading
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -47,7 +51,7 @@ from learner.metrics import LearnerMetrics
 from learner.parallel import follow, send_stop, start_from_env
 from learner.ratings import joins_ratings
 from learner.reward_training import RatingsCollector, RewardTrainer, reward_predictor
-from learner.round import RoundReport, Rounds, trained_key
+from learner.round import HeldCandidate, RoundReport, Rounds, trained_key
 from learner.trainer import LoraGRPOLearner, lora_settings, train_settings
 from ratchet.carry import Start
 from ratchet.lease import LeaseKeeper, LeaseLost
@@ -74,6 +78,15 @@ def key_of_waiting(waiting: Waiting) -> str:
     return waiting.group.client
 
 
+@dataclass(frozen=True)
+class Held:
+    """A candidate trained on from the alias's canary, and the groups it spent: read, not yet
+    committed past (a learner killed before it is settled trains them again)."""
+
+    candidate: HeldCandidate
+    batch: list[Waiting]
+
+
 class LearnerService:
     def __init__(self, settings: RatchetSettings, base_model_path: Path) -> None:
         self.settings = settings
@@ -88,6 +101,7 @@ class LearnerService:
         )
         self.stopping = threading.Event()
         self.waiting: dict[str, list[Waiting]] = defaultdict(list)
+        self.held: dict[str, Held] = {}
         self.heldout: dict[str, HeldoutPool] = defaultdict(
             lambda: HeldoutPool(settings.learner.heldout_pool)
         )
@@ -126,7 +140,7 @@ class LearnerService:
         self.guard.saw(group)
         if not group.rewards or max(group.rewards) == min(group.rewards):
             return "zero_spread"
-        if not self.fresh(alias, group.version, route.active):
+        if not self.fresh(alias, group.version, route):
             return "stale"
         waiting = self.waiting[alias]
         waiting.append(Waiting(group, partition, offset))
@@ -139,10 +153,12 @@ class LearnerService:
             self.metrics.groups.labels(alias, "overflow").inc()
         return "waiting"
 
-    def fresh(self, alias: str, version: int, live: int, start: Start | None = None) -> bool:
+    def fresh(
+        self, alias: str, version: int, route: AliasRoute, start: Start | None = None
+    ) -> bool:
         """Whether a group sampled by ``version`` may train the alias's next round."""
-        start = start or self.rounds.start_of_round(alias, live)
-        lag = self.lineage.policy_lag(alias, version, live, start)
+        start = start or self.rounds.start_of_round(alias, route.active, route.canary)
+        lag = self.lineage.policy_lag(alias, version, route.active, start)
         return lag is not None and lag <= self.settings.learner.max_staleness
 
     def add_heldout(self, prompt: HeldoutPrompt) -> None:
@@ -156,9 +172,11 @@ class LearnerService:
         s = self.settings.learner
         waiting = self.waiting.get(alias) or []
         route = self.routes.get(alias)
-        if not waiting or route is None or route.paused or route.canary is not None:
+        if not waiting or route is None or route.paused or alias in self.held:
             return False
         if alias in self.invalid_routes.now:
+            return False
+        if route.canary is not None and not self.trains_through_canary(alias, route):
             return False
         config = self.settings.aliases[alias]
         share = config.learning.max_key_share
@@ -183,13 +201,19 @@ class LearnerService:
             return True
         return usable >= s.min_groups and time.monotonic() - waiting[0].arrived >= s.interval_s
 
-    def run_round(self, alias: str) -> RoundReport:
+    def trains_through_canary(self, alias: str, route: AliasRoute) -> bool:
+        """Whether the alias's next round trains on from its canary (ratchet/carry.py)."""
+        if not self.settings.learner.train_during_canary:
+            return False
+        return self.rounds.start_of_round(alias, route.active, route.canary).version == route.canary
+
+    def run_round(self, alias: str) -> RoundReport | None:
         """A round on the waiting groups sampled nearest to where it starts, oldest first among
         equals, no key above its share (the rest wait for a later round); they stop waiting
-        once its outcome is stored."""
+        once its outcome is stored, or once it is held (None: a round through a canary)."""
         share = self.settings.aliases[alias].learning.max_key_share
         route = self.routes[alias]
-        start = self.rounds.start_of_round(alias, route.active)
+        start = self.rounds.start_of_round(alias, route.active, route.canary)
         waiting = self.waiting[alias]
         lags = {
             id(w): self.lineage.policy_lag(alias, w.group.version, route.active, start) or 0
@@ -202,9 +226,16 @@ class LearnerService:
             share,
         )
         groups = [w.group for w in batch]
-        report = self.rounds.run(
-            alias, route, groups, self.heldout[alias], waiting=len(waiting), start=start
-        )
+        report: RoundReport | None = None
+        if route.canary is not None:
+            candidate = self.rounds.train_through_canary(
+                alias, route, groups, self.heldout[alias], len(waiting), start
+            )
+            self.held[alias] = Held(candidate, batch)
+        else:
+            report = self.rounds.run(
+                alias, route, groups, self.heldout[alias], waiting=len(waiting), start=start
+            )
         spent = {id(w) for w in batch}
         self.waiting[alias] = [w for w in waiting if id(w) not in spent]
         self.metrics.deferred.labels(alias).inc(passed_over)
@@ -217,7 +248,8 @@ class LearnerService:
         """A round; one that fails for any reason but an outage pauses the alias (a bug or bad
         data would otherwise fail the same way forever) and leaves its groups uncommitted."""
         try:
-            return [self.run_round(alias)]
+            report = self.run_round(alias)
+            return [] if report is None else [report]
         except (KafkaError, redis.RedisError, OSError, LeaseLost):
             raise  # an outage (retried once the part is back), or the alias is another's now
         except Exception as exc:
@@ -248,6 +280,49 @@ class LearnerService:
                 log.warning("%s: round abandoned: %s", alias, exc)
                 self.metrics.lease_lost.labels(alias, "round").inc()
                 return []
+
+    def leased_settle(self, alias: str) -> list[RoundReport]:
+        """The alias's held candidate gated and settled under its lease, once its canary has
+        ended and no other runs. One whose groups another replica trained meanwhile is dropped
+        unsettled (never served); one whose settling fails for any reason but an outage pauses
+        the alias with its groups waiting again, uncommitted."""
+        held = self.held[alias]
+        with self.leases.hold(alias) as lease:
+            if lease is None:
+                return []
+            self.refresh_routes()
+            route = self.routes.get(alias)
+            if route is None or route.canary is not None:
+                return []  # its canary (or one started since) still runs
+            ids = [g.group_id for g in held.candidate.groups]
+            if any(score is not None for score in self.redis.zmscore(trained_key(alias), ids)):
+                log.warning("%s: held v%d dropped: its groups were trained by another learner",
+                            alias, held.candidate.version)  # fmt: skip
+                del self.held[alias]
+                return []
+            waiting = len(self.waiting.get(alias) or ())
+            try:
+                with self.lifecycle.fenced(lease):
+                    report = self.rounds.settle_held(
+                        alias, route, held.candidate, self.heldout[alias], waiting
+                    )
+            except LeaseLost as exc:
+                log.warning("%s: settling held v%d abandoned: %s", alias, held.candidate.version,
+                            exc)  # fmt: skip
+                self.metrics.lease_lost.labels(alias, "round").inc()
+                return []
+            except (KafkaError, redis.RedisError, OSError):
+                raise  # an outage: settled once the part is back
+            except Exception as exc:
+                log.exception("%s: settling held v%d failed", alias, held.candidate.version)
+                del self.held[alias]
+                self.waiting[alias] = held.batch + self.waiting[alias]
+                self.metrics.failures.labels(alias, "round").inc()
+                self.metrics.rounds.labels(alias, "failed").inc()
+                self.guard.pause(alias, f"round_failed: {type(exc).__name__}: {str(exc)[:200]}")
+                return []
+            del self.held[alias]
+            return [report]
 
     # --- imported versions ----------------------------------------------------------------------
 
@@ -328,8 +403,8 @@ class LearnerService:
         route = self.routes.get(alias)
         if not waiting or route is None:
             return
-        start = self.rounds.start_of_round(alias, route.active)
-        keep = [w for w in waiting if self.fresh(alias, w.group.version, route.active, start)]
+        start = self.rounds.start_of_round(alias, route.active, route.canary)
+        keep = [w for w in waiting if self.fresh(alias, w.group.version, route, start)]
         if len(keep) < len(waiting):
             self.metrics.groups.labels(alias, "stale").inc(len(waiting) - len(keep))
             self.waiting[alias] = keep
@@ -338,7 +413,8 @@ class LearnerService:
     # --- the loop -------------------------------------------------------------------------------
 
     def commit_offsets(self) -> None:
-        self.consumers.commit(w for waiting in self.waiting.values() for w in waiting)
+        held = (w for h in self.held.values() for w in h.batch)
+        self.consumers.commit([*held, *(w for waiting in self.waiting.values() for w in waiting)])
 
     def forget_revoked(self) -> None:
         """Forget the revoked partitions' waiting groups: the new owner reads them again from the
@@ -349,6 +425,11 @@ class LearnerService:
         for alias, waiting in self.waiting.items():
             self.waiting[alias] = [w for w in waiting if w.partition not in partitions]
             self.metrics.waiting.labels(alias).set(len(self.waiting[alias]))
+        for alias, held in list(self.held.items()):
+            if any(w.partition in partitions for w in held.batch):
+                log.info("%s: held v%d dropped: its groups' partition moved to another learner",
+                         alias, held.candidate.version)  # fmt: skip
+                del self.held[alias]
 
     def read_heldout(self) -> None:
         """Add the held-out prompts that arrived since the last read to the pools. Their consumer
@@ -430,6 +511,8 @@ class LearnerService:
             self.refresh_routes()
             if self.ready(alias):
                 reports += self.leased_round(alias)
+        for alias in list(self.held):
+            reports += self.leased_settle(alias)
         if time.monotonic() - self.imports_read_at >= 1.0:
             self.imports_read_at = time.monotonic()
             for alias in self.imports_waiting():
@@ -510,9 +593,9 @@ class LearnerService:
     def _start_canary_watcher(self) -> threading.Thread:
         models = self.rounds.gate.scorer.reward_models
         predictor = None if models is None else reward_predictor(self.redis, models)
-        leases = AliasLeases(
-            self.redis, self.settings.learner.lease_ttl_s, self.lease_keeper, self.metrics, "canary"
-        )
+        # The round loop's leases, shared: a round training on from a canary holds the alias's
+        # lease for minutes, and the canary's decision must not wait for it.
+        leases = self.leases.sharing("canary")
         watcher = CanaryWatcher(
             self.settings,
             Lifecycle(self.writer, self.store, EventSink(self.settings), actor="canary"),

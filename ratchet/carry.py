@@ -18,6 +18,13 @@ the live version's: sampling is offline, so nothing carried is ever served to a 
 has to pass the gate against the live version, on held-out prompts no round trains on, and then
 the canary.
 
+A candidate that passed its gate and serves as the canary is carried too, while its canary runs:
+the next round trains on from it meanwhile instead of waiting (a canary waits for ratings for
+minutes; on the sorting task's ratings run, 17 of 45 minutes), and its candidate is gated once
+the canary ends, against what is live then (learner/service.py). Such a carry is void as soon as
+the alias no longer has that canary: promoted, the candidate is the live version and the round
+starts from it anyway; rolled back, the round starts from the live version again.
+
 The carry is one Redis hash per alias (``ratchet:learner:<alias>:carry``), written by the
 learner in the same transaction as the round's outcome and read by the learner and the judge.
 """
@@ -41,6 +48,7 @@ class Carry:
     live: int  # the version it was gated against: a carry is void once another is live
     rounds: int  # rounds of training it holds beyond ``live``
     win_rate: float  # its gate win rate, for the log and status
+    canary: bool = False  # it passed its gate and is the alias's canary: carried while it is
 
 
 @dataclass(frozen=True)
@@ -56,10 +64,17 @@ class Start:
         return self.rounds > 0
 
 
-def start_of_round(carry: Carry | None, live: int, max_rounds: int) -> Start:
+def start_of_round(
+    carry: Carry | None, live: int, max_rounds: int, canary: int | None = None
+) -> Start:
     """The carried candidate when it was gated against today's live version and one more round
-    keeps it within ``max_rounds``; else the live version."""
-    if carry is not None and carry.live == live and carry.rounds < max_rounds:
+    keeps it within ``max_rounds`` (a carried canary: while it is the alias's ``canary``; it
+    passed its gate, so ``max_rounds`` does not bound it); else the live version."""
+    if carry is None or carry.live != live:
+        return Start(live)
+    if carry.canary:
+        return Start(carry.version, carry.rounds) if canary == carry.version else Start(live)
+    if carry.rounds < max_rounds:
         return Start(carry.version, carry.rounds)
     return Start(live)
 
@@ -72,13 +87,20 @@ def carry_after(
     win_rate: float | None,
     upper: float | None,
     threshold: float,
+    to_canary: bool = False,
 ) -> Carry | None:
     """What the next round may start from after the gate's verdict on ``version``: the
     candidate itself when it was rejected but not shown worse (``upper``, the win rate's upper
-    confidence bound, at or above ``threshold``). A passed candidate goes to the canary or
-    live, which makes any carry void; one shown worse, or whose gate failed (no win rate),
-    carries nothing."""
-    if passed or win_rate is None or (upper is not None and upper < threshold):
+    confidence bound, at or above ``threshold``), or when it passed and goes ``to_canary`` (a
+    carried canary). One promoted at once is the live version, which makes any carry void; one
+    shown worse, or whose gate failed (no win rate), carries nothing."""
+    if win_rate is None:
+        return None
+    if passed:
+        if not to_canary:
+            return None
+        return Carry(version, live, start.rounds + 1, win_rate, canary=True)
+    if upper is not None and upper < threshold:
         return None
     return Carry(version=version, live=live, rounds=start.rounds + 1, win_rate=win_rate)
 
@@ -96,6 +118,7 @@ def carry_from_hash(raw: Mapping[Any, Any]) -> Carry | None:
             live=int(raw[b"live"]),
             rounds=int(raw[b"rounds"]),
             win_rate=float(raw[b"win_rate"]),
+            canary=raw.get(b"canary") == b"1",
         )
     except (KeyError, ValueError):
         return None  # none, or not ours: start from the live version
@@ -112,5 +135,6 @@ def write_carry(pipe: Any, alias: str, carry: Carry | None) -> None:
                 "live": carry.live,
                 "rounds": carry.rounds,
                 "win_rate": carry.win_rate,
+                "canary": int(carry.canary),
             },
         )

@@ -630,6 +630,10 @@ class LearnerSettings(_Section):
     # 0.75; sorting 0.42 -> 0.44, 0.48, 0.64). Beyond four, a lineage that never proves itself
     # starts again from the live version.
     max_candidate_rounds: int = Field(default=4, ge=1)
+    # While a candidate's canary waits for users' ratings, the next round trains on from it
+    # (the judge samples from it) and its candidate is gated once the canary ends; rolled back,
+    # that round is lost. Off: no round runs during a canary.
+    train_during_canary: bool = True
     # Padded tokens per forward and backward; a longer row (one group) is a micro-batch alone.
     # Measured on 2 cores, one step of 4 demo-shaped groups (a 250-token prompt and 6 answers of
     # 100): 1024 trains at 61 tok/s with a 4.4 GiB peak, 2048 at 55 with 6.8 GiB, 4096 at 52-56

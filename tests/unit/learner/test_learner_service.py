@@ -522,6 +522,25 @@ def test_no_round_while_paused_or_on_canary(gateable: LearnerService) -> None:
     assert not service.ready(ALIAS)
 
 
+def test_the_canary_watcher_acts_under_the_lease_its_replicas_round_holds(
+    service: LearnerService,
+) -> None:
+    """A round that trains on from a canary holds the alias's lease for minutes: the canary's
+    decision, in the same replica, acts under it meanwhile; another replica still cannot."""
+    canary_leases = service.leases.sharing("canary")
+    with service.leases.hold(ALIAS) as round_lease:
+        assert round_lease is not None
+        with canary_leases.hold(ALIAS) as canary_lease:
+            assert canary_lease is round_lease
+        assert round_lease.held()  # the canary's release left the round's hold alone
+    assert service.redis.get(lease_key(ALIAS)) is None  # released with its last holder
+    other = Lease(service.redis, lease_key(ALIAS), 5)
+    assert other.acquire()
+    with canary_leases.hold(ALIAS) as lease:
+        assert lease is None
+    assert metric(service, "ratchet_learner_lease_busy_total", alias=ALIAS, what="canary") == 1
+
+
 # --- offsets ----------------------------------------------------------------------------------
 
 
@@ -553,6 +572,26 @@ def test_offsets_stop_at_the_oldest_group_still_waiting(service: LearnerService)
     service.waiting[ALIAS].clear()  # the round that used them is stored
     service.commit_offsets()
     assert consumer.last() == {TP0: 10, TP1: 7}
+
+
+def test_offsets_stop_at_the_groups_of_a_held_candidate(service: LearnerService) -> None:
+    """A candidate trained through a canary has spent its groups but is not settled yet: a
+    learner killed now must read them again."""
+    from learner.intake import Waiting
+    from learner.round import HeldCandidate
+    from learner.service import Held
+
+    consumer = FakeConsumer()
+    service.consumers.groups = consumer  # type: ignore[assignment]
+    service.consumers.read_up_to = {TP0: 10, TP1: 7}
+    spent = Waiting(group("g3"), TP0, 3)
+    candidate = HeldCandidate(version=2, canary=1, groups=[spent.group], stats=None)  # type: ignore[arg-type]
+    service.held[ALIAS] = Held(candidate, [spent])
+    service.commit_offsets()
+    assert consumer.last() == {TP0: 3, TP1: 7}
+    service.consumers.revoked({TP0})
+    service.forget_revoked()  # the new owner trains them again: the held candidate is void
+    assert ALIAS not in service.held
 
 
 def test_only_assigned_partitions_are_committed(service: LearnerService) -> None:

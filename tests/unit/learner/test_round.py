@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from kafka.errors import KafkaError
+from kafka.structs import TopicPartition
 
 from learner.gate import GateError
 from learner.gate_verdict import GateResult
@@ -20,10 +21,17 @@ from learner.round import RoundReport, Rounds, trained_key
 from learner.service import LearnerService
 from learner.trainer import RoundStats, StepCallback, StepProgress
 from ratchet.canary_state import read_counts
+from ratchet.carry import Carry, read_carry
 from ratchet.progress import LearnerProgress, read_progress
-from ratchet.records import HeldoutPrompt, ScoredGroup
+from ratchet.records import GROUPS_TOPIC, HeldoutPrompt, ScoredGroup
 from ratchet.registry import AliasRoute
-from ratchet.settings import AliasConfig, CanaryConfig, GateConfig, RatchetSettings
+from ratchet.settings import (
+    AliasConfig,
+    CanaryConfig,
+    GateConfig,
+    LearnerSettings,
+    RatchetSettings,
+)
 
 ALIAS = "support"
 
@@ -69,12 +77,12 @@ class StandInTrainer:
         return store.write(alias, version, write, "/base", {"parent_version": parent, **meta})
 
 
-def group(gid: str) -> ScoredGroup:
+def group(gid: str, version: int = 0) -> ScoredGroup:
     return ScoredGroup(
         group_id=gid,
         alias=ALIAS,
-        version=0,
-        response_model="base",
+        version=version,
+        response_model="base" if version == 0 else f"{ALIAS}@v{version}",
         prompt_messages=[{"role": "user", "content": gid}],
         prompt_token_ids=[1, 2],
         samples=[],
@@ -104,6 +112,12 @@ def verdict(passed: bool) -> GateResult:
 
 
 def make_rounds(redis_url: str, tmp_path: Path, canary_weight: float) -> Rounds:
+    return make_service(redis_url, tmp_path, canary_weight).rounds
+
+
+def make_service(
+    redis_url: str, tmp_path: Path, canary_weight: float, **learner: Any
+) -> LearnerService:
     settings = RatchetSettings(
         redis_url=redis_url,
         home=tmp_path,
@@ -115,12 +129,12 @@ def make_rounds(redis_url: str, tmp_path: Path, canary_weight: float) -> Rounds:
                 canary=CanaryConfig(weight=canary_weight),
             )
         },
+        learner=LearnerSettings(**learner),
     )
     service = LearnerService(settings, base_model_path=Path("unused"))
     service.lifecycle.sink = None  # Redis history only
-    rounds = service.rounds
-    rounds._trainer = StandInTrainer()  # type: ignore[assignment]
-    return rounds
+    service.rounds._trainer = StandInTrainer()  # type: ignore[assignment]
+    return service
 
 
 def script_gate(
@@ -392,3 +406,91 @@ def test_a_passing_carried_candidate_goes_to_canary_and_the_carry_ends(
     script_gate(rounds, monkeypatch, leaning(0.6))
     run(rounds, live=2)  # v3 starts from the live v2, not from any carry
     assert rounds.trainer().loaded[-1] == rounds.store.path(ALIAS, 2)  # type: ignore[attr-defined]
+
+
+# --- rounds that train on from a canary ---------------------------------------------------------
+
+
+def on_canary(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **learner: Any
+) -> tuple[LearnerService, list[tuple[list[str], str, str]]]:
+    """A service whose first round's v1 passed its gate and is the canary; the gate passes every
+    candidate. Returns the service and the gate's calls."""
+    service = make_service(
+        redis_url, tmp_path, canary_weight=0.1, batch_groups=2, min_groups=1, **learner
+    )
+    asked = script_gate(service.rounds, monkeypatch, verdict(passed=True))
+    for h in ("h1", "h2", "h3"):
+        service.add_heldout(heldout(h))
+    service.refresh_routes()
+    for offset, gid in enumerate(("g1", "g2")):
+        assert service.take(group(gid), TP, offset) == "waiting"
+    [report] = service.leased_round(ALIAS)
+    assert (report.version, report.outcome) == (1, "canary")
+    return service, asked
+
+
+TP = TopicPartition(GROUPS_TOPIC, 0)
+
+
+def train_through_the_canary(service: LearnerService) -> None:
+    """Two groups the judge sampled from canary v1, and the round on them: v2, held."""
+    service.refresh_routes()  # as the loop does before it takes what it polled
+    for offset, gid in ((2, "g3"), (3, "g4")):
+        assert service.take(group(gid, version=1), TP, offset) == "waiting"
+    assert service.ready(ALIAS)
+    assert service.leased_round(ALIAS) == []
+    assert service.held[ALIAS].candidate.version == 2
+    assert not service.ready(ALIAS)  # one held candidate at a time
+
+
+def test_the_next_round_trains_on_from_the_canary_and_is_gated_once_it_is_promoted(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, asked = on_canary(redis_url, tmp_path, monkeypatch)
+    rounds = service.rounds
+    assert read_carry(service.redis, ALIAS) == Carry(1, 0, 1, 0.9, canary=True)
+    train_through_the_canary(service)
+    assert rounds.trainer().loaded[-1] == rounds.store.path(ALIAS, 1)  # type: ignore[attr-defined]
+    meta = rounds.store.meta(ALIAS, 2)
+    assert (meta["parent_version"], meta["trained_from"], meta["rounds_beyond_parent"]) == (1, 1, 1)
+    assert len(asked) == 1 and kinds(rounds)[-1] == "candidate"  # not gated during the canary
+    assert rounds.redis.zscore(trained_key(ALIAS), "g3") is None  # nor settled
+
+    assert service.leased_settle(ALIAS) == []  # the canary still runs
+    service.lifecycle.promote(ALIAS, 1, from_canary=True)
+    [report] = service.leased_settle(ALIAS)
+    assert (report.version, report.outcome) == (2, "canary")
+    assert asked[-1][1:] == ("support@v2", "support@v1")  # against the version live now
+    assert ALIAS not in service.held
+    assert rounds.redis.zscore(trained_key(ALIAS), "g3") is not None
+    assert read_carry(service.redis, ALIAS) == Carry(2, 1, 1, 0.9, canary=True)
+    assert kinds(rounds)[-3:] == ["promote", "gate", "canary"]
+
+
+def test_a_round_held_on_a_canary_that_is_rolled_back_is_rejected_without_a_gate(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, asked = on_canary(redis_url, tmp_path, monkeypatch)
+    train_through_the_canary(service)
+    service.lifecycle.rollback(ALIAS, "ratings", canary=1)
+    [report] = service.leased_settle(ALIAS)
+    assert (report.version, report.outcome) == (2, "rejected") and len(asked) == 1
+    assert report.gate.reason == "trained on from canary v1, which was rolled back"
+    assert service.store.is_rejected(ALIAS, 2)
+    assert service.redis.zscore(trained_key(ALIAS), "g4") is not None  # spent: their outcome
+    service.refresh_routes()
+    route = service.routes[ALIAS]
+    assert service.rounds.start_of_round(ALIAS, route.active, route.canary).version == 0
+    assert service.take(group("g5", version=1), TP, 4) == "stale"  # the rolled-back version's
+
+
+def test_with_training_during_canaries_off_no_round_runs_on_a_canary(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, _ = on_canary(redis_url, tmp_path, monkeypatch, train_during_canary=False)
+    assert read_carry(service.redis, ALIAS) is None
+    service.refresh_routes()
+    for offset, gid in ((2, "g3"), (3, "g4")):
+        assert service.take(group(gid), TP, offset) == "waiting"
+    assert not service.ready(ALIAS)

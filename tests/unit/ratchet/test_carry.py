@@ -45,3 +45,32 @@ def test_a_carry_round_trips_through_redis_and_clears(redis_url: str) -> None:
     assert read_carry(client, "a") is None
     client.hset("ratchet:learner:a:carry", "version", "x")  # not ours
     assert read_carry(client, "a") is None
+
+
+def test_a_canary_is_carried_while_it_is_the_canary_whatever_its_rounds() -> None:
+    """A passed candidate on its canary: the next round trains on from it while it runs (it
+    passed its gate, so max_rounds does not bound it); promoted or rolled back, it is void."""
+    carry = Carry(9, 5, 4, 0.8, canary=True)
+    assert start_of_round(carry, live=5, max_rounds=3, canary=9) == Start(9, 4)
+    assert start_of_round(carry, live=5, max_rounds=3, canary=None) == Start(5)  # rolled back
+    assert start_of_round(carry, live=9, max_rounds=3, canary=None) == Start(9)  # promoted
+    assert start_of_round(carry, live=5, max_rounds=3, canary=11) == Start(5)  # another canary
+    # A rejected candidate's carry holds whatever canary the alias has (an imported one).
+    assert start_of_round(Carry(7, 5, 1, 0.6), live=5, max_rounds=3, canary=11) == Start(7, 1)
+
+
+def test_a_passed_candidate_is_carried_only_to_a_canary() -> None:
+    start = Start(7, 1)
+    assert carry_after(start, 5, 9, True, 0.8, 0.9, 0.5, to_canary=True) == Carry(
+        9, 5, 2, 0.8, canary=True
+    )
+    assert carry_after(start, 5, 9, True, 0.8, 0.9, 0.5, to_canary=False) is None  # live now
+    assert carry_after(start, 5, 9, False, 0.2, 0.49, 0.5, to_canary=True) is None  # shown worse
+
+
+def test_a_carried_canary_round_trips_through_redis(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    pipe = client.pipeline()
+    write_carry(pipe, "b", Carry(3, 1, 1, 0.7, canary=True))
+    pipe.execute()
+    assert read_carry(client, "b") == Carry(3, 1, 1, 0.7, canary=True)
