@@ -226,9 +226,12 @@ class Rounds:
             del self._progress[alias]
 
     def reject_orphan(self, alias: str, live: int, held: HeldCandidate) -> RoundReport:
-        """The held candidate rejected, its groups spent: it trained on from a canary that was
-        rolled back, so it holds what the canary learned, which its users did not want."""
-        reason = f"trained on from canary v{held.canary}, which was rolled back"
+        """The held candidate rejected, its groups spent: the canary it trained on from is not
+        ``live`` (rolled back, as a rule: it holds what the canary learned, which its users did
+        not want; or an operator made another version live meanwhile)."""
+        status = (self.store.status(alias, held.canary) or {}).get("status")
+        fate = "was rolled back" if status == "rolled_back" else f"is not live (v{live} is)"
+        reason = f"trained on from canary v{held.canary}, which {fate}"
         result = GateResult(
             passed=False, reason=reason, pairs=0, win_rate=None, ci_low=None, ci_high=None,
             threshold=self.settings.aliases[alias].gate.threshold, min_pairs=0,

@@ -473,6 +473,8 @@ def rewind_offsets(settings: RatchetSettings) -> None:
 def test_a_canary_users_dislike_is_rolled_back_by_itself(
     embedded: Embedded, policy: BasePolicy, base_answers: list[str], tmp_path: Path
 ) -> None:
+    """A canary its users rate down is rolled back by the ratings' test; the round the learner
+    trained on from it meanwhile is then rejected without a gate."""
     alias = "lt-canary"
     # Long enough a wait that only the ratings' sequential test can decide (all-0 against all-1
     # ratings fail it at 15 pairs).
@@ -509,6 +511,17 @@ def test_a_canary_users_dislike_is_rolled_back_by_itself(
         route = embedded.registry.read(alias)
         assert route is not None and (route.active, route.canary) == (0, candidate)
         embedded.wait_for_proxy_route(alias, active_version=0, canary_version=candidate)
+        # The judge samples the next round's groups from the canary while it runs: the learner
+        # trains on from it and holds the candidate, ungated, for the canary's end.
+        on_canary = [
+            g.model_copy(update={"group_id": f"{g.group_id}-on-canary", "version": candidate})
+            for g in groups
+        ]
+        produce(embedded, on_canary)
+        trained = wait_for_event(settings, alias, {"candidate"}, count=2, timeout_s=SHORT_ROUND_S)
+        [held] = [e for e in trained if e["version"] != candidate]
+        assert held["previous_version"] == candidate, held
+        assert held["detail"]["trained_from"] == candidate, held
         # Users on the canary arm rate every answer 0, the others 1: the canary is worse.
         arms: dict[str, int] = {}
         # Users new to every run, so the arm counts below are a fresh draw at weight 0.5, not
@@ -539,7 +552,13 @@ def test_a_canary_users_dislike_is_rolled_back_by_itself(
             assert feedback.status_code == 200, feedback.text
         assert arms.get("canary", 0) >= 16 and arms.get("active", 0) >= 15, arms
         [rollback] = wait_for_event(settings, alias, {"rollback", "promote"}, timeout_s=120)
+        [reject] = wait_for_event(settings, alias, {"reject"}, timeout_s=60)
 
+    assert (reject["version"], reject["detail"]["reason"]) == (
+        held["version"],
+        f"trained on from canary v{candidate}, which was rolled back",
+    ), reject
+    assert [e["kind"] for e in history(settings, alias)].count("gate") == 1  # the canary's only
     assert rollback["kind"] == "rollback", rollback
     assert (rollback["previous_version"], rollback["version"]) == (candidate, 0), rollback
     # Decided by the sequential test on the live ratings, with its evidence.
