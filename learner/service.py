@@ -283,17 +283,17 @@ class LearnerService:
 
     def leased_settle(self, alias: str) -> list[RoundReport]:
         """The alias's held candidate gated and settled under its lease, once its canary has
-        ended and no other runs. One whose groups another replica trained meanwhile is dropped
-        unsettled (never served); one whose settling fails for any reason but an outage pauses
-        the alias with its groups waiting again, uncommitted."""
+        ended and no other runs, while learning is not paused. One whose groups another replica
+        trained meanwhile is dropped unsettled (never served); one whose settling fails for any
+        reason but an outage pauses the alias with its groups waiting again, uncommitted."""
         held = self.held[alias]
         with self.leases.hold(alias) as lease:
             if lease is None:
                 return []
             self.refresh_routes()
             route = self.routes.get(alias)
-            if route is None or route.canary is not None:
-                return []  # its canary (or one started since) still runs
+            if route is None or route.canary is not None or route.paused:
+                return []  # its canary (or one started since) still runs, or learning is paused
             ids = [g.group_id for g in held.candidate.groups]
             if any(score is not None for score in self.redis.zmscore(trained_key(alias), ids)):
                 log.warning("%s: held v%d dropped: its groups were trained by another learner",

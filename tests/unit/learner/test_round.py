@@ -459,13 +459,16 @@ def test_the_next_round_trains_on_from_the_canary_and_is_gated_once_it_is_promot
 
     assert service.leased_settle(ALIAS) == []  # the canary still runs
     service.lifecycle.promote(ALIAS, 1, from_canary=True)
+    service.lifecycle.pause(ALIAS, "manual")
+    assert service.leased_settle(ALIAS) == []  # no new canary while learning is paused
+    service.lifecycle.resume(ALIAS)
     [report] = service.leased_settle(ALIAS)
     assert (report.version, report.outcome) == (2, "canary")
     assert asked[-1][1:] == ("support@v2", "support@v1")  # against the version live now
     assert ALIAS not in service.held
     assert rounds.redis.zscore(trained_key(ALIAS), "g3") is not None
     assert read_carry(service.redis, ALIAS) == Carry(2, 1, 1, 0.9, canary=True)
-    assert kinds(rounds)[-3:] == ["promote", "gate", "canary"]
+    assert kinds(rounds)[-3:] == ["resume", "gate", "canary"]
 
 
 def test_a_round_held_on_a_canary_that_is_rolled_back_is_rejected_without_a_gate(
@@ -494,3 +497,17 @@ def test_with_training_during_canaries_off_no_round_runs_on_a_canary(
     for offset, gid in ((2, "g3"), (3, "g4")):
         assert service.take(group(gid), TP, offset) == "waiting"
     assert not service.ready(ALIAS)
+
+
+def test_a_held_round_whose_settling_breaks_pauses_the_alias_and_keeps_its_groups(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, _ = on_canary(redis_url, tmp_path, monkeypatch)
+    train_through_the_canary(service)
+    script_gate(service.rounds, monkeypatch, RuntimeError("bug"))
+    service.lifecycle.promote(ALIAS, 1, from_canary=True)
+    assert service.leased_settle(ALIAS) == []
+    assert ALIAS not in service.held
+    assert [w.group.group_id for w in service.waiting[ALIAS]] == ["g3", "g4"]  # uncommitted
+    route = service.writer.read(ALIAS)
+    assert route is not None and route.paused
