@@ -229,8 +229,12 @@ class Rounds:
         """The held candidate rejected, its groups spent: the canary it trained on from is not
         ``live`` (rolled back, as a rule: it holds what the canary learned, which its users did
         not want; or an operator made another version live meanwhile)."""
-        status = (self.store.status(alias, held.canary) or {}).get("status")
-        fate = "was rolled back" if status == "rolled_back" else f"is not live (v{live} is)"
+        # From the history, written with the route: the store's mark comes after it (a race).
+        rolled_back = any(
+            e.get("kind") == "rollback" and e.get("previous_version") == held.canary
+            for e in self.lifecycle.writer.history(alias, limit=20)
+        )
+        fate = "was rolled back" if rolled_back else f"is not live (v{live} is)"
         reason = f"trained on from canary v{held.canary}, which {fate}"
         result = GateResult(
             passed=False, reason=reason, pairs=0, win_rate=None, ci_low=None, ci_high=None,

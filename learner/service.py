@@ -254,10 +254,14 @@ class LearnerService:
             raise  # an outage (retried once the part is back), or the alias is another's now
         except Exception as exc:
             log.exception("%s: round failed", alias)
-            self.metrics.failures.labels(alias, "round").inc()
-            self.metrics.rounds.labels(alias, "failed").inc()
-            self.guard.pause(alias, f"round_failed: {type(exc).__name__}: {str(exc)[:200]}")
+            self.fail_round(alias, exc)
             return []
+
+    def fail_round(self, alias: str, exc: Exception) -> None:
+        """Count a round that failed (not an outage) and pause the alias with the reason."""
+        self.metrics.failures.labels(alias, "round").inc()
+        self.metrics.rounds.labels(alias, "failed").inc()
+        self.guard.pause(alias, f"round_failed: {type(exc).__name__}: {str(exc)[:200]}")
 
     def leased_round(self, alias: str) -> list[RoundReport]:
         """A round under the alias's lease; none if another learner holds it. Whatever another
@@ -317,9 +321,7 @@ class LearnerService:
                 log.exception("%s: settling held v%d failed", alias, held.candidate.version)
                 del self.held[alias]
                 self.waiting[alias] = held.batch + self.waiting[alias]
-                self.metrics.failures.labels(alias, "round").inc()
-                self.metrics.rounds.labels(alias, "failed").inc()
-                self.guard.pause(alias, f"round_failed: {type(exc).__name__}: {str(exc)[:200]}")
+                self.fail_round(alias, exc)
                 return []
             del self.held[alias]
             return [report]
