@@ -283,18 +283,25 @@ _ABOUT: dict[Kind, str] = {
 }
 
 
-def dataset_card(alias: str, kind: Kind, fmt: str, rows: int, since: str | None) -> str:
+def dataset_card(alias: str, kind: Kind, fmt: str, rows: int, since: str | None, begun: str) -> str:
     """README.md of the export: front matter `datasets` reads (the shards as one split) and the
-    fields."""
+    fields.
+
+    The config's ``description`` names the export and when it began. `datasets` caches what
+    ``load_dataset(folder)`` prepared under the folder's *name* and a hash of this front matter,
+    not of the files, so without it a later export into another folder of the same name (a
+    weekly ``./ratings``) loaded the earlier export's rows from the cache."""
     fields = "\n".join(
         f"| `{field.name}` | {field.type} | {DESCRIPTIONS.get(field.name, '')} |"
         for field in SCHEMAS[kind]
     )
     window = f" since {since}" if since else ""
+    description = _json(f"ratchet export {alias} --what {kind}{window}, begun {begun}")
     builder = "parquet" if fmt == "parquet" else "json"
     return f"""---
 configs:
 - config_name: default
+  description: {description}
   data_files:
   - split: train
     path: data/*.{fmt}

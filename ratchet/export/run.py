@@ -299,7 +299,9 @@ def export(
     shards.flush(positions)
     state.done = True
     state.save(out)
-    card = dataset_card(state.alias, kind_of(state.kind), state.fmt, state.rows, state.since)
+    card = dataset_card(
+        state.alias, kind_of(state.kind), state.fmt, state.rows, state.since, state.started_at
+    )
     (out / "README.md").write_text(card)
     return state
 

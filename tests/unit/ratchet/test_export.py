@@ -88,7 +88,7 @@ def test_shards_load_with_datasets_as_one_split_through_the_card(tmp_path: Path,
     rows = [group_row(scored_group(i)) for i in range(5)]
     write_shard(tmp_path, "groups", fmt, 0, rows[:3])
     write_shard(tmp_path, "groups", fmt, 1, rows[3:])
-    card = dataset_card("sorting", "groups", fmt, 5, "24h")
+    card = dataset_card("sorting", "groups", fmt, 5, "24h", "2026-11-28T17:35:57+00:00")
     (tmp_path / "README.md").write_text(card)
     front = yaml.safe_load(card.split("---")[1])
     assert front["configs"][0]["data_files"][0]["path"] == f"data/*.{fmt}"
@@ -97,6 +97,22 @@ def test_shards_load_with_datasets_as_one_split_through_the_card(tmp_path: Path,
     assert loaded[0]["prompt"][1] == {"role": "user", "content": "Sort 3 1 2"}
     assert loaded[0]["completion_token_ids"] == [[5, 6], [5, 6]]
     assert "| `rewards` |" in card
+
+
+def test_a_later_export_into_a_folder_of_the_same_name_loads_its_own_rows(tmp_path: Path) -> None:
+    """`datasets` caches a folder's dataset by the folder's name and its card: two weekly
+    exports into ``./ratings`` each load what they hold, not the first one's cached rows."""
+    from datasets import load_dataset
+
+    cache = tmp_path / "hf-cache"
+    for week, count in (("2026-11-21T09:00:00+00:00", 3), ("2026-11-28T09:00:00+00:00", 5)):
+        out = tmp_path / week[:10] / "ratings"
+        write_shard(out, "groups", "parquet", 0, [group_row(scored_group(i)) for i in range(count)])
+        (out / "README.md").write_text(
+            dataset_card("sorting", "groups", "parquet", count, None, week)
+        )
+        loaded = load_dataset(str(out), split="train", cache_dir=str(cache))
+        assert len(loaded) == count, week
 
 
 def test_since_takes_a_duration_or_an_iso_time() -> None:
