@@ -13,7 +13,9 @@ the behaviour policy), each in fresh processes: one rank (the reference), ``--ra
 replicating, ``--ranks`` ranks sharded. Each trains one unmeasured round, then ``--rounds``
 measured ones. Reported per run: the bytes of weights each rank keeps on its device (its
 shards where sharded, exact), its memory (the device's peak on a GPU; on a CPU the resident
-set after the rounds, which the allocator may keep high), completion tokens per second (median,
+set after the rounds, which the allocator may keep high), each rank's peak resident set once
+its learner is built (rank 0 reads the checkpoint; a sharded follower should hold only its
+shards), completion tokens per second (median,
 x the reference's) and the largest difference of its rounds' losses from the reference's. On
 one machine's CPU the ranks share its cores (each gets cores / ranks threads), so the speeds
 say what gathering layer by layer costs, not what more devices buy.
@@ -56,6 +58,12 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--load-only",
+        action="store_true",
+        help="build each rank's learner and stop: what loading holds, for a base too large to "
+        "train here in minutes",
+    )
     add_round_shape(parser)
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/learner_sharding.json")
     args = parser.parse_args()
@@ -80,6 +88,13 @@ def held_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def peak_resident_bytes() -> int:
+    """This process's largest resident set so far (Linux counts ``ru_maxrss`` in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def resident_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -101,6 +116,12 @@ def rank_main(rank: int, ranks: int, sharding: str, port: int, args: argparse.Na
         learner = LoraGRPOLearner(
             args.model_path, lora_settings(settings), train_settings(settings), args.device
         )
+        loaded_peak = peak_resident_bytes()
+        if args.load_only:
+            result = {"rank": rank, "sharded": learner.sharded, "loaded_peak_bytes": loaded_peak}
+            result["held_bytes"] = held_bytes(learner.model)
+            (args.work / f"{sharding}-{ranks}-rank{rank}.json").write_text(json.dumps(result))
+            return
         groups = synthetic_groups(args, learner.model.get_base_model().config.vocab_size)
         with_behaviour_logprobs(learner, groups)
         losses = [learner.train_round(groups).loss]  # unmeasured
@@ -115,6 +136,7 @@ def rank_main(rank: int, ranks: int, sharding: str, port: int, args: argparse.Na
             "sharded": learner.sharded,
             "held_bytes": held_bytes(learner.model),
             "memory_bytes": memory,
+            "loaded_peak_bytes": loaded_peak,
             "losses": losses,
             "tokens_per_second": speed,
         }
@@ -136,11 +158,15 @@ def main() -> None:
     console = Console()
     args.work = Path(tempfile.mkdtemp(prefix="ratchet-sharding-"))
     results = {name: run(name, ranks or args.ranks, mode, args) for name, ranks, mode in RUNS}
+    if args.load_only:
+        print_loading(results, args)
+        return
     reference = results["reference"][0]
     base_speed = statistics.median(reference["tokens_per_second"])
     table = Table(title=f"One learner round over {args.ranks} {args.device} ranks, two ways")
     for column in ("run", "ranks", "weights held per rank (MB)", "memory per rank (MB)",
-                   "tokens/s", "x one rank", "max |loss - one rank's|"):  # fmt: skip
+                   "peak loading, rank 0 / others (MB)", "tokens/s", "x one rank",
+                   "max |loss - one rank's|"):  # fmt: skip
         table.add_column(column)
     summary: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": {}}
     for name, ranked in results.items():
@@ -155,6 +181,7 @@ def main() -> None:
             "sharded": ranked[0]["sharded"],
             "held_mb": max(r["held_bytes"] for r in ranked) / 2**20,
             "memory_mb": max(r["memory_bytes"] for r in ranked) / 2**20,
+            "loaded_peak_mb": [r["loaded_peak_bytes"] / 2**20 for r in ranked],
             "tokens_per_second": speed,
             "x_reference": speed / base_speed,
             "max_loss_difference": drift,
@@ -166,6 +193,11 @@ def main() -> None:
             str(row["ranks"]),
             f"{row['held_mb']:.0f}",
             f"{row['memory_mb']:.0f}",
+            " / ".join(
+                f"{mb:.0f}"
+                for mb in (row["loaded_peak_mb"][0], max(row["loaded_peak_mb"][1:], default=None))
+                if mb is not None
+            ),
             f"{speed:.0f}",
             f"{row['x_reference']:.2f}",
             f"{drift:.1e}",
@@ -180,6 +212,23 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2))
     console.print(f"results: {args.out}")
+
+
+def print_loading(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
+    table = Table(title=f"Loading {args.model_path.name} on {args.ranks} {args.device} ranks")
+    for column in ("run", "ranks", "weights held per rank (MB)", "peak RSS loading, rank 0 (MB)",
+                   "peak RSS loading, other ranks (MB)"):  # fmt: skip
+        table.add_column(column)
+    summary: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": {}}
+    for name, ranked in results.items():
+        peaks = [r["loaded_peak_bytes"] / 2**20 for r in ranked]
+        held = max(r["held_bytes"] for r in ranked) / 2**20
+        summary["runs"][name] = {"ranks": len(ranked), "held_mb": held, "loaded_peak_mb": peaks}
+        others = f"{max(peaks[1:]):.0f}" if len(peaks) > 1 else "-"
+        table.add_row(name, str(len(ranked)), f"{held:.0f}", f"{peaks[0]:.0f}", others)
+    Console().print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -18,13 +18,15 @@ which its averaging is not.
 
 With ``learner.sharding: fsdp``, for a base that does not fit one device, FSDP2 (:func:`shard`)
 splits the decoder layers' weights, the frozen base's, the LoRA's and AdamW's moments, over the
-ranks: each layer's are gathered for its forward and backward and freed after, and their
-gradient is reduce-scattered, averaged, in every backward (the embeddings and LM head, frozen,
-stay whole on each rank). The micro-batches are dealt the same way; a rank
-with fewer than the busiest runs one again at weight zero (FSDP's gathers need every rank), and
-each rank's loss is scaled by the number of ranks so the average is the sum. Clipping and AdamW
-work on the shards; at the end of a round every rank gathers the whole adapter and optimizer
-state (:func:`gathered`), which rank 0 saves in the format one rank writes.
+ranks (rank 0 reads the checkpoint and sends each rank its shards: no other rank ever holds the
+whole base, in host memory or on its device): each layer's are gathered for its forward and
+backward and freed after, and their gradient is reduce-scattered, averaged, in every backward
+(the embeddings and LM head, frozen, stay whole on each rank). The micro-batches are dealt the
+same way; a rank with fewer than the busiest runs one again at weight zero (FSDP's gathers need
+every rank), and each rank's loss is scaled by the number of ranks so the average is the sum.
+Clipping and AdamW work on the shards; at the end of a round every rank gathers the whole
+adapter and optimizer state (:func:`gathered`), which rank 0 saves in the format one rank
+writes.
 
 With ``lora_dropout > 0`` each rank draws its own dropout masks, so the sum is an estimate as
 good as one rank's, not the same numbers.
@@ -117,14 +119,38 @@ def all_reduce(values: Tensor, op: str) -> Tensor:
 # --- FSDP2: the weights sharded over the ranks --------------------------------------------------
 
 
+def empty_base(path: Path, dtype: torch.dtype) -> nn.Module:
+    """The base model's modules without its weights: parameters on the meta device (no memory),
+    buffers (the rotary frequencies, which no checkpoint holds) computed as a load computes
+    them. What a follower rank builds under ``learner.sharding: fsdp``: rank 0 reads the
+    checkpoint and :func:`shard` sends each rank its part, so a follower never holds the whole
+    base (accelerate's ``init_empty_weights`` is what transformers itself uses for this)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with init_empty_weights(include_buffers=False):
+        model: Any = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config, dtype=dtype, attn_implementation="sdpa"
+        )
+    model.tie_weights()  # as from_pretrained does: a tied head is the embeddings' parameter
+    return cast(nn.Module, model)
+
+
 def shard(model: nn.Module, blocks: Sequence[str], device: torch.device) -> None:
-    """Shard ``model`` (built on the CPU) over the ranks with FSDP2: each module whose class is
-    named in ``blocks`` (a transformers model's ``_no_split_modules``: its decoder layers,
-    nearly all of a large model's weights) is one unit, gathered for its own forward and
-    backward. Each rank's shards move to ``device``; the whole base never does. The rest (the
-    embeddings, the last norm, the LM head) stays whole on every rank and moves too: the
-    learner calls the backbone and the head apart (learner/batch.py), and a head tied to the
-    embeddings cannot be in a unit of its own."""
+    """Shard ``model`` over the ranks with FSDP2: each module whose class is named in ``blocks``
+    (a transformers model's ``_no_split_modules``: its decoder layers, nearly all of a large
+    model's weights) is one unit, gathered for its own forward and backward. The rest (the
+    embeddings, the last norm, the LM head) stays whole on every rank: the learner calls the
+    backbone and the head apart (learner/batch.py), and a head tied to the embeddings cannot be
+    in a unit of its own.
+
+    Rank 0's ``model`` holds the weights (the base read from its checkpoint, the LoRA seeded);
+    every other rank's is empty (:func:`empty_base`). Rank 0 sends each tensor in turn and each
+    rank keeps its shard of it (``set_model_state_dict`` with ``broadcast_from_rank0``, torch's
+    own), so a follower holds its shards and the whole tensors outside the units, never the
+    whole base."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -133,9 +159,49 @@ def shard(model: nn.Module, blocks: Sequence[str], device: torch.device) -> None
     units = [m for m in model.modules() if type(m).__name__ in names]
     if not units:
         raise ValueError(f"learner.sharding fsdp: no module of the model is one of {sorted(names)}")
+    leader = dist.get_rank() == 0
+    weights = model.state_dict() if leader else {}  # the whole tensors, kept until they are sent
     for unit in units:
         fully_shard(unit, mesh=mesh)
-    model.to(device)  # what no unit holds; the units' shards are there already
+    if leader:
+        model.to(device)  # what no unit holds; the units' shards are there already
+    else:
+        tied = shared_parameters(model)
+        allocate(model, device)
+        retie(model, tied)  # before the load: one tensor received for the pair, not two
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, weights, options=options)
+    del weights
+
+
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """Room on ``device`` for what an empty model (:func:`empty_base`) will receive, its shards
+    only where sharded, uninitialised; its buffers, computed here (no checkpoint holds them),
+    moved as they are."""
+    buffers = list(model.named_buffers())
+    model.to_empty(device=device)
+    for name, buffer in buffers:
+        owner, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(owner), attribute, buffer.to(device))
+
+
+def shared_parameters(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter the model holds under several names (a head tied to the
+    embeddings), each group in the model's order."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def retie(model: nn.Module, groups: list[list[str]]) -> None:
+    """Each group of :func:`shared_parameters` one parameter again, the first name's: moving an
+    empty model (:func:`allocate`) gives each name its own."""
+    for first, *rest in groups:
+        param = model.get_parameter(first)
+        for name in rest:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, param)
 
 
 def is_sharded(tensor: Tensor) -> bool:

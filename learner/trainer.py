@@ -59,6 +59,7 @@ from learner.parallel import (
     Ranks,
     all_reduce,
     all_reduce_grads,
+    empty_base,
     gathered,
     is_sharded,
     like,
@@ -257,10 +258,15 @@ class LoraGRPOLearner:
         self.dtype = dtype or (torch.bfloat16 if gpu_bf16 else torch.float32)
         low = (torch.bfloat16, torch.float16)
         self.autocast_dtype = torch.bfloat16 if bf16 else self.dtype if self.dtype in low else None
-        # SDPA takes the boolean shared-prompt mask of learner/batch.py as it is.
-        base = AutoModelForCausalLM.from_pretrained(
-            self.base_model_path, dtype=self.dtype, attn_implementation="sdpa"
-        )
+        self.ranks = Ranks.current()  # data parallel under torchrun (learner/parallel.py)
+        # FSDP2 over the ranks, or each rank the whole model (learner/parallel.py)
+        self.sharded = self.ranks.size > 1 and train.sharding == "fsdp"
+        if self.sharded and self.ranks.rank > 0:  # rank 0 sends it its shards
+            base = empty_base(self.base_model_path, self.dtype)
+        else:  # SDPA takes the boolean shared-prompt mask of learner/batch.py as it is.
+            base = AutoModelForCausalLM.from_pretrained(
+                self.base_model_path, dtype=self.dtype, attn_implementation="sdpa"
+            )
         self.target_modules = resolve_target_modules(base, lora.target_modules)
         config = LoraConfig(
             r=lora.rank,
@@ -273,9 +279,6 @@ class LoraGRPOLearner:
         with torch.random.fork_rng(devices=[]):  # LoRA A's init is random: seeded, and local
             torch.manual_seed(train.seed)
             model = get_peft_model(base, config)
-        self.ranks = Ranks.current()  # data parallel under torchrun (learner/parallel.py)
-        # FSDP2 over the ranks, or each rank the whole model (learner/parallel.py)
-        self.sharded = self.ranks.size > 1 and train.sharding == "fsdp"
         if self.sharded:
             shard(model, getattr(base, "_no_split_modules", None) or [], self.device)
         else:

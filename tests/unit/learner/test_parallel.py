@@ -62,7 +62,16 @@ def rank_main(rank: int, model: str, port: int, out: str, sharding: str = "repli
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
+        if sharding == "fsdp" and rank > 0:  # a follower reads no weights: rank 0 sends its shards
+            from transformers import AutoModelForCausalLM
+
+            def no_reading(*args: Any, **kwargs: Any) -> None:
+                raise AssertionError("an FSDP follower read the base from its checkpoint")
+
+            AutoModelForCausalLM.from_pretrained = no_reading  # type: ignore[method-assign]
         trainer = learner(Path(model), sharding)
+        base = trainer.model.get_base_model()
+        assert base.get_output_embeddings().weight is base.get_input_embeddings().weight
         assert trainer.ranks == Ranks(rank, 2) and trainer.sharded == (sharding == "fsdp")
         # Sharded, each rank holds its half of every LoRA and decoder-layer weight.
         layer_weight = trainer.model.get_parameter(
