@@ -119,19 +119,20 @@ def all_reduce(values: Tensor, op: str) -> Tensor:
 # --- FSDP2: the weights sharded over the ranks --------------------------------------------------
 
 
-def empty_base(path: Path, dtype: torch.dtype) -> nn.Module:
+def empty_base(path: Path, **load_options: Any) -> nn.Module:
     """The base model's modules without its weights: parameters on the meta device (no memory),
     buffers (the rotary frequencies, which no checkpoint holds) computed as a load computes
     them. What a follower rank builds under ``learner.sharding: fsdp``: rank 0 reads the
     checkpoint and :func:`shard` sends each rank its part, so a follower never holds the whole
-    base (accelerate's ``init_empty_weights`` is what transformers itself uses for this)."""
+    base (accelerate's ``init_empty_weights`` is what transformers itself uses for this).
+    ``load_options`` are rank 0's ``from_pretrained`` options, so both build the same model."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
     with init_empty_weights(include_buffers=False):
         model: Any = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-            config, dtype=dtype, attn_implementation="sdpa"
+            config, **load_options
         )
     model.tie_weights()  # as from_pretrained does: a tied head is the embeddings' parameter
     return cast(nn.Module, model)
@@ -181,8 +182,7 @@ def allocate(model: nn.Module, device: torch.device) -> None:
     buffers = list(model.named_buffers())
     model.to_empty(device=device)
     for name, buffer in buffers:
-        owner, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(owner), attribute, buffer.to(device))
+        set_attribute(model, name, buffer.to(device))
 
 
 def shared_parameters(model: nn.Module) -> list[list[str]]:
@@ -200,8 +200,13 @@ def retie(model: nn.Module, groups: list[list[str]]) -> None:
     for first, *rest in groups:
         param = model.get_parameter(first)
         for name in rest:
-            owner, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(owner), attribute, param)
+            set_attribute(model, name, param)
+
+
+def set_attribute(model: nn.Module, name: str, value: Tensor) -> None:
+    """Set the tensor a dotted name (``model.embed_tokens.weight``) names."""
+    owner, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(owner), attribute, value)
 
 
 def is_sharded(tensor: Tensor) -> bool:

@@ -261,12 +261,12 @@ class LoraGRPOLearner:
         self.ranks = Ranks.current()  # data parallel under torchrun (learner/parallel.py)
         # FSDP2 over the ranks, or each rank the whole model (learner/parallel.py)
         self.sharded = self.ranks.size > 1 and train.sharding == "fsdp"
+        # SDPA takes the boolean shared-prompt mask of learner/batch.py as it is.
+        load_options: dict[str, Any] = {"dtype": self.dtype, "attn_implementation": "sdpa"}
         if self.sharded and self.ranks.rank > 0:  # rank 0 sends it its shards
-            base = empty_base(self.base_model_path, self.dtype)
-        else:  # SDPA takes the boolean shared-prompt mask of learner/batch.py as it is.
-            base = AutoModelForCausalLM.from_pretrained(
-                self.base_model_path, dtype=self.dtype, attn_implementation="sdpa"
-            )
+            base = empty_base(self.base_model_path, **load_options)
+        else:
+            base = AutoModelForCausalLM.from_pretrained(self.base_model_path, **load_options)
         self.target_modules = resolve_target_modules(base, lora.target_modules)
         config = LoraConfig(
             r=lora.rank,
