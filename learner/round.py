@@ -25,10 +25,11 @@ outcome is never applied twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,13 @@ class HeldCandidate:
 
 
 @dataclass
+class Left:
+    """The groups a round leaves waiting, reported once it is over (:meth:`Rounds.reporting`)."""
+
+    count: int
+
+
+@dataclass
 class RoundReport:
     alias: str
     version: int
@@ -161,9 +169,7 @@ class Rounds:
         however it ended."""
         config = self.settings.aliases[alias]
         waiting = len(groups) if waiting is None else waiting
-        self.begin_progress(alias, route, heldout, waiting)
-        left = waiting  # a round that fails leaves its groups waiting
-        try:
+        with self.reporting(alias, route, heldout, waiting) as left:
             start = start or self.start_of_round(alias, route.active, route.canary)
             stats = self.train(alias, route.active, start, groups)
             version = self.write(alias, route.active, start, groups, stats)
@@ -172,10 +178,7 @@ class Rounds:
             outcome = self.settle(
                 alias, config, route.active, start, version, groups, stats, result, bill
             )
-            left = max(0, waiting - len(groups))
-        finally:
-            self.report(alias, "idle", waiting=left, round_started_at=0.0)
-            del self._progress[alias]
+            left.count = max(0, waiting - len(groups))
         return RoundReport(alias, version, stats, result, outcome)
 
     def train_through_canary(
@@ -190,15 +193,10 @@ class Rounds:
         """Steps 1 and 2 of a round that starts from the alias's canary (``start``), which is
         the candidate's parent: the version it would replace once the canary is promoted."""
         assert route.canary is not None and start.version == route.canary
-        self.begin_progress(alias, route, heldout, waiting)
-        left = waiting
-        try:
+        with self.reporting(alias, route, heldout, waiting) as left:
             stats = self.train(alias, route.active, start, groups)
             version = self.write(alias, route.canary, Start(route.canary), groups, stats)
-            left = max(0, waiting - len(groups))
-        finally:
-            self.report(alias, "idle", waiting=left, round_started_at=0.0)
-            del self._progress[alias]
+            left.count = max(0, waiting - len(groups))
         log.info("%s: v%d held: gated once canary v%d ends", alias, version, route.canary)
         return HeldCandidate(version, route.canary, groups, stats)
 
@@ -210,8 +208,7 @@ class Rounds:
         when that canary was rolled back, rejected without a gate."""
         assert route.canary is None
         config = self.settings.aliases[alias]
-        self.begin_progress(alias, route, heldout, waiting)
-        try:
+        with self.reporting(alias, route, heldout, waiting):
             if route.active != held.canary:
                 return self.reject_orphan(alias, route.active, held)
             result = self.gate_candidate(alias, config, route, held.version, heldout)
@@ -221,9 +218,6 @@ class Rounds:
                 held.stats, result, bill,
             )  # fmt: skip
             return RoundReport(alias, held.version, held.stats, result, outcome)
-        finally:
-            self.report(alias, "idle", waiting=waiting, round_started_at=0.0)
-            del self._progress[alias]
 
     def reject_orphan(self, alias: str, live: int, held: HeldCandidate) -> RoundReport:
         """The held candidate rejected, its groups spent: the canary it trained on from is not
@@ -249,10 +243,13 @@ class Rounds:
         log.info("%s: v%d rejected (%s)", alias, held.version, reason)
         return RoundReport(alias, held.version, held.stats, result, "rejected")
 
-    def begin_progress(
+    @contextlib.contextmanager
+    def reporting(
         self, alias: str, route: AliasRoute, heldout: HeldoutPool, waiting: int
-    ) -> None:
-        """The progress a round (or an import's gate) publishes from now until it is idle."""
+    ) -> Iterator[Left]:
+        """The progress a round (or an import's gate) publishes while it runs (:meth:`report`),
+        and ``idle`` once it is over, however it ended, with the groups it leaves waiting: all
+        ``waiting`` unless the round sets what it took (a round that fails leaves them)."""
         self._progress[alias] = LearnerProgress(
             alias,
             waiting=waiting,
@@ -261,6 +258,12 @@ class Rounds:
             version=route.active,
             round_started_at=time.time(),
         )
+        left = Left(waiting)
+        try:
+            yield left
+        finally:
+            self.report(alias, "idle", waiting=left.count, round_started_at=0.0)
+            del self._progress[alias]
 
     def report(self, alias: str, phase: Phase | None = None, **changes: Any) -> None:
         """Publish the running round's progress with these changes; a new phase resets its
@@ -567,8 +570,7 @@ class Rounds:
         round's candidate is, without training; it leaves the import queue in the outcome's
         transaction, so a learner killed meanwhile gates it again."""
         config = self.settings.aliases[alias]
-        self.begin_progress(alias, route, heldout, waiting)
-        try:
+        with self.reporting(alias, route, heldout, waiting):
             result = self.gate_candidate(alias, config, route, version, heldout)
             bill = result.bill or Bill()
             self.report(alias, "settle", detail=result.reason)
@@ -581,6 +583,3 @@ class Rounds:
                 detail,
                 lambda pipe: unqueue_import(pipe, alias, version),
             )
-        finally:
-            self.report(alias, "idle", waiting=waiting, round_started_at=0.0)
-            del self._progress[alias]
