@@ -4,14 +4,18 @@ vLLM's time goes (prefill or decode). The scoring side is ``bench/judge_throughp
 Run it from the repository root with the embedded vLLM up (this script never starts one)::
 
     .venv/bin/python bench/judge_sampling.py [--group-size 4] [--concurrency 1,2,4,8]
-        [--seconds 60] [--max-tokens auto|256]
+        [--seconds 60] [--max-tokens auto|256] [--task demo|sorting|bullets|tool_use|triage]
+        [--tool-choice as-sent|auto|none]
 
 Method
 ------
-* Prompts: the demo's (``ratchet.demo.load_prompts``), in order, each sampled once per run; the
-  first ``--served`` of them are first answered once as a client would be (n=1, temperature 0,
-  max_tokens 64 as ``ratchet demo`` asks) to get the served answer lengths. They are not sampled
-  later, so vLLM's prefix cache holds no measured prompt from that step.
+* Prompts: the ``--task``'s (default the demo's), in order, each sampled once per run, with the
+  request fields the task sends (``tools``, ``tool_choice``); the first ``--served`` of them are
+  first answered once as a client would be (n=1, temperature 0, max_tokens 64 as ``ratchet
+  demo`` asks) to get the served answer lengths. They are not sampled later, so vLLM's prefix
+  cache holds no measured prompt from that step. ``--tool-choice auto`` samples a tool task's
+  prompts with its tools but no forced call (``none``: no tools at all), to see what decoding
+  a forced call under a grammar costs.
 * A group is exactly what the judge sends: ``judge.sampler.sampling_body`` (one request with
   ``n=K``, logprobs and token ids) through ``judge.sampler.sample_group``; max_tokens is either a
   number (the old constant default was 256) or ``auto``: ``judge.sampler.auto_max_tokens`` on the
@@ -45,8 +49,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from judge.sampler import auto_max_tokens, sample_group, sampling_body  # noqa: E402
-from ratchet.demo import load_prompts  # noqa: E402
 from ratchet.settings import SamplingConfig, load_settings  # noqa: E402
+from ratchet.tasks import get_task, request_fields  # noqa: E402
 
 SERVED_MODEL = "smollm2-135m-instruct"
 METRICS = {
@@ -70,14 +74,36 @@ def vllm_metrics(url: str) -> dict[str, float]:
     return totals
 
 
+Prompt = tuple[list[dict[str, Any]], dict[str, Any]]  # messages, and the request's other fields
+
+
+def task_prompts(task: str, tool_choice: str) -> list[Prompt]:
+    """The task's prompts as (messages, request fields), the fields as ``tool_choice`` says."""
+    prompts = []
+    for prompt in get_task(task).load_prompts():
+        fields = request_fields(prompt)
+        if tool_choice == "none":
+            fields = {}
+        elif tool_choice == "auto" and "tools" in fields:
+            fields = {**fields, "tool_choice": "auto"}
+        prompts.append((prompt["messages"], fields))
+    return prompts
+
+
 async def served_lengths(
-    session: aiohttp.ClientSession, url: str, key: str, prompts: list[Any]
+    session: aiohttp.ClientSession, url: str, key: str, prompts: list[Prompt]
 ) -> list[int]:
     lengths = []
-    for prompt in prompts:
+    for messages, fields in prompts:
         async with session.post(
             url + "/v1/chat/completions",
-            json={"model": SERVED_MODEL, "messages": prompt, "max_tokens": 64, "temperature": 0},
+            json={
+                "model": SERVED_MODEL,
+                "messages": messages,
+                "max_tokens": 64,
+                "temperature": 0,
+                **fields,
+            },
             headers={"Authorization": f"Bearer {key}"},
         ) as resp:
             lengths.append((await resp.json())["usage"]["completion_tokens"])
@@ -101,8 +127,8 @@ async def level(
 
     async def worker() -> None:
         while time.monotonic() < deadline:
-            prompt = next(prompts)
-            body = sampling_body(SERVED_MODEL, prompt, {}, args.group_size, sampling)
+            messages, fields = next(prompts)
+            body = sampling_body(SERVED_MODEL, messages, fields, args.group_size, sampling)
             t0 = time.monotonic()
             group = await sample_group(session, args.vllm_url, body, 600, key)
             latencies.append(time.monotonic() - t0)
@@ -124,12 +150,14 @@ async def level(
         "prefill_share": round(delta["prefill_s"] / engine, 3) if engine else None,
         "vllm": {k: round(v, 2) for k, v in delta.items()},
         "load": os.getloadavg(),
+        "task": args.task,
+        "tool_choice": args.tool_choice,
     }
 
 
 async def main(args: argparse.Namespace) -> None:
     key = args.key or _vllm_key()
-    all_prompts = [p["messages"] for p in load_prompts()]
+    all_prompts = task_prompts(args.task, args.tool_choice)
     served, rest = all_prompts[: args.served], all_prompts[args.served :]
     prompts = itertools.cycle(rest)
     async with aiohttp.ClientSession() as session:
@@ -151,7 +179,7 @@ async def main(args: argparse.Namespace) -> None:
             f"{r['tokens_per_group']:>9} {share:>8}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"judge_sampling_{args.max_tokens}.json"
+    path = args.out / f"judge_sampling_{args.task}_{args.tool_choice}_{args.max_tokens}.json"
     path.write_text(json.dumps({"lengths": lengths, "results": results}, indent=1))
     print(f"results: {path}")
 
@@ -173,6 +201,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=60.0, help="per concurrency level")
     parser.add_argument("--served", type=int, default=32, help="prompts answered for lengths")
     parser.add_argument("--max-tokens", default="auto", help="a number, or auto")
+    parser.add_argument("--task", default="demo", help="a bundled task (ratchet.tasks)")
+    parser.add_argument(
+        "--tool-choice",
+        choices=("as-sent", "auto", "none"),
+        default="as-sent",
+        help="a tool task's tool_choice: the task's own, auto, or no tools",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     return parser.parse_args()
 

@@ -12,10 +12,14 @@ copying the arguments into its JSON.
 
 A prompt of this task is ``{"messages", "tools", "tool_choice": "required", "expected"}``:
 whoever sends it sends its tools and tool choice too (``ratchet.tasks.request_fields``). The
-choice is "required", as an agent that must act sets it: vLLM then constrains the answer to a
-call of one of the tools (a grammar over the tools' schemas), and the model chooses which and
-with what. Measured with "auto" instead: SmolLM2-135M-Instruct never called a tool (40 prompts,
-4 samples each, every reward 0), which leaves GRPO nothing to learn from.
+choice is "required", as an agent that must act sets it, and each tool is ``strict``, as the
+OpenAI Agents SDK sends a function tool by default: vLLM then constrains the answer to a call of
+one of the tools with arguments of its schema, and the model chooses which and with what.
+Measured with "auto" instead: SmolLM2-135M-Instruct never called a tool (40 prompts, 4 samples
+each, every reward 0), which leaves GRPO nothing to learn from. Measured without ``strict``
+(vLLM 0.32 then holds only the call's envelope to the grammar): on 40 prompts, greedy, 29
+answers wrote the tool's JSON schema into the arguments until ``max_tokens`` (64), and they
+scored 0.248 on average against 0.641 with ``strict`` (none cut off, 44 tokens against 57).
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ def _function(name: str, description: str, properties: dict[str, Any]) -> dict[s
                 "type": "object",
                 "properties": properties,
                 "required": list(properties),
+                "additionalProperties": False,  # as strict mode asks of a schema
             },
+            "strict": True,
         },
     }
 
