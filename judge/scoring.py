@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from judge.metrics import JudgeMetrics
 from ratchet.bill import SPEND_TTL_S, Bill, spend_key, today
+from ratchet.records import answer_identity
 from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, ask_judge_once, judge_scores
 from ratchet.rewards.reward_model import (
     RewardModels,
@@ -48,15 +49,6 @@ class GroupScore:
     explanations: list[str]
     judge_model: str | None
     rubric_hash: str | None
-
-
-def sample_identity(sample: dict[str, Any]) -> bytes:
-    """What makes two samples the same answer for the judge: their content and tool calls."""
-    calls = [
-        (c.get("function") or {}).get("name", "") + (c.get("function") or {}).get("arguments", "")
-        for c in sample.get("tool_calls") or []
-    ]
-    return orjson.dumps([sample.get("content") or "", calls])
 
 
 class GroupScorer:
@@ -179,7 +171,7 @@ class GroupScorer:
         slot_of: dict[bytes, int] = {}
         slots = []
         for sample in samples:
-            identity = sample_identity(sample)
+            identity = answer_identity(sample)
             if identity not in slot_of:
                 slot_of[identity] = len(unique)
                 unique.append(sample)

@@ -33,7 +33,7 @@ import redis
 
 from learner.metrics import LearnerMetrics
 from ratchet.lifecycle import Lifecycle
-from ratchet.records import ScoredGroup
+from ratchet.records import ScoredGroup, answer_identity
 from ratchet.registry import AliasRoute, RegistryWriter
 from ratchet.settings import LearnerSettings
 
@@ -73,9 +73,10 @@ def reward_up_gate_down(rounds: list[RoundOutcome], window: int) -> str | None:
 
 
 def is_collapsed(group: ScoredGroup) -> bool:
-    """All answers in the group are the same text (ignoring case and surrounding space)."""
-    texts = {s.text.strip().lower() for s in group.samples}
-    return len(group.samples) > 1 and len(texts) == 1
+    """All answers in the group are the same (text ignoring case and surrounding space, and
+    tool calls): a group of tool calls with empty text is collapsed only if the calls agree."""
+    answers = {answer_identity(s.message, fold_text=True) for s in group.samples}
+    return len(group.samples) > 1 and len(answers) == 1
 
 
 def collapse(identical: int, total: int, share: float) -> str | None:

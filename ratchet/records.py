@@ -147,6 +147,22 @@ class Sample(BaseModel):
     finish_reason: str | None = None
 
 
+def answer_identity(message: dict[str, Any], *, fold_text: bool = False) -> bytes:
+    """What makes two answers the same one: their text and their tool calls (each call's name
+    and arguments as the model wrote them), so two calls with different arguments and empty
+    text are two answers. ``fold_text``: the text without case and surrounding space, for
+    answers that are the same but for those (the learner's collapse guard)."""
+    text = message.get("content") or ""
+    if fold_text:
+        text = text.strip().lower()
+    calls = [
+        (call.get("function") or {}).get("name", "")
+        + (call.get("function") or {}).get("arguments", "")
+        for call in message.get("tool_calls") or []
+    ]
+    return orjson.dumps([text, calls])
+
+
 class ScoredGroup(Record):
     SCHEMA = "scored_group/1"
     TOPIC = GROUPS_TOPIC

@@ -88,6 +88,20 @@ def test_a_group_of_one_answer_repeated_is_collapsed() -> None:
     assert not is_collapsed(group(["Yes."]))  # one sample is not a repetition
 
 
+def calls(*arguments: str) -> ScoredGroup:
+    """A group of tool-call answers with empty text, as vLLM returns a forced call."""
+    answers = group([""] * len(arguments))
+    for sample, args in zip(answers.samples, arguments, strict=True):
+        call = {"type": "function", "function": {"name": "set_timer", "arguments": args}}
+        sample.message = {"role": "assistant", "content": "", "tool_calls": [call]}
+    return answers
+
+
+def test_tool_calls_with_empty_text_are_compared_by_their_calls() -> None:
+    assert not is_collapsed(calls('{"minutes": 5}', '{"minutes": 8}', '{"minutes": 5}'))
+    assert is_collapsed(calls('{"minutes": 5}', '{"minutes": 5}'))
+
+
 def test_collapse_needs_the_share_of_recent_groups() -> None:
     reason = collapse(identical=8, total=10, share=0.8)
     assert reason is not None and reason.startswith("collapse:") and "8 of 10" in reason
