@@ -45,6 +45,7 @@ SCHEMAS: dict[Kind, pa.Schema] = {
             ("traffic_request_id", pa.string()),
             ("client", pa.string()),
             ("prompt_json", pa.string()),
+            ("completions_json", pa.string()),
         ]
     ),
     "ratings": pa.schema(
@@ -62,6 +63,7 @@ SCHEMAS: dict[Kind, pa.Schema] = {
             ("client", pa.string()),
             ("request_id", pa.string()),
             ("prompt_json", pa.string()),
+            ("completion_json", pa.string()),
         ]
     ),
     "pairs": pa.schema(
@@ -120,6 +122,8 @@ DESCRIPTIONS: dict[str, str] = {
     "traffic_request_id": "the request whose prompt was re-sampled",
     "client": "keyed hash of the API key (and vouched user) the prompt came from",
     "prompt_json": "the prompt's full messages (and tools) as JSON: tool calls, content parts",
+    "completions_json": "the K answers as JSON messages: their tool calls (the text is empty)",
+    "completion_json": "the answer as a JSON message: its tool calls (the text is empty)",
     "completion_id": "the answer's id, as the client rated it",
     "completion": "the answer's text",
     "score": "the user's rating in [0, 1]",
@@ -186,6 +190,7 @@ def group_row(group: ScoredGroup) -> dict[str, Any]:
         "traffic_request_id": group.traffic_request_id,
         "client": group.client,
         "prompt_json": _json({"messages": group.prompt_messages, "tools": group.tools}),
+        "completions_json": _json([s.message for s in group.samples]),
     }
 
 
@@ -197,15 +202,20 @@ def prompt_of(record: TrafficRecord) -> list[Any]:
     return [{"role": "user", "content": prompt if isinstance(prompt, str) else _json(prompt)}]
 
 
-def completion_of(record: TrafficRecord) -> str:
+def message_of(record: TrafficRecord) -> dict[str, Any]:
+    """The answer's message (a /v1/completions answer's text as one); empty without one."""
     if not record.choices:
-        return ""
+        return {}
     choice = record.choices[0]
     message = choice.get("message")
     if isinstance(message, dict):
-        return text_of(message.get("content"))
+        return message
     text = choice.get("text")
-    return text if isinstance(text, str) else ""
+    return {"role": "assistant", "content": text} if isinstance(text, str) else {}
+
+
+def completion_of(record: TrafficRecord) -> str:
+    return text_of(message_of(record).get("content"))
 
 
 def traffic_row(record: TrafficRecord) -> dict[str, Any]:
@@ -248,6 +258,7 @@ def rating_row(rating: FeedbackRecord, answered: TrafficRecord) -> dict[str, Any
         "client": answered.client,
         "request_id": answered.request_id,
         "prompt_json": _json(prompt_of(answered)),
+        "completion_json": _json(message_of(answered)),
     }
 
 

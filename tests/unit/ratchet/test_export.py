@@ -81,6 +81,21 @@ def test_rows_keep_chat_turns_as_text_and_the_full_messages_beside_them(tmp_path
         assert set(value) == set(SCHEMAS[kind].names), kind  # type: ignore[index]
 
 
+def test_an_agents_tool_calls_are_exported_with_its_answers() -> None:
+    """A forced tool call has empty text: the call itself is in the answers' JSON."""
+    call = {"type": "function", "function": {"name": "set_timer", "arguments": '{"minutes": 5}'}}
+    answer = {"role": "assistant", "content": "", "tool_calls": [call]}
+    group = scored_group(0)
+    group.samples[0] = Sample(message=answer, text="", token_ids=[7], logprobs=[-0.3])
+    row = group_row(group)
+    assert row["completions"][0] == ""
+    assert json.loads(row["completions_json"])[0]["tool_calls"] == [call]
+    answered = traffic_record()
+    answered.choices = [{"index": 0, "message": answer}]
+    rating = rating_row(FeedbackRecord(completion_id="chatcmpl-1", score=1.0), answered)
+    assert rating["completion"] == "" and json.loads(rating["completion_json"]) == answer
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_shards_load_with_datasets_as_one_split_through_the_card(tmp_path: Path, fmt: str) -> None:
     from datasets import load_dataset
