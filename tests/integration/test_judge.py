@@ -150,18 +150,22 @@ def outputs_for(
             return list(groups.values()), list(heldout.values())
 
 
+def by_label(scraped: str, name: str, alias: str, label: str) -> dict[str, float]:
+    """The counter ``name`` of ``alias`` in a /metrics page, by the value of ``label``."""
+    return {
+        sample.labels[label]: sample.value
+        for family in text_string_to_metric_families(scraped)
+        for sample in family.samples
+        if sample.name == name and sample.labels.get("alias") == alias
+    }
+
+
 def drops_of(port: int, alias: str) -> dict[str, float]:
     """The groups of ``alias`` the judge dropped because sampling or scoring failed, by cause
     (a record this code failed on is a dead letter, not a drop)."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    return {
-        sample.labels["cause"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "ratchet_judge_failures_total"
-        and sample.labels.get("alias") == alias
-        and sample.labels["cause"] != "handler_error"
-    }
+    causes = by_label(text, "ratchet_judge_failures_total", alias, "cause")
+    return {cause: count for cause, count in causes.items() if cause != "handler_error"}
 
 
 def settled(
@@ -525,13 +529,7 @@ def test_the_judge_scores_what_users_rated_to_measure_its_agreement_with_them(
 
 
 def probes_of(scraped: str, alias: str) -> dict[str, float]:
-    return {
-        sample.labels["outcome"]: sample.value
-        for family in text_string_to_metric_families(scraped)
-        for sample in family.samples
-        if sample.name == "ratchet_judge_agreement_probes_total"
-        and sample.labels.get("alias") == alias
-    }
+    return by_label(scraped, "ratchet_judge_agreement_probes_total", alias, "outcome")
 
 
 def test_an_agents_sdk_conversation_with_a_tool_becomes_scored_groups(
