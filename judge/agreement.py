@@ -137,9 +137,8 @@ class AgreementProbe:
         async with self.limit:
             try:
                 samples = await self.resample(session, alias, config, prompt)
-                served = {"role": "assistant", "content": answer.answer}
                 score = await self.scorer.score(
-                    alias, config.reward, prompt, None, [served, *samples]
+                    alias, config.reward, prompt, None, [answer.message, *samples]
                 )
             except (SamplingError, ScoringError) as exc:
                 self.metrics.agreement_probes.labels(alias, exc.cause).inc()

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 
 from judge.metrics import JudgeMetrics
 from ratchet.bill import SPEND_TTL_S, Bill, spend_key, today
-from ratchet.records import answer_identity
+from ratchet.records import answer_as_text, answer_identity
 from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, ask_judge_once, judge_scores
 from ratchet.rewards.reward_model import (
     RewardModels,
@@ -137,7 +137,7 @@ class GroupScorer:
         if self.reward_models is None:
             raise ScoringError("no_reward_model", "the judge was started without reward models")
         status = await self.reward_status(alias)
-        texts = [str(sample.get("content") or "") for sample in samples]
+        texts = [answer_as_text(sample) for sample in samples]
         models = self.reward_models
         try:
             rewards, name = await asyncio.to_thread(models.score, alias, status, prompt, texts)

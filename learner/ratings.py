@@ -11,7 +11,8 @@ for the answers that get rated: most exchanges are never rated, and their prompt
 already. Each joined rating is handed on once: to the alias's training list when its reward
 learns from ratings (``RewardConfig.learns_from_ratings``), and to the judge's agreement queue
 when it is judged by RULER (``feedback.judge_agreement``). A joined rating keeps an excerpt of
-its prompt and answer, at most what the reward model reads (:data:`PROMPT_EXCERPT_CHARS`).
+its prompt and answer (its text and tool calls), at most what the reward model reads
+(:data:`PROMPT_EXCERPT_CHARS`).
 
 The training list is bounded by count (``feedback.max_ratings``) and bytes
 (``feedback.max_ratings_bytes``); past either, the client holding the most ratings loses its
@@ -183,13 +184,33 @@ def valid_completion_id(completion_id: str | None) -> bool:
     return completion_id is not None and COMPLETION_ID.fullmatch(completion_id) is not None
 
 
-def answer_text(record: TrafficRecord) -> str | None:
-    """The first choice's text of a successful chat exchange, else None."""
+def answer_message(record: TrafficRecord) -> dict[str, Any] | None:
+    """The first choice's message of a successful chat exchange, when it has text or tool calls
+    (an agent's answer is often a call alone), else None."""
     if record.status != 200 or record.endpoint != "chat.completions" or not record.choices:
         return None
-    message = record.choices[0].get("message") or {}
+    message = record.choices[0].get("message")
+    if not isinstance(message, dict):
+        return None
     content = message.get("content")
-    return content if isinstance(content, str) and content else None
+    text = content if isinstance(content, str) else ""
+    calls = message.get("tool_calls")
+    return message if text or (isinstance(calls, list) and calls) else None
+
+
+def excerpt_tool_calls(calls: Any, budget: int) -> list[dict[str, Any]] | None:
+    """Each tool call's name and arguments, cut to ``budget`` characters in all (the calls after
+    it is spent are left out); None without calls."""
+    out: list[dict[str, Any]] = []
+    for call in calls if isinstance(calls, list) else []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or budget <= 0:
+            continue
+        name = str(function.get("name") or "")[:budget]
+        arguments = str(function.get("arguments") or "")[: max(0, budget - len(name))]
+        out.append({"type": "function", "function": {"name": name, "arguments": arguments}})
+        budget -= len(name) + len(arguments)
+    return out or None
 
 
 def excerpt_messages(messages: list[Any], budget: int) -> list[dict[str, Any]]:
@@ -234,7 +255,11 @@ class RatingsJoin:
         if config is None or not joins_ratings(config):
             return ["not_feedback_alias"]
         messages = record.request.get("messages")
-        if answer_text(record) is None or not record.response_id or not isinstance(messages, list):
+        if (
+            answer_message(record) is None
+            or not record.response_id
+            or not isinstance(messages, list)
+        ):
             return ["no_answer"]
         if not valid_completion_id(record.response_id):
             return ["bad_id"]
@@ -333,16 +358,21 @@ class RatingsJoin:
             return "duplicate"
         if record is None:
             record = self.fetch(int(note["partition"]), int(note["offset"]))
-        text = None if record is None else answer_text(record)
+        message = None if record is None else answer_message(record)
         messages = None if record is None else record.request.get("messages")
-        if text is None or not isinstance(messages, list):
+        if message is None or not isinstance(messages, list):
             self.redis.delete(exchange_key(completion_id))
             return "gone"
         if not self.redis.set(rated_key(completion_id), b"1", nx=True, ex=ttl):
             return "duplicate"
+        content = message.get("content")
+        text = content[:ANSWER_EXCERPT_CHARS] if isinstance(content, str) else ""
         answer = RatedAnswer(
             prompt_messages=excerpt_messages(messages, PROMPT_EXCERPT_CHARS),
-            answer=text[:ANSWER_EXCERPT_CHARS],
+            answer=text,
+            tool_calls=excerpt_tool_calls(
+                message.get("tool_calls"), ANSWER_EXCERPT_CHARS - len(text)
+            ),
             score=float(score),
             key=key,
             prompt_hash=note["prompt_hash"],

@@ -337,7 +337,7 @@ def reward_predictor(client: redis.Redis, models: RewardModels) -> RewardPredict
             return None
         try:
             return [
-                models.score(alias, status, a.prompt_messages, [a.answer])[0][0] for a in answers
+                models.score(alias, status, a.prompt_messages, [a.text])[0][0] for a in answers
             ]
         except RewardModelUnavailable:
             return None

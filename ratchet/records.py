@@ -163,6 +163,20 @@ def answer_identity(message: dict[str, Any], *, fold_text: bool = False) -> byte
     return orjson.dumps([text, calls])
 
 
+def answer_as_text(message: dict[str, Any]) -> str:
+    """An answer as one text, for what reads answers as text (a reward model's features): its
+    content, then each tool call on a line of its own as ``<tool_call>{"name": ..., "arguments":
+    ...}</tool_call>``. An agent's answer is often a call with no text at all; read as its text
+    alone, every such answer would look the same."""
+    text = message.get("content")
+    parts = [text] if isinstance(text, str) and text else []
+    for call in message.get("tool_calls") or []:
+        function = (call.get("function") or {}) if isinstance(call, dict) else {}
+        named = {"name": function.get("name", ""), "arguments": function.get("arguments", "")}
+        parts.append(f"<tool_call>{orjson.dumps(named).decode()}</tool_call>")
+    return "\n".join(parts)
+
+
 class ScoredGroup(Record):
     SCHEMA = "scored_group/1"
     TOPIC = GROUPS_TOPIC

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ratchet.records import ANONYMOUS_CLIENT
+from ratchet.records import ANONYMOUS_CLIENT, answer_as_text
 from ratchet.secrets import keyed_hash
 
 HEAD_FILE = "reward_head.safetensors"
@@ -69,7 +69,7 @@ class RatedAnswer:
     """One served answer joined with its rating."""
 
     prompt_messages: list[dict[str, Any]]
-    answer: str
+    answer: str  # the answer's text (empty for a tool call alone)
     score: float
     key: str  # who rated it (API key hash): only the key that got the answer may rate it
     prompt_hash: str
@@ -78,6 +78,21 @@ class RatedAnswer:
     # The client it counts for in the per-client caps (ratchet.records.client_of): the key, or a
     # vouching key's user. None: joined before it was kept; then the key is the client.
     client: str | None = None
+    # The answer's tool calls, as the model wrote them (an excerpt, as the text is); None: none.
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @property
+    def message(self) -> dict[str, Any]:
+        """The answer as the assistant message that was served."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.answer}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return message
+
+    @property
+    def text(self) -> str:
+        """What the reward model reads of the answer: its text and its tool calls."""
+        return answer_as_text(self.message)
 
     @property
     def owner(self) -> str:
@@ -482,7 +497,7 @@ class AnswerFeatures:
         out = torch.zeros((len(answers), self.size))
         for indices in by_prompt.values():
             first = answers[indices[0]]
-            feats = self.group(first.prompt_messages, [answers[i].answer for i in indices])
+            feats = self.group(first.prompt_messages, [answers[i].text for i in indices])
             out[indices] = feats
         return out
 

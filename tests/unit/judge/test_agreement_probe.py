@@ -31,6 +31,8 @@ ALIAS = "judged"
 class ContentJudge(GroupScorer):
     """RULER replaced by a rule on the text: an answer saying "good" scores 0.9, others 0.1."""
 
+    served: list[dict[str, Any]]  # the first answer of each group judged: the rated one
+
     async def ruler(
         self,
         alias: str,
@@ -40,6 +42,7 @@ class ContentJudge(GroupScorer):
         samples: list[dict[str, Any]],
         bill: Bill | None = None,
     ) -> tuple[list[float], list[str]]:
+        self.served.append(samples[0])
         scores = [0.9 if "good" in (s.get("content") or "") else 0.1 for s in samples]
         return scores, [""] * len(samples)
 
@@ -82,9 +85,11 @@ async def vllm() -> AsyncIterator[tuple[FakeVllm, str]]:
     await runner.cleanup()
 
 
-def rated(cid: str, answer: str, score: float) -> bytes:
+def rated(
+    cid: str, answer: str, score: float, tool_calls: list[dict[str, Any]] | None = None
+) -> bytes:
     messages = [{"role": "user", "content": f"question {cid}"}]
-    item = RatedAnswer(messages, answer, score, "alice", "h", cid)
+    item = RatedAnswer(messages, answer, score, "alice", "h", cid, tool_calls=tool_calls)
     return json.dumps(asdict(item)).encode()
 
 
@@ -94,6 +99,7 @@ async def probe_for(redis_url: str, vllm_url: str) -> tuple[AgreementProbe, Any]
     client = aioredis.Redis.from_url(redis_url)
     metrics = JudgeMetrics()
     scorer = ContentJudge(JudgeSettings(), vllm_url + "/v1", None, metrics)
+    scorer.served = []
 
     async def route_of(alias: str, _: AliasConfig) -> AliasRoute:
         return AliasRoute(alias=alias, base_model=config.base_model, active=3)
@@ -166,3 +172,17 @@ async def test_an_answer_vllm_cannot_resample_is_counted_and_dropped(
     await client.aclose()
     assert sync.llen(agreement_key(ALIAS)) == 0
     assert gauge(probe.metrics, "ratchet_judge_agreement_probes_total", outcome="http_500") == 1
+
+
+async def test_a_rated_tool_call_is_judged_as_the_call_that_was_served(
+    redis_url: str, vllm: tuple[FakeVllm, str]
+) -> None:
+    _, url = vllm
+    call = {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    redis.Redis.from_url(redis_url).rpush(to_judge_key(ALIAS), rated("t1", "", 1.0, [call]))
+    probe, client = await probe_for(redis_url, url)
+    async with aiohttp.ClientSession() as session:
+        assert await probe.probe(session, ALIAS) == 1
+    await client.aclose()
+    assert isinstance(probe.scorer, ContentJudge)
+    assert probe.scorer.served == [{"role": "assistant", "content": "", "tool_calls": [call]}]

@@ -47,6 +47,7 @@ from ratchet.records import (
     HeldoutPrompt,
     ScoredGroup,
     TrafficRecord,
+    answer_as_text,
     prompt_hash,
 )
 from ratchet.registry import AliasRoute, RegistryWriter, alias_key
@@ -408,12 +409,34 @@ class FixedRewardModels:
 
     def __init__(self, rating: float) -> None:
         self.rating = rating
+        self.read: list[str] = []  # the answers as the model was given them
 
     def score(
         self, alias: str, status: RewardStatus | None, messages: Any, answers: list[str]
     ) -> tuple[list[float], str]:
         assert status is not None and status.usable
+        self.read.extend(answers)
         return [self.rating] * len(answers), f"{alias}.reward@v{status.version}"
+
+
+def test_the_reward_model_reads_an_answers_tool_calls(redis_url: str) -> None:
+    call = {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    samples = [{"role": "assistant", "content": None, "tool_calls": [call]}, *answers("Sunny.")]
+    models = FixedRewardModels(0.5)
+
+    async def scored() -> list[float]:
+        scorer = ScriptedScorer([])
+        scorer.cache = aioredis.Redis.from_url(redis_url)
+        scorer.reward_models = models  # type: ignore[assignment]
+        score = await scorer.score("a", RewardConfig(kind="feedback"), PROMPT, None, samples)
+        await scorer.cache.aclose()
+        return score.rewards
+
+    RewardStatus(version=1, usable=True, reason="AUC 0.8").write(
+        redis.Redis.from_url(redis_url), "a"
+    )
+    assert run(scored()) == [0.5, 0.5]
+    assert models.read == [answer_as_text(samples[0]), "Sunny."] and "Oslo" in models.read[0]
 
 
 def test_mixed_weighs_in_the_reward_model_once_it_is_usable(redis_url: str) -> None:

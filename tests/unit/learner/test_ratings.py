@@ -158,6 +158,49 @@ def test_a_rating_joins_its_answer_once(settings: RatchetSettings, client: redis
     assert join.served(traffic("c2", "Hi?", "Hey")) == ["duplicate"]
 
 
+def tool_call(city: str) -> dict[str, Any]:
+    arguments = json.dumps({"city": city})
+    return {
+        "id": "call-1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": arguments},
+    }
+
+
+def test_an_answer_that_is_a_tool_call_alone_is_rated_with_its_call(
+    settings: RatchetSettings, client: redis.Redis
+) -> None:
+    """An agent's answer is often a call with no text: it is rated like any other, and what the
+    reward model reads of it is the call, not an empty text."""
+    join = Join(settings, client)
+    record = traffic("t1", "Weather in Oslo?", "")
+    record.choices[0]["message"] = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [tool_call("Oslo")],
+    }
+    assert join.served(record) == ["stored"]
+    assert join.on_feedback(rating("t1", 1.0)) == "joined"
+    [joined] = read_ratings(client, ALIAS)
+    call = {"type": "function", "function": tool_call("Oslo")["function"]}
+    assert (joined.answer, joined.tool_calls) == ("", [call])
+    assert joined.message == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert "Oslo" in joined.text and joined.text.startswith("<tool_call>")
+    # A call's arguments are bounded as the text is.
+    record = traffic("t2", "Weather?", "")
+    record.choices[0]["message"] = {
+        "role": "assistant",
+        "tool_calls": [tool_call("x" * 100_000)] * 3,
+    }
+    assert join.served(record) == ["stored"]
+    assert join.on_feedback(rating("t2", 0.0)) == "joined"
+    big = read_ratings(client, ALIAS)[-1]
+    assert big.tool_calls is not None and len(big.tool_calls) == 1
+    assert len(big.tool_calls[0]["function"]["arguments"]) == ANSWER_EXCERPT_CHARS - len("weather")
+    # An answer with neither text nor calls has nothing to rate.
+    assert join.served(traffic("t3", "Weather?", "")) == ["no_answer"]
+
+
 def test_a_rating_that_arrives_before_its_answer_waits_for_it(
     settings: RatchetSettings, client: redis.Redis
 ) -> None:
@@ -360,6 +403,18 @@ def test_a_reward_model_learns_what_users_prefer_and_scores_with_it(
     assert meta["live_on_same_ratings"]["version"] == 1
     assert meta["live_on_same_ratings"]["ratings"] == meta["heldout"]["ratings"]
     assert meta["seconds"] > 0
+
+
+def test_the_reward_model_tells_tool_calls_apart(real_answer_features: AnswerFeatures) -> None:
+    """Two answers that are calls alone, with different arguments, are two answers to the reward
+    model (read as their text alone, both were the empty answer)."""
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    rated = [
+        RatedAnswer(messages, "", 1.0, "k", "p", f"c{i}", tool_calls=[tool_call(city)])
+        for i, city in enumerate(("Oslo", "Lima"))
+    ]
+    oslo, lima = real_answer_features.rated(rated)
+    assert float((oslo - lima).abs().max()) > 1e-3
 
 
 def test_users_who_change_their_minds_bring_the_retrain_forward(

@@ -26,6 +26,7 @@ from ratchet.records import (
     Sample,
     ScoredGroup,
     TrafficRecord,
+    answer_as_text,
     decode,
     parse,
     prompt_hash,
@@ -305,3 +306,28 @@ def test_a_dead_letter_points_at_its_original_and_keeps_a_bounded_copy() -> None
 def test_parse_says_why_a_value_is_not_a_record(value: bytes, why: str) -> None:
     assert parse(TRAFFIC_TOPIC, value) == why
     assert decode(TRAFFIC_TOPIC, value) is None
+
+
+def call(name: str, arguments: str) -> dict[str, object]:
+    return {"id": "c", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def test_an_answer_as_text_reads_its_tool_calls_as_well_as_its_text() -> None:
+    assert answer_as_text({"role": "assistant", "content": "Hi."}) == "Hi."
+    alone = {"role": "assistant", "content": None, "tool_calls": [call("f", '{"x": 1}')]}
+    assert answer_as_text(alone) == '<tool_call>{"name":"f","arguments":"{\\"x\\": 1}"}</tool_call>'
+    other = {"role": "assistant", "content": None, "tool_calls": [call("f", '{"x": 2}')]}
+    assert answer_as_text(other) != answer_as_text(alone)  # calls alone still tell answers apart
+    both = {
+        "role": "assistant",
+        "content": "Looking.",
+        "tool_calls": [call("f", "{}"), call("g", "{}")],
+    }
+    assert answer_as_text(both).split("\n") == [
+        "Looking.",
+        '<tool_call>{"name":"f","arguments":"{}"}</tool_call>',
+        '<tool_call>{"name":"g","arguments":"{}"}</tool_call>',
+    ]
+    assert answer_as_text({"role": "assistant", "content": None, "tool_calls": ["odd"]}) == (
+        '<tool_call>{"name":"","arguments":""}</tool_call>'
+    )
