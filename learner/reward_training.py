@@ -336,9 +336,7 @@ def reward_predictor(client: redis.Redis, models: RewardModels) -> RewardPredict
         if status is None or not status.usable:
             return None
         try:
-            return [
-                models.score(alias, status, a.prompt_messages, [a.text])[0][0] for a in answers
-            ]
+            return [models.score(alias, status, a.prompt_messages, [a.text])[0][0] for a in answers]
         except RewardModelUnavailable:
             return None
 
