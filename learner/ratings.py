@@ -56,7 +56,13 @@ from typing import Any, Literal
 
 import redis
 
-from ratchet.records import FeedbackRecord, TrafficRecord, prompt_hash
+from ratchet.records import (
+    FeedbackRecord,
+    TrafficRecord,
+    answer_as_text,
+    prompt_hash,
+    tool_calls_of,
+)
 from ratchet.rewards.agreement import AGREEMENT_QUEUE, probes_agreement, to_judge_key
 from ratchet.rewards.reward_model import RatedAnswer
 from ratchet.settings import AliasConfig, RatchetSettings
@@ -190,24 +196,18 @@ def answer_message(record: TrafficRecord) -> dict[str, Any] | None:
     if record.status != 200 or record.endpoint != "chat.completions" or not record.choices:
         return None
     message = record.choices[0].get("message")
-    if not isinstance(message, dict):
-        return None
-    content = message.get("content")
-    text = content if isinstance(content, str) else ""
-    calls = message.get("tool_calls")
-    return message if text or (isinstance(calls, list) and calls) else None
+    return message if isinstance(message, dict) and answer_as_text(message) else None
 
 
-def excerpt_tool_calls(calls: Any, budget: int) -> list[dict[str, Any]] | None:
-    """Each tool call's name and arguments, cut to ``budget`` characters in all (the calls after
-    it is spent are left out); None without calls."""
+def excerpt_tool_calls(message: dict[str, Any], budget: int) -> list[dict[str, Any]] | None:
+    """The answer's tool calls, their names and arguments cut to ``budget`` characters in all
+    (the calls after it is spent are left out); None without calls."""
     out: list[dict[str, Any]] = []
-    for call in calls if isinstance(calls, list) else []:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or budget <= 0:
-            continue
-        name = str(function.get("name") or "")[:budget]
-        arguments = str(function.get("arguments") or "")[: max(0, budget - len(name))]
+    for name, arguments in tool_calls_of(message):
+        if budget <= 0:
+            break
+        name = name[:budget]
+        arguments = arguments[: budget - len(name)]
         out.append({"type": "function", "function": {"name": name, "arguments": arguments}})
         budget -= len(name) + len(arguments)
     return out or None
@@ -370,9 +370,7 @@ class RatingsJoin:
         answer = RatedAnswer(
             prompt_messages=excerpt_messages(messages, PROMPT_EXCERPT_CHARS),
             answer=text,
-            tool_calls=excerpt_tool_calls(
-                message.get("tool_calls"), ANSWER_EXCERPT_CHARS - len(text)
-            ),
+            tool_calls=excerpt_tool_calls(message, ANSWER_EXCERPT_CHARS - len(text)),
             score=float(score),
             key=key,
             prompt_hash=note["prompt_hash"],

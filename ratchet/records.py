@@ -147,6 +147,18 @@ class Sample(BaseModel):
     finish_reason: str | None = None
 
 
+def tool_calls_of(message: dict[str, Any]) -> list[tuple[str, str]]:
+    """Each tool call of an answer as (function name, arguments), as the model wrote them; ""
+    where one is missing."""
+    calls = message.get("tool_calls")
+    out = []
+    for call in calls if isinstance(calls, list) else []:
+        function = call.get("function") if isinstance(call, dict) else None
+        function = function if isinstance(function, dict) else {}
+        out.append((str(function.get("name") or ""), str(function.get("arguments") or "")))
+    return out
+
+
 def answer_identity(message: dict[str, Any], *, fold_text: bool = False) -> bytes:
     """What makes two answers the same one: their text and their tool calls (each call's name
     and arguments as the model wrote them), so two calls with different arguments and empty
@@ -155,11 +167,7 @@ def answer_identity(message: dict[str, Any], *, fold_text: bool = False) -> byte
     text = message.get("content") or ""
     if fold_text:
         text = text.strip().lower()
-    calls = [
-        (call.get("function") or {}).get("name", "")
-        + (call.get("function") or {}).get("arguments", "")
-        for call in message.get("tool_calls") or []
-    ]
+    calls = [name + arguments for name, arguments in tool_calls_of(message)]
     return orjson.dumps([text, calls])
 
 
@@ -170,10 +178,9 @@ def answer_as_text(message: dict[str, Any]) -> str:
     alone, every such answer would look the same."""
     text = message.get("content")
     parts = [text] if isinstance(text, str) and text else []
-    for call in message.get("tool_calls") or []:
-        function = (call.get("function") or {}) if isinstance(call, dict) else {}
-        named = {"name": function.get("name", ""), "arguments": function.get("arguments", "")}
-        parts.append(f"<tool_call>{orjson.dumps(named).decode()}</tool_call>")
+    for name, arguments in tool_calls_of(message):
+        named = orjson.dumps({"name": name, "arguments": arguments}).decode()
+        parts.append(f"<tool_call>{named}</tool_call>")
     return "\n".join(parts)
 
 
