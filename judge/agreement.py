@@ -1,15 +1,17 @@
 """The judge scores what users rated, to measure how far it agrees with them.
 
 For an alias judged by RULER (``reward.kind`` ruler or mixed, ``feedback.judge_agreement`` on),
-the learner queues each rated served answer (learner/ratings.py). :class:`AgreementProbe` takes
-them from the queue, samples ``group_size - 1`` fresh answers to the same prompt from the live
-version, scores the served answer among them exactly as a training group is scored
-(judge/scoring.py), and keeps the served answer's score beside the user's rating. The measures
-(ratchet/rewards/agreement.py) become metrics, a line in ``ratchet status`` and an alert
-(``RatchetJudgeDisagreesWithUsers``): a team learns that its rubric disagrees with its users
-before the loop trains on it.
+the learner queues each rated served answer (learner/ratings.py) with the request it answered.
+:class:`AgreementProbe` takes them from the queue, samples ``group_size - 1`` fresh answers to
+the same request (its whole conversation, tools and output constraints, as the answer was
+served) from the live version, scores the served answer among them exactly as a training group
+is scored (judge/scoring.py), and keeps the served answer's score beside the user's rating. The
+measures (ratchet/rewards/agreement.py) become metrics, a line in ``ratchet status`` and an
+alert (``RatchetJudgeDisagreesWithUsers``): a team learns that its rubric disagrees with its
+users before the loop trains on it.
 
-A rated answer that cannot be scored (vLLM or the judge model away) is counted and dropped: the
+A rated answer that cannot be scored (vLLM or the judge model away, a request cut to fit Kafka,
+an entry that does not decode) is counted and dropped: the
 measure needs a sample of the ratings, not every one, and the queue must not grow while they are
 away.
 """
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from judge.scoring import GroupScorer, ScoringError
 from ratchet.fleet import Replicas
 from ratchet.registry import AliasRoute, served_name
 from ratchet.rewards.agreement import (
+    RatedExchange,
     agreement,
     agreement_key,
     decode_pair,
@@ -40,7 +42,6 @@ from ratchet.rewards.agreement import (
     probes_agreement,
     to_judge_key,
 )
-from ratchet.rewards.reward_model import RatedAnswer
 from ratchet.settings import AliasConfig, RatchetSettings
 
 log = logging.getLogger(__name__)
@@ -100,8 +101,10 @@ class AgreementProbe:
             return 0
         config = self.settings.aliases[alias]
         items = raw if isinstance(raw, list) else [raw]
-        answers = [RatedAnswer(**json.loads(item)) for item in items]
-        scored = await asyncio.gather(*(self.score(session, alias, config, a) for a in answers))
+        exchanges = [self.decode(alias, item) for item in items]
+        scored = await asyncio.gather(
+            *(self.score(session, alias, config, e) for e in exchanges if e is not None)
+        )
         pairs = [encode_pair(*p) for p in scored if p is not None]
         key = agreement_key(alias)
         if pairs:
@@ -110,7 +113,16 @@ class AgreementProbe:
             pipe.ltrim(key, -config.feedback.agreement_window, -1)
             await pipe.execute()
         self.publish(alias, [decode_pair(p) for p in await self.redis.lrange(key, 0, -1)])
-        return len(answers)
+        return len(items)
+
+    def decode(self, alias: str, raw: bytes | str) -> RatedExchange | None:
+        """The queued entry, or None (counted) for one that is not a rated exchange."""
+        try:
+            return RatedExchange.decode(raw)
+        except ValueError as exc:
+            self.metrics.agreement_probes.labels(alias, "bad_entry").inc()
+            log.warning("a queued rated answer of %s dropped: %s", alias, exc)
+            return None
 
     def publish(self, alias: str, pairs: list[tuple[float, float]]) -> None:
         measures = agreement(pairs)
@@ -127,18 +139,24 @@ class AgreementProbe:
         session: aiohttp.ClientSession,
         alias: str,
         config: AliasConfig,
-        answer: RatedAnswer,
+        exchange: RatedExchange,
     ) -> tuple[float, float] | None:
         """(the judge's score of the served answer among re-samples, the user's rating)."""
-        prompt = prompt_of(answer.prompt_messages)
+        answer, request = exchange.rated, exchange.request
+        if request is None:
+            # Cut to fit Kafka or too large to queue: re-sampling would answer another prompt.
+            self.metrics.agreement_probes.labels(alias, "not_replayable").inc()
+            return None
+        prompt = prompt_of(request.get("messages") or [])
         if prompt is None:
             self.metrics.agreement_probes.labels(alias, "no_prompt").inc()
             return None
+        tools = request.get("tools") or None
         async with self.limit:
             try:
-                samples = await self.resample(session, alias, config, prompt)
+                samples = await self.resample(session, alias, config, prompt, request)
                 score = await self.scorer.score(
-                    alias, config.reward, prompt, None, [answer.message, *samples]
+                    alias, config.reward, prompt, tools, [answer.message, *samples]
                 )
             except (SamplingError, ScoringError) as exc:
                 self.metrics.agreement_probes.labels(alias, exc.cause).inc()
@@ -153,14 +171,16 @@ class AgreementProbe:
         alias: str,
         config: AliasConfig,
         prompt: list[dict[str, Any]],
+        request: dict[str, Any],
     ) -> list[dict[str, Any]]:
-        """``group_size - 1`` answers to the prompt from the live version."""
+        """``group_size - 1`` answers to the prompt from the live version, under the request's
+        tools and output constraints, as the judge samples a training group."""
         route = await self.route_of(alias, config)
-        max_tokens = sampling_max_tokens(config.sampling, {}, self.lengths_of(alias))
+        max_tokens = sampling_max_tokens(config.sampling, request, self.lengths_of(alias))
         body = sampling_body(
             served_name(alias, route.active, route.base_model),
             prompt,
-            {},
+            request,
             max(1, config.learning.group_size - 1),
             config.sampling,
             max_tokens=max_tokens,

@@ -385,7 +385,7 @@ class JudgeService(JudgeKafka):
             raise Skip("failed_exchange")
         if record.endpoint != "chat.completions":
             raise Skip("not_chat")
-        if {"request", "all"} & set(record.truncated):
+        if record.request_cut:
             raise Skip("truncated_prompt")  # cut to fit Kafka: not the prompt the model saw
         if fraction_of("sample:" + record.request_id) >= config.learning.sample_rate:
             raise Skip("sampled_out")

@@ -10,7 +10,9 @@ answer. Redis so holds a few hundred bytes per exchange whatever its size, and w
 for the answers that get rated: most exchanges are never rated, and their prompts are in Kafka
 already. Each joined rating is handed on once: to the alias's training list when its reward
 learns from ratings (``RewardConfig.learns_from_ratings``), and to the judge's agreement queue
-when it is judged by RULER (``feedback.judge_agreement``). A joined rating keeps an excerpt of
+when it is judged by RULER (``feedback.judge_agreement``), there with the request it answered
+(``ratchet.rewards.agreement.RatedExchange``: whole, for the judge to re-sample the same prompt
+under the same tools, or not at all when it was cut). A joined rating keeps an excerpt of
 its prompt and answer (its text and tool calls), at most what the reward model reads
 (:data:`PROMPT_EXCERPT_CHARS`).
 
@@ -63,7 +65,13 @@ from ratchet.records import (
     prompt_hash,
     tool_calls_of,
 )
-from ratchet.rewards.agreement import AGREEMENT_QUEUE, probes_agreement, to_judge_key
+from ratchet.rewards.agreement import (
+    AGREEMENT_QUEUE,
+    RatedExchange,
+    probes_agreement,
+    replayed_request,
+    to_judge_key,
+)
 from ratchet.rewards.reward_model import RatedAnswer
 from ratchet.settings import AliasConfig, RatchetSettings
 
@@ -360,7 +368,7 @@ class RatingsJoin:
             record = self.fetch(int(note["partition"]), int(note["offset"]))
         message = None if record is None else answer_message(record)
         messages = None if record is None else record.request.get("messages")
-        if message is None or not isinstance(messages, list):
+        if record is None or message is None or not isinstance(messages, list):
             self.redis.delete(exchange_key(completion_id))
             return "gone"
         if not self.redis.set(rated_key(completion_id), b"1", nx=True, ex=ttl):
@@ -378,13 +386,15 @@ class RatingsJoin:
             version=note.get("version"),
             client=note.get("client") or None,
         )
-        self._hand_on(alias, config, answer)
+        self._hand_on(alias, config, answer, record)
         self.redis.delete(exchange_key(completion_id), pending_key(completion_id))
         return "joined"
 
-    def _hand_on(self, alias: str, config: AliasConfig, answer: RatedAnswer) -> None:
-        encoded = json.dumps(asdict(answer), ensure_ascii=False)
+    def _hand_on(
+        self, alias: str, config: AliasConfig, answer: RatedAnswer, record: TrafficRecord
+    ) -> None:
         if trains_reward_model(config):
+            encoded = json.dumps(asdict(answer), ensure_ascii=False)
             keys = [ratings_key(alias), *ratings_bookkeeping_keys(alias)]
             feedback = config.feedback
             limits = [feedback.max_ratings, feedback.max_ratings_bytes, RATINGS_TTL_S]
@@ -394,8 +404,10 @@ class RatingsJoin:
             pipe.expire(new_ratings_key(alias), RATINGS_TTL_S)
             pipe.execute()
         if probes_agreement(config):
+            # The judge re-samples the prompt the answer was served for, whole, with its tools.
+            queued = RatedExchange(answer, replayed_request(record)).encode()
             pipe = self.redis.pipeline(transaction=True)
-            pipe.rpush(to_judge_key(alias), encoded)
+            pipe.rpush(to_judge_key(alias), queued)
             pipe.ltrim(to_judge_key(alias), -AGREEMENT_QUEUE, -1)
             pipe.expire(to_judge_key(alias), config.feedback.join_ttl_s)
             pipe.execute()

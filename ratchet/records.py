@@ -120,6 +120,11 @@ class TrafficRecord(Record):
     def client(self) -> str:
         return client_of(self.source, self.api_key_hash)
 
+    @property
+    def request_cut(self) -> bool:
+        """Whether the request was cut to fit: then it is not the prompt the model saw."""
+        return bool({"request", "all"} & set(self.truncated))
+
 
 class FeedbackRecord(Record):
     SCHEMA = "feedback/1"

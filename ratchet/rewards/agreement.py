@@ -16,9 +16,10 @@ before training: a judge whose order disagrees with the users' teaches the model
 
 Redis keys:
 
-- ``ratchet:feedback:<alias>:to_judge`` (list of ``RatedAnswer`` JSON): rated answers the judge
-  has not scored yet, newest last, at most :data:`AGREEMENT_QUEUE` (older ones are dropped when
-  the judge falls behind: the measure needs a sample, not every rating);
+- ``ratchet:feedback:<alias>:to_judge`` (list of :class:`RatedExchange` JSON): rated answers
+  the judge has not scored yet, each with the request it answered, newest last, at most
+  :data:`AGREEMENT_QUEUE` (older ones are dropped when the judge falls behind: the measure needs
+  a sample, not every rating);
 - ``ratchet:judge:<alias>:agreement`` (list of ``"<judge score>\\t<rating>"``): the newest pairs,
   at most ``feedback.agreement_window``.
 """
@@ -26,15 +27,32 @@ Redis keys:
 from __future__ import annotations
 
 import itertools
+import json
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import redis
 
+from ratchet.records import TrafficRecord
+from ratchet.rewards.reward_model import RatedAnswer
 from ratchet.settings import AliasConfig
 
 AGREEMENT_QUEUE = 64
+# What of a request decides the answers the judge re-samples: the conversation, the tools and
+# how they may be used, and the output's form and length.
+REPLAYED_REQUEST_KEYS = (
+    "messages",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "max_tokens",
+    "max_completion_tokens",
+)
+# A request larger than this (as JSON) is not queued whole: the queue holds AGREEMENT_QUEUE of
+# them in Redis, and the measure needs a sample of the ratings, not every one.
+MAX_REPLAYED_REQUEST_CHARS = 65_536
 
 
 def to_judge_key(alias: str) -> str:
@@ -48,6 +66,46 @@ def agreement_key(alias: str) -> str:
 def probes_agreement(config: AliasConfig) -> bool:
     """Whether the alias's judge is compared with its users: RULER judges it, and it is on."""
     return config.reward.kind in ("ruler", "mixed") and config.feedback.judge_agreement
+
+
+@dataclass(frozen=True)
+class RatedExchange:
+    """A rated answer queued for the judge, with the request it answered as it was served, so
+    the judge re-samples the same prompt under the same tools and constraints. ``request`` is
+    None when that request cannot be replayed (cut to fit Kafka, or too large to queue): the
+    judge counts such an answer and drops it rather than re-sample a different prompt."""
+
+    rated: RatedAnswer
+    request: dict[str, Any] | None
+
+    def encode(self) -> str:
+        return json.dumps(
+            {"rated": asdict(self.rated), "request": self.request}, ensure_ascii=False
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> RatedExchange:
+        """ValueError for an entry that is not one (the caller counts and drops it)."""
+        try:
+            data = json.loads(raw)
+            rated = RatedAnswer(**data["rated"])
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ValueError(f"not a rated exchange: {exc}") from exc
+        request = data.get("request")
+        return cls(rated, request if isinstance(request, dict) else None)
+
+
+def replayed_request(record: TrafficRecord) -> dict[str, Any] | None:
+    """What the judge needs of the record's request to re-sample its prompt
+    (:data:`REPLAYED_REQUEST_KEYS`), or None when the request was cut to fit Kafka or that part
+    is over :data:`MAX_REPLAYED_REQUEST_CHARS`."""
+    if record.request_cut:
+        return None
+    request = record.request
+    kept = {k: request[k] for k in REPLAYED_REQUEST_KEYS if request.get(k) is not None}
+    if len(json.dumps(kept, ensure_ascii=False)) > MAX_REPLAYED_REQUEST_CHARS:
+        return None
+    return kept
 
 
 def encode_pair(judge_score: float, rating: float) -> str:

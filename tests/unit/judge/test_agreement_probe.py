@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 from typing import Any
 
 import aiohttp
@@ -21,7 +20,7 @@ from judge.scoring import GroupScorer
 from ratchet.bill import Bill
 from ratchet.dev.processes import free_port
 from ratchet.registry import AliasRoute
-from ratchet.rewards.agreement import agreement_key, decode_pair, to_judge_key
+from ratchet.rewards.agreement import RatedExchange, agreement_key, decode_pair, to_judge_key
 from ratchet.rewards.reward_model import RatedAnswer
 from ratchet.settings import AliasConfig, JudgeSettings, RatchetSettings, RewardConfig
 
@@ -32,6 +31,7 @@ class ContentJudge(GroupScorer):
     """RULER replaced by a rule on the text: an answer saying "good" scores 0.9, others 0.1."""
 
     served: list[dict[str, Any]]  # the first answer of each group judged: the rated one
+    tools: list[list[dict[str, Any]] | None]  # the tools each group was judged with
 
     async def ruler(
         self,
@@ -43,6 +43,7 @@ class ContentJudge(GroupScorer):
         bill: Bill | None = None,
     ) -> tuple[list[float], list[str]]:
         self.served.append(samples[0])
+        self.tools.append(tools)
         scores = [0.9 if "good" in (s.get("content") or "") else 0.1 for s in samples]
         return scores, [""] * len(samples)
 
@@ -86,11 +87,17 @@ async def vllm() -> AsyncIterator[tuple[FakeVllm, str]]:
 
 
 def rated(
-    cid: str, answer: str, score: float, tool_calls: list[dict[str, Any]] | None = None
+    cid: str,
+    answer: str,
+    score: float,
+    tool_calls: list[dict[str, Any]] | None = None,
+    request: dict[str, Any] | None = None,
+    replayable: bool = True,
 ) -> bytes:
     messages = [{"role": "user", "content": f"question {cid}"}]
     item = RatedAnswer(messages, answer, score, "alice", "h", cid, tool_calls=tool_calls)
-    return json.dumps(asdict(item)).encode()
+    served = request or {"messages": messages}
+    return RatedExchange(item, served if replayable else None).encode().encode()
 
 
 async def probe_for(redis_url: str, vllm_url: str) -> tuple[AgreementProbe, Any]:
@@ -99,7 +106,7 @@ async def probe_for(redis_url: str, vllm_url: str) -> tuple[AgreementProbe, Any]
     client = aioredis.Redis.from_url(redis_url)
     metrics = JudgeMetrics()
     scorer = ContentJudge(JudgeSettings(), vllm_url + "/v1", None, metrics)
-    scorer.served = []
+    scorer.served, scorer.tools = [], []
 
     async def route_of(alias: str, _: AliasConfig) -> AliasRoute:
         return AliasRoute(alias=alias, base_model=config.base_model, active=3)
@@ -186,3 +193,61 @@ async def test_a_rated_tool_call_is_judged_as_the_call_that_was_served(
     await client.aclose()
     assert isinstance(probe.scorer, ContentJudge)
     assert probe.scorer.served == [{"role": "assistant", "content": "", "tool_calls": [call]}]
+
+
+async def test_a_rated_answer_is_resampled_from_the_request_it_answered(
+    redis_url: str, vllm: tuple[FakeVllm, str]
+) -> None:
+    """The whole conversation, the tools and the output's constraints, as the answer was served:
+    not the excerpt the reward model reads, and not a bare prompt."""
+    fake, url = vllm
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    conversation = [
+        {"role": "system", "content": "You answer about weather. " * 2000},  # past the excerpt
+        {"role": "user", "content": "Oslo?"},
+    ]
+    request = {
+        "messages": conversation,
+        "tools": [tool],
+        "tool_choice": "required",
+        "response_format": {"type": "text"},
+        "max_tokens": 12,
+    }
+    redis.Redis.from_url(redis_url).rpush(to_judge_key(ALIAS), rated("r1", "", 1.0, None, request))
+    probe, client = await probe_for(redis_url, url)
+    async with aiohttp.ClientSession() as session:
+        assert await probe.probe(session, ALIAS) == 1
+    await client.aclose()
+    [body] = fake.bodies
+    assert body["messages"] == conversation
+    assert (body["tools"], body["tool_choice"], body["response_format"]) == (
+        [tool],
+        "required",
+        {"type": "text"},
+    )
+    assert body["max_tokens"] <= 12  # the client's own cap bounds the re-samples
+    assert isinstance(probe.scorer, ContentJudge)
+    assert probe.scorer.tools == [[tool]]
+
+
+async def test_entries_it_cannot_replay_or_read_are_counted_and_the_rest_scored(
+    redis_url: str, vllm: tuple[FakeVllm, str]
+) -> None:
+    fake, url = vllm
+    redis.Redis.from_url(redis_url).rpush(
+        to_judge_key(ALIAS),
+        rated("cut", "good", 1.0, replayable=False),  # its request was cut to fit Kafka
+        b"{not json",
+        json.dumps({"rated": {"answer": "no fields"}}).encode(),
+        rated("ok", "good", 1.0),
+    )
+    probe, client = await probe_for(redis_url, url)
+    async with aiohttp.ClientSession() as session:
+        assert await probe.probe(session, ALIAS) == 4
+        assert await probe.probe(session, ALIAS) == 0  # dropped, not retried
+    await client.aclose()
+    assert [b["messages"] for b in fake.bodies] == [[{"role": "user", "content": "question ok"}]]
+    count = "ratchet_judge_agreement_probes_total"
+    assert gauge(probe.metrics, count, outcome="not_replayable") == 1
+    assert gauge(probe.metrics, count, outcome="bad_entry") == 2
+    assert gauge(probe.metrics, count, outcome="scored") == 1

@@ -41,7 +41,12 @@ from ratchet.records import (
     prompt_hash,
     utc_now,
 )
-from ratchet.rewards.agreement import AGREEMENT_QUEUE, to_judge_key
+from ratchet.rewards.agreement import (
+    AGREEMENT_QUEUE,
+    MAX_REPLAYED_REQUEST_CHARS,
+    RatedExchange,
+    to_judge_key,
+)
 from ratchet.rewards.reward_model import (
     FEATURES,
     HEAD_FILE,
@@ -241,9 +246,40 @@ def test_a_ruler_alias_queues_rated_answers_for_its_judge_and_trains_nothing(
     join = Join(settings, client)
     assert join.served(traffic("j1", "Q", "A", alias=JUDGED)) == ["stored"]
     assert join.on_feedback(rating("j1", 0.75)) == "joined"
-    [queued] = [json.loads(raw) for raw in client.lrange(to_judge_key(JUDGED), 0, -1)]
-    assert (queued["answer"], queued["score"], queued["completion_id"]) == ("A", 0.75, "j1")
+    [queued] = [RatedExchange.decode(raw) for raw in client.lrange(to_judge_key(JUDGED), 0, -1)]
+    rated = queued.rated
+    assert (rated.answer, rated.score, rated.completion_id) == ("A", 0.75, "j1")
+    assert queued.request == {"messages": [{"role": "user", "content": "Q"}]}
     assert read_ratings(client, JUDGED) == [] and not client.exists(new_ratings_key(JUDGED))
+
+
+def test_the_judge_gets_the_request_whole_with_its_tools_or_not_at_all_when_cut(
+    settings: RatchetSettings, client: redis.Redis
+) -> None:
+    """The judge re-samples the rated answer's prompt: the reward model's excerpt of it would
+    be another prompt, and without its tools an agent's answers are not the ones served."""
+    join = Join(settings, client)
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    long_prompt = "context " * 5000  # past the excerpt the reward model keeps
+    record = traffic("t1", long_prompt, "A", alias=JUDGED)
+    record.request.update(tools=[tool], tool_choice="auto", max_tokens=64, temperature=0.3)
+    cut = traffic("t2", "Q", "A", alias=JUDGED)
+    cut.truncated = ["request"]
+    huge = traffic("t3", "x" * (MAX_REPLAYED_REQUEST_CHARS + 1), "A", alias=JUDGED)
+    for served in (record, cut, huge):
+        join.served(served)
+        assert join.on_feedback(rating(served.response_id or "", 1.0)) == "joined"
+    whole, was_cut, too_large = (
+        RatedExchange.decode(raw) for raw in client.lrange(to_judge_key(JUDGED), 0, -1)
+    )
+    assert whole.request == {
+        "messages": [{"role": "user", "content": long_prompt}],
+        "tools": [tool],
+        "tool_choice": "auto",
+        "max_tokens": 64,
+    }
+    assert len(whole.rated.prompt_messages[0]["content"]) < len(long_prompt)
+    assert was_cut.request is None and too_large.request is None
 
 
 def test_the_queue_for_the_judge_keeps_only_the_newest(
@@ -254,7 +290,8 @@ def test_the_queue_for_the_judge_keeps_only_the_newest(
         join.served(traffic(f"q{i}", f"Q{i}", "A", alias=JUDGED))
         join.on_feedback(rating(f"q{i}", 1.0))
     queued = [
-        json.loads(raw)["completion_id"] for raw in client.lrange(to_judge_key(JUDGED), 0, -1)
+        RatedExchange.decode(raw).rated.completion_id
+        for raw in client.lrange(to_judge_key(JUDGED), 0, -1)
     ]
     assert queued == [f"q{i}" for i in range(5, AGREEMENT_QUEUE + 5)]
 
@@ -273,8 +310,9 @@ def test_asking_the_same_prompt_again_rates_the_first_answer_down(
         "stored",
         "implicit",
     ]
-    [implicit] = [json.loads(raw) for raw in client.lrange(to_judge_key(JUDGED), 0, -1)]
-    assert (implicit["completion_id"], implicit["answer"], implicit["score"]) == ("r1", "first", 0)
+    [queued] = [RatedExchange.decode(raw) for raw in client.lrange(to_judge_key(JUDGED), 0, -1)]
+    implicit = queued.rated
+    assert (implicit.completion_id, implicit.answer, implicit.score) == ("r1", "first", 0)
     # Rated once: the user's own rating of it afterwards is never joined.
     assert join.on_feedback(rating("r1", 1.0)) == "pending"
 
@@ -295,7 +333,8 @@ def test_no_implicit_rating_across_keys_prompts_windows_or_explicit_ratings(
     # Off (the default) for the other aliases.
     join.served(traffic("s1", "Q", "x", at=at(0)))
     assert join.served(traffic("s2", "Q", "x", at=at(1))) == ["stored"]
-    scores = [json.loads(raw)["score"] for raw in client.lrange(to_judge_key(JUDGED), 0, -1)]
+    queued = client.lrange(to_judge_key(JUDGED), 0, -1)
+    scores = [RatedExchange.decode(raw).rated.score for raw in queued]
     assert scores == [1.0]
 
 
