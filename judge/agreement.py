@@ -11,9 +11,8 @@ alert (``RatchetJudgeDisagreesWithUsers``): a team learns that its rubric disagr
 users before the loop trains on it.
 
 A rated answer that cannot be scored (vLLM or the judge model away, a request cut to fit Kafka,
-an entry that does not decode) is counted and dropped: the
-measure needs a sample of the ratings, not every one, and the queue must not grow while they are
-away.
+an entry that does not decode) is counted and dropped: the measure needs a sample of the
+ratings, not every one, and the queue must not grow while they are away.
 """
 
 from __future__ import annotations
