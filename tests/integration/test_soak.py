@@ -23,6 +23,8 @@ from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded, free_port
 pytestmark = [pytest.mark.integration, pytest.mark.disruptive]
 
 FAULTS = ("log_worker", "redis", "broker", "judge", "learner")
+SECONDS = 60
+FAULT_EVERY_S = 10
 
 
 def soak_config(env: Embedded, home: Path) -> Path:
@@ -67,8 +69,8 @@ def test_a_short_chaos_soak_loses_nothing(base_route: Embedded, tmp_path: Path) 
             ALIAS,
             # Each of the five faults once: one per 10 s period, none in the last
             # (ratchet/dev/soak.py). 12 s periods would leave room for only four in 60 s.
-            seconds=60,
-            fault_every_s=10,
+            seconds=SECONDS,
+            fault_every_s=FAULT_EVERY_S,
             hold_s=3,
             faults=FAULTS,
             huge_answer=False,
@@ -82,7 +84,16 @@ def test_a_short_chaos_soak_loses_nothing(base_route: Embedded, tmp_path: Path) 
 
     assert {f["part"] for f in report.faults} == set(FAULTS), report.faults
     assert all(f["ended"] is not None for f in report.faults), report.faults
-    assert report.answered >= 50, report.failed
+    # The proxy kept answering through the run: answers in every period of traffic. A count
+    # (50 answers here) would measure the host's speed: on one 2.7x slower, with a learner that
+    # took 24 s to come back, the same run answered 48.
+    answered_at = [e["t"] for e in report.timeline if e["status"] == 200]
+    quiet = [
+        period
+        for period in range(SECONDS // FAULT_EVERY_S)
+        if not any(period * FAULT_EVERY_S <= t < (period + 1) * FAULT_EVERY_S for t in answered_at)
+    ]
+    assert not quiet, f"no answer in periods {quiet} of {FAULT_EVERY_S} s: {answered_at}"
     # No vLLM outage here, so no request may fail at all.
     assert not report.failed, report.failed
     assert report.delivered == report.records_expected == report.answered
