@@ -5,8 +5,11 @@ The main loop reads ``ratchet.groups`` (a consumer group, manual commits) and ``
 counted by reason (duplicate id, all-equal rewards, sampled by a version more than
 ``max_staleness`` rounds of training behind where the next round starts, learning paused or
 off), or waits for its alias's next round. A round (learner/round.py) runs when
-``batch_groups`` wait, or ``interval_s`` after the oldest one arrived with at least
-``min_groups`` waiting, and only in the learner replica holding the alias's lease
+``batch_groups`` wait, or with at least ``min_groups`` waiting once ``interval_s`` has passed
+since the oldest one arrived and since the alias's last round or gate here ended (the judge
+pauses while the learner trains and gates: the few groups in flight when a round began would
+otherwise start the next one on their own the moment it ended), and only in the learner replica
+holding the alias's lease
 (learner/leases.py), which first drops the groups another replica has
 trained meanwhile and those gone stale since they arrived (a carried candidate dropped, a
 promotion). While the alias has a canary, a round runs only when it trains on from that canary
@@ -27,11 +30,13 @@ lineage walk behind "stale" (learner/lineage.py), the round itself (learner/roun
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +117,8 @@ class LearnerService:
         self.guard = Guard(settings.learner, self.redis, self.writer, self.lifecycle, self.metrics)
         self.lineage = Lineage(self.store)
         self._starved: set[str] = set()  # aliases told to wait for held-out prompts (logged once)
+        # When each alias's last round, held settling or import gate here ended (monotonic).
+        self.worked_at: dict[str, float] = {}
         self.read_counts: Counter[str] = Counter()  # groups read per alias, not yet published
         self._reporting: set[str] = set()  # aliases whose progress this replica publishes
         self.consumers = Consumers(settings, self.metrics)
@@ -199,7 +206,8 @@ class LearnerService:
         usable = fair_size(counts_by_key(waiting, key_of_waiting), s.batch_groups, share)
         if usable >= s.batch_groups:
             return True
-        return usable >= s.min_groups and time.monotonic() - waiting[0].arrived >= s.interval_s
+        since = max(waiting[0].arrived, self.worked_at.get(alias, 0.0))
+        return usable >= s.min_groups and time.monotonic() - since >= s.interval_s
 
     def trains_through_canary(self, alias: str, route: AliasRoute) -> bool:
         """Whether the alias's next round trains on from its canary (ratchet/carry.py)."""
@@ -257,6 +265,15 @@ class LearnerService:
             self.fail_round(alias, exc)
             return []
 
+    @contextlib.contextmanager
+    def working(self, alias: str) -> Iterator[None]:
+        """A round, settling or gate of the alias: when it ends, however, :meth:`ready` counts
+        ``interval_s`` afresh from there."""
+        try:
+            yield
+        finally:
+            self.worked_at[alias] = time.monotonic()
+
     def fail_round(self, alias: str, exc: Exception) -> None:
         """Count a round that failed (not an outage) and pause the alias with the reason."""
         self.metrics.failures.labels(alias, "round").inc()
@@ -276,7 +293,7 @@ class LearnerService:
             if not self.ready(alias):
                 return []
             try:
-                with self.lifecycle.fenced(lease):
+                with self.lifecycle.fenced(lease), self.working(alias):
                     return self.guarded_round(alias)
             except LeaseLost as exc:
                 # Stalled past the TTL: another learner may be on this alias now. Its groups stay
@@ -306,7 +323,7 @@ class LearnerService:
                 return []
             waiting = len(self.waiting.get(alias) or ())
             try:
-                with self.lifecycle.fenced(lease):
+                with self.lifecycle.fenced(lease), self.working(alias):
                     report = self.rounds.settle_held(
                         alias, route, held.candidate, self.heldout[alias], waiting
                     )
@@ -367,7 +384,7 @@ class LearnerService:
                 return  # the pool fills from ratchet.heldout; the import waits, queued
             waiting = len(self.waiting.get(alias) or ())
             try:
-                with self.lifecycle.fenced(lease):
+                with self.lifecycle.fenced(lease), self.working(alias):
                     self.rounds.run_import(alias, route, version, self.heldout[alias], waiting)
             except LeaseLost as exc:
                 log.warning("%s: gate of imported v%d abandoned: %s", alias, version, exc)

@@ -603,7 +603,12 @@ class LearnerSettings(_Section):
     # group at 1e-3 (the demo's earlier choice) by +0.18, +0.42, +0.79; 32 steps of one group at
     # 2e-3 collapsed sorting's first round and bullets' third into empty answers.
     batch_groups: int = Field(default=32, ge=1)
-    # ...or when the oldest waiting group is this old and at least min_groups wait.
+    # ...or when at least min_groups wait and this long has passed since the oldest of them
+    # arrived and since the alias's last round (or gate) ended. A judge pauses while the learner
+    # trains and gates, so the few groups in flight when a round began had waited through it:
+    # counted from their arrival alone, they started the next round on their own as soon as it
+    # ended (bullets, 2026-11-29: a round of 4 groups, then a 10-minute gate of a candidate no
+    # different from the live one, with the judge paused).
     interval_s: float = Field(default=300.0, gt=0)
     min_groups: int = Field(default=4, ge=1)
     # Groups sampled by a version more than this many promotions behind the live one are dropped.

@@ -450,6 +450,30 @@ def test_a_round_is_due_when_the_oldest_group_has_waited_long_enough(
     assert service.ready(ALIAS)
 
 
+def test_groups_that_waited_through_a_round_wait_interval_s_from_its_end(
+    gateable: LearnerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = gateable
+    for i in range(3):
+        service.take(group(f"g{i}"), TP0, i)
+
+    def round_meanwhile(alias: str) -> None:
+        service.waiting[alias] = []  # the round's batch, spent
+        for i in (3, 4):  # in flight when it began, read while it ran
+            service.take(group(f"g{i}"), TP0, i)
+            service.waiting[alias][-1].arrived -= 61  # past interval_s by its end
+
+    monkeypatch.setattr(service, "run_round", round_meanwhile)
+    assert service.leased_round(ALIAS) == []
+    assert waiting_ids(service) == ["g3", "g4"]
+    assert not service.ready(ALIAS)  # min_groups, old enough, but the round has just ended
+    service.worked_at[ALIAS] -= 61
+    assert service.ready(ALIAS)
+    service.worked_at[ALIAS] += 61
+    service.take(group("g5"), TP0, 5)
+    assert service.ready(ALIAS)  # a full batch never waits
+
+
 def test_no_round_while_another_learner_holds_the_alias(
     gateable: LearnerService, monkeypatch: pytest.MonkeyPatch
 ) -> None:
