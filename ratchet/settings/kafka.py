@@ -1,0 +1,47 @@
+"""The ``kafka`` section: how every service reaches the brokers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    SecretStr,
+)
+
+from ratchet.settings.base import (
+    _Section,
+)
+
+
+class KafkaSettings(_Section):
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: Path | None = None
+    topic_partitions: int = Field(default=3, ge=1)
+    topic_replication: int = Field(default=1, ge=1)
+    topic_retention_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=60_000)
+    # gzip needs no native library, so it works on every machine the proxy runs on.
+    compression: Literal["gzip", "snappy", "lz4", "zstd", "none"] = "gzip"
+    # Idempotent producing needs broker support (InitProducerId); "auto" probes for it.
+    idempotence: Literal["auto", "on", "off"] = "auto"
+    # How long a consumer group member may go silent before the broker drops it (heartbeats
+    # every third of it). A restarted judge or learner waits about this long for its group;
+    # kafka-python's 10 s made each join wait 20 s or more on Tansu.
+    session_timeout_ms: int = Field(default=6000, ge=3000, le=300_000)
+
+    def client_options(self) -> dict[str, Any]:
+        """Connection options shared by kafka-python producers, consumers and admin clients."""
+        opts: dict[str, Any] = {"security_protocol": self.security_protocol}
+        if self.sasl_mechanism:
+            opts["sasl_mechanism"] = self.sasl_mechanism
+            opts["sasl_plain_username"] = self.sasl_username
+            opts["sasl_plain_password"] = (
+                self.sasl_password.get_secret_value() if self.sasl_password else None
+            )
+        if self.ssl_cafile:
+            opts["ssl_cafile"] = str(self.ssl_cafile)
+        return opts
