@@ -138,7 +138,7 @@ async def generate(state: ProxyState, request: Request, endpoint: str) -> Respon
         payload, body = await read_json(request, state.limits)
         alias = parse(payload, endpoint, state.limits)
         routed = route(state, request, payload, alias, arrival.key_hash)
-    except ProxyError:
+    except Exception:  # a client's error or ours alike: refused before routing, and charged
         await refused(state, arrival)
         raise
     call, exchange, headers = await start_call(

@@ -305,7 +305,11 @@ def chat_response_format(text: Any) -> dict[str, Any] | None:
         if name != "format":
             raise _unsupported(f"text.{name}", f"text.{name} is not supported here")
     fmt = text.get("format")
-    if fmt is None or fmt.get("type") == "text":
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object", "text.format", "invalid_type")
+    if fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}

@@ -12,7 +12,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from proxy.errors import ProxyError, bad_request
+from proxy.errors import bad_request
 from proxy.generation import arrive, parse, refused, route, start_call
 from proxy.response_store import not_found
 from proxy.responses_api import (
@@ -39,7 +39,7 @@ async def create_response(state: ProxyState, request: Request) -> Response:
         chat = translated.chat
         alias = parse(chat, ENDPOINT, state.limits)
         routed = route(state, request, chat, alias, arrival.key_hash)
-    except ProxyError:
+    except Exception:  # a client's error or ours alike: refused before routing, and charged
         await refused(state, arrival)
         raise
     body = orjson.dumps(chat)  # logged as the chat request vLLM gets (TrafficRecord.client_api)

@@ -177,6 +177,28 @@ def test_previous_turns_come_first_and_a_json_schema_is_a_response_format() -> N
         ({"input": []}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"stream": "yes"}, "stream"),
+        # Malformed rather than unsupported: each names the field that is wrong.
+        ({"instructions": 3}, "instructions"),
+        ({"metadata": {"team": 1}}, "metadata"),
+        ({"input": ["hi"]}, "input[0]"),
+        ({"input": [{"role": "user", "content": 3}]}, "input[0].content"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": 3}]}]},
+            "input[0].content[0].text",
+        ),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]},
+            "input[0].output",
+        ),
+        ({"tools": {"type": "function"}}, "tools"),
+        ({"tools": [{"type": "function", "parameters": {}}]}, "tools[0].name"),
+        ({"tool_choice": {"type": "function"}}, "tool_choice.name"),
+        ({"text": "json"}, "text"),
+        ({"text": {"format": "json"}}, "text.format"),  # a string where an object goes
+        ({"text": {"format": ["json_object"]}}, "text.format"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ],
 )
 def test_what_has_no_chat_equivalent_is_refused_naming_the_parameter(

@@ -1,0 +1,89 @@
+"""``POST /v1/responses`` and ``/v1/chat/completions`` through the real app: a request refused
+before it is routed, for a reason of the client's or by an error of ours, answers in the one error
+envelope and is still charged to its key's rate (proxy/generation.py ``refused``)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import proxy.generation
+import proxy.responses_route
+from embedded.processes import free_port as closed_port
+from proxy.app import create_app
+from ratchet.settings import RatchetSettings
+
+ENVELOPE_KEYS = {"message", "type", "param", "code"}
+
+
+@pytest.fixture
+async def client(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    """The app with Kafka, Redis and vLLM on closed ports: nothing here gets past routing."""
+    settings = RatchetSettings(
+        home=tmp_path,
+        kafka_bootstrap_servers=f"127.0.0.1:{closed_port()}",
+        redis_url=f"redis://127.0.0.1:{closed_port()}/0",
+        vllm_url=f"http://127.0.0.1:{closed_port()}",
+    )
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        # Starlette re-raises what its 500 handler answered; the client must see the answer.
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as http:
+            yield http
+
+
+@pytest.fixture
+def charged(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """The key hash of each request that ``refused`` charged, on either route."""
+    calls: list[str | None] = []
+
+    async def record(_: Any, arrival: proxy.generation.Arrival) -> None:
+        calls.append(arrival.key_hash)
+
+    monkeypatch.setattr(proxy.responses_route, "refused", record)
+    monkeypatch.setattr(proxy.generation, "refused", record)
+    return calls
+
+
+def error_of(answer: httpx.Response, status: int) -> dict[str, Any]:
+    assert answer.status_code == status, answer.text
+    assert "Traceback" not in answer.text
+    body = answer.json()
+    assert set(body) == {"error"} and set(body["error"]) == ENVELOPE_KEYS, body
+    error: dict[str, Any] = body["error"]
+    return error
+
+
+@pytest.mark.parametrize("fmt", ["json", ["json_object"], 3])
+async def test_a_text_format_that_is_not_an_object_is_a_400_naming_it_and_charged(
+    client: httpx.AsyncClient, charged: list[str | None], fmt: Any
+) -> None:
+    body = {"model": "support", "input": "hi", "text": {"format": fmt}}
+    error = error_of(await client.post("/v1/responses", json=body), 400)
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error",
+        "text.format",
+        "invalid_type",
+    )
+    assert charged == [None]
+
+
+async def test_an_unexpected_error_before_routing_is_a_500_and_still_charged(
+    client: httpx.AsyncClient, charged: list[str | None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(proxy.responses_route, "to_chat", broken)
+    monkeypatch.setattr(proxy.generation, "parse", broken)
+    responses = await client.post("/v1/responses", json={"model": "support", "input": "hi"})
+    assert error_of(responses, 500)["code"] == "internal_error"
+    chat = {"model": "support", "messages": [{"role": "user", "content": "hi"}]}
+    completions = await client.post("/v1/chat/completions", json=chat)
+    assert error_of(completions, 500)["code"] == "internal_error"
+    assert charged == [None, None]
