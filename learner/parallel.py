@@ -40,7 +40,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -256,6 +256,19 @@ def scattered(optimizer_state: dict[str, Any], params: Sequence[Tensor]) -> dict
 # --- rank 0 leads, the others follow -----------------------------------------------------------
 
 
+class RoundTrainer(Protocol):
+    """What a rank trains a round with (learner/trainer.py's LoraGRPOLearner)."""
+
+    def load_adapter(self, folder: Path | None) -> None: ...
+
+    def train_round(self, groups: list[ScoredGroup]) -> Any: ...
+
+
+class AdapterLoadFailed(RuntimeError):
+    """The round's starting adapter did not load on some rank (another rank's error, named): every
+    rank raises it, so the round fails alike on all of them and none waits in a collective."""
+
+
 def send_round(groups: list[ScoredGroup], adapter: Path | None) -> None:
     """Rank 0: the next round's groups and starting adapter (None: a fresh LoRA) to the others."""
     message: list[Any] = [("train", [g.to_json() for g in groups], adapter and str(adapter))]
@@ -266,16 +279,48 @@ def send_stop() -> None:
     dist.broadcast_object_list([("stop", [], None)], src=0)
 
 
-def follow(train: Any) -> None:
-    """A follower's life: each round rank 0 sends, trained alongside it, until it says stop.
-    ``train(groups, adapter)`` loads the adapter and trains the round (LoraGRPOLearner)."""
+def load_on_every_rank(trainer: RoundTrainer, adapter: Path | None) -> None:
+    """Load the round's starting adapter on this rank, then learn (one collective every rank
+    joins, failed or not) whether every rank loaded it. If one did not, every rank raises: rank 0
+    its own error when it had one (as one rank alone would, so an outage stays an outage), else
+    :class:`AdapterLoadFailed` naming the ranks' errors; the round then fails on every rank alike.
+
+    The loader's checks (the adapter's shape against the settings, its files read) come before
+    any collective of its own, so a rank that fails them leaves no other waiting mid-load."""
+    own: Exception | None = None
+    try:
+        trainer.load_adapter(adapter)
+    except Exception as exc:  # told to every rank below; raised again after
+        own = exc
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if own is None else f"{type(own).__name__}: {own}")
+    failed = [f"rank {rank}: {error}" for rank, error in enumerate(errors) if error is not None]
+    if not failed:
+        return
+    if own is not None and dist.get_rank() == 0:
+        raise own
+    raise AdapterLoadFailed(f"adapter {adapter} did not load: " + "; ".join(failed)) from own
+
+
+def lead_round(trainer: RoundTrainer, groups: list[ScoredGroup], adapter: Path | None) -> None:
+    """Rank 0: the round sent to the others, its adapter loaded with them
+    (:func:`load_on_every_rank`); the caller then trains it."""
+    send_round(groups, adapter)
+    load_on_every_rank(trainer, adapter)
+
+
+def follow(trainer: RoundTrainer) -> None:
+    """A follower's life: each round rank 0 sends, trained alongside it, until it says stop. A
+    round whose adapter did not load on some rank is skipped here as rank 0 fails it."""
     while True:
         message: list[Any] = [None]
         dist.broadcast_object_list(message, src=0)
         kind, groups, adapter = message[0]
         if kind == "stop":
             return
-        train(
-            [ScoredGroup.model_validate_json(g) for g in groups],
-            Path(adapter) if adapter else None,
-        )
+        try:
+            load_on_every_rank(trainer, Path(adapter) if adapter else None)
+        except Exception as exc:
+            log.warning("round skipped: %s", exc)
+            continue
+        trainer.train_round([ScoredGroup.model_validate_json(g) for g in groups])

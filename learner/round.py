@@ -42,7 +42,7 @@ from learner.gate import Gate, GateError
 from learner.gate_verdict import GateResult
 from learner.heldout import HeldoutPool
 from learner.metrics import LearnerMetrics
-from learner.parallel import send_round
+from learner.parallel import lead_round
 from learner.reporter import ProgressReporter
 from learner.trainer import (
     LoraGRPOLearner,
@@ -325,8 +325,9 @@ class Rounds:
         self.report(alias, "train", version=start.version, steps=steps)
         adapter = self.store.path(alias, start.version) if start.version > 0 else None
         if trainer.ranks.size > 1:  # the other ranks train the round with us
-            send_round(groups, adapter)
-        trainer.load_adapter(adapter)
+            lead_round(trainer, groups, adapter)  # a load that fails on any rank fails on all
+        else:
+            trainer.load_adapter(adapter)
 
         def on_step(step: StepProgress) -> None:
             self.metrics.step_loss.labels(alias).set(step.loss)

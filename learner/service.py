@@ -685,10 +685,4 @@ def follow_rounds(settings: RatchetSettings, base: Path) -> None:
     """A rank other than 0: trains each round rank 0 leads (learner/parallel.py), nothing else."""
     s = settings.learner
     device = None if s.device == "auto" else s.device
-    trainer = LoraGRPOLearner(base, lora_settings(s), train_settings(s), device=device)
-
-    def train(groups: list[ScoredGroup], adapter: Path | None) -> None:
-        trainer.load_adapter(adapter)
-        trainer.train_round(groups)
-
-    follow(train)
+    follow(LoraGRPOLearner(base, lora_settings(s), train_settings(s), device=device))

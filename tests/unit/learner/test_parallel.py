@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from learner.parallel import Ranks, follow, is_sharded, send_round, send_stop
+from embedded.processes import free_port
+from learner.parallel import Ranks, follow, is_sharded, lead_round, send_stop
 from learner.trainer import OPTIMIZER_FILE, LoraGRPOLearner
-from ratchet.dev.processes import free_port
 from ratchet.store import AdapterStore
 from tests.unit.learner.test_trainer import random_groups, small_lora, tiny_model, train
 
@@ -87,19 +87,25 @@ def rank_main(rank: int, model: str, port: int, out: str, sharding: str = "repli
             trainer.save_candidate(AdapterStore(Path(out) / "ranked"), "a", 1, 0, {})
         seen: list[dict[str, Any]] = []
 
-        def train_round(groups: list[Any], adapter: Path | None) -> None:
-            trainer.load_adapter(adapter)
-            seen.append(outcome(trainer, trainer.train_round(groups)))
+        class Seeing:  # the trainer, keeping each round's outcome
+            def load_adapter(self, folder: Path | None) -> None:
+                trainer.load_adapter(folder)
+
+            def train_round(self, groups: list[Any]) -> Any:
+                stats = trainer.train_round(groups)
+                seen.append(outcome(trainer, stats))
+                return stats
 
         if rank == 0:  # the service's side: lead one more round, then stop the follower
             groups = random_groups(2, n=5)
-            send_round(groups, None)
-            train_round(groups, None)
+            lead_round(Seeing(), groups, None)
+            Seeing().train_round(groups)
             send_stop()
         else:
-            follow(train_round)
+            follow(Seeing())
         # Continued from the version one rank wrote after round 1, its optimizer state with it.
-        train_round(random_groups(3, n=5), Path(out) / "alone" / "a@v1")
+        trainer.load_adapter(Path(out) / "alone" / "a@v1")
+        Seeing().train_round(random_groups(3, n=5))
         torch.save({"first": first, "second": seen[0], "third": seen[1]}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
