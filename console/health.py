@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
+import aiohttp
 
 from console.stats import ThroughputReader, reachable
 from console.views import ConsoleData
@@ -45,10 +45,11 @@ class Health:
     async def check(self) -> dict[str, bool | None]:
         # vLLM's /health needs no key: the console is given none (audit L-6).
         vllm = f"{self.settings.vllm_url.rstrip('/')}/health"
-        async with httpx.AsyncClient(timeout=CHECK_TIMEOUT_S) as client:
+        timeout = aiohttp.ClientTimeout(total=CHECK_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as client:
             redis_up, _, proxy_up, vllm_up = await asyncio.gather(
                 asyncio.to_thread(self.data.redis_up),
-                asyncio.to_thread(self.throughput.read),  # a fresh enough scrape of the proxy
+                self.throughput.read(),  # a fresh enough scrape of the proxy
                 _ok(client, f"{proxy_url(self.settings)}/healthz"),
                 _ok(client, vllm),
             )
@@ -60,8 +61,9 @@ class Health:
         }
 
 
-async def _ok(client: httpx.AsyncClient, url: str) -> bool:
+async def _ok(client: aiohttp.ClientSession, url: str) -> bool:
     try:
-        return (await client.get(url)).status_code == 200
-    except httpx.HTTPError:
+        async with client.get(url) as response:
+            return response.status == 200
+    except (aiohttp.ClientError, TimeoutError):
         return False

@@ -11,6 +11,7 @@ so a window's increase is taken per replica and summed. Lag is asked of Kafka (r
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -18,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from ratchet.bus import consumer_lag
@@ -26,6 +27,7 @@ from ratchet.records import GROUPS_TOPIC, TRAFFIC_TOPIC
 from ratchet.settings import RatchetSettings
 
 SAMPLE_S = 5.0
+SCRAPE_TIMEOUT_S = 1.0
 FIRST_GAP_S = 1.0
 LAG_S = 15.0
 KEPT_S = 3600.0
@@ -89,6 +91,15 @@ def addresses(host: str, port: int) -> list[str]:
     return sorted({str(info[4][0]) for info in infos})
 
 
+async def _page(session: aiohttp.ClientSession, replica: str) -> str | None:
+    """``replica``'s /metrics page; None if it does not answer it with a 200."""
+    try:
+        async with session.get(f"{replica}/metrics") as response:
+            return await response.text() if response.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+
+
 def summed_increase(
     samples: deque[tuple[float, Counts]], metric: str, alias: str, window_s: float
 ) -> float | None:
@@ -133,16 +144,19 @@ class ThroughputReader:
         self.lag_checked = 0.0
         self.lags: tuple[int | None, int | None] = (None, None)
         self.lag_thread: threading.Thread | None = None
+        # The overview and the health line read at once: one scrape serves both.
+        self.sampling = asyncio.Lock()
 
-    def read(self) -> Throughput:
-        now = time.monotonic()
-        # The second sample comes after FIRST_GAP_S, not SAMPLE_S: a console just opened shows
-        # counts within a second or two, not "-" for five.
-        gap = FIRST_GAP_S if len(self.samples) == 1 else SAMPLE_S
-        if not self.samples or now - self.samples[-1][0] >= gap:
-            self.samples.append((now, self.scrape()))
-            while now - self.samples[0][0] > KEPT_S + SAMPLE_S:
-                self.samples.popleft()
+    async def read(self) -> Throughput:
+        async with self.sampling:
+            now = time.monotonic()
+            # The second sample comes after FIRST_GAP_S, not SAMPLE_S: a console just opened
+            # shows counts within a second or two, not "-" for five.
+            gap = FIRST_GAP_S if len(self.samples) == 1 else SAMPLE_S
+            if not self.samples or now - self.samples[-1][0] >= gap:
+                self.samples.append((now, await self.scrape()))
+                while now - self.samples[0][0] > KEPT_S + SAMPLE_S:
+                    self.samples.popleft()
         if now - self.lag_checked >= LAG_S and not (self.lag_thread and self.lag_thread.is_alive()):
             # Off the page's request: Kafka may take seconds to answer, or not answer at all.
             self.lag_checked = now
@@ -161,8 +175,9 @@ class ThroughputReader:
             )
         return result
 
-    def scrape(self) -> Counts:
-        counts: Counts = {}
+    async def scrape(self) -> Counts:
+        """One sample: every replica of the proxy and the judge, asked at once."""
+        asked: list[tuple[str, dict[str, str]]] = []
         for url, metrics in (
             (
                 self.proxy_url,
@@ -176,12 +191,19 @@ class ThroughputReader:
                 },
             ),
         ):
-            for replica in replicas(url):
-                try:
-                    response = httpx.get(f"{replica}/metrics", headers=self.auth, timeout=1.0)
-                    counts |= counts_of(response.raise_for_status().text, metrics, replica)
-                except (httpx.HTTPError, ValueError):
-                    continue  # that replica is away: its counts are missing from this sample
+            found = await asyncio.to_thread(replicas, url)  # DNS blocks: off the event loop
+            asked += [(replica, metrics) for replica in found]
+        timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout, headers=self.auth) as session:
+            pages = await asyncio.gather(*(_page(session, replica) for replica, _ in asked))
+        counts: Counts = {}
+        for (replica, metrics), page in zip(asked, pages, strict=True):
+            if page is None:
+                continue  # that replica is away: its counts are missing from this sample
+            try:
+                counts |= counts_of(page, metrics, replica)
+            except ValueError:
+                continue  # not a metrics page
         return counts
 
     def kafka_up(self) -> bool | None:

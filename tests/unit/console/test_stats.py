@@ -58,7 +58,7 @@ def test_a_counter_missing_from_the_last_scrape_is_unknown() -> None:
     assert increase(kept, ("requests", "a", "-"), 60) is None
 
 
-def test_the_proxys_metrics_are_read_with_the_admin_key_and_a_refusal_is_no_count(
+async def test_the_proxys_metrics_are_read_with_the_admin_key_and_a_refusal_is_no_count(
     tmp_path: Path,
 ) -> None:
     """Off loopback the proxy's /metrics needs the admin key: the console sends it, and an
@@ -75,8 +75,8 @@ def test_the_proxys_metrics_are_read_with_the_admin_key_and_a_refusal_is_no_coun
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
         keyed = RatchetSettings(home=tmp_path, proxy={"admin_key": "sk-admin-0123456789"})
-        assert ThroughputReader(keyed, url).scrape()[("requests", "a", url)] == 10.0
-        assert ThroughputReader(RatchetSettings(home=tmp_path), url).scrape() == {}
+        assert (await ThroughputReader(keyed, url).scrape())[("requests", "a", url)] == 10.0
+        assert await ThroughputReader(RatchetSettings(home=tmp_path), url).scrape() == {}
     finally:
         server.shutdown()
     assert seen == ["Bearer sk-admin-0123456789", None]
@@ -95,7 +95,7 @@ def test_replicas_restart_on_their_own_and_their_increases_add_up() -> None:
     assert summed_increase(kept, "requests", "b", 60) is None
 
 
-def test_every_replica_a_name_resolves_to_is_read(
+async def test_every_replica_a_name_resolves_to_is_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On Kubernetes a headless Service's name resolves to every ready pod; each is read (a
@@ -115,7 +115,7 @@ def test_every_replica_a_name_resolves_to_is_read(
     try:
         settings = RatchetSettings(home=tmp_path, console={"proxy_metrics_url": url})
         reader = ThroughputReader(settings, "http://unused:1")
-        counts = reader.scrape()
+        counts = await reader.scrape()
     finally:
         first.shutdown()
         second.shutdown()
