@@ -30,14 +30,13 @@ lineage walk behind "stale" (learner/lineage.py), the round itself (learner/roun
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import redis
@@ -57,9 +56,10 @@ from learner.parallel import follow, send_stop, start_from_env
 from learner.ratings import joins_ratings
 from learner.reward_training import RatingsCollector, RewardTrainer, reward_predictor
 from learner.round import HeldCandidate, RoundReport, Rounds, trained_key
-from learner.trainer import LoraGRPOLearner, lora_settings, train_settings
+from learner.trainer import LoraGRPOLearner
+from learner.under_lease import AliasWork
 from ratchet.carry import Start
-from ratchet.lease import LeaseKeeper, LeaseLost
+from ratchet.lease import LeaseKeeper
 from ratchet.lifecycle import EventSink, Lifecycle, LifecycleError
 from ratchet.progress import LearnerProgress
 from ratchet.records import (
@@ -117,8 +117,6 @@ class LearnerService:
         self.guard = Guard(settings.learner, self.redis, self.writer, self.lifecycle, self.metrics)
         self.lineage = Lineage(self.store)
         self._starved: set[str] = set()  # aliases told to wait for held-out prompts (logged once)
-        # When each alias's last round, held settling or import gate here ended (monotonic).
-        self.worked_at: dict[str, float] = {}
         self.read_counts: Counter[str] = Counter()  # groups read per alias, not yet published
         self._reporting: set[str] = set()  # aliases whose progress this replica publishes
         self.consumers = Consumers(settings, self.metrics)
@@ -126,6 +124,7 @@ class LearnerService:
         self.leases = AliasLeases(
             self.redis, settings.learner.lease_ttl_s, self.lease_keeper, self.metrics, "round"
         )
+        self.work = AliasWork(self.leases, self.lifecycle, self.metrics, self.refresh_routes)
 
     # --- intake ---------------------------------------------------------------------------------
 
@@ -206,7 +205,7 @@ class LearnerService:
         usable = fair_size(counts_by_key(waiting, key_of_waiting), s.batch_groups, share)
         if usable >= s.batch_groups:
             return True
-        since = max(waiting[0].arrived, self.worked_at.get(alias, 0.0))
+        since = max(waiting[0].arrived, self.work.worked_at.get(alias, 0.0))
         return usable >= s.min_groups and time.monotonic() - since >= s.interval_s
 
     def trains_through_canary(self, alias: str, route: AliasRoute) -> bool:
@@ -252,55 +251,28 @@ class LearnerService:
         self.guard.after_round(alias, groups)
         return report
 
-    def guarded_round(self, alias: str) -> list[RoundReport]:
-        """A round; one that fails for any reason but an outage pauses the alias (a bug or bad
-        data would otherwise fail the same way forever) and leaves its groups uncommitted."""
-        try:
-            report = self.run_round(alias)
-            return [] if report is None else [report]
-        except (KafkaError, redis.RedisError, OSError, LeaseLost):
-            raise  # an outage (retried once the part is back), or the alias is another's now
-        except Exception as exc:
-            log.exception("%s: round failed", alias)
-            self.fail_round(alias, exc)
-            return []
-
-    @contextlib.contextmanager
-    def working(self, alias: str) -> Iterator[None]:
-        """A round, settling or gate of the alias: when it ends, however, :meth:`ready` counts
-        ``interval_s`` afresh from there."""
-        try:
-            yield
-        finally:
-            self.worked_at[alias] = time.monotonic()
-
     def fail_round(self, alias: str, exc: Exception) -> None:
-        """Count a round that failed (not an outage) and pause the alias with the reason."""
+        """Count a round that failed (not an outage) and pause the alias with the reason: a bug
+        or bad data would otherwise fail the same way forever. Its groups stay uncommitted."""
         self.metrics.failures.labels(alias, "round").inc()
         self.metrics.rounds.labels(alias, "failed").inc()
         self.guard.pause(alias, f"round_failed: {type(exc).__name__}: {str(exc)[:200]}")
 
     def leased_round(self, alias: str) -> list[RoundReport]:
-        """A round under the alias's lease; none if another learner holds it. Whatever another
-        replica did before we got the lease (a round on the same groups, a promotion) is read
-        first, and every write of this round is fenced by the lease."""
-        with self.leases.hold(alias) as lease:
-            if lease is None:
-                return []
-            self.refresh_routes()
+        """A round under the alias's lease (learner/under_lease.py); none if another learner
+        holds it. The groups another replica trained meanwhile, or gone stale, are dropped first."""
+
+        def due() -> str | None:
             self.drop_trained(alias)
             self.drop_stale(alias)
-            if not self.ready(alias):
-                return []
-            try:
-                with self.lifecycle.fenced(lease), self.working(alias):
-                    return self.guarded_round(alias)
-            except LeaseLost as exc:
-                # Stalled past the TTL: another learner may be on this alias now. Its groups stay
-                # waiting; those it trains are dropped at our next try.
-                log.warning("%s: round abandoned: %s", alias, exc)
-                self.metrics.lease_lost.labels(alias, "round").inc()
-                return []
+            return alias if self.ready(alias) else None
+
+        def work(_: str) -> list[RoundReport]:
+            report = self.run_round(alias)
+            return [] if report is None else [report]
+
+        on_error = partial(self.fail_round, alias)
+        return self.work.under_lease(alias, "round", due, work, on_error) or []
 
     def leased_settle(self, alias: str) -> list[RoundReport]:
         """The alias's held candidate gated and settled under its lease, once its canary has
@@ -308,40 +280,34 @@ class LearnerService:
         trained meanwhile is dropped unsettled (never served); one whose settling fails for any
         reason but an outage pauses the alias with its groups waiting again, uncommitted."""
         held = self.held[alias]
-        with self.leases.hold(alias) as lease:
-            if lease is None:
-                return []
-            self.refresh_routes()
+
+        def due() -> AliasRoute | None:
             route = self.routes.get(alias)
             if route is None or route.canary is not None or route.paused:
-                return []  # its canary (or one started since) still runs, or learning is paused
+                return None  # its canary (or one started since) still runs, or learning is paused
             ids = [g.group_id for g in held.candidate.groups]
             if any(score is not None for score in self.redis.zmscore(trained_key(alias), ids)):
                 log.warning("%s: held v%d dropped: its groups were trained by another learner",
                             alias, held.candidate.version)  # fmt: skip
                 del self.held[alias]
-                return []
+                return None
+            return route
+
+        def work(route: AliasRoute) -> list[RoundReport]:
             waiting = len(self.waiting.get(alias) or ())
-            try:
-                with self.lifecycle.fenced(lease), self.working(alias):
-                    report = self.rounds.settle_held(
-                        alias, route, held.candidate, self.heldout[alias], waiting
-                    )
-            except LeaseLost as exc:
-                log.warning("%s: settling held v%d abandoned: %s", alias, held.candidate.version,
-                            exc)  # fmt: skip
-                self.metrics.lease_lost.labels(alias, "round").inc()
-                return []
-            except (KafkaError, redis.RedisError, OSError):
-                raise  # an outage: settled once the part is back
-            except Exception as exc:
-                log.exception("%s: settling held v%d failed", alias, held.candidate.version)
-                del self.held[alias]
-                self.waiting[alias] = held.batch + self.waiting[alias]
-                self.fail_round(alias, exc)
-                return []
+            report = self.rounds.settle_held(
+                alias, route, held.candidate, self.heldout[alias], waiting
+            )
             del self.held[alias]
             return [report]
+
+        def on_error(exc: Exception) -> None:
+            del self.held[alias]
+            self.waiting[alias] = held.batch + self.waiting[alias]
+            self.fail_round(alias, exc)
+
+        what = f"settling held v{held.candidate.version}"
+        return self.work.under_lease(alias, what, due, work, on_error) or []
 
     # --- imported versions ----------------------------------------------------------------------
 
@@ -359,48 +325,46 @@ class LearnerService:
         runs and the held-out pool can fill a gate. One already settled, or gone from the store,
         leaves the queue unexamined; one whose gate raises is rejected with the reason (not
         retried forever)."""
-        with self.leases.hold(alias) as lease:
-            if lease is None:
-                return
-            self.refresh_routes()
+        queued = queued_imports(self.redis, alias)
+        version = queued[0] if queued else 0
+
+        def due() -> AliasRoute | None:
             route, queued = self.routes.get(alias), queued_imports(self.redis, alias)
-            if not queued:
-                return
-            version = queued[0]
+            if not queued or queued[0] != version:
+                return None
             if not self.store.exists(alias, version) or self.store.status(alias, version):
                 log.warning(
                     "%s: imported v%d is not in the store or settled: dropped", alias, version
                 )
                 self.redis.lrem(imports_key(alias), 0, str(version))
-                return
+                return None
             if route is None or route.canary is not None:
-                return  # gated once the canary ends, against what is live then
+                return None  # gated once the canary ends, against what is live then
             config = self.settings.aliases[alias]
             share = config.learning.max_key_share
             if (
                 self.heldout[alias].pairs_available(config.gate.max_pairs, share)
                 < config.gate.min_pairs
             ):
-                return  # the pool fills from ratchet.heldout; the import waits, queued
+                return None  # the pool fills from ratchet.heldout; the import waits, queued
+            return route
+
+        def work(route: AliasRoute) -> None:
             waiting = len(self.waiting.get(alias) or ())
-            try:
-                with self.lifecycle.fenced(lease), self.working(alias):
-                    self.rounds.run_import(alias, route, version, self.heldout[alias], waiting)
-            except LeaseLost as exc:
-                log.warning("%s: gate of imported v%d abandoned: %s", alias, version, exc)
-                self.metrics.lease_lost.labels(alias, "round").inc()
-            except (KafkaError, redis.RedisError, OSError):
-                raise  # an outage: the import stays queued and is gated once the part is back
-            except Exception as exc:
-                log.exception("%s: gate of imported v%d failed", alias, version)
-                self.metrics.failures.labels(alias, "import").inc()
-                reason = f"import_failed: {type(exc).__name__}: {str(exc)[:200]}"
-                self.lifecycle.reject(
-                    alias,
-                    version,
-                    {"reason": reason, "origin": "import"},
-                    also=lambda pipe: unqueue_import(pipe, alias, version),
-                )
+            self.rounds.run_import(alias, route, version, self.heldout[alias], waiting)
+
+        def on_error(exc: Exception) -> None:
+            self.metrics.failures.labels(alias, "import").inc()
+            reason = f"import_failed: {type(exc).__name__}: {str(exc)[:200]}"
+            self.lifecycle.reject(
+                alias,
+                version,
+                {"reason": reason, "origin": "import"},
+                also=lambda pipe: unqueue_import(pipe, alias, version),
+            )
+
+        if version:
+            self.work.under_lease(alias, f"gate of imported v{version}", due, work, on_error)
 
     def drop_trained(self, alias: str) -> None:
         """Drop waiting groups whose round outcome is stored (by another learner, which read
@@ -685,4 +649,4 @@ def follow_rounds(settings: RatchetSettings, base: Path) -> None:
     """A rank other than 0: trains each round rank 0 leads (learner/parallel.py), nothing else."""
     s = settings.learner
     device = None if s.device == "auto" else s.device
-    follow(LoraGRPOLearner(base, lora_settings(s), train_settings(s), device=device))
+    follow(LoraGRPOLearner(base, s.lora, s, device=device))

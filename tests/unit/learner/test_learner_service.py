@@ -467,9 +467,9 @@ def test_groups_that_waited_through_a_round_wait_interval_s_from_its_end(
     assert service.leased_round(ALIAS) == []
     assert waiting_ids(service) == ["g3", "g4"]
     assert not service.ready(ALIAS)  # min_groups, old enough, but the round has just ended
-    service.worked_at[ALIAS] -= 61
+    service.work.worked_at[ALIAS] -= 61
     assert service.ready(ALIAS)
-    service.worked_at[ALIAS] += 61
+    service.work.worked_at[ALIAS] += 61
     service.take(group("g5"), TP0, 5)
     assert service.ready(ALIAS)  # a full batch never waits
 
@@ -723,7 +723,8 @@ def test_a_round_that_fails_pauses_the_alias_and_keeps_its_groups(
         raise ValueError("token ids do not match the prompt")
 
     monkeypatch.setattr(service, "run_round", broken_round)
-    assert service.guarded_round(ALIAS) == []
+    monkeypatch.setattr(service, "ready", lambda alias: True)
+    assert service.leased_round(ALIAS) == []
     assert route_paused(service)
     reason = service.writer.history(ALIAS)[0]["detail"]["reason"]
     assert reason == "round_failed: ValueError: token ids do not match the prompt"
@@ -738,8 +739,9 @@ def test_an_outage_during_a_round_is_raised_not_paused(
         raise redis.ConnectionError("redis went away")
 
     monkeypatch.setattr(service, "run_round", outage)
+    monkeypatch.setattr(service, "ready", lambda alias: True)
     with pytest.raises(redis.ConnectionError):
-        service.guarded_round(ALIAS)
+        service.leased_round(ALIAS)
     assert not route_paused(service)
     assert ALIAS not in service.guard.paused_reason
 
