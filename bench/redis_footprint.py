@@ -1,6 +1,6 @@
 """Does Redis stay flat under a flood of huge prompts? Redis ``used_memory`` over time.
 
-Run it from the repository root (10 minutes, as the README's figure)::
+Run it from the repository root (10 minutes, as docs/results/benchmarks.md's figure)::
 
     .venv/bin/python bench/redis_footprint.py [--minutes 10] [--ttl 3600] [--rated 0.1]
 

@@ -4,7 +4,7 @@ console shows it, follows a promotion made by the CLI without a reload, refuses 
 without the admin key, and rolls back from a click that the proxy serves within a second.
 
 Its screenshots go to the test's temporary folder, so a run leaves the tree clean. To renew
-the README's (docs/console-*.png) on purpose, run it with RATCHET_SCREENSHOTS=docs:
+docs/console.md's (docs/console-*.png) on purpose, run it with RATCHET_SCREENSHOTS=docs:
 ``RATCHET_SCREENSHOTS=docs .venv/bin/python -m pytest tests/integration/test_console.py``.
 """
 
@@ -52,7 +52,7 @@ STATUS_CONTRAST = 4.5  # WCAG AA for normal text
 @pytest.fixture
 def screenshots(tmp_path: Path) -> Path:
     """Where the screenshots go: the test's temporary folder, or RATCHET_SCREENSHOTS (relative
-    to the project root) when renewing the README's on purpose."""
+    to the project root) when renewing docs/console.md's on purpose."""
     chosen = os.environ.get("RATCHET_SCREENSHOTS")
     folder = ROOT / chosen if chosen else tmp_path / "screenshots"
     folder.mkdir(parents=True, exist_ok=True)
@@ -271,7 +271,7 @@ def test_the_console_shows_the_loop_and_steers_it_in_a_browser(
             wait_until(found_rated, 20, "the rated exchange on the traffic page")
             check_accessibility(page, statuses=False)
 
-            # The overview once there is something to show: the screenshot in the README.
+            # The overview once there is something to show: the screenshot in docs/console.md.
             page.goto(url + "/")
             # The one request sent above, counted from the proxy's own metrics.
             expect(page.get_by_test_id(f"traffic-{ALIAS}")).to_contain_text(
