@@ -127,8 +127,8 @@ CONFIGS: dict[str, Config] = {
     "half": replace(SHIPPED, groups=16, steps=8),  # round 1 0.57, round 2 0.61
     "half-t1.0": replace(SHIPPED, groups=16, steps=8, temperature=1.0),  # 0.57, then 0.45
     "strict": replace(SHIPPED, reward="strict"),  # format-only reward, for comparison
-    # Up to three passes over each round's groups, stopped on KL or clipping (docs/learner.md, levers),
-    # and three whole passes.
+    # Up to three passes over each round's groups, stopped on KL or clipping (docs/learner.md,
+    # levers), and three whole passes.
     "epochs3": replace(SHIPPED, epochs=3),
     "epochs3-whole": replace(SHIPPED, epochs=3, epoch_max_kl=1e9, epoch_max_clip=1.0),
 }

@@ -3,7 +3,8 @@
 CI does not run it (it takes about three hours of the whole 2-core machine, and a correct
 change can miss a bar by chance); run it before a release, after a change to what or how the
 loop learns (learner, judge, gate, canary, rewards, their defaults), and add its table to
-docs/results/outcome-runs.md. Each check runs in its own process, one after the other, on a stack of its own:
+docs/results/outcome-runs.md. Each check runs in its own process, one after the other, on a
+stack of its own:
 
 * ``loop``: bench/loop_speed.py on the shipped defaults for each of ``--tasks`` (default: the
   demo task): traffic until the first promotion or ``--minutes``, then the promoted version's
