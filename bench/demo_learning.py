@@ -4,25 +4,25 @@ Run it from the repository root (CPU, the embedded model; needs no Kafka or Redi
 
     .venv/bin/python bench/demo_learning.py --config shipped --rounds 2
 
-``--task sorting`` (any of ``ratchet.tasks.TASKS``) uses that task's prompts and verifier instead
+``--task sorting`` (any of ``tasks.TASKS``) uses that task's prompts and verifier instead
 of the demo's; ``--base-only`` then measures a task's base rates (greedy mean, and the spread of
 ``--base-groups`` groups sampled at the config's temperature).
 
 Method
 ------
-One vLLM (the embedded stack's CPU build, started by ``ratchet.dev.stack.vllm_part`` on a free port,
+One vLLM (the embedded stack's CPU build, started by ``embedded.stack.vllm_part`` on a free port,
 its adapter store in a temporary ``RATCHET_HOME``) serves the base model and every candidate
 through the filesystem resolver as ``<alias>@v<N>``. The shipped demo prompts
-(``ratchet.demo.load_prompts``) are split: the last ``--heldout`` are never trained on. For each
+(``tasks.demo.load_prompts``) are split: the last ``--heldout`` are never trained on. For each
 ``--config`` (see ``CONFIGS``: ``shipped`` is the demo alias and learner section of the packaged
-``ratchet/dev/ratchet.yaml``, read from it; ``--set key=value`` overrides a field), from a fresh
+``embedded/ratchet.yaml``, read from it; ``--set key=value`` overrides a field), from a fresh
 LoRA, each round:
 
 1. sample: ``groups`` training prompts (the next ones of a seeded shuffle), ``k`` answers each
    from the live version (v0 = the base, then the previous round's candidate: on-policy), in one
    vLLM chat call per prompt with ``n=k``, ``logprobs`` and ``return_token_ids`` (the judge's own
    ``sampling_body`` and ``parse_group``) and a fixed ``seed`` per request;
-2. score: ``ratchet.demo.extraction_reward`` (or ``strict_reward``) through
+2. score: ``tasks.demo.extraction_reward`` (or ``strict_reward``) through
    ``ratchet.rewards.verifiers.run_verifier``, into ``ScoredGroup`` records;
 3. train: ``LoraGRPOLearner.train_round``, then ``save_candidate`` as ``<alias>@v<round>``;
 4. evaluate (not part of the round's time): every held-out prompt answered greedily
@@ -58,19 +58,18 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from embedded.config import default_config_text
+from embedded.processes import free_port
 from judge.sampler import parse_group, sampling_body
 from learner.gate_scoring import verifier_outcome
-from ratchet import demo
-from ratchet.demo import expected_fields, extraction_reward
-from ratchet.dev.config import default_config_text
-from ratchet.dev.processes import free_port
 from ratchet.evaluation import bootstrap_interval
 from ratchet.records import ScoredGroup
 from ratchet.rewards.ruler import strip_code_fence
 from ratchet.rewards.verifiers import Verifier, run_verifier
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import AliasConfig, LearnerSettings, RatchetSettings
-from ratchet.tasks import TASKS, get_task, request_fields
+from tasks import TASKS, demo, get_task, request_fields
+from tasks.demo import expected_fields, extraction_reward
 
 BASE = "smollm2-135m-instruct"
 T = TypeVar("T")
@@ -89,7 +88,7 @@ class Config:
     max_tokens: int
     temperature: float
     scale_rewards: str
-    reward: str  # the training reward: "shipped" (ratchet.demo) or "strict"
+    reward: str  # the training reward: "shipped" (tasks.demo) or "strict"
     seed: int
     epochs: int  # passes over a round's groups (learner.epochs_per_round)
     epoch_max_kl: float  # learner.epoch_max_kl
@@ -164,8 +163,8 @@ class VLLM:
     run again (requests are seeded or greedy, so a re-run gives the same answers)."""
 
     def __init__(self, home: Path, model_path: Path, threads: int, dtype: str | None) -> None:
-        from ratchet.dev.processes import Stack
-        from ratchet.dev.stack import vllm_part
+        from embedded.processes import Stack
+        from embedded.stack import vllm_part
 
         self.url = f"http://127.0.0.1:{free_port()}"
         settings = RatchetSettings(vllm_url=self.url, home=home)
@@ -186,7 +185,7 @@ class VLLM:
         self.stack.stop()
 
     def healthy(self) -> bool:
-        from ratchet.dev.processes import http_ok
+        from embedded.processes import http_ok
 
         return self.stack.part("vllm").running and http_ok(self.url + "/health")
 
@@ -533,7 +532,7 @@ def main() -> None:
 
     import torch
 
-    from ratchet.dev.model import prepare_model
+    from embedded.model import prepare_model
     from ratchet.settings import default_home
     from ratchet.store import AdapterStore
 

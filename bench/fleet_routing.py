@@ -48,17 +48,17 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from ratchet.dev.adapters import write_random_adapters
-from ratchet.dev.model import prepare_model
-from ratchet.dev.processes import Part, Stack, free_port
-from ratchet.dev.stack import (
+from embedded.adapters import write_random_adapters
+from embedded.model import prepare_model
+from embedded.processes import Part, Stack, free_port
+from embedded.stack import (
     create_topics,
     kafka_part,
     proxy_part,
     redis_part,
     vllm_part,
 )
-from ratchet.dev.vllm_cpu_lora import SLOT_LOAD
+from embedded.vllm_cpu_lora import SLOT_LOAD
 from ratchet.registry import AliasRoute, RegistryWriter
 from ratchet.settings import RatchetSettings, default_home, load_settings
 from ratchet.store import AdapterStore

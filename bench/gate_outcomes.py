@@ -50,11 +50,11 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.demo_learning import BASE, VLLM, evaluate
+from embedded.model import prepare_model
 from learner.gate_scoring import verifier_outcome
 from learner.gate_verdict import decide
-from ratchet.dev.model import prepare_model
 from ratchet.settings import GateConfig, default_home
-from ratchet.tasks import Task, get_task
+from tasks import Task, get_task
 
 
 def score_difference(candidate: float, base: float) -> float:

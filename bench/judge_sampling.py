@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 
 from judge.sampler import auto_max_tokens, sample_group, sampling_body  # noqa: E402
 from ratchet.settings import SamplingConfig, load_settings  # noqa: E402
-from ratchet.tasks import get_task, request_fields  # noqa: E402
+from tasks import get_task, request_fields  # noqa: E402
 
 SERVED_MODEL = "smollm2-135m-instruct"
 METRICS = {
@@ -201,7 +201,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=60.0, help="per concurrency level")
     parser.add_argument("--served", type=int, default=32, help="prompts answered for lengths")
     parser.add_argument("--max-tokens", default="auto", help="a number, or auto")
-    parser.add_argument("--task", default="demo", help="a bundled task (ratchet.tasks)")
+    parser.add_argument("--task", default="demo", help="a bundled task (tasks)")
     parser.add_argument(
         "--tool-choice",
         choices=("as-sent", "auto", "none"),

@@ -120,7 +120,7 @@ def parse_args() -> argparse.Namespace:
         if precision not in PRECISIONS:
             parser.error(f"--precisions: {precision!r} is neither fp32 nor bf16")
     if args.model_path is None:
-        from ratchet.dev.model import prepare_model
+        from embedded.model import prepare_model
         from ratchet.settings import default_home
 
         args.model_path = prepare_model(default_home(), quiet=True)

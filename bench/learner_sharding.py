@@ -46,9 +46,9 @@ from bench.learner_step import (  # noqa: E402
     synthetic_groups,
     with_behaviour_logprobs,
 )
+from embedded.processes import free_port  # noqa: E402
 from learner.parallel import is_sharded  # noqa: E402
 from learner.trainer import LoraGRPOLearner, lora_settings, train_settings  # noqa: E402
-from ratchet.dev.processes import free_port  # noqa: E402
 from ratchet.settings import LearnerSettings  # noqa: E402
 
 RUNS = (("reference", 1, "replicate"), ("replicate", None, "replicate"), ("fsdp", None, "fsdp"))
@@ -72,7 +72,7 @@ def parse_args() -> argparse.Namespace:
     if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
         parser.error(f"--ranks {args.ranks} on cuda needs as many GPUs; torch sees fewer")
     if args.model_path is None:
-        from ratchet.dev.model import prepare_model
+        from embedded.model import prepare_model
         from ratchet.settings import default_home
 
         args.model_path = prepare_model(default_home(), quiet=True)

@@ -663,7 +663,7 @@ def parse_args() -> argparse.Namespace:
     if args.model_path is None:
         if gpu:
             parser.error("--model-path is required with --device cuda")
-        from ratchet.dev.model import prepare_model
+        from embedded.model import prepare_model
         from ratchet.settings import default_home
 
         args.model_path = prepare_model(default_home(), quiet=True)

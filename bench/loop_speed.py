@@ -7,7 +7,7 @@ per task; about ``--minutes`` plus 5 per task)::
 
 Method
 ------
-For each bundled task (``ratchet.tasks.TASKS``), one at a time, on a fresh stack (Tansu, Redis,
+For each bundled task (``tasks.TASKS``), one at a time, on a fresh stack (Tansu, Redis,
 vLLM CPU, proxy, judge and learner as separate processes, started as ``ratchet up`` starts them):
 
 1. config: a ``ratchet.yaml`` that gives the task's alias only ``reward: {kind: verifier,
@@ -57,13 +57,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.demo_learning import evaluate, vllm_headers
 from bench.loop_watch import Watch, Watcher, proc_memory
-from ratchet.dev.config import default_config_text
-from ratchet.dev.model import prepare_model
-from ratchet.dev.processes import Stack, free_port
-from ratchet.dev.stack import create_topics, embedded_stack
+from embedded.config import default_config_text
+from embedded.model import prepare_model
+from embedded.processes import Stack, free_port
+from embedded.stack import create_topics, embedded_stack
 from ratchet.evaluation import paired_lift
 from ratchet.settings import RatchetSettings, default_home, load_settings
-from ratchet.tasks import TASKS, Task, get_task, request_fields
+from tasks import TASKS, Task, get_task, request_fields
 
 BASE = "smollm2-135m-instruct"
 BOOTSTRAP_SAMPLES = 2000  # resamples of the lift's interval

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from ratchet.dev.processes import Stack
+from embedded.processes import Stack
 from ratchet.registry import RegistryWriter
 from ratchet.secrets import redis_connection_url
 from ratchet.settings import RatchetSettings

@@ -72,8 +72,8 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ratchet.dev.processes import Part, Stack, free_port
-from ratchet.dev.stack import kafka_part, redis_part
+from embedded.processes import Part, Stack, free_port
+from embedded.stack import kafka_part, redis_part
 
 REPO = Path(__file__).resolve().parent.parent
 FAST_MODEL = "bench-echo-model"

@@ -56,14 +56,14 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from embedded.processes import Stack, free_port
+from embedded.stack import kafka_part, redis_part
 from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
 from learner.ratings import ratings_bookkeeping_keys, ratings_key
 from learner.reward_training import RatingsCollector, RewardTrainer
 from proxy.completions import CompletionOwners, owner_ttl_s
 from ratchet.bus import ensure_topics
-from ratchet.dev.processes import Stack, free_port
-from ratchet.dev.stack import kafka_part, redis_part
 from ratchet.lease import LeaseKeeper
 from ratchet.records import (
     DEADLETTER_TOPIC,

@@ -42,7 +42,7 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ratchet.dev.model import prepare_model  # noqa: E402
+from embedded.model import prepare_model  # noqa: E402
 from ratchet.rewards.reward_model import (  # noqa: E402
     AnswerFeatures,
     RatedAnswer,
@@ -53,7 +53,7 @@ from ratchet.rewards.reward_model import (  # noqa: E402
     preference_pairs,
 )
 from ratchet.settings import default_home  # noqa: E402
-from ratchet.tasks import get_task  # noqa: E402
+from tasks import get_task  # noqa: E402
 
 BEFORE_L2 = 1e-3
 PEERS = ("before", "last layer, L2 chosen", "shipped")

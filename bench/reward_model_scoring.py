@@ -8,7 +8,7 @@ Run it from the repository root (CPU, the embedded SmolLM2-135M-Instruct; no ser
 Method
 ------
 One process, one frozen base model (``ratchet.rewards.reward_model.AnswerFeatures``), float32 on
-the CPU, ``--threads`` torch threads. Groups: the demo's prompts (``ratchet.demo``), each with K
+the CPU, ``--threads`` torch threads. Groups: the demo's prompts (``tasks.demo``), each with K
 answers cut from the demo's own expected JSON and a few sentences of filler of varied length
 (seeded), so answers differ in length as sampled ones do. For each K, the same groups are scored
 two ways, after one unmeasured warm-up group each:
@@ -37,10 +37,10 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ratchet.demo import load_prompts
-from ratchet.dev.model import prepare_model
+from embedded.model import prepare_model
 from ratchet.rewards.reward_model import AnswerFeatures
 from ratchet.settings import default_home
+from tasks.demo import load_prompts
 
 FILLER = (
     "Thanks for your order. ",

@@ -5,7 +5,7 @@ home)::
 
     .venv/bin/python bench/soak.py --minutes 20
 
-Method: ``ratchet.dev.soak`` (its docstring has the details). ``--clients`` clients send the demo
+Method: ``embedded.soak`` (its docstring has the details). ``--clients`` clients send the demo
 prompts to the ``demo`` alias through the proxy, half of them streamed, and rate half of their
 answers; every ``--fault-every`` seconds one part, in turn (broker, Redis, vLLM, the proxy's log
 worker, judge, learner), is killed at a random moment and restarted after ``--hold`` seconds (the
@@ -33,11 +33,11 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ratchet.dev.config import default_config_text
-from ratchet.dev.model import prepare_model
-from ratchet.dev.processes import free_port
-from ratchet.dev.soak import FAULTS, LATE_AFTER_S, Soak, SoakReport
-from ratchet.dev.stack import create_topics, embedded_stack
+from embedded.config import default_config_text
+from embedded.model import prepare_model
+from embedded.processes import free_port
+from embedded.soak import FAULTS, LATE_AFTER_S, Soak, SoakReport
+from embedded.stack import create_topics, embedded_stack
 from ratchet.settings import default_home, load_settings
 
 ALIAS = "demo"

@@ -31,10 +31,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.reward_model_quality import generate_answers  # noqa: E402
-from ratchet.dev.model import prepare_model  # noqa: E402
+from embedded.model import prepare_model  # noqa: E402
 from ratchet.evaluation import paired_lift  # noqa: E402
 from ratchet.settings import default_home  # noqa: E402
-from ratchet.tasks.sorting import generate_prompts, sorting_parts, sorting_reward  # noqa: E402
+from tasks.sorting import generate_prompts, sorting_parts, sorting_reward  # noqa: E402
 
 
 def rewards_of(prompts: list[dict[str, Any]], texts: list[str]) -> list[float]:

@@ -6,11 +6,11 @@ Run it from the repository root (starts its own vLLMs on free ports, one after t
 
 Method
 ------
-For each block size, the embedded stack's vLLM (``ratchet.dev.stack.vllm_part``, with
+For each block size, the embedded stack's vLLM (``embedded.stack.vllm_part``, with
 ``--block-size`` set last so it wins) is started alone, and the same groups are sampled exactly as
 the judge samples them (``judge.sampler.sampling_body`` and ``sample_group``: one request with
 ``n=K``, temperature 0.7, a fixed seed per group), ``--concurrency`` at a time, over the first
-``--groups`` prompts of every bundled task (``ratchet.tasks``). Printed per block size: groups per
+``--groups`` prompts of every bundled task (``tasks``). Printed per block size: groups per
 minute, vLLM's prefix-cache hit rate and generated tokens (from its ``/metrics``, before and after),
 and the ratio of groups per minute against the first block size given (the CPU build's default
 is 128). The seeds make both runs generate the same answers: the generated token counts must
@@ -38,13 +38,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.judge_sampling import vllm_metrics  # noqa: E402
+from embedded.model import prepare_model  # noqa: E402
+from embedded.processes import Part, Stack, free_port  # noqa: E402
+from embedded.stack import vllm_part  # noqa: E402
 from judge.sampler import sample_group, sampling_body  # noqa: E402
-from ratchet.dev.model import prepare_model  # noqa: E402
-from ratchet.dev.processes import Part, Stack, free_port  # noqa: E402
-from ratchet.dev.stack import vllm_part  # noqa: E402
 from ratchet.secrets import vllm_api_key  # noqa: E402
 from ratchet.settings import RatchetSettings, SamplingConfig, default_home  # noqa: E402
-from ratchet.tasks import TASKS  # noqa: E402
+from tasks import TASKS  # noqa: E402
 
 SERVED_MODEL = "smollm2-135m-instruct"
 

@@ -1,5 +1,5 @@
 """How fast, and on how many cores, does the embedded vLLM answer with and without the
-``ratchet_cpu_yield`` plugin (ratchet/dev/vllm_cpu_yield.py)?
+``ratchet_cpu_yield`` plugin (embedded/vllm_cpu_yield.py)?
 
 Run it from the repository root (starts its own vLLMs on free ports, one after the other)::
 
@@ -7,7 +7,7 @@ Run it from the repository root (starts its own vLLMs on free ports, one after t
 
 Method
 ------
-The embedded stack's vLLM (``ratchet.dev.stack.vllm_part``) is started alone twice: first with
+The embedded stack's vLLM (``embedded.stack.vllm_part``) is started alone twice: first with
 ``ratchet_cpu_yield`` left out of ``VLLM_PLUGINS`` (the peer: vLLM's own 1 s busy-wait), then as
 the stack runs it. Each, after a warm-up, runs two workloads:
 
@@ -44,9 +44,9 @@ sys.path.insert(0, str(REPO))
 
 from bench.judge_sampling import vllm_metrics  # noqa: E402
 from bench.vllm_block_size import lone_vllm, sample_all  # noqa: E402
-from ratchet.dev.processes import Part  # noqa: E402
-from ratchet.dev.vllm_cpu_yield import PLUGIN_NAME  # noqa: E402
-from ratchet.tasks import TASKS  # noqa: E402
+from embedded.processes import Part  # noqa: E402
+from embedded.vllm_cpu_yield import PLUGIN_NAME  # noqa: E402
+from tasks import TASKS  # noqa: E402
 
 
 def cpu_seconds(root: psutil.Process) -> float:

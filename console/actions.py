@@ -1,5 +1,5 @@
 """The console's actions: the same Lifecycle and routing calls as the CLI's commands
-(ratchet/cli/lifecycle.py, ratchet/cli/routing.py), with the console's admin as the actor:
+(cli/lifecycle.py, cli/routing.py), with the console's admin as the actor:
 ``console (session <id> from <address>)`` or ``console (admin key from <address>)``.
 
 Each returns the new route or raises ActionRefused with a sentence for the page.

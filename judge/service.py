@@ -605,7 +605,7 @@ def reward_models(settings: RatchetSettings) -> RewardModels | None:
         return None
     path = settings.learner.base_model_path
     if not path:
-        # No dev fallback here: the judge must not reach into the embedded stack (ratchet.dev).
+        # No dev fallback here: the judge must not reach into the embedded stack (embedded).
         raise ConfigError(
             f"aliases {rated} learn from ratings, so the judge needs the base model their "
             "reward models score with, but learner.base_model_path is empty: set it in "

@@ -4,7 +4,7 @@
     .venv/bin/python ops/check_image.py --skip-build
     .venv/bin/python ops/check_image.py --no-learner # proxy and judge only (no torch image)
 
-Kafka (Tansu), Redis and vLLM run on the host on free ports (ratchet.dev, as `ratchet up` starts
+Kafka (Tansu), Redis and vLLM run on the host on free ports (embedded, as `ratchet up` starts
 them); the proxy, judge and learner run as podman containers on the host network, configured as
 the chart configures its pods: a ratchet.yaml mounted read-only at /etc/ratchet, the server
 secret and vLLM's key in the environment, user 10001, a read-only root filesystem with writable
@@ -37,10 +37,10 @@ from typing import Any
 import httpx
 import yaml
 
+from embedded.model import prepare_model
+from embedded.processes import Stack, free_port, wait_until
+from embedded.stack import create_topics, embedded_stack
 from ratchet.bus import make_consumer
-from ratchet.dev.model import prepare_model
-from ratchet.dev.processes import Stack, free_port, wait_until
-from ratchet.dev.stack import create_topics, embedded_stack
 from ratchet.records import TRAFFIC_TOPIC, TrafficRecord, decode
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import default_home, load_settings

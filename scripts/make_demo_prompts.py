@@ -1,4 +1,4 @@
-"""Write the demo task's prompt set, ``ratchet/demo/prompts.jsonl``, from the seeded generator.
+"""Write the demo task's prompt set, ``tasks/demo/prompts.jsonl``, from the seeded generator.
 
 Re-running gives the same file byte for byte (``tests/unit/test_demo.py`` checks the shipped one)::
 
@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ratchet.demo import DEFAULT_COUNT, DEFAULT_SEED, PROMPTS_FILE, prompts_jsonl  # noqa: E402
+from tasks.demo import DEFAULT_COUNT, DEFAULT_SEED, PROMPTS_FILE, prompts_jsonl  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -297,7 +297,7 @@ def test_gpu_learner(rendered: dict[str, Rendered]) -> None:
     # Two GPUs, two ranks: torchrun starts one learner process per GPU (learner/parallel.py).
     assert learner["command"] == [
         "torchrun", "--standalone", "--nproc-per-node", "2",
-        "-m", "ratchet", "learner", "--config", "/etc/ratchet/ratchet.yaml",
+        "-m", "cli", "learner", "--config", "/etc/ratchet/ratchet.yaml",
     ]  # fmt: skip
     one_gpu = rendered["defaults"].container(f"{FULLNAME}-learner")
     assert one_gpu["command"] == ["ratchet", "learner", "--config", "/etc/ratchet/ratchet.yaml"]

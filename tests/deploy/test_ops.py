@@ -20,7 +20,7 @@ import yaml
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from ratchet.dev.processes import free_port, wait_until
+from embedded.processes import free_port, wait_until
 from tests.deploy.conftest import FULLNAME, ROOT, Rendered
 from tests.deploy.test_config import container_secret_files
 
@@ -217,7 +217,7 @@ def proxy_metrics(
     log_path = tmp / "proxy.log"
     log = log_path.open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ratchet", "proxy", "--config", str(config)],
+        [sys.executable, "-m", "cli", "proxy", "--config", str(config)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -419,7 +419,7 @@ def _scrape_service(r: Rendered, component: str, tmp: Path, timeout_s: float = 3
     log_path = tmp / f"{component}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ratchet", component, "--config", str(config)],
+            [sys.executable, "-m", "cli", component, "--config", str(config)],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

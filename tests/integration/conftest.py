@@ -29,11 +29,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from embedded.adapters import write_random_adapters
+from embedded.model import prepare_model
+from embedded.processes import Stack, free_port, wait_until
+from embedded.stack import create_topics, embedded_stack
 from ratchet.bus import make_consumer
-from ratchet.dev.adapters import write_random_adapters
-from ratchet.dev.model import prepare_model
-from ratchet.dev.processes import Stack, free_port, wait_until
-from ratchet.dev.stack import create_topics, embedded_stack
 from ratchet.records import Record, decode
 from ratchet.registry import AliasRoute, RegistryWriter
 from ratchet.secrets import server_secret, vllm_api_key
@@ -51,7 +51,7 @@ def ratchet_cli(*args: str, timeout_s: float = 300) -> subprocess.CompletedProce
     """`ratchet ARGS` as a user runs it, its output unwrapped (rich wraps at the terminal's
     width, which a captured run does not have)."""
     return subprocess.run(
-        [sys.executable, "-m", "ratchet", *args],
+        [sys.executable, "-m", "cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,

@@ -19,9 +19,9 @@ import redis
 import yaml
 from kafka.structs import TopicPartition
 
+from embedded.processes import Stack
+from embedded.stack import proxy_part
 from ratchet.bus import make_consumer
-from ratchet.dev.processes import Stack
-from ratchet.dev.stack import proxy_part
 from ratchet.records import TRAFFIC_TOPIC, TrafficRecord, decode
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import load_settings

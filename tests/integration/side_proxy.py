@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from ratchet.dev.processes import Stack
-from ratchet.dev.stack import proxy_part
+from embedded.processes import Stack
+from embedded.stack import proxy_part
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import load_settings
 from tests.integration.conftest import Embedded, write_config

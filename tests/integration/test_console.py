@@ -24,9 +24,9 @@ import httpx
 import pytest
 import yaml
 
+from embedded.processes import Stack, wait_until
+from embedded.stack import console_part, learner_part
 from ratchet.bill import Bill
-from ratchet.dev.processes import Stack, wait_until
-from ratchet.dev.stack import console_part, learner_part
 from ratchet.records import EVENTS_TOPIC, LifecycleEvent
 from ratchet.registry import AliasRoute
 from ratchet.settings import load_settings
@@ -190,7 +190,7 @@ def test_the_console_shows_the_loop_and_steers_it_in_a_browser(
 
             # A promotion by the CLI appears without a reload.
             subprocess.run(
-                [sys.executable, "-m", "ratchet", "promote", ALIAS, "--config", str(config_path)],
+                [sys.executable, "-m", "cli", "promote", ALIAS, "--config", str(config_path)],
                 check=True,
                 capture_output=True,
                 timeout=60,

@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from ratchet.dev.processes import wait_until
-from ratchet.dev.stack import create_topics
+from embedded.processes import wait_until
+from embedded.stack import create_topics
 from ratchet.records import TRAFFIC_TOPIC, TrafficRecord
 from tests.integration.conftest import ALIAS, Embedded
 from tests.integration.forwarder import Forwarder

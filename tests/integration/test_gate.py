@@ -22,9 +22,9 @@ from aiohttp import web
 
 from learner.gate import Gate
 from learner.gate_verdict import GateResult
-from ratchet.demo import load_prompts
 from ratchet.records import HeldoutPrompt, prompt_hash
 from ratchet.settings import AliasConfig, GateConfig, RatchetSettings, RewardConfig
+from tasks.demo import load_prompts
 from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded, free_port
 
 pytestmark = pytest.mark.integration

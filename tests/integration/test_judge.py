@@ -20,10 +20,10 @@ import yaml
 from kafka import KafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 
+from cli.status import agreement_line
+from embedded.processes import Stack, wait_until
+from embedded.stack import judge_part, learner_part
 from judge.service import is_heldout
-from ratchet.cli.status import agreement_line
-from ratchet.dev.processes import Stack, wait_until
-from ratchet.dev.stack import judge_part, learner_part
 from ratchet.records import (
     DEADLETTER_TOPIC,
     GROUPS_TOPIC,

@@ -27,10 +27,9 @@ import pytest
 import yaml
 from kafka import KafkaProducer
 
-from ratchet.cli.report import learner_lag
-from ratchet.demo import extraction_reward, load_prompts
-from ratchet.dev.processes import Stack, wait_until
-from ratchet.dev.stack import learner_part
+from cli.report import learner_lag
+from embedded.processes import Stack, wait_until
+from embedded.stack import learner_part
 from ratchet.records import (
     EVENTS_TOPIC,
     GROUPS_TOPIC,
@@ -44,6 +43,7 @@ from ratchet.records import (
 from ratchet.registry import AliasRoute, RegistryWriter
 from ratchet.settings import RatchetSettings, load_settings
 from ratchet.store import AdapterStore
+from tasks.demo import extraction_reward, load_prompts
 from tests.integration.conftest import BASE_MODEL, Embedded, free_port
 
 pytestmark = pytest.mark.integration
@@ -218,7 +218,7 @@ def learner_config(
     config["aliases"] = {
         alias: {
             "base_model": BASE_MODEL,
-            "reward": {"kind": "verifier", "verifier": "ratchet.demo:extraction_reward"},
+            "reward": {"kind": "verifier", "verifier": "tasks.demo:extraction_reward"},
             "gate": {
                 "min_pairs": 16,
                 "max_pairs": len(HELDOUT),
@@ -364,7 +364,7 @@ def test_gate_rejects_worse_promotes_better_and_rollback_restores(
 
     started = time.monotonic()
     cli = subprocess.run(
-        [sys.executable, "-m", "ratchet", "rollback", alias, "--config", str(config)],
+        [sys.executable, "-m", "cli", "rollback", alias, "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=60,

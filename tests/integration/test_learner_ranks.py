@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ratchet.dev.processes import Stack
-from ratchet.dev.stack import learner_part
+from embedded.processes import Stack
+from embedded.stack import learner_part
 from ratchet.registry import AliasRoute
 from ratchet.settings import load_settings
 from ratchet.store import AdapterStore

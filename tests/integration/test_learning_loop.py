@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from ratchet.demo import extraction_reward, load_prompts
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord, TrafficRecord, utc_now
+from tasks.demo import extraction_reward, load_prompts
 from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded
 
 pytestmark = pytest.mark.integration
@@ -31,7 +31,7 @@ def test_ratchet_demo_replays_prompts_and_rates_each_answer(base_route: Embedded
     since = utc_now()  # earlier tests in the session sent the same prompts to this alias
     command = ["demo", "--alias", ALIAS, "--count", str(count)]
     result = subprocess.run(
-        [sys.executable, "-m", "ratchet", *command, "--config", str(embedded.config_path)],
+        [sys.executable, "-m", "cli", *command, "--config", str(embedded.config_path)],
         capture_output=True,
         text=True,
         timeout=300,

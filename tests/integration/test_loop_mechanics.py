@@ -19,16 +19,16 @@ import pytest
 import yaml
 
 from console.views import ConsoleData
+from embedded.processes import Stack, free_port
+from embedded.stack import judge_part, learner_part
 from judge.service import is_heldout
 from ratchet.bill import Bill
-from ratchet.demo import load_prompts
-from ratchet.dev.processes import Stack, free_port
-from ratchet.dev.stack import judge_part, learner_part
 from ratchet.progress import read_progress
 from ratchet.records import GROUPS_TOPIC, ScoredGroup, prompt_hash
 from ratchet.registry import AliasRoute
 from ratchet.settings import RatchetSettings, load_settings
 from ratchet.store import AdapterStore
+from tasks.demo import load_prompts
 from tests.integration.conftest import BASE_MODEL, Embedded, ratchet_cli
 from tests.integration.scripted_users import (
     canary_favoured,
@@ -80,7 +80,7 @@ def mechanics_config(env: Embedded, home: Path, round_groups: int) -> Path:
     config["aliases"] = {
         ALIAS: {
             "base_model": BASE_MODEL,
-            "reward": {"kind": "verifier", "verifier": "ratchet.demo:extraction_reward"},
+            "reward": {"kind": "verifier", "verifier": "tasks.demo:extraction_reward"},
             "learning": {
                 "group_size": 4,
                 "heldout_fraction": HELDOUT_FRACTION,
@@ -227,7 +227,7 @@ def export_groups_interrupted_then_continued(
     what `datasets` loads has every group once."""
     from datasets import load_dataset
 
-    from ratchet.export.run import begin, export
+    from cli.export.run import begin, export
 
     def stop_after_a_shard(done: int, total: int) -> None:
         if any((out / "data").glob("part-*.parquet")):

@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
+from embedded.processes import wait_until
 from proxy.log.producer import RecordProducer
 from proxy.log.spool import OutgoingRecord
-from ratchet.dev.processes import wait_until
 from ratchet.records import DEADLETTER_TOPIC, TRAFFIC_TOPIC, DeadLetter, TrafficRecord
 from ratchet.secrets import hash_api_key, server_secret
 from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded

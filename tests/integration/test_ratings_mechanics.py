@@ -24,16 +24,16 @@ import pytest
 import redis
 import yaml
 
+from embedded.processes import Stack, free_port, wait_until
+from embedded.stack import judge_part, learner_part
 from judge.service import is_heldout
-from ratchet.demo import load_prompts as order_prompts
-from ratchet.dev.processes import Stack, free_port, wait_until
-from ratchet.dev.stack import judge_part, learner_part
 from ratchet.records import prompt_hash
 from ratchet.registry import AliasRoute
 from ratchet.rewards.reward_model import RewardStatus, is_eval_rating, reward_model_name
 from ratchet.settings import load_settings
 from ratchet.store import AdapterStore
-from ratchet.tasks.bullets import load_prompts as bullet_prompts
+from tasks.bullets import load_prompts as bullet_prompts
+from tasks.demo import load_prompts as order_prompts
 from tests.integration.conftest import BASE_MODEL, Embedded
 from tests.integration.scripted_users import (
     canary_disliked,

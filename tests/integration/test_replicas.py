@@ -38,12 +38,11 @@ import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from embedded.processes import Part, Stack, wait_until
+from embedded.stack import judge_part, learner_part, proxy_part
 from judge.service import is_heldout
 from learner.leases import lease_key
 from ratchet.bus import make_consumer
-from ratchet.demo import load_prompts
-from ratchet.dev.processes import Part, Stack, wait_until
-from ratchet.dev.stack import judge_part, learner_part, proxy_part
 from ratchet.records import (
     GROUPS_TOPIC,
     HELDOUT_TOPIC,
@@ -57,6 +56,7 @@ from ratchet.records import (
 from ratchet.registry import AliasRoute, RegistryWriter
 from ratchet.settings import RatchetSettings, load_settings
 from ratchet.store import AdapterStore
+from tasks.demo import load_prompts
 from tests.integration.conftest import BASE_MODEL, Embedded, free_port
 
 pytestmark = pytest.mark.integration

@@ -15,10 +15,10 @@ import httpx
 import openai
 import pytest
 
-from ratchet.demo import load_prompts
-from ratchet.dev.processes import wait_until
+from embedded.processes import wait_until
 from ratchet.secrets import hash_api_key
 from ratchet.store import AdapterStore
+from tasks.demo import load_prompts
 from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded, write_test_adapters
 
 pytestmark = pytest.mark.integration
@@ -63,7 +63,7 @@ def test_cli_alias_set_and_show(base_route: Embedded) -> None:
         [
             sys.executable,
             "-m",
-            "ratchet",
+            "cli",
             "alias",
             "set",
             ALIAS,
@@ -77,7 +77,7 @@ def test_cli_alias_set_and_show(base_route: Embedded) -> None:
         capture_output=True,
     )
     shown = subprocess.run(
-        [sys.executable, "-m", "ratchet", "alias", "show", ALIAS, "--config", config],
+        [sys.executable, "-m", "cli", "alias", "show", ALIAS, "--config", config],
         check=True,
         capture_output=True,
         text=True,
@@ -90,7 +90,7 @@ def test_cli_alias_set_and_show(base_route: Embedded) -> None:
         [
             sys.executable,
             "-m",
-            "ratchet",
+            "cli",
             "alias",
             "set",
             "Bad Name!",
@@ -181,7 +181,7 @@ def test_each_canary_arm_answers_as_its_version_does_alone(base_route: Embedded)
     """A canary puts two versions in the same vLLM batches. With every adapter slot of the
     embedded vLLM in use (--max-loras 4), v0's tokens must get no adapter's delta and v1's only
     its own: vLLM's CPU LoRA ops gave base tokens the last slot's adapter until
-    ratchet/dev/vllm_cpu_lora.py replaced them (every base answer changed)."""
+    embedded/vllm_cpu_lora.py replaced them (every base answer changed)."""
     env = base_route
     assert env.settings.store_dir is not None
     write_test_adapters(env.model_path, AdapterStore(env.settings.store_dir), [3, 4, 5, 6])

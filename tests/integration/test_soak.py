@@ -13,9 +13,9 @@ import httpx
 import pytest
 import yaml
 
-from ratchet.dev.processes import Stack
-from ratchet.dev.soak import Soak
-from ratchet.dev.stack import judge_part, learner_part
+from embedded.processes import Stack
+from embedded.soak import Soak
+from embedded.stack import judge_part, learner_part
 from ratchet.records import GROUPS_TOPIC, TRAFFIC_TOPIC
 from ratchet.settings import load_settings
 from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded, free_port
@@ -43,7 +43,7 @@ def soak_config(env: Embedded, home: Path) -> Path:
     config["aliases"] = {
         ALIAS: {
             "base_model": BASE_MODEL,
-            "reward": {"kind": "verifier", "verifier": "ratchet.demo:extraction_reward"},
+            "reward": {"kind": "verifier", "verifier": "tasks.demo:extraction_reward"},
             "learning": {"group_size": 2, "heldout_fraction": 0.3, "dedup_window_s": 0},
             "sampling": {"max_tokens": 8},
         }
@@ -68,7 +68,7 @@ def test_a_short_chaos_soak_loses_nothing(base_route: Embedded, tmp_path: Path) 
             stacks,
             ALIAS,
             # Each of the five faults once: one per 10 s period, none in the last
-            # (ratchet/dev/soak.py). 12 s periods would leave room for only four in 60 s.
+            # (embedded/soak.py). 12 s periods would leave room for only four in 60 s.
             seconds=SECONDS,
             fault_every_s=FAULT_EVERY_S,
             hold_s=3,

@@ -12,9 +12,9 @@ import openai
 import pytest
 import redis
 
-from ratchet.dev.model import model_dir, prepare_model
-from ratchet.dev.processes import wait_until
-from ratchet.dev.stack import read_state
+from embedded.model import model_dir, prepare_model
+from embedded.processes import wait_until
+from embedded.stack import read_state
 from ratchet.settings import default_home
 from tests.integration.conftest import ALIAS, write_config
 
@@ -46,7 +46,7 @@ def test_up_serves_then_down_stops_everything(tmp_path: Path) -> None:
     env = {**os.environ, "RATCHET_HOME": str(tmp_path), "RATCHET_SECRETS_DIR": str(secrets)}
     env.pop("RATCHET_REDIS_URL", None)
     up = subprocess.Popen(
-        [sys.executable, "-m", "ratchet", "up", "--config", str(config_path)],
+        [sys.executable, "-m", "cli", "up", "--config", str(config_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -77,7 +77,7 @@ def test_up_serves_then_down_stops_everything(tmp_path: Path) -> None:
 
         # The CLI reads Redis with the password; a client without it is refused.
         status = subprocess.run(
-            [sys.executable, "-m", "ratchet", "status", ALIAS, "--config", str(config_path)],
+            [sys.executable, "-m", "cli", "status", ALIAS, "--config", str(config_path)],
             env=env,
             capture_output=True,
             text=True,
@@ -88,7 +88,7 @@ def test_up_serves_then_down_stops_everything(tmp_path: Path) -> None:
             redis.Redis.from_url(config["redis_url"]).ping()
 
         down = subprocess.run(
-            [sys.executable, "-m", "ratchet", "down", "--config", str(config_path)],
+            [sys.executable, "-m", "cli", "down", "--config", str(config_path)],
             env=env,
             capture_output=True,
             text=True,

@@ -32,13 +32,13 @@ import pytest
 import redis
 import yaml
 
-from ratchet.dev.processes import Stack, free_port, wait_until
-from ratchet.dev.stack import judge_part, learner_part
+from embedded.processes import Stack, free_port, wait_until
+from embedded.stack import judge_part, learner_part
 from ratchet.evaluation import paired_lift
 from ratchet.registry import AliasRoute
 from ratchet.rewards.reward_model import RewardStatus
 from ratchet.settings import RatchetSettings, load_settings
-from ratchet.tasks.bullets import bullets_reward, generate_prompts, load_prompts
+from tasks.bullets import bullets_reward, generate_prompts, load_prompts
 from tests.integration.conftest import BASE_MODEL, Embedded
 from tests.integration.test_learner import history, served_by, wait_for_event
 

@@ -37,9 +37,9 @@ import pytest
 import yaml
 
 from bench.loop_watch import metric, scrape
-from ratchet.dev.processes import free_port, http_ok, wait_until
+from embedded.processes import free_port, http_ok, wait_until
 from ratchet.evaluation import paired_lift
-from ratchet.tasks import bullets, get_task, sorting
+from tasks import bullets, get_task, sorting
 from tests.integration.conftest import BASE_MODEL, Embedded
 from tests.integration.test_learner import history
 from tests.outcomes.test_learning_from_ratings import (

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import redis
 
-from ratchet.dev.processes import free_port, wait_until
-from ratchet.dev.stack import redis_server_binary
+from embedded.processes import free_port, wait_until
+from embedded.stack import redis_server_binary
 
 
 @pytest.fixture(autouse=True)
@@ -83,7 +83,7 @@ def real_base_model() -> Path:
     """The embedded stack's base model folder, from the real Ratchet home (`scripts/test` prepares
     it before pytest). Session-scoped, so it is resolved before `clean_env` points RATCHET_HOME at
     an empty folder, where it would be converted again (25 s) for every test that asks."""
-    from ratchet.dev.model import prepare_model
+    from embedded.model import prepare_model
     from ratchet.settings import default_home
 
     return prepare_model(default_home(), quiet=True)

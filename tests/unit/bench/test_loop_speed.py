@@ -16,7 +16,7 @@ import yaml
 from bench.loop_speed import curve_summary, lift, loop_config, parse_sets, plot_curve, prompts_at
 from bench.loop_watch import Watch, metric, proc_memory
 from ratchet.settings import AliasConfig, LearnerSettings, load_settings
-from ratchet.tasks import TASKS
+from tasks import TASKS
 from tests.outcomes.lane import (
     RATINGS_DEFAULTS_TEST,
     RATINGS_TASKS,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from bench.reward_model_quality import measure, rated_answers, splits
-from ratchet.tasks import get_task
+from tasks import get_task
 
 
 def test_ratings_are_the_rule_plus_noise_and_splits_keep_prompts_apart() -> None:

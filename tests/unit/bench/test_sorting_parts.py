@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.sorting_parts import parts_of, rewards_of
-from ratchet.tasks.sorting import generate_prompts
+from tasks.sorting import generate_prompts
 
 
 def test_parts_split_the_reward_into_format_and_order() -> None:

@@ -27,7 +27,7 @@ from console.auth import COOKIE
 from console.render import rounds_svg
 from console.service import server_config
 from console.sessions import FAILURES_IN_ALL, FAILURES_KEY, FAILURES_PER_SOURCE, SESSION_KEY
-from ratchet.dev.processes import free_port, wait_until
+from embedded.processes import free_port, wait_until
 from ratchet.lifecycle import Lifecycle
 from ratchet.rounds import RoundRow, rounds_of
 from ratchet.settings import RatchetSettings

@@ -14,11 +14,11 @@ import redis
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from embedded.processes import free_port
 from judge.agreement import AgreementProbe
 from judge.metrics import JudgeMetrics
 from judge.scoring import GroupScorer
 from ratchet.bill import Bill
-from ratchet.dev.processes import free_port
 from ratchet.registry import AliasRoute
 from ratchet.rewards.agreement import RatedExchange, agreement_key, decode_pair, to_judge_key
 from ratchet.rewards.reward_model import RatedAnswer

@@ -1,6 +1,6 @@
 """The judge's reward models read the base model at learner.base_model_path, which it needs only
 for aliases that learn from ratings: it refuses to start without it and never falls back to the
-embedded stack's model (ratchet.dev is the dev stack's, not a service's)."""
+embedded stack's model (embedded is the dev stack's, not a service's)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_the_judge_imports_nothing_from_the_embedded_stack() -> None:
     modules = modules_of("judge")
     assert "judge.service" in modules  # the walk sees the judge
     reaching = {
-        name: sorted(m for m in found if m == "ratchet.dev" or m.startswith("ratchet.dev."))
+        name: sorted(m for m in found if m == "embedded" or m.startswith("embedded."))
         for name, path in modules.items()
         if (found := imported_modules(path.read_text(), name, path.name == "__init__.py"))
     }

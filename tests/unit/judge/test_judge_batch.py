@@ -279,7 +279,7 @@ def test_backpressure_caches_a_yes_for_a_second_rereads_a_no_and_counts_its_own_
 def test_without_redis_the_judge_samples() -> None:
     import redis.asyncio as aioredis
 
-    from ratchet.dev.processes import free_port
+    from embedded.processes import free_port
 
     async def go() -> bool:
         client = aioredis.Redis.from_url(

@@ -14,6 +14,7 @@ import redis
 import redis.asyncio as aioredis
 from kafka.errors import KafkaTimeoutError
 
+from embedded.processes import free_port
 from judge import calibrate as cal
 from judge.metrics import JudgeMetrics
 from judge.sampler import (
@@ -40,7 +41,6 @@ from judge.service import (
 from ratchet.answer_length import auto_max_tokens
 from ratchet.bill import Bill
 from ratchet.carry import Carry, write_carry
-from ratchet.dev.processes import free_port
 from ratchet.records import (
     TRAFFIC_TOPIC,
     DeadLetter,
@@ -61,7 +61,7 @@ from ratchet.settings import (
     SamplingConfig,
 )
 from tests.records import build_traffic_record
-from tests.unit.ratchet.dev.keyed_vllm import keyed_vllm
+from tests.unit.embedded.keyed_vllm import keyed_vllm
 
 PROMPT = [{"role": "user", "content": "q"}]
 
@@ -756,8 +756,8 @@ def test_a_group_carries_its_bill_and_a_spent_daily_budget_stops_sampling(redis_
 def test_a_group_is_sampled_from_its_versions_replica_and_past_a_dead_one() -> None:
     """sample_from asks the replica the proxy would pick for the group's version; one that
     refuses connections is marked and the next one answers."""
+    from embedded.processes import free_port
     from judge.sampler import sample_from
-    from ratchet.dev.processes import free_port
     from ratchet.fleet import Replicas, choose
 
     key = "vllm-key"

@@ -13,14 +13,14 @@ from typing import Any
 import aiohttp
 import pytest
 
+from embedded.processes import free_port
 from judge.sampler import SamplingError, sample_group
 from judge.service import JudgeService, ToSample
-from ratchet.dev.processes import free_port
 from ratchet.records import TRAFFIC_TOPIC, ScoredGroup, TrafficRecord
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import AliasConfig, RatchetSettings
 from tests.records import build_traffic_record
-from tests.unit.ratchet.dev.keyed_vllm import keyed_vllm
+from tests.unit.embedded.keyed_vllm import keyed_vllm
 
 KEY = "vllm-key-for-the-judge"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "q"}], "n": 2}

@@ -1,5 +1,5 @@
 """The learner trains adapters of the base model at learner.base_model_path: it refuses to start
-without it and never falls back to the embedded stack's model (ratchet.dev is the dev stack's,
+without it and never falls back to the embedded stack's model (embedded is the dev stack's,
 not a service's)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_the_learner_imports_nothing_from_the_embedded_stack() -> None:
     modules = modules_of("learner")
     assert "learner.service" in modules  # the walk sees the learner
     reaching = {
-        name: sorted(m for m in found if m == "ratchet.dev" or m.startswith("ratchet.dev."))
+        name: sorted(m for m in found if m == "embedded" or m.startswith("embedded."))
         for name, path in modules.items()
         if (found := imported_modules(path.read_text(), name, path.name == "__init__.py"))
     }

@@ -25,10 +25,10 @@ import orjson
 import pytest
 from aiohttp import web
 
+from embedded.processes import free_port
 from learner.gate import Gate, GateError, answer_max_tokens
 from learner.gate_scoring import PairScorer, pairwise_outcome, verifier_outcome
 from learner.gate_verdict import decide, score_lift
-from ratchet.dev.processes import free_port
 from ratchet.records import HeldoutPrompt
 from ratchet.rewards.reward_model import RewardStatus
 from ratchet.settings import AliasConfig, GateConfig, LearnerSettings, RatchetSettings, RewardConfig
@@ -567,7 +567,7 @@ def test_the_gate_asks_the_replica_of_each_version_and_steps_past_a_dead_one(
 ) -> None:
     """With vllm_endpoints the gate answers each version from the replica the proxy would pick
     for it; a replica that refuses connections is passed over, and no pair is lost."""
-    from ratchet.dev.processes import free_port
+    from embedded.processes import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     settings = RatchetSettings(

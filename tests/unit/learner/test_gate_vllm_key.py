@@ -14,7 +14,7 @@ from learner.gate_verdict import GateResult
 from ratchet.records import HeldoutPrompt
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import AliasConfig, RatchetSettings
-from tests.unit.ratchet.dev.keyed_vllm import KeyedVllm, keyed_vllm
+from tests.unit.embedded.keyed_vllm import KeyedVllm, keyed_vllm
 
 KEY = "vllm-key-for-the-gate"
 PAIRS = 3

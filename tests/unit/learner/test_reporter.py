@@ -9,9 +9,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from embedded.processes import free_port
 from learner.metrics import LearnerMetrics
 from learner.reporter import ProgressReporter
-from ratchet.dev.processes import free_port
 from ratchet.progress import LearnerProgress, progress_key, read_progress
 
 ALIAS = "support"

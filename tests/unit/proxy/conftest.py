@@ -16,8 +16,8 @@ import httpx
 import pytest
 from aiohttp import web
 
+from embedded.processes import free_port as closed_port
 from proxy.app import create_app
-from ratchet.dev.processes import free_port as closed_port
 from ratchet.settings import RatchetSettings
 
 

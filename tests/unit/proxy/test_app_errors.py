@@ -20,10 +20,10 @@ import pytest_asyncio
 from fastapi import FastAPI
 from kafka.errors import KafkaTimeoutError
 
+from embedded.processes import free_port as closed_port
 from proxy.app import create_app
 from proxy.log.spool import OutgoingRecord, Spool
 from ratchet import bus
-from ratchet.dev.processes import free_port as closed_port
 from ratchet.records import TRAFFIC_TOPIC
 from ratchet.secrets import hash_api_key, server_secret
 from ratchet.settings import RatchetSettings

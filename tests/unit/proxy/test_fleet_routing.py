@@ -16,8 +16,8 @@ import httpx
 from aiohttp import web
 
 import ratchet.fleet
+from embedded.processes import free_port, wait_until_async
 from proxy.app import create_app
-from ratchet.dev.processes import free_port, wait_until_async
 from ratchet.fleet import choose, conversation_key
 from ratchet.settings import RatchetSettings
 

@@ -22,9 +22,9 @@ import orjson
 import pytest
 import pytest_asyncio
 
+from embedded.processes import free_port
 from proxy.app import create_app
 from proxy.server import ProxyServer, exposure_refusal, server_config
-from ratchet.dev.processes import free_port
 from ratchet.settings import RatchetSettings
 
 DEADLINE_S = 0.5

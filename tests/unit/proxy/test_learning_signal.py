@@ -22,11 +22,11 @@ import pytest
 import redis
 from aiohttp import web
 
+from embedded.processes import free_port as closed_port
 from proxy.app import create_app
 from proxy.completions import completion_id_of, owner_ttl_s
 from proxy.log.exchange import Exchange, Redactor
 from proxy.state import ProxyState
-from ratchet.dev.processes import free_port as closed_port
 from ratchet.records import ANONYMOUS_CLIENT
 from ratchet.registry import AliasRoute, RegistryWriter
 from ratchet.settings import RatchetSettings

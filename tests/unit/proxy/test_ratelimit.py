@@ -21,6 +21,7 @@ import pytest
 import redis
 from aiohttp import web
 
+from embedded.processes import free_port as closed_port
 from proxy import ratelimit
 from proxy.app import create_app
 from proxy.buckets import (
@@ -36,7 +37,6 @@ from proxy.errors import ProxyError
 from proxy.metrics import ProxyMetrics
 from proxy.ratelimit import RateLimiter
 from proxy.validation import RequestLimits
-from ratchet.dev.processes import free_port as closed_port
 from ratchet.settings import ConfigError, RateLimitSettings, load_settings
 
 KEY_A, KEY_B, KEY_C = "hmac-sha256:aaaa", "hmac-sha256:bbbb", "hmac-sha256:cccc"

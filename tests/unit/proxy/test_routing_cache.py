@@ -9,10 +9,10 @@ from typing import Any
 import httpx
 import redis
 
+from embedded.processes import free_port as closed_port
+from embedded.processes import wait_until_async
 from proxy.app import create_app
 from proxy.routing import RoutingCache
-from ratchet.dev.processes import free_port as closed_port
-from ratchet.dev.processes import wait_until_async
 from ratchet.registry import CHANNEL, AliasRoute, RegistryWriter, alias_key
 from ratchet.settings import AliasConfig, RatchetSettings
 

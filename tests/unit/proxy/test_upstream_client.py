@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from embedded.processes import free_port as closed_port
 from proxy.errors import ProxyError
 from proxy.http1 import READ_HIGH_WATER, UpstreamClosed, UpstreamPool
 from proxy.upstream import Upstream
-from ratchet.dev.processes import free_port as closed_port
 
 BIG = bytes(range(256)) * (4 * 4096)  # 4 MiB: past the read high-water mark
 

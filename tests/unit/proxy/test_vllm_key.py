@@ -15,12 +15,12 @@ from typing import Any
 import httpx
 import pytest
 
+from embedded.processes import free_port
 from proxy.app import create_app
 from proxy.http1 import UpstreamPool
-from ratchet.dev.processes import free_port
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import RatchetSettings
-from tests.unit.ratchet.dev.keyed_vllm import KeyedVllm, keyed_vllm
+from tests.unit.embedded.keyed_vllm import KeyedVllm, keyed_vllm
 
 VLLM_KEY = "vllm-key-for-the-proxy"
 CLIENT_KEY = "sk-the-clients-own-key"

@@ -27,7 +27,7 @@ from ratchet.settings import RatchetSettings
 
 ROOT = Path(__file__).resolve().parents[3]
 DOC = ROOT / "docs" / "architecture.md"
-PACKAGES = ("ratchet", "proxy", "judge", "learner", "console")
+PACKAGES = ("ratchet", "proxy", "judge", "learner", "console", "cli", "embedded", "tasks")
 HOLE = "<>"
 KEY_START = "ratchet:"
 TOPIC_LITERAL = re.compile(r"ratchet\.([a-z_]+)")
@@ -353,5 +353,5 @@ def test_a_listed_key_family_passes(source: str) -> None:
 
 
 def test_a_new_topic_literal_is_caught_and_a_module_path_is_not() -> None:
-    found = templates_of('T = "ratchet.foo"\nresources.files("ratchet.dev")')
+    found = templates_of('T = "ratchet.foo"\nresources.files("ratchet.rewards")')
     assert [f.text for f in unlisted_topic_literals(found, {"ratchet.traffic"})] == ["ratchet.foo"]

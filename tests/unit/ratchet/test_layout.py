@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 SERVICES = ("proxy", "judge", "learner", "console")
 # Not kernel: the CLI and the embedded stack start and call the services.
-KERNEL_EXCEPTIONS = ("ratchet.cli", "ratchet.dev")
+KERNEL_EXCEPTIONS = ("cli", "embedded")
 NOT_FOR_THE_KERNEL = (*SERVICES, "console")
 
 
@@ -91,7 +91,7 @@ def test_the_kernel_imports_no_service() -> None:
     assert {"ratchet.settings", "ratchet.records", "ratchet.bus", "ratchet.registry"} <= set(
         modules
     )
-    assert not any(name.startswith(("ratchet.cli", "ratchet.dev")) for name in modules)
+    assert not any(name.startswith(("cli", "embedded")) for name in modules)
     assert violations(modules, NOT_FOR_THE_KERNEL) == {}
 
 

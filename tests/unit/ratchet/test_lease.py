@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 
-from ratchet.dev.processes import wait_until
+from embedded.processes import wait_until
 from ratchet.lease import Lease, LeaseKeeper, LeaseLost
 from ratchet.records import LifecycleEvent
 from ratchet.registry import AliasRoute, RegistryWriter

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from embedded.config import default_config_text
 from proxy.app import create_app
-from ratchet.dev.config import default_config_text
 from ratchet.settings import (
     DEFAULT_BASE_MODEL,
     AliasConfig,
@@ -66,7 +66,7 @@ def test_the_packaged_config_tunes_nothing_per_task() -> None:
     one who starts from an empty file get the same loop, and the demo gets what a new task gets."""
     import yaml
 
-    from ratchet.dev.config import default_config_text
+    from embedded.config import default_config_text
 
     packaged = yaml.safe_load(default_config_text())
     assert "learner" not in packaged
@@ -313,7 +313,7 @@ def test_a_pattern_re2_cannot_run_in_linear_time_is_refused(pattern: str) -> Non
 def test_the_shipped_redact_patterns_compile() -> None:
     root = Path(__file__).resolve().parents[3]
     for path, section in (
-        (root / "ratchet/dev/ratchet.yaml", lambda doc: doc["proxy"]),
+        (root / "embedded/ratchet.yaml", lambda doc: doc["proxy"]),
         (root / "helm/ratchet/values.yaml", lambda doc: doc["proxy"]["config"]),
     ):
         patterns = section(yaml.safe_load(path.read_text()))["redact_patterns"]
@@ -404,12 +404,12 @@ def _repeated_defaults(data: dict[str, Any], defaults: BaseModel, where: str) ->
 
 
 def test_the_packaged_config_loads_and_repeats_no_default(tmp_path: Path) -> None:
-    """ratchet/dev/ratchet.yaml (what `ratchet up` writes) sets what differs from the defaults
+    """embedded/ratchet.yaml (what `ratchet up` writes) sets what differs from the defaults
     in ratchet/settings.py, and nothing else: a repeated default is a second copy to drift."""
     text = default_config_text()
     settings = load_settings(write_yaml(tmp_path / "ratchet.yaml", text))
     assert set(settings.aliases) == {"support", "demo"}
-    assert settings.aliases["demo"].reward.verifier == "ratchet.demo:extraction_reward"
+    assert settings.aliases["demo"].reward.verifier == "tasks.demo:extraction_reward"
     assert _repeated_defaults(yaml.safe_load(text), RatchetSettings(), "") == []
 
 

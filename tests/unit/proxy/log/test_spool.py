@@ -11,12 +11,12 @@ import orjson
 import pytest
 from kafka.errors import KafkaTimeoutError
 
+from embedded.processes import free_port as closed_port
+from embedded.processes import wait_until
 from proxy.log import producer as producer_module
 from proxy.log.producer import RecordProducer
 from proxy.log.spool import OutgoingRecord, Spool
 from ratchet import bus
-from ratchet.dev.processes import free_port as closed_port
-from ratchet.dev.processes import wait_until
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord, Record
 from ratchet.settings import KafkaSettings
 

@@ -263,7 +263,7 @@ def test_redactor_without_patterns_is_identity() -> None:
     assert Redactor([])(value) is value
 
 
-SHIPPED = r"[\p{L}\p{N}_.+-]+@[\p{L}\p{N}_-]+\.[\p{L}\p{N}_.]+"  # ratchet/dev/ratchet.yaml
+SHIPPED = r"[\p{L}\p{N}_.+-]+@[\p{L}\p{N}_-]+\.[\p{L}\p{N}_.]+"  # embedded/ratchet.yaml
 EARLIER = r"[\w.+-]+@[\w-]+\.[\w.]+"  # shipped before: Python's re took hours on one token
 
 

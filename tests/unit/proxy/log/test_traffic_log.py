@@ -18,6 +18,8 @@ from pathlib import Path
 import orjson
 import pytest
 
+from embedded.processes import free_port as closed_port
+from embedded.processes import wait_until, wait_until_async
 from proxy.log.exchange import REDACTED
 from proxy.log.pipe import WORKER_TOTALS, TrafficLog
 from proxy.log.spool import Spool
@@ -29,8 +31,6 @@ from proxy.log.worker import (
     encode_frame,
     read_frame,
 )
-from ratchet.dev.processes import free_port as closed_port
-from ratchet.dev.processes import wait_until, wait_until_async
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord
 from ratchet.settings import KafkaSettings
 

@@ -22,7 +22,7 @@ from ratchet.rewards.judge_call import (
 )
 from ratchet.rewards.ruler import JudgeReplyError, JudgeRequest, JudgeScores, build_judge_request
 from ratchet.settings import JudgeSettings, RatchetSettings
-from tests.unit.ratchet.dev.keyed_vllm import keyed_vllm
+from tests.unit.embedded.keyed_vllm import keyed_vllm
 
 PROMPT = [{"role": "user", "content": "q"}]
 ANSWERS = [{"role": "assistant", "content": t} for t in ("A", "B")]

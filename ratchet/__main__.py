@@ -1,3 +1,0 @@
-from ratchet.cli import main
-
-main()

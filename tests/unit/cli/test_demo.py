@@ -1,0 +1,70 @@
+"""`ratchet demo`'s tally by version: while a canary runs the proxy does not say which version
+answered (proxy.expose_arm is off in every shipped config), so those answers are credited from
+the proxy's traffic records."""
+
+from __future__ import annotations
+
+import asyncio
+from importlib import resources
+
+import httpx
+import yaml
+from typer.testing import CliRunner
+
+from cli import app
+from cli.demo import RATE_ATTEMPTS, DemoReplay, retry_after_s
+
+
+def test_concealed_answers_are_credited_to_the_version_their_records_name() -> None:
+    replay = DemoReplay("demo", "http://proxy/v1", "unused", 1, feedback=False)
+    replay.scores = {"demo@v1": [1.0]}
+    replay.concealed = {"c1": 0.5, "c2": 1.0, "c3": 0.0}
+    replay.resolve({"c1": "demo@v1", "c2": "demo@v2"})
+    assert replay.scores == {"demo@v1": [1.0, 0.5], "demo@v2": [1.0], "?": [0.0]}
+    assert replay.concealed == {}
+
+
+def test_the_packaged_config_does_not_expose_the_arm() -> None:
+    text = resources.files("embedded").joinpath("ratchet.yaml").read_text(encoding="utf-8")
+    assert "expose_arm" not in (yaml.safe_load(text).get("proxy") or {})
+
+
+def test_the_demo_takes_its_key_from_the_environment_not_the_command_line() -> None:
+    """A key on the command line shows in `ps` and the shell's history (audit L-6)."""
+    result = CliRunner().invoke(app, ["demo", "--api-key", "sk-secret"])
+    assert result.exit_code == 2 and "No such option" in result.output, result.output
+
+
+def rated_with(statuses: list[int]) -> tuple[DemoReplay, list[int]]:
+    """The demo's rating against a stand-in proxy answering ``statuses`` in turn (a transient
+    503 from a real proxy cannot be caused on purpose): the replay and the statuses it got."""
+    seen: list[int] = []
+
+    def answer(_: httpx.Request) -> httpx.Response:
+        status = statuses[len(seen)]
+        seen.append(status)
+        return httpx.Response(status, headers={"Retry-After": "0"}, json={"status": status})
+
+    async def run(replay: DemoReplay) -> None:
+        transport = httpx.MockTransport(answer)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy/v1") as raters:
+            await replay.rate(raters, "chatcmpl-1", 0.5)
+
+    replay = DemoReplay("demo", "http://proxy/v1", "unused", 1, feedback=True)
+    asyncio.run(run(replay))
+    return replay, seen
+
+
+def test_a_rating_the_proxy_could_not_check_just_then_is_sent_again() -> None:
+    replay, seen = rated_with([503, 200])
+    assert seen == [503, 200] and replay.failures == []
+    replay, seen = rated_with([503] * RATE_ATTEMPTS)
+    assert len(seen) == RATE_ATTEMPTS and replay.failures[0].startswith("feedback: 503")
+    replay, seen = rated_with([409])  # refused for what it is: not sent again
+    assert seen == [409] and replay.failures[0].startswith("feedback: 409")
+
+
+def test_retry_after_is_read_and_capped() -> None:
+    assert retry_after_s("2") == 2.0 and retry_after_s(None) == 1.0
+    assert retry_after_s("soon") == 1.0 and retry_after_s("3600") == 5.0
+    assert retry_after_s("-4") == 0.0
