@@ -22,6 +22,8 @@ CHART_README_URL = "https://github.com/ratchet/ratchet/blob/main/helm/ratchet/RE
 # [text](target) with a target that is not a URL; images included.
 RELATIVE_LINK = re.compile(r"\]\((?!https?://|mailto:)([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*$", re.MULTILINE)
+# `some/path.py` in code spans: a file or folder of this repository the text names.
+NAMED_PATH = re.compile(r"`([A-Za-z_.][\w.\-]*/[\w./\-]*)`")
 
 
 def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
@@ -87,3 +89,22 @@ def test_two_clicks_to_the_chart_and_to_an_alias() -> None:
     assert CHART_README_URL in (DOCS / "deploying.md").read_text()
     assert "docs/configuration.md#configuring-an-alias" in readme_links
     assert "configuring-an-alias" in anchors_of(DOCS / "configuration.md")
+
+
+def test_every_repository_path_the_docs_name_exists() -> None:
+    """A module that moves takes its mentions along: `learner/round.py` in a page must exist."""
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    top_folders = {path.split("/")[0] for path in tracked if "/" in path}
+    pages = [README, *sorted(DOCS.rglob("*.md"))]
+    missing = []
+    for page in pages:
+        for named in NAMED_PATH.findall(page.read_text()):
+            path = named.rstrip("/")
+            # Only paths into this repository's folders; not run outputs (bench/results/).
+            if path.split("/")[0] not in top_folders or path.startswith("bench/results"):
+                continue
+            if not (ROOT / path).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {named}")
+    assert not missing, "\n".join(missing)
