@@ -27,8 +27,8 @@ def status(
     """Per alias: active version, canary, pause, what the learner is doing, the last rounds
     with reward, gate result and cost, and the judge's spend today."""
     from cli.report import learner_lag, rounds_of
-    from ratchet.bill import budget_line, read_spend
     from ratchet.rewards.agreement import probes_agreement
+    from ratchet.spend import budget_line, read_spend
 
     settings = settings_or_exit(config)
     writer, routes = read_routes(settings, alias)

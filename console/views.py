@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from ratchet.bill import Bill, budget_line, read_spend
+from ratchet.bill import Bill
 from ratchet.canary_state import ArmStats, read_counts, read_ratings_summary
 from ratchet.gate_pairs import GatePair, read_gate_pairs
 from ratchet.progress import read_progress
@@ -23,6 +23,7 @@ from ratchet.rewards.reward_model import RewardStatus, describe_reward_model
 from ratchet.rounds import RoundRow, promotion_bills, rounds_of
 from ratchet.secrets import redis_connection_url
 from ratchet.settings import RatchetSettings
+from ratchet.spend import budget_line, read_spend
 from ratchet.store import AdapterStore
 
 HISTORY_READ = 500  # lifecycle events read per alias page

@@ -18,7 +18,7 @@ import redis
 import redis.asyncio as aioredis
 
 from judge.metrics import JudgeMetrics
-from ratchet.bill import SPEND_TTL_S, Bill, spend_key, today
+from ratchet.bill import Bill
 from ratchet.records import answer_as_text, answer_identity
 from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, ask_judge_once, judge_scores
 from ratchet.rewards.reward_model import (
@@ -31,6 +31,7 @@ from ratchet.rewards.ruler import JudgeRequest, JudgeScores, build_judge_request
 from ratchet.rewards.ruler import rubric_hash as hash_rubric
 from ratchet.rewards.verifiers import VerifierError, combine, load_verifier, run_verifier
 from ratchet.settings import JudgeSettings, RewardConfig
+from ratchet.spend import SPEND_TTL_S, spend_key, today
 
 IDENTICAL_SCORE = 0.5  # any constant: equal rewards carry no GRPO signal either way
 

@@ -54,7 +54,7 @@ from judge.sampler import (
     sampling_max_tokens,
 )
 from judge.scoring import GroupScorer, ScoringError
-from ratchet.bill import Bill, budget_line, spend_key, today
+from ratchet.bill import Bill
 from ratchet.carry import Carry, carry_from_hash, carry_key, start_of_round
 from ratchet.fleet import Replicas
 from ratchet.records import (
@@ -72,6 +72,7 @@ from ratchet.registry import AliasRoute, InvalidRoute, alias_key, decode_hash, s
 from ratchet.rewards.reward_model import RewardModels
 from ratchet.secrets import keyed_hash, redis_connection_url, server_secret, vllm_api_key
 from ratchet.settings import AliasConfig, ConfigError, RatchetSettings
+from ratchet.spend import budget_line, spend_key, today
 
 log = logging.getLogger(__name__)
 

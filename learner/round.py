@@ -51,7 +51,7 @@ from learner.trainer import (
     lora_settings,
     train_settings,
 )
-from ratchet.bill import Bill, add_spend, total
+from ratchet.bill import Bill, total
 from ratchet.canary_state import reset_counts
 from ratchet.carry import Start, carry_after, read_carry, start_of_round, write_carry
 from ratchet.gate_pairs import write_gate_pairs
@@ -61,6 +61,7 @@ from ratchet.records import ScoredGroup
 from ratchet.registry import AliasRoute, served_name
 from ratchet.rewards.reward_model import RewardModels, RewardStatus
 from ratchet.settings import AliasConfig, RatchetSettings
+from ratchet.spend import add_spend
 from ratchet.store import AdapterStore
 from ratchet.versions import next_version, unqueue_import
 

@@ -706,7 +706,7 @@ def test_a_group_carries_its_bill_and_a_spent_daily_budget_stops_sampling(redis_
     """The group's sampling tokens are vLLM's usage and its seconds the request's, as the
     counters say; once the alias's judge spend today reaches learning.max_cost_per_day, its
     records are skipped (daily_budget) until the next UTC day's key."""
-    from ratchet.bill import read_spend, spend_key, today
+    from ratchet.spend import read_spend, spend_key, today
 
     key = "vllm-key"
     alias = AliasConfig(

@@ -1,4 +1,10 @@
-"""The layout holds: the kernel imports no service, and no service imports another.
+"""The layout holds: no arrow runs back up the house.
+
+Floors, from the ground: the kernel ``ratchet/`` (what the services share); the services
+(``proxy``, ``judge``, ``learner``, ``console``) and the bundled ``tasks``, each of which imports
+only the kernel; the embedded stack ``embedded/``, which may import the tasks and the services;
+the command line ``cli/`` on top, which may import all of them. The kernel's contract types
+import no client library.
 
 Every import statement counts, wherever it is: at the top, inside a function, under
 ``if TYPE_CHECKING:``, or a literal ``importlib.import_module("...")``.
@@ -7,15 +13,24 @@ Every import statement counts, wherever it is: at the top, inside a function, un
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 SERVICES = ("proxy", "judge", "learner", "console")
-# Not kernel: the CLI and the embedded stack start and call the services.
-KERNEL_EXCEPTIONS = ("cli", "embedded")
-NOT_FOR_THE_KERNEL = (*SERVICES, "console")
+# The packages above the services: they start and call them.
+APPS = ("cli", "embedded", "tasks")
+NOT_FOR_THE_KERNEL = (*SERVICES, *APPS)
+# What each package above the kernel may not import: whatever stands beside or above it.
+FORBIDDEN_ABOVE_THE_KERNEL = {
+    "tasks": (*SERVICES, "cli", "embedded"),
+    "embedded": ("cli",),
+    "cli": (),
+}
+CLIENT_LIBRARIES = ("redis", "kafka", "aiohttp", "httpx")
 
 
 def module_name(path: Path) -> str:
@@ -28,11 +43,7 @@ def modules_of(package: str) -> dict[str, Path]:
 
 
 def kernel_modules() -> dict[str, Path]:
-    return {
-        name: path
-        for name, path in modules_of("ratchet").items()
-        if not any(name == e or name.startswith(e + ".") for e in KERNEL_EXCEPTIONS)
-    }
+    return modules_of("ratchet")
 
 
 def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
@@ -85,22 +96,64 @@ def violations(modules: dict[str, Path], forbidden: tuple[str, ...]) -> dict[str
     return found
 
 
-def test_the_kernel_imports_no_service() -> None:
+def test_the_kernel_imports_no_service_and_no_app() -> None:
     modules = kernel_modules()
     # The walk sees the kernel, and only the kernel.
     assert {"ratchet.settings", "ratchet.records", "ratchet.bus", "ratchet.registry"} <= set(
         modules
     )
-    assert not any(name.startswith(("cli", "embedded")) for name in modules)
+    assert all(name == "ratchet" or name.startswith("ratchet.") for name in modules)
     assert violations(modules, NOT_FOR_THE_KERNEL) == {}
 
 
 @pytest.mark.parametrize("service", SERVICES)
-def test_a_service_imports_no_other_service(service: str) -> None:
+def test_a_service_imports_no_other_service_and_no_app(service: str) -> None:
     modules = modules_of(service)
     assert f"{service}.service" in modules or f"{service}.app" in modules
     others = tuple(s for s in SERVICES if s != service)
-    assert violations(modules, others) == {}
+    assert violations(modules, (*others, *APPS)) == {}
+
+
+@pytest.mark.parametrize("app", APPS)
+def test_an_app_imports_nothing_beside_or_above_it(app: str) -> None:
+    modules = modules_of(app)
+    assert app in modules
+    assert violations(modules, FORBIDDEN_ABOVE_THE_KERNEL[app]) == {}
+
+
+def kernel_closure(start: str) -> dict[str, set[str]]:
+    """Every kernel module ``start`` reaches through kernel imports, with what each imports."""
+    kernel = kernel_modules()
+    seen: dict[str, set[str]] = {}
+    todo = [start]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in kernel:
+            continue
+        path = kernel[name]
+        seen[name] = imported_modules(path.read_text(), name, path.name == "__init__.py")
+        todo += [m for m in seen[name] if m in kernel]
+    return seen
+
+
+def test_the_contract_types_import_no_client_library() -> None:
+    """The records are what every service and every consumer of the topics shares: reading one
+    must not pull in a Redis, Kafka or HTTP client."""
+    reached = kernel_closure("ratchet.records")
+    assert "ratchet.bill" in reached  # the walk follows the kernel's imports
+    clients = {
+        name: sorted(m for m in imports if m.split(".")[0] in CLIENT_LIBRARIES)
+        for name, imports in reached.items()
+    }
+    assert {name: found for name, found in clients.items() if found} == {}
+    # And at run time, through third-party imports too.
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, ratchet.records; print(sorted(sys.modules))"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert not set(CLIENT_LIBRARIES) & set(ast.literal_eval(loaded))
 
 
 # The check itself: each of these sources would fail the kernel test, naming the package it
