@@ -67,7 +67,8 @@ from ratchet.records import (
     ANONYMOUS_CLIENT,
 )
 from ratchet.registry import AliasRoute
-from ratchet.rewards.reward_model import RatedAnswer, is_eval_rating
+from ratchet.rewards.rated import RatedAnswer
+from ratchet.rewards.reward_model import is_eval_rating
 from ratchet.secrets import server_secret
 from ratchet.sequential import SequentialTest
 from ratchet.settings import AliasConfig, CanaryConfig, RatchetSettings

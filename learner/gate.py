@@ -38,7 +38,8 @@ from ratchet.answer_length import auto_max_tokens
 from ratchet.fleet import Replicas, conversation_key
 from ratchet.gate_pairs import ANSWER_CHARS, KEPT, GatePair
 from ratchet.records import HeldoutPrompt
-from ratchet.rewards.reward_model import RewardModels, RewardStatus
+from ratchet.rewards.reward_model import RewardModels
+from ratchet.rewards.reward_status import RewardStatus
 from ratchet.secrets import vllm_api_key
 from ratchet.settings import AliasConfig, GateConfig, RatchetSettings
 

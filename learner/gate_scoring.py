@@ -24,12 +24,8 @@ import orjson
 from ratchet.bill import Bill
 from ratchet.records import HeldoutPrompt
 from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, judge_scores
-from ratchet.rewards.reward_model import (
-    RewardModels,
-    RewardModelUnavailable,
-    RewardStatus,
-    reward_model_name,
-)
+from ratchet.rewards.reward_model import RewardModels, RewardModelUnavailable
+from ratchet.rewards.reward_status import RewardStatus, reward_model_name
 from ratchet.rewards.ruler import JudgeRequest, build_judge_request
 from ratchet.rewards.verifiers import VerifierError, load_verifier, run_verifier
 from ratchet.settings import AliasConfig, RatchetSettings

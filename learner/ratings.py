@@ -72,7 +72,7 @@ from ratchet.rewards.agreement import (
     replayed_request,
     to_judge_key,
 )
-from ratchet.rewards.reward_model import RatedAnswer
+from ratchet.rewards.rated import RatedAnswer
 from ratchet.settings import AliasConfig, RatchetSettings
 
 log = logging.getLogger(__name__)

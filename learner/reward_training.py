@@ -44,24 +44,22 @@ from learner.metrics import LearnerMetrics
 from learner.ratings import RatingsJoin, new_ratings_key, newest_ratings, read_ratings
 from ratchet.lifecycle import EventSink
 from ratchet.records import DeadLetter, FeedbackRecord, TrafficRecord, decode
+from ratchet.rewards.rated import RatedAnswer
 from ratchet.rewards.reward_model import (
     AnswerFeatures,
     Evaluation,
-    RatedAnswer,
     RewardHead,
     RewardModels,
     RewardModelUnavailable,
-    RewardStatus,
     auc,
     choose_l2,
     evaluate,
     fit_head,
     good_ratings,
     is_eval_rating,
-    reward_model_name,
-    reward_store_name,
     write_meta,
 )
+from ratchet.rewards.reward_status import RewardStatus, reward_model_name, reward_store_name
 from ratchet.secrets import server_secret
 from ratchet.settings import FeedbackConfig, RatchetSettings
 from ratchet.store import AdapterStore

@@ -36,7 +36,7 @@ from typing import Any
 import redis
 
 from ratchet.records import TrafficRecord
-from ratchet.rewards.reward_model import RatedAnswer
+from ratchet.rewards.rated import RatedAnswer
 from ratchet.settings import AliasConfig
 
 AGREEMENT_QUEUE = 64

@@ -35,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from ratchet.records import ANONYMOUS_CLIENT, answer_as_text
+from ratchet.rewards.rated import RatedAnswer
+from ratchet.rewards.reward_status import RewardStatus, reward_model_name, reward_store_name
 from ratchet.secrets import keyed_hash
 
 HEAD_FILE = "reward_head.safetensors"
@@ -56,48 +57,7 @@ L2_FOLDS = 3
 # The ratings the choice is made on (the first given: the trainer passes the newest first). Three
 # folds of five strengths are 15 fits: 9 s at 2,400 ratings on two cores, more with more ratings.
 L2_RATINGS = 4000
-REWARD_SUFFIX = ".reward"  # the store name of an alias's reward models: <alias>.reward@v<N>
 POSITIVE = 0.5  # a thumbs up: a rating at or above this is a good one (good_ratings)
-
-
-def reward_store_name(alias: str) -> str:
-    return f"{alias}{REWARD_SUFFIX}"
-
-
-@dataclass(frozen=True)
-class RatedAnswer:
-    """One served answer joined with its rating."""
-
-    prompt_messages: list[dict[str, Any]]
-    answer: str  # the answer's text (empty for a tool call alone)
-    score: float
-    key: str  # who rated it (API key hash): only the key that got the answer may rate it
-    prompt_hash: str
-    completion_id: str
-    version: int | None = None  # the version that served it (None: joined before it was kept)
-    # The client it counts for in the per-client caps (ratchet.records.client_of): the key, or a
-    # vouching key's user. None: joined before it was kept; then the key is the client.
-    client: str | None = None
-    # The answer's tool calls, as the model wrote them (an excerpt, as the text is); None: none.
-    tool_calls: list[dict[str, Any]] | None = None
-
-    @property
-    def message(self) -> dict[str, Any]:
-        """The answer as the assistant message that was served."""
-        message: dict[str, Any] = {"role": "assistant", "content": self.answer}
-        if self.tool_calls:
-            message["tool_calls"] = self.tool_calls
-        return message
-
-    @property
-    def text(self) -> str:
-        """What the reward model reads of the answer: its text and its tool calls."""
-        return answer_as_text(self.message)
-
-    @property
-    def owner(self) -> str:
-        """The client whose rating this is, for the caps on one client's share."""
-        return self.client or self.key or ANONYMOUS_CLIENT
 
 
 def is_eval_rating(secret: bytes, prompt_hash: str, fraction: float) -> bool:
@@ -532,84 +492,6 @@ def write_meta(
         "l2_cross_validated": {repr(k): v for k, v in l2_scores.items()},
         "heldout": evaluation.to_dict(),
     }
-
-
-# --- the live reward model of an alias: its status in Redis, its files in the store --------------
-
-
-def describe_reward_model(alias: str, status: RewardStatus | None) -> str:
-    """Why an alias that learns from ratings learns or waits, in one line (``ratchet status``,
-    the console)."""
-    if status is None:
-        return "waiting: no reward model yet (users' ratings are being collected)"
-    if status.version == 0:
-        return f"waiting: no reward model yet ({status.reason})"
-    name = reward_model_name(alias, status.version)
-    if not status.usable:
-        return f"waiting: {name}: {status.reason}"
-    return f"rewards from {name}: {status.reason}"
-
-
-def status_key(alias: str) -> str:
-    """Hash: the alias's newest reward model and whether it may give rewards (RewardStatus)."""
-    return f"ratchet:feedback:{alias}:reward"
-
-
-@dataclass(frozen=True)
-class RewardStatus:
-    """What the learner last trained for an alias; written by it, read by judge, gate, status."""
-
-    version: int
-    usable: bool
-    reason: str
-    auc: float | None = None
-    trained_ratings: int = 0
-    eval_ratings: int = 0
-    auc_low: float | None = None  # the lower end of the AUC's 95% interval, what decides
-
-    def to_hash(self) -> dict[str, str]:
-        return {
-            "version": str(self.version),
-            "usable": "1" if self.usable else "0",
-            "reason": self.reason,
-            "auc": "" if self.auc is None else repr(self.auc),
-            "trained_ratings": str(self.trained_ratings),
-            "eval_ratings": str(self.eval_ratings),
-            "auc_low": "" if self.auc_low is None else repr(self.auc_low),
-        }
-
-    def write(self, client: Any, alias: str) -> None:
-        """Into a (synchronous) Redis client or pipeline."""
-        mapping: dict[Any, Any] = self.to_hash()
-        client.hset(status_key(alias), mapping=mapping)
-
-    @classmethod
-    def read(cls, client: Any, alias: str) -> RewardStatus | None:
-        """From a (synchronous) Redis client."""
-        return cls.from_hash(client.hgetall(status_key(alias)))
-
-    @classmethod
-    def from_hash(cls, raw: Mapping[Any, Any]) -> RewardStatus | None:
-        data = {
-            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-            for k, v in raw.items()
-        }
-        if not data.get("version"):
-            return None
-        return cls(
-            version=int(data["version"]),
-            usable=data.get("usable") == "1",
-            reason=data.get("reason", ""),
-            auc=float(data["auc"]) if data.get("auc") else None,
-            trained_ratings=int(data.get("trained_ratings") or 0),
-            eval_ratings=int(data.get("eval_ratings") or 0),
-            auc_low=float(data["auc_low"]) if data.get("auc_low") else None,
-        )
-
-
-def reward_model_name(alias: str, version: int) -> str:
-    """What a ScoredGroup's judge_model says when this reward model scored it."""
-    return f"{reward_store_name(alias)}@v{version}"
 
 
 class RewardModelUnavailable(Exception):

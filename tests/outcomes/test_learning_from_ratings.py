@@ -36,7 +36,7 @@ from embedded.processes import Stack, free_port, wait_until
 from embedded.stack import judge_part, learner_part
 from ratchet.evaluation import paired_lift
 from ratchet.registry import AliasRoute
-from ratchet.rewards.reward_model import RewardStatus
+from ratchet.rewards.reward_status import RewardStatus
 from ratchet.settings import RatchetSettings, load_settings
 from tasks.bullets import bullets_reward, generate_prompts, load_prompts
 from tests.integration.conftest import BASE_MODEL, Embedded

@@ -50,7 +50,7 @@ def test_status_shows_each_aliases_learner_progress(
 def test_status_says_why_a_feedback_alias_waits_for_its_reward_model(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ratchet.rewards.reward_model import RewardStatus
+    from ratchet.rewards.reward_status import RewardStatus
 
     Path("ratchet.yaml").write_text(
         "aliases:\n  rated:\n    base_model: base\n    reward: {kind: feedback}\n"

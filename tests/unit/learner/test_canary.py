@@ -34,7 +34,8 @@ from ratchet.records import (
     utc_now,
 )
 from ratchet.registry import RegistryWriter
-from ratchet.rewards.reward_model import RatedAnswer, is_eval_rating
+from ratchet.rewards.rated import RatedAnswer
+from ratchet.rewards.reward_model import is_eval_rating
 from ratchet.secrets import client_source, server_secret
 from ratchet.settings import AliasConfig, CanaryConfig, RatchetSettings
 from ratchet.store import AdapterStore

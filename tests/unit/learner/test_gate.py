@@ -30,7 +30,7 @@ from learner.gate import Gate, GateError, answer_max_tokens
 from learner.gate_scoring import PairScorer, pairwise_outcome, verifier_outcome
 from learner.gate_verdict import decide, score_lift
 from ratchet.records import HeldoutPrompt
-from ratchet.rewards.reward_model import RewardStatus
+from ratchet.rewards.reward_status import RewardStatus
 from ratchet.settings import AliasConfig, GateConfig, LearnerSettings, RatchetSettings, RewardConfig
 
 EXPECTED_LINE = re.compile(r"EXPECTED: (\{.*\})")

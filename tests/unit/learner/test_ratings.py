@@ -47,18 +47,17 @@ from ratchet.rewards.agreement import (
     RatedExchange,
     to_judge_key,
 )
+from ratchet.rewards.rated import RatedAnswer
 from ratchet.rewards.reward_model import (
     FEATURES,
     HEAD_FILE,
     L2_GRID,
     AnswerFeatures,
     Evaluation,
-    RatedAnswer,
     RewardModels,
     RewardModelUnavailable,
-    RewardStatus,
-    reward_store_name,
 )
+from ratchet.rewards.reward_status import RewardStatus, reward_store_name
 from ratchet.secrets import client_source, hash_api_key, server_secret
 from ratchet.settings import AliasConfig, RatchetSettings
 from ratchet.store import AdapterStore

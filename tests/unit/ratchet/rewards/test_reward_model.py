@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from ratchet.rewards.rated import RatedAnswer
 from ratchet.rewards.reward_model import (
     FEATURE_DEPTH,
     HEAD_FILE,
     AnswerFeatures,
-    RatedAnswer,
     RewardHead,
     auc,
     bootstrap_metric,
