@@ -43,9 +43,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from embedded.model import prepare_model  # noqa: E402
+from ratchet.rewards.rated import RatedAnswer  # noqa: E402
 from ratchet.rewards.reward_model import (  # noqa: E402
     AnswerFeatures,
-    RatedAnswer,
     auc,
     choose_l2,
     fit_head,

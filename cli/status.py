@@ -97,7 +97,7 @@ def status(
 
 def reward_model_line(client: redis.Redis, alias: str) -> str:
     """Why a feedback alias learns or waits: its reward model's held-out quality."""
-    from ratchet.rewards.reward_model import RewardStatus, describe_reward_model
+    from ratchet.rewards.reward_status import RewardStatus, describe_reward_model
 
     return describe_reward_model(alias, RewardStatus.read(client, alias))
 

@@ -19,7 +19,7 @@ from ratchet.gate_pairs import GatePair, read_gate_pairs
 from ratchet.progress import read_progress
 from ratchet.registry import AliasRoute, RegistryWriter, served_name
 from ratchet.rewards.agreement import probes_agreement, read_agreement
-from ratchet.rewards.reward_model import RewardStatus, describe_reward_model
+from ratchet.rewards.reward_status import RewardStatus, describe_reward_model
 from ratchet.rounds import RoundRow, promotion_bills, rounds_of
 from ratchet.secrets import redis_connection_url
 from ratchet.settings import RatchetSettings

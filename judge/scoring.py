@@ -21,12 +21,8 @@ from judge.metrics import JudgeMetrics
 from ratchet.bill import Bill
 from ratchet.records import answer_as_text, answer_identity
 from ratchet.rewards.judge_call import JudgeModel, JudgeUnavailable, ask_judge_once, judge_scores
-from ratchet.rewards.reward_model import (
-    RewardModels,
-    RewardModelUnavailable,
-    RewardStatus,
-    status_key,
-)
+from ratchet.rewards.reward_model import RewardModels, RewardModelUnavailable
+from ratchet.rewards.reward_status import RewardStatus, status_key
 from ratchet.rewards.ruler import JudgeRequest, JudgeScores, build_judge_request, cache_key
 from ratchet.rewards.ruler import rubric_hash as hash_rubric
 from ratchet.rewards.verifiers import VerifierError, combine, load_verifier, run_verifier

@@ -21,7 +21,7 @@ from judge.scoring import GroupScorer
 from ratchet.bill import Bill
 from ratchet.registry import AliasRoute
 from ratchet.rewards.agreement import RatedExchange, agreement_key, decode_pair, to_judge_key
-from ratchet.rewards.reward_model import RatedAnswer
+from ratchet.rewards.rated import RatedAnswer
 from ratchet.settings import AliasConfig, JudgeSettings, RatchetSettings, RewardConfig
 
 ALIAS = "judged"

@@ -51,7 +51,7 @@ from ratchet.records import (
     prompt_hash,
 )
 from ratchet.registry import AliasRoute, RegistryWriter, alias_key
-from ratchet.rewards.reward_model import RewardStatus
+from ratchet.rewards.reward_status import RewardStatus
 from ratchet.rewards.ruler import JudgeReplyError, JudgeRequest, JudgeScores
 from ratchet.settings import (
     AliasConfig,
