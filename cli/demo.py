@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -12,9 +13,8 @@ from rich.table import Table
 from cli.app import ConfigOption, app, console, settings_or_exit
 from ratchet.settings import RatchetSettings
 
-if TYPE_CHECKING:  # imported when the command runs: the CLI starts without them
-    import httpx
-    import openai
+if TYPE_CHECKING:  # imported when the command runs: the CLI starts without it
+    import aiohttp
 
 
 @app.command()
@@ -98,48 +98,40 @@ class DemoReplay:
     async def replay(self, work: list[dict[str, Any]], advance: Callable[[], None]) -> None:
         import asyncio
 
-        import httpx
-        import openai
+        import aiohttp
 
-        client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=2)
-        raters = httpx.AsyncClient(
-            base_url=self.base_url, headers={"Authorization": f"Bearer {self.api_key}"}, timeout=30
-        )
+        headers = {"Authorization": f"Bearer {self.api_key}"}
+        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
         limit = asyncio.Semaphore(self.concurrency)
+        async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
 
-        async def one(prompt: dict[str, Any]) -> None:
-            async with limit:
-                await self.ask(client, raters, prompt["messages"])
-            advance()
+            async def one(prompt: dict[str, Any]) -> None:
+                async with limit:
+                    await self.ask(session, prompt["messages"])
+                advance()
 
-        await asyncio.gather(*(one(p) for p in work))
-        await client.close()
-        await raters.aclose()
+            await asyncio.gather(*(one(p) for p in work))
 
-    async def ask(
-        self, client: openai.AsyncOpenAI, raters: httpx.AsyncClient, messages: list[Any]
-    ) -> None:
-        import openai
+    async def ask(self, session: aiohttp.ClientSession, messages: list[Any]) -> None:
+        import orjson
 
         from tasks.demo import extraction_reward
 
-        try:
-            raw = await client.chat.completions.with_raw_response.create(
-                model=self.alias, messages=messages, max_tokens=64, temperature=0.0
-            )
-        except openai.OpenAIError as exc:
-            self.failures.append(str(exc)[:200])
+        request = {"model": self.alias, "messages": messages, "max_tokens": 64, "temperature": 0.0}
+        reply = await self.post(session, "/chat/completions", request)
+        if isinstance(reply, str) or reply.status != 200:
+            self.failures.append(str(reply)[:200])
             return
-        completion = raw.parse()
-        served = raw.headers.get("x-ratchet-served-name")
-        sample = {"role": "assistant", "content": completion.choices[0].message.content}
+        completion = orjson.loads(reply.text)
+        served = reply.headers.get("x-ratchet-served-name")
+        sample = {"role": "assistant", "content": completion["choices"][0]["message"]["content"]}
         score = extraction_reward(messages, sample)
         if served is None:
-            self.concealed[completion.id] = score
+            self.concealed[completion["id"]] = score
         else:
             self.scores.setdefault(served, []).append(score)
         if self.feedback:
-            await self.rate(raters, completion.id, score)
+            await self.rate(session, completion["id"], score)
 
     def resolve(self, served: dict[str, str]) -> None:
         """Credit each concealed answer to the version its traffic record names ("?" for one
@@ -148,28 +140,45 @@ class DemoReplay:
             self.scores.setdefault(served.get(completion_id, "?"), []).append(score)
         self.concealed = {}
 
-    async def rate(self, raters: httpx.AsyncClient, completion_id: str, score: float) -> None:
-        """POST the rating as a well-behaved client does: a 429 or 503 (the proxy could not
-        check the rating just then, and says when to come back) is retried after its
-        Retry-After, up to RATE_ATTEMPTS times, as the openai client retries its own calls."""
+    async def rate(self, session: aiohttp.ClientSession, completion_id: str, score: float) -> None:
+        rating = {"completion_id": completion_id, "score": score}
+        reply = await self.post(session, "/feedback", rating)
+        if isinstance(reply, str) or reply.status != 200:
+            self.failures.append(f"feedback: {reply}"[:200])
+
+    async def post(
+        self, session: aiohttp.ClientSession, path: str, body: dict[str, Any]
+    ) -> Reply | str:
+        """POST as a well-behaved client does: a 429 or 503 (the proxy could not take the
+        request just then, and says when to come back) is sent again after its Retry-After, up
+        to RATE_ATTEMPTS times. The last reply, or what went wrong if none came."""
         import asyncio
 
-        import httpx
+        import aiohttp
 
-        rating = {"completion_id": completion_id, "score": score}
         for attempt in range(1, RATE_ATTEMPTS + 1):
             try:
-                rated = await raters.post("/feedback", json=rating)
-            except httpx.HTTPError as exc:
-                self.failures.append(f"feedback: {exc}"[:200])
-                return
-            if rated.status_code not in (429, 503) or attempt == RATE_ATTEMPTS:
+                async with session.post(f"{self.base_url}{path}", json=body) as response:
+                    reply = Reply(response.status, response.headers.copy(), await response.text())
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                return f"{path}: {exc!r}"
+            if reply.status not in (429, 503) or attempt == RATE_ATTEMPTS:
                 break
-            await asyncio.sleep(retry_after_s(rated.headers.get("retry-after")))
-        if rated.status_code != 200:
-            self.failures.append(f"feedback: {rated.status_code} {rated.text}"[:200])
+            await asyncio.sleep(retry_after_s(reply.headers.get("Retry-After")))
+        return reply
 
 
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    headers: Mapping[str, str]  # case-insensitive (aiohttp's CIMultiDict)
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.text}"
+
+
+REQUEST_TIMEOUT_S = 30.0
 RATE_ATTEMPTS = 3
 RETRY_AFTER_CAP_S = 5.0  # the proxy asks 1-5 s; a demo waits no longer whatever it is told
 

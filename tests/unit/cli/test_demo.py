@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import asyncio
 from importlib import resources
+from typing import Any
 
-import httpx
+import aiohttp
 import yaml
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from typer.testing import CliRunner
 
 from cli import app
 from cli.demo import RATE_ATTEMPTS, DemoReplay, retry_after_s
+from tasks.demo import load_prompts
 
 
 def test_concealed_answers_are_credited_to_the_version_their_records_name() -> None:
@@ -40,19 +44,52 @@ def rated_with(statuses: list[int]) -> tuple[DemoReplay, list[int]]:
     503 from a real proxy cannot be caused on purpose): the replay and the statuses it got."""
     seen: list[int] = []
 
-    def answer(_: httpx.Request) -> httpx.Response:
+    async def answer(_: web.Request) -> web.Response:
         status = statuses[len(seen)]
         seen.append(status)
-        return httpx.Response(status, headers={"Retry-After": "0"}, json={"status": status})
+        return web.json_response({"status": status}, status=status, headers={"retry-after": "0"})
 
-    async def run(replay: DemoReplay) -> None:
-        transport = httpx.MockTransport(answer)
-        async with httpx.AsyncClient(transport=transport, base_url="http://proxy/v1") as raters:
-            await replay.rate(raters, "chatcmpl-1", 0.5)
+    async def run() -> DemoReplay:
+        app = web.Application()
+        app.router.add_post("/v1/feedback", answer)
+        async with TestServer(app) as server, aiohttp.ClientSession() as session:
+            replay = DemoReplay("demo", str(server.make_url("/v1")), "unused", 1, feedback=True)
+            await replay.rate(session, "chatcmpl-1", 0.5)
+        return replay
 
-    replay = DemoReplay("demo", "http://proxy/v1", "unused", 1, feedback=True)
-    asyncio.run(run(replay))
-    return replay, seen
+    return asyncio.run(run()), seen
+
+
+def test_an_answer_is_scored_by_the_version_that_served_it_and_rated() -> None:
+    """The whole exchange against a stand-in proxy: the key goes in the header, the score goes
+    back as the rating of that completion."""
+    asked: list[tuple[str, str | None, dict[str, Any]]] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        asked.append((request.path, request.headers.get("authorization"), await request.json()))
+        answer = {"id": "chatcmpl-7", "choices": [{"message": {"content": "x"}}]}
+        return web.json_response(answer, headers={"x-ratchet-served-name": "demo@v2"})
+
+    async def feedback(request: web.Request) -> web.Response:
+        asked.append((request.path, request.headers.get("authorization"), await request.json()))
+        return web.json_response({"status": "ok"})
+
+    async def run() -> DemoReplay:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_post("/v1/feedback", feedback)
+        async with TestServer(app) as server:
+            replay = DemoReplay("demo", str(server.make_url("/v1")), "sk-demo", 1, feedback=True)
+            await replay.replay(load_prompts()[:1], lambda: None)
+        return replay
+
+    replay = asyncio.run(run())
+    assert replay.failures == [] and list(replay.scores) == ["demo@v2"]
+    (chat_path, chat_key, request), (rate_path, rate_key, rating) = asked
+    assert (chat_path, rate_path) == ("/v1/chat/completions", "/v1/feedback")
+    assert chat_key == rate_key == "Bearer sk-demo"
+    assert request["model"] == "demo" and request["max_tokens"] == 64
+    assert rating == {"completion_id": "chatcmpl-7", "score": replay.scores["demo@v2"][0]}
 
 
 def test_a_rating_the_proxy_could_not_check_just_then_is_sent_again() -> None:
