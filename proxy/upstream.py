@@ -77,15 +77,6 @@ class Upstream:
         self.on_choice: Callable[[str], None] | None = None
         self._health_task: asyncio.Task[None] | None = None
 
-    @property
-    def base_url(self) -> str:
-        return next(iter(self.endpoints))
-
-    @property
-    def pool(self) -> UpstreamPool:
-        """The first replica's connections (the one replica of a stack without a fleet)."""
-        return self.endpoints[self.base_url].pool
-
     async def refresh_endpoints(self) -> None:
         """With a resolver: the replicas the configured names stand for now; a new one joins
         (used once its health check passes), a gone one leaves."""

@@ -61,10 +61,6 @@ class ArmStats:
     def error_rate(self) -> float:
         return self.errors / self.requests if self.requests else 0.0
 
-    @property
-    def feedback_mean(self) -> float | None:
-        return self.feedback_sum / self.feedback if self.feedback else None
-
 
 def read_counts(
     client: redis.Redis, alias: str

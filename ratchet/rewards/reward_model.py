@@ -462,18 +462,6 @@ class AnswerFeatures:
         return out
 
 
-class RewardModel:
-    """A reward model version: the features and a trained head. ``score`` answers of a prompt."""
-
-    def __init__(self, features: AnswerFeatures, head: RewardHead, name: str) -> None:
-        self.features = features
-        self.head = head
-        self.name = name  # <alias>.reward@v<N>
-
-    def score(self, messages: list[dict[str, Any]], answers: Sequence[str]) -> list[float]:
-        return self.head.predict(self.features.group(messages, answers))
-
-
 def write_meta(
     evaluation: Evaluation,
     trained: int,

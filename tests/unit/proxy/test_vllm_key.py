@@ -98,7 +98,8 @@ async def test_vllm_refusing_the_proxys_key_is_a_502_not_the_clients_401(
 def test_without_a_configured_key_the_proxy_sends_the_derived_one(tmp_path: Path) -> None:
     settings = RatchetSettings(home=tmp_path)
     app = create_app(settings)
-    head: bytes = app.state.ratchet.upstream.pool._head
+    (endpoint,) = app.state.ratchet.upstream.endpoints.values()  # the one replica configured
+    head: bytes = endpoint.pool._head
     assert b"Authorization: Bearer " + vllm_api_key(settings).encode() + b"\r\n" in head
 
 
