@@ -73,7 +73,7 @@ def create_app(settings: RatchetSettings) -> FastAPI:
         await state.routing.close()
         await state.rate_limiter.close()  # sends the token charges still pending
         await state.completions.close()  # writes the completion owners still pending
-        await state.responses.close()
+        await state.redis.aclose()  # the routing table's and the stored responses'
         # The worker sends what it holds to Kafka, or to the disk spool if the broker is away.
         await state.traffic_log.close()
 

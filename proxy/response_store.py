@@ -35,9 +35,9 @@ def response_key(response_id: str) -> str:
 
 class ResponseStore:
     def __init__(
-        self, redis_url: str, registry: CollectorRegistry, ttl_s: int, max_bytes: int
+        self, client: aioredis.Redis, registry: CollectorRegistry, ttl_s: int, max_bytes: int
     ) -> None:
-        self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=1)
+        self._redis = client  # the proxy's shared client (proxy/state.py shared_redis)
         self.ttl_s, self.max_bytes = ttl_s, max_bytes
         self.saved = Counter(
             "ratchet_proxy_responses_stored",
@@ -91,9 +91,6 @@ class ResponseStore:
             await self._redis.delete(response_key(response_id))
         except _ERRORS as exc:
             raise _unavailable(exc) from None
-
-    async def close(self) -> None:
-        await self._redis.aclose()
 
 
 def not_found(response_id: str, param: str | None = None) -> ProxyError:

@@ -34,10 +34,10 @@ class RoutingCache:
     alias whose hash is invalid keeps its last valid route and is listed in ``invalid``.
     """
 
-    def __init__(self, redis_url: str, aliases: dict[str, AliasConfig], refresh_s: float) -> None:
-        self._redis = aioredis.Redis.from_url(
-            redis_url, socket_timeout=2, socket_connect_timeout=1, health_check_interval=5
-        )
+    def __init__(
+        self, client: aioredis.Redis, aliases: dict[str, AliasConfig], refresh_s: float
+    ) -> None:
+        self._redis = client  # the proxy's shared client (proxy/state.py shared_redis)
         self._aliases = aliases
         self._refresh_s = refresh_s
         # Aliases from ratchet.yaml serve v0 (the base model) until Redis says otherwise.
@@ -78,14 +78,13 @@ class RoutingCache:
 
     async def close(self) -> None:
         # redis-py's pubsub.listen() can swallow one cancellation while it reconnects: cancel
-        # until every task has ended, then close the connection pool.
+        # until every task has ended. The client is the proxy's, which closes it.
         pending = {task for task in self._tasks if not task.done()}
         while pending:
             for task in pending:
                 task.cancel()
             _, pending = await asyncio.wait(pending, timeout=0.5)
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._redis.aclose()
 
     async def load_alias(self, alias: str) -> None:
         raw = decode_hash(await self._redis.hgetall(alias_key(alias)))

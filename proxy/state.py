@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+import redis.asyncio as aioredis
 from fastapi import Request
 
 from proxy.completions import CompletionOwners, owner_ttl_s
@@ -29,6 +30,16 @@ from ratchet.secrets import (
 from ratchet.settings import RatchetSettings
 
 
+def shared_redis(redis_url: str) -> aioredis.Redis:
+    """The proxy's redis.asyncio client, shared by the routing table and the stored responses.
+    Two others stay apart: the completion owners' (proxy/completions.py), whose 1 s timeout and
+    no retry keep a rating's answer fast while Redis is away, and the rate limiter's RESP client
+    (proxy/ratelimit.py), pipelined by hand on the request path."""
+    return aioredis.Redis.from_url(
+        redis_url, socket_timeout=2, socket_connect_timeout=1, health_check_interval=5
+    )
+
+
 class ProxyState:
     """Everything the handlers share, built once per app from the settings."""
 
@@ -37,7 +48,8 @@ class ProxyState:
         self.metrics = ProxyMetrics()
         # Derived once: with the embedded Redis's password it reads the secret and hashes.
         redis_url = redis_connection_url(settings)
-        self.routing = RoutingCache(redis_url, settings.aliases, settings.proxy.registry_refresh_s)
+        self.redis = shared_redis(redis_url)  # closed by the app, after what uses it
+        self.routing = RoutingCache(self.redis, settings.aliases, settings.proxy.registry_refresh_s)
         self.upstream = Upstream(
             settings.vllm_endpoints or settings.vllm_url,
             settings.proxy.upstream_connect_timeout_s,
@@ -93,7 +105,7 @@ class ProxyState:
         # Who got each completion, so only that key may rate it, once (proxy/completions.py).
         self.completions = CompletionOwners(redis_url, self.metrics.registry, owner_ttl_s(settings))
         self.responses = ResponseStore(
-            redis_url,
+            self.redis,
             self.metrics.registry,
             settings.proxy.responses_store_ttl_s,
             settings.proxy.responses_store_max_bytes,

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.errors import ProxyError
 from proxy.response_store import ResponseStore, response_key
+from proxy.state import shared_redis
 from tests.unit.proxy.conftest import ProxyFactory
 
 RESPONSE = {"id": "resp_1", "object": "response", "output": []}
@@ -21,7 +22,11 @@ CONVERSATION = [{"role": "user", "content": "hi"}, {"role": "assistant", "conten
 
 
 def store(redis_url: str, ttl_s: int = 60, max_bytes: int = 4096) -> ResponseStore:
-    return ResponseStore(redis_url, CollectorRegistry(), ttl_s, max_bytes)
+    return ResponseStore(shared_redis(redis_url), CollectorRegistry(), ttl_s, max_bytes)
+
+
+async def close(responses: ResponseStore) -> None:
+    await responses._redis.aclose()  # the proxy's shared client: ProxyState closes it there
 
 
 async def test_a_stored_response_is_its_owners_alone_for_its_ttl(redis_url: str) -> None:
@@ -39,7 +44,7 @@ async def test_a_stored_response_is_its_owners_alone_for_its_ttl(redis_url: str)
     await responses.delete("resp_1", "hash-a")
     with pytest.raises(ProxyError):
         await responses.load("resp_1", "hash-a")
-    await responses.close()
+    await close(responses)
 
 
 async def test_a_response_past_the_size_bound_or_with_storing_off_is_not_kept(
@@ -53,8 +58,8 @@ async def test_a_response_past_the_size_bound_or_with_storing_off_is_not_kept(
     assert not await off.save(RESPONSE, CONVERSATION, "hash-a")
     assert off.saved.labels("disabled")._value.get() == 1
     assert redis.Redis.from_url(redis_url).keys("ratchet:response:*") == []
-    await small.close()
-    await off.close()
+    await close(small)
+    await close(off)
 
 
 async def chat_answer(_: web.Request) -> web.Response:

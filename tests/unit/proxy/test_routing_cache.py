@@ -3,28 +3,43 @@ nothing but its updates, costs the other aliases nothing, and shows in /readyz a
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import redis
+import redis.asyncio as aioredis
 
 from embedded.processes import free_port as closed_port
 from embedded.processes import wait_until_async
 from proxy.app import create_app
 from proxy.routing import RoutingCache
+from proxy.state import shared_redis
 from ratchet.registry import CHANNEL, AliasRoute, RegistryWriter, alias_key
 from ratchet.settings import AliasConfig, RatchetSettings
+
+
+@pytest.fixture
+async def shared_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """The proxy's shared client, as ProxyState makes it (the cache does not close it)."""
+    shared = shared_redis(redis_url)
+    yield shared
+    await shared.aclose()
+
 
 # Aliases only Redis knows ("good", "bad", "sub") route on a base model that ratchet.yaml names.
 ALIASES = {"configured": AliasConfig(base_model="b")}
 
 
-async def test_an_invalid_hash_freezes_only_its_own_alias(redis_url: str) -> None:
+async def test_an_invalid_hash_freezes_only_its_own_alias(
+    redis_url: str, shared_client: aioredis.Redis
+) -> None:
     writer = RegistryWriter(redis_url, ALIASES)
     writer.write(AliasRoute(alias="good", base_model="b", active=1))
     writer.write(AliasRoute(alias="bad", base_model="b", active=1))
-    cache = RoutingCache(redis_url, ALIASES, refresh_s=0.05)
+    cache = RoutingCache(shared_client, ALIASES, refresh_s=0.05)
     await cache.start()
     raw = redis.Redis.from_url(redis_url)
     try:
@@ -80,10 +95,11 @@ async def test_readyz_says_the_table_is_stale_while_redis_is_away(proxy: Any) ->
 
 async def test_connected_means_a_write_arrives_without_waiting_for_a_refresh(
     redis_url: str,
+    shared_client: aioredis.Redis,
 ) -> None:
     writer = RegistryWriter(redis_url, ALIASES)
     writer.write(AliasRoute(alias="sub", base_model="b", active=1))
-    cache = RoutingCache(redis_url, ALIASES, refresh_s=3600)  # no full refresh during the test
+    cache = RoutingCache(shared_client, ALIASES, refresh_s=3600)  # no full refresh during the test
     await cache.start()
     try:
         assert cache.readable  # read at start, before the subscription is up
@@ -96,13 +112,15 @@ async def test_connected_means_a_write_arrives_without_waiting_for_a_refresh(
         await cache.close()
 
 
-async def test_a_base_model_not_in_the_config_never_reaches_vllm(redis_url: str) -> None:
+async def test_a_base_model_not_in_the_config_never_reaches_vllm(
+    redis_url: str, shared_client: aioredis.Redis
+) -> None:
     """v0 is served under the hash's base_model, which vLLM's filesystem resolver would join
     onto its adapter store: a name ratchet.yaml does not give is not routed."""
     raw = redis.Redis.from_url(redis_url)
     raw.hset(alias_key("configured"), mapping={"active": "0", "base_model": "../../tmp/evil"})
     raw.hset(alias_key("redis-only"), mapping={"active": "0", "base_model": "/abs/lora"})
-    cache = RoutingCache(redis_url, ALIASES, refresh_s=3600)
+    cache = RoutingCache(shared_client, ALIASES, refresh_s=3600)
     await cache.start()
     try:
         assert cache.routes["configured"].base_model == "b"  # its ratchet.yaml default
@@ -116,10 +134,11 @@ async def test_a_base_model_not_in_the_config_never_reaches_vllm(redis_url: str)
 
 async def test_a_new_alias_with_an_invalid_hash_leaves_the_listener_running(
     redis_url: str,
+    shared_client: aioredis.Redis,
 ) -> None:
     """Pushed by pub/sub, an alias never valid here (a base model this proxy's ratchet.yaml does
     not name) is not routed; the listener goes on and the next change still arrives at once."""
-    cache = RoutingCache(redis_url, ALIASES, refresh_s=3600)  # no full refresh during the test
+    cache = RoutingCache(shared_client, ALIASES, refresh_s=3600)  # no full refresh during the test
     await cache.start()
     writer = RegistryWriter(redis_url, {"other": AliasConfig(base_model="not-ours")})
     try:
