@@ -12,6 +12,11 @@
 
 The probes (``/healthz``, ``/metrics``) skip the Host check: kubelet and Prometheus send the pod's
 address, and neither shows users' data.
+
+Why not Starlette's ``TrustedHostMiddleware``: it has no exemption for the probes, no rule for
+loopback addresses as a class, reads the first of two Host headers, and answers text/plain. Why a
+subclass of uvicorn's h11 protocol: no public uvicorn option bounds how long a head may take (its
+cost per request: docs/results/benchmarks.md, "HTTP protocols").
 """
 
 from __future__ import annotations

@@ -36,6 +36,12 @@ dropped for up to LINGER_S, so that it reads the answer rather than a reset. Not
 the envelope: an idle connection with no byte sent (closed, as after a keep-alive timeout), a
 connection the kernel refuses (listen backlog full), and TLS errors (TLS ends in front of the
 proxy).
+
+Why a subclass of uvicorn's internals (hence uvicorn's upper pin in pyproject.toml): no public
+uvicorn option sets a deadline on a request's head or body, nor a head size with httptools. h11
+has that one (``h11_max_incomplete_event_size``), but no deadlines either, and costs more per
+request than httptools; the subclass's own cost is within noise (both figures:
+docs/results/benchmarks.md, "HTTP protocols").
 """
 
 from __future__ import annotations
