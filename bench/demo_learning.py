@@ -105,15 +105,15 @@ def shipped_settings() -> tuple[LearnerSettings, AliasConfig]:
 SHIPPED_LEARNER, SHIPPED_DEMO = shipped_settings()
 SHIPPED = Config(
     lr=SHIPPED_LEARNER.learning_rate,
-    rank=SHIPPED_LEARNER.lora_rank,
-    alpha=SHIPPED_LEARNER.lora_alpha,
+    rank=SHIPPED_LEARNER.lora.rank,
+    alpha=SHIPPED_LEARNER.lora.alpha,
     k=SHIPPED_DEMO.learning.group_size,
     groups=SHIPPED_LEARNER.batch_groups,
     steps=SHIPPED_LEARNER.steps_per_round,
     # Automatic by default (the served answers' lengths); demo answers are under 64 tokens.
     max_tokens=SHIPPED_DEMO.sampling.max_tokens or 64,
     temperature=SHIPPED_DEMO.sampling.temperature,
-    scale_rewards=SHIPPED_LEARNER.scale_rewards,
+    scale_rewards=SHIPPED_LEARNER.loss.scale_rewards,
     reward="shipped",
     seed=SHIPPED_LEARNER.seed,
     epochs=SHIPPED_LEARNER.epochs_per_round,
@@ -361,7 +361,7 @@ def run_config(
     """``verifier`` and ``strict``: another task's (see :func:`main`); None: the demo's."""
     import torch
 
-    from learner.trainer import LoraGRPOLearner, lora_settings, train_settings
+    from learner.trainer import LoraGRPOLearner
 
     alias = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-") or "demo"
     # The shipped learner settings with this config's knobs: everything else as shipped.
@@ -369,10 +369,9 @@ def run_config(
         **{
             **SHIPPED_LEARNER.model_dump(),
             "learning_rate": cfg.lr,
-            "lora_rank": cfg.rank,
-            "lora_alpha": cfg.alpha,
+            "lora": {**SHIPPED_LEARNER.lora.model_dump(), "rank": cfg.rank, "alpha": cfg.alpha},
             "steps_per_round": cfg.steps,
-            "scale_rewards": cfg.scale_rewards,
+            "loss": {**SHIPPED_LEARNER.loss.model_dump(), "scale_rewards": cfg.scale_rewards},
             "seed": cfg.seed,
             "epochs_per_round": cfg.epochs,
             "epoch_max_kl": cfg.epoch_max_kl,
@@ -381,8 +380,8 @@ def run_config(
     )
     learner = LoraGRPOLearner(
         model_path,
-        lora_settings(settings),
-        train_settings(settings),
+        settings.lora,
+        settings,
         device="cpu",
         dtype=torch.float32,
     )

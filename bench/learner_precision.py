@@ -49,9 +49,7 @@ from bench.learner_step import (  # noqa: E402
 )
 from learner.trainer import (  # noqa: E402
     LoraGRPOLearner,
-    lora_settings,
     native_bf16_cpu,
-    train_settings,
 )
 from ratchet.settings import LearnerSettings  # noqa: E402
 
@@ -134,9 +132,7 @@ def build_runs(args: argparse.Namespace) -> list[Run]:
             settings = LearnerSettings(
                 precision=precision, steps_per_round=args.steps, seed=args.seed
             )
-            learner = LoraGRPOLearner(
-                args.model_path, lora_settings(settings), train_settings(settings), device
-            )
+            learner = LoraGRPOLearner(args.model_path, settings.lora, settings, device)
             runs.append(Run(device, precision, learner, adapter_weights(learner)))
     return runs
 

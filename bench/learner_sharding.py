@@ -48,7 +48,7 @@ from bench.learner_step import (  # noqa: E402
 )
 from embedded.processes import free_port  # noqa: E402
 from learner.parallel import is_sharded  # noqa: E402
-from learner.trainer import LoraGRPOLearner, lora_settings, train_settings  # noqa: E402
+from learner.trainer import LoraGRPOLearner  # noqa: E402
 from ratchet.settings import LearnerSettings  # noqa: E402
 
 RUNS = (("reference", 1, "replicate"), ("replicate", None, "replicate"), ("fsdp", None, "fsdp"))
@@ -113,9 +113,7 @@ def rank_main(rank: int, ranks: int, sharding: str, port: int, args: argparse.Na
         settings = LearnerSettings(
             precision="fp32", steps_per_round=args.steps, seed=args.seed, sharding=sharding
         )
-        learner = LoraGRPOLearner(
-            args.model_path, lora_settings(settings), train_settings(settings), args.device
-        )
+        learner = LoraGRPOLearner(args.model_path, settings.lora, settings, args.device)
         loaded_peak = peak_resident_bytes()
         if args.load_only:
             result = {"rank": rank, "sharded": learner.sharded, "loaded_peak_bytes": loaded_peak}

@@ -105,16 +105,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from learner.batch import pack_groups, token_logprobs  # noqa: E402
-from learner.loss import GRPOLossConfig, group_advantages  # noqa: E402
-from learner.trainer import (  # noqa: E402
-    LoraGRPOLearner,
-    LoraSettings,
-    TrainSettings,
-    lora_settings,
-    train_settings,
-)
+from learner.loss import group_advantages  # noqa: E402
+from learner.trainer import LoraGRPOLearner  # noqa: E402
 from ratchet.records import Sample, ScoredGroup  # noqa: E402
-from ratchet.settings import LearnerSettings  # noqa: E402
+from ratchet.settings import LearnerSettings, LoraSettings, LossSettings  # noqa: E402
 
 console = Console(width=max(120, shutil.get_terminal_size((120, 40)).columns))
 DEFAULTS = LearnerSettings()
@@ -228,7 +222,7 @@ class BareLoop:
 # ---- TRL ----------------------------------------------------------------------------------------
 
 
-def trl_inputs(groups: list[ScoredGroup], loss: GRPOLossConfig, device: torch.device) -> dict:
+def trl_inputs(groups: list[ScoredGroup], loss: LossSettings, device: torch.device) -> dict:
     """The fixed round as the dict TRL's _generate_and_score_completions returns."""
     ids = sequences(groups)
     p = len(groups[0].prompt_token_ids)
@@ -251,7 +245,7 @@ def build_trl(
     args: argparse.Namespace,
     model_path: Path,
     lora: LoraSettings,
-    train: TrainSettings,
+    train: LearnerSettings,
     lora_targets: list[str],
     inputs: dict,
     callback: Any,
@@ -515,9 +509,7 @@ def memory_child(args: argparse.Namespace) -> int:
     if args.memory_child == "unchunked":
         batch_module._chunked_head_logprobs = _whole_head_logprobs  # type: ignore[assignment]
     settings = LearnerSettings(seed=args.seed, steps_per_round=args.steps)
-    learner = LoraGRPOLearner(
-        args.model_path, lora_settings(settings), train_settings(settings), device="cpu"
-    )
+    learner = LoraGRPOLearner(args.model_path, settings.lora, settings, device="cpu")
     groups = synthetic_groups(args, learner.model.get_base_model().config.vocab_size)
     for group in groups:
         for sample in group.samples:
@@ -624,8 +616,8 @@ def parse_args() -> argparse.Namespace:
         "--rounds", type=int, default=None, help="measured rounds per trainer (3 CPU, 5 CUDA)"
     )
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured rounds per trainer")
-    parser.add_argument("--rank", type=int, default=DEFAULTS.lora_rank)
-    parser.add_argument("--alpha", type=int, default=DEFAULTS.lora_alpha)
+    parser.add_argument("--rank", type=int, default=DEFAULTS.lora.rank)
+    parser.add_argument("--alpha", type=int, default=DEFAULTS.lora.alpha)
     parser.add_argument("--lr", type=float, default=DEFAULTS.learning_rate)
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
     parser.add_argument(
@@ -704,11 +696,10 @@ def main() -> int:
         learning_rate=args.lr,
         steps_per_round=args.steps,
         micro_batch_tokens=args.micro_batch * seq_len,
-        lora_rank=args.rank,
-        lora_alpha=args.alpha,
+        lora=LoraSettings(rank=args.rank, alpha=args.alpha),
         seed=args.seed,
     )
-    lora, train = lora_settings(settings), train_settings(settings)
+    lora, train = settings.lora, settings
     ours = LoraGRPOLearner(args.model_path, lora, train, device=args.device, dtype=dtype)
     bare_learner = LoraGRPOLearner(args.model_path, lora, train, device=args.device, dtype=dtype)
     vocab = ours.model.get_base_model().config.vocab_size

@@ -181,7 +181,7 @@ def _check_shape(found: LoraShape, wanted: LoraShape, base: dict[str, tuple[int,
             f"{list(found.target_modules)}), the learner's ({wanted.rank}, {wanted.alpha}, "
             f"{list(wanted.target_modules)}): the learner trains on from the live version and "
             "vLLM serves ranks up to the learner's, so train the adapter with these, or change "
-            "learner.lora_rank, learner.lora_alpha and learner.lora_target_modules for the alias's "
+            "learner.lora.rank, learner.lora.alpha and learner.lora.target_modules for the alias's "
             "next versions"
         )
 

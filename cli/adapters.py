@@ -43,12 +43,12 @@ def learner_shape(settings: RatchetSettings, base: Path) -> LoraShape:
     from cli.adapter_checks import LoraShape, base_linear_shapes, linear_module_names
 
     s = settings.learner
-    targets = s.lora_target_modules
+    targets = s.lora.target_modules
     if targets == "all-linear":
         names = linear_module_names(base_linear_shapes(base))
     else:
         names = tuple(sorted(set(targets)))
-    return LoraShape(s.lora_rank, s.lora_alpha, names)
+    return LoraShape(s.lora.rank, s.lora.alpha, names)
 
 
 def copy_adapter(checked: CheckedAdapter, folder: Path) -> None:

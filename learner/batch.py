@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from learner.loss import ScaleRewards, group_advantages
+from learner.loss import group_advantages
 from ratchet.records import ScoredGroup
 from ratchet.rewards.packing import PAD_SEGMENT, padded, row_layout, shared_prompt_mask
+from ratchet.settings import ScaleRewards
 
 __all__ = ["Batch", "pack_groups", "shared_prompt_mask", "token_logprobs"]
 # Completion positions whose logits exist at once (see token_logprobs): 200 MB of float32

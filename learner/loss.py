@@ -8,57 +8,12 @@ them (the behaviour policy).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import get_args
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from ratchet.settings import LearnerSettings
-
-ScaleRewards = Literal["group", "batch", "none"]
-LossMode = Literal["ppo_clip", "cispo"]
-
-
-@dataclass(frozen=True)
-class GRPOLossConfig:
-    """Settings of :func:`grpo_loss`, and the advantage scaling of :func:`group_advantages`.
-
-    Built by :func:`loss_config` from ``LearnerSettings``, which holds every default and validates
-    every field (the settings' ``loss_mode`` is ``mode`` here).
-
-    scale_rewards: what the group-centred rewards are divided by: the std of the sample's group
-        ("group", GRPO), the std of all rewards in the batch ("batch", as in Lite PPO), or nothing
-        ("none", as Dr. GRPO recommends: std scaling biases toward too easy and too hard prompts).
-    mode: "ppo_clip", PPO's clipped surrogate with separate low and high epsilons (DAPO's
-        clip-higher), or "cispo", MiniMax-M1's clipped, stop-gradient importance weight times the
-        logprob, which keeps a gradient on every token.
-    epsilon_low, epsilon_high: the ppo_clip trust region of the ratio, [1 - eps_low, 1 + eps_high].
-    cispo_max_weight: the cap on CISPO's importance weight: 1 + eps^IS_high in the MiniMax-M1
-        paper (which sets no lower bound, and neither do we), eps_max in ScaleRL, TRL's
-        ``epsilon_high`` when its ``loss_type="cispo"``.
-    kl_beta: weight of the k3 estimate of the KL to the base model; 0 turns it off, and then no
-        reference logprobs are needed.
-    """
-
-    scale_rewards: ScaleRewards
-    mode: LossMode
-    epsilon_low: float
-    epsilon_high: float
-    cispo_max_weight: float
-    kl_beta: float
-
-
-def loss_config(s: LearnerSettings) -> GRPOLossConfig:
-    return GRPOLossConfig(
-        scale_rewards=s.scale_rewards,
-        mode=s.loss_mode,
-        epsilon_low=s.epsilon_low,
-        epsilon_high=s.epsilon_high,
-        cispo_max_weight=s.cispo_max_weight,
-        kl_beta=s.kl_beta,
-    )
+from ratchet.settings import LossSettings, ScaleRewards
 
 
 def group_advantages(
@@ -116,7 +71,7 @@ def grpo_loss(
     behaviour_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    config: GRPOLossConfig,
+    config: LossSettings,
     ref_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The GRPO loss of a batch of B sampled completions padded to T tokens.
@@ -215,7 +170,7 @@ def _check_shapes(
     advantages: Tensor,
     mask: Tensor,
     ref_logprobs: Tensor | None,
-    config: GRPOLossConfig,
+    config: LossSettings,
 ) -> None:
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be (B, T), got shape {tuple(logprobs.shape)}")
@@ -242,7 +197,7 @@ def _stats(
     num_tokens: Tensor,
     policy_loss: Tensor,
     kl: Tensor | None,
-    config: GRPOLossConfig,
+    config: LossSettings,
 ) -> dict[str, Tensor]:
     denominator = num_tokens.clamp(min=1).to(ratio.dtype)
 

@@ -28,7 +28,7 @@ Clipping and AdamW work on the shards; at the end of a round every rank gathers 
 adapter and optimizer state (:func:`gathered`), which rank 0 saves in the format one rank
 writes.
 
-With ``lora_dropout > 0`` each rank draws its own dropout masks, so the sum is an estimate as
+With ``lora.dropout > 0`` each rank draws its own dropout masks, so the sum is an estimate as
 good as one rank's, not the same numbers.
 """
 

@@ -48,8 +48,6 @@ from learner.trainer import (
     LoraGRPOLearner,
     RoundStats,
     StepProgress,
-    lora_settings,
-    train_settings,
 )
 from ratchet.bill import Bill, total
 from ratchet.canary_state import reset_counts
@@ -288,9 +286,7 @@ class Rounds:
         if self._trainer is None:
             s = self.settings.learner
             device = None if s.device == "auto" else s.device
-            self._trainer = LoraGRPOLearner(
-                self.base_model_path, lora_settings(s), train_settings(s), device=device
-            )
+            self._trainer = LoraGRPOLearner(self.base_model_path, s.lora, s, device=device)
             # Adapters must name their base exactly as vLLM's --model does, not a normalised path.
             self._trainer.base_model_id = s.base_model_path or str(self.base_model_path)
         return self._trainer

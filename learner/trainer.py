@@ -45,7 +45,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, cast
@@ -54,7 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from learner.batch import Batch, pack_groups, token_logprobs
-from learner.loss import GRPOLossConfig, grpo_loss, loss_config
+from learner.loss import grpo_loss
 from learner.parallel import (
     Ranks,
     all_reduce,
@@ -68,7 +68,7 @@ from learner.parallel import (
     whole,
 )
 from ratchet.records import ScoredGroup
-from ratchet.settings import LearnerSettings
+from ratchet.settings import LearnerSettings, LoraSettings
 from ratchet.store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -82,63 +82,23 @@ Precision = Literal["auto", "fp32", "bf16"]
 Sharding = Literal["replicate", "fsdp"]
 
 
-@dataclass(frozen=True)
-class LoraSettings:
-    """The adapter's shape. vLLM must be started with ``--max-lora-rank`` >= ``rank`` (the
-    embedded one allows 32). ``"all-linear"`` means every linear projection of the transformer
-    blocks (for Llama: q/k/v/o_proj, gate/up/down_proj), never the LM head. Built by
-    :func:`lora_settings`: ``LearnerSettings`` holds the defaults and validates them."""
-
-    rank: int
-    alpha: int
-    dropout: float
-    target_modules: tuple[str, ...] | str
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    """How a round trains. Built by :func:`train_settings`: ``LearnerSettings`` holds the
-    defaults and validates them."""
-
-    learning_rate: float
-    steps_per_round: int
-    micro_batch_tokens: int
-    max_grad_norm: float
-    weight_decay: float
-    loss: GRPOLossConfig
-    seed: int
-    epochs_per_round: int
-    epoch_max_kl: float
-    epoch_max_clip_frac: float
-    precision: Precision
-    sharding: Sharding
-
-
-def lora_settings(s: LearnerSettings) -> LoraSettings:
-    targets = s.lora_target_modules
-    return LoraSettings(
-        rank=s.lora_rank,
-        alpha=s.lora_alpha,
-        dropout=s.lora_dropout,
-        target_modules=targets if isinstance(targets, str) else tuple(targets),
-    )
-
-
-def train_settings(s: LearnerSettings) -> TrainSettings:
-    return TrainSettings(
-        learning_rate=s.learning_rate,
-        steps_per_round=s.steps_per_round,
-        micro_batch_tokens=s.micro_batch_tokens,
-        max_grad_norm=s.max_grad_norm,
-        weight_decay=s.weight_decay,
-        loss=loss_config(s),
-        seed=s.seed,
-        epochs_per_round=s.epochs_per_round,
-        epoch_max_kl=s.epoch_max_kl,
-        epoch_max_clip_frac=s.epoch_max_clip_frac,
-        precision=s.precision,
-        sharding=s.sharding,
-    )
+# What a round's training depends on, recorded in each adapter's metadata beside its LoRA shape.
+TRAINING_FIELDS = frozenset(
+    {
+        "learning_rate",
+        "steps_per_round",
+        "micro_batch_tokens",
+        "max_grad_norm",
+        "weight_decay",
+        "loss",
+        "seed",
+        "epochs_per_round",
+        "epoch_max_kl",
+        "epoch_max_clip_frac",
+        "precision",
+        "sharding",
+    }
+)
 
 
 def saved_key(param_name: str, adapter: str = "default") -> str:
@@ -168,7 +128,9 @@ def uses_bf16(precision: Precision, device: torch.device) -> bool:
     return device.type == "cuda" and bool(torch.cuda.is_bf16_supported())
 
 
-def epoch_stop(epoch: int, approx_kl: float, clip_frac: float, train: TrainSettings) -> str | None:
+def epoch_stop(
+    epoch: int, approx_kl: float, clip_frac: float, train: LearnerSettings
+) -> str | None:
     """Why a step of this 1-based epoch is not taken (the round ends there), or None. The
     first epoch always runs whole."""
     if epoch <= 1:
@@ -215,7 +177,7 @@ class RoundStats:
         return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in values.items()}
 
 
-def resolve_target_modules(model: nn.Module, target: tuple[str, ...] | str) -> tuple[str, ...]:
+def resolve_target_modules(model: nn.Module, target: Sequence[str] | str) -> tuple[str, ...]:
     """Module names LoRA wraps; "all-linear" is every nn.Linear except the output layer."""
     output_layer = cast(Any, model).get_output_embeddings()
     linear = {
@@ -239,7 +201,7 @@ class LoraGRPOLearner:
         self,
         base_model_path: Path,
         lora: LoraSettings,
-        train: TrainSettings,
+        train: LearnerSettings,
         device: str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -292,7 +254,7 @@ class LoraGRPOLearner:
         if loose:  # FSDP would not reduce their gradient
             raise ValueError(
                 f"learner.sharding fsdp shards the decoder layers; LoRA on {loose[:3]} is "
-                "outside them: leave those modules out of learner.lora_target_modules"
+                "outside them: leave those modules out of learner.lora.target_modules"
             )
         self._fresh = [p.detach().clone() for p in self.params]
         # Sharded: the whole adapter and optimizer state, gathered by every rank after a load
@@ -406,8 +368,8 @@ class LoraGRPOLearner:
             "optimizer_steps": self.optimizer_steps,
             "groups_seen": self.groups_seen,
             "completion_tokens_seen": self.tokens_seen,
-            "lora": asdict(self.lora),
-            "train": asdict(self.train),
+            "lora": self.lora.model_dump(mode="json"),
+            "train": self.train.model_dump(mode="json", include=set(TRAINING_FIELDS)),
             "last_round": self.last_round.as_dict() if self.last_round else None,
         }
         full_meta.update(meta)

@@ -35,7 +35,14 @@ from ratchet.settings.base import (
 from ratchet.settings.console import ConsoleSettings
 from ratchet.settings.judge import JudgeSettings
 from ratchet.settings.kafka import KafkaSettings
-from ratchet.settings.learner import LearnerSettings
+from ratchet.settings.learner import (
+    MOVED_KEYS,
+    LearnerSettings,
+    LoraSettings,
+    LossMode,
+    LossSettings,
+    ScaleRewards,
+)
 from ratchet.settings.proxy import ProxySettings, RateLimitSettings, redaction_regex
 from ratchet.settings.root import (
     DEFAULT_REDIS_URL,
@@ -51,6 +58,7 @@ __all__ = [
     "DEFAULT_REDIS_URL",
     "DEFAULT_RUBRIC",
     "HOST_PATTERN",
+    "MOVED_KEYS",
     "NAME_PATTERN",
     "NAME_RULE",
     "SECRETS_DIR_VARIABLE",
@@ -64,11 +72,15 @@ __all__ = [
     "KafkaSettings",
     "LearnerSettings",
     "LearningConfig",
+    "LoraSettings",
+    "LossMode",
+    "LossSettings",
     "ProxySettings",
     "RatchetSettings",
     "RateLimitSettings",
     "RewardConfig",
     "SamplingConfig",
+    "ScaleRewards",
     "_Section",
     "config_path",
     "default_home",

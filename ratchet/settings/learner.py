@@ -2,15 +2,101 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     Field,
+    model_validator,
 )
 
 from ratchet.settings.base import (
     _Section,
 )
+
+ScaleRewards = Literal["group", "batch", "none"]
+LossMode = Literal["ppo_clip", "cispo"]
+
+# The flat keys of earlier releases and where each one now lives: an old ratchet.yaml is told
+# the fix instead of "extra inputs are not permitted".
+MOVED_KEYS = {
+    "lora_rank": "lora.rank",
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+    "lora_target_modules": "lora.target_modules",
+    "scale_rewards": "loss.scale_rewards",
+    "loss_mode": "loss.mode",
+    "epsilon_low": "loss.epsilon_low",
+    "epsilon_high": "loss.epsilon_high",
+    "cispo_max_weight": "loss.cispo_max_weight",
+    "kl_beta": "loss.kl_beta",
+}
+
+
+class LoraSettings(_Section):
+    """`learner.lora`: the adapter's shape. vLLM must be started with ``--max-lora-rank`` at
+    least ``rank``."""
+
+    # The embedded vLLM allows rank <= 32.
+    rank: int = Field(default=8, ge=1, le=32, description="LoRA rank r of every wrapped module.")
+    alpha: int = Field(default=16, ge=1, description="LoRA alpha; the update is scaled by alpha/r.")
+    dropout: float = Field(
+        default=0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA branch while training."
+    )
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default="all-linear",
+        description=(
+            'Module names LoRA wraps; "all-linear": every linear projection of the transformer '
+            "blocks (for Llama q/k/v/o_proj, gate/up/down_proj), never the LM head."
+        ),
+    )
+
+
+class LossSettings(_Section):
+    """`learner.loss`: the GRPO objective (learner/loss.py) and its advantage scaling."""
+
+    scale_rewards: ScaleRewards = Field(
+        default="group",
+        description=(
+            "What the group-centred rewards are divided by: the std of the sample's group "
+            '("group", GRPO), of all rewards in the batch ("batch", Lite PPO), or nothing '
+            '("none", Dr. GRPO).'
+        ),
+    )
+    # Dr. GRPO recommends "none" (std scaling biases toward too easy and too hard prompts); "group"
+    # is GRPO's own and what the defaults were chosen with.
+    mode: LossMode = Field(
+        default="ppo_clip",
+        description=(
+            "\"ppo_clip\": PPO's clipped surrogate with separate low and high epsilons (DAPO's "
+            'clip-higher); "cispo": MiniMax-M1\'s clipped, stop-gradient importance weight times '
+            "the logprob, which keeps a gradient on every token."
+        ),
+    )
+    epsilon_low: float = Field(
+        default=0.2,
+        ge=0.0,
+        lt=1.0,
+        description="ppo_clip: the ratio is clipped below at 1 - epsilon_low.",
+    )
+    # Above epsilon_low: DAPO's clip-higher.
+    epsilon_high: float = Field(
+        default=0.28,
+        ge=0.0,
+        description="ppo_clip: the ratio is clipped above at 1 + epsilon_high.",
+    )
+    # 1 + eps^IS_high in the MiniMax-M1 paper (which sets no lower bound, and neither do we),
+    # eps_max in ScaleRL, TRL's epsilon_high when its loss_type="cispo".
+    cispo_max_weight: float = Field(
+        default=5.0, gt=0, description="cispo: the cap on the importance weight."
+    )
+    kl_beta: float = Field(
+        default=0.0,
+        ge=0.0,
+        description=(
+            "Weight of the k3 estimate of the KL to the base model; 0 turns it off (and then no "
+            "reference logprobs are computed)."
+        ),
+    )
 
 
 class LearnerSettings(_Section):
@@ -73,16 +159,8 @@ class LearnerSettings(_Section):
     # AdamW's decoupled weight decay: pulls the LoRA weights toward zero, i.e. toward the base
     # model. Off by default, as in TRL's GRPOConfig.
     weight_decay: float = Field(default=0.0, ge=0.0)
-    lora_rank: int = Field(default=8, ge=1, le=32)  # the embedded vLLM allows rank <= 32
-    lora_alpha: int = Field(default=16, ge=1)
-    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    lora_target_modules: list[str] | Literal["all-linear"] = "all-linear"
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    loss_mode: Literal["ppo_clip", "cispo"] = "ppo_clip"
-    epsilon_low: float = Field(default=0.2, ge=0.0, lt=1.0)
-    epsilon_high: float = Field(default=0.28, ge=0.0)
-    cispo_max_weight: float = Field(default=5.0, gt=0)
-    kl_beta: float = Field(default=0.0, ge=0.0)
+    lora: LoraSettings = LoraSettings()
+    loss: LossSettings = LossSettings()
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # The forward and backward's arithmetic: "bf16" autocasts them to bfloat16 (weights, LoRA and
@@ -123,3 +201,19 @@ class LearnerSettings(_Section):
     # holding the alias's Redis lease, renewed every third of this. A replica that dies frees
     # its aliases after this long; one that stalls longer loses them (its writes are fenced).
     lease_ttl_s: float = Field(default=30.0, ge=0.5, le=3600)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            moved = [
+                f"learner.{old} is now learner.{new}"
+                for old, new in MOVED_KEYS.items()
+                if old in data
+            ]
+            if moved:
+                raise ValueError(
+                    "; ".join(moved)
+                    + ": nest them so in ratchet.yaml (variables: RATCHET_LEARNER__LORA__RANK, ...)"
+                )
+        return data

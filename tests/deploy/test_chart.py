@@ -327,8 +327,8 @@ def test_gpu_learner(rendered: dict[str, Rendered]) -> None:
         == r.container(f"{FULLNAME}-vllm")["args"][0]
     )
     assert config["device"] == "cuda"
-    assert config["lora_target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
-    assert (config["batch_groups"], config["interval_s"], config["loss_mode"]) == (
+    assert config["lora"]["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert (config["batch_groups"], config["interval_s"], config["loss"]["mode"]) == (
         32,
         1800,
         "cispo",

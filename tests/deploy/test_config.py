@@ -279,11 +279,12 @@ def test_rendered_config_loads_with_the_learner_env(
     gpus = r.container(f"{FULLNAME}-learner")["resources"]["limits"].get("nvidia.com/gpu", 0)
     configured = values.get("learner", {}).get("config", {})
     assert learner.device == configured.get("device", "cuda" if gpus else "auto")
-    expected = {
-        **ratchet_settings.LearnerSettings().model_dump(),
-        **CHART_DEFAULTS["learner"]["config"],
-        **configured,
-    }
+    expected = _merged(
+        _merged(
+            ratchet_settings.LearnerSettings().model_dump(), CHART_DEFAULTS["learner"]["config"]
+        ),
+        configured,
+    )
     got = learner.model_dump()
     for name in set(expected) - CHART_OWNED["learner"] - {"device"}:
         assert got[name] == expected[name], name
@@ -310,9 +311,9 @@ def test_rendered_config_loads_with_the_learner_env(
 
 
 def test_alias_values_mirror_the_settings(chart: helm.Chart) -> None:
-    """values.schema.json describes an alias and the proxy, judge and learner sections with
-    exactly the fields ratchet/settings.py has (less those the chart sets or takes from a
-    Secret), with the same bounds and choices."""
+    """values.schema.json (generated: python -m ratchet.settings.generate) describes an alias
+    and the proxy, judge and learner sections with exactly the fields ratchet/settings/ has
+    (less those the chart sets or takes from a Secret), with the same bounds and choices."""
     schema = chart.schema
     assert schema is not None
     _same_fields(schema["definitions"]["alias"], ratchet_settings.AliasConfig, "aliases.<name>")
@@ -323,12 +324,19 @@ def test_alias_values_mirror_the_settings(chart: helm.Chart) -> None:
         assert CHART_OWNED[section] <= fields, section
         assert set(config["properties"]) == fields - CHART_OWNED[section], section
         for name in config["properties"]:
-            _same_bounds(config["properties"][name], model.model_fields[name], f"{section}.{name}")
+            field = model.model_fields[name]
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                _same_fields(config["properties"][name], sub, f"{section}.{name}")
+            else:
+                _same_bounds(config["properties"][name], field, f"{section}.{name}")
         # The chart's defaults for the section are the service's own defaults.
         defaults = model().model_dump(mode="json")
         for name, value in chart.values[section]["config"].items():
             if (section, name) == ("proxy", "redact_patterns"):
                 continue  # the chart redacts e-mail addresses; the bare service redacts nothing
+            if isinstance(value, dict):  # a nested section: the keys the chart sets
+                value = _merged(defaults[name], value)
             assert value == defaults[name], f"{section}.config.{name}"
     kafka = schema["properties"]["kafka"]["properties"]
     fields = ratchet_settings.KafkaSettings.model_fields
@@ -374,7 +382,9 @@ def _same_bounds(schema: dict[str, Any], field: Any, where: str) -> None:
     if literals:
         choices = set(schema.get("enum", ()))
         for option in schema.get("anyOf", ()):
-            choices |= set(option.get("enum", ()))
+            choices |= set(option.get("enum", ())) | (
+                {option["const"]} if "const" in option else set()
+            )
         assert choices - {""} == literals, where
 
 
@@ -470,11 +480,11 @@ BAD_VALUES = [
         ["/learner/config", "'base_model_path' not allowed"],
     ),
     ("learner.config", {"device": "tpu"}, ["/learner/config/device", "'auto', 'cpu', 'cuda'"]),
-    ("learner.config", {"lora_rank": 64}, ["/learner/config/lora_rank", "maximum"]),
+    ("learner.config", {"lora": {"rank": 64}}, ["/learner/config/lora/rank", "maximum"]),
     (
         "learner.config",
-        {"lora_target_modules": "all"},
-        ["/learner/config/lora_target_modules", "value must be 'all-linear'"],
+        {"lora": {"target_modules": "all"}},
+        ["/learner/config/lora/target_modules", "value must be 'all-linear'"],
     ),
     ("learner.startupProbe", {"periodSeconds": 0}, ["/learner/startupProbe/periodSeconds"]),
     ("learner.image", {"pullPolicy": "Sometimes"}, ["/learner/image/pullPolicy", "IfNotPresent"]),
@@ -555,8 +565,8 @@ TEMPLATE_CHECKS = [
         "adapters.existingClaim is empty",
     ),
     (
-        {"learner": {"config": {"lora_rank": 32}}, "vllm": {"maxLoraRank": 16}},
-        "learner.config.lora_rank (32) is above vllm.maxLoraRank (16)",
+        {"learner": {"config": {"lora": {"rank": 32}}}, "vllm": {"maxLoraRank": 16}},
+        "learner.config.lora.rank (32) is above vllm.maxLoraRank (16)",
     ),
     (
         {"aliases": {"support": {"gate": {"min_pairs": 100}}}},
@@ -581,7 +591,7 @@ def test_consistent_values_pass_those_checks(chart: helm.Chart) -> None:
         {"judge": {"enabled": False, "existingSecret": "mine"}},
         {"vllm": {"enabled": False, "url": "http://v:8000"}, "adapters": {"existingClaim": "a"}},
         {"vllm": {"enabled": False, "url": "http://v:8000"}, "learner": {"enabled": False}},
-        {"learner": {"config": {"lora_rank": 16}}, "vllm": {"maxLoraRank": 16}},
+        {"learner": {"config": {"lora": {"rank": 16}}}, "vllm": {"maxLoraRank": 16}},
         {"aliases": {"support": {"gate": {"min_pairs": 100, "max_pairs": 100}}}},
         # Secure backends need no opt-out.
         {

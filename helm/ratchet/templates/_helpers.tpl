@@ -385,9 +385,9 @@ ratchet-plugins.yaml: |
 {{- fail "learner.enabled is true with an existing vLLM (vllm.enabled=false) but adapters.existingClaim is empty: the learner must write the adapter store your vLLM reads (VLLM_LORA_RESOLVER_CACHE_DIR). Set adapters.existingClaim to that volume's claim, or learner.enabled=false" }}
 {{- end }}
 {{- if and .Values.learner.enabled .Values.vllm.enabled }}
-{{- $rank := (.Values.learner.config | default dict).lora_rank | default 16 }}
+{{- $rank := ((.Values.learner.config | default dict).lora | default dict).rank | default 16 }}
 {{- if gt (int $rank) (int .Values.vllm.maxLoraRank) }}
-{{- fail (printf "learner.config.lora_rank (%d) is above vllm.maxLoraRank (%d): vLLM would refuse every adapter the learner writes. Lower lora_rank or raise vllm.maxLoraRank" (int $rank) (int .Values.vllm.maxLoraRank)) }}
+{{- fail (printf "learner.config.lora.rank (%d) is above vllm.maxLoraRank (%d): vLLM would refuse every adapter the learner writes. Lower lora.rank or raise vllm.maxLoraRank" (int $rank) (int .Values.vllm.maxLoraRank)) }}
 {{- end }}
 {{- end }}
 {{- range $name, $alias := .Values.aliases }}

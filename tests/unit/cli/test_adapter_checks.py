@@ -110,7 +110,7 @@ def test_a_pickled_adapter_is_refused_without_being_opened(base: Path, tmp_path:
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"r": 8}, r"\(8, 8, .*learner.lora_rank"),
+        ({"r": 8}, r"\(8, 8, .*learner\.lora\.rank"),
         ({"lora_alpha": 16}, r"\(4, 16, "),
         ({"target_modules": ["q_proj", "v_proj"]}, r"'q_proj', 'v_proj'\]\), the learner's"),
         ({"peft_type": "IA3"}, "only LoRA"),

@@ -13,12 +13,12 @@ from learner.batch import pack_groups, token_logprobs
 from learner.loss import grpo_loss
 from learner.trainer import (
     LoraGRPOLearner,
-    TrainSettings,
     epoch_stop,
     native_bf16_cpu,
     uses_bf16,
 )
 from ratchet.records import ScoredGroup
+from ratchet.settings import LearnerSettings
 from tests.unit.learner.test_trainer import (
     assert_same,
     group,
@@ -56,7 +56,7 @@ def preference_gap(learner: LoraGRPOLearner, groups: list[ScoredGroup]) -> float
     return good - bad
 
 
-def settings(**knobs: object) -> TrainSettings:
+def settings(**knobs: object) -> LearnerSettings:
     return train(**{"learning_rate": 2e-2, "steps_per_round": 2, "seed": 3, **knobs})
 
 

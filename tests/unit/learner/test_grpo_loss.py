@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from learner.loss import GRPOLossConfig, group_advantages, grpo_loss, loss_config
-from ratchet.settings import LearnerSettings
+from learner.loss import group_advantages, grpo_loss
+from ratchet.settings import LossSettings
 
 F64 = torch.float64
 
@@ -35,10 +35,9 @@ def grad_of(loss: Tensor, logprobs: Tensor) -> Tensor:
     return grad
 
 
-def config_of(**knobs: Any) -> GRPOLossConfig:
-    """The learner settings' loss config with these LearnerSettings knobs changed (the mode is
-    ``loss_mode`` there)."""
-    return loss_config(LearnerSettings(**knobs))
+def config_of(**knobs: Any) -> LossSettings:
+    """The learner settings' loss section (learner.loss) with these knobs changed."""
+    return LossSettings(**knobs)
 
 
 def with_ratios(ratios: list[list[float]]) -> tuple[Tensor, Tensor]:
@@ -91,9 +90,7 @@ def test_on_policy_gradient_is_minus_advantage_over_n(mode: str) -> None:
     logprobs = torch.tensor([[-0.5, -1.0, -2.0], [-0.1, -3.0, -9.0]], dtype=F64).requires_grad_()
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     advantages = torch.tensor([2.0, -1.0], dtype=F64)
-    loss, stats = grpo_loss(
-        logprobs, logprobs.detach(), advantages, mask, config_of(loss_mode=mode)
-    )
+    loss, stats = grpo_loss(logprobs, logprobs.detach(), advantages, mask, config_of(mode=mode))
     n = 5
     close(grad_of(loss, logprobs), [[-2 / n, -2 / n, -2 / n], [1 / n, 1 / n, 0.0]])
     if mode == "ppo_clip":  # -(1/N) sum r A with r = 1
@@ -125,7 +122,7 @@ def test_ppo_clip_zeroes_gradient_where_the_clip_is_active() -> None:
 def test_cispo_weight_is_clipped_and_carries_no_gradient() -> None:
     logprobs, behaviour = with_ratios([[0.1, 1.0, 3.0], [8.0, 0.5, 6.0]])
     advantages = torch.tensor([1.5, -0.5], dtype=F64)
-    config = config_of(loss_mode="cispo", cispo_max_weight=5.0)
+    config = config_of(mode="cispo", cispo_max_weight=5.0)
     loss, stats = grpo_loss(logprobs, behaviour, advantages, torch.ones(2, 3), config)
     n = 6
     weights = torch.tensor([[0.1, 1.0, 3.0], [5.0, 0.5, 5.0]], dtype=F64)  # min(r, 5)
@@ -139,7 +136,7 @@ def test_cispo_weight_is_clipped_and_carries_no_gradient() -> None:
 
 @pytest.mark.parametrize("mode", ["ppo_clip", "cispo"])
 def test_masked_tokens_contribute_nothing(mode: str) -> None:
-    config = config_of(loss_mode=mode, kl_beta=0.1)
+    config = config_of(mode=mode, kl_beta=0.1)
     logprobs = torch.tensor([[-0.5, -1.0, -1.5], [-0.2, -0.7, -2.0]], dtype=F64)
     behaviour = logprobs + torch.tensor([[0.3, -0.4, 0.1], [-0.2, 0.5, 0.0]], dtype=F64)
     ref = logprobs + 0.25
@@ -245,7 +242,7 @@ def loop_loss(
     behaviour: Tensor,
     advantages: list[float],
     mask: Tensor,
-    config: GRPOLossConfig,
+    config: LossSettings,
     ref: Tensor,
 ) -> Tensor:
     """The loss token by token, with the clip written as its piecewise cases."""
@@ -281,7 +278,7 @@ def loop_loss(
 def test_matches_a_per_token_loop(mode: str, scale: str, kl_beta: float) -> None:
     batch = random_batch()
     # A low CISPO cap, so that some weights of this batch are capped.
-    config = config_of(scale_rewards=scale, loss_mode=mode, cispo_max_weight=1.5, kl_beta=kl_beta)
+    config = config_of(scale_rewards=scale, mode=mode, cispo_max_weight=1.5, kl_beta=kl_beta)
     advantages = group_advantages(batch.rewards, batch.shuffled_groups, config.scale_rewards)
     expected_advantages = loop_advantages(
         batch.rewards.tolist(), batch.shuffled_groups.tolist(), scale, eps=1e-6
@@ -305,7 +302,7 @@ def test_per_token_advantages_are_the_same_loss(mode: str) -> None:
     """The learner packs a group's samples into one row, each token carrying its own sample's
     advantage: (B, T) advantages must give exactly the (B,) loss and gradient."""
     batch = random_batch()
-    config = config_of(loss_mode=mode, cispo_max_weight=1.5, kl_beta=0.05)
+    config = config_of(mode=mode, cispo_max_weight=1.5, kl_beta=0.05)
     advantages = group_advantages(batch.rewards, batch.contiguous_groups, config.scale_rewards)
     per_token = advantages[:, None] * batch.mask  # 0 off the completions, as the packer writes
     results = []
@@ -393,7 +390,7 @@ TRL_CASES = [("ppo_clip", "dapo"), ("ppo_clip", "bnpo"), ("cispo", "cispo")]
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_matches_trls_grpo_loss(scale: str, mode: str, loss_type: str, kl_beta: float) -> None:
     batch = random_batch()
-    config = config_of(scale_rewards=scale, loss_mode=mode, cispo_max_weight=1.5, kl_beta=kl_beta)
+    config = config_of(scale_rewards=scale, mode=mode, cispo_max_weight=1.5, kl_beta=kl_beta)
     trl = trl_functions()
 
     # TRL's advantages are inline in _generate_and_score_completions ("sum_then_normalize", one

@@ -75,9 +75,9 @@ def rank_main(rank: int, model: str, port: int, bad: str, out: str) -> None:
 def test_an_adapter_that_fails_to_load_fails_the_round_on_every_rank(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    # An adapter of another shape (lora_rank changed since it was written): it cannot continue.
+    # An adapter of another shape (lora.rank changed since it was written): it cannot continue.
     other = LoraGRPOLearner(
-        tiny_model, lora(lora_rank=8, lora_alpha=16), train(steps_per_round=1), device="cpu"
+        tiny_model, lora(rank=8, alpha=16), train(steps_per_round=1), device="cpu"
     )
     bad = other.save_candidate(AdapterStore(tmp_path / "store"), "a", 1, 0, {})
     mp.spawn(rank_main, args=(str(tiny_model), free_port(), str(bad), str(tmp_path)), nprocs=2)

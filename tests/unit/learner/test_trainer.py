@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import MISSING, asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,18 +16,15 @@ import torch
 from safetensors.torch import load_file
 
 from learner.batch import Batch, pack_groups, shared_prompt_mask, token_logprobs
-from learner.loss import GRPOLossConfig, group_advantages, grpo_loss
+from learner.loss import group_advantages, grpo_loss
 from learner.trainer import (
     OPTIMIZER_FILE,
+    TRAINING_FIELDS,
     LoraGRPOLearner,
-    LoraSettings,
     StepProgress,
-    TrainSettings,
-    lora_settings,
-    train_settings,
 )
 from ratchet.records import Sample, ScoredGroup
-from ratchet.settings import LearnerSettings
+from ratchet.settings import LearnerSettings, LoraSettings, LossSettings
 from ratchet.store import META_FILE, AdapterStore
 
 LLAMA_PROJECTIONS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
@@ -58,19 +54,19 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def train(**knobs: Any) -> TrainSettings:
-    """The learner settings' training config, with these LearnerSettings knobs changed. In
-    float32 unless a test names the precision: these tests check exact arithmetic, whatever
-    ``auto`` comes to mean (tests/unit/learner/test_epochs.py checks bf16's parity)."""
-    return train_settings(LearnerSettings(**{"precision": "fp32", **knobs}))
+def train(**knobs: Any) -> LearnerSettings:
+    """The learner settings with these knobs changed. In float32 unless a test names the
+    precision: these tests check exact arithmetic, whatever ``auto`` comes to mean
+    (tests/unit/learner/test_epochs.py checks bf16's parity)."""
+    return LearnerSettings(**{"precision": "fp32", **knobs})
 
 
 def lora(**knobs: Any) -> LoraSettings:
-    return lora_settings(LearnerSettings(**knobs))
+    return LoraSettings(**knobs)
 
 
 def small_lora() -> LoraSettings:
-    return lora(lora_rank=4, lora_alpha=8)
+    return lora(rank=4, alpha=8)
 
 
 def group(
@@ -286,11 +282,23 @@ def test_chunked_logprobs_and_their_lora_grads_equal_the_whole_head_at_once(
 
 
 def test_every_trainer_knob_comes_from_the_learner_settings(tiny_model: Path) -> None:
-    """The trainer's configs have no defaults of their own (LearnerSettings holds them), and
-    every knob set in the settings reaches them, weight decay and learning rate the optimizer."""
-    for config in (TrainSettings, LoraSettings, GRPOLossConfig):
-        for f in fields(config):
-            assert f.default is MISSING and f.default_factory is MISSING, (config, f.name)
+    """The trainer takes the settings' own models (no copies with defaults of their own), and
+    every knob set in them reaches it: weight decay and learning rate the optimizer, the LoRA
+    shape peft, and all of them the adapter's metadata."""
+    lora_knobs: dict[str, Any] = {
+        "rank": 4,
+        "alpha": 8,
+        "dropout": 0.1,
+        "target_modules": ["v_proj", "q_proj"],
+    }
+    loss_knobs: dict[str, Any] = {
+        "scale_rewards": "none",
+        "mode": "cispo",
+        "epsilon_low": 0.1,
+        "epsilon_high": 0.3,
+        "cispo_max_weight": 2.0,
+        "kl_beta": 0.05,
+    }
     knobs: dict[str, Any] = {
         "learning_rate": 3e-3,
         "steps_per_round": 3,
@@ -298,16 +306,6 @@ def test_every_trainer_knob_comes_from_the_learner_settings(tiny_model: Path) ->
         "max_grad_norm": 0.5,
         "weight_decay": 0.01,
         "seed": 5,
-        "scale_rewards": "none",
-        "loss_mode": "cispo",
-        "epsilon_low": 0.1,
-        "epsilon_high": 0.3,
-        "cispo_max_weight": 2.0,
-        "kl_beta": 0.05,
-        "lora_rank": 4,
-        "lora_alpha": 8,
-        "lora_dropout": 0.1,
-        "lora_target_modules": ["v_proj", "q_proj"],
         "epochs_per_round": 3,
         "epoch_max_kl": 0.05,
         "epoch_max_clip_frac": 0.3,
@@ -316,40 +314,16 @@ def test_every_trainer_knob_comes_from_the_learner_settings(tiny_model: Path) ->
     }
     defaults = LearnerSettings()
     assert all(getattr(defaults, knob) != value for knob, value in knobs.items())
-    settings = LearnerSettings(**knobs)
-    loss = {
-        "scale_rewards": "none",
-        "mode": "cispo",
-        "epsilon_low": 0.1,
-        "epsilon_high": 0.3,
-        "cispo_max_weight": 2.0,
-        "kl_beta": 0.05,
-    }
-    assert asdict(train_settings(settings)) == {
-        "learning_rate": 3e-3,
-        "steps_per_round": 3,
-        "micro_batch_tokens": 512,
-        "max_grad_norm": 0.5,
-        "weight_decay": 0.01,
-        "loss": loss,
-        "seed": 5,
-        "epochs_per_round": 3,
-        "epoch_max_kl": 0.05,
-        "epoch_max_clip_frac": 0.3,
-        "precision": "bf16",
-        "sharding": "fsdp",
-    }
-    shape = lora_settings(settings)
-    assert asdict(shape) == {
-        "rank": 4,
-        "alpha": 8,
-        "dropout": 0.1,
-        "target_modules": ("v_proj", "q_proj"),
-    }
-    learner = LoraGRPOLearner(tiny_model, shape, train_settings(settings), "cpu")
+    assert all(getattr(defaults.lora, knob) != value for knob, value in lora_knobs.items())
+    assert all(getattr(defaults.loss, knob) != value for knob, value in loss_knobs.items())
+    settings = LearnerSettings(lora=lora_knobs, loss=loss_knobs, **knobs)
+    assert set(TRAINING_FIELDS) == set(knobs) | {"loss"}
+    learner = LoraGRPOLearner(tiny_model, settings.lora, settings, "cpu")
+    assert learner.train.loss.model_dump() == loss_knobs
     (params,) = learner.optimizer.param_groups
     assert (params["lr"], params["weight_decay"]) == (3e-3, 0.01)
     assert learner.target_modules == ("q_proj", "v_proj")
+    assert learner.model.peft_config["default"].lora_dropout == 0.1
 
 
 def test_a_round_learns_is_seeded_and_leaves_the_base_untouched(tiny_model: Path) -> None:
@@ -426,7 +400,9 @@ def test_micro_batching_does_not_change_the_step(tiny_model: Path) -> None:
     results = []
     for budget in (10_000, 1):  # one micro-batch per step, then one sequence per micro-batch
         # 1 is below what the settings accept (64): set on the trainer's own config to force it.
-        settings = replace(train(learning_rate=1e-2, steps_per_round=2), micro_batch_tokens=budget)
+        settings = train(learning_rate=1e-2, steps_per_round=2).model_copy(
+            update={"micro_batch_tokens": budget}
+        )
         learner = LoraGRPOLearner(tiny_model, small_lora(), settings, "cpu")
         stats = learner.train_round(groups)
         results.append((lora_state(learner), stats))
@@ -436,7 +412,7 @@ def test_micro_batching_does_not_change_the_step(tiny_model: Path) -> None:
 
 
 def test_kl_to_the_base_model_is_reported_and_starts_at_zero(tiny_model: Path) -> None:
-    settings = train(learning_rate=1e-2, steps_per_round=1, kl_beta=0.1)
+    settings = train(learning_rate=1e-2, steps_per_round=1, loss=LossSettings(kl_beta=0.1))
     learner = LoraGRPOLearner(tiny_model, small_lora(), settings, "cpu")
     groups = random_groups(5)
     first = learner.train_round(groups)  # a fresh LoRA is the base model: no divergence yet
@@ -483,7 +459,7 @@ def test_save_then_load_continues_exactly(tiny_model: Path, tmp_path: Path) -> N
     )
     assert reader.optimizer.state_dict()["state"] == {} and reader.rounds == 0
 
-    other_shape = LoraGRPOLearner(tiny_model, lora(lora_rank=2, lora_alpha=8), settings, "cpu")
+    other_shape = LoraGRPOLearner(tiny_model, lora(rank=2, alpha=8), settings, "cpu")
     with pytest.raises(ValueError, match="rank"):
         other_shape.load_adapter(folder)
 
@@ -505,7 +481,7 @@ def test_saved_folder_is_a_vllm_loadable_adapter_of_the_real_model(
     assert config["base_model_name_or_path"] == str(base)
     assert config["target_modules"] == LLAMA_PROJECTIONS
     defaults = LearnerSettings()
-    assert config["r"] == defaults.lora_rank <= 32 and config["lora_alpha"] == defaults.lora_alpha
+    assert config["r"] == defaults.lora.rank <= 32 and config["lora_alpha"] == defaults.lora.alpha
     assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
     assert not config["use_dora"] and config["bias"] == "none" and not config["modules_to_save"]
     weights = load_file(folder / "adapter_model.safetensors")

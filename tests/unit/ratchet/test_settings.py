@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,10 @@ from embedded.config import default_config_text
 from proxy.app import create_app
 from ratchet.settings import (
     DEFAULT_BASE_MODEL,
+    MOVED_KEYS,
     AliasConfig,
     ConfigError,
+    LearnerSettings,
     RatchetSettings,
     load_settings,
 )
@@ -358,15 +361,15 @@ BAD_TRAINING_KNOBS = [
     ("learning_rate", 0.0),
     ("max_grad_norm", -1.0),
     ("weight_decay", -0.1),
-    ("lora_rank", 0),
-    ("lora_alpha", 0),
-    ("lora_dropout", 1.0),
-    ("scale_rewards", "rank"),
-    ("loss_mode", "reinforce"),
-    ("epsilon_low", 1.0),
-    ("epsilon_high", -0.1),
-    ("cispo_max_weight", 0.0),
-    ("kl_beta", -1.0),
+    ("lora.rank", 0),
+    ("lora.alpha", 0),
+    ("lora.dropout", 1.0),
+    ("loss.scale_rewards", "rank"),
+    ("loss.mode", "reinforce"),
+    ("loss.epsilon_low", 1.0),
+    ("loss.epsilon_high", -0.1),
+    ("loss.cispo_max_weight", 0.0),
+    ("loss.kl_beta", -1.0),
 ]
 
 
@@ -374,10 +377,40 @@ BAD_TRAINING_KNOBS = [
     ("knob", "value"), BAD_TRAINING_KNOBS, ids=[k for k, _ in BAD_TRAINING_KNOBS]
 )
 def test_bad_training_knobs_are_refused_by_name(knob: str, value: Any) -> None:
+    *sections, leaf = knob.split(".")
+    learner: dict[str, Any] = {leaf: value}
+    for section in reversed(sections):
+        learner = {section: learner}
     with pytest.raises(ConfigError) as info:
-        load_settings(learner={knob: value})
+        load_settings(learner=learner)
     assert f"learner.{knob}" in str(info.value)
-    assert f"RATCHET_LEARNER__{knob.upper()}" in str(info.value)
+    assert f"RATCHET_LEARNER__{knob.upper().replace('.', '__')}" in str(info.value)
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_KEYS))
+def test_a_flat_lora_or_loss_key_of_an_old_config_names_its_new_place(
+    old: str, config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """learner.lora_rank and the like moved into learner.lora and learner.loss: an old
+    ratchet.yaml, or an old environment variable, is told where each went."""
+    section, key = MOVED_KEYS[old].split(".")
+    value = LearnerSettings().model_dump(mode="json")[section][key]
+    write_yaml(config, yaml.safe_dump({"learner": {old: value}}))
+    with pytest.raises(ConfigError, match=rf"learner\.{old} is now learner\.{MOVED_KEYS[old]}"):
+        load_settings()
+    write_yaml(config, "")
+    monkeypatch.setenv(f"RATCHET_LEARNER__{old.upper()}", json.dumps(value))
+    with pytest.raises(ConfigError, match=rf"learner\.{old} is now learner\.{MOVED_KEYS[old]}"):
+        load_settings()
+
+
+def test_lora_and_loss_are_set_nested(config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_yaml(config, "learner: {lora: {rank: 16}, loss: {mode: cispo}}\n")
+    learner = load_settings().learner
+    assert (learner.lora.rank, learner.lora.alpha) == (16, 16)
+    assert (learner.loss.mode, learner.loss.kl_beta) == ("cispo", 0.0)
+    monkeypatch.setenv("RATCHET_LEARNER__LOSS__KL_BETA", "0.05")
+    assert load_settings().learner.loss.kl_beta == 0.05
 
 
 def test_weight_decay_is_settable(config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
