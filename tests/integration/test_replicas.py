@@ -96,8 +96,7 @@ def replica_config(env: Embedded, home: Path) -> Path:
         "steps_per_round": 1,
         # Barely moves the weights: the gate's greedy answers stay alike, a tie, which passes.
         "learning_rate": 1e-6,
-        "lora_rank": 4,
-        "lora_alpha": 8,
+        "lora": {"rank": 4, "alpha": 8},
         "max_staleness": 10,
         "lease_ttl_s": LEASE_TTL_S,
         "canary_check_s": 0.5,
