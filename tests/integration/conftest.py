@@ -6,7 +6,7 @@ the one that starts its own, while this one starts). Under pytest-xdist (`script
 workers, whole modules each) every worker is a session with its own stack, so no test shares a
 proxy, a broker or a gauge with another worker's. The converted model is cached in the default
 Ratchet home so later runs skip it. Tests that stop parts (faults) are marked ``disruptive`` and
-run last.
+run last on their worker (pytest_collection_modifyitems).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import orjson
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from xdist.scheduler import LoadScopeScheduling
 
 from embedded.adapters import write_random_adapters
 from embedded.model import prepare_model
@@ -39,6 +40,7 @@ from ratchet.registry import AliasRoute, RegistryWriter
 from ratchet.secrets import server_secret, vllm_api_key
 from ratchet.settings import RatchetSettings, default_home, load_settings
 from ratchet.store import AdapterStore
+from tests.integration import module_seconds
 
 if TYPE_CHECKING:
     from tests.integration.test_learner import BasePolicy
@@ -64,35 +66,79 @@ def ratchet_cli(*args: str, timeout_s: float = 300) -> subprocess.CompletedProce
 TEST_SECRET = "ratchet-integration-tests"
 
 
-# The modules that take longest (minutes of training or judging each), longest first. `scripts/test`
-# runs the integration tests on two xdist workers, a module at a time in this order, so the long
-# ones start first and the short ones fill in around them (longest-first scheduling).
-LONGEST_FIRST = (
-    "test_judge.py",
-    "test_learner.py",
-    "test_ratings_mechanics.py",
-    "test_loop_mechanics.py",
-    "test_routing.py",
-    "test_replicas.py",
-    "test_gate.py",
-    "test_console.py",
-)
+# Modules that use the session's `policy` and `base_answers` (the HF base model and its
+# answers, a minute to build): on one worker they are built once.
+SHARE_A_WORKER = ("test_learner.py", "test_console.py", "test_learner_ranks.py")
+
+
+def worker_groups(seconds: dict[str, float], workers: int) -> dict[str, int]:
+    """Module -> worker index: longest-processing-time first, each module (SHARE_A_WORKER as one)
+    to the worker with the least work so far."""
+    units: dict[str, list[str]] = {}
+    for name in seconds:
+        units.setdefault("shared" if name in SHARE_A_WORKER else name, []).append(name)
+    load = [0.0] * workers
+    group: dict[str, int] = {}
+    for modules in sorted(units.values(), key=lambda ms: (-sum(seconds[m] for m in ms), ms)):
+        least = load.index(min(load))
+        load[least] += sum(seconds[m] for m in modules)
+        group.update((m, least) for m in modules)
+    return group
+
+
+def module_of(nodeid: str) -> str:
+    """The module file name of a test id (tests/integration/test_x.py::test_y -> test_x.py)."""
+    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+
+
+def seconds_of(modules: set[str]) -> dict[str, float]:
+    measured = module_seconds.load()
+    return {name: measured.get(name, module_seconds.UNKNOWN_S) for name in modules}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Tests without the shared stack run first, while it starts (see embedded_start); then the
-    # longest modules; tests that stop parts of the stack run after all the others.
-    def length_rank(item: pytest.Item) -> int:
-        name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
+    """The order each worker runs its tests in: tests without the shared stack first, while it
+    starts (see embedded_start), then the longest modules (module_seconds.json), and the ones
+    that stop parts of the stack (marked ``disruptive``) after every other."""
+    seconds = seconds_of({item.path.name for item in items})
     items.sort(
         key=lambda item: (
             item.get_closest_marker("disruptive") is not None,
             "embedded" in item.fixturenames,
-            length_rank(item),
+            -seconds[item.path.name],
+            item.path.name,
         )
     )
+
+
+class MeasuredModuleScheduling(LoadScopeScheduling):
+    """`--dist loadfile` for this lane: one work unit per worker, the modules split between them
+    by their measured seconds (worker_groups), each run in collection order. xdist's own
+    loadfile hands a worker a second module as soon as it has two tests pending, so two long
+    modules could queue on one worker; and its loadgroup does not group under pytest 9 (it
+    renames a test's `_nodeid`, which pytest 9 no longer reads)."""
+
+    worker_of: dict[str, int] | None = None
+
+    def schedule(self) -> None:
+        if self.collection is None and self.collection_is_completed:
+            collected = next(iter(self.registered_collections.values()))
+            # Run beside other folders' tests, it is plain loadfile.
+            if all(nodeid.startswith("tests/integration/") for nodeid in collected):
+                modules = {module_of(nodeid) for nodeid in collected}
+                self.worker_of = worker_groups(seconds_of(modules), len(self.nodes))
+        super().schedule()
+
+    def _split_scope(self, nodeid: str) -> str:
+        if self.worker_of is None:
+            return nodeid.split("::", 1)[0]
+        return f"worker{self.worker_of[module_of(nodeid)]}"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") == "loadfile":
+        return MeasuredModuleScheduling(config, log)
+    return None
 
 
 @dataclass
@@ -127,11 +173,15 @@ class Embedded:
         found: list[Record] = []
         deadline = time.monotonic() + timeout_s
         try:
+            # The inner loop ends after a second with no message; it is also left at `count`,
+            # not at the topic's end (a whole topic read plus that idle second, at every call).
             while time.monotonic() < deadline and len(found) < count:
                 for message in consumer:
                     record = decode(message.topic, message.value)
                     if record is not None and match(record):
                         found.append(record)
+                        if len(found) >= count:
+                            break
         finally:
             consumer.close()
         return found
