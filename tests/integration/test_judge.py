@@ -63,8 +63,18 @@ QUESTIONS = [
 ]
 
 
-def judge_config(env: Embedded, home: Path, alias: str, **judge: Any) -> Path:
-    """A config with the session stack's addresses, one alias and its own consumer group."""
+# For the tests whose claim is the judge's plumbing (a crash, the order of its outputs,
+# backpressure), not RULER: a verifier that scores a group in microseconds, where RULER on the
+# stack's own vLLM takes seconds a group (minutes a module on a slow host). RULER stays the
+# reward of the tests of what it produces: groups, recovery, agreement and the Agents SDK.
+HASH_REWARD = {"kind": "verifier", "verifier": "tests.integration.replica_reward:text_hash_reward"}
+
+
+def judge_config(
+    env: Embedded, home: Path, alias: str, reward: dict[str, Any] | None = None, **judge: Any
+) -> Path:
+    """A config with the session stack's addresses, one alias (RULER-judged unless `reward`
+    says) and its own consumer group."""
     config = yaml.safe_load(env.config_path.read_text())
     config["home"] = str(home)
     config["judge"] = {
@@ -84,6 +94,7 @@ def judge_config(env: Embedded, home: Path, alias: str, **judge: Any) -> Path:
             "base_model": BASE_MODEL,
             "learning": {"group_size": 3, "heldout_fraction": 0.3, "dedup_window_s": 0},
             "sampling": {"max_tokens": 16, "temperature": 1.0},
+            **({"reward": reward} if reward else {}),
         }
     }
     path = home / "judge.yaml"
@@ -359,9 +370,9 @@ def test_judge_model_unreachable_drops_and_counts_then_recovers(
 
 def test_judge_killed_mid_batch_skips_no_traffic(embedded: Embedded, tmp_path: Path) -> None:
     alias = "jt-crash"
-    config = judge_config(embedded, tmp_path, alias)
+    config = judge_config(embedded, tmp_path, alias, reward=HASH_REWARD)
     port = yaml.safe_load(config.read_text())["judge"]["metrics_port"]
-    sent = send_traffic(embedded, alias, QUESTIONS[:8])
+    sent = send_traffic(embedded, alias, QUESTIONS[:4])
     with running_judge(config, tmp_path / "state") as stack:
         wait_until(
             lambda: metric(port, "ratchet_judge_in_flight_groups") >= 1, 120, "a batch in flight"
@@ -391,13 +402,15 @@ def test_heldout_prompts_arrive_while_the_batch_is_still_sampling(
     embedded: Embedded, tmp_path: Path
 ) -> None:
     """The batch's held-out prompts are produced before its groups are sampled: one group at a
-    time, with answers of up to 64 tokens and RULER, the batch's groups take minutes here; the
-    held-out prompts must not wait for them."""
+    time, with answers of up to 64 tokens, the batch's groups take tens of seconds here (with
+    RULER, minutes); the held-out prompts must not wait for them."""
     alias = "jt-early"
     held, train = split(embedded, QUESTIONS)
     assert held and len(train) >= 4, "pick questions so that both sides are populated"
     # One batch holds every record of the topic so far, so none of ours waits for another batch.
-    config = judge_config(embedded, tmp_path, alias, concurrency=1, poll_records=1000)
+    config = judge_config(
+        embedded, tmp_path, alias, reward=HASH_REWARD, concurrency=1, poll_records=1000
+    )
     settings = yaml.safe_load(config.read_text())
     settings["aliases"][alias]["sampling"]["max_tokens"] = 64
     config.write_text(yaml.safe_dump(settings))
@@ -433,7 +446,7 @@ def test_the_judge_stops_sampling_while_the_learner_has_enough_groups(
 
     alias = "jt-pressure"
     _, train = split(embedded, QUESTIONS)
-    config = judge_config(embedded, tmp_path, alias, max_pending_rounds=1)
+    config = judge_config(embedded, tmp_path, alias, reward=HASH_REWARD, max_pending_rounds=1)
     settings = yaml.safe_load(config.read_text())
     settings["aliases"][alias]["learning"]["dedup_window_s"] = 600
     config.write_text(yaml.safe_dump(settings))
@@ -480,29 +493,12 @@ def test_the_judge_scores_what_users_rated_to_measure_its_agreement_with_them(
     )
     services.start()
     try:
-        for question in QUESTIONS:
-            reply = httpx.post(
-                f"{embedded.proxy_url}/v1/chat/completions",
-                json={
-                    "model": alias,
-                    "messages": [{"role": "user", "content": question}],
-                    "max_tokens": 16,
-                },
-                timeout=60,
-            )
-            reply.raise_for_status()
-            # The users' criterion, unknown to the judge: answers naming the thing asked about.
-            thing = question.rsplit(" ", 1)[-1].rstrip("?").lower()
-            answer = reply.json()["choices"][0]["message"]["content"] or ""
-            rated = httpx.post(
-                f"{embedded.proxy_url}/v1/feedback",
-                json={"completion_id": reply.json()["id"], "score": float(thing in answer.lower())},
-                timeout=10,
-            )
-            assert rated.status_code == 200, rated.text
-
+        asyncio.run(ask_and_rate(embedded, alias, RATED_QUESTIONS))
         wait_until(
-            lambda: sum(probes_of(httpx.get(judge_metrics).text, alias).values()) >= len(QUESTIONS),
+            lambda: (
+                sum(probes_of(httpx.get(judge_metrics).text, alias).values())
+                >= len(RATED_QUESTIONS)
+            ),
             600,
             f"the judge to take every rated answer of {alias}",
         )
@@ -512,7 +508,7 @@ def test_the_judge_scores_what_users_rated_to_measure_its_agreement_with_them(
 
     outcomes = probes_of(scraped, alias)
     # SmolLM2 as a judge sometimes fails its structured reply twice; most are scored.
-    assert outcomes.get("scored", 0) >= len(QUESTIONS) // 2, outcomes
+    assert outcomes.get("scored", 0) >= len(RATED_QUESTIONS) // 2, outcomes
     client = redis.Redis.from_url(settings.redis_url)
     pairs = [decode_pair(raw) for raw in client.lrange(agreement_key(alias), 0, -1)]
     assert len(pairs) == outcomes["scored"]
@@ -526,6 +522,38 @@ def test_the_judge_scores_what_users_rated_to_measure_its_agreement_with_them(
     else:
         assert f"{len(pairs)} rated answers scored, not yet comparable" in line, line
     print(line, outcomes)
+
+
+# Each rated answer costs the judge a RULER call over it and its re-samples: six show the
+# probe's plumbing and both lines of the status report as well as twelve did.
+RATED_QUESTIONS = QUESTIONS[:6]
+
+
+async def ask_and_rate(env: Embedded, alias: str, questions: list[str]) -> None:
+    """Each question through the proxy, all at once (as users do), and its answer rated by the
+    users' criterion, unknown to the judge: 1 when it names the thing asked about."""
+    async with httpx.AsyncClient(base_url=env.proxy_url, timeout=60) as client:
+
+        async def ask_and_rate_one(question: str) -> None:
+            reply = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": alias,
+                    "messages": [{"role": "user", "content": question}],
+                    "max_tokens": 16,
+                },
+            )
+            reply.raise_for_status()
+            thing = question.rsplit(" ", 1)[-1].rstrip("?").lower()
+            answer = reply.json()["choices"][0]["message"]["content"] or ""
+            rated = await client.post(
+                "/v1/feedback",
+                json={"completion_id": reply.json()["id"], "score": float(thing in answer.lower())},
+                timeout=10,
+            )
+            assert rated.status_code == 200, rated.text
+
+        await asyncio.gather(*(ask_and_rate_one(q) for q in questions))
 
 
 def probes_of(scraped: str, alias: str) -> dict[str, float]:
