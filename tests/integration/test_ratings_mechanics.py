@@ -1,22 +1,23 @@
 """Learning from users' ratings, its cross-process mechanics, with every decision forced.
 
-Two aliases say only ``reward: {kind: feedback}``. Scripted users rate every answer by a rule of
+An alias says only ``reward: {kind: feedback}``. Scripted users rate every answer by a rule of
 the prompt (bulleted-list requests 1, order-extraction requests 0), which a reward model learns
 without fail; ``feedback.min_auc`` is at its floor, so the learner's first reward model goes
 live. The judge then scores its groups with that model, the learner trains a round on them and
 gates the candidate with the same model (threshold 0 on 8 pairs: anything not worse on every
-pair passes), and the users decide the canary: on one alias they rate the canary's answers 1
-and the live version's 0 (promoted), on the other the reverse (rolled back).
+pair passes), and the users decide the canary: they rate the canary's answers 1 and the live
+version's 0, and it is promoted.
 
-The reward model's quality is unit-tested (tests/unit/learner/test_ratings.py), the canary's
-decision maths too (tests/unit/learner/test_canary_ratings.py); whether a loop driven by ratings
-learns is the outcome lane's (tests/outcomes/test_learning_from_ratings.py).
+A canary its users rate down is rolled back in test_learner.py (the canary dislike test, on the
+same ratings' test and watcher); the reward model's quality is unit-tested
+(tests/unit/learner/test_ratings.py), the canary's decision maths too
+(tests/unit/learner/test_canary_ratings.py, tests/unit/learner/test_canary.py); whether a loop
+driven by ratings learns is the outcome lane's (tests/outcomes/test_learning_from_ratings.py).
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +30,14 @@ from embedded.stack import judge_part, learner_part
 from judge.service import is_heldout
 from ratchet.records import prompt_hash
 from ratchet.registry import AliasRoute
-from ratchet.rewards.reward_model import RewardStatus, is_eval_rating, reward_model_name
+from ratchet.rewards.reward_model import is_eval_rating
+from ratchet.rewards.reward_status import RewardStatus, reward_model_name
 from ratchet.settings import load_settings
 from ratchet.store import AdapterStore
 from tasks.bullets import load_prompts as bullet_prompts
 from tasks.demo import load_prompts as order_prompts
 from tests.integration.conftest import BASE_MODEL, Embedded
 from tests.integration.scripted_users import (
-    canary_disliked,
     canary_favoured,
     first_event,
     judged_groups,
@@ -47,10 +48,10 @@ from tests.integration.test_learner import served_by
 
 pytestmark = pytest.mark.integration
 
-PROMOTED, ROLLED_BACK = "lm-rated-up", "lm-rated-down"
+PROMOTED = "lm-rated-up"
 HELDOUT_FRACTION = 0.5  # the judge's, for the gate
 EVAL_FRACTION = 0.25  # the reward model's (feedback.eval_fraction's default)
-RATINGS = 24  # per alias: feedback.retrain_every
+RATINGS = 24  # feedback.retrain_every
 GATE_PAIRS = 8
 ROUND_GROUPS = 4
 
@@ -124,7 +125,7 @@ def ratings_config(env: Embedded, home: Path) -> Path:
         # Only the users' ratings decide (the wait for them is longer than the test).
         "canary": {"weight": 0.5, "min_requests": 16, "min_feedback": 4, "feedback_wait_s": 900},
     }
-    config["aliases"] = {PROMOTED: alias, ROLLED_BACK: alias}
+    config["aliases"] = {PROMOTED: alias}
     path = home / "ratings-mechanics.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -148,81 +149,59 @@ def test_a_reward_model_from_ratings_scores_groups_and_gate_and_ratings_settle_t
     config = ratings_config(embedded, tmp_path)
     settings = load_settings(config)
     client = redis.Redis.from_url(embedded.settings.redis_url)
-    for alias in (PROMOTED, ROLLED_BACK):
-        embedded.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
-        embedded.wait_for_proxy_route(alias)
+    embedded.registry.write(AliasRoute(alias=PROMOTED, base_model=BASE_MODEL))
+    embedded.wait_for_proxy_route(PROMOTED)
     rated, grouped = rated_prompts(embedded.secret), grouped_prompts(embedded.secret)
     services = Stack(
         [judge_part(settings, config), learner_part(settings, config)], tmp_path / "services"
     )
     services.start()
     try:
-        # The users' first answers, rated: the reward models' training data. Meanwhile the judge
+        # The users' first answers, rated: the reward model's training data. Meanwhile the judge
         # can score nothing and only holds prompts out for the gate.
         started = time.monotonic()
-        for alias in (PROMOTED, ROLLED_BACK):
-            send(embedded, alias, rated, by_prompt_kind(rated))
+        send(embedded, PROMOTED, rated, by_prompt_kind(rated))
         progress(started, "ratings sent")
-        statuses: dict[str, RewardStatus | None] = {}
 
         def trained() -> bool:
-            statuses.update({a: RewardStatus.read(client, a) for a in (PROMOTED, ROLLED_BACK)})
-            return all(s is not None and s.version >= 1 for s in statuses.values())
+            status = RewardStatus.read(client, PROMOTED)
+            return status is not None and status.version >= 1
 
-        # Joining 48 ratings and fitting two heads on the base model's features: under a minute.
-        wait_until(trained, 180, f"a reward model per alias ({statuses})")
-        progress(started, f"reward models: {statuses}")
-        for status in statuses.values():
-            assert status is not None and status.usable and status.auc is not None, status
-            assert status.auc > 0.5 and status.trained_ratings + status.eval_ratings == RATINGS
+        # Joining 24 ratings and fitting a head on the base model's features: under a minute.
+        wait_until(trained, 180, "a reward model")
+        status = RewardStatus.read(client, PROMOTED)
+        progress(started, f"reward model: {status}")
+        assert status is not None and status.usable and status.auc is not None, status
+        assert status.auc > 0.5 and status.trained_ratings + status.eval_ratings == RATINGS
 
         # Unrated traffic: the judge samples groups and the reward model scores them.
-        for alias in (PROMOTED, ROLLED_BACK):
-            send(embedded, alias, grouped, concurrency=4)
-        canaries = {
-            alias: first_event(settings, alias, {"canary", "reject", "promote"}, timeout_s=300)
-            for alias in (PROMOTED, ROLLED_BACK)
-        }
-        progress(started, f"canaries: {canaries}")
+        send(embedded, PROMOTED, grouped, concurrency=4)
+        canary = first_event(settings, PROMOTED, {"canary", "reject", "promote"}, timeout_s=300)
+        progress(started, f"canary: {canary}")
         services.stop_part("judge")  # nothing to sample now: the canary's answers get the cores
-        for alias, outcome in canaries.items():
-            assert outcome["kind"] == "canary", outcome
-            gate = first_event(settings, alias, {"gate"}, timeout_s=5)["detail"]
-            # Scored by the reward model: its scores are probabilities, not a verifier's 0/1.
-            assert gate["pairs"] == GATE_PAIRS, gate
-            assert 0.0 < gate["candidate_score"] < 1.0 and 0.0 < gate["incumbent_score"] < 1.0
+        assert canary["kind"] == "canary", canary
+        gate = first_event(settings, PROMOTED, {"gate"}, timeout_s=5)["detail"]
+        # Scored by the reward model: its scores are probabilities, not a verifier's 0/1.
+        assert gate["pairs"] == GATE_PAIRS, gate
+        assert 0.0 < gate["candidate_score"] < 1.0 and 0.0 < gate["incumbent_score"] < 1.0
 
-        # Both aliases' users at once: one likes its canary, the other does not.
-        with ThreadPoolExecutor(2) as pool:
-            up_run = pool.submit(
-                rate_canary_until_decided,
-                embedded, settings, PROMOTED, order_prompts()[300:396], canary_favoured,
-            )  # fmt: skip
-            down_run = pool.submit(
-                rate_canary_until_decided,
-                embedded, settings, ROLLED_BACK, order_prompts()[300:396], canary_disliked,
-            )  # fmt: skip
-            (up, up_arms), (down, down_arms) = up_run.result(), down_run.result()
-        progress(started, "canaries decided")
+        # Its users like the canary.
+        up, up_arms = rate_canary_until_decided(
+            embedded, settings, PROMOTED, order_prompts()[300:396], canary_favoured
+        )
+        progress(started, "canary decided")
     finally:
         services.stop()
 
-    # The rounds trained on groups the live reward model scored.
+    # The round trained on groups the live reward model scored.
     store = AdapterStore(embedded.settings.store_dir)  # type: ignore[arg-type]
-    for alias, status in statuses.items():
-        assert status is not None
-        version = canaries[alias]["version"]
-        trained_on = store.meta(alias, version)["group_ids"]
-        groups = judged_groups(embedded, trained_on)
-        assert len(groups) == len(trained_on) == ROUND_GROUPS, (trained_on, groups)
-        judged_by = {g.judge_model for g in groups}
-        assert judged_by == {reward_model_name(alias, status.version)}, judged_by
+    trained_on = store.meta(PROMOTED, canary["version"])["group_ids"]
+    groups = judged_groups(embedded, trained_on)
+    assert len(groups) == len(trained_on) == ROUND_GROUPS, (trained_on, groups)
+    judged_by = {g.judge_model for g in groups}
+    assert judged_by == {reward_model_name(PROMOTED, status.version)}, judged_by
 
-    assert up["kind"] == "promote" and up["version"] == canaries[PROMOTED]["version"], up
+    assert up["kind"] == "promote" and up["version"] == canary["version"], up
     assert up["detail"]["reason"].startswith("ratings: "), up
     assert served_by(embedded, PROMOTED) == f"{PROMOTED}@v{up['version']}"
-    assert down["kind"] == "rollback", down
-    assert (down["previous_version"], down["version"]) == (canaries[ROLLED_BACK]["version"], 0)
-    assert down["detail"]["reason"].startswith("ratings: "), down
-    assert served_by(embedded, ROLLED_BACK) == BASE_MODEL
-    assert up_arms.get("canary", 0) >= 16 and down_arms.get("canary", 0) >= 16, (up_arms, down_arms)
+    assert up_arms.get("canary", 0) >= 16, up_arms
