@@ -19,7 +19,7 @@ from tasks.demo import DEFAULT_COUNT, DEFAULT_SEED, PROMPTS_FILE, prompts_jsonl 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Write the demo task's prompt set.")
-    parser.add_argument("--out", type=Path, default=ROOT / "ratchet" / "demo" / PROMPTS_FILE)
+    parser.add_argument("--out", type=Path, default=ROOT / "tasks" / "demo" / PROMPTS_FILE)
     parser.add_argument("--count", type=int, default=DEFAULT_COUNT)
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     args = parser.parse_args(argv)

@@ -33,7 +33,7 @@ from tests.deploy.test_config import (
 )
 
 GUARD_FILE = CHART / "files" / "ratchet_vllm_guard.py"
-GUARD_MODULE = ROOT / "ratchet" / "dev" / "vllm_guard.py"
+GUARD_MODULE = ROOT / "embedded" / "vllm_guard.py"
 # Every component that calls vLLM: the proxy forwards, the judge samples and judges, the
 # learner's gate answers held-out prompts and judges them.
 VLLM_CLIENTS = ("proxy", "judge", "learner")
