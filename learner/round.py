@@ -12,9 +12,10 @@
    in ONE transaction with the ids of the groups the round used and where the next round starts.
 
 A round that starts from the alias's canary (ratchet/carry.py: the next round trains on from it
-while its canary runs) stops after step 2: its candidate is *held*, and
-:meth:`Rounds.settle_held` gates and settles it once the canary has ended, against the version
-live then; rejected without a gate if the canary it trained on from was rolled back.
+while its canary runs) stops after step 2: its candidate is *held* (learner/held.py), gated and
+settled once the canary has ended, against the version live then. Imported versions are gated
+and settled as a round's candidate is, without training (learner/imports.py). Where each
+candidate stands is one value, moved in one place (learner/candidate.py).
 
 The service commits the groups' offsets only after step 4. A learner killed before step 4
 re-reads the groups and trains them again (a new version number; the orphaned folder is never
@@ -24,22 +25,21 @@ outcome is never applied twice.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import redis
-from kafka.errors import KafkaError
-
 from learner.canary_weight import canary_weight, requests_per_second
-from learner.gate import Gate, GateError
+from learner.candidate import Candidate, Candidates, Stage
+from learner.gate import Gate
 from learner.gate_verdict import GateResult
+from learner.gating import gate_candidate
 from learner.heldout import HeldoutPool
 from learner.metrics import LearnerMetrics
 from learner.parallel import lead_round
@@ -52,16 +52,15 @@ from learner.trainer import (
 from ratchet.bill import Bill, total
 from ratchet.canary_state import reset_counts
 from ratchet.carry import Start, carry_after, read_carry, start_of_round, write_carry
-from ratchet.gate_pairs import write_gate_pairs
 from ratchet.lifecycle import Lifecycle
 from ratchet.progress import LearnerProgress, Phase
 from ratchet.records import ScoredGroup
-from ratchet.registry import AliasRoute, served_name
-from ratchet.rewards.reward_model import RewardModels, RewardStatus
+from ratchet.registry import AliasRoute
+from ratchet.rewards.reward_model import RewardModels
+from ratchet.rewards.reward_status import RewardStatus
 from ratchet.settings import AliasConfig, RatchetSettings
-from ratchet.spend import add_spend
 from ratchet.store import AdapterStore
-from ratchet.versions import next_version, unqueue_import
+from ratchet.versions import next_version
 
 log = logging.getLogger(__name__)
 
@@ -80,24 +79,28 @@ def mark_trained(pipe: Any, alias: str, ids: list[str]) -> None:
     pipe.zremrangebyscore(trained_key(alias), 0, now - TRAINED_TTL_S)
 
 
-def round_bill(groups: list[ScoredGroup], stats: RoundStats, gate: GateResult) -> Bill:
-    """What a round cost: its groups' sampling and judging (as the judge billed each), its
-    training (answer tokens trained on, seconds) and its gate (seconds, judge calls)."""
+def training_bill(groups: list[ScoredGroup], stats: RoundStats) -> Bill:
+    """What a round cost before its gate: its groups' sampling and judging (as the judge billed
+    each) and its training (answer tokens trained on, seconds)."""
     bill = total(g.bill for g in groups)
     bill.add(Bill(train_tokens=stats.completion_tokens, train_seconds=stats.seconds))
-    bill.add(gate.bill or Bill())
     return bill
 
 
 @dataclass(frozen=True)
-class HeldCandidate:
-    """A round trained on from the alias's canary while it ran: written to the store, gated
-    once the canary ends (:meth:`Rounds.settle_held`)."""
+class Gated:
+    """A candidate once its gate has spoken: what :meth:`Rounds.settle` writes. ``live`` is the
+    version it was gated against, ``start`` where its round started; ``bill`` its whole cost,
+    its gate's included."""
 
+    alias: str
     version: int
-    canary: int  # the canary it trained on from, and its parent
-    groups: list[ScoredGroup]
-    stats: RoundStats
+    live: int
+    start: Start
+    group_ids: list[str]
+    mean_reward: float
+    result: GateResult
+    bill: Bill
 
 
 @dataclass
@@ -151,6 +154,7 @@ class Rounds:
         # Shared with the service's loop: one throttle and one view of what Redis holds.
         self.progress = ProgressReporter(self.redis, metrics)
         self._progress: dict[str, LearnerProgress] = {}  # each running round's, as reported
+        self.candidates = Candidates(self.redis)
 
     def run(
         self,
@@ -172,75 +176,13 @@ class Rounds:
             start = start or self.start_of_round(alias, route.active, route.canary)
             stats = self.train(alias, route.active, start, groups)
             version = self.write(alias, route.active, start, groups, stats)
-            result = self.gate_candidate(alias, config, route, version, heldout)
-            bill = round_bill(groups, stats, result)
-            outcome = self.settle(
-                alias, config, route.active, start, version, groups, stats, result, bill
-            )
+            result = gate_candidate(self, alias, config, route, version, heldout)
+            bill = training_bill(groups, stats) + (result.bill or Bill())
+            ids = [g.group_id for g in groups]
+            gated = Gated(alias, version, route.active, start, ids, stats.mean_reward, result, bill)
+            outcome = self.settle(gated)
             left.count = max(0, waiting - len(groups))
         return RoundReport(alias, version, stats, result, outcome)
-
-    def train_through_canary(
-        self,
-        alias: str,
-        route: AliasRoute,
-        groups: list[ScoredGroup],
-        heldout: HeldoutPool,
-        waiting: int,
-        start: Start,
-    ) -> HeldCandidate:
-        """Steps 1 and 2 of a round that starts from the alias's canary (``start``), which is
-        the candidate's parent: the version it would replace once the canary is promoted."""
-        assert route.canary is not None and start.version == route.canary
-        with self.reporting(alias, route, heldout, waiting) as left:
-            stats = self.train(alias, route.active, start, groups)
-            version = self.write(alias, route.canary, Start(route.canary), groups, stats)
-            left.count = max(0, waiting - len(groups))
-        log.info("%s: v%d held: gated once canary v%d ends", alias, version, route.canary)
-        return HeldCandidate(version, route.canary, groups, stats)
-
-    def settle_held(
-        self, alias: str, route: AliasRoute, held: HeldCandidate, heldout: HeldoutPool, waiting: int
-    ) -> RoundReport:
-        """A held candidate once its canary has ended (``route`` has none): gated against the
-        canary it trained on from, which is live now, and settled as any round's candidate; or,
-        when that canary was rolled back, rejected without a gate."""
-        assert route.canary is None
-        config = self.settings.aliases[alias]
-        with self.reporting(alias, route, heldout, waiting):
-            if route.active != held.canary:
-                return self.reject_orphan(alias, route.active, held)
-            result = self.gate_candidate(alias, config, route, held.version, heldout)
-            bill = round_bill(held.groups, held.stats, result)
-            outcome = self.settle(
-                alias, config, route.active, Start(route.active), held.version, held.groups,
-                held.stats, result, bill,
-            )  # fmt: skip
-            return RoundReport(alias, held.version, held.stats, result, outcome)
-
-    def reject_orphan(self, alias: str, live: int, held: HeldCandidate) -> RoundReport:
-        """The held candidate rejected, its groups spent: the canary it trained on from is not
-        ``live`` (rolled back, as a rule: it holds what the canary learned, which its users did
-        not want; or an operator made another version live meanwhile)."""
-        # From the history, written with the route: the store's mark comes after it (a race).
-        rolled_back = any(
-            e.get("kind") == "rollback" and e.get("previous_version") == held.canary
-            for e in self.lifecycle.writer.history(alias, limit=20)
-        )
-        fate = "was rolled back" if rolled_back else f"is not live (v{live} is)"
-        reason = f"trained on from canary v{held.canary}, which {fate}"
-        result = GateResult(
-            passed=False, reason=reason, pairs=0, win_rate=None, ci_low=None, ci_high=None,
-            threshold=self.settings.aliases[alias].gate.threshold, min_pairs=0,
-        )  # fmt: skip
-        detail = {"reason": reason, "bill": round_bill(held.groups, held.stats, result).as_dict()}
-        ids = [g.group_id for g in held.groups]
-        self.lifecycle.reject(
-            alias, held.version, detail, also=lambda pipe: mark_trained(pipe, alias, ids)
-        )
-        self.metrics.rounds.labels(alias, "rejected").inc()
-        log.info("%s: v%d rejected (%s)", alias, held.version, reason)
-        return RoundReport(alias, held.version, held.stats, result, "rejected")
 
     @contextlib.contextmanager
     def reporting(
@@ -379,10 +321,19 @@ class Rounds:
         # What scored the groups: the guard compares training rewards only between rounds
         # scored alike (a retrained reward model moves the reward by itself).
         summary["judged_by"] = sorted({g.judge_model or "" for g in groups})
+        candidate = Candidate(
+            alias,
+            version,
+            parent,
+            group_ids=tuple(g.group_id for g in groups),
+            stats=stats.as_dict(),
+            bill=training_bill(groups, stats).as_dict(),
+        )
         self.lifecycle.record(
             self.lifecycle.event(
                 alias, "candidate", version=version, previous_version=parent, detail=summary
-            )
+            ),
+            also=partial(self.candidates.add, candidate),
         )
         log.info(
             "%s: candidate v%d trained on %d groups (reward %.3f, %.1fs)",
@@ -394,112 +345,17 @@ class Rounds:
         )
         return version
 
-    def gate_candidate(
-        self,
-        alias: str,
-        config: AliasConfig,
-        route: AliasRoute,
-        version: int,
-        heldout: HeldoutPool,
-    ) -> GateResult:
-        """The gate's verdict on the candidate against the live version, and its ``gate`` event."""
-        live = route.active
-        started = time.perf_counter()
-        seed = self.settings.learner.seed
-        try:
-            self.read_heldout()
-        except (KafkaError, OSError) as exc:
-            log.warning("%s: held-out prompts not read before the gate: %s", alias, exc)
-        # Seeded by the version: each round draws afresh, and a round's draw can be replayed.
-        prompts = heldout.draw(
-            config.gate.max_pairs, config.learning.max_key_share, f"{seed}:{alias}:{version}"
-        )
-        log.info(
-            "%s: gating v%d against v%d on %d held-out pairs", alias, version, live, len(prompts)
-        )
-        self.report(alias, "gate", steps=len(prompts))
-        try:
-            result = asyncio.run(
-                self.gate.evaluate(
-                    alias,
-                    config,
-                    prompts,
-                    served_name(alias, version, route.base_model),
-                    served_name(alias, live, route.base_model),
-                    seed=seed,
-                    progress=lambda scored, drawn, win_rate: self.report_gate_pair(
-                        alias, scored, f"win rate {win_rate:.3f} after {scored} of {drawn} pairs"
-                    ),
-                )
-            )
-        except GateError as exc:
-            result = GateResult(
-                passed=False,
-                reason=f"gate failed: {exc}",
-                pairs=0,
-                win_rate=None,
-                ci_low=None,
-                ci_high=None,
-                threshold=config.gate.threshold,
-                min_pairs=config.gate.min_pairs,
-            )
-            self.metrics.failures.labels(alias, "gate").inc()
-        seconds = time.perf_counter() - started
-        self.metrics.round_seconds.labels(alias, "gate").observe(seconds)
-        self.account_gate_judge(alias, result.bill)
-        # The gate's cost: its judge calls (Gate.evaluate) and its time, timed once, here.
-        result = replace(result, bill=(result.bill or Bill()) + Bill(gate_seconds=seconds))
-        self.keep_gate_pairs(alias, version, result)
-        self.lifecycle.record(
-            self.lifecycle.event(
-                alias, "gate", version=version, previous_version=live, detail=result.as_dict()
-            )
-        )
-        if result.win_rate is not None:
-            self.metrics.gate_win_rate.labels(alias).set(result.win_rate)
-            self.metrics.gate_ci_low.labels(alias).set(result.ci_low or 0.0)
-        return result
-
-    def account_gate_judge(self, alias: str, bill: Bill | None) -> None:
-        """The gate's judge calls in the counters and in the alias's judge spend today (the
-        learning.max_cost_per_day budget the judge enforces); a Redis outage loses the spend."""
-        if bill is None or not bill.judge_calls:
-            return
-        self.metrics.gate_judge_calls.labels(alias).inc(bill.judge_calls)
-        self.metrics.gate_judge_cost.labels(alias).inc(bill.judge_cost_usd)
-        try:
-            add_spend(self.redis, alias, bill.judge_cost_usd)
-        except (redis.RedisError, OSError) as exc:
-            log.warning("%s: the gate's judge spend was not recorded: %s", alias, exc)
-
-    def keep_gate_pairs(self, alias: str, version: int, result: GateResult) -> None:
-        """The gate's first pairs, for the console; losing them loses nothing else."""
-        try:
-            write_gate_pairs(self.redis, alias, version, list(result.sample))
-        except (redis.RedisError, OSError) as exc:
-            log.warning("%s: gate pairs of v%d not kept: %s", alias, version, exc)
-
-    def settle(
-        self,
-        alias: str,
-        config: AliasConfig,
-        live: int,
-        start: Start,
-        version: int,
-        groups: list[ScoredGroup],
-        stats: RoundStats,
-        result: GateResult,
-        bill: Bill,
-    ) -> str:
+    def settle(self, gated: Gated) -> str:
         """Reject, start a canary or promote, in one transaction with the groups marked trained
         and the carry for the next round. A gate that failed leaves the carry as it was. The
-        outcome's event carries the round's ``bill``."""
-        ids = [g.group_id for g in groups]
+        outcome's event carries the round's bill."""
+        alias, result = gated.alias, gated.result
+        config = self.settings.aliases[alias]
         self.report(alias, "settle", detail=result.reason)
         carry = carry_after(
-            start,
-            live,
-            version,
+            gated.start,
+            gated.live,
+            gated.version,
             result.passed,
             result.win_rate,
             result.ci_high,
@@ -508,22 +364,22 @@ class Rounds:
         )
 
         def spend(pipe: Any) -> None:
-            mark_trained(pipe, alias, ids)
+            mark_trained(pipe, alias, gated.group_ids)
             if result.win_rate is not None:
                 write_carry(pipe, alias, carry)
 
         detail = {
             "gate": result.as_dict(),
-            "mean_reward": stats.mean_reward,
-            "bill": bill.as_dict(),
+            "mean_reward": gated.mean_reward,
+            "bill": gated.bill.as_dict(),
         }
-        outcome = self.decide(alias, config, version, result, detail, spend)
+        outcome = self.decide(alias, config, gated.version, result, detail, spend)
         if carry is not None and carry.canary:
             log.info("%s: the next round trains on from v%d while its canary runs",
-                     alias, version)  # fmt: skip
+                     alias, gated.version)  # fmt: skip
         elif carry is not None:
             log.info("%s: v%d not shown worse (win rate %.3f): the next round trains on from it",
-                     alias, version, carry.win_rate)  # fmt: skip
+                     alias, gated.version, carry.win_rate)  # fmt: skip
         return outcome
 
     def decide(
@@ -538,46 +394,33 @@ class Rounds:
         """Reject, start a canary or promote on the gate's ``result``; ``also`` writes in the
         same transaction what else the outcome settles."""
 
-        def start_canary(pipe: Any) -> None:
-            also(pipe)
-            reset_counts(pipe, alias, version)
+        def moved(stage: Stage, reason: str = "") -> Callable[[Any], None]:
+            def write(pipe: Any) -> None:
+                also(pipe)
+                self.candidates.move(alias, version, stage, reason, pipe)
+                if stage == Stage.CANARY:
+                    reset_counts(pipe, alias, version)
+
+            return write
 
         if not result.passed:
             outcome = "rejected"
-            self.lifecycle.reject(alias, version, {"reason": result.reason, **detail}, also=also)
+            self.lifecycle.reject(
+                alias,
+                version,
+                {"reason": result.reason, **detail},
+                also=moved(Stage.REJECTED, result.reason),
+            )
         elif config.canary.weight > 0:
             outcome = "canary"
             rate = requests_per_second(self.redis, alias)
             weight = canary_weight(config.canary, rate)
             detail["requests_per_minute"] = round(rate * 60, 1)
-            self.lifecycle.start_canary(alias, version, weight, detail, also=start_canary)
+            self.lifecycle.start_canary(alias, version, weight, detail, also=moved(Stage.CANARY))
         else:
             outcome = "promoted"
-            self.lifecycle.promote(alias, version, detail, also=also)
+            self.lifecycle.promote(alias, version, detail, also=moved(Stage.PROMOTED))
         self.metrics.rounds.labels(alias, outcome).inc()
         self.metrics.last_round_timestamp.labels(alias).set(time.time())
         log.info("%s: v%d %s (%s)", alias, version, outcome, result.reason)
         return outcome
-
-    # --- imported versions ----------------------------------------------------------------------
-
-    def run_import(
-        self, alias: str, route: AliasRoute, version: int, heldout: HeldoutPool, waiting: int
-    ) -> str:
-        """An imported version (`ratchet import`) gated against the live one and settled as a
-        round's candidate is, without training; it leaves the import queue in the outcome's
-        transaction, so a learner killed meanwhile gates it again."""
-        config = self.settings.aliases[alias]
-        with self.reporting(alias, route, heldout, waiting):
-            result = self.gate_candidate(alias, config, route, version, heldout)
-            bill = result.bill or Bill()
-            self.report(alias, "settle", detail=result.reason)
-            detail = {"gate": result.as_dict(), "origin": "import", "bill": bill.as_dict()}
-            return self.decide(
-                alias,
-                config,
-                version,
-                result,
-                detail,
-                lambda pipe: unqueue_import(pipe, alias, version),
-            )

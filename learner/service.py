@@ -23,44 +23,44 @@ is committed only past groups whose round outcome is stored, and only while it i
 Canaries are watched by learner/canary.py in a thread of their own; the guard (learner/guard.py)
 pauses an alias's learning after a round that shows reward hacking or collapse.
 
-Here: what becomes of each group read, when a round is due and under whose lease it runs, and
-the loop with its threads. Elsewhere: the Kafka consumers and offsets (learner/intake.py), the
-lineage walk behind "stale" (learner/lineage.py), the round itself (learner/round.py).
+Here: what becomes of each group read, when a round is due, and one pass of the loop.
+Elsewhere: the Kafka consumers and offsets (learner/intake.py), the lineage walk behind "stale"
+(learner/lineage.py), work under an alias's lease (learner/under_lease.py), the round itself
+(learner/round.py), held candidates (learner/held.py), imported versions (learner/imports.py),
+where each candidate stands (learner/candidate.py), the loop and its threads
+(learner/threads.py).
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import redis
 from kafka.errors import KafkaError
 from kafka.structs import TopicPartition
-from prometheus_client import start_http_server
 
-from learner.canary import CanaryWatcher
 from learner.fair import counts_by_key, fair_select, fair_size
 from learner.guard import Guard
+from learner.held import HeldRounds, train_through_canary
 from learner.heldout import HeldoutPool
+from learner.imports import Imports
 from learner.intake import Consumers, Waiting
 from learner.leases import AliasLeases
 from learner.lineage import Lineage
 from learner.metrics import LearnerMetrics
 from learner.parallel import follow, send_stop, start_from_env
-from learner.ratings import joins_ratings
-from learner.reward_training import RatingsCollector, RewardTrainer, reward_predictor
-from learner.round import HeldCandidate, RoundReport, Rounds, trained_key
+from learner.round import RoundReport, Rounds, trained_key
+from learner.threads import run
 from learner.trainer import LoraGRPOLearner
 from learner.under_lease import AliasWork
 from ratchet.carry import Start
 from ratchet.lease import LeaseKeeper
-from ratchet.lifecycle import EventSink, Lifecycle, LifecycleError
+from ratchet.lifecycle import EventSink, Lifecycle
 from ratchet.progress import LearnerProgress
 from ratchet.records import (
     GROUPS_TOPIC,
@@ -74,22 +74,12 @@ from ratchet.registry import AliasRoute, InvalidRoutes, RegistryWriter
 from ratchet.secrets import redis_connection_url
 from ratchet.settings import ConfigError, RatchetSettings
 from ratchet.store import AdapterStore
-from ratchet.versions import imports_key, queued_imports, unqueue_import
 
 log = logging.getLogger(__name__)
 
 
 def key_of_waiting(waiting: Waiting) -> str:
     return waiting.group.client
-
-
-@dataclass(frozen=True)
-class Held:
-    """A candidate trained on from the alias's canary, and the groups it spent: read, not yet
-    committed past (a learner killed before it is settled trains them again)."""
-
-    candidate: HeldCandidate
-    batch: list[Waiting]
 
 
 class LearnerService:
@@ -106,7 +96,6 @@ class LearnerService:
         )
         self.stopping = threading.Event()
         self.waiting: dict[str, list[Waiting]] = defaultdict(list)
-        self.held: dict[str, Held] = {}
         self.heldout: dict[str, HeldoutPool] = defaultdict(
             lambda: HeldoutPool(settings.learner.heldout_pool)
         )
@@ -125,6 +114,13 @@ class LearnerService:
             self.redis, settings.learner.lease_ttl_s, self.lease_keeper, self.metrics, "round"
         )
         self.work = AliasWork(self.leases, self.lifecycle, self.metrics, self.refresh_routes)
+        self.held = HeldRounds(
+            self.rounds, self.work, lambda: self.routes, self.waiting, self.heldout, self.fail_round
+        )
+        self.imports = Imports(
+            self.rounds, self.work, self.metrics, lambda: self.routes, self.waiting, self.heldout
+        )
+        self.resumed = False  # the held candidates a restart left in Redis, taken up once
 
     # --- intake ---------------------------------------------------------------------------------
 
@@ -235,10 +231,10 @@ class LearnerService:
         groups = [w.group for w in batch]
         report: RoundReport | None = None
         if route.canary is not None:
-            candidate = self.rounds.train_through_canary(
-                alias, route, groups, self.heldout[alias], len(waiting), start
+            held = train_through_canary(
+                self.rounds, alias, route, batch, self.heldout[alias], len(waiting), start
             )
-            self.held[alias] = Held(candidate, batch)
+            self.held.hold(alias, held)
         else:
             report = self.rounds.run(
                 alias, route, groups, self.heldout[alias], waiting=len(waiting), start=start
@@ -265,7 +261,10 @@ class LearnerService:
         def due() -> str | None:
             self.drop_trained(alias)
             self.drop_stale(alias)
-            return alias if self.ready(alias) else None
+            if not self.ready(alias):
+                return None
+            self.rounds.candidates.drop_orphans(alias)  # no other round of it runs: we lead
+            return alias
 
         def work(_: str) -> list[RoundReport]:
             report = self.run_round(alias)
@@ -273,98 +272,6 @@ class LearnerService:
 
         on_error = partial(self.fail_round, alias)
         return self.work.under_lease(alias, "round", due, work, on_error) or []
-
-    def leased_settle(self, alias: str) -> list[RoundReport]:
-        """The alias's held candidate gated and settled under its lease, once its canary has
-        ended and no other runs, while learning is not paused. One whose groups another replica
-        trained meanwhile is dropped unsettled (never served); one whose settling fails for any
-        reason but an outage pauses the alias with its groups waiting again, uncommitted."""
-        held = self.held[alias]
-
-        def due() -> AliasRoute | None:
-            route = self.routes.get(alias)
-            if route is None or route.canary is not None or route.paused:
-                return None  # its canary (or one started since) still runs, or learning is paused
-            ids = [g.group_id for g in held.candidate.groups]
-            if any(score is not None for score in self.redis.zmscore(trained_key(alias), ids)):
-                log.warning("%s: held v%d dropped: its groups were trained by another learner",
-                            alias, held.candidate.version)  # fmt: skip
-                del self.held[alias]
-                return None
-            return route
-
-        def work(route: AliasRoute) -> list[RoundReport]:
-            waiting = len(self.waiting.get(alias) or ())
-            report = self.rounds.settle_held(
-                alias, route, held.candidate, self.heldout[alias], waiting
-            )
-            del self.held[alias]
-            return [report]
-
-        def on_error(exc: Exception) -> None:
-            del self.held[alias]
-            self.waiting[alias] = held.batch + self.waiting[alias]
-            self.fail_round(alias, exc)
-
-        what = f"settling held v{held.candidate.version}"
-        return self.work.under_lease(alias, what, due, work, on_error) or []
-
-    # --- imported versions ----------------------------------------------------------------------
-
-    def imports_waiting(self) -> list[str]:
-        """Aliases with an imported version queued for its gate (`ratchet import`)."""
-        aliases = list(self.settings.aliases)
-        with self.redis.pipeline(transaction=False) as pipe:
-            for alias in aliases:
-                pipe.llen(imports_key(alias))
-            lengths = pipe.execute()
-        return [alias for alias, length in zip(aliases, lengths, strict=True) if length]
-
-    def leased_import(self, alias: str) -> None:
-        """The alias's oldest imported version gated and settled under its lease, once no canary
-        runs and the held-out pool can fill a gate. One already settled, or gone from the store,
-        leaves the queue unexamined; one whose gate raises is rejected with the reason (not
-        retried forever)."""
-        queued = queued_imports(self.redis, alias)
-        version = queued[0] if queued else 0
-
-        def due() -> AliasRoute | None:
-            route, queued = self.routes.get(alias), queued_imports(self.redis, alias)
-            if not queued or queued[0] != version:
-                return None
-            if not self.store.exists(alias, version) or self.store.status(alias, version):
-                log.warning(
-                    "%s: imported v%d is not in the store or settled: dropped", alias, version
-                )
-                self.redis.lrem(imports_key(alias), 0, str(version))
-                return None
-            if route is None or route.canary is not None:
-                return None  # gated once the canary ends, against what is live then
-            config = self.settings.aliases[alias]
-            share = config.learning.max_key_share
-            if (
-                self.heldout[alias].pairs_available(config.gate.max_pairs, share)
-                < config.gate.min_pairs
-            ):
-                return None  # the pool fills from ratchet.heldout; the import waits, queued
-            return route
-
-        def work(route: AliasRoute) -> None:
-            waiting = len(self.waiting.get(alias) or ())
-            self.rounds.run_import(alias, route, version, self.heldout[alias], waiting)
-
-        def on_error(exc: Exception) -> None:
-            self.metrics.failures.labels(alias, "import").inc()
-            reason = f"import_failed: {type(exc).__name__}: {str(exc)[:200]}"
-            self.lifecycle.reject(
-                alias,
-                version,
-                {"reason": reason, "origin": "import"},
-                also=lambda pipe: unqueue_import(pipe, alias, version),
-            )
-
-        if version:
-            self.work.under_lease(alias, f"gate of imported v{version}", due, work, on_error)
 
     def drop_trained(self, alias: str) -> None:
         """Drop waiting groups whose round outcome is stored (by another learner, which read
@@ -396,8 +303,8 @@ class LearnerService:
     # --- the loop -------------------------------------------------------------------------------
 
     def commit_offsets(self) -> None:
-        held = (w for h in self.held.values() for w in h.batch)
-        self.consumers.commit([*held, *(w for waiting in self.waiting.values() for w in waiting)])
+        pending = [w for waiting in self.waiting.values() for w in waiting]
+        self.consumers.commit([*self.held.unsettled(), *pending])
 
     def forget_revoked(self) -> None:
         """Forget the revoked partitions' waiting groups: the new owner reads them again from the
@@ -408,11 +315,7 @@ class LearnerService:
         for alias, waiting in self.waiting.items():
             self.waiting[alias] = [w for w in waiting if w.partition not in partitions]
             self.metrics.waiting.labels(alias).set(len(self.waiting[alias]))
-        for alias, held in list(self.held.items()):
-            if any(w.partition in partitions for w in held.batch):
-                log.info("%s: held v%d dropped: its groups' partition moved to another learner",
-                         alias, held.candidate.version)  # fmt: skip
-                del self.held[alias]
+        self.held.forget(partitions)
 
     def read_heldout(self) -> None:
         """Add the held-out prompts that arrived since the last read to the pools. Their consumer
@@ -474,7 +377,14 @@ class LearnerService:
 
     def refresh_routes(self) -> None:
         table = self.writer.read_all(self.routes)
+        changed = [
+            route
+            for alias, route in table.routes.items()
+            if (route.active, route.canary) != self.versions_of(alias)
+        ]
         self.routes = table.routes
+        # A canary ended (by whoever decided it): its candidate promoted or rejected.
+        self.rounds.candidates.follow_route(changed)
         for alias in self.invalid_routes.update(table.invalid):
             self.metrics.failures.labels(alias, "invalid_route").inc()
         self.routes_read_at = time.monotonic()
@@ -484,6 +394,9 @@ class LearnerService:
 
     def step(self) -> list[RoundReport]:
         """One pass of the loop: read, run the rounds that are due, commit."""
+        if not self.resumed:
+            self.held.resume(self.settings.aliases)
+            self.resumed = True
         self.poll()
         if time.monotonic() - self.routes_read_at >= 1.0:
             self.refresh_routes()  # operators' pauses and promotions show in the metrics too
@@ -494,17 +407,21 @@ class LearnerService:
             self.refresh_routes()
             if self.ready(alias):
                 reports += self.leased_round(alias)
-        for alias in list(self.held):
-            reports += self.leased_settle(alias)
+        for alias in list(self.held.held):
+            reports += self.held.settle(alias)
         if time.monotonic() - self.imports_read_at >= 1.0:
             self.imports_read_at = time.monotonic()
-            for alias in self.imports_waiting():
-                self.leased_import(alias)
+            for alias in self.imports.waiting_aliases():
+                self.imports.gate_next(alias)
         # Events first: a round's outcome is in Redis; its events must reach Kafka before the
         # offsets move on (retried here until they do).
         if self.lifecycle.flush_events(raise_errors=False):
             self.commit_offsets()
         return reports
+
+    def versions_of(self, alias: str) -> tuple[int, int | None] | None:
+        route = self.routes.get(alias)
+        return None if route is None else (route.active, route.canary)
 
     def publish_progress(self) -> None:
         """Each alias's progress between rounds, with the groups read since the last call. Only
@@ -531,90 +448,6 @@ class LearnerService:
             )
             self.rounds.progress.report(progress, read_delta=read)
 
-    def run(self) -> None:
-        s = self.settings.learner
-        start_http_server(s.metrics_port, addr=s.metrics_host, registry=self.metrics.registry)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stopping.set())
-        if not self._connect_until_up():
-            return
-        watcher = self._start_canary_watcher()
-        collector = self._start_ratings_collector()
-        log.info("learner consuming %s as group %s", GROUPS_TOPIC, s.consumer_group)
-        while not self.stopping.is_set():
-            if not watcher.is_alive():
-                # Without its watcher no canary would ever end: exit, the supervisor restarts us.
-                raise SystemExit("the canary watcher thread died; see the log above")
-            if collector is not None and not collector.is_alive():
-                raise SystemExit("the ratings collector thread died; see the log above")
-            try:
-                self.step()
-            except (KafkaError, redis.RedisError, OSError, LifecycleError) as exc:
-                # Nothing is committed past an unfinished round: it is retried from the log.
-                log.warning("learner step failed (%s); retrying", exc)
-                self.metrics.failures.labels("-", type(exc).__name__).inc()
-                time.sleep(1.0)
-        watcher.join(timeout=10)
-        if collector is not None:
-            collector.join(timeout=10)
-        self.lease_keeper.stop()
-        self.consumers.close()
-        if self.lifecycle.sink is not None:
-            self.lifecycle.sink.close()
-
-    def _connect_until_up(self) -> bool:
-        """Connect to Kafka, retrying while it is unreachable; False if told to stop first."""
-        while not self.stopping.is_set():
-            try:
-                self.consumers.connect()
-                return True
-            except KafkaError as exc:
-                log.warning("kafka unreachable (%s); retrying", exc)
-                time.sleep(1.0)
-        return False
-
-    def _start_canary_watcher(self) -> threading.Thread:
-        models = self.rounds.gate.scorer.reward_models
-        predictor = None if models is None else reward_predictor(self.redis, models)
-        # The round loop's leases, shared: a round training on from a canary holds the alias's
-        # lease for minutes, and the canary's decision must not wait for it.
-        leases = self.leases.sharing("canary")
-        watcher = CanaryWatcher(
-            self.settings,
-            Lifecycle(self.writer, self.store, EventSink(self.settings), actor="canary"),
-            self.metrics,
-            self.stopping,
-            leases,
-            predictor,
-        )
-        thread = threading.Thread(target=watcher.run, name="canary", daemon=True)
-        thread.start()
-        return thread
-
-    def _start_ratings_collector(self) -> threading.Thread | None:
-        """For aliases that learn from ratings or compare their judge with them: join ratings
-        with answers, train reward models."""
-        if not any(joins_ratings(c) for c in self.settings.aliases.values()):
-            return None
-        collector = RatingsCollector(
-            self.settings,
-            self.redis,
-            RewardTrainer(self.settings, self.redis, self.store, self.rounds.base_model_path),
-            AliasLeases(
-                self.redis,
-                self.settings.learner.lease_ttl_s,
-                self.lease_keeper,
-                self.metrics,
-                "reward_model",
-            ),
-            self.metrics,
-            self.stopping,
-            policy_training=self.rounds.training,
-        )
-        thread = threading.Thread(target=collector.run, name="ratings", daemon=True)
-        thread.start()
-        return thread
-
 
 def base_model(settings: RatchetSettings) -> Path:
     """The base weights the learner trains adapters of: ``learner.base_model_path``, which a
@@ -640,7 +473,7 @@ def serve(settings: RatchetSettings) -> None:
     if ranks.rank > 0:
         follow_rounds(settings, base)
         return
-    LearnerService(settings, base).run()
+    run(LearnerService(settings, base))
     if ranks.size > 1:  # a clean stop; after a failure torchrun stops the other ranks
         send_stop()
 

@@ -20,6 +20,7 @@ from learner.heldout import HeldoutPool
 from learner.leases import lease_key
 from learner.round import trained_key
 from learner.service import LearnerService
+from ratchet.bill import Bill
 from ratchet.carry import Carry, write_carry
 from ratchet.lease import Lease
 from ratchet.progress import LearnerProgress, progress_key, read_progress
@@ -601,16 +602,15 @@ def test_offsets_stop_at_the_oldest_group_still_waiting(service: LearnerService)
 def test_offsets_stop_at_the_groups_of_a_held_candidate(service: LearnerService) -> None:
     """A candidate trained through a canary has spent its groups but is not settled yet: a
     learner killed now must read them again."""
+    from learner.held import Held, HeldCandidate
     from learner.intake import Waiting
-    from learner.round import HeldCandidate
-    from learner.service import Held
 
     consumer = FakeConsumer()
     service.consumers.groups = consumer  # type: ignore[assignment]
     service.consumers.read_up_to = {TP0: 10, TP1: 7}
     spent = Waiting(group("g3"), TP0, 3)
-    candidate = HeldCandidate(version=2, canary=1, groups=[spent.group], stats=None)  # type: ignore[arg-type]
-    service.held[ALIAS] = Held(candidate, [spent])
+    candidate = HeldCandidate(2, 1, ["g3"], stats=None, bill=Bill())  # type: ignore[arg-type]
+    service.held.hold(ALIAS, Held(candidate, [spent]))
     service.commit_offsets()
     assert consumer.last() == {TP0: 3, TP1: 7}
     service.consumers.revoked({TP0})
@@ -932,18 +932,20 @@ def test_an_imported_version_waits_for_held_out_prompts_then_is_gated_and_canari
 
     asked = scripted_gate(service, passed=True)
     imported(service, 1)
-    assert service.imports_waiting() == [ALIAS]
-    service.leased_import(ALIAS)
+    assert service.imports.waiting_aliases() == [ALIAS]
+    service.imports.gate_next(ALIAS)
     assert not asked and queued_imports(service.redis, ALIAS) == [1]  # no held-out prompts yet
     for h in ("h1", "h2", "h3"):
         service.add_heldout(heldout(h))
-    service.leased_import(ALIAS)
+    service.imports.gate_next(ALIAS)
     assert asked == [f"{ALIAS}@v1", service.routes[ALIAS].base_model]
     assert kinds(service) == ["gate", "canary"]  # as a learned candidate: canary.weight > 0
     canary = service.writer.history(ALIAS, limit=1)[0]
     assert canary["version"] == 1 and canary["detail"]["origin"] == "import"
     assert service.writer.read(ALIAS).canary == 1  # type: ignore[union-attr]
-    assert queued_imports(service.redis, ALIAS) == [] and service.imports_waiting() == []
+    assert queued_imports(service.redis, ALIAS) == [] and service.imports.waiting_aliases() == []
+    stored = service.rounds.candidates.get(ALIAS, 1)
+    assert stored is not None and (stored.origin, stored.stage) == ("import", "canary")
 
 
 def test_an_imported_version_the_gate_rejects_leaves_the_queue_with_its_reason(
@@ -955,7 +957,7 @@ def test_an_imported_version_the_gate_rejects_leaves_the_queue_with_its_reason(
     for h in ("h1", "h2", "h3"):
         service.add_heldout(heldout(h))
     imported(service, 2)
-    service.leased_import(ALIAS)
+    service.imports.gate_next(ALIAS)
     assert kinds(service) == ["gate", "reject"]
     assert service.store.is_rejected(ALIAS, 2) and queued_imports(service.redis, ALIAS) == []
     assert service.writer.read(ALIAS).active == 0  # type: ignore[union-attr]
@@ -970,9 +972,14 @@ def test_an_import_whose_gate_breaks_is_rejected_not_retried_forever(
     for h in ("h1", "h2", "h3"):
         service.add_heldout(heldout(h))
     imported(service, 1)
-    service.leased_import(ALIAS)
+    service.imports.gate_next(ALIAS)
     [reject] = [e for e in service.writer.history(ALIAS, limit=5) if e["kind"] == "reject"]
     assert reject["detail"]["reason"].startswith("import_failed: RuntimeError: bug")
+    stored = service.rounds.candidates.get(ALIAS, 1)
+    assert stored is not None and (stored.stage, stored.reason) == (
+        "rejected",
+        reject["detail"]["reason"],
+    )
     assert queued_imports(service.redis, ALIAS) == []
     assert metric(service, "ratchet_learner_failures_total", alias=ALIAS, cause="import") == 1
 
@@ -987,15 +994,15 @@ def test_a_settled_or_missing_import_is_dropped_and_none_is_gated_during_a_canar
     for h in ("h1", "h2", "h3"):
         service.add_heldout(heldout(h))
     queue_import(service.redis, ALIAS, 7)  # never written to the store
-    service.leased_import(ALIAS)
+    service.imports.gate_next(ALIAS)
     assert queued_imports(service.redis, ALIAS) == [] and not asked
     add_versions(service, (1, 0), (2, 0))
     base = service.routes[ALIAS].base_model
     service.writer.write(AliasRoute(alias=ALIAS, base_model=base, canary=1, canary_weight=0.1))
     service.refresh_routes()
     queue_import(service.redis, ALIAS, 2)
-    service.leased_import(ALIAS)
+    service.imports.gate_next(ALIAS)
     assert queued_imports(service.redis, ALIAS) == [2] and not asked  # waits for the canary
     service.store.mark(ALIAS, 2, "rejected", {})
-    service.leased_import(ALIAS)
+    service.imports.gate_next(ALIAS)
     assert queued_imports(service.redis, ALIAS) == [] and not asked

@@ -440,7 +440,7 @@ def train_through_the_canary(service: LearnerService) -> None:
         assert service.take(group(gid, version=1), TP, offset) == "waiting"
     assert service.ready(ALIAS)
     assert service.leased_round(ALIAS) == []
-    assert service.held[ALIAS].candidate.version == 2
+    assert service.held.held[ALIAS].candidate.version == 2
     assert not service.ready(ALIAS)  # one held candidate at a time
 
 
@@ -457,12 +457,12 @@ def test_the_next_round_trains_on_from_the_canary_and_is_gated_once_it_is_promot
     assert len(asked) == 1 and kinds(rounds)[-1] == "candidate"  # not gated during the canary
     assert rounds.redis.zscore(trained_key(ALIAS), "g3") is None  # nor settled
 
-    assert service.leased_settle(ALIAS) == []  # the canary still runs
+    assert service.held.settle(ALIAS) == []  # the canary still runs
     service.lifecycle.promote(ALIAS, 1, from_canary=True)
     service.lifecycle.pause(ALIAS, "manual")
-    assert service.leased_settle(ALIAS) == []  # no new canary while learning is paused
+    assert service.held.settle(ALIAS) == []  # no new canary while learning is paused
     service.lifecycle.resume(ALIAS)
-    [report] = service.leased_settle(ALIAS)
+    [report] = service.held.settle(ALIAS)
     assert (report.version, report.outcome) == (2, "canary")
     assert asked[-1][1:] == ("support@v2", "support@v1")  # against the version live now
     assert ALIAS not in service.held
@@ -471,15 +471,72 @@ def test_the_next_round_trains_on_from_the_canary_and_is_gated_once_it_is_promot
     assert kinds(rounds)[-3:] == ["resume", "gate", "canary"]
 
 
+def stages(service: LearnerService) -> dict[int, str]:
+    return {c.version: c.stage.value for c in service.rounds.candidates.all(ALIAS)}
+
+
+def test_a_restarted_learner_settles_the_candidate_it_held(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, _ = on_canary(redis_url, tmp_path, monkeypatch)
+    train_through_the_canary(service)
+    assert stages(service) == {1: "canary", 2: "held"}
+    # Killed here: nothing in memory survives; Redis and the store do, and the groups' offsets
+    # were never committed past.
+    restarted = make_service(redis_url, tmp_path, canary_weight=0.1, batch_groups=2, min_groups=1)
+    asked = script_gate(restarted.rounds, monkeypatch, verdict(passed=True))
+    for h in ("h1", "h2", "h3"):
+        restarted.add_heldout(heldout(h))
+    restarted.held.resume(restarted.settings.aliases)
+    restarted.refresh_routes()
+    for offset, gid in ((2, "g3"), (3, "g4")):  # read again: they wait, no round while it is held
+        assert restarted.take(group(gid, version=1), TP, offset) == "waiting"
+    assert not restarted.ready(ALIAS)
+    assert restarted.held.settle(ALIAS) == []  # its canary still runs
+    restarted.lifecycle.promote(ALIAS, 1, from_canary=True)
+    [report] = restarted.held.settle(ALIAS)
+    assert (report.version, report.outcome) == (2, "canary")
+    assert asked[-1][1:] == ("support@v2", "support@v1")  # against the canary, live now
+    assert report.stats.mean_reward == 0.25 and report.stats.kl is None  # as its round wrote
+    assert stages(restarted) == {1: "promoted", 2: "canary"}
+    assert restarted.rounds.trainer().trained == []  # type: ignore[attr-defined]
+    # Its groups, read again, are spent: the next round drops them rather than train them twice.
+    restarted.drop_trained(ALIAS)
+    assert restarted.waiting[ALIAS] == []
+
+
+def test_a_round_caught_before_its_outcome_is_dropped_by_the_next_round(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = make_service(redis_url, tmp_path, canary_weight=0.1, batch_groups=2, min_groups=1)
+    script_gate(service.rounds, monkeypatch, RuntimeError("killed mid-gate"))
+    for h in ("h1", "h2", "h3"):
+        service.add_heldout(heldout(h))
+    service.refresh_routes()
+    for offset, gid in enumerate(("g1", "g2")):
+        service.take(group(gid), TP, offset)
+    assert service.leased_round(ALIAS) == []  # failed: the alias paused, v1 left gating
+    assert stages(service) == {1: "gating"}
+    service.lifecycle.resume(ALIAS)
+    script_gate(service.rounds, monkeypatch, verdict(passed=False))
+    assert [r.outcome for r in service.leased_round(ALIAS)] == ["rejected"]
+    assert stages(service) == {1: "rejected", 2: "rejected"}
+    assert service.rounds.candidates.get(ALIAS, 1).reason == (  # type: ignore[union-attr]
+        "no outcome: its round did not finish"
+    )
+
+
 def test_a_round_held_on_a_canary_that_is_rolled_back_is_rejected_without_a_gate(
     redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     service, asked = on_canary(redis_url, tmp_path, monkeypatch)
     train_through_the_canary(service)
     service.lifecycle.rollback(ALIAS, "ratings", canary=1)
-    [report] = service.leased_settle(ALIAS)
+    [report] = service.held.settle(ALIAS)
     assert (report.version, report.outcome) == (2, "rejected") and len(asked) == 1
     assert report.gate.reason == "trained on from canary v1, which was rolled back"
+    service.refresh_routes()
+    assert stages(service) == {1: "rejected", 2: "rejected"}
     assert service.store.is_rejected(ALIAS, 2)
     assert service.redis.zscore(trained_key(ALIAS), "g4") is not None  # spent: their outcome
     service.refresh_routes()
@@ -506,7 +563,7 @@ def test_a_held_round_whose_settling_breaks_pauses_the_alias_and_keeps_its_group
     train_through_the_canary(service)
     script_gate(service.rounds, monkeypatch, RuntimeError("bug"))
     service.lifecycle.promote(ALIAS, 1, from_canary=True)
-    assert service.leased_settle(ALIAS) == []
+    assert service.held.settle(ALIAS) == []
     assert ALIAS not in service.held
     assert [w.group.group_id for w in service.waiting[ALIAS]] == ["g3", "g4"]  # uncommitted
     route = service.writer.read(ALIAS)
