@@ -69,7 +69,7 @@ from ratchet.records import (
     prompt_hash,
 )
 from ratchet.registry import AliasRoute, InvalidRoute, alias_key, decode_hash, served_name
-from ratchet.rewards.reward_model import RewardModels
+from ratchet.rewards.reward_model import RewardModels, missing_packages
 from ratchet.secrets import keyed_hash, redis_connection_url, server_secret, vllm_api_key
 from ratchet.settings import AliasConfig, ConfigError, RatchetSettings
 from ratchet.spend import budget_line, spend_key, today
@@ -612,6 +612,12 @@ def reward_models(settings: RatchetSettings) -> RewardModels | None:
             "reward models score with, but learner.base_model_path is empty: set it in "
             "ratchet.yaml or RATCHET_LEARNER__BASE_MODEL_PATH to the base model vLLM serves "
             "(`ratchet up` and the Helm chart set it themselves)"
+        )
+    if missing := missing_packages():  # the judge extra brings none: said at start
+        raise ConfigError(
+            f"aliases {rated} learn from ratings, so the judge scores with their reward models, "
+            f"which need {', '.join(missing)}: install it as pip install 'ratchet[judge,learner]' "
+            "plus the torch wheel of this machine"
         )
     assert settings.store_dir is not None
     return RewardModels(settings.store_dir, Path(path))

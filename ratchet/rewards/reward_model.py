@@ -27,6 +27,7 @@ the training ratings' prompts, from :data:`L2_GRID`.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -480,6 +481,13 @@ def write_meta(
         "l2_cross_validated": {repr(k): v for k, v in l2_scores.items()},
         "heldout": evaluation.to_dict(),
     }
+
+
+def missing_packages() -> list[str]:
+    """What scoring with a reward model needs and this install lacks: the learner extra and torch
+    bring them, the judge extra does not."""
+    needed = ("torch", "transformers", "safetensors")
+    return [name for name in needed if importlib.util.find_spec(name) is None]
 
 
 class RewardModelUnavailable(Exception):

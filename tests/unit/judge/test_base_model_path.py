@@ -4,6 +4,7 @@ embedded stack's model (embedded is the dev stack's, not a service's)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,26 @@ def test_the_reward_models_score_with_the_configured_base_model(
     service = JudgeService(settings_with(redis_url, tmp_path, base_model_path=str(base)))
     models = service.scorer.reward_models
     assert models is not None and models.base_model_path == base
+
+
+def test_a_judge_for_rated_aliases_refuses_to_start_without_what_reward_models_run_on(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The judge extra brings no torch: a judge that must score with reward models says what to
+    install at start, not at the first rated group."""
+    real_find_spec = importlib.util.find_spec
+    absent = {"torch", "transformers"}
+
+    def find_spec(name: str, *args: object) -> object:
+        return None if name in absent else real_find_spec(name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    settings = settings_with(redis_url, tmp_path, base_model_path=str(tmp_path / "base"))
+    with pytest.raises(ConfigError) as refused:
+        JudgeService(settings)
+    message = str(refused.value)
+    assert "['rated']" in message and "torch, transformers" in message
+    assert "ratchet[judge,learner]" in message
 
 
 def test_without_rated_aliases_the_judge_needs_no_base_model(
