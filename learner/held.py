@@ -29,7 +29,7 @@ from learner.gating import gate_candidate
 from learner.heldout import HeldoutPool
 from learner.intake import Waiting
 from learner.round import Gated, RoundReport, Rounds, mark_trained, trained_key, training_bill
-from learner.trainer import RoundStats
+from learner.round_stats import RoundStats
 from learner.under_lease import AliasWork
 from ratchet.bill import Bill
 from ratchet.carry import Start

@@ -44,11 +44,8 @@ from learner.heldout import HeldoutPool
 from learner.metrics import LearnerMetrics
 from learner.parallel import lead_round
 from learner.reporter import ProgressReporter
-from learner.trainer import (
-    LoraGRPOLearner,
-    RoundStats,
-    StepProgress,
-)
+from learner.round_stats import RoundStats, StepProgress
+from learner.trainer import LoraGRPOLearner
 from ratchet.bill import Bill, total
 from ratchet.canary_state import reset_counts
 from ratchet.carry import Start, carry_after, read_carry, start_of_round, write_carry

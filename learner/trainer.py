@@ -36,23 +36,27 @@ Data flow of a round:
   are the same call with the adapter disabled (v0).
 * A step whose gradient is not finite is skipped (and counted), so one bad record cannot poison
   the adapter or Adam's moments.
+
+Elsewhere: the adapter and optimizer state as files, loaded and written (learner/adapter_files.py);
+what a round reports (learner/round_stats.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
 
+from learner.adapter_files import OPTIMIZER_FILE as OPTIMIZER_FILE
+from learner.adapter_files import TRAINING_FIELDS as TRAINING_FIELDS
+from learner.adapter_files import AdapterState
 from learner.batch import Batch, pack_groups, token_logprobs
 from learner.loss import grpo_loss
 from learner.parallel import (
@@ -60,50 +64,21 @@ from learner.parallel import (
     all_reduce,
     all_reduce_grads,
     empty_base,
-    gathered,
     is_sharded,
-    like,
-    scattered,
     shard,
     whole,
 )
+from learner.round_stats import RoundStats as RoundStats
+from learner.round_stats import RoundSums, StepResult
+from learner.round_stats import StepCallback as StepCallback
+from learner.round_stats import StepProgress as StepProgress
 from ratchet.records import ScoredGroup
 from ratchet.settings import LearnerSettings, LoraSettings
-from ratchet.store import AdapterStore
 
 log = logging.getLogger(__name__)
 
-OPTIMIZER_FILE = "optimizer.pt"
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_STATE_FORMAT = 1
-
 Precision = Literal["auto", "fp32", "bf16"]
 Sharding = Literal["replicate", "fsdp"]
-
-
-# What a round's training depends on, recorded in each adapter's metadata beside its LoRA shape.
-TRAINING_FIELDS = frozenset(
-    {
-        "learning_rate",
-        "steps_per_round",
-        "micro_batch_tokens",
-        "max_grad_norm",
-        "weight_decay",
-        "loss",
-        "seed",
-        "epochs_per_round",
-        "epoch_max_kl",
-        "epoch_max_clip_frac",
-        "precision",
-        "sharding",
-    }
-)
-
-
-def saved_key(param_name: str, adapter: str = "default") -> str:
-    """The key peft saves a LoRA parameter under: its name without the adapter's."""
-    return param_name.replace(f".{adapter}", "")
 
 
 def native_bf16_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -142,41 +117,6 @@ def epoch_stop(
     return None
 
 
-@dataclass(frozen=True)
-class RoundStats:
-    round: int  # 1-based count of rounds this adapter lineage has trained
-    steps: int
-    groups: int
-    groups_skipped: int  # groups with all-equal rewards: no signal, not trained on
-    samples: int  # samples trained on (those of the kept groups)
-    mean_reward: float
-    loss: float  # token mean over the round of the full loss (policy + KL)
-    policy_loss: float
-    kl: float | None
-    ratio_mean: float
-    ratio_min: float
-    ratio_max: float
-    clip_frac_low: float
-    clip_frac_high: float
-    approx_kl: float  # token mean over the round of the KL from the sampling policy (k3)
-    epochs: int  # passes over the groups begun (learner.epochs_per_round at most)
-    stopped: str | None  # why a later epoch ended the round early; None: every step taken
-    grad_norm: float  # mean over the steps taken, before clipping
-    steps_skipped: int  # steps whose gradient was not finite: no update
-    completion_tokens: int  # completion tokens trained on, summed over the steps
-    total_tokens: int  # prompt + completion tokens forwarded, summed over the steps
-    seconds: float
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready: NaN (a round without steps) becomes None."""
-        values = {**asdict(self), "tokens_per_second": self.tokens_per_second}
-        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in values.items()}
-
-
 def resolve_target_modules(model: nn.Module, target: Sequence[str] | str) -> tuple[str, ...]:
     """Module names LoRA wraps; "all-linear" is every nn.Linear except the output layer."""
     output_layer = cast(Any, model).get_output_embeddings()
@@ -194,7 +134,7 @@ def resolve_target_modules(model: nn.Module, target: Sequence[str] | str) -> tup
     return tuple(sorted(set(names)))
 
 
-class LoraGRPOLearner:
+class LoraGRPOLearner(AdapterState):
     """The learner's model: a frozen base, one trainable LoRA adapter and its AdamW state."""
 
     def __init__(
@@ -257,134 +197,8 @@ class LoraGRPOLearner:
                 "outside them: leave those modules out of learner.lora.target_modules"
             )
         self._fresh = [p.detach().clone() for p in self.params]
-        # Sharded: the whole adapter and optimizer state, gathered by every rank after a load
-        # and after a round, for rank 0 to save.
-        self._whole: tuple[dict[str, Tensor], dict[str, Any]] | None = None
+        self._whole = None
         self.load_adapter(None)
-
-    # --- state -------------------------------------------------------------------------------
-
-    def load_adapter(self, folder: Path | None) -> None:
-        """Start from a fresh LoRA (None: v0 -> v1) or from a stored version, with its optimizer
-        state when the folder has one. The stored adapter's rank, alpha and target modules must
-        match the settings: a different shape cannot continue it."""
-        self._load_adapter(folder)
-        if self.sharded:
-            self._gather()
-
-    def _load_adapter(self, folder: Path | None) -> None:
-        self.rounds = self.optimizer_steps = self.groups_seen = self.tokens_seen = 0
-        self.last_round: RoundStats | None = None
-        self.optimizer = self._new_optimizer()
-        if folder is None:
-            with torch.no_grad():
-                for param, fresh in zip(self.params, self._fresh, strict=True):
-                    param.copy_(fresh)
-            return
-        from safetensors.torch import load_file
-
-        folder = Path(folder)
-        config = json.loads((folder / ADAPTER_CONFIG).read_text())
-        targets = config.get("target_modules") or []
-        targets = [targets] if isinstance(targets, str) else targets
-        stored = (config.get("r"), config.get("lora_alpha"), sorted(targets))
-        wanted = (self.lora.rank, self.lora.alpha, sorted(self.target_modules))
-        if stored != wanted:
-            raise ValueError(
-                f"{folder.name} has (rank, alpha, targets) {stored}, the settings "
-                f"{wanted}; start a fresh adapter to change its shape"
-            )
-        weights = load_file(folder / ADAPTER_WEIGHTS, device=str(self.device))
-        self._set_weights(folder, weights)
-        path = folder / OPTIMIZER_FILE
-        if not path.is_file():
-            log.info("%s has no %s: fresh optimizer state", folder.name, OPTIMIZER_FILE)
-            return
-        state = torch.load(path, map_location=self.device, weights_only=True)
-        if state.get("format") != _STATE_FORMAT or state.get("param_names") != self.param_names:
-            log.warning("%s: optimizer state does not fit this model; starting it fresh", path)
-            return
-        self.optimizer.load_state_dict(scattered(state["optimizer"], self.params))
-        for group in self.optimizer.param_groups:  # the settings win over the stored values
-            group.update(lr=self.train.learning_rate, weight_decay=self.train.weight_decay)
-        self.rounds, self.optimizer_steps = int(state["rounds"]), int(state["optimizer_steps"])
-        self.groups_seen, self.tokens_seen = int(state["groups_seen"]), int(state["tokens_seen"])
-
-    def _set_weights(self, folder: Path, weights: dict[str, Tensor]) -> None:
-        """The adapter's weights (keyed as peft saves them) into the model, each rank's shard
-        of each where it is sharded (peft's loader copies whole tensors); ValueError if they do
-        not fit it."""
-        keys = [saved_key(name) for name in self.param_names]
-        missing = [k for k in keys if k not in weights]
-        unexpected = sorted(set(weights) - set(keys))
-        if unexpected or missing:
-            raise ValueError(
-                f"{folder.name}: adapter weights do not fit the model "
-                f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
-            )
-        with torch.no_grad():
-            for key, param in zip(keys, self.params, strict=True):
-                param.copy_(like(weights[key].to(param.dtype), param))
-
-    def _gather(self) -> None:
-        """Every rank: the whole adapter and optimizer state, kept for :meth:`save_candidate`."""
-        weights = {n: whole(p.detach()) for n, p in zip(self.param_names, self.params, strict=True)}
-        self._whole = weights, gathered(self.optimizer.state_dict())
-
-    def adapter_weights(self) -> dict[str, Tensor]:
-        """The adapter's whole weights by parameter name (sharded: as of the last load or
-        round)."""
-        if self._whole is not None:
-            return dict(self._whole[0])
-        return {n: p.detach() for n, p in zip(self.param_names, self.params, strict=True)}
-
-    def _new_optimizer(self) -> torch.optim.Optimizer:
-        fused = self.device.type in ("cuda", "cpu")
-        return torch.optim.AdamW(
-            self.params,
-            lr=self.train.learning_rate,
-            weight_decay=self.train.weight_decay,
-            fused=fused,
-        )
-
-    def save_candidate(
-        self, store: AdapterStore, alias: str, version: int, parent: int, meta: dict[str, Any]
-    ) -> Path:
-        """Write the adapter and its optimizer state as ``<alias>@v<version>``, atomically."""
-
-        def write(folder: Path) -> None:
-            weights = self.adapter_weights()  # sharded: the whole tensors, not this rank's shard
-            self.model.save_pretrained(str(folder), safe_serialization=True, state_dict=weights)
-            (folder / "README.md").unlink(missing_ok=True)  # peft's model card stub
-            config_path = folder / ADAPTER_CONFIG
-            config = json.loads(config_path.read_text())
-            config["target_modules"] = sorted(self.target_modules)  # peft writes a set's order
-            config_path.write_text(json.dumps(config, indent=2))
-            torch.save(self._optimizer_state(), folder / OPTIMIZER_FILE)
-
-        full_meta: dict[str, Any] = {
-            "parent_version": parent,
-            "rounds": self.rounds,
-            "optimizer_steps": self.optimizer_steps,
-            "groups_seen": self.groups_seen,
-            "completion_tokens_seen": self.tokens_seen,
-            "lora": self.lora.model_dump(mode="json"),
-            "train": self.train.model_dump(mode="json", include=set(TRAINING_FIELDS)),
-            "last_round": self.last_round.as_dict() if self.last_round else None,
-        }
-        full_meta.update(meta)
-        return store.write(alias, version, write, self.base_model_id, full_meta)
-
-    def _optimizer_state(self) -> dict[str, Any]:
-        return {
-            "format": _STATE_FORMAT,
-            "param_names": self.param_names,
-            "optimizer": self._whole[1] if self._whole else self.optimizer.state_dict(),
-            "rounds": self.rounds,
-            "optimizer_steps": self.optimizer_steps,
-            "groups_seen": self.groups_seen,
-            "tokens_seen": self.tokens_seen,
-        }
 
     # --- training ----------------------------------------------------------------------------
 
@@ -408,7 +222,7 @@ class LoraGRPOLearner:
         batch = packed.to(self.device)
         self.rounds += 1
         epochs = [self._plan_steps(len(batch), e + 1) for e in range(self.train.epochs_per_round)]
-        acc = _Accumulator(self.device)
+        acc = RoundSums(self.device)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         devices = [self.device] if self.device.type == "cuda" else []
@@ -444,7 +258,7 @@ class LoraGRPOLearner:
         batch: Batch,
         epochs: list[list[Tensor]],
         lengths: Tensor,
-        acc: _Accumulator,
+        acc: RoundSums,
         kept_groups: list[ScoredGroup],
         start: float,
         on_step: StepCallback | None,
@@ -477,7 +291,7 @@ class LoraGRPOLearner:
         return taken, epochs_begun, None
 
     def _step(
-        self, batch: Batch, step_rows: Tensor, lengths: Tensor, acc: _Accumulator, epoch: int
+        self, batch: Batch, step_rows: Tensor, lengths: Tensor, acc: RoundSums, epoch: int
     ) -> StepResult:
         """One optimizer step: micro-batches accumulate the gradient of the step's token mean.
         Not taken (``stopped`` says why) when :func:`epoch_stop` says the policy has moved too
@@ -598,97 +412,3 @@ def content_order(group: ScoredGroup) -> tuple[list[int], list[list[int]]]:
     """A group's place in a round: by its prompt's tokens, then its samples'. The same groups
     then train the same candidate however the judge's timing ordered them."""
     return group.prompt_token_ids, [sample.token_ids for sample in group.samples]
-
-
-class StepResult(NamedTuple):
-    loss: float  # the step's token-mean loss (NaN: not taken)
-    tokens: int  # its completion tokens (0: not taken)
-    stopped: str | None  # why it was not taken (epoch_stop), and the round ends
-
-
-@dataclass(frozen=True)
-class StepProgress:
-    """What one optimizer step of a round did, for its log line and the alias's progress."""
-
-    round: int
-    step: int  # 1-based
-    steps: int
-    loss: float  # token mean over the step's completion tokens (policy + KL)
-    reward: float  # mean reward of the step's groups' samples
-    completion_tokens: int  # trained on so far in the round
-    seconds: float  # since the round started (packing included)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def line(self) -> str:
-        return (
-            f"round {self.round}: step {self.step}/{self.steps} loss {self.loss:.4f}, "
-            f"reward {self.reward:.3f}, {self.tokens_per_second:.1f} tokens/s"
-        )
-
-
-StepCallback = Callable[[StepProgress], None]
-
-
-class _Accumulator:
-    """Token-weighted sums of the loss stats, read once at the end (one device sync a round)."""
-
-    _KEYS = ("policy_loss", "kl", "ratio_mean", "clip_frac_low", "clip_frac_high", "approx_kl")
-
-    def __init__(self, device: torch.device) -> None:
-        def full(value: float) -> Tensor:
-            return torch.full((), value, device=device, dtype=torch.float64)
-
-        self.sums = {k: full(0.0) for k in ("tokens", "loss", *self._KEYS)}
-        self.ratio_min, self.ratio_max = full(math.nan), full(math.nan)
-        self.grad_norms: list[Tensor] = []
-        self.total_tokens = 0
-        self.skipped = 0
-
-    def add(self, loss: Tensor, stats: dict[str, Tensor], total_tokens: int) -> None:
-        n = stats["num_tokens"].double()
-        self.sums["tokens"] += n
-        self.sums["loss"] += loss.double() * n
-        for key in self._KEYS:
-            if key in stats:
-                self.sums[key] += stats[key].double() * n
-        # fmin/fmax skip NaN, which is what a micro-batch without completion tokens reports
-        self.ratio_min = torch.fmin(self.ratio_min, stats["ratio_min"].double())
-        self.ratio_max = torch.fmax(self.ratio_max, stats["ratio_max"].double())
-        self.total_tokens += total_tokens
-
-    def reduce(self) -> None:
-        """The sums over every rank's micro-batches (data parallel: learner/parallel.py)."""
-        sums = all_reduce(torch.stack(list(self.sums.values())), "sum")
-        self.sums = dict(zip(self.sums, sums.unbind(), strict=True))
-        self.ratio_min = all_reduce(self.ratio_min, "min")
-        self.ratio_max = all_reduce(self.ratio_max, "max")
-        total = torch.tensor(float(self.total_tokens), dtype=torch.float64)
-        self.total_tokens = int(all_reduce(total.to(self.ratio_min.device), "sum").item())
-
-    def finish(self, *, kl_on: bool, start: float, **fields: Any) -> RoundStats:
-        norm = torch.stack(self.grad_norms).double().mean() if self.grad_norms else self.ratio_min
-        values = torch.stack([*self.sums.values(), self.ratio_min, self.ratio_max, norm])
-        *sums_list, ratio_min, ratio_max, grad_norm = values.tolist()
-        sums = dict(zip(self.sums, sums_list, strict=True))
-        n = sums["tokens"]
-        mean = {k: sums[k] / n if n > 0 else math.nan for k in ("loss", *self._KEYS)}
-        return RoundStats(
-            **fields,
-            loss=mean["loss"],
-            policy_loss=mean["policy_loss"],
-            kl=mean["kl"] if kl_on else None,
-            ratio_mean=mean["ratio_mean"],
-            ratio_min=ratio_min,
-            ratio_max=ratio_max,
-            clip_frac_low=mean["clip_frac_low"],
-            clip_frac_high=mean["clip_frac_high"],
-            approx_kl=mean["approx_kl"],
-            grad_norm=grad_norm if self.grad_norms else math.nan,
-            steps_skipped=self.skipped,
-            completion_tokens=int(n),
-            total_tokens=self.total_tokens,
-            seconds=time.perf_counter() - start,
-        )
