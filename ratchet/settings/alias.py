@@ -18,18 +18,29 @@ from ratchet.settings.base import (
 
 
 class RewardConfig(_Section):
-    # feedback: a reward model learned from users' ratings (ratchet/rewards/reward_model.py).
-    kind: Literal["ruler", "verifier", "mixed", "feedback"] = "ruler"
+    kind: Literal["ruler", "verifier", "mixed", "feedback"] = Field(
+        default="ruler",
+        description=(
+            "feedback: a reward model learned from users' ratings "
+            "(ratchet/rewards/reward_model.py)."
+        ),
+    )
     rubric: str = DEFAULT_RUBRIC
     judge_model: str = f"hosted_vllm/{DEFAULT_BASE_MODEL}"
     verifier: str | None = Field(
         default=None, description='"package.module:function" returning a float in [0, 1]'
     )
     ruler_weight: float = Field(default=0.5, ge=0.0, le=1.0)
-    # kind mixed: the share of the reward that the alias's reward model (learned from ratings)
-    # gives, once it is usable; the rest is RULER and the verifier as ruler_weight splits them.
-    # 0: ratings do not enter the reward.
-    feedback_weight: float = Field(default=0.0, ge=0.0, le=1.0)
+    feedback_weight: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "kind mixed: the share of the reward that the alias's reward model (learned from "
+            "ratings) gives, once it is usable; the rest is RULER and the verifier as "
+            "ruler_weight splits them. 0: ratings do not enter the reward."
+        ),
+    )
 
     @property
     def learns_from_ratings(self) -> bool:
@@ -56,91 +67,198 @@ class RewardConfig(_Section):
 
 class LearningConfig(_Section):
     enabled: bool = True
-    # Share of eligible traffic the judge turns into groups.
-    sample_rate: float = Field(default=1.0, ge=0.0, le=1.0)
-    # 6 answers a prompt: more of a new task's groups differ in reward than at 4 (a group whose
-    # answers all score alike teaches nothing), and vLLM decodes them in one batch.
-    group_size: int = Field(default=6, ge=2, le=64)
-    # Half the prompts go to the gate. A round needs learner.batch_groups groups (32) and
-    # gate.min_pairs held-out prompts (32); where traffic is what limits both, as on a new or
-    # quiet alias, min_pairs / (min_pairs + batch_groups) of it makes them arrive together. At a
-    # quarter the demo's first round waited for held-out prompts until minute 14 with its groups
-    # ready at 7; at a half it started at 9 (bench/loop_speed.py). Where the judge cannot sample
-    # all the traffic, holding prompts out costs nothing (they are never sampled).
-    heldout_fraction: float = Field(default=0.5, ge=0.0, lt=1.0)
-    # Prompts longer than this (in the model's tokens) are not re-sampled.
-    max_prompt_tokens: int = Field(default=1024, ge=1)
-    # Within this window a training prompt is sampled once per version (the version its group
-    # comes from: once that changes, a new round can learn from the new policy's answers to it),
-    # a held-out prompt is kept once; 0: no dedup.
-    dedup_window_s: int = Field(default=3600, ge=0)
-    # A prompt whose last this many groups each had answers that all scored alike (no GRPO
-    # signal: solved, or out of reach) is not sampled again within the dedup window; a group
-    # whose answers differ resets the count. 0: always sampled.
-    skip_after_flat_groups: int = Field(default=2, ge=0)
-    # No API key fills more than this share of a round's groups or of a gate's held-out pairs,
-    # so one client cannot steer what is learned or judged; with fewer than 1/share keys at
-    # hand each key gets an even share (one key alone, or auth off, is never held back).
-    max_key_share: float = Field(default=0.25, gt=0.0, le=1.0)
-    # The most the alias's judge calls (the judge's and the gate's) may cost a UTC day, in USD
-    # (litellm's price map: a local judge costs 0). Reached, the judge samples no more groups of
-    # the alias until the next day (`ratchet status` says so); rounds already under way finish.
-    # None: no cap.
-    max_cost_per_day: float | None = Field(default=None, gt=0.0)
+    sample_rate: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of eligible traffic the judge turns into groups.",
+    )
+    group_size: int = Field(
+        default=6,
+        ge=2,
+        le=64,
+        description=(
+            "6 answers a prompt: more of a new task's groups differ in reward than at 4 (a group "
+            "whose answers all score alike teaches nothing), and vLLM decodes them in one batch."
+        ),
+    )
+    heldout_fraction: float = Field(
+        default=0.5,
+        ge=0.0,
+        lt=1.0,
+        description=(
+            "Half the prompts go to the gate. A round needs learner.batch_groups groups (32) and "
+            "gate.min_pairs held-out prompts (32); where traffic is what limits both, as on a new "
+            "or quiet alias, min_pairs / (min_pairs + batch_groups) of it makes them arrive "
+            "together (measured: docs/results/settings-measurements.md). Where the judge cannot "
+            "sample all the traffic, holding prompts out costs nothing (they are never sampled)."
+        ),
+    )
+    max_prompt_tokens: int = Field(
+        default=1024,
+        ge=1,
+        description="Prompts longer than this (in the model's tokens) are not re-sampled.",
+    )
+    dedup_window_s: int = Field(
+        default=3600,
+        ge=0,
+        description=(
+            "Within this window a training prompt is sampled once per version (the version its "
+            "group comes from: once that changes, a new round can learn from the new policy's "
+            "answers to it), a held-out prompt is kept once; 0: no dedup."
+        ),
+    )
+    skip_after_flat_groups: int = Field(
+        default=2,
+        ge=0,
+        description=(
+            "A prompt whose last this many groups each had answers that all scored alike (no GRPO "
+            "signal: solved, or out of reach) is not sampled again within the dedup window; a "
+            "group whose answers differ resets the count. 0: always sampled."
+        ),
+    )
+    max_key_share: float = Field(
+        default=0.25,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "No API key fills more than this share of a round's groups or of a gate's held-out "
+            "pairs, so one client cannot steer what is learned or judged; with fewer than 1/share "
+            "keys at hand each key gets an even share (one key alone, or auth off, is never held "
+            "back)."
+        ),
+    )
+    max_cost_per_day: float | None = Field(
+        default=None,
+        gt=0.0,
+        description=(
+            "The most the alias's judge calls (the judge's and the gate's) may cost a UTC day, in "
+            "USD (litellm's price map: a local judge costs 0). Reached, the judge samples no more "
+            "groups of the alias until the next day (`ratchet status` says so); rounds already "
+            "under way finish. None: no cap."
+        ),
+    )
 
 
 class SamplingConfig(_Section):
     """How the judge samples a group from the live version."""
 
-    # 0.7: measured with bench/demo_learning.py, groups sampled at 1.0 trained a 135M model to
-    # 0.50-0.59 on the demo, at 0.7 to 0.58-0.66 (a small model's samples at 1.0 are mostly noise).
-    temperature: float = Field(default=0.7, ge=0.0, le=2.0)
+    temperature: float = Field(
+        default=0.7,
+        ge=0.0,
+        le=2.0,
+        description=(
+            "0.7, not 1.0: a small model's samples at 1.0 are mostly noise and teach less "
+            "(docs/results/settings-measurements.md)."
+        ),
+    )
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    # None: drawn from the alias's own served answer lengths (ratchet/answer_length.py),
-    # so a short-answer task does not sample 4x the tokens it needs. A number wins over that.
-    max_tokens: int | None = Field(default=None, ge=1)
-    # The most the automatic max_tokens (of groups and of the gate's answers) may be.
-    max_tokens_cap: int = Field(default=1024, ge=16)
-    # Set: each group is sampled with a vLLM seed mixed from this, the prompt and the live
-    # version, so a prompt sampled again gives the same group (replayable runs). None: unseeded.
-    seed: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "None: drawn from the alias's own served answer lengths (ratchet/answer_length.py), "
+            "so a short-answer task does not sample 4x the tokens it needs. A number wins over "
+            "that."
+        ),
+    )
+    max_tokens_cap: int = Field(
+        default=1024,
+        ge=16,
+        description=(
+            "The most the automatic max_tokens (of groups and of the gate's answers) may be."
+        ),
+    )
+    seed: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Set: each group is sampled with a vLLM seed mixed from this, the prompt and the live "
+            "version, so a prompt sampled again gives the same group (replayable runs). None: "
+            "unseeded."
+        ),
+    )
 
 
 class GateConfig(_Section):
     """How a candidate is compared with the live version on held-out prompts."""
 
-    # The gate answers held-out pairs in order and stops as soon as a sequential test decides
-    # (ratchet/sequential.py). No pass before this many pairs, and the learner waits for this
-    # many held-out prompts before a round: 32 keeps a few lucky early pairs from promoting and
-    # rounds from waiting long for prompts (simulated: a 0.8 win rate passes at a median of 32).
-    min_pairs: int = Field(default=32, ge=1)
-    # Promote only when the win rate's lower bound (always valid, or at the last look) is above
-    # this (0.5 = better).
-    threshold: float = Field(default=0.5, ge=0.0, le=1.0)
-    # At most this many held-out pairs per gate, drawn at random from the pool. 128, not 64:
-    # simulated by the betting test alone with a third ties, a 0.63 win rate (the demo's
-    # typical one-round gain) passed 76% of the time at 128 but 34% at 64; with the last look
-    # (bench/gate_power.py, a quarter ties) a 0.6 win rate passes 78% at 128. A clear gain
-    # stops far sooner.
-    max_pairs: int = Field(default=128, ge=1)
-    # The false-promotion rate: the chance that a candidate no better than the live version
-    # passes. One-sided, because only promotion is guarded: a wrongly rejected candidate costs
-    # one round, a wrongly promoted one serves every user (and the canary is the second check).
-    alpha: float = Field(default=0.05, gt=0.0, lt=0.5)
-    # 0 = greedy: both versions answer each prompt deterministically.
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-    # None: from the served answer lengths of the prompts drawn (as sampling.max_tokens), so the
-    # pairs are cut where the groups the candidate trained on were.
-    max_tokens: int | None = Field(default=None, ge=1)
-    # A pair is lost when the judge or vLLM fails on it (the candidate's own failure to answer
-    # counts as a loss instead). Failures that fall on the prompts a candidate would lose would
-    # pass it, so a gate with more than this share of its pairs lost does not pass.
-    max_failed_share: float = Field(default=0.1, ge=0.0, le=1.0)
-    # None: a candidate passes on its win rate alone ("better more often than not"). Set: it
-    # must also lift the mean per-prompt score by at least this much (the point estimate of the
-    # lift the gate reports; needs scored pairs: a verifier or a reward model), so a promotion
-    # carries a gain worth a deploy.
-    min_lift: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_pairs: int = Field(
+        default=32,
+        ge=1,
+        description=(
+            "The gate answers held-out pairs in order and stops as soon as a sequential test "
+            "decides (ratchet/sequential.py). No pass before this many pairs, and the learner "
+            "waits for this many held-out prompts before a round: 32 keeps a few lucky early "
+            "pairs from promoting and rounds from waiting long for prompts "
+            "(docs/results/settings-measurements.md)."
+        ),
+    )
+    threshold: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Promote only when the win rate's lower bound (always valid, or at the last look) is "
+            "above this (0.5 = better)."
+        ),
+    )
+    max_pairs: int = Field(
+        default=128,
+        ge=1,
+        description=(
+            "At most this many held-out pairs per gate, drawn at random from the pool. 128, not "
+            "64: a typical one-round gain passes far more often at 128 "
+            "(docs/results/settings-measurements.md); a clear gain stops far sooner."
+        ),
+    )
+    alpha: float = Field(
+        default=0.05,
+        gt=0.0,
+        lt=0.5,
+        description=(
+            "The false-promotion rate: the chance that a candidate no better than the live "
+            "version passes. One-sided, because only promotion is guarded: a wrongly rejected "
+            "candidate costs one round, a wrongly promoted one serves every user (and the canary "
+            "is the second check)."
+        ),
+    )
+    temperature: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=2.0,
+        description="0 = greedy: both versions answer each prompt deterministically.",
+    )
+    max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "None: from the served answer lengths of the prompts drawn (as sampling.max_tokens), "
+            "so the pairs are cut where the groups the candidate trained on were."
+        ),
+    )
+    max_failed_share: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "A pair is lost when the judge or vLLM fails on it (the candidate's own failure to "
+            "answer counts as a loss instead). Failures that fall on the prompts a candidate "
+            "would lose would pass it, so a gate with more than this share of its pairs lost does "
+            "not pass."
+        ),
+    )
+    min_lift: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description=(
+            'None: a candidate passes on its win rate alone ("better more often than not"). Set: '
+            "it must also lift the mean per-prompt score by at least this much (the point "
+            "estimate of the lift the gate reports; needs scored pairs: a verifier or a reward "
+            "model), so a promotion carries a gain worth a deploy."
+        ),
+    )
 
     @model_validator(mode="after")
     def _pairs_fit(self) -> GateConfig:
@@ -157,34 +275,74 @@ class CanaryConfig(_Section):
 
     weight: float = Field(default=0.1, ge=0.0, lt=1.0)
     min_requests: int = Field(default=50, ge=1)
-    # A quiet alias's canary takes a larger share, up to max_weight, so that it reaches
-    # min_requests within target_duration_s at the alias's recent request rate
-    # (learner/canary_weight.py): its users meet min_requests candidate answers either way, and
-    # at 10% the embedded stack's ~20 answers a minute took 25 minutes. A max_weight at or below
-    # weight keeps the share fixed.
-    max_weight: float = Field(default=0.5, ge=0.0, lt=1.0)
+    max_weight: float = Field(
+        default=0.5,
+        ge=0.0,
+        lt=1.0,
+        description=(
+            "A quiet alias's canary takes a larger share, up to max_weight, so that it reaches "
+            "min_requests within target_duration_s at the alias's recent request rate "
+            "(learner/canary_weight.py): its users meet min_requests candidate answers either "
+            "way, and a fixed 10% of a quiet alias takes far too long "
+            "(docs/results/settings-measurements.md). A max_weight at or below weight keeps the "
+            "share fixed."
+        ),
+    )
     target_duration_s: float = Field(default=300.0, gt=0)
-    # Roll back when the canary's server error rate exceeds the active arm's by more than this.
-    max_error_rate_increase: float = Field(default=0.02, ge=0.0, le=1.0)
-    # Ratings decide with a sequential test (learner/canary_ratings.py): promote once the
-    # canary's mean rating is significantly no more than this below the active arm's, roll back
-    # once it is significantly more.
-    max_feedback_drop: float = Field(default=0.1, ge=0.0, lt=1.0)
-    # No promotion on ratings before this many rating pairs (one rating from each arm).
-    min_feedback: int = Field(default=10, ge=1)
-    # The chance that ratings promote a canary worse than max_feedback_drop.
-    alpha: float = Field(default=0.05, gt=0.0, lt=0.5)
-    # Rating pairs after which a test that has not shown the canary not worse rolls it back.
-    # Thumbs ratings of two equal arms need about 500 pairs to show a drop below 0.1 (simulated:
-    # 91% pass by 1024, 28% by 256); a clearly better or worse canary is decided in about 50.
-    max_rating_pairs: int = Field(default=1024, ge=1)
-    # Ratings arrive after the answers they rate: once the canary has min_requests, wait up to
-    # this long (from the canary's start) for the ratings' test to decide, then let it look once
-    # at the pairs it has (at least 30: else error rate and the ratings' point estimate decide).
-    # 0 decides at min_requests with what has arrived. At 20 answers a minute, 80% rated
-    # (bench/canary_time.py): 600 s promotes a canary 0.1 better 100% of the time on a rating
-    # scale, 62% on thumbs, one 0.1 worse at most 5%; 300 s let 9-11% of those through.
-    feedback_wait_s: float = Field(default=600.0, ge=0.0)
+    max_error_rate_increase: float = Field(
+        default=0.02,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Roll back when the canary's server error rate exceeds the active arm's by more than "
+            "this."
+        ),
+    )
+    max_feedback_drop: float = Field(
+        default=0.1,
+        ge=0.0,
+        lt=1.0,
+        description=(
+            "Ratings decide with a sequential test (learner/canary_ratings.py): promote once the "
+            "canary's mean rating is significantly no more than this below the active arm's, roll "
+            "back once it is significantly more."
+        ),
+    )
+    min_feedback: int = Field(
+        default=10,
+        ge=1,
+        description=(
+            "No promotion on ratings before this many rating pairs (one rating from each arm)."
+        ),
+    )
+    alpha: float = Field(
+        default=0.05,
+        gt=0.0,
+        lt=0.5,
+        description="The chance that ratings promote a canary worse than max_feedback_drop.",
+    )
+    max_rating_pairs: int = Field(
+        default=1024,
+        ge=1,
+        description=(
+            "Rating pairs after which a test that has not shown the canary not worse rolls it "
+            "back. Thumbs ratings of two equal arms need about 500 pairs to show a drop below "
+            "0.1; a clearly better or worse canary is decided in about 50 "
+            "(docs/results/settings-measurements.md)."
+        ),
+    )
+    feedback_wait_s: float = Field(
+        default=600.0,
+        ge=0.0,
+        description=(
+            "Ratings arrive after the answers they rate: once the canary has min_requests, wait "
+            "up to this long (from the canary's start) for the ratings' test to decide, then let "
+            "it look once at the pairs it has (at least 30: else error rate and the ratings' "
+            "point estimate decide). 0 decides at min_requests with what has arrived. 600 s, not "
+            "300: at 300 too many canaries 0.1 worse got through "
+            "(docs/results/settings-measurements.md)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _rating_pairs_fit(self) -> CanaryConfig:
@@ -200,57 +358,133 @@ class CanaryConfig(_Section):
 class FeedbackConfig(_Section):
     """What users' ratings may do for an alias."""
 
-    # The most of a canary arm's ratings (and of a reward model's training set) one API key's
-    # ratings may be: one client cannot steer what the alias learns or promotes.
-    max_share: float = Field(default=0.2, gt=0.0, le=1.0)
-    # With reward.kind feedback: a reward model is (re)trained once at least this many new
-    # ratings have been joined with the answers they rate ...
-    retrain_every: int = Field(default=64, ge=1)
-    # ... and at least this share of the ratings the live model was trained on: retrains grow
-    # rarer as ratings pile up (a retrain on 1,000 ratings learns little from 64 more, and each
-    # one holds two cores for minutes). 0: every retrain_every ratings.
-    retrain_growth: float = Field(default=0.5, ge=0.0, le=10.0)
-    # A model is used for rewards only while the lower end of its AUC's 95% interval, on ratings
-    # it never trained on, is above this: a few held-out ratings cannot make a model live by
-    # chance (0.80 on 13 ratings was 0.6 on 200 in issue 35's run), a larger set with a smaller
-    # but real signal can.
-    min_auc: float = Field(default=0.55, ge=0.5, lt=1.0)
-    # Share of the rated prompts kept out of training to evaluate the reward model.
-    eval_fraction: float = Field(default=0.25, gt=0.0, lt=1.0)
-    # How long an answer waits for its rating (and a rating for its answer's traffic record).
-    # A note of a few hundred bytes per answer (not its prompt: that is read back from Kafka when
-    # rated) is kept in Redis this long; the proxy keeps who got each answer as long.
-    join_ttl_s: int = Field(default=3600, ge=60)
-    # Joined ratings kept per alias for training; past it, the client with the most loses its
-    # oldest (learner/ratings.py).
-    max_ratings: int = Field(default=20_000, ge=1)
-    # ... and their size in Redis, bytes (a rating keeps at most ~32 K characters of prompt and
-    # answer): size Redis's maxmemory for this per alias that learns from ratings.
-    max_ratings_bytes: int = Field(default=64 * 1024 * 1024, ge=1024 * 1024)
-    # The reward-hacking guard of an alias whose reward learns from ratings: a canary whose rated
-    # answers the reward model overrates (predicted minus the users' mean rating) by more than
-    # this beyond how it overrates the active version's, with 95% confidence, is rolled back and
-    # learning paused: the candidate learned to please the reward model, not the users.
-    max_reward_gap: float = Field(default=0.15, gt=0.0, le=1.0)
-    # Set: the same API key asking the same prompt again within this many seconds rates the
-    # first answer 0 (the user regenerated it). 0: off. Needs API keys: without auth nobody is
-    # "the same user".
-    regenerate_window_s: int = Field(default=0, ge=0)
-    # kind ruler or mixed: the judge also scores each rated served answer among re-samples of
-    # its prompt, to measure how far the judge agrees with the users (judge/agreement.py).
-    judge_agreement: bool = True
-    # The agreement is measured over this many most recent rated answers ...
-    agreement_window: int = Field(default=500, ge=10)
-    # ... and alerts (RatchetJudgeDisagreesWithUsers) when its pairwise accuracy is below this
-    # once agreement_min_pairs rated answers are in the window. 0.5 is a coin.
-    min_agreement: float = Field(default=0.6, ge=0.0, le=1.0)
+    max_share: float = Field(
+        default=0.2,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "The most of a canary arm's ratings (and of a reward model's training set) one API "
+            "key's ratings may be: one client cannot steer what the alias learns or promotes."
+        ),
+    )
+    retrain_every: int = Field(
+        default=64,
+        ge=1,
+        description=(
+            "With reward.kind feedback: a reward model is (re)trained once at least this many new "
+            "ratings have been joined with the answers they rate ..."
+        ),
+    )
+    retrain_growth: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=10.0,
+        description=(
+            "... and at least this share of the ratings the live model was trained on: retrains "
+            "grow rarer as ratings pile up (a retrain on 1,000 ratings learns little from 64 "
+            "more, and each one holds two cores for minutes). 0: every retrain_every ratings."
+        ),
+    )
+    min_auc: float = Field(
+        default=0.55,
+        ge=0.5,
+        lt=1.0,
+        description=(
+            "A model is used for rewards only while the lower end of its AUC's 95% interval, on "
+            "ratings it never trained on, is above this: a few held-out ratings cannot make a "
+            "model live by chance (0.80 on 13 ratings was 0.6 on 200 in issue 35's run), a larger "
+            "set with a smaller but real signal can."
+        ),
+    )
+    eval_fraction: float = Field(
+        default=0.25,
+        gt=0.0,
+        lt=1.0,
+        description="Share of the rated prompts kept out of training to evaluate the reward model.",
+    )
+    join_ttl_s: int = Field(
+        default=3600,
+        ge=60,
+        description=(
+            "How long an answer waits for its rating (and a rating for its answer's traffic "
+            "record). A note of a few hundred bytes per answer (not its prompt: that is read back "
+            "from Kafka when rated) is kept in Redis this long; the proxy keeps who got each "
+            "answer as long."
+        ),
+    )
+    max_ratings: int = Field(
+        default=20_000,
+        ge=1,
+        description=(
+            "Joined ratings kept per alias for training; past it, the client with the most loses "
+            "its oldest (learner/ratings.py)."
+        ),
+    )
+    max_ratings_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1024 * 1024,
+        description=(
+            "... and their size in Redis, bytes (a rating keeps at most ~32 K characters of "
+            "prompt and answer): size Redis's maxmemory for this per alias that learns from "
+            "ratings."
+        ),
+    )
+    max_reward_gap: float = Field(
+        default=0.15,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "The reward-hacking guard of an alias whose reward learns from ratings: a canary "
+            "whose rated answers the reward model overrates (predicted minus the users' mean "
+            "rating) by more than this beyond how it overrates the active version's, with 95% "
+            "confidence, is rolled back and learning paused: the candidate learned to please the "
+            "reward model, not the users."
+        ),
+    )
+    regenerate_window_s: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Set: the same API key asking the same prompt again within this many seconds rates "
+            "the first answer 0 (the user regenerated it). 0: off. Needs API keys: without auth "
+            'nobody is "the same user".'
+        ),
+    )
+    judge_agreement: bool = Field(
+        default=True,
+        description=(
+            "kind ruler or mixed: the judge also scores each rated served answer among re-samples "
+            "of its prompt, to measure how far the judge agrees with the users "
+            "(judge/agreement.py)."
+        ),
+    )
+    agreement_window: int = Field(
+        default=500,
+        ge=10,
+        description="The agreement is measured over this many most recent rated answers ...",
+    )
+    min_agreement: float = Field(
+        default=0.6,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "... and alerts (RatchetJudgeDisagreesWithUsers) when its pairwise accuracy is below "
+            "this once agreement_min_pairs rated answers are in the window. 0.5 is a coin."
+        ),
+    )
     agreement_min_pairs: int = Field(default=50, ge=2)
 
 
 class AliasConfig(_Section):
     base_model: str = DEFAULT_BASE_MODEL
-    # Share of this alias's exchanges written to ratchet.traffic (1.0 = all of them).
-    log_rate: float = Field(default=1.0, ge=0.0, le=1.0)
+    log_rate: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Share of this alias's exchanges written to ratchet.traffic (1.0 = all of them)."
+        ),
+    )
     reward: RewardConfig = RewardConfig()
     learning: LearningConfig = LearningConfig()
     sampling: SamplingConfig = SamplingConfig()

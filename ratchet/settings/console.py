@@ -19,23 +19,44 @@ class ConsoleSettings(_Section):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8404, ge=1, le=65535)
-    # How often an open page asks for fresh data (seconds).
-    refresh_s: float = Field(default=1.0, gt=0.0, le=60.0)
-    # Where the health panel asks the proxy (its /healthz, and its /metrics for Kafka). None:
-    # proxy.host and proxy.port, which is right when both run on one machine.
-    proxy_url: str | None = None
-    # Where the overview reads the proxy's and the judge's counters (/metrics), every address
-    # the name resolves to (on Kubernetes, a headless Service: every replica). None: proxy_url,
-    # and judge.metrics_host and judge.metrics_port.
-    proxy_metrics_url: str | None = None
+    refresh_s: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=60.0,
+        description="How often an open page asks for fresh data (seconds).",
+    )
+    proxy_url: str | None = Field(
+        default=None,
+        description=(
+            "Where the health panel asks the proxy (its /healthz, and its /metrics for Kafka). "
+            "None: proxy.host and proxy.port, which is right when both run on one machine."
+        ),
+    )
+    proxy_metrics_url: str | None = Field(
+        default=None,
+        description=(
+            "Where the overview reads the proxy's and the judge's counters (/metrics), every "
+            "address the name resolves to (on Kubernetes, a headless Service: every replica). "
+            "None: proxy_url, and judge.metrics_host and judge.metrics_port."
+        ),
+    )
     judge_metrics_url: str | None = None
-    # The names browsers reach the console by (its Host header), besides loopback names, which
-    # are always allowed: any other Host is refused with 400, so a page whose name rebinds to
-    # the console's address (DNS rebinding) reads nothing. Host names or IP addresses, no port;
-    # "*.example.com" allows subdomains; "*" allows any. Off loopback, empty: any, with a warning.
-    allowed_hosts: list[str] = Field(default=[])
-    # How long a login lasts (seconds); logout ends it at once.
-    session_ttl_s: int = Field(default=12 * 3600, ge=60, le=30 * 24 * 3600)
+    allowed_hosts: list[str] = Field(
+        default=[],
+        description=(
+            "The names browsers reach the console by (its Host header), besides loopback names, "
+            "which are always allowed: any other Host is refused with 400, so a page whose name "
+            "rebinds to the console's address (DNS rebinding) reads nothing. Host names or IP "
+            'addresses, no port; "*.example.com" allows subdomains; "*" allows any. Off loopback, '
+            "empty: any, with a warning."
+        ),
+    )
+    session_ttl_s: int = Field(
+        default=12 * 3600,
+        ge=60,
+        le=30 * 24 * 3600,
+        description="How long a login lasts (seconds); logout ends it at once.",
+    )
 
     @field_validator("allowed_hosts")
     @classmethod

@@ -24,14 +24,27 @@ class KafkaSettings(_Section):
     topic_partitions: int = Field(default=3, ge=1)
     topic_replication: int = Field(default=1, ge=1)
     topic_retention_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=60_000)
-    # gzip needs no native library, so it works on every machine the proxy runs on.
-    compression: Literal["gzip", "snappy", "lz4", "zstd", "none"] = "gzip"
-    # Idempotent producing needs broker support (InitProducerId); "auto" probes for it.
-    idempotence: Literal["auto", "on", "off"] = "auto"
-    # How long a consumer group member may go silent before the broker drops it (heartbeats
-    # every third of it). A restarted judge or learner waits about this long for its group;
-    # kafka-python's 10 s made each join wait 20 s or more on Tansu.
-    session_timeout_ms: int = Field(default=6000, ge=3000, le=300_000)
+    compression: Literal["gzip", "snappy", "lz4", "zstd", "none"] = Field(
+        default="gzip",
+        description="gzip needs no native library, so it works on every machine the proxy runs on.",
+    )
+    idempotence: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description=(
+            'Idempotent producing needs broker support (InitProducerId); "auto" probes for it.'
+        ),
+    )
+    session_timeout_ms: int = Field(
+        default=6000,
+        ge=3000,
+        le=300_000,
+        description=(
+            "How long a consumer group member may go silent before the broker drops it "
+            "(heartbeats every third of it). A restarted judge or learner waits about this long "
+            "for its group, so it is below kafka-python's 10 s "
+            "(docs/results/settings-measurements.md)."
+        ),
+    )
 
     def client_options(self) -> dict[str, Any]:
         """Connection options shared by kafka-python producers, consumers and admin clients."""

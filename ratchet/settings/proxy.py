@@ -23,23 +23,50 @@ class RateLimitSettings(_Section):
     one gets 429 and retry-after. All off by default: a sensible number depends on the model and
     the hardware, and without keys every client would share one bucket (a global limit)."""
 
-    # Requests a key may start per minute, refilled continuously (a token bucket)...
-    requests_per_minute: int | None = Field(default=None, ge=1, le=1_000_000)
-    # ...and at most this many at once; unset, a full minute's worth.
-    burst: int | None = Field(default=None, ge=1, le=1_000_000)
-    # Prompt + completion tokens, refilled continuously: a request reserves its prompt (estimated)
-    # plus n x max_tokens at admission, refused when that much is not left, and is settled to
-    # what it used after the answer (proxy/buckets.py: also a stream cut short, a 504, ...).
-    tokens_per_minute: int | None = Field(default=None, ge=1, le=10**10)
+    requests_per_minute: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description=(
+            "Requests a key may start per minute, refilled continuously (a token bucket)..."
+        ),
+    )
+    burst: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="...and at most this many at once; unset, a full minute's worth.",
+    )
+    tokens_per_minute: int | None = Field(
+        default=None,
+        ge=1,
+        le=10**10,
+        description=(
+            "Prompt + completion tokens, refilled continuously: a request reserves its prompt "
+            "(estimated) plus n x max_tokens at admission, refused when that much is not left, "
+            "and is settled to what it used after the answer (proxy/buckets.py: also a stream cut "
+            "short, a 504, ...)."
+        ),
+    )
     tokens_per_day: int | None = Field(default=None, ge=1, le=10**12)
-    # The longest a request waits for Redis to check it; past that it is checked as below.
-    timeout_s: float = Field(default=0.05, gt=0, le=5.0)
-    # While Redis cannot check a request (slow past timeout_s, down, or full), request rates are
-    # checked by each replica on its own, in process; token budgets too with "local", while
-    # "closed" refuses the requests they would check with 503 and retry-after: a replica's own
-    # bucket starts from what Redis last said, so a long outage with many replicas could spend a
-    # day's budget several times over.
-    budgets_without_redis: Literal["closed", "local"] = "closed"
+    timeout_s: float = Field(
+        default=0.05,
+        gt=0,
+        le=5.0,
+        description=(
+            "The longest a request waits for Redis to check it; past that it is checked as below."
+        ),
+    )
+    budgets_without_redis: Literal["closed", "local"] = Field(
+        default="closed",
+        description=(
+            "While Redis cannot check a request (slow past timeout_s, down, or full), request "
+            "rates are checked by each replica on its own, in process; token budgets too with "
+            '"local", while "closed" refuses the requests they would check with 503 and '
+            "retry-after: a replica's own bucket starts from what Redis last said, so a long "
+            "outage with many replicas could spend a day's budget several times over."
+        ),
+    )
 
     @model_validator(mode="after")
     def _burst_needs_a_rate(self) -> RateLimitSettings:
@@ -54,91 +81,234 @@ class RateLimitSettings(_Section):
 class ProxySettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8400, ge=1, le=65535)
-    # Client keys. Empty means no auth, which is only allowed on a loopback address.
-    api_keys: list[SecretStr] = Field(default=[])
+    api_keys: list[SecretStr] = Field(
+        default=[],
+        description=(
+            "Client keys. Empty means no auth, which is only allowed on a loopback address."
+        ),
+    )
     admin_key: SecretStr | None = None
-    # Keys of apps that tell their end users apart with the request's `user` field (and
-    # /v1/feedback's): for these the per-client caps (learning.max_key_share, the canary's and the
-    # reward model's per-client ratings) count each (key, user) as a client. Only list a key whose
-    # app sets `user` itself, never one handed to end users: they could then be anyone they like.
-    user_vouching_keys: list[SecretStr] = Field(default=[])
+    user_vouching_keys: list[SecretStr] = Field(
+        default=[],
+        description=(
+            "Keys of apps that tell their end users apart with the request's `user` field (and "
+            "/v1/feedback's): for these the per-client caps (learning.max_key_share, the canary's "
+            "and the reward model's per-client ratings) count each (key, user) as a client. Only "
+            "list a key whose app sets `user` itself, never one handed to end users: they could "
+            "then be anyone they like."
+        ),
+    )
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     upstream_connect_timeout_s: float = Field(default=2.0, gt=0)
     upstream_timeout_s: float = Field(default=300.0, gt=0)
-    # Records accepted and not yet sent or spooled by the log worker process; past it, dropped.
-    log_queue_size: int = Field(default=10_000, ge=1)
-    # Regexes applied to every string of a record (request, its keys, `user`, error, answers)
-    # before it is produced; matches become [REDACTED]. RE2 syntax (linear time): no
-    # backreferences or lookaround, and \w, \d, \b are ASCII only (\p{L} is a letter of any script).
-    redact_patterns: list[str] = Field(default=[])
-    # Redaction time per record; past it, the strings not yet redacted are replaced whole, the
-    # record marked cut (no one learns from it) and counted. RE2 needs ~30 ms for 1 MiB.
-    redact_budget_s: float = Field(default=0.5, gt=0, le=60)
-    # A log worker that holds frames and confirms none for this long is killed and replaced; the
-    # frame it was handling is dropped (reason worker_stuck). A healthy one confirms every 0.2 s.
-    log_worker_stuck_s: float = Field(default=30.0, ge=1, le=3600)
-    # A full re-read of the routing table, on top of the pub/sub push.
-    registry_refresh_s: float = Field(default=5.0, gt=0)
+    log_queue_size: int = Field(
+        default=10_000,
+        ge=1,
+        description=(
+            "Records accepted and not yet sent or spooled by the log worker process; past it, "
+            "dropped."
+        ),
+    )
+    redact_patterns: list[str] = Field(
+        default=[],
+        description=(
+            "Regexes applied to every string of a record (request, its keys, `user`, error, "
+            "answers) before it is produced; matches become [REDACTED]. RE2 syntax (linear time): "
+            "no backreferences or lookaround, and \\w, \\d, \\b are ASCII only (\\p{L} is a "
+            "letter of "
+            "any script)."
+        ),
+    )
+    redact_budget_s: float = Field(
+        default=0.5,
+        gt=0,
+        le=60,
+        description=(
+            "Redaction time per record; past it, the strings not yet redacted are replaced whole, "
+            "the record marked cut (no one learns from it) and counted. RE2 needs ~30 ms for 1 "
+            "MiB."
+        ),
+    )
+    log_worker_stuck_s: float = Field(
+        default=30.0,
+        ge=1,
+        le=3600,
+        description=(
+            "A log worker that holds frames and confirms none for this long is killed and "
+            "replaced; the frame it was handling is dropped (reason worker_stuck). A healthy one "
+            "confirms every 0.2 s."
+        ),
+    )
+    registry_refresh_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="A full re-read of the routing table, on top of the pub/sub push.",
+    )
     upstream_health_interval_s: float = Field(default=2.0, gt=0)
-    # How a request's vLLM replica is chosen (vllm_endpoints): "affinity", by its served name
-    # with bounded loads and, once its version spreads, by its conversation (ratchet/fleet.py);
-    # "version", by served name alone; "round_robin", each in turn (the last two are
-    # bench/fleet_routing.py's peers; round-robin also suits a fleet that serves no adapters).
-    balance: Literal["affinity", "version", "round_robin"] = "affinity"
-    # Tell clients their canary arm (x-ratchet-canary-arm) and, while a canary runs, the version
-    # that answered. Off: a client that knew its arm could rate only that arm's answers.
-    expose_arm: bool = False
+    balance: Literal["affinity", "version", "round_robin"] = Field(
+        default="affinity",
+        description=(
+            'How a request\'s vLLM replica is chosen (vllm_endpoints): "affinity", by its served '
+            "name with bounded loads and, once its version spreads, by its conversation "
+            '(ratchet/fleet.py); "version", by served name alone; "round_robin", each in turn '
+            "(the last two are bench/fleet_routing.py's peers; round-robin also suits a fleet "
+            "that serves no adapters)."
+        ),
+    )
+    expose_arm: bool = Field(
+        default=False,
+        description=(
+            "Tell clients their canary arm (x-ratchet-canary-arm) and, while a canary runs, the "
+            "version that answered. Off: a client that knew its arm could rate only that arm's "
+            "answers."
+        ),
+    )
     # Per-key request rates and token budgets, shared by all replicas (proxy/ratelimit.py).
     rate_limit: RateLimitSettings = RateLimitSettings()
-    # /metrics names aliases, versions, canary arms and traffic volumes: on, it needs the admin
-    # key. Unset: on unless host is loopback (off loopback without an admin key, nobody reads it).
-    metrics_auth: bool | None = None
-    # Limits on one request, each refused with a 4xx that names it (proxy/validation.py).
-    # Nesting of the JSON body; deeper would cost recursion everywhere the body is walked, and
-    # orjson writes at most 254 levels.
-    max_json_depth: int = Field(default=64, ge=2, le=128)
-    # Values in all the body's objects and arrays together: what bounds its parsed size (each
-    # small value costs 30-100 bytes). Unknown fields pass through (vLLM and OpenAI clients send
-    # vendor fields), so this, not a field list, is the bound. Raise it only to send prompts of
-    # more token ids than this.
-    max_json_items: int = Field(default=262_144, ge=1024, le=1 << 24)
-    # Chat messages per request; each one costs a walk and a line in the record.
-    max_messages: int = Field(default=1024, ge=1, le=100_000)
-    # Choices per request: each one is a whole generation on vLLM.
-    max_n: int = Field(default=16, ge=1, le=128)
-    # max_tokens / max_completion_tokens; unset, the model's context (vLLM's max_model_len).
-    max_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
-    # n x prompts (a /v1/completions prompt list multiplies the work; chat has one prompt).
-    max_choices: int = Field(default=64, ge=1, le=4096)
-    # A non-streamed answer is held whole in memory and copied to the log: past this, refused;
-    # a stream's log copy past this is dropped (the exchange is counted, not logged).
-    max_answer_bytes: int = Field(default=16 * 1024 * 1024, ge=65536, le=1 << 30)
-    # The largest record the log worker produces. A bigger one (a long request, or an answer
-    # with n, top_logprobs or prompt_logprobs) is stored cut down and marked `truncated`,
-    # never dropped and never blocking others. Keep it below the broker's message.max.bytes
-    # (Kafka's default is 1 MiB); the producer's request limit is set 64 KiB above it.
-    max_record_bytes: int = Field(default=900 * 1024, ge=64 * 1024, le=64 * 1024 * 1024)
-    # The disk spool's bound while Kafka is away: past it, newer records are dropped and counted
-    # (reason spool_full) and the oldest kept, so an outage never fills the volume.
-    spool_max_bytes: int = Field(default=1024 * 1024 * 1024, ge=1 << 20, le=1 << 40)
-    # Bytes waiting for the log worker (on top of log_queue_size records): the pipe's memory.
-    log_queue_bytes: int = Field(default=128 * 1024 * 1024, ge=1 << 20, le=1 << 34)
-    # Slow clients (proxy/connection.py): the request line and headers must arrive within
-    # header_timeout_s of the connection or their first read, the body within body_timeout_s of
-    # the headers; a client that reads none of its answer for body_timeout_s is dropped.
-    header_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    metrics_auth: bool | None = Field(
+        default=None,
+        description=(
+            "/metrics names aliases, versions, canary arms and traffic volumes: on, it needs the "
+            "admin key. Unset: on unless host is loopback (off loopback without an admin key, "
+            "nobody reads it)."
+        ),
+    )
+    max_json_depth: int = Field(
+        default=64,
+        ge=2,
+        le=128,
+        description=(
+            "Limits on one request, each refused with a 4xx that names it (proxy/validation.py). "
+            "Nesting of the JSON body; deeper would cost recursion everywhere the body is walked, "
+            "and orjson writes at most 254 levels."
+        ),
+    )
+    max_json_items: int = Field(
+        default=262_144,
+        ge=1024,
+        le=1 << 24,
+        description=(
+            "Values in all the body's objects and arrays together: what bounds its parsed size "
+            "(each small value costs 30-100 bytes). Unknown fields pass through (vLLM and OpenAI "
+            "clients send vendor fields), so this, not a field list, is the bound. Raise it only "
+            "to send prompts of more token ids than this."
+        ),
+    )
+    max_messages: int = Field(
+        default=1024,
+        ge=1,
+        le=100_000,
+        description="Chat messages per request; each one costs a walk and a line in the record.",
+    )
+    max_n: int = Field(
+        default=16,
+        ge=1,
+        le=128,
+        description="Choices per request: each one is a whole generation on vLLM.",
+    )
+    max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000_000,
+        description=(
+            "max_tokens / max_completion_tokens; unset, the model's context (vLLM's max_model_len)."
+        ),
+    )
+    max_choices: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description=(
+            "n x prompts (a /v1/completions prompt list multiplies the work; chat has one prompt)."
+        ),
+    )
+    max_answer_bytes: int = Field(
+        default=16 * 1024 * 1024,
+        ge=65536,
+        le=1 << 30,
+        description=(
+            "A non-streamed answer is held whole in memory and copied to the log: past this, "
+            "refused; a stream's log copy past this is dropped (the exchange is counted, not "
+            "logged)."
+        ),
+    )
+    max_record_bytes: int = Field(
+        default=900 * 1024,
+        ge=64 * 1024,
+        le=64 * 1024 * 1024,
+        description=(
+            "The largest record the log worker produces. A bigger one (a long request, or an "
+            "answer with n, top_logprobs or prompt_logprobs) is stored cut down and marked "
+            "`truncated`, never dropped and never blocking others. Keep it below the broker's "
+            "message.max.bytes (Kafka's default is 1 MiB); the producer's request limit is set 64 "
+            "KiB above it."
+        ),
+    )
+    spool_max_bytes: int = Field(
+        default=1024 * 1024 * 1024,
+        ge=1 << 20,
+        le=1 << 40,
+        description=(
+            "The disk spool's bound while Kafka is away: past it, newer records are dropped and "
+            "counted (reason spool_full) and the oldest kept, so an outage never fills the "
+            "volume."
+        ),
+    )
+    log_queue_bytes: int = Field(
+        default=128 * 1024 * 1024,
+        ge=1 << 20,
+        le=1 << 34,
+        description=(
+            "Bytes waiting for the log worker (on top of log_queue_size records): the pipe's "
+            "memory."
+        ),
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description=(
+            "Slow clients (proxy/connection.py): the request line and headers must arrive within "
+            "header_timeout_s of the connection or their first read, the body within "
+            "body_timeout_s of the headers; a client that reads none of its answer for "
+            "body_timeout_s is dropped."
+        ),
+    )
     body_timeout_s: float = Field(default=30.0, gt=0, le=3600)
-    # An idle keep-alive connection is closed after this; behind a load balancer, keep it above
-    # the balancer's own idle timeout.
-    keepalive_timeout_s: float = Field(default=5.0, gt=0, le=3600)
-    # Request line + headers; llhttp itself has no limit.
-    max_header_bytes: int = Field(default=32 * 1024, ge=1024, le=1 << 20)
-    # At this many open connections (or requests in progress), a new request gets 503.
-    max_concurrency: int = Field(default=1024, ge=1, le=1_000_000)
-    # Responses API (POST /v1/responses, store: true, OpenAI's default): how long a response
-    # is kept in Redis for GET /v1/responses/{id} and previous_response_id (0: none is), and the
-    # largest kept, with its conversation. Redis holds at most responses/s x TTL x this.
-    responses_store_ttl_s: int = Field(default=3600, ge=0, le=30 * 86400)
+    keepalive_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description=(
+            "An idle keep-alive connection is closed after this; behind a load balancer, keep it "
+            "above the balancer's own idle timeout."
+        ),
+    )
+    max_header_bytes: int = Field(
+        default=32 * 1024,
+        ge=1024,
+        le=1 << 20,
+        description="Request line + headers; llhttp itself has no limit.",
+    )
+    max_concurrency: int = Field(
+        default=1024,
+        ge=1,
+        le=1_000_000,
+        description=(
+            "At this many open connections (or requests in progress), a new request gets 503."
+        ),
+    )
+    responses_store_ttl_s: int = Field(
+        default=3600,
+        ge=0,
+        le=30 * 86400,
+        description=(
+            "Responses API (POST /v1/responses, store: true, OpenAI's default): how long a "
+            "response is kept in Redis for GET /v1/responses/{id} and previous_response_id (0: "
+            "none is), and the largest kept, with its conversation. Redis holds at most "
+            "responses/s x TTL x this."
+        ),
+    )
     responses_store_max_bytes: int = Field(default=256 * 1024, ge=1024, le=64 * 1024 * 1024)
 
     @field_validator("api_keys")

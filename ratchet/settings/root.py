@@ -53,26 +53,51 @@ class RatchetSettings(BaseSettings):
     )
 
     kafka_bootstrap_servers: str = "127.0.0.1:9092"
-    # Left at this default it names the embedded stack's Redis, which requires a password derived
-    # from the secret (ratchet.secrets.redis_connection_url); a URL you set is used as given.
-    redis_url: str = DEFAULT_REDIS_URL
-    # Redis's password (with a username in redis_url, that user's), kept out of the URL so it
-    # can come from a secret file or RATCHET_REDIS_PASSWORD; it replaces one in redis_url.
-    redis_password: SecretStr | None = None
+    redis_url: str = Field(
+        default=DEFAULT_REDIS_URL,
+        description=(
+            "Left at this default it names the embedded stack's Redis, which requires a password "
+            "derived from the secret (ratchet.secrets.redis_connection_url); a URL you set is "
+            "used as given."
+        ),
+    )
+    redis_password: SecretStr | None = Field(
+        default=None,
+        description=(
+            "Redis's password (with a username in redis_url, that user's), kept out of the URL so "
+            "it can come from a secret file or RATCHET_REDIS_PASSWORD; it replaces one in "
+            "redis_url."
+        ),
+    )
     vllm_url: str = "http://127.0.0.1:8401"
-    # vLLM replicas the proxy balances across, request by request (ratchet/fleet.py: a served
-    # name sticks to the replicas that hold its adapter, and spreads when it is hot; a replica
-    # that fails its health check is left out until it passes). Empty: vllm_url alone.
-    vllm_endpoints: list[str] = []
-    # Keys API-key hashes, the held-out split and canary stickiness (ratchet/secrets.py). Every
-    # replica of every service must share it; unset, the services of one machine share a random
-    # one kept in state_dir.
-    secret: SecretStr | None = None
-    # What vLLM requires as its --api-key; unset, derived from the secret.
-    vllm_api_key: SecretStr | None = None
+    vllm_endpoints: list[str] = Field(
+        default=[],
+        description=(
+            "vLLM replicas the proxy balances across, request by request (ratchet/fleet.py: a "
+            "served name sticks to the replicas that hold its adapter, and spreads when it is "
+            "hot; a replica that fails its health check is left out until it passes). Empty: "
+            "vllm_url alone."
+        ),
+    )
+    secret: SecretStr | None = Field(
+        default=None,
+        description=(
+            "Keys API-key hashes, the held-out split and canary stickiness (ratchet/secrets.py). "
+            "Every replica of every service must share it; unset, the services of one machine "
+            "share a random one kept in state_dir."
+        ),
+    )
+    vllm_api_key: SecretStr | None = Field(
+        default=None,
+        description="What vLLM requires as its --api-key; unset, derived from the secret.",
+    )
     home: Path = Field(default_factory=default_home)
-    # Defaults derive from `home` (see _derive_paths) so one variable moves everything.
-    store_dir: Path | None = None
+    store_dir: Path | None = Field(
+        default=None,
+        description=(
+            "Defaults derive from `home` (see _derive_paths) so one variable moves everything."
+        ),
+    )
     state_dir: Path | None = None
     kafka: KafkaSettings = KafkaSettings()
     proxy: ProxySettings = ProxySettings()
