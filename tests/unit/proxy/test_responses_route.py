@@ -1,6 +1,7 @@
 """``POST /v1/responses`` and ``/v1/chat/completions`` through the real app: a request refused
 before it is routed, for a reason of the client's or by an error of ours, answers in the one error
-envelope and is still charged to its key's rate (proxy/generation.py ``refused``)."""
+envelope and is still charged to its key's rate (proxy/generation.py ``refused``); and the
+Responses routes' other refusals: a bad ``previous_response_id``, vLLM's own refusal, no key."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
 
 import proxy.generation
 import proxy.responses_route
 from embedded.processes import free_port as closed_port
 from proxy.app import create_app
 from ratchet.settings import RatchetSettings
+from tests.unit.proxy.conftest import ProxyFactory
 
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
 
@@ -87,3 +90,43 @@ async def test_an_unexpected_error_before_routing_is_a_500_and_still_charged(
     completions = await client.post("/v1/chat/completions", json=chat)
     assert error_of(completions, 500)["code"] == "internal_error"
     assert charged == [None, None]
+
+
+@pytest.mark.parametrize("previous", [5, "", "resp_" + "x" * 300])
+async def test_a_previous_response_id_that_cannot_be_one_of_ours_is_a_400(
+    client: httpx.AsyncClient, charged: list[str | None], previous: Any
+) -> None:
+    body = {"model": "support", "input": "hi", "previous_response_id": previous}
+    error = error_of(await client.post("/v1/responses", json=body), 400)
+    assert error["param"] == "previous_response_id"
+    assert charged == [None]
+
+
+async def test_vllm_refusing_a_response_request_is_its_refusal_in_the_envelope(
+    upstream: dict[str, Any], proxy_with: ProxyFactory
+) -> None:
+    """Not streamed: vLLM's 400 (a prompt past the context, say) reaches the client as a 400
+    naming vLLM's parameter, not a 500 and not a Responses object."""
+
+    async def refuse(_: web.Request) -> web.Response:
+        error = {"message": "too many tokens", "type": "BadRequestError", "param": "messages"}
+        return web.json_response({"error": error}, status=400)
+
+    upstream["handler"] = refuse
+    async with proxy_with() as (http, _):
+        answer = await http.post("/v1/responses", json={"model": "support", "input": "hi"})
+    error = error_of(answer, 400)
+    assert (error["code"], error["param"]) == ("upstream_rejected", "messages")
+
+
+async def test_with_keys_required_the_responses_routes_ask_for_one(
+    proxy_with: ProxyFactory,
+) -> None:
+    async with proxy_with(api_keys=["sk-unit-0123456789"]) as (http, _):
+        answers = [
+            await http.post("/v1/responses", json={"model": "support", "input": "hi"}),
+            await http.get("/v1/responses/resp_1"),
+            await http.delete("/v1/responses/resp_1"),
+        ]
+    for answer in answers:
+        assert error_of(answer, 401)["code"] == "invalid_api_key"
