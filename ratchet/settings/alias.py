@@ -25,12 +25,23 @@ class RewardConfig(_Section):
             "(ratchet/rewards/reward_model.py)."
         ),
     )
-    rubric: str = DEFAULT_RUBRIC
-    judge_model: str = f"hosted_vllm/{DEFAULT_BASE_MODEL}"
+    rubric: str = Field(
+        default=DEFAULT_RUBRIC,
+        description="What a good answer is, for the RULER judge.",
+    )
+    judge_model: str = Field(
+        default=f"hosted_vllm/{DEFAULT_BASE_MODEL}",
+        description="The judge model, as a litellm model id.",
+    )
     verifier: str | None = Field(
         default=None, description='"package.module:function" returning a float in [0, 1]'
     )
-    ruler_weight: float = Field(default=0.5, ge=0.0, le=1.0)
+    ruler_weight: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=1.0,
+        description="kind mixed: the share of RULER in the reward; the verifier gives the rest.",
+    )
     feedback_weight: float = Field(
         default=0.0,
         ge=0.0,
@@ -66,7 +77,10 @@ class RewardConfig(_Section):
 
 
 class LearningConfig(_Section):
-    enabled: bool = True
+    enabled: bool = Field(
+        default=True,
+        description="Whether the alias learns; off, it is served and logged only.",
+    )
     sample_rate: float = Field(
         default=1.0,
         ge=0.0,
@@ -152,7 +166,12 @@ class SamplingConfig(_Section):
             "(docs/results/settings-measurements.md)."
         ),
     )
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_p: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling of the groups.",
+    )
     max_tokens: int | None = Field(
         default=None,
         ge=1,
@@ -273,8 +292,17 @@ class GateConfig(_Section):
 class CanaryConfig(_Section):
     """A promoted candidate first takes ``weight`` of live traffic; 0 promotes at once."""
 
-    weight: float = Field(default=0.1, ge=0.0, lt=1.0)
-    min_requests: int = Field(default=50, ge=1)
+    weight: float = Field(
+        default=0.1,
+        ge=0.0,
+        lt=1.0,
+        description="Share of live traffic a promoted candidate first takes; 0 promotes at once.",
+    )
+    min_requests: int = Field(
+        default=50,
+        ge=1,
+        description="Candidate answers a canary serves before it can be promoted.",
+    )
     max_weight: float = Field(
         default=0.5,
         ge=0.0,
@@ -288,7 +316,14 @@ class CanaryConfig(_Section):
             "share fixed."
         ),
     )
-    target_duration_s: float = Field(default=300.0, gt=0)
+    target_duration_s: float = Field(
+        default=300.0,
+        gt=0,
+        description=(
+            "How long a canary should take to reach min_requests at the alias's recent "
+            "request rate."
+        ),
+    )
     max_error_rate_increase: float = Field(
         default=0.02,
         ge=0.0,
@@ -472,11 +507,18 @@ class FeedbackConfig(_Section):
             "this once agreement_min_pairs rated answers are in the window. 0.5 is a coin."
         ),
     )
-    agreement_min_pairs: int = Field(default=50, ge=2)
+    agreement_min_pairs: int = Field(
+        default=50,
+        ge=2,
+        description="Rated answers in the window before the judge's agreement can alert.",
+    )
 
 
 class AliasConfig(_Section):
-    base_model: str = DEFAULT_BASE_MODEL
+    base_model: str = Field(
+        default=DEFAULT_BASE_MODEL,
+        description="Served name of the base model in vLLM that this alias starts from.",
+    )
     log_rate: float = Field(
         default=1.0,
         ge=0.0,

@@ -17,8 +17,16 @@ from ratchet.settings.base import (
 class ConsoleSettings(_Section):
     """`ratchet console`: the web console (console/). Its admin actions take proxy.admin_key."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8404, ge=1, le=65535)
+    host: str = Field(
+        default="127.0.0.1",
+        description="Address the console listens on; other than loopback it needs proxy.admin_key.",
+    )
+    port: int = Field(
+        default=8404,
+        ge=1,
+        le=65535,
+        description="Port the console listens on.",
+    )
     refresh_s: float = Field(
         default=1.0,
         gt=0.0,
@@ -40,7 +48,13 @@ class ConsoleSettings(_Section):
             "None: proxy_url, and judge.metrics_host and judge.metrics_port."
         ),
     )
-    judge_metrics_url: str | None = None
+    judge_metrics_url: str | None = Field(
+        default=None,
+        description=(
+            "Where the overview reads the judge's counters (/metrics); unset: "
+            "judge.metrics_host and judge.metrics_port."
+        ),
+    )
     allowed_hosts: list[str] = Field(
         default=[],
         description=(

@@ -13,9 +13,20 @@ from ratchet.settings.base import (
 
 
 class JudgeSettings(_Section):
-    consumer_group: str = "ratchet-judge"
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = Field(default=8402, ge=1, le=65535)
+    consumer_group: str = Field(
+        default="ratchet-judge",
+        description="Kafka consumer group of the judge replicas.",
+    )
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="Address of the judge's /metrics.",
+    )
+    metrics_port: int = Field(
+        default=8402,
+        ge=1,
+        le=65535,
+        description="Port of the judge's /metrics.",
+    )
     concurrency: int = Field(
         default=4,
         ge=1,
@@ -27,19 +38,46 @@ class JudgeSettings(_Section):
             "there."
         ),
     )
-    poll_records: int = Field(default=16, ge=1)
+    poll_records: int = Field(
+        default=16,
+        ge=1,
+        description="Traffic records read from Kafka per poll.",
+    )
     judge_api_base: str | None = Field(
         default=None,
         description=(
             "Where litellm reaches the judge model; empty means the embedded vLLM (vllm_url + /v1)."
         ),
     )
-    judge_api_key: SecretStr | None = None
-    judge_timeout_s: float = Field(default=60.0, gt=0)
-    judge_retries: int = Field(default=3, ge=0)
-    judge_max_tokens: int = Field(default=1024, ge=16)
-    cache_ttl_s: int = Field(default=7 * 24 * 3600, ge=1)
-    sample_timeout_s: float = Field(default=300.0, gt=0)
+    judge_api_key: SecretStr | None = Field(
+        default=None,
+        description="API key of the judge model's provider (better from a secret file).",
+    )
+    judge_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="How long one call to the judge model may take.",
+    )
+    judge_retries: int = Field(
+        default=3,
+        ge=0,
+        description="Retries of a failed call to the judge model.",
+    )
+    judge_max_tokens: int = Field(
+        default=1024,
+        ge=16,
+        description="Most tokens the judge model may answer with.",
+    )
+    cache_ttl_s: int = Field(
+        default=7 * 24 * 3600,
+        ge=1,
+        description="How long the judge's scores are cached in Redis (seconds).",
+    )
+    sample_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="How long sampling one group from vLLM may take.",
+    )
     done_ttl_s: int = Field(
         default=3600,
         ge=0,

@@ -16,14 +16,41 @@ from ratchet.settings.base import (
 
 
 class KafkaSettings(_Section):
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
-    sasl_username: str | None = None
-    sasl_password: SecretStr | None = None
-    ssl_cafile: Path | None = None
-    topic_partitions: int = Field(default=3, ge=1)
-    topic_replication: int = Field(default=1, ge=1)
-    topic_retention_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=60_000)
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT",
+        description="How clients connect to the brokers.",
+    )
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        default=None,
+        description="SASL mechanism, with a SASL_* security_protocol; unset: no SASL.",
+    )
+    sasl_username: str | None = Field(
+        default=None,
+        description="SASL user name.",
+    )
+    sasl_password: SecretStr | None = Field(
+        default=None,
+        description="SASL password (better from a secret file or RATCHET_KAFKA__SASL_PASSWORD).",
+    )
+    ssl_cafile: Path | None = Field(
+        default=None,
+        description="CA bundle that signs the brokers' certificates; unset: the system's.",
+    )
+    topic_partitions: int = Field(
+        default=3,
+        ge=1,
+        description="Partitions of the topics Ratchet creates.",
+    )
+    topic_replication: int = Field(
+        default=1,
+        ge=1,
+        description="Replication factor of the topics Ratchet creates.",
+    )
+    topic_retention_ms: int = Field(
+        default=7 * 24 * 3600 * 1000,
+        ge=60_000,
+        description="How long the brokers keep records of the topics Ratchet creates (ms).",
+    )
     compression: Literal["gzip", "snappy", "lz4", "zstd", "none"] = Field(
         default="gzip",
         description="gzip needs no native library, so it works on every machine the proxy runs on.",

@@ -102,9 +102,20 @@ class LossSettings(_Section):
 class LearnerSettings(_Section):
     """`ratchet learner`: when rounds run, how they train, and when learning pauses itself."""
 
-    consumer_group: str = "ratchet-learner"
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = Field(default=8403, ge=1, le=65535)
+    consumer_group: str = Field(
+        default="ratchet-learner",
+        description="Kafka consumer group of the learner replicas.",
+    )
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="Address of the learner's /metrics.",
+    )
+    metrics_port: int = Field(
+        default=8403,
+        ge=1,
+        le=65535,
+        description="Port of the learner's /metrics.",
+    )
     batch_groups: int = Field(
         default=32,
         ge=1,
@@ -126,7 +137,11 @@ class LearnerSettings(_Section):
             "their own as soon as it ended (docs/results/settings-measurements.md)."
         ),
     )
-    min_groups: int = Field(default=4, ge=1)
+    min_groups: int = Field(
+        default=4,
+        ge=1,
+        description="The fewest groups a round runs on once interval_s has passed.",
+    )
     max_staleness: int = Field(
         default=1,
         ge=0,
@@ -143,8 +158,16 @@ class LearnerSettings(_Section):
             "drop."
         ),
     )
-    steps_per_round: int = Field(default=8, ge=1)
-    learning_rate: float = Field(default=2e-3, gt=0)
+    steps_per_round: int = Field(
+        default=8,
+        ge=1,
+        description="Optimizer steps per round (per epoch).",
+    )
+    learning_rate: float = Field(
+        default=2e-3,
+        gt=0,
+        description="AdamW's learning rate for the LoRA weights.",
+    )
     epochs_per_round: int = Field(
         default=1,
         ge=1,
@@ -157,8 +180,22 @@ class LearnerSettings(_Section):
             "large one."
         ),
     )
-    epoch_max_kl: float = Field(default=0.02, gt=0)
-    epoch_max_clip_frac: float = Field(default=0.2, gt=0, le=1.0)
+    epoch_max_kl: float = Field(
+        default=0.02,
+        gt=0,
+        description=(
+            "From the second epoch on: the largest KL from the sampling policy a step may "
+            "have moved to."
+        ),
+    )
+    epoch_max_clip_frac: float = Field(
+        default=0.2,
+        gt=0,
+        le=1.0,
+        description=(
+            "From the second epoch on: the largest share of clipped tokens a step may have."
+        ),
+    )
     max_candidate_rounds: int = Field(
         default=4,
         ge=1,
@@ -204,8 +241,14 @@ class LearnerSettings(_Section):
     )
     lora: LoraSettings = LoraSettings()
     loss: LossSettings = LossSettings()
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = Field(
+        default=0,
+        description="Seed of the LoRA initialisation and of each round's order of groups.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto",
+        description='Where the learner trains: "auto" is cuda when a GPU is present, else cpu.',
+    )
     precision: Literal["auto", "fp32", "bf16"] = Field(
         default="auto",
         description=(
@@ -254,7 +297,11 @@ class LearnerSettings(_Section):
             "the gain (docs/results/settings-measurements.md); a GPU gains more."
         ),
     )
-    gate_timeout_s: float = Field(default=120.0, gt=0)
+    gate_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="How long one gate answer from vLLM may take.",
+    )
     heldout_pool: int = Field(
         default=1024,
         ge=1,
@@ -285,7 +332,11 @@ class LearnerSettings(_Section):
             "round."
         ),
     )
-    canary_check_s: float = Field(default=2.0, gt=0)
+    canary_check_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="How often a running canary is checked.",
+    )
     lease_ttl_s: float = Field(
         default=30.0,
         ge=0.5,

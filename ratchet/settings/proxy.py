@@ -48,7 +48,12 @@ class RateLimitSettings(_Section):
             "short, a 504, ...)."
         ),
     )
-    tokens_per_day: int | None = Field(default=None, ge=1, le=10**12)
+    tokens_per_day: int | None = Field(
+        default=None,
+        ge=1,
+        le=10**12,
+        description="Prompt + completion tokens a key may use per UTC day.",
+    )
     timeout_s: float = Field(
         default=0.05,
         gt=0,
@@ -79,15 +84,29 @@ class RateLimitSettings(_Section):
 
 
 class ProxySettings(_Section):
-    host: str = "127.0.0.1"
-    port: int = Field(default=8400, ge=1, le=65535)
+    host: str = Field(
+        default="127.0.0.1",
+        description="Address the proxy listens on; other than loopback it needs api_keys.",
+    )
+    port: int = Field(
+        default=8400,
+        ge=1,
+        le=65535,
+        description="Port the proxy listens on.",
+    )
     api_keys: list[SecretStr] = Field(
         default=[],
         description=(
             "Client keys. Empty means no auth, which is only allowed on a loopback address."
         ),
     )
-    admin_key: SecretStr | None = None
+    admin_key: SecretStr | None = Field(
+        default=None,
+        description=(
+            "The operator's key: it reads /metrics (with metrics_auth), sees a canary's version, "
+            "and signs in to the console, which needs it off loopback. Accepted as a client key."
+        ),
+    )
     user_vouching_keys: list[SecretStr] = Field(
         default=[],
         description=(
@@ -98,9 +117,21 @@ class ProxySettings(_Section):
             "then be anyone they like."
         ),
     )
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
-    upstream_connect_timeout_s: float = Field(default=2.0, gt=0)
-    upstream_timeout_s: float = Field(default=300.0, gt=0)
+    max_body_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body; a larger one is refused with 413.",
+    )
+    upstream_connect_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="How long connecting to vLLM may take.",
+    )
+    upstream_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="How long one request to vLLM may take in all.",
+    )
     log_queue_size: int = Field(
         default=10_000,
         ge=1,
@@ -144,7 +175,11 @@ class ProxySettings(_Section):
         gt=0,
         description="A full re-read of the routing table, on top of the pub/sub push.",
     )
-    upstream_health_interval_s: float = Field(default=2.0, gt=0)
+    upstream_health_interval_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="How often each vLLM replica's health is checked.",
+    )
     balance: Literal["affinity", "version", "round_robin"] = Field(
         default="affinity",
         description=(
@@ -274,7 +309,15 @@ class ProxySettings(_Section):
             "body_timeout_s is dropped."
         ),
     )
-    body_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description=(
+            "How long a request body may take to arrive after its headers, and a client may "
+            "read none of its answer."
+        ),
+    )
     keepalive_timeout_s: float = Field(
         default=5.0,
         gt=0,
@@ -309,7 +352,15 @@ class ProxySettings(_Section):
             "responses/s x TTL x this."
         ),
     )
-    responses_store_max_bytes: int = Field(default=256 * 1024, ge=1024, le=64 * 1024 * 1024)
+    responses_store_max_bytes: int = Field(
+        default=256 * 1024,
+        ge=1024,
+        le=64 * 1024 * 1024,
+        description=(
+            "Largest stored Responses API response, with its conversation; a larger one is "
+            "not stored."
+        ),
+    )
 
     @field_validator("api_keys")
     @classmethod

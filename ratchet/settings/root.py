@@ -52,7 +52,10 @@ class RatchetSettings(BaseSettings):
         extra="forbid",
     )
 
-    kafka_bootstrap_servers: str = "127.0.0.1:9092"
+    kafka_bootstrap_servers: str = Field(
+        default="127.0.0.1:9092",
+        description="Kafka bootstrap servers, host:port[,host:port...].",
+    )
     redis_url: str = Field(
         default=DEFAULT_REDIS_URL,
         description=(
@@ -69,7 +72,10 @@ class RatchetSettings(BaseSettings):
             "redis_url."
         ),
     )
-    vllm_url: str = "http://127.0.0.1:8401"
+    vllm_url: str = Field(
+        default="http://127.0.0.1:8401",
+        description="The vLLM server the services call (OpenAI-compatible base URL, without /v1).",
+    )
     vllm_endpoints: list[str] = Field(
         default=[],
         description=(
@@ -91,20 +97,38 @@ class RatchetSettings(BaseSettings):
         default=None,
         description="What vLLM requires as its --api-key; unset, derived from the secret.",
     )
-    home: Path = Field(default_factory=default_home)
+    home: Path = Field(
+        default_factory=default_home,
+        description=(
+            "Where the embedded stack keeps its state, logs, model cache and adapter store; "
+            "$RATCHET_HOME, else ~/.cache/ratchet."
+        ),
+    )
     store_dir: Path | None = Field(
         default=None,
         description=(
             "Defaults derive from `home` (see _derive_paths) so one variable moves everything."
         ),
     )
-    state_dir: Path | None = None
+    state_dir: Path | None = Field(
+        default=None,
+        description=(
+            "Where a service keeps its local state (the proxy's spool, the shared secret); "
+            "unset: home/state."
+        ),
+    )
     kafka: KafkaSettings = KafkaSettings()
     proxy: ProxySettings = ProxySettings()
     judge: JudgeSettings = JudgeSettings()
     learner: LearnerSettings = LearnerSettings()
     console: ConsoleSettings = ConsoleSettings()
-    aliases: dict[str, AliasConfig] = {"support": AliasConfig()}
+    aliases: dict[str, AliasConfig] = Field(
+        default={"support": AliasConfig()},
+        description=(
+            "The aliases the proxy serves and the learner trains, by name: each one's reward, "
+            "learning, sampling, gate, canary and ratings settings."
+        ),
+    )
 
     @field_validator("secret", "vllm_api_key", "redis_password")
     @classmethod
