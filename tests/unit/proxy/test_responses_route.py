@@ -130,3 +130,30 @@ async def test_with_keys_required_the_responses_routes_ask_for_one(
         ]
     for answer in answers:
         assert error_of(answer, 401)["code"] == "invalid_api_key"
+
+
+async def test_malformed_responses_requests_use_up_the_keys_rate(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """End to end on a real Redis, with token budgets on (where ``refused`` charges): the bug's
+    request is a 400 each time and counts, so the third is the 429 of a spent burst."""
+    key = "sk-unit-0123456789"
+    limits = {"requests_per_minute": 1, "burst": 2, "tokens_per_minute": 1_000_000}
+    settings = RatchetSettings(
+        home=tmp_path,
+        kafka_bootstrap_servers=f"127.0.0.1:{closed_port()}",
+        redis_url=redis_url,
+        vllm_url=f"http://127.0.0.1:{closed_port()}",
+        proxy={"api_keys": [key], "rate_limit": limits},
+    )
+    app = create_app(settings)
+    body = {"model": "support", "input": "hi", "text": {"format": "json"}}
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as http:
+            headers = {"Authorization": f"Bearer {key}"}
+            statuses = [
+                (await http.post("/v1/responses", json=body, headers=headers)).status_code
+                for _ in range(3)
+            ]
+    assert statuses == [400, 400, 429]
