@@ -29,8 +29,8 @@ def export(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
     try:
-        from cli.export.run import ExportError, begin
-        from cli.export.run import export as run_export
+        from cli.exporter.run import ExportError, begin
+        from cli.exporter.run import export as run_export
     except ImportError as exc:  # pyarrow: the export extra (the learner's image has it)
         console.print(f"[red]{exc}: install ratchet[export] to export[/red]")
         raise typer.Exit(2) from None

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from kafka import KafkaProducer
 
-from cli.export.run import begin, export
+from cli.exporter.run import begin, export
 from ratchet.records import GROUPS_TOPIC, Sample, ScoredGroup
 from ratchet.settings import load_settings
 from tests.integration.conftest import BASE_MODEL, Embedded, ratchet_cli

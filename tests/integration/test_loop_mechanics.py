@@ -227,7 +227,7 @@ def export_groups_interrupted_then_continued(
     what `datasets` loads has every group once."""
     from datasets import load_dataset
 
-    from cli.export.run import begin, export
+    from cli.exporter.run import begin, export
 
     def stop_after_a_shard(done: int, total: int) -> None:
         if any((out / "data").glob("part-*.parquet")):

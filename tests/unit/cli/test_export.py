@@ -18,9 +18,9 @@ import pytest
 import redis
 import yaml
 
-from cli.export import run as export_run
-from cli.export.rows import SCHEMAS, dataset_card, group_row, rating_row, traffic_row
-from cli.export.run import ExportError, ExportState, begin, export, since_ms, write_shard
+from cli.exporter import run as export_run
+from cli.exporter.rows import SCHEMAS, dataset_card, group_row, rating_row, traffic_row
+from cli.exporter.run import ExportError, ExportState, begin, export, since_ms, write_shard
 from embedded.processes import free_port, package_binary, port_open, wait_until
 from ratchet.bus import ensure_topics
 from ratchet.gate_pairs import GatePair, write_gate_pairs
@@ -312,3 +312,14 @@ def test_the_start_is_the_brokers_answer_when_it_checks_out_else_searched(
     assert log.reads == reads
     # None at or after the target: the scan starts at the end, having read one record.
     assert export_run._first_at(TimestampedLog([1, 2, 3]), "tp", 65, 3, None) == 3
+
+
+def test_the_export_command_is_on_the_app() -> None:
+    """`cli/export.py` registers the command; the exporter it runs is the `cli.exporter`
+    package (a package of the command's own name would hide the module)."""
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    result = CliRunner().invoke(app, ["export", "--help"])
+    assert result.exit_code == 0 and "--since" in result.output, result.output

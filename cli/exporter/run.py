@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 import redis
 
-from cli.export.rows import (
+from cli.exporter.rows import (
     KINDS,
     SCHEMAS,
     Kind,
