@@ -17,7 +17,7 @@ rewards in [0, 1], and behaviour logprobs computed once by the base model (so th
 on-policy, as with a fresh adapter). Three trainers, each with its own copy of the model and the
 same LoRA (rank, alpha, dropout, all linear projections), the same AdamW (fused; learning rate,
 weight decay and max grad norm) and no gradient checkpointing, train on that round; those knobs
-are ``LearnerSettings``' defaults (ratchet/settings.py) unless a flag sets them:
+are ``LearnerSettings``' defaults (ratchet/settings/learner.py) unless a flag sets them:
 
 1. ours: ``LoraGRPOLearner.train_round(groups)`` from the ``ScoredGroup`` records, packing
    included: ``--steps`` optimizer steps, each on 1/steps of the groups, micro-batches of

@@ -401,7 +401,7 @@ ratchet-plugins.yaml: |
 {{- end }}
 
 {{/*
-ratchet.yaml, as the services read it (ratchet/settings.py; unknown keys are refused there).
+ratchet.yaml, as the services read it (ratchet/settings/; unknown keys are refused there).
 Secrets never appear here: they come in as RATCHET_* environment variables.
 */}}
 {{- define "ratchet.config" -}}
