@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -127,10 +126,14 @@ def make_groups(
     return groups
 
 
-def worse_groups(policy: BasePolicy, alias: str) -> list[ScoredGroup]:
+def worse_groups(policy: BasePolicy, alias: str, count: int = len(TRAIN)) -> list[ScoredGroup]:
     """A refusal rewarded over the right JSON: trained on, the model answers worse."""
     return make_groups(
-        policy, alias, "worse", lambda _, p: [(WRONG_ANSWER, 1.0), (right_answer(p), 0.0)]
+        policy,
+        alias,
+        "worse",
+        lambda _, p: [(WRONG_ANSWER, 1.0), (right_answer(p), 0.0)],
+        count,
     )
 
 
@@ -205,9 +208,8 @@ def learner_config(
         # grows to 5 on these off-policy right answers, makes it repeat keys.
         "steps_per_round": 16,
         "learning_rate": 5e-4,
-        "lora_rank": 8,
-        "lora_alpha": 16,
-        "loss_mode": "ppo_clip",
+        "lora": {"rank": 8, "alpha": 16},
+        "loss": {"mode": "ppo_clip"},
         # The figures above are float32's (auto's on a CPU): in bf16 on an AMX host this round's
         # better candidate was rejected (learner/trainer.py uses_bf16).
         "precision": "fp32",
@@ -316,40 +318,64 @@ def vllm_serves(env: Embedded, served_name: str) -> bool:
 # fixture imported into a second module would be built a second time there.
 
 
-@pytest.mark.timeout(1200)  # two rounds of training and gating on 2 cores
-def test_gate_rejects_worse_promotes_better_and_rollback_restores(
+# The gate test's rounds: a dozen groups in one step at a learning rate too small to move a
+# greedy answer, gated on 8 pairs of 16 tokens. The candidate ties the live version on every
+# pair, so the gate's mechanics decide alone: at threshold 0.5 a tie is rejected, at 0 it
+# passes. Whether training learns the right direction is the outcome lane's `loop` check
+# (tests/outcomes/lane.py) and tests/unit/learner/test_trainer.py's.
+TIED_ROUND = {"learning_rate": 1e-6, "steps_per_round": 1, "min_groups": 4}
+# A gate of 8 pairs (with gate_tokens=16), for the tests that accept either verdict or force it.
+SHORT_GATE = {"min_pairs": 8, "max_pairs": 8}
+
+
+@pytest.mark.timeout(900)
+def test_gate_rejects_a_tie_promotes_a_pass_and_rollback_restores(
     embedded: Embedded, policy: BasePolicy, base_answers: list[str], tmp_path: Path
 ) -> None:
     alias = "lt-gate"
-    config = learner_config(embedded, tmp_path, alias)
+    config = learner_config(
+        embedded, tmp_path, alias, gate_tokens=16, gate=SHORT_GATE, **TIED_ROUND
+    )
     settings = load_settings(config)
     port = settings.learner.metrics_port
     embedded.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
-    produce(embedded, [*heldout_prompts(alias), *worse_groups(policy, alias)])
+    produce(embedded, [*heldout_prompts(alias), *worse_groups(policy, alias, count=12)])
     store = AdapterStore(embedded.settings.store_dir)  # type: ignore[arg-type]
 
     with running_learner(config, tmp_path / "state"):
-        reject = wait_for_outcome(settings, alias, "reject", timeout_s=LONG_ROUND_S)
-        worse = reject["version"]
+        reject = wait_for_outcome(settings, alias, "reject", timeout_s=SHORT_ROUND_S)
+        tied = reject["version"]
         gate = next(e for e in history(settings, alias) if e["kind"] == "gate")["detail"]
-        assert not gate["passed"] and gate["win_rate"] <= 0.5, gate
-        # The sequential gate stops once a pass is out of reach: a worse candidate costs fewer
-        # pairs than were drawn.
-        assert gate["pairs"] == len(HELDOUT) or (gate["stopped_early"] and gate["pairs"] >= 1)
-        assert gate["candidate_score"] <= gate["incumbent_score"], gate
-        assert store.is_rejected(alias, worse)
+        # Rejected, whichever way a near-tie's few differing pairs fell: at threshold 0.5 a
+        # pass needs most of the 8 pairs won. The gate stops once a pass is out of reach.
+        assert not gate["passed"], gate
+        assert gate["pairs"] == SHORT_GATE["max_pairs"] or gate["stopped_early"], gate
+        assert store.is_rejected(alias, tied)
         # The rejected version is never served, though vLLM could serve it.
-        assert vllm_serves(embedded, f"{alias}@v{worse}")
+        assert vllm_serves(embedded, f"{alias}@v{tied}")
         assert served_by(embedded, alias) == BASE_MODEL
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert f'ratchet_learner_rounds_total{{alias="{alias}",result="rejected"}} 1.0' in metrics
+        wait_until(lambda: learner_lag(settings) == 0, 30, "offsets committed after the round")
 
-        improving = better_groups(policy, alias, base_answers)
-        produce(embedded, improving)
-        promote = wait_for_outcome(settings, alias, "promote", nth=2, timeout_s=LONG_ROUND_S)
+    # The same learner at threshold 0: a candidate not worse on every pair passes.
+    config = learner_config(
+        embedded,
+        tmp_path,
+        alias,
+        gate_tokens=16,
+        gate={**SHORT_GATE, "threshold": 0.0},
+        **TIED_ROUND,
+    )
+    port = load_settings(config).learner.metrics_port
+    improving = better_groups(policy, alias, base_answers, count=12)
+    produce(embedded, improving)
+    with running_learner(config, tmp_path / "state2"):
+        promote = wait_for_outcome(settings, alias, "promote", nth=2, timeout_s=SHORT_ROUND_S)
         better = promote["version"]
-        assert better > worse and promote["previous_version"] == 0
+        assert better > tied and promote["previous_version"] == 0
         gate = next(e for e in history(settings, alias) if e["kind"] == "gate")["detail"]
-        assert gate["passed"] and gate["ci_low"] > 0.5, gate
-        assert gate["candidate_score"] > gate["incumbent_score"]
+        assert gate["passed"] and gate["ci_low"] > 0.0, gate
         meta = store.meta(alias, better)
         assert meta["parent_version"] == 0
         assert sorted(meta["group_ids"]) == informative(improving)
@@ -358,8 +384,8 @@ def test_gate_rejects_worse_promotes_better_and_rollback_restores(
         assert config_json["base_model_name_or_path"] == str(embedded.model_path)
         embedded.wait_for_proxy_route(alias, active_version=better)
         assert served_by(embedded, alias) == f"{alias}@v{better}"
+        # Each learner process counts its own rounds.
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        assert f'ratchet_learner_rounds_total{{alias="{alias}",result="rejected"}} 1.0' in metrics
         assert f'ratchet_learner_rounds_total{{alias="{alias}",result="promoted"}} 1.0' in metrics
 
     started = time.monotonic()
@@ -522,35 +548,15 @@ def test_a_canary_users_dislike_is_rolled_back_by_itself(
         [held] = [e for e in trained if e["version"] != candidate]
         assert held["previous_version"] == candidate, held
         assert held["detail"]["trained_from"] == candidate, held
-        # Users on the canary arm rate every answer 0, the others 1: the canary is worse.
-        arms: dict[str, int] = {}
-        # Users new to every run, so the arm counts below are a fresh draw at weight 0.5, not
-        # one fixed split: an arm with fewer than 16 of 64 has probability about 4e-5 a run.
-        users = uuid.uuid4().hex[:8]
-        for i, prompt in enumerate(PROMPTS[200:264]):
-            reply = httpx.post(
-                f"{embedded.proxy_url}/v1/chat/completions",
-                json={
-                    "model": alias,
-                    "messages": prompt["messages"],
-                    "max_tokens": 8,
-                    "user": f"u{i}-{users}",
-                },
-                timeout=60,
-            )
-            reply.raise_for_status()
-            arm = reply.headers["x-ratchet-canary-arm"]
-            arms[arm] = arms.get(arm, 0) + 1
-            feedback = httpx.post(
-                f"{embedded.proxy_url}/v1/feedback",
-                json={
-                    "completion_id": reply.json()["id"],
-                    "score": 0.0 if arm == "canary" else 1.0,
-                },
-                timeout=10,
-            )
-            assert feedback.status_code == 200, feedback.text
-        assert arms.get("canary", 0) >= 16 and arms.get("active", 0) >= 15, arms
+        # Users on the canary arm rate every answer 0, the others 1: the canary is worse. Sent
+        # 32 at a time, 8 at once, until the canary is decided (one batch usually does).
+        from tests.integration.scripted_users import canary_disliked, rate_canary_until_decided
+
+        _, arms = rate_canary_until_decided(
+            embedded, settings, alias, PROMPTS[200:296], canary_disliked
+        )
+        # A decision at 15 or more rating pairs had 15 or more answers from each arm.
+        assert arms.get("canary", 0) >= 15 and arms.get("active", 0) >= 15, arms
         [rollback] = wait_for_event(settings, alias, {"rollback", "promote"}, timeout_s=120)
         [reject] = wait_for_event(settings, alias, {"reject"}, timeout_s=60)
 
@@ -564,7 +570,9 @@ def test_a_canary_users_dislike_is_rolled_back_by_itself(
     # Decided by the sequential test on the live ratings, with its evidence.
     assert rollback["detail"]["reason"].startswith("ratings: "), rollback
     evidence = rollback["detail"]["ratings"]
-    assert evidence["decision"] == "fail" and 15 <= evidence["n"] <= 32, evidence
+    # At most the pairs of the batches sent: decided on the first, or on a later one when the
+    # watcher looked only after a batch (a loaded host).
+    assert evidence["decision"] == "fail" and 15 <= evidence["n"] <= 48, evidence
     assert evidence["upper"] < 0.45, evidence
     route = embedded.registry.read(alias)
     assert route is not None and (route.active, route.canary) == (0, None)
