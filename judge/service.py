@@ -43,6 +43,7 @@ from prometheus_client import start_http_server
 from judge.agreement import AgreementProbe
 from judge.backpressure import Backpressure
 from judge.kafka_io import JudgeKafka
+from judge.marks import JudgeMarks, Sampled, SeenMark, repeat_reason, seen_key
 from judge.metrics import JudgeMetrics
 from judge.sampler import (
     LENGTH_WINDOW,
@@ -87,45 +88,8 @@ def is_heldout(secret: bytes, prompt_digest: str, fraction: float) -> bool:
     return int(keyed_hash(secret, "heldout", prompt_digest)[:16], 16) / 2**64 < fraction
 
 
-def done_key(request_id: str) -> str:
-    """String: set (with judge.done_ttl_s) once the record's outputs are acknowledged by Kafka."""
-    return f"ratchet:judge:done:{request_id}"
-
-
 def group_id_of(request_id: str, version: int) -> str:
     return hashlib.sha256(f"{request_id}\0{version}".encode()).hexdigest()[:32]
-
-
-def seen_key(alias: str, prompt_digest: str) -> str:
-    """String, for ``learning.dedup_window_s``: ``v<version>`` once a group of the prompt was
-    sampled from that version; ``1`` once it was held out."""
-    return f"ratchet:judge:seen:{alias}:{prompt_digest}"
-
-
-def flat_key(alias: str, prompt_digest: str) -> str:
-    """String, for ``learning.dedup_window_s``: how many of the prompt's groups in a row, the
-    last one included, had answers that all scored alike (no GRPO signal)."""
-    return f"ratchet:judge:flat:{alias}:{prompt_digest}"
-
-
-def repeat_reason(
-    seen: bytes | None, flat: bytes | None, version: int, skip_after: int
-) -> str | None:
-    """Why a training prompt is not sampled from ``version`` now, from its marks: a group of
-    it was sampled from this version within the window (``recent_duplicate``; any other mark,
-    an older judge's included, counts too), or its last ``skip_after`` groups carried no signal
-    (``no_signal``; 0: never). None: sample it."""
-    if seen is not None and (not seen.startswith(b"v") or seen == b"v%d" % version):
-        return "recent_duplicate"
-    if skip_after and flat is not None and flat.isdigit() and int(flat) >= skip_after:
-        return "no_signal"
-    return None
-
-
-class SeenMark(NamedTuple):
-    key: str
-    window_s: int
-    value: bytes = b"1"
 
 
 class Ready(NamedTuple):
@@ -162,6 +126,7 @@ class JudgeService(JudgeKafka):
         self.redis = aioredis.Redis.from_url(
             redis_connection_url(settings), socket_timeout=2, socket_connect_timeout=1
         )
+        self.marks = JudgeMarks(self.redis, settings.judge.done_ttl_s)
         self.scorer = GroupScorer(
             settings.judge,
             settings.vllm_url.rstrip("/") + "/v1",
@@ -224,7 +189,7 @@ class JudgeService(JudgeKafka):
         config = self.settings.aliases.get(record.alias)
         prompt, tools = self._eligible(record, config)
         assert config is not None
-        if await self._done(record.request_id):
+        if await self.marks.done(record.request_id):
             raise Skip("already_judged")  # by a judge killed before committing, or rebalanced
         if record.output_tokens:
             self._lengths(record.alias).append(record.output_tokens)
@@ -233,7 +198,7 @@ class JudgeService(JudgeKafka):
         if not is_heldout(self.secret, digest, config.learning.heldout_fraction):
             await self._check_repeat(record.alias, digest, config)
             return ToSample(message, record, config, prompt, tools, digest, seen)
-        if seen.window_s and await self._seen(seen.key):
+        if seen.window_s and await self.marks.seen(seen.key):
             raise Skip("recent_duplicate")
         self.metrics.heldout.labels(record.alias).inc()
         held = HeldoutPrompt(
@@ -416,76 +381,13 @@ class JudgeService(JudgeKafka):
         learning = config.learning
         if not learning.dedup_window_s:
             return
-        try:
-            marks = await self.redis.mget(seen_key(alias, digest), flat_key(alias, digest))
-        except (redis.RedisError, OSError):
-            return
-        seen, flat = (m.encode() if isinstance(m, str) else m for m in marks)
+        seen, flat = await self.marks.prompt_marks(alias, digest)
         version = -1  # read only where a version's mark makes it matter
         if seen is not None and seen.startswith(b"v"):
             version = await self._policy(alias, await self._route(alias, config))
         reason = repeat_reason(seen, flat, version, learning.skip_after_flat_groups)
         if reason is not None:
             raise Skip(reason)
-
-    async def _seen(self, key: str) -> bool:
-        try:
-            return bool(await self.redis.exists(key))
-        except (redis.RedisError, OSError):
-            return False  # without Redis a repeat may be judged twice; nothing is lost
-
-    async def _done(self, request_id: str) -> bool:
-        if not self.settings.judge.done_ttl_s:
-            return False
-        try:
-            return bool(await self.redis.exists(done_key(request_id)))
-        except (redis.RedisError, OSError):
-            return False  # without Redis a re-read record may be judged twice; nothing is lost
-
-    async def _mark_done(self, outputs: list[Record]) -> None:
-        ttl = self.settings.judge.done_ttl_s
-        ids = {r.traffic_request_id for r in outputs if isinstance(r, ScoredGroup | HeldoutPrompt)}
-        if not ttl or not ids:
-            return
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            for request_id in ids:
-                pipe.set(done_key(request_id), b"1", ex=ttl)
-            await pipe.execute()
-        except (redis.RedisError, OSError) as exc:
-            log.warning("could not mark %d records judged (%s)", len(ids), exc)
-
-    async def _mark_seen(self, marks: list[SeenMark]) -> None:
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            for mark in marks:
-                if mark.window_s:
-                    pipe.set(mark.key, mark.value, ex=mark.window_s)
-            await pipe.execute()
-        except (redis.RedisError, OSError):
-            pass  # a prompt not marked may be judged again; that costs time, loses nothing
-
-    async def _mark_sampled(self, sampled: list[tuple[ToSample, ScoredGroup]]) -> None:
-        """Each prompt sampled: seen at the group's version, and its run of signal-less groups
-        one longer (every answer scored alike) or over (they differed)."""
-        await self._mark_seen(
-            [work.seen._replace(value=b"v%d" % group.version) for work, group in sampled]
-        )
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            for work, group in sampled:
-                window = work.config.learning.dedup_window_s
-                if not window:
-                    continue
-                key = flat_key(group.alias, work.digest)
-                if group.rewards and max(group.rewards) == min(group.rewards):
-                    pipe.incr(key)
-                    pipe.expire(key, window)
-                else:
-                    pipe.delete(key)
-            await pipe.execute()
-        except (redis.RedisError, OSError):
-            pass  # a prompt's run not counted is sampled again; that costs time, loses nothing
 
     async def _route(self, alias: str, config: AliasConfig) -> AliasRoute:
         """The live version, from Redis; the last one read while Redis is away or while the
@@ -552,7 +454,7 @@ class JudgeService(JudgeKafka):
         ready = [t for t in triaged if isinstance(t, Ready)]
         if not await self._deliver([r.record for r in ready]):
             return False
-        await self._mark_seen([r.seen for r in ready if r.seen is not None])
+        await self.marks.mark_seen([r.seen for r in ready if r.seen is not None])
         work = fair_order([t for t in triaged if isinstance(t, ToSample)], self.backpressure)
         results = await asyncio.gather(*(self.group_for(session, w) for w in work))
         outputs = [r for r in results if r is not None]
@@ -562,8 +464,12 @@ class JudgeService(JudgeKafka):
             Counter(r.alias for r in outputs if isinstance(r, ScoredGroup))
         )
         await loop.run_in_executor(None, self._commit)
-        await self._mark_sampled(
-            [(w, r) for w, r in zip(work, results, strict=True) if isinstance(r, ScoredGroup)]
+        await self.marks.mark_sampled(
+            [
+                Sampled(w.seen, w.digest, r)
+                for w, r in zip(work, results, strict=True)
+                if isinstance(r, ScoredGroup)
+            ]
         )
         return True
 
@@ -576,7 +482,7 @@ class JudgeService(JudgeKafka):
         loop = asyncio.get_running_loop()
         if not await loop.run_in_executor(None, self._produce, outputs):
             return False
-        await self._mark_done(outputs)
+        await self.marks.mark_done(outputs)
         return True
 
 

@@ -14,8 +14,9 @@ import pytest
 import redis
 
 from judge.backpressure import Backpressure
+from judge.marks import flat_key, repeat_reason, seen_key
 from judge.sampler import SamplingError
-from judge.service import JudgeService, ToSample, flat_key, is_heldout, repeat_reason, seen_key
+from judge.service import JudgeService, ToSample, is_heldout
 from ratchet.progress import LearnerProgress, produced_key, progress_key, publish
 from ratchet.records import TRAFFIC_TOPIC, HeldoutPrompt, Record, ScoredGroup, prompt_hash
 from ratchet.registry import AliasRoute, RegistryWriter

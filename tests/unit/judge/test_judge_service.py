@@ -16,6 +16,7 @@ from kafka.errors import KafkaTimeoutError
 
 from embedded.processes import free_port
 from judge import calibrate as cal
+from judge.marks import JudgeMarks, done_key
 from judge.metrics import JudgeMetrics
 from judge.sampler import (
     LENGTH_WINDOW,
@@ -33,7 +34,6 @@ from judge.service import (
     Ready,
     Skip,
     ToSample,
-    done_key,
     fraction_of,
     group_id_of,
     is_heldout,
@@ -128,6 +128,7 @@ def judge_for(secret: bytes, config: AliasConfig) -> JudgeService:
         aliases={"support": config}, judge=JudgeSettings(done_ttl_s=0)
     )
     service.secret = secret
+    service.marks = JudgeMarks(aioredis.Redis(), done_ttl_s=0)  # never reached: no marks
     service.metrics = JudgeMetrics()
     service.answer_lengths = {}
     return service
@@ -535,7 +536,7 @@ def test_a_record_another_replica_judged_is_skipped(redis_url: str) -> None:
     async def both() -> None:
         ready = await first.classify(polled(record.to_json()))
         assert isinstance(ready, Ready) and isinstance(ready.record, HeldoutPrompt)
-        await first._mark_done([ready.record])
+        await first.marks.mark_done([ready.record])
         with pytest.raises(Skip) as skipped:
             await second._classify(record, polled(record.to_json()))
         assert skipped.value.reason == "already_judged"
