@@ -20,6 +20,7 @@ from ratchet.versions import queued_imports
 from tests.integration.conftest import BASE_MODEL, Embedded, ratchet_cli
 from tests.integration.test_learner import (
     LONG_ROUND_S,
+    SHORT_GATE,
     TRAIN,
     heldout_prompts,
     history,
@@ -67,7 +68,8 @@ def test_an_adapter_trained_elsewhere_is_imported_gated_and_settled_and_a_pickle
     embedded: Embedded, tmp_path: Path
 ) -> None:
     alias = "imp-gate"
-    config = learner_config(embedded, tmp_path, alias)
+    # Either verdict passes (an import is gated as a learned candidate is): a short gate.
+    config = learner_config(embedded, tmp_path, alias, gate_tokens=16, gate=SHORT_GATE)
     settings = load_settings(config)
     embedded.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
     produce(embedded, heldout_prompts(alias))

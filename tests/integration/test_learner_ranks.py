@@ -18,6 +18,7 @@ from ratchet.store import AdapterStore
 from tests.integration.conftest import BASE_MODEL, Embedded
 from tests.integration.test_learner import (
     LONG_ROUND_S,
+    SHORT_GATE,
     BasePolicy,
     better_groups,
     heldout_prompts,
@@ -36,9 +37,10 @@ def test_a_learner_on_two_ranks_trains_gates_and_writes_one_candidate(
     embedded: Embedded, policy: BasePolicy, base_answers: list[str], tmp_path: Path
 ) -> None:
     alias = "lt-ranks"
+    # Either verdict passes: a short gate.
     config = learner_config(
-        embedded, tmp_path, alias, gate_tokens=16, min_groups=4, steps_per_round=4,
-        device="cpu", cpu_threads=1,
+        embedded, tmp_path, alias, gate_tokens=16, gate=SHORT_GATE, min_groups=4,
+        steps_per_round=4, device="cpu", cpu_threads=1,
     )  # fmt: skip
     settings = load_settings(config)
     embedded.registry.write(AliasRoute(alias=alias, base_model=BASE_MODEL))
