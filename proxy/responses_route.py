@@ -18,11 +18,11 @@ from proxy.response_store import not_found
 from proxy.responses_api import (
     RESPONSE_ID_MAX,
     ResponsesRequest,
-    ResponsesStream,
     assistant_message,
     response_object,
     to_chat,
 )
+from proxy.responses_stream import ResponsesStream
 from proxy.state import ProxyState, read_json
 from proxy.validation import check_alias
 

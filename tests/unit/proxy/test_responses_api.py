@@ -1,6 +1,6 @@
-"""The Responses API's pure core (proxy/responses_api.py): requests made chat requests, chat
-answers and streams made Responses, each checked against the official client's own types
-(strict pydantic validation, not the client's lenient construct)."""
+"""The Responses API's pure core (proxy/responses_api.py, proxy/responses_stream.py): requests
+made chat requests, chat answers and streams made Responses, each checked against the official
+client's own types (strict pydantic validation, not the client's lenient construct)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from pydantic import TypeAdapter
 
 from proxy.errors import ProxyError
 from proxy.responses_api import (
-    ResponsesStream,
     assistant_message,
     completion_id_of_response,
     response_id_of,
     response_object,
     to_chat,
 )
+from proxy.responses_stream import ResponsesStream
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 WEATHER_TOOL = {
