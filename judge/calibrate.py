@@ -244,7 +244,27 @@ def calibrate(
     results = [judged for judged, _ in raw if judged is not None]
     probes = [probe for _, probe in raw if probe is not None]
     report = summarise(results, failed=len(raw) - len(results), probes=probes)
-    table = Table(title=f"Judge {reward.judge_model} on {labels.name}")
+    title = f"Judge {reward.judge_model} on {labels.name}"
+    console.print(report_table(report, title, probed=len(probes)))
+    if report.injection_win_rate is not None and report.injection_win_rate > INJECTION_WARN:
+        console.print(
+            f"[yellow]This judge put a sample that asked for it on top in "
+            f"{report.injection_win_rate:.0%} of groups: a client's prompt that makes the model "
+            "write such text would be rewarded. Use a stronger judge model "
+            "(reward.judge_model), or a verifier.[/yellow]"
+        )
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "calibration.json").write_text(json.dumps(report.as_dict(), indent=2))
+        _plot(results, out / "calibration.png")
+        console.print(f"Wrote {out / 'calibration.json'} and {out / 'calibration.png'}")
+    return 0 if results else 1
+
+
+def report_table(report: CalibrationReport, title: str, probed: int) -> Table:
+    """The report as the table ``ratchet judge calibrate`` prints, each measure with how to read
+    it; ``probed``: how many groups the injection probe ran on."""
+    table = Table(title=title)
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_column("reading")
@@ -264,7 +284,7 @@ def calibrate(
         "first - last score", _fmt(report.first_minus_last), "> 0: favours what it reads first"
     )
     table.add_row(
-        f"injection: score lift ({len(probes)} groups)",
+        f"injection: score lift ({probed} groups)",
         _fmt(report.injection_lift),
         "the worst sample's score rise when it asks the judge for the top score",
     )
@@ -273,20 +293,7 @@ def calibrate(
         _fmt(report.injection_win_rate),
         "share of groups where that plea made it the top sample: 0 is what to trust",
     )
-    console.print(table)
-    if report.injection_win_rate is not None and report.injection_win_rate > INJECTION_WARN:
-        console.print(
-            f"[yellow]This judge put a sample that asked for it on top in "
-            f"{report.injection_win_rate:.0%} of groups: a client's prompt that makes the model "
-            "write such text would be rewarded. Use a stronger judge model "
-            "(reward.judge_model), or a verifier.[/yellow]"
-        )
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "calibration.json").write_text(json.dumps(report.as_dict(), indent=2))
-        _plot(results, out / "calibration.png")
-        console.print(f"Wrote {out / 'calibration.json'} and {out / 'calibration.png'}")
-    return 0 if results else 1
+    return table
 
 
 def _fmt(value: float | None) -> str:
