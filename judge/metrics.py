@@ -42,7 +42,20 @@ class JudgeMetrics:
             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
             registry=r,
         )
-        # The bill (ratchet/bill.py): what judging and sampling spend, failed calls included.
+        self._add_spend_metrics(r)
+        self._add_reward_metrics(r)
+        self._add_agreement_metrics(r)
+        self.in_flight = Gauge(
+            "ratchet_judge_in_flight_groups", "Groups being worked on", registry=r
+        )
+        Gauge(
+            "ratchet_judge_unknown_records",
+            "Records skipped for unknown or invalid schema",
+            registry=r,
+        ).set_function(lambda: sum(skipped_records.values()))
+
+    def _add_spend_metrics(self, r: CollectorRegistry) -> None:
+        """The bill (ratchet/bill.py): what judging and sampling spend, failed calls included."""
         self.judge_calls = Counter(
             "ratchet_judge_model_calls_total",
             "Judge-model calls made, failed ones included",
@@ -73,6 +86,9 @@ class JudgeMetrics:
             ("alias", "kind"),
             registry=r,
         )
+
+    def _add_reward_metrics(self, r: CollectorRegistry) -> None:
+        """The rewards the judge gives, and the groups whose scores it did not have to ask for."""
         self.cache_hits = Counter(
             "ratchet_judge_cache_hits_total",
             "Groups whose scores came from the Redis cache",
@@ -101,7 +117,9 @@ class JudgeMetrics:
             ("alias",),
             registry=r,
         )
-        # Judge-user agreement (judge/agreement.py, ratchet/rewards/agreement.py).
+
+    def _add_agreement_metrics(self, r: CollectorRegistry) -> None:
+        """Judge-user agreement (judge/agreement.py, ratchet/rewards/agreement.py)."""
         self.agreement = Gauge(
             "ratchet_judge_user_agreement",
             "How far the judge's scores of rated served answers agree with the users' ratings",
@@ -132,11 +150,3 @@ class JudgeMetrics:
             ("alias", "outcome"),
             registry=r,
         )
-        self.in_flight = Gauge(
-            "ratchet_judge_in_flight_groups", "Groups being worked on", registry=r
-        )
-        Gauge(
-            "ratchet_judge_unknown_records",
-            "Records skipped for unknown or invalid schema",
-            registry=r,
-        ).set_function(lambda: sum(skipped_records.values()))

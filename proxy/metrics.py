@@ -93,8 +93,12 @@ class ProxyMetrics:
         self.upstream_up = Gauge(
             "ratchet_proxy_upstream_up", "1 when vLLM answers its health check", registry=r
         )
-        # Per vLLM replica (vllm_endpoints): where requests went, what is in flight on each, and
-        # whether it passes its health check.
+        self._add_replica_metrics(r)
+        self._add_ratelimit_metrics(r)
+
+    def _add_replica_metrics(self, r: CollectorRegistry) -> None:
+        """Per vLLM replica (vllm_endpoints): where requests went, what is in flight on each, and
+        whether it passes its health check; and whether the broker and Redis are reachable."""
         self.endpoint_requests = Counter(
             "ratchet_proxy_endpoint_requests_total",
             "Requests sent to each vLLM replica",
@@ -123,6 +127,9 @@ class ProxyMetrics:
             "1 when the routing registry (Redis) is reachable",
             registry=r,
         )
+
+    def _add_ratelimit_metrics(self, r: CollectorRegistry) -> None:
+        """proxy.rate_limit: who was refused, and what the limiter could not check in Redis."""
         self.ratelimit_refused = Counter(
             "ratchet_proxy_ratelimit_refused_total",
             "Requests refused with 429 by the proxy.rate_limit setting they reached",
