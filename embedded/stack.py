@@ -122,6 +122,29 @@ def vllm_threads() -> int:
     return int(os.environ.get("OMP_NUM_THREADS") or max(1, cpu_count() - 1))
 
 
+def vllm_env(settings: RatchetSettings) -> dict[str, str]:
+    """vLLM's environment in the stack: its key, where adapters come from, the CPU build's
+    plugins and threads."""
+    return {
+        # The key as vLLM's own variable rather than --api-key, so `ps` never shows it.
+        "VLLM_API_KEY": vllm_api_key(settings),
+        # Adapters arrive through the shared store, resolved by served name on first request;
+        # ratchet_cpu_lora fixes and speeds up LoRA on the CPU build (embedded/vllm_cpu_lora.py);
+        # ratchet_cpu_yield frees the core vLLM's engine spun on (embedded/vllm_cpu_yield.py).
+        "VLLM_PLUGINS": "lora_filesystem_resolver,ratchet_cpu_lora,ratchet_cpu_yield",
+        "VLLM_LORA_RESOLVER_CACHE_DIR": str(settings.store_dir),
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        # vLLM's CPU default pins its worker to core 0. Two vLLMs on one machine (a test beside
+        # a running stack) then starve each other, and the proxy and judge lose that core; let
+        # the OS schedule instead, with one core left for everything else.
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        "OMP_NUM_THREADS": str(vllm_threads()),
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
 def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> Part:
     host, port = host_port(settings.vllm_url, 8401)
     assert settings.store_dir is not None
@@ -179,31 +202,13 @@ def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> P
         "--middleware",
         GUARD_MIDDLEWARE,
     ]
-    env = {
-        # The key as vLLM's own variable rather than --api-key, so `ps` never shows it.
-        "VLLM_API_KEY": vllm_api_key(settings),
-        # Adapters arrive through the shared store, resolved by served name on first request;
-        # ratchet_cpu_lora fixes and speeds up LoRA on the CPU build (embedded/vllm_cpu_lora.py);
-        # ratchet_cpu_yield frees the core vLLM's engine spun on (embedded/vllm_cpu_yield.py).
-        "VLLM_PLUGINS": "lora_filesystem_resolver,ratchet_cpu_lora,ratchet_cpu_yield",
-        "VLLM_LORA_RESOLVER_CACHE_DIR": str(settings.store_dir),
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        # vLLM's CPU default pins its worker to core 0. Two vLLMs on one machine (a test beside
-        # a running stack) then starve each other, and the proxy and judge lose that core; let
-        # the OS schedule instead, with one core left for everything else.
-        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-        "OMP_NUM_THREADS": str(vllm_threads()),
-        "VLLM_NO_USAGE_STATS": "1",
-        "HF_HUB_OFFLINE": "1",
-    }
     return Part(
         name="vllm",
         command=command,
         address=f"http://{host}:{port} ({base_model})",
         is_ready=lambda: http_ok(f"http://{host}:{port}/health"),
         ready_timeout_s=900,
-        env=env,
+        env=vllm_env(settings),
         infrastructure=True,
     )
 
