@@ -166,14 +166,19 @@ def statuses(*expected: int) -> Check:
     return check
 
 
-def answered_within(seconds: float, slack_s: float = 1.5) -> Check:
+# What a loaded slow host adds to a timeout before the answer or close is seen (1.5 s was
+# missed): 2 s + 3 s stays under the 3 x TIMEOUT_S a silent connection is read for.
+SLACK_S = 3.0
+
+
+def answered_within(seconds: float, slack_s: float = SLACK_S) -> Check:
     def check(result: Exchange) -> None:
         assert result.first_byte_s is not None and result.first_byte_s <= seconds + slack_s
 
     return check
 
 
-def closed_within(seconds: float, slack_s: float = 1.5) -> Check:
+def closed_within(seconds: float, slack_s: float = SLACK_S) -> Check:
     def check(result: Exchange) -> None:
         assert result.closed and result.elapsed_s <= seconds + slack_s
 
@@ -396,10 +401,11 @@ def wait_healthy(proxy: Proxy, timeout_s: float = 5.0) -> None:
         time.sleep(0.05)
 
 
-def then_logged_within(attack: Send, within_s: float = 2.0) -> Send:
+def then_logged_within(attack: Send, within_s: float = 5.0) -> Send:
     """``attack``, then a normal exchange whose traffic record must reach Kafka within
     ``within_s`` of its answer: what the attack gave the log worker to redact did not stall it
-    (audit C-1: one long token froze it, and all traffic logging, for hours)."""
+    (audit C-1: one long token froze it, and all traffic logging, for hours). Under a second on
+    a quiet host; 5 s leaves a loaded slow host room and still tells a stall."""
 
     def send(env: Env, proxy: Proxy) -> Exchange:
         result = attack(env, proxy)
