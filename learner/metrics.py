@@ -36,6 +36,20 @@ class LearnerMetrics:
             ("alias",),
             registry=r,
         )
+        self._add_round_metrics(r)
+        self._add_progress_metrics(r)
+        self._add_gate_metrics(r)
+        self._add_release_metrics(r)
+        self._add_feedback_metrics(r)
+        self._add_lease_metrics(r)
+        Gauge(
+            "ratchet_learner_unknown_records",
+            "Records skipped for unknown or invalid schema",
+            registry=r,
+        ).set_function(lambda: sum(skipped_records.values()))
+
+    def _add_round_metrics(self, r: CollectorRegistry) -> None:
+        """Rounds: how they ended, how long they took, and what they trained on."""
         self.rounds = Counter(
             "ratchet_learner_rounds_total",
             "Training rounds, by result (promoted, canary, rejected, failed)",
@@ -59,18 +73,6 @@ class LearnerMetrics:
         self.train_tokens = Counter(
             "ratchet_learner_trained_tokens_total",
             "Completion tokens trained on",
-            ("alias",),
-            registry=r,
-        )
-        self.gate_judge_calls = Counter(
-            "ratchet_learner_gate_judge_calls_total",
-            "Judge-model calls the gate made (RULER-judged aliases)",
-            ("alias",),
-            registry=r,
-        )
-        self.gate_judge_cost = Counter(
-            "ratchet_learner_gate_judge_cost_usd_total",
-            "Price of the gate's judge calls in USD, from litellm's price map",
             ("alias",),
             registry=r,
         )
@@ -101,6 +103,21 @@ class LearnerMetrics:
             ("alias",),
             registry=r,
         )
+        self.last_round_timestamp = Gauge(
+            "ratchet_learner_last_round_timestamp_seconds",
+            "When the last round finished (Unix time)",
+            ("alias",),
+            registry=r,
+        )
+        self.failures = Counter(
+            "ratchet_learner_failures_total",
+            "Rounds or gates that failed, by cause",
+            ("alias", "cause"),
+            registry=r,
+        )
+
+    def _add_progress_metrics(self, r: CollectorRegistry) -> None:
+        """The running round's phase and step, as the console shows them."""
         self.round_phase = Gauge(
             "ratchet_learner_round_phase",
             "1 for the phase the alias is in (idle, waiting_heldout, train, write, gate, settle), "
@@ -134,6 +151,21 @@ class LearnerMetrics:
             ("alias",),
             registry=r,
         )
+
+    def _add_gate_metrics(self, r: CollectorRegistry) -> None:
+        """The gate: its judge calls and the candidate's win rate against the live version."""
+        self.gate_judge_calls = Counter(
+            "ratchet_learner_gate_judge_calls_total",
+            "Judge-model calls the gate made (RULER-judged aliases)",
+            ("alias",),
+            registry=r,
+        )
+        self.gate_judge_cost = Counter(
+            "ratchet_learner_gate_judge_cost_usd_total",
+            "Price of the gate's judge calls in USD, from litellm's price map",
+            ("alias",),
+            registry=r,
+        )
         self.gate_win_rate = Gauge(
             "ratchet_learner_gate_win_rate",
             "Win rate of the last gated candidate against the live version",
@@ -146,6 +178,9 @@ class LearnerMetrics:
             ("alias",),
             registry=r,
         )
+
+    def _add_release_metrics(self, r: CollectorRegistry) -> None:
+        """Versions and canaries: what is live, how the canary fares, rollbacks and pauses."""
         self.active_version = Gauge(
             "ratchet_learner_active_version", "The live version", ("alias",), registry=r
         )
@@ -159,33 +194,6 @@ class LearnerMetrics:
             "ratchet_learner_canary_requests",
             "Requests counted for the running canary, by arm",
             ("alias", "arm"),
-            registry=r,
-        )
-        self.ratings_joined = Counter(
-            "ratchet_learner_ratings_joined_total",
-            "Traffic and feedback records of feedback aliases by what the join made of them: "
-            "stored (an answer awaiting its rating), pending (a rating awaiting its answer), "
-            "joined, duplicate, wrong_key, no_answer",
-            ("outcome",),
-            registry=r,
-        )
-        self.reward_model_auc = Gauge(
-            "ratchet_learner_reward_model_auc",
-            "Held-out AUC of the alias's newest reward model",
-            ("alias",),
-            registry=r,
-        )
-        self.reward_model_auc_low = Gauge(
-            "ratchet_learner_reward_model_auc_low",
-            "Lower end of that AUC's 95% interval (the model gives rewards only while it is "
-            "above feedback.min_auc)",
-            ("alias",),
-            registry=r,
-        )
-        self.reward_model_version = Gauge(
-            "ratchet_learner_reward_model_version",
-            "The alias's newest reward model version (0: none)",
-            ("alias",),
             registry=r,
         )
         self.canary_rating_pairs = Gauge(
@@ -227,12 +235,39 @@ class LearnerMetrics:
             ("alias", "reason"),
             registry=r,
         )
-        self.last_round_timestamp = Gauge(
-            "ratchet_learner_last_round_timestamp_seconds",
-            "When the last round finished (Unix time)",
+
+    def _add_feedback_metrics(self, r: CollectorRegistry) -> None:
+        """Feedback aliases: the join of ratings to answers, and the reward model."""
+        self.ratings_joined = Counter(
+            "ratchet_learner_ratings_joined_total",
+            "Traffic and feedback records of feedback aliases by what the join made of them: "
+            "stored (an answer awaiting its rating), pending (a rating awaiting its answer), "
+            "joined, duplicate, wrong_key, no_answer",
+            ("outcome",),
+            registry=r,
+        )
+        self.reward_model_auc = Gauge(
+            "ratchet_learner_reward_model_auc",
+            "Held-out AUC of the alias's newest reward model",
             ("alias",),
             registry=r,
         )
+        self.reward_model_auc_low = Gauge(
+            "ratchet_learner_reward_model_auc_low",
+            "Lower end of that AUC's 95% interval (the model gives rewards only while it is "
+            "above feedback.min_auc)",
+            ("alias",),
+            registry=r,
+        )
+        self.reward_model_version = Gauge(
+            "ratchet_learner_reward_model_version",
+            "The alias's newest reward model version (0: none)",
+            ("alias",),
+            registry=r,
+        )
+
+    def _add_lease_metrics(self, r: CollectorRegistry) -> None:
+        """The alias's lease (learner/leases.py): held, waited for, lost."""
         self.lease_held = Gauge(
             "ratchet_learner_lease_held",
             "1 while this learner holds the alias's lease (running a round or deciding its "
@@ -254,14 +289,3 @@ class LearnerMetrics:
             ("alias", "what"),
             registry=r,
         )
-        self.failures = Counter(
-            "ratchet_learner_failures_total",
-            "Rounds or gates that failed, by cause",
-            ("alias", "cause"),
-            registry=r,
-        )
-        Gauge(
-            "ratchet_learner_unknown_records",
-            "Records skipped for unknown or invalid schema",
-            registry=r,
-        ).set_function(lambda: sum(skipped_records.values()))
