@@ -132,14 +132,7 @@ def grpo_loss(
     adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
     log_ratio = logp - behaviour
     ratio = torch.exp(log_ratio)
-
-    if config.mode == "ppo_clip":
-        clipped = ratio.clamp(1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
-        per_token = -torch.minimum(ratio * adv, clipped * adv)
-    else:
-        weight = ratio.clamp(max=config.cispo_max_weight).detach()
-        per_token = -weight * adv * logp
-
+    per_token = _per_token_policy_loss(ratio, adv, logp, config)
     num_tokens = valid.sum()
     denominator = num_tokens.clamp(min=1).to(dtype)
     policy_loss = torch.where(valid, per_token, 0.0).sum() / denominator
@@ -151,6 +144,18 @@ def grpo_loss(
 
     stats = _stats(ratio, log_ratio, adv, valid, num_tokens, policy_loss, kl, config)
     return loss, stats
+
+
+def _per_token_policy_loss(
+    ratio: Tensor, adv: Tensor, logp: Tensor, config: LossSettings
+) -> Tensor:
+    """l_it of :func:`grpo_loss`, unmasked: the clipped surrogate (``ppo_clip``) or the
+    importance-weighted policy gradient with its weight capped and detached (``cispo``)."""
+    if config.mode == "ppo_clip":
+        clipped = ratio.clamp(1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
+        return -torch.minimum(ratio * adv, clipped * adv)
+    weight = ratio.clamp(max=config.cispo_max_weight).detach()
+    return -weight * adv * logp
 
 
 def _bessel_std(sum_sq: Tensor, count: Tensor) -> Tensor:
