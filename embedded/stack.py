@@ -171,8 +171,8 @@ def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> P
         "2048",
         # The CPU build's default KV block (128 tokens) is longer than most prompts here, and
         # only full blocks are shared: a group's K answers each prefilled the prompt again, with
-        # 0 prefix-cache hits. At 32 (the smallest its attention takes) they share it: measured
-        # 16 groups of 6 answers to sorting prompts in 15.4 s against 31.6 s, same answers.
+        # 0 prefix-cache hits. At 32 (the smallest its attention takes) they share it, and a
+        # group comes faster with the same answers (docs/results/embedded-stack.md).
         "--block-size",
         "32",
         "--enable-lora",
@@ -188,13 +188,13 @@ def vllm_part(settings: RatchetSettings, model_path: Path, base_model: str) -> P
         "--chat-template-content-format",
         "string",
         # JSON without free whitespace: a small model under a grammar otherwise pads with
-        # newlines until max_tokens (measured: 3-6% of judge calls with SmolLM2).
+        # newlines until max_tokens (docs/results/embedded-stack.md).
         "--structured-outputs-config",
         '{"backend": "xgrammar", "disable_any_whitespace": true}',
         "--disable-uvicorn-access-log",
-        # float32: on a CPU without bfloat16 instructions (AVX2 only, as here) vLLM's bfloat16
-        # default is emulated: measured 3x slower greedy answers. The learner computes in float32
-        # too, so the behaviour logprobs vLLM logs are the learner's own numbers.
+        # float32: on a CPU without bfloat16 instructions (AVX2 only) vLLM's bfloat16 default is
+        # emulated, and much slower (docs/results/embedded-stack.md). The learner computes in
+        # float32 too, so the behaviour logprobs vLLM logs are the learner's own numbers.
         "--dtype",
         "float32",
         # vLLM's --api-key guards /v1 only; this puts every route but /health and /metrics
