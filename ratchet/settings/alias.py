@@ -16,6 +16,20 @@ from ratchet.settings.base import (
     _Section,
 )
 
+# Packages whose verifiers left the kernel with the bundled tasks -> where they went (each with
+# its trailing dot: the package and the modules under it, not a longer name that starts alike).
+MOVED_VERIFIER_PACKAGES = {"ratchet.demo.": "tasks.demo.", "ratchet.tasks.": "tasks."}
+
+
+def moved_verifier(spec: str) -> str | None:
+    """The reference a verifier of the bundled tasks' old place has now, or None if it did not
+    move: ``"ratchet.demo:f"`` -> ``"tasks.demo:f"``, ``"ratchet.tasks.x:f"`` -> ``"tasks.x:f"``."""
+    module, colon, attr = spec.partition(":")
+    for old, new in MOVED_VERIFIER_PACKAGES.items():
+        if f"{module}.".startswith(old):
+            return (new + f"{module}."[len(old) :]).removesuffix(".") + colon + attr
+    return None
+
 
 class RewardConfig(_Section):
     kind: Literal["ruler", "verifier", "mixed", "feedback"] = Field(
@@ -73,6 +87,8 @@ class RewardConfig(_Section):
             )
         if self.verifier and ":" not in self.verifier:
             raise ValueError('reward.verifier must look like "package.module:function"')
+        if self.verifier and (new := moved_verifier(self.verifier)):
+            raise ValueError(f"reward.verifier {self.verifier!r} moved: use {new!r}")
         return self
 
 

@@ -238,6 +238,23 @@ def test_verifier_must_name_a_function() -> None:
     assert s.aliases["math"].reward.verifier == "pkg.mod:fn"
 
 
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("ratchet.demo:extraction_reward", "tasks.demo:extraction_reward"),
+        ("ratchet.demo.verifier:score", "tasks.demo.verifier:score"),
+        ("ratchet.tasks.sorting:sorting_reward", "tasks.sorting:sorting_reward"),
+    ],
+)
+def test_a_verifier_of_the_bundled_tasks_old_place_names_its_new_one(old: str, new: str) -> None:
+    """The bundled tasks left the kernel (ratchet.demo, ratchet.tasks.X -> tasks.demo, tasks.X):
+    an old ratchet.yaml is told the new reference at load, not an import error at start-up."""
+    with pytest.raises(ConfigError, match=rf"reward.verifier '{old}' moved: use '{new}'"):
+        load_settings(aliases={"math": {"reward": {"kind": "verifier", "verifier": old}}})
+    near = "ratchet.demos:extraction_reward"  # only the moved packages, not a name alike
+    assert load_settings(aliases={"m": {"reward": {"kind": "verifier", "verifier": near}}})
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "proxy.example.com"])
 def test_auth_off_on_non_loopback_rejected(host: str) -> None:
     settings = load_settings(proxy={"host": host})  # the judge and learner may load this
