@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 import cli  # noqa: F401  (registers the commands on the app)
+import ratchet.lifecycle
 from cli.app import app
 from ratchet.lifecycle import Lifecycle
 from ratchet.registry import AliasRoute, RegistryWriter
@@ -25,6 +26,9 @@ def life(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Lifecycle:
     """v1 passed the gate and is live, v2 was rejected, v3 was written and never gated."""
     Path("ratchet.yaml").write_text(f"aliases:\n  {ALIAS}: {{base_model: base}}\n")
     monkeypatch.setenv("RATCHET_REDIS_URL", redis_url)
+    # No Kafka here: the CLI's event sink would wait out its 5 s send timeout on every change
+    # (30 s for this module); what is checked is the route and the history in Redis.
+    monkeypatch.setattr(ratchet.lifecycle, "EventSink", lambda *_: None)
     settings = RatchetSettings()
     assert settings.store_dir is not None
     store = AdapterStore(settings.store_dir)
