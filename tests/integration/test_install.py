@@ -32,7 +32,7 @@ UV = Path(sys.executable).with_name("uv")
 TORCH = "torch==2.13.0"  # as scripts/bootstrap.sh installs it
 START_S = 120.0  # a service's imports (litellm, torch) on a slow, busy host
 
-pytestmark = pytest.mark.skipif(not UV.exists(), reason="uv comes with scripts/bootstrap.sh")
+pytestmark = pytest.mark.integration
 
 
 def uv(*args: str | Path) -> None:
@@ -44,6 +44,7 @@ def uv(*args: str | Path) -> None:
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The package as a release ships it: a wheel built from the sdist (so the sdist carries
     everything the wheel needs), built outside the working tree."""
+    assert UV.exists(), f"{UV} is missing: scripts/bootstrap.sh installs uv into the venv"
     out = tmp_path_factory.mktemp("dist")
     uv("build", "--quiet", "--out-dir", out, ROOT)
     (built,) = out.glob("ratchet-*.whl")
