@@ -641,8 +641,9 @@ def test_judges_and_learners_scale_out_with_budgets(
     pdb = defaults.get("PodDisruptionBudget", f"{FULLNAME}-judge")["spec"]
     assert pdb["maxUnavailable"] == 1
     assert _selects(pdb["selector"], judge["spec"]["template"]["metadata"])
-    assert defaults.config["judge"]["done_ttl_s"] == 3600
-    assert defaults.config["learner"]["lease_ttl_s"] == 30.0
+    # The judged marks' and the alias lease's lifetimes are the services' own defaults.
+    assert "done_ttl_s" not in defaults.config["judge"]
+    assert "lease_ttl_s" not in defaults.config["learner"]
     assert not defaults.has("PodDisruptionBudget", f"{FULLNAME}-learner")  # one learner
 
     values = load_values("defaults")
@@ -1010,7 +1011,8 @@ def test_metrics_network_policy(chart: helm.Chart, rendered: dict[str, Rendered]
 
 def test_console_values_mirror_its_settings(chart: helm.Chart) -> None:
     """console.config has exactly ConsoleSettings' fields less host, port and the services' URLs
-    (which the chart sets), with the same bounds, and the chart's defaults are the console's own."""
+    (which the chart sets), with the same bounds, and the chart's console.port is the console's
+    default (what values.yaml sets under console.config: test_config's CHART_DECISIONS)."""
     schema = chart.schema
     assert schema is not None
     console = schema["properties"]["console"]
@@ -1024,8 +1026,6 @@ def test_console_values_mirror_its_settings(chart: helm.Chart) -> None:
         _same_bounds(config["properties"][name], fields[name], f"console.{name}")
     _same_bounds(console["properties"]["port"], fields["port"], "console.port")
     defaults = ratchet_settings.ConsoleSettings().model_dump(mode="json")
-    for name, value in chart.values["console"]["config"].items():
-        assert value == defaults[name], f"console.config.{name}"
     assert chart.values["console"]["port"] == defaults["port"]
 
 

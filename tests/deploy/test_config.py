@@ -38,12 +38,23 @@ CHART_OWNED = {
     "proxy": {"host", "port", "api_keys", "admin_key", "user_vouching_keys"},
     "judge": {"metrics_host", "metrics_port", "judge_api_key"},
     "learner": {"metrics_host", "metrics_port", "base_model_path"},
+    "console": {"host", "port", "proxy_url", "proxy_metrics_url", "judge_metrics_url"},
 }
 CHART_DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
 SECTIONS = {
     "proxy": ratchet_settings.ProxySettings,
     "judge": ratchet_settings.JudgeSettings,
     "learner": ratchet_settings.LearnerSettings,
+}
+# The only settings values.yaml sets under a `<service>.config` block, and why: the chart's
+# decisions. Every other setting is left out there, so the service's own default applies (one
+# copy of each default: the models in ratchet/settings/).
+CHART_DECISIONS = {
+    # The bare service redacts nothing; a release redacts e-mail addresses before Kafka.
+    ("proxy", "redact_patterns"),
+    # The chart gives the learner GPUs of its own: sampling goes on while a round trains,
+    # whatever the service's default becomes.
+    ("judge", "pause_while_training"),
 }
 
 
@@ -330,14 +341,6 @@ def test_alias_values_mirror_the_settings(chart: helm.Chart) -> None:
                 _same_fields(config["properties"][name], sub, f"{section}.{name}")
             else:
                 _same_bounds(config["properties"][name], field, f"{section}.{name}")
-        # The chart's defaults for the section are the service's own defaults.
-        defaults = model().model_dump(mode="json")
-        for name, value in chart.values[section]["config"].items():
-            if (section, name) == ("proxy", "redact_patterns"):
-                continue  # the chart redacts e-mail addresses; the bare service redacts nothing
-            if isinstance(value, dict):  # a nested section: the keys the chart sets
-                value = _merged(defaults[name], value)
-            assert value == defaults[name], f"{section}.config.{name}"
     kafka = schema["properties"]["kafka"]["properties"]
     fields = ratchet_settings.KafkaSettings.model_fields
     assert set(kafka["securityProtocol"]["enum"]) == _literals(fields["security_protocol"])
@@ -346,6 +349,33 @@ def test_alias_values_mirror_the_settings(chart: helm.Chart) -> None:
     )
     assert set(kafka["compression"]["enum"]) == _literals(fields["compression"])
     assert set(kafka["idempotence"]["enum"]) == _literals(fields["idempotence"])
+
+
+def test_values_config_blocks_hold_only_the_charts_decisions(chart: helm.Chart) -> None:
+    """values.yaml repeats no setting's default: each key under a `<service>.config` block is a
+    setting the service accepts there (one the chart does not set itself) and one of
+    CHART_DECISIONS, and each of those is there."""
+    sections = {**SECTIONS, "console": ratchet_settings.ConsoleSettings}
+    found = set()
+    for section, model in sections.items():
+        config = chart.values[section]["config"]
+        settable = set(model.model_fields) - CHART_OWNED[section]
+        unknown = set(config) - settable
+        assert not unknown, f"{section}.config: {unknown} are not settings values may set"
+        model.model_validate(config)  # values the service accepts
+        for name in config:
+            assert (section, name) in CHART_DECISIONS, (
+                f"values.yaml sets {section}.config.{name}: leave it out so the service's default "
+                "applies, or add it to CHART_DECISIONS with why the chart decides otherwise"
+            )
+            found.add((section, name))
+    assert found == CHART_DECISIONS, "a chart decision that values.yaml no longer makes"
+    # A chart decision that differs from the service's default shows in a release's config.
+    rendered = render(chart, REQUIRED).config
+    assert (
+        rendered["proxy"]["redact_patterns"] == chart.values["proxy"]["config"]["redact_patterns"]
+    )
+    assert ratchet_settings.ProxySettings().redact_patterns != rendered["proxy"]["redact_patterns"]
 
 
 def _same_fields(schema: dict[str, Any], model: type[BaseModel], where: str) -> None:
@@ -515,6 +545,9 @@ def test_schema_refuses_bad_values(
     assert any(expected[-1] in e for e in report["errors"]), report["errors"]
 
 
+_DEFAULT_RANK = ratchet_settings.LearnerSettings().lora.rank
+_DEFAULT_MAX_PAIRS = ratchet_settings.AliasConfig().gate.max_pairs
+
 TEMPLATE_CHECKS = [
     (
         {"kafka": {"allowInsecure": False}},
@@ -568,9 +601,17 @@ TEMPLATE_CHECKS = [
         {"learner": {"config": {"lora": {"rank": 32}}}, "vllm": {"maxLoraRank": 16}},
         "learner.config.lora.rank (32) is above vllm.maxLoraRank (16)",
     ),
+    # A rank left out is the learner's default (_settings-defaults.tpl, generated), not a copy.
     (
-        {"aliases": {"support": {"gate": {"min_pairs": 100}}}},
-        "aliases.support.gate.max_pairs (64) is below gate.min_pairs (100)",
+        {"vllm": {"maxLoraRank": 1}},
+        f"learner.config.lora.rank ({_DEFAULT_RANK}) is above vllm.maxLoraRank (1)",
+    ),
+    # max_pairs left out is the gate's default, as the service reads it.
+    (
+        {"aliases": {"support": {"gate": {"min_pairs": _DEFAULT_MAX_PAIRS + 1}}}},
+        f"aliases.support.gate.max_pairs ({_DEFAULT_MAX_PAIRS}) is below gate.min_pairs "
+        f"({_DEFAULT_MAX_PAIRS + 1}): no gate could ever pass. Raise max_pairs "
+        f"(default {_DEFAULT_MAX_PAIRS})",
     ),
 ]
 
@@ -593,6 +634,9 @@ def test_consistent_values_pass_those_checks(chart: helm.Chart) -> None:
         {"vllm": {"enabled": False, "url": "http://v:8000"}, "learner": {"enabled": False}},
         {"learner": {"config": {"lora": {"rank": 16}}}, "vllm": {"maxLoraRank": 16}},
         {"aliases": {"support": {"gate": {"min_pairs": 100, "max_pairs": 100}}}},
+        # The defaults pass, as the service accepts them.
+        {"aliases": {"support": {"gate": {"min_pairs": _DEFAULT_MAX_PAIRS}}}},
+        {"vllm": {"maxLoraRank": _DEFAULT_RANK}},
         # Secure backends need no opt-out.
         {
             "kafka": {

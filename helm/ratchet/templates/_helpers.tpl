@@ -384,18 +384,20 @@ ratchet-plugins.yaml: |
 {{- if and .Values.learner.enabled (not .Values.vllm.enabled) (not .Values.adapters.existingClaim) }}
 {{- fail "learner.enabled is true with an existing vLLM (vllm.enabled=false) but adapters.existingClaim is empty: the learner must write the adapter store your vLLM reads (VLLM_LORA_RESOLVER_CACHE_DIR). Set adapters.existingClaim to that volume's claim, or learner.enabled=false" }}
 {{- end }}
+{{- /* A setting the values leave out takes the service's default (_settings-defaults.tpl). */}}
+{{- $defaults := include "ratchet.settingsDefaults" . | fromYaml }}
 {{- if and .Values.learner.enabled .Values.vllm.enabled }}
-{{- $rank := ((.Values.learner.config | default dict).lora | default dict).rank | default 16 }}
+{{- $rank := dig "lora" "rank" $defaults.learner.lora.rank (.Values.learner.config | default dict) }}
 {{- if gt (int $rank) (int .Values.vllm.maxLoraRank) }}
 {{- fail (printf "learner.config.lora.rank (%d) is above vllm.maxLoraRank (%d): vLLM would refuse every adapter the learner writes. Lower lora.rank or raise vllm.maxLoraRank" (int $rank) (int .Values.vllm.maxLoraRank)) }}
 {{- end }}
 {{- end }}
 {{- range $name, $alias := .Values.aliases }}
 {{- $gate := ($alias | default dict).gate | default dict }}
-{{- $min := $gate.min_pairs | default 32 }}
-{{- $max := $gate.max_pairs | default 64 }}
+{{- $min := dig "min_pairs" $defaults.aliases.gate.min_pairs $gate }}
+{{- $max := dig "max_pairs" $defaults.aliases.gate.max_pairs $gate }}
 {{- if lt (int $max) (int $min) }}
-{{- fail (printf "aliases.%s.gate.max_pairs (%d) is below gate.min_pairs (%d): no gate could ever pass. Raise max_pairs (default 64) or lower min_pairs" $name (int $max) (int $min)) }}
+{{- fail (printf "aliases.%s.gate.max_pairs (%d) is below gate.min_pairs (%d): no gate could ever pass. Raise max_pairs (default %d) or lower min_pairs" $name (int $max) (int $min) (int $defaults.aliases.gate.max_pairs)) }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -4,6 +4,7 @@ byte-equal to what `python -m ratchet.settings.generate` writes, and `--check` s
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -11,19 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from ratchet.settings import LearnerSettings, RatchetSettings
+from ratchet.settings import AliasConfig, LearnerSettings, RatchetSettings
 from ratchet.settings.generate import (
     CHART_PART_PATH,
+    DEFAULTS_TEMPLATE_PATH,
     PAGE_PATH,
     REPO,
     SCHEMA_PATH,
+    TEMPLATE_DEFAULTS,
     main,
     model_schema,
     outputs,
 )
 
 
-@pytest.mark.parametrize("path", [SCHEMA_PATH, PAGE_PATH], ids=str)
+@pytest.mark.parametrize("path", [SCHEMA_PATH, DEFAULTS_TEMPLATE_PATH, PAGE_PATH], ids=str)
 def test_the_generated_file_is_what_the_command_writes(path: Path) -> None:
     expected = outputs(REPO)[REPO / path]
     assert (REPO / path).read_text() == expected, (
@@ -34,7 +37,7 @@ def test_the_generated_file_is_what_the_command_writes(path: Path) -> None:
 def test_check_fails_when_a_generated_file_is_stale(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for path in (CHART_PART_PATH, SCHEMA_PATH, PAGE_PATH):
+    for path in (CHART_PART_PATH, SCHEMA_PATH, DEFAULTS_TEMPLATE_PATH, PAGE_PATH):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / path, tmp_path / path)
     assert main(["--check", "--root", str(tmp_path)]) == 0
@@ -48,7 +51,7 @@ def test_check_fails_when_a_generated_file_is_stale(
 
 
 def test_the_command_runs_as_a_module(tmp_path: Path) -> None:
-    for path in (CHART_PART_PATH, SCHEMA_PATH, PAGE_PATH):
+    for path in (CHART_PART_PATH, SCHEMA_PATH, DEFAULTS_TEMPLATE_PATH, PAGE_PATH):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / path, tmp_path / path)
     (tmp_path / SCHEMA_PATH).write_text("{}\n")
@@ -80,3 +83,15 @@ def test_the_schema_carries_the_models_descriptions() -> None:
         rank["description"]
         == model_schema(LearnerSettings)["properties"]["lora"]["properties"]["rank"]["description"]
     )
+
+
+def test_the_templates_read_only_generated_defaults() -> None:
+    """Each `$defaults.<path>` a template reads is one the generator writes (a missing one would
+    read as nil, i.e. 0, in Helm), with the model's value."""
+    text = (REPO / DEFAULTS_TEMPLATE_PATH).read_text()
+    defaults = json.loads(text.split("-}}\n", 1)[1].rsplit("{{- end }}", 1)[0])
+    templates = "".join(p.read_text() for p in (REPO / "helm/ratchet/templates").glob("*.tpl"))
+    read = set(re.findall(r"\$defaults\.([\w.]+)", templates))
+    assert read and read <= set(TEMPLATE_DEFAULTS), read - set(TEMPLATE_DEFAULTS)
+    assert defaults["learner"]["lora"]["rank"] == LearnerSettings().lora.rank
+    assert defaults["aliases"]["gate"]["max_pairs"] == AliasConfig().gate.max_pairs
