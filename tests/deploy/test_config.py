@@ -40,16 +40,31 @@ CHART_OWNED = {
     "learner": {"metrics_host", "metrics_port", "base_model_path"},
     "console": {"host", "port", "proxy_url", "proxy_metrics_url", "judge_metrics_url"},
 }
+# The chart's Kafka values and the `kafka` settings they set.
+KAFKA_VALUES = {
+    "securityProtocol": "security_protocol",
+    "topics.partitions": "topic_partitions",
+    "topics.replication": "topic_replication",
+    "topics.retentionMs": "topic_retention_ms",
+    "compression": "compression",
+    "idempotence": "idempotence",
+    "sessionTimeoutMs": "session_timeout_ms",
+}
 CHART_DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
 SECTIONS = {
     "proxy": ratchet_settings.ProxySettings,
     "judge": ratchet_settings.JudgeSettings,
     "learner": ratchet_settings.LearnerSettings,
 }
-# The only settings values.yaml sets under a `<service>.config` block, and why: the chart's
-# decisions. Every other setting is left out there, so the service's own default applies (one
-# copy of each default: the models in ratchet/settings/).
+# The only settings values.yaml sets under a `<service>.config` block or as a Kafka value, and
+# why: the chart's decisions. Every other setting is left out there, so the service's own default
+# applies (one copy of each default: the models in ratchet/settings/).
 CHART_DECISIONS = {
+    # SASL over TLS unless allowInsecure: whoever can produce to ratchet.groups chooses what the
+    # learner trains on. The services' default (PLAINTEXT) suits the local dev stack.
+    ("kafka", "securityProtocol"),
+    # Three copies of each topic; the services' default (1) suits a one-broker dev cluster.
+    ("kafka", "topics.replication"),
     # The bare service redacts nothing; a release redacts e-mail addresses before Kafka.
     ("proxy", "redact_patterns"),
     # The chart gives the learner GPUs of its own: sampling goes on while a round trains,
@@ -351,12 +366,30 @@ def test_alias_values_mirror_the_settings(chart: helm.Chart) -> None:
     assert set(kafka["idempotence"]["enum"]) == _literals(fields["idempotence"])
 
 
-def test_values_config_blocks_hold_only_the_charts_decisions(chart: helm.Chart) -> None:
+def test_values_config_blocks_hold_only_the_charts_decisions(
+    chart: helm.Chart, rendered: dict[str, Rendered]
+) -> None:
     """values.yaml repeats no setting's default: each key under a `<service>.config` block is a
-    setting the service accepts there (one the chart does not set itself) and one of
-    CHART_DECISIONS, and each of those is there."""
+    setting the service accepts there (one the chart does not set itself), and it and each Kafka
+    value it sets are one of CHART_DECISIONS, and each of those is there."""
     sections = {**SECTIONS, "console": ratchet_settings.ConsoleSettings}
     found = set()
+    kafka_values = chart.values["kafka"]
+    for dotted in KAFKA_VALUES:
+        parent, _, leaf = dotted.rpartition(".")
+        if leaf in (kafka_values.get(parent, {}) if parent else kafka_values):
+            assert ("kafka", dotted) in CHART_DECISIONS, (
+                f"values.yaml sets kafka.{dotted}: leave it out so the services' default applies, "
+                "or add it to CHART_DECISIONS with why the chart decides otherwise"
+            )
+            found.add(("kafka", dotted))
+    # Each Kafka value reaches ratchet.yaml when given, and only then.
+    given = load_values("all-on")["kafka"]
+    for dotted, setting in KAFKA_VALUES.items():
+        parent, _, leaf = dotted.rpartition(".")
+        value = (given[parent] if parent else given)[leaf]
+        assert rendered["all-on"].config["kafka"][setting] == value, dotted
+    assert "topic_partitions" not in rendered["defaults"].config["kafka"]
     for section, model in sections.items():
         config = chart.values[section]["config"]
         settable = set(model.model_fields) - CHART_OWNED[section]

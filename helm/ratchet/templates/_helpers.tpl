@@ -408,7 +408,16 @@ Secrets never appear here: they come in as RATCHET_* environment variables.
 */}}
 {{- define "ratchet.config" -}}
 {{- $served := include "ratchet.servedName" . }}
-{{- $kafka := dict "security_protocol" .Values.kafka.securityProtocol "topic_partitions" (int .Values.kafka.topics.partitions) "topic_replication" (int .Values.kafka.topics.replication) "topic_retention_ms" (int64 .Values.kafka.topics.retentionMs) "compression" .Values.kafka.compression "idempotence" .Values.kafka.idempotence "session_timeout_ms" (int .Values.kafka.sessionTimeoutMs) }}
+{{- $kafka := dict "security_protocol" .Values.kafka.securityProtocol }}
+{{- /* A Kafka value left out takes the services' default (the `kafka` section of the settings). */}}
+{{- with .Values.kafka.topics }}
+{{- if .partitions }}{{ $_ := set $kafka "topic_partitions" (int .partitions) }}{{ end }}
+{{- if .replication }}{{ $_ := set $kafka "topic_replication" (int .replication) }}{{ end }}
+{{- if .retentionMs }}{{ $_ := set $kafka "topic_retention_ms" (int64 .retentionMs) }}{{ end }}
+{{- end }}
+{{- with .Values.kafka.compression }}{{ $_ := set $kafka "compression" . }}{{ end }}
+{{- with .Values.kafka.idempotence }}{{ $_ := set $kafka "idempotence" . }}{{ end }}
+{{- with .Values.kafka.sessionTimeoutMs }}{{ $_ := set $kafka "session_timeout_ms" (int .) }}{{ end }}
 {{- if .Values.kafka.sasl.mechanism }}
 {{- $_ := set $kafka "sasl_mechanism" .Values.kafka.sasl.mechanism }}
 {{- $_ := set $kafka "sasl_username" .Values.kafka.sasl.username }}
