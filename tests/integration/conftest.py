@@ -162,7 +162,9 @@ class Embedded:
     def find_records(
         self, topic: str, match: Callable[[Record], bool], count: int = 1, timeout_s: float = 30
     ) -> list[Record]:
-        """Read `topic` from the start until `count` records satisfy `match`."""
+        """Read `topic` from the start until `count` records satisfy `match`, and on to the
+        topic's end: a caller that unpacks exactly `count` records also proves no duplicate was
+        logged (a spool replayed twice, a rating sent twice)."""
         consumer = make_consumer(
             self.settings.kafka_bootstrap_servers,
             self.settings.kafka,
@@ -173,15 +175,12 @@ class Embedded:
         found: list[Record] = []
         deadline = time.monotonic() + timeout_s
         try:
-            # The inner loop ends after a second with no message; it is also left at `count`,
-            # not at the topic's end (a whole topic read plus that idle second, at every call).
+            # The inner loop ends after a second with no message, at the topic's end.
             while time.monotonic() < deadline and len(found) < count:
                 for message in consumer:
                     record = decode(message.topic, message.value)
                     if record is not None and match(record):
                         found.append(record)
-                        if len(found) >= count:
-                            break
         finally:
             consumer.close()
         return found
