@@ -193,22 +193,29 @@ def start_offsets(settings: RatchetSettings, ends: dict[str, int], since: int) -
     consumer = make_consumer(settings.kafka_bootstrap_servers, settings.kafka, [], None)
     try:
         answered = consumer.offsets_for_times({tp: target for k, tp in tps.items() if ends[k]})
+        # Where each log starts now: retention may have deleted a partition's older records,
+        # or all of them.
+        begins = consumer.beginning_offsets(list(tps.values())) if tps else {}
         starts = {}
         for key, tp in tps.items():
             guess = answered.get(tp)
-            starts[key] = _first_at(consumer, tp, target, ends[key], guess and guess.offset)
+            begin = begins.get(tp, 0)
+            starts[key] = _first_at(consumer, tp, target, ends[key], guess and guess.offset, begin)
         return starts
     finally:
         consumer.close()
 
 
-def _first_at(consumer: Any, tp: Any, target: int, end: int, guess: int | None) -> int:
-    """The first offset below ``end`` whose record is at or after ``target``, else ``end``: the
-    broker's answer from its time index (``guess``) when it checks out, as a Kafka broker's
-    does; else a binary search on the records' own timestamps, a few records read in all. The
-    embedded Tansu answers 0 whatever the time."""
-    if end == 0:
-        return 0
+def _first_at(
+    consumer: Any, tp: Any, target: int, end: int, guess: int | None, begin: int = 0
+) -> int:
+    """The first offset in [``begin``, ``end``) whose record is at or after ``target``, else
+    ``end``: the broker's answer from its time index (``guess``) when it checks out, as a Kafka
+    broker's does; else a binary search on the records' own timestamps, a few records read in
+    all. The embedded Tansu answers 0 whatever the time. ``begin`` is where the log starts now
+    (retention deletes the oldest records): nothing below it can be read."""
+    if end <= begin:
+        return end  # empty, or emptied by retention: nothing to read
     consumer.assign([tp])
 
     def first_record(offset: int) -> tuple[int, int]:
@@ -220,12 +227,12 @@ def _first_at(consumer: Any, tp: Any, target: int, end: int, guess: int | None) 
                 return message.offset, message.timestamp
         raise ExportError(f"could not read {tp.topic}:{tp.partition} at {offset}: is Kafka up?")
 
-    guess = min(guess if guess is not None else end, end)
+    guess = min(max(guess if guess is not None else end, begin), end)
     if (guess == end or first_record(guess)[1] >= target) and (
-        guess == 0 or first_record(guess - 1)[1] < target
+        guess == begin or first_record(guess - 1)[1] < target
     ):
         return guess
-    low, high = 0, end
+    low, high = begin, end
     while low < high:
         middle = (low + high) // 2
         offset, timestamp = first_record(middle)

@@ -279,18 +279,22 @@ class TimestampedLog:
     """A partition's records as a consumer reads them, one timestamp per offset, counting the
     records it hands out: what the start-offset search asks of a Kafka consumer."""
 
-    def __init__(self, timestamps: list[int]) -> None:
-        self.timestamps, self.position, self.reads = timestamps, 0, 0
+    def __init__(self, timestamps: list[int], begin: int = 0) -> None:
+        """Offsets below ``begin`` were deleted by retention."""
+        self.timestamps, self.begin, self.position, self.reads = timestamps, begin, 0, 0
 
     def assign(self, tps: list[Any]) -> None:
         pass
 
     def seek(self, tp: Any, offset: int) -> None:
-        self.position = offset
+        # Below the log's start a consumer resets to it (auto_offset_reset="earliest").
+        self.position = max(offset, self.begin)
 
     def poll(self, timeout_ms: int, max_records: int) -> dict[Any, list[Any]]:
         self.reads += 1
         offset = self.position
+        if offset >= len(self.timestamps):
+            raise AssertionError(f"read at {offset}, past the log's last record: would wait 30 s")
         message = type("Message", (), {"offset": offset, "timestamp": self.timestamps[offset]})
         return {"tp": [message]}
 
@@ -312,6 +316,19 @@ def test_the_start_is_the_brokers_answer_when_it_checks_out_else_searched(
     assert log.reads == reads
     # None at or after the target: the scan starts at the end, having read one record.
     assert export_run._first_at(TimestampedLog([1, 2, 3]), "tp", 65, 3, None) == 3
+
+
+def test_a_partition_retention_emptied_or_trimmed_starts_where_its_log_does() -> None:
+    """Retention deleted every record of an idle partition: nothing to read, the scan starts at
+    its end (a read there would wait for a record that never comes, then fail the export)."""
+    emptied = TimestampedLog([1, 2, 3], begin=3)
+    assert export_run._first_at(emptied, "tp", 65, 3, 3, begin=3) == 3
+    assert export_run._first_at(emptied, "tp", 65, 3, None, begin=3) == 3
+    assert emptied.reads == 0
+    # Trimmed to offset 4: the search starts there, never below the log's start.
+    trimmed = TimestampedLog([10, 20, 30, 40, 50, 60, 70, 80, 90, 100], begin=4)
+    assert export_run._first_at(trimmed, "tp", 65, 10, None, begin=4) == 6
+    assert export_run._first_at(trimmed, "tp", 25, 10, 0, begin=4) == 4
 
 
 def test_the_export_command_is_on_the_app() -> None:
