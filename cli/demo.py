@@ -69,6 +69,14 @@ def demo(
         )
 
 
+# An answer on the CPU stack can wait behind the judge's sampling for minutes: as long as the
+# OpenAI client's default. A rating is one Redis and one Kafka write.
+ANSWER_TIMEOUT_S = 600.0
+RATING_TIMEOUT_S = 30.0
+RATE_ATTEMPTS = 3
+RETRY_AFTER_CAP_S = 5.0  # the proxy asks 1-5 s; a demo waits no longer whatever it is told
+
+
 class DemoReplay:
     """Sends each prompt as a user would and scores the answer with the demo verifier, by the
     version that served it; with ``feedback``, the score goes back as the user's rating."""
@@ -101,7 +109,7 @@ class DemoReplay:
         import aiohttp
 
         headers = {"Authorization": f"Bearer {self.api_key}"}
-        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+        timeout = aiohttp.ClientTimeout(total=ANSWER_TIMEOUT_S)
         limit = asyncio.Semaphore(self.concurrency)
         async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
 
@@ -142,27 +150,39 @@ class DemoReplay:
 
     async def rate(self, session: aiohttp.ClientSession, completion_id: str, score: float) -> None:
         rating = {"completion_id": completion_id, "score": score}
-        reply = await self.post(session, "/feedback", rating)
+        reply = await self.post(session, "/feedback", rating, RATING_TIMEOUT_S)
         if isinstance(reply, str) or reply.status != 200:
             self.failures.append(f"feedback: {reply}"[:200])
 
     async def post(
-        self, session: aiohttp.ClientSession, path: str, body: dict[str, Any]
+        self,
+        session: aiohttp.ClientSession,
+        path: str,
+        body: dict[str, Any],
+        timeout_s: float = ANSWER_TIMEOUT_S,
     ) -> Reply | str:
-        """POST as a well-behaved client does: a 429 or 503 (the proxy could not take the
-        request just then, and says when to come back) is sent again after its Retry-After, up
-        to RATE_ATTEMPTS times. The last reply, or what went wrong if none came."""
+        """POST as the OpenAI client the demo used to send with does: a lost connection, a 408,
+        429 or 5xx (the proxy or vLLM could not take the request just then) is sent again
+        after its Retry-After, up to RATE_ATTEMPTS times. The last reply, or what went wrong if
+        none came."""
         import asyncio
 
         import aiohttp
 
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
         for attempt in range(1, RATE_ATTEMPTS + 1):
             try:
-                async with session.post(f"{self.base_url}{path}", json=body) as response:
+                url = f"{self.base_url}{path}"
+                async with session.post(url, json=body, timeout=timeout) as response:
                     reply = Reply(response.status, response.headers.copy(), await response.text())
+            except aiohttp.ClientConnectionError as exc:
+                if attempt == RATE_ATTEMPTS:
+                    return f"{path}: {exc!r}"
+                await asyncio.sleep(retry_after_s(None))
+                continue
             except (aiohttp.ClientError, TimeoutError) as exc:
                 return f"{path}: {exc!r}"
-            if reply.status not in (429, 503) or attempt == RATE_ATTEMPTS:
+            if not transient(reply.status) or attempt == RATE_ATTEMPTS:
                 break
             await asyncio.sleep(retry_after_s(reply.headers.get("Retry-After")))
         return reply
@@ -178,9 +198,10 @@ class Reply:
         return f"{self.status} {self.text}"
 
 
-REQUEST_TIMEOUT_S = 30.0
-RATE_ATTEMPTS = 3
-RETRY_AFTER_CAP_S = 5.0  # the proxy asks 1-5 s; a demo waits no longer whatever it is told
+def transient(status: int) -> bool:
+    """The server could not take the request just then: sent again, as the OpenAI client does
+    (not a 409, which the proxy answers a rating it refuses for what it is)."""
+    return status in (408, 429) or status >= 500
 
 
 def retry_after_s(header: str | None) -> float:

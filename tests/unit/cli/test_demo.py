@@ -97,6 +97,11 @@ def test_a_rating_the_proxy_could_not_check_just_then_is_sent_again() -> None:
     assert seen == [503, 200] and replay.failures == []
     replay, seen = rated_with([503] * RATE_ATTEMPTS)
     assert len(seen) == RATE_ATTEMPTS and replay.failures[0].startswith("feedback: 503")
+    # As the OpenAI client: a 500 or 408 is sent again too; a 400 is the request's fault.
+    replay, seen = rated_with([500, 408, 200])
+    assert seen == [500, 408, 200] and replay.failures == []
+    replay, seen = rated_with([400, 200])
+    assert seen == [400] and replay.failures[0].startswith("feedback: 400")
     replay, seen = rated_with([409])  # refused for what it is: not sent again
     assert seen == [409] and replay.failures[0].startswith("feedback: 409")
 
