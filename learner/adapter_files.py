@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -56,6 +57,19 @@ def saved_key(param_name: str, adapter: str = "default") -> str:
     return param_name.replace(f".{adapter}", "")
 
 
+@dataclass(frozen=True)
+class ReadAdapter:
+    """A stored adapter read into memory and checked (:meth:`AdapterState.read_adapter`): its
+    whole weights in the model's parameter order, its optimizer state (None: none that fits)."""
+
+    weights: list[Tensor]
+    optimizer: dict[str, Any] | None
+
+
+def read_optimizer_state(path: Path, device: torch.device) -> dict[str, Any]:
+    return cast(dict[str, Any], torch.load(path, map_location=device, weights_only=True))
+
+
 class AdapterState:
     """The adapter and optimizer state of :class:`learner.trainer.LoraGRPOLearner`: loaded from
     a stored version or fresh, and written as a candidate. The learner sets these attributes."""
@@ -84,19 +98,14 @@ class AdapterState:
         """Start from a fresh LoRA (None: v0 -> v1) or from a stored version, with its optimizer
         state when the folder has one. The stored adapter's rank, alpha and target modules must
         match the settings: a different shape cannot continue it."""
-        self._load_adapter(folder)
-        if self.sharded:
-            self._gather()
+        self.set_adapter(self.read_adapter(folder))
 
-    def _load_adapter(self, folder: Path | None) -> None:
-        self.rounds = self.optimizer_steps = self.groups_seen = self.tokens_seen = 0
-        self.last_round = None
-        self.optimizer = self._new_optimizer()
+    def read_adapter(self, folder: Path | None) -> ReadAdapter | None:
+        """This rank alone, no collective: every check of a stored adapter and every file of it
+        read into memory (None: a fresh LoRA). ValueError if it does not fit the settings or the
+        model; an unreadable file raises as the read does. Nothing of the learner changes yet."""
         if folder is None:
-            with torch.no_grad():
-                for param, fresh in zip(self.params, self._fresh, strict=True):
-                    param.copy_(fresh)
-            return
+            return None
         from safetensors.torch import load_file
 
         folder = Path(folder)
@@ -111,25 +120,6 @@ class AdapterState:
                 f"{wanted}; start a fresh adapter to change its shape"
             )
         weights = load_file(folder / ADAPTER_WEIGHTS, device=str(self.device))
-        self._set_weights(folder, weights)
-        path = folder / OPTIMIZER_FILE
-        if not path.is_file():
-            log.info("%s has no %s: fresh optimizer state", folder.name, OPTIMIZER_FILE)
-            return
-        state = torch.load(path, map_location=self.device, weights_only=True)
-        if state.get("format") != STATE_FORMAT or state.get("param_names") != self.param_names:
-            log.warning("%s: optimizer state does not fit this model; starting it fresh", path)
-            return
-        self.optimizer.load_state_dict(scattered(state["optimizer"], self.params))
-        for group in self.optimizer.param_groups:  # the settings win over the stored values
-            group.update(lr=self.train.learning_rate, weight_decay=self.train.weight_decay)
-        self.rounds, self.optimizer_steps = int(state["rounds"]), int(state["optimizer_steps"])
-        self.groups_seen, self.tokens_seen = int(state["groups_seen"]), int(state["tokens_seen"])
-
-    def _set_weights(self, folder: Path, weights: dict[str, Tensor]) -> None:
-        """The adapter's weights (keyed as peft saves them) into the model, each rank's shard
-        of each where it is sharded (peft's loader copies whole tensors); ValueError if they do
-        not fit it."""
         keys = [saved_key(name) for name in self.param_names]
         missing = [k for k in keys if k not in weights]
         unexpected = sorted(set(weights) - set(keys))
@@ -138,9 +128,38 @@ class AdapterState:
                 f"{folder.name}: adapter weights do not fit the model "
                 f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
             )
+        path = folder / OPTIMIZER_FILE
+        state: dict[str, Any] | None = None
+        if not path.is_file():
+            log.info("%s has no %s: fresh optimizer state", folder.name, OPTIMIZER_FILE)
+        else:
+            state = read_optimizer_state(path, self.device)
+            if state.get("format") != STATE_FORMAT or state.get("param_names") != self.param_names:
+                log.warning("%s: optimizer state does not fit this model; starting it fresh", path)
+                state = None
+        return ReadAdapter([weights[key] for key in keys], state)
+
+    def set_adapter(self, read: ReadAdapter | None) -> None:
+        """What :meth:`read_adapter` read (None: a fresh LoRA) made the learner's adapter and
+        optimizer state. Sharded, collectives: each rank keeps its shards of what it read, then
+        every rank gathers the whole adapter; every rank must call it, after every rank read."""
+        self.rounds = self.optimizer_steps = self.groups_seen = self.tokens_seen = 0
+        self.last_round = None
+        self.optimizer = self._new_optimizer()
         with torch.no_grad():
-            for key, param in zip(keys, self.params, strict=True):
-                param.copy_(like(weights[key].to(param.dtype), param))
+            tensors = self._fresh if read is None else read.weights
+            for tensor, param in zip(tensors, self.params, strict=True):
+                param.copy_(tensor if read is None else like(tensor.to(param.dtype), param))
+        state = read.optimizer if read is not None else None
+        if state is not None:
+            self.optimizer.load_state_dict(scattered(state["optimizer"], self.params))
+            for group in self.optimizer.param_groups:  # the settings win over the stored values
+                group.update(lr=self.train.learning_rate, weight_decay=self.train.weight_decay)
+            self.rounds, self.optimizer_steps = int(state["rounds"]), int(state["optimizer_steps"])
+            self.groups_seen = int(state["groups_seen"])
+            self.tokens_seen = int(state["tokens_seen"])
+        if self.sharded:
+            self._gather()
 
     def _gather(self) -> None:
         """Every rank: the whole adapter and optimizer state, kept for :meth:`save_candidate`."""

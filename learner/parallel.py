@@ -259,7 +259,9 @@ def scattered(optimizer_state: dict[str, Any], params: Sequence[Tensor]) -> dict
 class RoundTrainer(Protocol):
     """What a rank trains a round with (learner/trainer.py's LoraGRPOLearner)."""
 
-    def load_adapter(self, folder: Path | None) -> None: ...
+    def read_adapter(self, folder: Path | None) -> Any: ...
+
+    def set_adapter(self, read: Any) -> None: ...
 
     def train_round(self, groups: list[ScoredGroup]) -> Any: ...
 
@@ -280,26 +282,31 @@ def send_stop() -> None:
 
 
 def load_on_every_rank(trainer: RoundTrainer, adapter: Path | None) -> None:
-    """Load the round's starting adapter on this rank, then learn (one collective every rank
-    joins, failed or not) whether every rank loaded it. If one did not, every rank raises: rank 0
-    its own error when it had one (as one rank alone would, so an outage stays an outage), else
-    :class:`AdapterLoadFailed` naming the ranks' errors; the round then fails on every rank alike.
+    """Load the round's starting adapter on every rank, in two parts with one agreement between.
 
-    The loader's checks (the adapter's shape against the settings, its files read) come before
-    any collective of its own, so a rank that fails them leaves no other waiting mid-load."""
+    First each rank alone reads it (``read_adapter``: every check of its shape against the
+    settings and the model, its weights and optimizer state read into memory; no collective).
+    Then one collective every rank joins, failed or not (``all_gather_object``), tells each rank
+    whether every rank read it. If one did not, every rank raises before any collective of the
+    load: rank 0 its own error when it had one (as one rank alone would, so an outage stays an
+    outage), else :class:`AdapterLoadFailed` naming the ranks' errors; the round then fails on
+    every rank alike and none waits mid-load. Only when all read it does each rank set it
+    (``set_adapter``: sharded, the scatter of the weights and optimizer state, the gather of the
+    whole adapter, collectives every rank joins)."""
     own: Exception | None = None
+    read: Any = None
     try:
-        trainer.load_adapter(adapter)
+        read = trainer.read_adapter(adapter)
     except Exception as exc:  # told to every rank below; raised again after
         own = exc
     errors: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, None if own is None else f"{type(own).__name__}: {own}")
     failed = [f"rank {rank}: {error}" for rank, error in enumerate(errors) if error is not None]
-    if not failed:
-        return
-    if own is not None and dist.get_rank() == 0:
-        raise own
-    raise AdapterLoadFailed(f"adapter {adapter} did not load: " + "; ".join(failed)) from own
+    if failed:
+        if own is not None and dist.get_rank() == 0:
+            raise own
+        raise AdapterLoadFailed(f"adapter {adapter} did not load: " + "; ".join(failed)) from own
+    trainer.set_adapter(read)
 
 
 def lead_round(trainer: RoundTrainer, groups: list[ScoredGroup], adapter: Path | None) -> None:

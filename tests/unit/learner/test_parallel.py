@@ -88,8 +88,11 @@ def rank_main(rank: int, model: str, port: int, out: str, sharding: str = "repli
         seen: list[dict[str, Any]] = []
 
         class Seeing:  # the trainer, keeping each round's outcome
-            def load_adapter(self, folder: Path | None) -> None:
-                trainer.load_adapter(folder)
+            def read_adapter(self, folder: Path | None) -> Any:
+                return trainer.read_adapter(folder)
+
+            def set_adapter(self, read: Any) -> None:
+                trainer.set_adapter(read)
 
             def train_round(self, groups: list[Any]) -> Any:
                 stats = trainer.train_round(groups)
