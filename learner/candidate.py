@@ -15,7 +15,10 @@ A version the learner trained (or one ``ratchet import`` queued) goes through th
 - ``promoted`` / ``rejected``: settled; nothing moves it again.
 
 :func:`move` is the only way a stage changes; a move not in :data:`MOVES` raises
-:class:`WrongMove`. :class:`Candidates` keeps each alias's candidates in Redis
+:class:`WrongMove`. Where the lifecycle itself has moved (a promotion, a rejection, a canary,
+written in its transaction: :meth:`Candidates.reached`), the record follows it and never blocks
+it: a wrong move there is logged as an error, counted, and the record overwritten to the stage
+the lifecycle reached. :class:`Candidates` keeps each alias's candidates in Redis
 (``ratchet:learner:<alias>:candidates``, a hash: version -> the candidate's JSON), written in the
 transaction of the lifecycle change where there is one, so a restarted learner reads where each
 stands: a held one is settled once its canary ends (learner/held.py), one caught in ``trained``
@@ -30,6 +33,7 @@ stay what the console and the CLI read; this is the learner's own view of the sa
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
@@ -37,8 +41,11 @@ from enum import StrEnum
 from typing import Any
 
 import redis
+from prometheus_client import Counter
 
 from ratchet.registry import AliasRoute
+
+log = logging.getLogger(__name__)
 
 KEEP_SETTLED = 20  # settled candidates kept per alias, the newest: enough to read a story back
 
@@ -135,8 +142,9 @@ class Candidates:
     given: the lifecycle change's transaction), and settled ones beyond the newest
     :data:`KEEP_SETTLED` are pruned when another settles."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, record_errors: Counter | None = None) -> None:
         self.client = client
+        self.record_errors = record_errors  # by alias: wrong moves :meth:`reached` overwrote
 
     def get(self, alias: str, version: int) -> Candidate | None:
         raw = self.client.hget(candidates_key(alias), str(version))
@@ -168,6 +176,28 @@ class Candidates:
         if current is None:
             return None
         moved = self.put(move(current, stage, reason), pipe)
+        if moved.settled:
+            self.prune(alias)
+        return moved
+
+    def reached(
+        self, alias: str, version: int, stage: Stage, reason: str = "", pipe: Any = None
+    ) -> Candidate | None:
+        """The lifecycle has moved the candidate to ``stage`` (a promotion, a rejection, a
+        canary, written on ``pipe``, its transaction): the record follows and never blocks it.
+        A move :func:`move` refuses (the learner's own bookkeeping wrong: a bug) is logged as an
+        error, counted, and the record overwritten to ``stage``; None when none is stored."""
+        current = self.get(alias, version)
+        if current is None:
+            return None
+        try:
+            moved = move(current, stage, reason)
+        except WrongMove as exc:
+            log.error("candidate record overwritten, the lifecycle went on: %s", exc)
+            if self.record_errors is not None:
+                self.record_errors.labels(alias).inc()
+            moved = replace(current, stage=stage, reason=reason, updated_at=time.time())
+        self.put(moved, pipe)
         if moved.settled:
             self.prune(alias)
         return moved

@@ -149,7 +149,7 @@ def reject_orphan(rounds: Rounds, alias: str, live: int, held: HeldCandidate) ->
 
     def spend(pipe: object) -> None:
         mark_trained(pipe, alias, held.group_ids)
-        rounds.candidates.move(alias, held.version, Stage.REJECTED, reason, pipe)
+        rounds.candidates.reached(alias, held.version, Stage.REJECTED, reason, pipe)
 
     rounds.lifecycle.reject(alias, held.version, detail, also=spend)
     rounds.metrics.rounds.labels(alias, "rejected").inc()

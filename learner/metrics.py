@@ -115,6 +115,13 @@ class LearnerMetrics:
             ("alias", "cause"),
             registry=r,
         )
+        self.candidate_record_errors = Counter(
+            "ratchet_learner_candidate_record_errors_total",
+            "Candidate records the lifecycle's outcome found in a stage it does not move from "
+            "(a bookkeeping bug): overwritten, the outcome went through",
+            ("alias",),
+            registry=r,
+        )
 
     def _add_progress_metrics(self, r: CollectorRegistry) -> None:
         """The running round's phase and step, as the console shows them."""

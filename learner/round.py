@@ -151,7 +151,7 @@ class Rounds:
         # Shared with the service's loop: one throttle and one view of what Redis holds.
         self.progress = ProgressReporter(self.redis, metrics)
         self._progress: dict[str, LearnerProgress] = {}  # each running round's, as reported
-        self.candidates = Candidates(self.redis)
+        self.candidates = Candidates(self.redis, metrics.candidate_record_errors)
 
     def run(
         self,
@@ -394,7 +394,7 @@ class Rounds:
         def moved(stage: Stage, reason: str = "") -> Callable[[Any], None]:
             def write(pipe: Any) -> None:
                 also(pipe)
-                self.candidates.move(alias, version, stage, reason, pipe)
+                self.candidates.reached(alias, version, stage, reason, pipe)
                 if stage == Stage.CANARY:
                     reset_counts(pipe, alias, version)
 

@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import redis
+from prometheus_client import CollectorRegistry, Counter
 
 from learner.candidate import (
     KEEP_SETTLED,
@@ -123,3 +124,20 @@ def test_orphans_of_rounds_are_dropped_and_imports_and_held_ones_kept(redis_url:
     assert book.get(ALIAS, 1).reason == "no outcome: its round did not finish"  # type: ignore[union-attr]
     assert book.drop(ALIAS, 1, "again") is not None  # settled already: left as it is
     assert book.get(ALIAS, 1).reason == "no outcome: its round did not finish"  # type: ignore[union-attr]
+
+
+def test_where_the_lifecycle_moved_the_record_follows_even_from_a_wrong_stage(
+    redis_url: str,
+) -> None:
+    errors = Counter("record_errors", "test", ("alias",), registry=CollectorRegistry())
+    book = Candidates(redis.Redis.from_url(redis_url), errors)
+    book.add(Candidate(ALIAS, 1, 0, Stage.HELD))  # the lifecycle promotes it: a bookkeeping bug
+    with pytest.raises(WrongMove):  # a direct caller's move stays strict
+        book.move(ALIAS, 1, Stage.PROMOTED)
+    moved = book.reached(ALIAS, 1, Stage.PROMOTED)
+    assert moved is not None and book.get(ALIAS, 1) == moved and moved.stage == Stage.PROMOTED
+    assert errors.labels(ALIAS)._value.get() == 1
+    book.add(Candidate(ALIAS, 2, 0, Stage.GATING))
+    assert book.reached(ALIAS, 2, Stage.REJECTED, "worse").reason == "worse"  # type: ignore[union-attr]
+    assert errors.labels(ALIAS)._value.get() == 1  # a move of the lifecycle: no error
+    assert book.reached(ALIAS, 9, Stage.PROMOTED) is None  # none stored

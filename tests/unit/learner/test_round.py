@@ -13,6 +13,7 @@ import pytest
 from kafka.errors import KafkaError
 from kafka.structs import TopicPartition
 
+from learner.candidate import Candidate, Stage
 from learner.gate import GateError
 from learner.gate_verdict import GateResult
 from learner.heldout import HeldoutPool
@@ -225,6 +226,37 @@ def test_without_a_canary_a_passing_candidate_is_promoted_and_trains_on(
     assert report.version == 2 and asked[-1][1:] == ("support@v2", "support@v1")
     assert rounds.trainer().loaded[-1] == rounds.store.path(ALIAS, 1)  # type: ignore[attr-defined]
     assert rounds.store.meta(ALIAS, 2)["parent_version"] == 1
+
+
+@pytest.mark.parametrize(
+    ("passed", "outcome", "found"),
+    [(True, "promoted", Stage.HELD), (False, "rejected", Stage.PROMOTED)],
+)
+def test_a_candidate_record_in_a_stage_it_should_not_be_does_not_stop_the_outcome(
+    redis_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    passed: bool,
+    outcome: str,
+    found: Stage,
+) -> None:
+    # The learner's own bookkeeping went wrong (here: another writer, mid-gate): the promotion or
+    # rejection still goes through, and the record follows where the lifecycle went.
+    rounds = make_rounds(redis_url, tmp_path, canary_weight=0.0)
+    script_gate(rounds, monkeypatch, verdict(passed))
+    evaluate = rounds.gate.evaluate
+
+    async def then_miswritten(*args: Any, **kwargs: Any) -> GateResult:
+        rounds.candidates.put(Candidate(ALIAS, 1, 0, found))
+        return await evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(rounds.gate, "evaluate", then_miswritten)
+    assert run(rounds).outcome == outcome
+    route = rounds.lifecycle.writer.read(ALIAS)
+    assert route is not None and route.active == (1 if passed else 0) and not route.paused
+    assert kinds(rounds)[-1] == ("promote" if passed else "reject")
+    assert rounds.candidates.get(ALIAS, 1).stage == Stage(outcome)  # type: ignore[union-attr]
+    assert metric(rounds, "ratchet_learner_candidate_record_errors_total") == 1
 
 
 def test_a_gate_that_fails_rejects_the_candidate(
