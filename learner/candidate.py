@@ -9,7 +9,8 @@ A version the learner trained (or one ``ratchet import`` queued) goes through th
        +-------+---------+-------> rejected
 
 - ``trained``: written to the store, its ``candidate`` event recorded; its gate comes next;
-- ``held``: trained on from the alias's canary while it ran; gated once the canary ends;
+- ``held``: trained on from the alias's canary while it ran (written held, never ``trained``
+  first: a restart keeps it); gated once the canary ends;
 - ``gating``: its gate runs against the live version;
 - ``canary``: it serves a share of the alias's traffic (learner/canary.py decides);
 - ``promoted`` / ``rejected``: settled; nothing moves it again.

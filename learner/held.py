@@ -95,8 +95,7 @@ def train_through_canary(
     scored = [w.group for w in groups]
     with rounds.reporting(alias, route, heldout, waiting) as left:
         stats = rounds.train(alias, route.active, start, scored)
-        version = rounds.write(alias, route.canary, Start(route.canary), scored, stats)
-        rounds.candidates.move(alias, version, Stage.HELD)
+        version = rounds.write(alias, route.canary, Start(route.canary), scored, stats, Stage.HELD)
         left.count = max(0, waiting - len(groups))
     log.info("%s: v%d held: gated once canary v%d ends", alias, version, route.canary)
     ids = [g.group_id for g in scored]

@@ -293,12 +293,20 @@ class Rounds:
         return stats
 
     def write(
-        self, alias: str, parent: int, start: Start, groups: list[ScoredGroup], stats: RoundStats
+        self,
+        alias: str,
+        parent: int,
+        start: Start,
+        groups: list[ScoredGroup],
+        stats: RoundStats,
+        stage: Stage = Stage.TRAINED,
     ) -> int:
         """The candidate written to the store as the next version, and its ``candidate`` event.
         Its ``parent`` is the version it would replace, the live one (or the canary it trained on
         from: live by the time it is gated); the lineage rollbacks and staleness walk follows
-        it. ``trained_from`` is where its weights started, ``start.rounds`` beyond ``parent``."""
+        it. ``trained_from`` is where its weights started, ``start.rounds`` beyond ``parent``.
+        Its candidate record starts at ``stage`` (held: trained on from a canary), in the same
+        transaction as the event, so no crash leaves it at a stage it never meant."""
         version = self.next_version(alias)
         self.report(alias, "write", version=version)
         self.trainer().save_candidate(
@@ -322,6 +330,7 @@ class Rounds:
             alias,
             version,
             parent,
+            stage,
             group_ids=tuple(g.group_id for g in groups),
             stats=stats.as_dict(),
             bill=training_bill(groups, stats).as_dict(),

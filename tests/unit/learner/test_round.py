@@ -558,6 +558,28 @@ def test_a_round_caught_before_its_outcome_is_dropped_by_the_next_round(
     )
 
 
+def test_a_held_round_killed_right_after_its_write_stays_held(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service, _ = on_canary(redis_url, tmp_path, monkeypatch)
+    write = service.rounds.write
+
+    def then_killed(*args: Any, **kwargs: Any) -> int:
+        write(*args, **kwargs)
+        raise RuntimeError("killed right after the write")
+
+    monkeypatch.setattr(service.rounds, "write", then_killed)
+    service.refresh_routes()
+    for offset, gid in ((2, "g3"), (3, "g4")):
+        assert service.take(group(gid, version=1), TP, offset) == "waiting"
+    assert service.leased_round(ALIAS) == []  # failed
+    # Written held in the one write: what it learned on the canary is settled once it ends,
+    # not rejected as an orphan of a round.
+    assert stages(service) == {1: "canary", 2: "held"}
+    assert service.rounds.candidates.drop_orphans(ALIAS) == []
+    assert stages(service) == {1: "canary", 2: "held"}
+
+
 def test_a_round_held_on_a_canary_that_is_rolled_back_is_rejected_without_a_gate(
     redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
