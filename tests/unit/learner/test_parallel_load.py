@@ -119,6 +119,10 @@ def one_rank_fails_main(rank: int, model: str, port: int, good: str, out: str) -
         Path(out, f"rank{rank}.json").write_text(json.dumps(trainer.trained))
     finally:
         dist.destroy_process_group()
+    # What the test checks is written. After sharded rounds, the interpreter's own teardown can
+    # abort in gloo's threads ("terminate called without an active exception", seen in about one
+    # run in five, after both ranks had written their results): leave without it.
+    os._exit(0)
 
 
 def test_a_load_one_rank_fails_after_reading_fails_the_round_on_every_rank_sharded(
