@@ -164,6 +164,13 @@ class Candidates:
         target.hset(candidates_key(candidate.alias), str(candidate.version), candidate.to_json())
         return candidate
 
+    def write(self, moved: Candidate, pipe: Any = None) -> Candidate:
+        """Store a candidate just moved; one that settled makes room by pruning the oldest."""
+        self.put(moved, pipe)
+        if moved.settled:
+            self.prune(moved.alias)
+        return moved
+
     def add(self, candidate: Candidate, pipe: Any = None) -> None:
         """A new candidate (a round's, written to the store; an import, met at its gate)."""
         self.put(candidate, pipe)
@@ -176,10 +183,7 @@ class Candidates:
         current = self.get(alias, version)
         if current is None:
             return None
-        moved = self.put(move(current, stage, reason), pipe)
-        if moved.settled:
-            self.prune(alias)
-        return moved
+        return self.write(move(current, stage, reason), pipe)
 
     def reached(
         self, alias: str, version: int, stage: Stage, reason: str = "", pipe: Any = None
@@ -198,10 +202,7 @@ class Candidates:
             if self.record_errors is not None:
                 self.record_errors.labels(alias).inc()
             moved = replace(current, stage=stage, reason=reason, updated_at=time.time())
-        self.put(moved, pipe)
-        if moved.settled:
-            self.prune(alias)
-        return moved
+        return self.write(moved, pipe)
 
     def begin_gate(self, alias: str, version: int, live: int) -> Candidate:
         """The candidate's gate begins: moved to ``gating``. One gating already is an import
@@ -220,9 +221,7 @@ class Candidates:
         current = self.get(alias, version)
         if current is None or current.settled:
             return current
-        moved = self.put(move(current, Stage.REJECTED, reason), pipe)
-        self.prune(alias)
-        return moved
+        return self.write(move(current, Stage.REJECTED, reason), pipe)
 
     def drop_orphans(self, alias: str) -> list[Candidate]:
         """Round candidates caught ``trained`` or ``gating`` by a restart or a failed round: no
