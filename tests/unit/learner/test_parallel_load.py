@@ -58,10 +58,15 @@ class Counting:
         return self.trainer.train_round(groups)
 
 
-def rank_main(rank: int, model: str, port: int, bad: str, out: str) -> None:
+def join_group(rank: int, port: int, timeout: datetime.timedelta | None = None) -> None:
+    """This spawned process joins the two-rank gloo group, on one thread."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timeout)
+
+
+def rank_main(rank: int, model: str, port: int, bad: str, out: str) -> None:
+    join_group(rank, port)
     try:
         trainer = Counting(learner(Path(model)))
         if rank == 0:  # the service's side (learner/round.py): lead, then train
@@ -98,11 +103,8 @@ def unreadable(path: Path, device: torch.device) -> dict[str, Any]:
 
 
 def one_rank_fails_main(rank: int, model: str, port: int, good: str, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # A collective left waiting errs after a minute rather than in a week: the test's deadline.
-    timeout = datetime.timedelta(seconds=60)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timeout)
+    join_group(rank, port, datetime.timedelta(seconds=60))
     try:
         trainer = Counting(learner(Path(model), "fsdp"))
         if rank == 1:  # this rank alone cannot read the adapter's optimizer state
