@@ -229,7 +229,7 @@ def _add_session_routes(app: FastAPI, console: Console) -> None:
         await console.identify(request)  # the page drawn next asks who is admin
         form = await form_of(request)
         key, target = form.get("key", ""), safe_next(form.get("next", "/"))
-        outcome = await asyncio.to_thread(console.auth.login, key, source_of(request))
+        outcome = await asyncio.to_thread(console.auth.login, request, key)
         if isinstance(outcome, str):
             console.metrics.logins.labels(outcome).inc()
             status, why = LOGIN_REFUSALS[outcome]
@@ -260,7 +260,6 @@ def _add_session_routes(app: FastAPI, console: Console) -> None:
 
 LOGIN_REFUSALS = {
     "wrong": (401, "That is not the admin key."),
-    "throttled": (429, "Too many wrong keys lately: wait a quarter of an hour and try again."),
     "unavailable": (503, "Logins need Redis, which does not answer: try again shortly."),
 }
 

@@ -4,8 +4,12 @@ Reading: anyone when the console is bound to loopback (as the proxy serves witho
 otherwise only an admin. Acting (promote, rollback, pause, resume, canary weight): only an admin.
 An admin is a request with the admin key, ``proxy.admin_key``, as ``Authorization: Bearer <key>``,
 or with the cookie of a session made by logging in with it (console/sessions.py: random,
-server-side, expiring, revoked at logout; the key itself never leaves the login request). Wrong
-keys are throttled per source address and overall, wherever they are sent.
+server-side, expiring, revoked at logout; the key itself never leaves the login request).
+
+The key is checked before anything else, so the right one always gets in. A wrong one, wherever it
+is sent, is counted per source address and overall, and its answer is held back
+(console/sessions.py says how long, console/guard.py holds it): the delay is left on the request's
+state as ``wrong_key_delay``.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from typing import Literal
 import redis
 from fastapi import Request
 
-from console.sessions import Session, Sessions, session_id
+from console.guard import WRONG_KEY_DELAY
+from console.sessions import BACKOFF_START_S, Session, Sessions, session_id
 from ratchet.settings import RatchetSettings
 
 COOKIE = "ratchet_console"
-Refusal = Literal["wrong", "throttled", "unavailable"]
+Refusal = Literal["wrong", "unavailable"]
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +78,15 @@ class ConsoleAuth:
     def may_read(self, request: Request) -> bool:
         return not self.login_required or self.is_admin(request)
 
-    def login(self, key: str, source: str) -> Session | Refusal:
-        """A new session for the admin key, or why not."""
+    def login(self, request: Request, key: str) -> Session | Refusal:
+        """A new session for the admin key, or why not (a wrong key's delay on the request)."""
+        source = source_of(request)
         if self.sessions is None:
             return "wrong"
+        if not self.key_matches(key):
+            setattr(request.state, WRONG_KEY_DELAY, self._count_failure(source, "login"))
+            return "wrong"
         try:
-            if self.sessions.throttled(source):
-                log.warning("console login from %s refused: too many wrong keys", source)
-                return "throttled"
-            if not self.key_matches(key):
-                self._count_failure(source, "login")
-                return "wrong"
             session = self.sessions.start(source)
         except (redis.RedisError, OSError) as exc:
             log.warning("console login from %s refused: no Redis for sessions (%s)", source, exc)
@@ -108,30 +111,23 @@ class ConsoleAuth:
         source = source_of(request)
         header = request.headers.get("authorization", "")
         if header.lower().startswith("bearer "):
-            return (
-                Admin("admin key", source) if self._bearer_ok(header[7:].strip(), source) else None
-            )
+            if self.key_matches(header[7:].strip()):
+                return Admin("admin key", source)
+            delay = self._count_failure(source, "Authorization header")
+            setattr(request.state, WRONG_KEY_DELAY, delay)
+            return None
         token = request.cookies.get(COOKIE, "")
         if token and self.sessions.valid(token):
             return Admin(f"session {session_id(token)}", source)
         return None
 
-    def _bearer_ok(self, key: str, source: str) -> bool:
-        assert self.sessions is not None
-        try:
-            if self.sessions.throttled(source):
-                return False
-        except (redis.RedisError, OSError):
-            pass  # without Redis the header still works: the CLI-like way in stays open
-        if self.key_matches(key):
-            return True
-        self._count_failure(source, "Authorization header")
-        return False
-
-    def _count_failure(self, source: str, where: str) -> None:
+    def _count_failure(self, source: str, where: str) -> float:
+        """Count it; how long to hold its answer (without Redis: the first step of the
+        backoff, as nothing says how many came before)."""
         log.warning("console: wrong admin key from %s (%s)", source, where)
         assert self.sessions is not None
         try:
-            self.sessions.failed(source)
+            return self.sessions.failed(source)
         except (redis.RedisError, OSError) as exc:
             log.warning("console: wrong key from %s not counted: %s", source, exc)
+            return BACKOFF_START_S

@@ -3,7 +3,10 @@
 - :class:`Guard` (ASGI): a ``Host`` allow-list, so a page whose name rebinds to the console's
   address (DNS rebinding) gets 400 and reads nothing; the body read whole before any route or
   auth check, at most :data:`MAX_BODY_BYTES` within :data:`BODY_TIMEOUT_S` (413, 408); and
-  headers that keep pages out of frames and caches.
+  headers that keep pages out of frames and caches; and the answer to a wrong admin key held
+  back for the delay console/auth.py left on the request's state (:data:`WRONG_KEY_DELAY`), at
+  most :data:`HELD_AT_ONCE` at a time, so that held answers never take the connection slots an
+  admin needs (past it a wrong key is answered at once: it was checked, so no right one waits).
 - :class:`ConsoleProtocol` (uvicorn's h11 protocol): a request's head must arrive within
   :data:`HEAD_TIMEOUT_S` of the connection or of the previous answer, else the connection is
   closed; uvicorn's own timer stops at the first byte, so a trickled head held it forever.
@@ -41,6 +44,8 @@ MAX_BODY_BYTES = 16 * 1024  # the largest form is a reason of 200 characters
 BODY_TIMEOUT_S = 10.0
 HEAD_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 16 * 1024
+WRONG_KEY_DELAY = "wrong_key_delay"  # the request state's entry: seconds to hold the answer
+HELD_AT_ONCE = 16  # a quarter of console/service.py's MAX_CONCURRENCY
 PROBES = frozenset({"/healthz", "/metrics"})
 LOOPBACK_NAMES = frozenset({"localhost"})
 PAGE_HEADERS = [
@@ -88,6 +93,7 @@ class Guard:
     def __init__(self, app: ASGIApp, allowed_hosts: list[str]) -> None:
         self.app = app
         self.allowed_hosts = allowed_hosts
+        self.held = 0  # answers to wrong keys being held back now
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -117,7 +123,28 @@ class Guard:
         except TimeoutError:
             await refuse(send, 408, "the request body came too slowly", "timeout")
             return
-        await self.app(scope, replay(body, receive), with_headers(send, path))
+        state = scope.setdefault("state", {})  # request.state's storage, shared with routes
+        sending = self.held_back(with_headers(send, path), state)
+        await self.app(scope, replay(body, receive), sending)
+
+    def held_back(self, send: Send, state: dict[str, Any]) -> Send:
+        """``send``, holding the answer's start back by the delay the route left in ``state``."""
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                await self.hold(float(state.pop(WRONG_KEY_DELAY, 0.0)))
+            await send(message)
+
+        return sending
+
+    async def hold(self, delay_s: float) -> None:
+        if delay_s <= 0 or self.held >= HELD_AT_ONCE:
+            return
+        self.held += 1
+        try:
+            await asyncio.sleep(delay_s)
+        finally:
+            self.held -= 1
 
 
 async def read_body(receive: Receive) -> bytes:
