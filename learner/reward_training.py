@@ -38,7 +38,7 @@ from kafka.errors import KafkaError
 
 from learner.canary import RewardPredictor
 from learner.exchanges import TrafficFetcher, read_exchanges
-from learner.fair import fair_select
+from learner.fair import fair_select, keys_needed
 from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
 from learner.ratings import RatingsJoin, new_ratings_key, newest_ratings, read_ratings
@@ -203,8 +203,12 @@ class RewardTrainer:
         evaluated = [is_eval_rating(self.secret, a.prompt_hash, eval_fraction) for a in answers]
         newest_first = list(zip(answers, evaluated, strict=True))[::-1]
         pool = [a for a, held in newest_first if not held]
-        trained, passed_over = fair_select(pool, owner_of, len(pool), share)
+        # The cap on what the model learns from is not lifted below 1/share raters
+        # (learner/fair.py): too few raters train no model, rather than one fitted to one or
+        # two raters' taste.
+        trained, passed_over = fair_select(pool, owner_of, len(pool), share, lift=False)
         # The evaluation decides whether the model is used at all: no client may own it either.
+        # Its few prompts may come from fewer raters than the training set's: an even split.
         held_out = [a for a, held in newest_first if held]
         held, _ = fair_select(held_out, owner_of, len(held_out), share)
         return trained, held, passed_over
@@ -215,7 +219,7 @@ class RewardTrainer:
         answers = read_ratings(self.redis, alias)
         consumed = self.new_ratings(alias)
         trained, held, passed_over = self.split(answers, config.eval_fraction, config.max_share)
-        why = _cannot_train(trained, held)
+        why = too_few_raters(answers, config.max_share) or _cannot_train(trained, held)
         previous = RewardStatus.read(self.redis, alias)
         if why is not None:
             self.redis.decrby(new_ratings_key(alias), consumed)
@@ -316,6 +320,17 @@ def _keep_live(previous: RewardStatus | None, newest: RewardStatus) -> RewardSta
     what = f"v{newest.version}" if newest.version else "a retrain"
     reason = previous.reason.split("; ", 1)[0]
     return replace(previous, reason=f"{reason}; {what} not live: {newest.reason}")
+
+
+def too_few_raters(answers: list[RatedAnswer], share: float) -> str | None:
+    """Why no model can be trained with each rater at most ``share`` of it, if that is why."""
+    raters, needed = len({a.owner for a in answers}), keys_needed(share)
+    if raters >= needed:
+        return None
+    return (
+        f"could not check: too few raters ({raters} < {needed}; "
+        f"none may be more than feedback.max_share {share:g} of the ratings)"
+    )
 
 
 def _cannot_train(trained: list[RatedAnswer], held: list[RatedAnswer]) -> str | None:

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from learner.fair import ANONYMOUS, fair_sample, fair_select, fair_size, key_of
+from learner.fair import ANONYMOUS, fair_sample, fair_select, fair_size, key_of, keys_needed
 from learner.heldout import HeldoutPool
 from ratchet.records import HeldoutPrompt
 
@@ -137,3 +137,31 @@ def test_a_key_gets_at_most_its_share_of_the_gates_pairs() -> None:
     drawn = pool.draw(64, 0.25, "round")
     assert Counter(key_of(p.api_key_hash) for p in drawn)["attacker"] == 10
     assert len(drawn) == 40
+
+
+@pytest.mark.parametrize(
+    ("counts", "size"),
+    [
+        ([10], 0),  # one rater: no set can hold it under a fifth
+        ([10, 10, 10, 10], 0),  # four raters: still none (the lifted cap gave each a quarter)
+        ([10, 10, 10, 10, 10], 20),  # five: an even fifth each
+        ([100, 1, 1, 1, 1], 5),  # a flood beside four: a fifth of the set, not a half
+    ],
+)
+def test_an_unlifted_cap_holds_with_few_keys(counts: list[int], size: int) -> None:
+    assert fair_size(counts, 20, 0.2, lift=False) == size
+    assert fair_size(counts, 20, 0.2) >= size  # lifted (rounds, gates): never smaller
+
+
+def test_a_reward_set_gives_no_rater_more_than_its_share_below_five_raters() -> None:
+    """H-4: with four raters the lifted cap let each fill a quarter of a reward model's ratings;
+    unlifted, each is at most max_share of it, so the set is smaller (here: empty)."""
+    ratings = items(a=40, b=3, c=3, d=3)
+    lifted, _ = fair_select(ratings, owner, len(ratings), 0.2)
+    assert Counter(owner(i) for i in lifted)["a"] > 0.2 * len(lifted)
+    assert fair_select(ratings, owner, len(ratings), 0.2, lift=False)[0] == []
+    five = items(a=40, b=3, c=3, d=3, e=3)
+    chosen, _ = fair_select(five, owner, len(five), 0.2, lift=False)
+    shares = Counter(owner(i) for i in chosen)
+    assert len(chosen) == 15 and max(shares.values()) <= 0.2 * len(chosen), shares
+    assert keys_needed(0.2) == 5 and keys_needed(0.25) == 4 and keys_needed(0.3) == 4

@@ -604,6 +604,28 @@ def test_a_reward_model_goes_live_on_its_aucs_lower_bound_and_only_if_no_worse_t
     )
 
 
+def test_fewer_raters_than_the_cap_allows_train_no_reward_model_and_say_so(
+    settings: RatchetSettings,
+    client: redis.Redis,
+    real_base_model: Path,
+    real_answer_features: AnswerFeatures,
+) -> None:
+    """H-4: four raters (max_share 0.2 needs five) no longer lift the cap to a quarter each:
+    no model is trained, and the status says it could not check, and why."""
+    _, _, collector = reward_trainer(settings, client, real_base_model, real_answer_features)
+    join = Join(settings, client)
+    for i in range(24):
+        topic = f"{TOPICS[i % len(TOPICS)]} #{i}"
+        for answer, score in ((polite(topic), 1.0), (curt(topic), 0.0)):
+            cid = f"c{i}-{score}"
+            join.served(traffic(cid, f"Tell me about {topic}.", answer, key=f"user{i % 4}"))
+            join.on_feedback(rating(cid, score, key=f"user{i % 4}"))
+    collector.retrain_due()
+    status = RewardStatus.read(client, ALIAS)
+    assert status is not None and not status.usable and status.version == 0, status
+    assert status.reason.startswith("could not check: too few raters (4 < 5;"), status.reason
+
+
 def test_retrains_grow_rarer_as_ratings_pile_up() -> None:
     from learner.reward_training import ratings_needed
     from ratchet.settings import FeedbackConfig
