@@ -43,13 +43,20 @@ _MAX_PENDING = 100_000  # notes queued while Redis is slow; past it they are dro
 _ERRORS = (redis.RedisError, OSError, asyncio.TimeoutError)
 
 # KEYS: owner, rated marker. ARGV: the caller's key hash, the marker's TTL in seconds.
-# Returns 0: not this caller's completion (or unknown), 1: rated now, 2: rated before.
+# The owner note is the key hash, then, for a vouched user, a tab and the client it served.
+# Returns {0}: not this caller's completion (or unknown), {1, client}: rated now, {2}: before.
 RATE_SCRIPT = """
 local owner = redis.call('GET', KEYS[1])
-if not owner or owner ~= ARGV[1] then return 0 end
-if redis.call('SET', KEYS[2], '1', 'NX', 'EX', tonumber(ARGV[2])) then return 1 end
-return 2
+if not owner then return {0} end
+local key, client = owner, ''
+local tab = string.find(owner, '\t', 1, true)
+if tab then key, client = string.sub(owner, 1, tab - 1), string.sub(owner, tab + 1) end
+if key ~= ARGV[1] then return {0} end
+if redis.call('SET', KEYS[2], '1', 'NX', 'EX', tonumber(ARGV[2])) then return {1, client} end
+return {2}
 """
+# A vouched user's client (ratchet.secrets.client_source): the one kind the note must carry.
+VOUCHED_PREFIX = "user:"
 
 
 def completion_id_of(answer: bytes) -> str | None:
@@ -103,15 +110,20 @@ class CompletionOwners:
             registry=registry,
         )
 
-    def remember(self, answer: bytes, key_hash: str | None) -> None:
-        """Note the caller as the owner of the completion in ``answer``, soon, off the path."""
+    def remember(self, answer: bytes, key_hash: str | None, client: str | None = None) -> None:
+        """Note the caller as the owner of the completion in ``answer``, soon, off the path;
+        and ``client``, when it is a user the key vouched for: its rating counts for that
+        client, whatever the rating's own body says (audit N-14)."""
         completion_id = completion_id_of(answer)
         if completion_id is None:
             return
         if len(self._pending) >= _MAX_PENDING:
             self.lost.inc()
             return
-        self._pending.setdefault(completion_id, key_hash or ANONYMOUS)
+        owner = key_hash or ANONYMOUS
+        if client is not None and client.startswith(VOUCHED_PREFIX):
+            owner += "\t" + client
+        self._pending.setdefault(completion_id, owner)
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush())
 
@@ -151,14 +163,15 @@ class CompletionOwners:
         await self.drain()
         await self._redis.aclose()
 
-    async def claim_rating(self, completion_id: str, key_hash: str | None) -> None:
+    async def claim_rating(self, completion_id: str, key_hash: str | None) -> str | None:
         """Pass if the caller got this completion and has not rated it; the rating is then
-        taken (a second one is refused). 404, 409 or 503 otherwise."""
+        taken (a second one is refused) and the vouched user's client the completion served is
+        returned (None: the key alone). 404, 409 or 503 otherwise."""
         if completion_id in self._pending or self._flusher is not None:
             await self.drain()  # rated right after the answer: its owner is on its way
         keys = [owner_key(completion_id), rated_key(completion_id)]
         try:
-            outcome = await self._rate_script(keys, [key_hash or ANONYMOUS, self.ttl_s])
+            outcome, *served = await self._rate_script(keys, [key_hash or ANONYMOUS, self.ttl_s])
         except _ERRORS:
             self.ratings.labels("unavailable").inc()
             raise ProxyError(
@@ -184,6 +197,8 @@ class CompletionOwners:
                 param="completion_id",
                 code="already_rated",
             )
+        client = served[0].decode() if served and served[0] else None
+        return client
 
     async def release_rating(self, completion_id: str) -> None:
         """Give a rating back when it could not be recorded, so the caller may retry."""

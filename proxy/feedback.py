@@ -1,5 +1,6 @@
 """``POST /v1/feedback``: a rating of one completion, accepted once, from the key that got it
-(the check is proxy/completions.py's). Written to ``ratchet.feedback`` as a FeedbackRecord."""
+(the check is proxy/completions.py's). Written to ``ratchet.feedback`` as a FeedbackRecord whose
+client is the one the rated answer was served to."""
 
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ async def rate(state: ProxyState, owners: CompletionOwners, request: Request) ->
     payload, _ = await read_json(request, state.limits)
     completion_id, score, thumbs, comment = check_feedback(payload)
     completion_id = completion_id_of_response(completion_id)  # a Responses id rates its answer
-    await owners.claim_rating(completion_id, key_hash)
+    served_client = await owners.claim_rating(completion_id, key_hash)
     record = FeedbackRecord(
         completion_id=completion_id,
         score=score,
         thumbs=thumbs,
         comment=comment,
         api_key_hash=key_hash,
-        source=state.source(key_hash, payload),
+        # The client the rated answer was served to (a vouched user, noted with it), never the
+        # rating body's `user`: a vouching app's user could otherwise rate as many clients.
+        source=served_client or state.source(key_hash, {}),
     )
     if not state.traffic_log.submit(record, key=completion_id):
         owners.ratings.labels("queue_full").inc()

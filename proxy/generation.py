@@ -6,10 +6,16 @@ request's bytes, down a pipe to the log worker (proxy/log/pipe.py), which makes 
 
 What a client learns of the learning loop is limited. The request id of the record is the
 proxy's own; the client's ``x-request-id`` is kept (cut to 128 characters) as a correlation
-field and echoed back. While an alias runs a canary, the answer does not say which arm it came
-from unless ``proxy.expose_arm`` is on: no ``x-ratchet-canary-arm``, ``x-ratchet-version`` or
-``x-ratchet-served-name`` header, and the answer's ``model`` is the alias, not the served name
-(outside a canary there is one version to tell, and ``model`` is the served name as usual).
+field and echoed back. An answer looks the same with or without a canary (audit N-2): unless
+``proxy.expose_arm`` is on, no answer has an ``x-ratchet-canary-arm``, ``x-ratchet-version`` or
+``x-ratchet-served-name`` header, and every answer's ``model`` is the alias, never the served
+name, inside a canary or not (a version that appeared outside canaries and vanished inside one
+told a client that one had started). Both arms take the same path through the relay, so the
+proxy adds no difference in timing either. What served an answer is its record's: the
+``x-request-id`` header and the answer's ``id`` name the traffic record, which holds the
+version and arm, for an operator to look up. No stable per-version token is given instead:
+any token that stays the same across answers of one version and changes with the version tells
+a client that it was moved, which is what a canary does to one arm.
 """
 
 from __future__ import annotations
@@ -212,7 +218,6 @@ async def start_call(
     else:
         headers[VERSION_HEADER] = str(version)
         headers[SERVED_NAME_HEADER] = served
-    if state.settings.proxy.expose_arm:
         headers[ARM_HEADER] = arm
     return call, relay(state, call), headers
 
@@ -228,9 +233,10 @@ def parse(payload: dict[str, Any], endpoint: str, limits: RequestLimits) -> str:
 def route(
     state: ProxyState, request: Request, payload: dict[str, Any], alias: str, key_hash: str | None
 ) -> tuple[int, str, str, bool]:
-    """(version, canary arm, served name, whether to conceal the arm) from the cached routing
-    table; 404 for an unknown alias. A sticky key (header, else ``user``) keeps a caller on one
-    arm, drawn by a keyed hash of it and the caller's API key (ratchet/registry.py)."""
+    """(version, canary arm, served name, whether to conceal what served it) from the cached
+    routing table; 404 for an unknown alias. A sticky key (header, else ``user``) keeps a caller
+    on one arm, drawn by a keyed hash of it and the caller's API key (ratchet/registry.py).
+    Concealed unless ``proxy.expose_arm``: with or without a canary, so that nothing tells."""
     alias_route = state.routing.routes.get(alias)
     if alias_route is None:
         raise unknown_alias(alias)
@@ -238,7 +244,7 @@ def route(
     version, arm = alias_route.pick(
         sticky if isinstance(sticky, str) else None, key_hash=key_hash, secret=state.secret
     )
-    conceal = alias_route.on_canary and not state.settings.proxy.expose_arm
+    conceal = not state.settings.proxy.expose_arm
     return version, arm, served_name(alias, version, alias_route.base_model), conceal
 
 
@@ -353,7 +359,7 @@ def record(state: ProxyState, call: Call) -> None:
     answer = b"".join(call.chunks) if meta.stream else call.answer
     head = call.head if meta.stream else answer
     if head:  # who got it, so only that key may rate it (written later, off this path)
-        state.completions.remember(head, meta.api_key_hash)
+        state.completions.remember(head, meta.api_key_hash, meta.source)
     if call.reserved:
         state.rate_limiter.charge(meta.api_key_hash, call.reserved, tokens_used(call, answer))
     state.traffic_log.submit_exchange(orjson.dumps(meta), call.body, answer)

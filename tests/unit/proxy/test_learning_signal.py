@@ -267,12 +267,43 @@ async def test_model_cards_name_the_canary_only_to_the_admin(
                     assert card["ratchet"]["canary_version"] == 2
 
 
-async def test_outside_a_canary_the_version_is_told_but_not_the_arm(plain: Running) -> None:
-    response = await plain.chat()
-    assert response.json()["model"] == "support@v1"
-    assert response.headers["x-ratchet-version"] == "1"
-    assert response.headers["x-ratchet-served-name"] == "support@v1"
-    assert "x-ratchet-canary-arm" not in response.headers
+def shape(response: httpx.Response) -> tuple[Any, ...]:
+    """What a client can compare between two answers to the same request: the status, the
+    header names (values such as the request id differ by nature), and for each JSON object
+    or stream event, its keys and ``model``."""
+    headers = tuple(sorted(response.headers.keys()))
+    if response.headers["content-type"].startswith("application/json"):
+        body = response.json()
+        return response.status_code, headers, tuple(body), body["model"]
+    events = [orjson.loads(e[6:]) for e in response.text.split("\n\n") if e.startswith("data: {")]
+    return response.status_code, headers, tuple((tuple(e), e.get("model")) for e in events)
+
+
+async def test_an_answer_has_the_same_shape_with_or_without_a_canary(
+    upstream: dict[str, Any], redis_url: str, tmp_path: Path
+) -> None:
+    """Audit N-2: the version and served name were told outside a canary and vanished inside
+    one, which told every client that a canary had started. Now neither is told either way."""
+    bodies: list[dict[str, Any]] = [
+        {},
+        {"stream": True},
+        {"stream": True, "stream_options": {"include_usage": True}},
+    ]
+    shapes: list[list[tuple[Any, ...]]] = []
+    for route in (AliasRoute("support", BASE, 1), CANARY):
+        async with proxy_on(upstream, redis_url, tmp_path, route) as running:
+            answers = [
+                await running.chat(headers={"x-ratchet-sticky-key": f"user-{i}"}, **body)
+                for i in range(8)
+                for body in bodies
+            ]
+            for answer in answers:
+                assert not any(name in answer.headers for name in ARM_HEADERS)
+                assert b"@v" not in answer.content and BASE.encode() not in answer.content
+            shapes.append([shape(answer) for answer in answers])
+            served = {m["served_name"] for m in running.metas}  # the records still tell
+            assert served == ({"support@v1", "support@v2"} if route.canary else {"support@v1"})
+    assert shapes[0] == shapes[1]
 
 
 # --- ratings ----------------------------------------------------------------------------------
@@ -385,6 +416,20 @@ async def test_a_vouching_keys_users_are_clients_of_their_own_and_no_other_keys_
         )
         assert rated.status_code == 200, rated.text
         assert captured[0].client == sources[1]
+        # The rating counts for the user the answer was served to, whatever its body's `user`
+        # (another user, or none): one user cannot rate as many clients (audit N-14).
+        for rated_as in ({"user": "u1"}, {"user": "someone-else"}, {}):
+            completion_id = (await running.chat(KEY_A, user="u2")).json()["id"]
+            body = {"completion_id": completion_id, "score": 1, **rated_as}
+            rated = await running.client.post("/v1/feedback", json=body, headers=auth(KEY_A))
+            assert rated.status_code == 200, rated.text
+            assert captured[-1].client == sources[1], rated_as
+        # An answer served with no user counts for the key, even if its rating names one.
+        completion_id = (await running.chat(KEY_A)).json()["id"]
+        body = {"completion_id": completion_id, "score": 1, "user": "u2"}
+        rated = await running.client.post("/v1/feedback", json=body, headers=auth(KEY_A))
+        assert rated.status_code == 200, rated.text
+        assert captured[-1].client == hashes[0]
 
 
 def test_completion_id_of() -> None:
