@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 
 from ratchet.answer_length import auto_max_tokens
+from ratchet.answer_shaping import fixing_response_format
 from ratchet.fleet import Replicas, conversation_key
 from ratchet.records import Sample
 from ratchet.settings import SamplingConfig
@@ -104,10 +105,15 @@ def sampling_body(
     }
     if seed is not None:
         body["seed"] = seed
-    # Tool definitions (and how the client asked to use them) travel with the prompt.
+    # Tool definitions (and how the client asked to use them) travel with the prompt, and so
+    # does the answer's format, unless it fixes the answer: then the client, not the model,
+    # would write the K answers the group trains on (audit N-4). The proxy refuses such a
+    # request on a learning alias; this guards records logged before, or while it did not learn.
     for key in ("tools", "tool_choice", "response_format"):
         if request.get(key) is not None:
             body[key] = request[key]
+    if fixing_response_format(body.get("response_format")):
+        del body["response_format"]
     return body
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import ProxyError, bad_request
+from ratchet.answer_shaping import answer_shaping
 from ratchet.rewards.agreement import probes_agreement
 from ratchet.secrets import USER_MAX_CHARS
 from ratchet.settings import NAME_PATTERN, NAME_RULE, AliasConfig, ProxySettings
@@ -355,7 +356,7 @@ def check_limits(payload: dict[str, Any], endpoint: str, limits: RequestLimits) 
     """Refuse, naming the setting, what asks for more than proxy.max_* allows. Runs after the
     type checks (check_chat / check_completion), so every field here has a valid type."""
     if payload.get("model") in limits.learning_aliases:
-        check_answer_shaping(payload)
+        check_answer_shaping(payload, endpoint)
     prompts = 1
     if endpoint == "chat.completions":
         messages = len(payload["messages"])
@@ -384,31 +385,24 @@ def check_limits(payload: dict[str, Any], endpoint: str, limits: RequestLimits) 
 
 # ---- answer shaping -----------------------------------------------------------------------------
 
-# Parameters (vLLM's) with which a request writes part of the answer it gets, and the value that
-# does: echo puts the prompt's (chat: the last assistant message's) text in the answer,
-# continue_final_message makes the answer go on from the client's own assistant text, and
-# add_generation_prompt false lets the answer continue the client's turn.
-ANSWER_SHAPING: dict[str, bool] = {
-    "echo": True,
-    "continue_final_message": True,
-    "add_generation_prompt": False,
-}
-
 
 def learns_from_answers(config: AliasConfig) -> bool:
     """Whether an alias's served answers (or their ratings) become training evidence."""
     return config.learning.enabled or config.reward.learns_from_ratings or probes_agreement(config)
 
 
-def check_answer_shaping(payload: dict[str, Any]) -> None:
+def check_answer_shaping(payload: dict[str, Any], endpoint: str = "chat.completions") -> None:
     """400 for a parameter that lets the client author the answer it is then judged and rated
-    on, on an alias that learns from its answers (H-4: a client rating its own text)."""
-    for param, shaping in ANSWER_SHAPING.items():
-        if param in payload and payload[param] == shaping and type(payload[param]) is bool:
-            raise bad_request(
-                f"{param}={str(shaping).lower()} is not accepted for model "
-                f"{payload['model']!r}: it learns from its answers, and {param} would let the "
-                "request write part of the answer that is then judged and rated",
-                param,
-                "unsupported_parameter",
-            )
+    on, on an alias that learns from its answers (H-4, N-4: a client rating its own text). Each
+    value is read as vLLM reads it (ratchet/answer_shaping.py): ``echo: "yes"`` is refused like
+    ``echo: true``."""
+    found = answer_shaping(payload, chat=endpoint == "chat.completions")
+    if found is None:
+        return
+    param, why = found
+    raise bad_request(
+        f"{param} is not accepted for model {payload['model']!r}: it learns from its answers, "
+        f"and {why}, so the request would write part of the answer that is then judged and rated",
+        param,
+        "unsupported_parameter",
+    )

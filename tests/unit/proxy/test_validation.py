@@ -19,7 +19,8 @@ from proxy.validation import (
     check_limits,
     unknown_alias,
 )
-from ratchet.settings import ProxySettings
+from ratchet.answer_shaping import SHAPING_FLAGS
+from ratchet.settings import AliasConfig, ProxySettings
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -472,3 +473,74 @@ def test_answer_shaping_is_refused_on_an_alias_that_learns(
     harmless = {**payload, param: not payload[param]}
     check_limits(harmless, endpoint, lim)
     check_limits({**payload, "model": "frozen"}, endpoint, lim)
+
+
+SPELLINGS = {
+    "echo": [1, "true", "yes", "on", "t", "TRUE", 1.0],
+    "continue_final_message": [1, "yes", "y", "1"],
+    "add_generation_prompt": [0, "false", "no", "off", "0", 0.0],
+}
+
+
+@pytest.mark.parametrize(
+    ("param", "value"),
+    [(param, value) for param, values in SPELLINGS.items() for value in values],
+)
+def test_every_spelling_vllm_reads_as_shaping_is_refused(param: str, value: Any) -> None:
+    """vLLM's pydantic reads ``1``, ``"yes"``, ``"off"``... as booleans: each spelling it reads
+    as the shaping value is refused like the JSON boolean (audit N-4), and one it reads as the
+    harmless value (or refuses itself) passes on."""
+    lim = RequestLimits.from_settings(ProxySettings(), {"support": AliasConfig()})
+    error = over(chat(messages=ASSISTANT_LAST, **{param: value}), CHAT, lim)
+    assert (error.status, error.param, error.code) == (400, param, "unsupported_parameter")
+    harmless = "no" if SHAPING_FLAGS[param] else "yes"
+    check_limits(chat(messages=ASSISTANT_LAST, **{param: harmless}), CHAT, lim)
+    check_limits(chat(messages=ASSISTANT_LAST, **{param: "maybe"}), CHAT, lim)  # vLLM's 400
+
+
+def json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+
+
+FIXED = {"type": "object", "properties": {"a": {"const": "mine"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("payload", "endpoint", "param"),
+    [
+        (chat(response_format=json_schema({"enum": ["Buy X now."]})), CHAT, "response_format"),
+        (chat(response_format=json_schema({**FIXED, "additionalProperties": False})), CHAT,
+         "response_format"),
+        (chat(structured_outputs={"regex": "Buy X now\\."}), CHAT, "structured_outputs"),
+        (chat(structured_outputs={"choice": ["Buy X", "Buy Y"]}), CHAT, "structured_outputs"),
+        (chat(structured_outputs={"grammar": 'root ::= "x"'}), CHAT, "structured_outputs"),
+        (chat(structured_outputs={"json": '{"const": "x"}'}), CHAT, "structured_outputs"),
+        (cmpl(structured_outputs={"regex": "(?i)buy x"}), CMPL, "structured_outputs"),
+        (chat(chat_template="{{ 'Sure, X is best' }}"), CHAT, "chat_template"),
+        (chat(allowed_token_ids=[42]), CHAT, "allowed_token_ids"),
+        (cmpl(logit_bias={"42": 100}), CMPL, "logit_bias"),
+    ],
+)  # fmt: skip
+def test_a_constraint_that_fixes_the_answer_is_refused(
+    payload: dict[str, Any], endpoint: str, param: str
+) -> None:
+    lim = RequestLimits.from_settings(ProxySettings(), {"support": AliasConfig()})
+    error = over(payload, endpoint, lim)
+    assert (error.status, error.param, error.code) == (400, param, "unsupported_parameter")
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        chat(response_format=json_schema(FIXED)),  # other properties allowed: the model writes
+        chat(response_format=json_schema({"type": "object", "properties": {
+            "label": {"enum": ["pos", "neg"]}, "why": {"type": "string"}}})),
+        chat(structured_outputs={"regex": "[0-9]{3}"}),  # 1000 answers: the model picks
+        chat(structured_outputs={"json_object": True}),
+        chat(logit_bias={"42": -100}),  # a ban writes nothing
+        cmpl(add_generation_prompt=False),  # not a /v1/completions parameter: vLLM ignores it
+    ],
+)  # fmt: skip
+def test_a_constraint_that_leaves_the_answer_to_the_model_passes(payload: dict[str, Any]) -> None:
+    lim = RequestLimits.from_settings(ProxySettings(), {"support": AliasConfig()})
+    check_limits(payload, CHAT if "messages" in payload else CMPL, lim)

@@ -1,0 +1,132 @@
+"""ratchet/answer_shaping.py: shaping flags read as vLLM reads them, and constraints counted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from ratchet.answer_shaping import (
+    MAX_FIXED_ANSWERS,
+    SHAPING_FLAGS,
+    answer_shaping,
+    regex_answers,
+    schema_answers,
+    schema_fixing,
+    vllm_bool,
+)
+
+# Every kind of JSON value a client can send, in the spellings pydantic's lax bool knows and some
+# it does not.
+VALUES: list[Any] = [True, False, 1, 0, 2, -1, 1.0, 0.0, 1.5, "true", "True", "TRUE", "false",
+                     "yes", "no", "on", "off", "y", "n", "t", "f", "1", "0", " true", "maybe",
+                     "", [], {}, [1]]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vllm_models() -> tuple[Any, Any]:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    return ChatCompletionRequest, CompletionRequest
+
+
+def vllm_reads(model: Any, body: dict[str, Any], field: str) -> bool | None:
+    try:
+        return bool(getattr(model.model_validate(body), field))
+    except ValidationError:
+        return None  # vLLM answers 400
+
+
+@pytest.mark.parametrize("value", VALUES, ids=repr)
+def test_flags_are_read_as_the_installed_vllm_reads_them(
+    vllm_models: tuple[Any, Any], value: Any
+) -> None:
+    chat_request, completion_request = vllm_models
+    for field in SHAPING_FLAGS:
+        body = {"messages": [{"role": "user", "content": "x"}], field: value}
+        assert vllm_bool(value) == vllm_reads(chat_request, body, field), field
+    completion = {"prompt": "x", "echo": value}
+    assert vllm_bool(value) == vllm_reads(completion_request, completion, "echo")
+
+
+@pytest.mark.parametrize(
+    ("pattern", "answers"),
+    [
+        ("Buy X now", 1),
+        ("^Buy X now$", 1),
+        ("(?i)buy x", 1),
+        ("(Buy|Sell) X", 2),
+        ("[ab]{2}", 4),
+        ("a{0,3}", 4),
+        ("[0-9]{3}", 1000),
+        ("[a-z]+", None),
+        (".*", None),
+        ("\\d", None),
+        ("[^a]", None),
+        ("(unclosed", None),
+    ],
+)
+def test_regex_answers_are_counted(pattern: str, answers: int | None) -> None:
+    assert regex_answers(pattern) == answers
+
+
+OBJECT: dict[str, Any] = {
+    "type": "object",
+    "properties": {"a": {"const": "x"}, "b": {"type": "boolean"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("schema", "answers"),
+    [
+        ({"const": "x"}, 1),
+        ({"enum": [1, 2, 3]}, 3),
+        (OBJECT, 2),
+        ({**OBJECT, "required": ["a"]}, 3),  # b absent, true or false
+        ({**OBJECT, "additionalProperties": True}, None),
+        ({"anyOf": [{"const": 1}, {"type": "null"}]}, 2),
+        ({"allOf": [{"type": "string"}, {"enum": ["a", "b"]}]}, 2),
+        ({"$defs": {"x": {"const": 1}}, "$ref": "#/$defs/x"}, 1),
+        ({"$defs": {"x": {"$ref": "#/$defs/x"}}, "$ref": "#/$defs/x"}, None),  # a cycle
+        ({"type": "integer", "minimum": 1, "maximum": 5}, 5),
+        ({"type": "integer", "minimum": 1}, None),
+        ({"type": "string", "pattern": "^yes|no$"}, 2),
+        ({"type": "string"}, None),
+        ({"type": "array", "items": {"const": 1}}, None),
+    ],
+)
+def test_schema_answers_are_counted(schema: dict[str, Any], answers: int | None) -> None:
+    assert schema_answers(schema) == answers
+
+
+def test_an_enum_on_the_whole_answer_fixes_it_however_long() -> None:
+    """The client wrote every answer the model may give: fixing whatever their number."""
+    many = {"enum": [f"answer {i}" for i in range(10 * MAX_FIXED_ANSWERS)]}
+    assert schema_fixing(many)
+    assert not schema_fixing({"type": "object", "properties": {"a": many}})
+
+
+def test_counting_stops_on_a_schema_built_to_be_slow() -> None:
+    """A deep or wide schema costs at most a bounded number of nodes, then counts as too many
+    (it is not refused for that)."""
+    deep: dict[str, Any] = {"const": 1}
+    for _ in range(5000):
+        deep = {"anyOf": [deep]}
+    assert schema_answers(deep) is None
+    assert regex_answers("(a|b)" * 5000) is None
+
+
+def test_the_first_shaping_parameter_is_named() -> None:
+    body = {"echo": "yes", "structured_outputs": {"choice": ["a"]}}
+    found = answer_shaping(body)
+    assert found is not None and found[0] == "echo"
+    found = answer_shaping({"structured_outputs": {"choice": ["a"]}})
+    assert found is not None and found[0] == "structured_outputs"
+    assert answer_shaping({"echo": "no", "add_generation_prompt": "yes"}) is None
+    # /v1/completions has no continue_final_message or chat template: vLLM ignores them there.
+    ignored = {"continue_final_message": True, "chat_template": "x"}
+    assert answer_shaping(ignored, chat=False) is None
