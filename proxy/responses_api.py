@@ -20,42 +20,33 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import ProxyError, bad_request
+from proxy.responses_echo import ECHOED_DEFAULTS, PENALTIES, check_echoed, echo_of
 
 RESPONSE_PREFIX = "resp_"
 CHAT_PREFIX = "chatcmpl-"
 UNSUPPORTED = "unsupported_parameter"
 
-# Fields a Response echoes back as the request gave them (OpenAI's defaults otherwise).
-ECHOED_DEFAULTS: dict[str, Any] = {
-    "instructions": None,
-    "max_output_tokens": None,
-    "metadata": {},
-    "parallel_tool_calls": True,
-    "previous_response_id": None,
-    "temperature": 1.0,
-    "tool_choice": "auto",
-    "tools": [],
-    "top_p": 1.0,
-    "user": None,
-}
-# Accepted and without effect here: hints about caching, routing and billing on OpenAI's side.
-# (prompt_cache_key is passed on: with several vLLM replicas it keys the conversation's replica.)
-IGNORED = frozenset({"prompt_cache_retention", "safety_identifier", "service_tier"})
+# Accepted and without effect here: hints about caching, routing and billing on OpenAI's side
+# (service_tier is echoed as "default"; prompt_cache_key is passed on: with several vLLM replicas
+# it keys the conversation's replica; safety_identifier is only echoed).
+IGNORED = frozenset({"prompt_cache_retention", "service_tier"})
 # Accepted only at the value that asks for nothing vLLM lacks.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "background": (False, None),
     "truncation": ("disabled", None),
     "include": ([], None),
-    "reasoning": (None,),
     "conversation": (None,),
     "prompt": (None,),
     "max_tool_calls": (None,),
     "top_logprobs": (None, 0),
     "context_management": (None,),
-    "stream_options": (None, {}),
 }
-KNOWN = frozenset(
-    {"model", "input", "stream", "store", "text", "prompt_cache_key", *ECHOED_DEFAULTS}
+KNOWN = (
+    frozenset(
+        {"model", "input", "stream", "store", "text", "tools", "reasoning", "stream_options"}
+        | ECHOED_DEFAULTS.keys()
+    )
+    - NEUTRAL.keys()
 )
 MESSAGE_ROLES = {
     "user": "user",
@@ -110,6 +101,7 @@ def to_chat(payload: dict[str, Any], previous: list[dict[str, Any]] | None) -> R
         ("user", "user"),
         ("parallel_tool_calls", "parallel_tool_calls"),
         ("prompt_cache_key", "prompt_cache_key"),
+        *((name, name) for name in PENALTIES),
     ):
         if payload.get(name) is not None:
             chat[chat_name] = payload[name]
@@ -124,10 +116,7 @@ def to_chat(payload: dict[str, Any], previous: list[dict[str, Any]] | None) -> R
     if stream:
         chat["stream"] = True
     store = payload.get("store", True) is not False
-    echo = {name: payload.get(name, default) for name, default in ECHOED_DEFAULTS.items()}
-    echo["text"] = {"format": (payload.get("text") or {}).get("format") or {"type": "text"}}
-    echo["store"] = store
-    return ResponsesRequest(chat, echo, conversation, store, stream)
+    return ResponsesRequest(chat, echo_of(payload, store), conversation, store, stream)
 
 
 def _check_fields(payload: dict[str, Any]) -> None:
@@ -147,14 +136,28 @@ def _check_fields(payload: dict[str, Any]) -> None:
         raise bad_request(
             "max_output_tokens must be a positive integer", "max_output_tokens", "invalid_type"
         )
-    metadata = payload.get("metadata")
-    if metadata is not None and not (
-        isinstance(metadata, dict)
-        and len(metadata) <= 16
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    _check_neutral_objects(payload)
+    check_echoed(payload)
+
+
+def _check_neutral_objects(payload: dict[str, Any]) -> None:
+    """``reasoning`` and ``stream_options`` as clients send them when they ask for nothing:
+    no reasoning effort (null, or "none"), no summary; no stream obfuscation (never added)."""
+    reasoning = payload.get("reasoning")
+    if reasoning is not None and not (
+        isinstance(reasoning, dict)
+        and reasoning.get("effort") in (None, "none")
+        and all(reasoning.get(name) is None for name in reasoning if name != "effort")
     ):
-        raise bad_request(
-            "metadata must be an object of at most 16 string values", "metadata", "invalid_type"
+        raise _unsupported("reasoning", f"reasoning={_short(reasoning)} is not supported here")
+    options = payload.get("stream_options")
+    if options is not None and not (
+        isinstance(options, dict)
+        and set(options) <= {"include_obfuscation"}
+        and options.get("include_obfuscation") in (None, True, False)
+    ):
+        raise _unsupported(
+            "stream_options", f"stream_options={_short(options)} is not supported here"
         )
 
 
@@ -298,9 +301,7 @@ def chat_response_format(text: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(text, dict):
         raise bad_request("text must be an object", "text", "invalid_type")
-    for name in text:
-        if name != "format":
-            raise _unsupported(f"text.{name}", f"text.{name} is not supported here")
+    _check_text_options(text)
     fmt = text.get("format")
     if fmt is None:
         return None
@@ -326,6 +327,14 @@ def chat_response_format(text: Any) -> dict[str, Any] | None:
     )
 
 
+def _check_text_options(text: dict[str, Any]) -> None:
+    for name, value in text.items():
+        if name == "verbosity" and value in (None, "medium"):
+            continue  # OpenAI's default: asks for nothing
+        if name != "format":
+            raise _unsupported(f"text.{name}", f"text.{name}={_short(value)} is not supported here")
+
+
 def _unsupported(param: str, message: str) -> ProxyError:
     return bad_request(message, param, UNSUPPORTED)
 
@@ -338,25 +347,30 @@ def _short(value: Any) -> str:
 
 
 def response_object(
-    answer: dict[str, Any], echo: dict[str, Any], *, status: str | None = None
+    answer: dict[str, Any],
+    echo: dict[str, Any],
+    *,
+    status: str | None = None,
+    completed_at: int | None = None,
 ) -> dict[str, Any]:
-    """vLLM's chat completion (whole, or assembled from a stream) as a Response."""
+    """vLLM's chat completion (whole, or assembled from a stream) as a Response;
+    ``completed_at`` (the caller's clock) is shown only on a completed one, as OpenAI's."""
     choice = (answer.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     response_id = response_id_of(str(answer.get("id", "")))
-    finish = choice.get("finish_reason")
-    incomplete = finish == "length"
+    incomplete = choice.get("finish_reason") == "length"
+    status = status or ("incomplete" if incomplete else "completed")
     return {
         "id": response_id,
         "object": "response",
         "created_at": answer.get("created", 0),
-        "status": status or ("incomplete" if incomplete else "completed"),
+        "completed_at": completed_at if status == "completed" else None,
+        "status": status,
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "model": answer.get("model"),
         "output": output_items(message, response_id),
         "usage": usage_of(answer.get("usage")),
-        "truncation": "disabled",
         **echo,
     }
 

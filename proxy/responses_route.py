@@ -1,10 +1,12 @@
-"""``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``: the Responses API on the
-chat path. proxy/responses_api.py translates; proxy/generation.py authenticates, routes, limits,
-relays and logs exactly as for ``/v1/chat/completions``; proxy/response_store.py keeps what
-``previous_response_id`` continues."""
+"""``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
+/v1/responses/{id}/input_items``: the Responses API on the chat path. proxy/responses_api.py
+translates; proxy/generation.py authenticates, routes, limits, relays and logs exactly as for
+``/v1/chat/completions``; proxy/response_store.py keeps what ``previous_response_id``
+continues and what ``input_items`` lists."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +24,7 @@ from proxy.responses_api import (
     response_object,
     to_chat,
 )
+from proxy.responses_items import items_of, page
 from proxy.responses_stream import ResponsesStream
 from proxy.state import ProxyState, read_json
 from proxy.validation import check_alias
@@ -50,7 +53,8 @@ async def create_response(state: ProxyState, request: Request) -> Response:
         await anext(exchange)  # raises the ProxyError of a refused or failed call
     except StopAsyncIteration:
         answer = call.answer if call.concealed is None else call.shown(call.answer)
-        response = response_object(orjson.loads(answer), translated.echo)
+        finished = int(time.time())
+        response = response_object(orjson.loads(answer), translated.echo, completed_at=finished)
         if translated.store:
             response["store"] = await keep(state, translated, response, arrival.key_hash)
         return Response(orjson.dumps(response), media_type="application/json", headers=headers)
@@ -117,3 +121,13 @@ async def delete_response(state: ProxyState, request: Request, response_id: str)
     await state.responses.delete(response_id, key_hash)
     deleted = {"id": response_id, "object": "response", "deleted": True}
     return Response(orjson.dumps(deleted), media_type="application/json")
+
+
+async def list_input_items(state: ProxyState, request: Request, response_id: str) -> Response:
+    """A stored response's input items (proxy/responses_items.py), for the key that made it."""
+    key_hash = state.authenticate_client(request)
+    if len(response_id) > RESPONSE_ID_MAX:
+        raise not_found(response_id)
+    entry = await state.responses.load(response_id, key_hash)
+    listed = page(items_of(entry["conversation"], response_id), request.query_params)
+    return Response(orjson.dumps(listed), media_type="application/json")

@@ -5,7 +5,8 @@ emits.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,32 +23,35 @@ from proxy.responses_api import (
 
 
 @dataclass(slots=True)
-class _ToolCall:
+class _Item:
+    """The output item being streamed: a message's text, or a function call's arguments."""
+
     output_index: int
-    call_id: str
-    name: str
-    arguments: str = ""
+    item_id: str
+    text: str = ""  # a message's text, or a call's arguments
+    call_id: str | None = None  # None: a message
+    name: str = ""
 
 
 @dataclass(slots=True)
 class ResponsesStream:
     """vLLM's chat stream (SSE bytes, in any cuts) as the Responses event sequence: created, in
-    progress, per output item its added / delta / done events, then completed (or incomplete,
-    or failed after an error event), each with a ``sequence_number``. ``final`` is the whole
-    Response once the stream ended."""
+    progress, then each output item in turn (added, its deltas, done: an item is closed before
+    the next one opens), then completed (or incomplete, or failed after an error event), each
+    event with its ``sequence_number``. ``final`` is the whole Response once the stream ended;
+    ``clock`` gives its ``completed_at``."""
 
     echo: dict[str, Any]
+    clock: Callable[[], float] = time.time
     final: dict[str, Any] | None = None
     _pending: bytes = b""
     _sequence: int = 0
     _head: dict[str, Any] | None = None
-    _text: str | None = None  # the open message item's text
-    _text_index: int = -1
-    _calls: dict[int, _ToolCall] = field(default_factory=dict)
-    _items: int = 0
+    _open: _Item | None = None
+    _calls: dict[int, str] = field(default_factory=dict)  # vLLM's tool call index: its call id
     _finish: str | None = None
     _usage: dict[str, Any] | None = None
-    _parts: list[dict[str, Any]] = field(default_factory=list)  # closed items, in order
+    _done: list[dict[str, Any]] = field(default_factory=list)  # closed items, in order
 
     def feed(self, data: bytes) -> bytes:
         self._pending += data
@@ -89,16 +93,19 @@ class ResponsesStream:
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n"
 
     @property
-    def _id(self) -> str:
-        return response_id_of(str((self._head or {}).get("id", "")))
+    def _suffix(self) -> str:
+        return response_id_of(str((self._head or {}).get("id", ""))).removeprefix(RESPONSE_PREFIX)
 
     def _snapshot(self, status: str) -> dict[str, Any]:
         head = self._head or {}
         answer = {"id": head.get("id", ""), "created": head.get("created", 0)}
         response = response_object(
-            {**answer, "model": head.get("model"), "usage": self._usage}, self.echo, status=status
+            {**answer, "model": head.get("model"), "usage": self._usage},
+            self.echo,
+            status=status,
+            completed_at=int(self.clock()),
         )
-        response["output"] = list(self._parts)
+        response["output"] = list(self._done)
         return response
 
     def _started(self) -> Iterator[bytes]:
@@ -108,79 +115,77 @@ class ResponsesStream:
         yield self._event("response.in_progress", response=snapshot)
 
     def _text_delta(self, delta: str) -> Iterator[bytes]:
-        if self._text is None:
-            self._text, self._text_index = "", self._items
-            self._items += 1
-            item = message_item(self._message_id, "", "in_progress")
-            yield self._event(
-                "response.output_item.added", output_index=self._text_index, item=item
-            )
-            yield self._event(
-                "response.content_part.added",
-                item_id=self._message_id,
-                output_index=self._text_index,
-                content_index=0,
-                part=text_part(""),
-            )
-        self._text += delta
+        if self._open is None or self._open.call_id is not None:
+            yield from self._close_item()
+            # The first message item's id is msg_<id> as in a whole Response; text after a
+            # tool call (rare) is a message item of its own.
+            texts = sum(item["type"] == "message" for item in self._done)
+            item_id = f"msg_{self._suffix}" + (f"_{texts}" if texts else "")
+            self._open = _Item(len(self._done), item_id)
+            at = self._open.output_index
+            item = message_item(item_id, "", "in_progress")
+            yield self._event("response.output_item.added", output_index=at, item=item)
+            where: dict[str, Any] = {"item_id": item_id, "output_index": at, "content_index": 0}
+            yield self._event("response.content_part.added", **where, part=text_part(""))
+        self._open.text += delta
         yield self._event(
             "response.output_text.delta",
-            item_id=self._message_id,
-            output_index=self._text_index,
+            item_id=self._open.item_id,
+            output_index=self._open.output_index,
             content_index=0,
             delta=delta,
             logprobs=[],
         )
 
-    @property
-    def _message_id(self) -> str:
-        return "msg_" + self._id.removeprefix(RESPONSE_PREFIX)
-
     def _tool_delta(self, delta: dict[str, Any]) -> Iterator[bytes]:
         index = delta.get("index", 0)
         function = delta.get("function") or {}
-        call = self._calls.get(index)
-        if call is None:
-            call = _ToolCall(self._items, delta.get("id") or "", function.get("name") or "")
-            self._items += 1
-            self._calls[index] = call
-            item = function_call_item(call.call_id, call.name, "", "in_progress")
+        if index not in self._calls:
+            yield from self._close_item()
+            call_id, name = delta.get("id") or "", function.get("name") or ""
+            self._calls[index] = call_id
+            self._open = _Item(len(self._done), f"fc_{call_id}", call_id=call_id, name=name)
+            item = function_call_item(call_id, name, "", "in_progress")
             yield self._event(
-                "response.output_item.added", output_index=call.output_index, item=item
+                "response.output_item.added", output_index=self._open.output_index, item=item
             )
+        call = self._open
+        if call is None or call.call_id != self._calls[index]:
+            return  # a delta for a call already closed: vLLM streams one call after another
         if function.get("arguments"):
-            call.arguments += function["arguments"]
+            call.text += function["arguments"]
             yield self._event(
                 "response.function_call_arguments.delta",
-                item_id=f"fc_{call.call_id}",
+                item_id=call.item_id,
                 output_index=call.output_index,
                 delta=function["arguments"],
             )
 
-    def _close(self) -> Iterator[bytes]:
-        """The done events of every open item, in output order, then the final Response."""
-        items: list[tuple[int, dict[str, Any]]] = []
-        if self._text is not None:
-            items.append(
-                (self._text_index, message_item(self._message_id, self._text, "completed"))
+    def _close_item(self) -> Iterator[bytes]:
+        """The done events of the open item, if any."""
+        item, self._open = self._open, None
+        if item is None:
+            return
+        where = {"item_id": item.item_id, "output_index": item.output_index}
+        if item.call_id is None:
+            done = message_item(item.item_id, item.text, "completed")
+            at = where | {"content_index": 0}
+            yield self._event("response.output_text.done", **at, text=item.text, logprobs=[])
+            yield self._event("response.content_part.done", **at, part=text_part(item.text))
+        else:
+            done = function_call_item(item.call_id, item.name, item.text)
+            yield self._event(
+                "response.function_call_arguments.done",
+                **where,
+                name=item.name,
+                arguments=item.text,
             )
-        for call in self._calls.values():
-            item = function_call_item(call.call_id, call.name, call.arguments)
-            items.append((call.output_index, item))
-        items.sort(key=lambda pair: pair[0])
-        for at, item in items:
-            if item["type"] == "message":
-                yield from self._message_done(at, item)
-            else:
-                yield self._event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=at,
-                    name=item["name"],
-                    arguments=item["arguments"],
-                )
-            yield self._event("response.output_item.done", output_index=at, item=item)
-        self._parts = [item for _, item in items]
+        self._done.append(done)
+        yield self._event("response.output_item.done", output_index=item.output_index, item=done)
+
+    def _close(self) -> Iterator[bytes]:
+        """The open item's done events, then the final Response."""
+        yield from self._close_item()
         incomplete = self._finish == "length"
         self.final = self._snapshot("incomplete" if incomplete else "completed")
         if incomplete:
@@ -188,21 +193,21 @@ class ResponsesStream:
         kind = "response.incomplete" if incomplete else "response.completed"
         yield self._event(kind, response=self.final)
 
-    def _message_done(self, at: int, item: dict[str, Any]) -> Iterator[bytes]:
-        text = item["content"][0]["text"]
-        where = {"item_id": item["id"], "output_index": at, "content_index": 0}
-        yield self._event("response.output_text.done", **where, text=text, logprobs=[])
-        yield self._event("response.content_part.done", **where, part=text_part(text))
-
     def _fail(self, error: dict[str, Any]) -> Iterator[bytes]:
         if self._head is None:
             self._head = {}
             yield from self._started()
+        code, message = error.get("code"), error.get("message", "")
         yield self._event(
-            "error", code=error.get("code"), message=error.get("message", ""), param=None
+            "error",
+            # OpenAI's event carries the error's fields flat, the specification's nested.
+            code=code,
+            message=message,
+            param=None,
+            error={"type": "server_error", "code": code, "message": message, "param": None},
         )
         failed = self._snapshot("failed")
         # A Response's error code is one of OpenAI's fixed few: ours is in the error event.
-        failed["error"] = {"code": "server_error", "message": error.get("message", "")}
+        failed["error"] = {"code": "server_error", "message": message}
         self.final = failed
         yield self._event("response.failed", response=failed)

@@ -1,6 +1,7 @@
 """The Responses API's pure core (proxy/responses_api.py, proxy/responses_stream.py): requests
 made chat requests, chat answers and streams made Responses, each checked against the official
-client's own types (strict pydantic validation, not the client's lenient construct)."""
+client's own types (strict pydantic validation, not the client's lenient construct) and the Open
+Responses specification's published types (tests/open_responses.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from proxy.responses_api import (
     to_chat,
 )
 from proxy.responses_stream import ResponsesStream
+from tests.open_responses import check_sequence, conforming_events, conforming_response
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 WEATHER_TOOL = {
@@ -179,7 +181,17 @@ def test_previous_turns_come_first_and_a_json_schema_is_a_response_format() -> N
         ({"stream": "yes"}, "stream"),
         # Malformed rather than unsupported: each names the field that is wrong.
         ({"instructions": 3}, "instructions"),
-        ({"metadata": {"team": 1}}, "metadata"),
+        ({"metadata": {"team": 1}}, "metadata.team"),
+        ({"metadata": [["team", "a"]]}, "metadata"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"metadata": {"team": "v" * 513}}, "metadata.team"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": True}, "frequency_penalty"),
+        ({"safety_identifier": "u" * 65}, "safety_identifier"),
+        ({"prompt_cache_key": 7}, "prompt_cache_key"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"input": ["hi"]}, "input[0]"),
         ({"input": [{"role": "user", "content": 3}]}, "input[0].content"),
         (
@@ -342,9 +354,10 @@ STREAM = sse(
 
 @pytest.mark.parametrize("cut", [1, 7, 64, len(STREAM)])
 def test_a_chat_stream_is_the_responses_event_sequence_however_it_is_cut(cut: int) -> None:
-    stream = ResponsesStream(to_chat({"model": "support", "input": "hi"}, None).echo)
+    stream = ResponsesStream(to_chat({"model": "support", "input": "hi"}, None).echo, lambda: 7.9)
     raw = b"".join(stream.feed(STREAM[i : i + cut]) for i in range(0, len(STREAM), cut))
     events = events_of(raw)
+    # Each item in turn, as OpenAI streams them: the message is done before the call begins.
     assert [e.type for e in events] == [
         "response.created",
         "response.in_progress",
@@ -352,16 +365,17 @@ def test_a_chat_stream_is_the_responses_event_sequence_however_it_is_cut(cut: in
         "response.content_part.added",
         "response.output_text.delta",
         "response.output_text.delta",
-        "response.output_item.added",
-        "response.function_call_arguments.delta",
-        "response.function_call_arguments.delta",
         "response.output_text.done",
         "response.content_part.done",
         "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
         "response.function_call_arguments.done",
         "response.output_item.done",
         "response.completed",
     ]
+    assert check_sequence(conforming_events(raw)) == stream.final
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello"
     completed = events[-1].response
@@ -369,6 +383,7 @@ def test_a_chat_stream_is_the_responses_event_sequence_however_it_is_cut(cut: in
     assert completed.output[1].arguments == '{"city":"Oslo"}'
     assert completed.usage is not None and completed.usage.total_tokens == 14
     assert stream.final is not None and Response.model_validate(stream.final) == completed
+    assert stream.final["completed_at"] == 7
 
 
 def test_a_stream_vllm_breaks_off_ends_failed() -> None:
@@ -381,10 +396,98 @@ def test_a_stream_vllm_breaks_off_ends_failed() -> None:
             "code": "upstream_disconnected",
         }
     }
-    events = events_of(stream.feed(sse(chunk({"content": "Hel"}), error)))
+    raw = stream.feed(sse(chunk({"content": "Hel"}), error))
+    check_sequence(conforming_events(raw))
+    events = events_of(raw)
     assert [e.type for e in events][-2:] == ["error", "response.failed"]
     assert events[-2].code == "upstream_disconnected"
     failed = events[-1].response
     assert failed.status == "failed" and failed.error.code == "server_error"
     assert failed.error.message == "upstream closed"
     assert stream.final is not None and stream.final["status"] == "failed"
+
+
+def test_a_response_has_every_field_the_specification_requires() -> None:
+    """The request's echo at OpenAI's defaults, or as given; completed_at from the caller."""
+    req = to_chat(
+        {
+            "model": "support",
+            "input": "Oslo?",
+            "tools": [{"type": "function", "name": "get_weather"}, WEATHER_TOOL],
+            "tool_choice": {"type": "function", "name": "get_weather"},
+            "metadata": {f"k{i}" + "x" * 60: "v" * 512 for i in range(16)},  # at the bounds
+            "presence_penalty": 0.5,
+            "frequency_penalty": -1,
+            "safety_identifier": "user-7",
+            "prompt_cache_key": "conv-7",
+            "service_tier": "auto",
+            "top_logprobs": 0,
+            "reasoning": {"effort": None},
+            "stream_options": {"include_obfuscation": False},
+            "text": {"verbosity": "medium"},
+        },
+        None,
+    )
+    assert (req.chat["presence_penalty"], req.chat["frequency_penalty"]) == (0.5, -1)
+    assert "safety_identifier" not in req.chat and "service_tier" not in req.chat
+    body = response_object(CHAT_ANSWER, req.echo, completed_at=1767225601)
+    spec = conforming_response(body)
+    assert (spec.created_at, spec.completed_at) == (1767225600, 1767225601)
+    assert (spec.presence_penalty, spec.frequency_penalty, spec.top_logprobs) == (0.5, -1, 0)
+    assert (spec.background, spec.service_tier, spec.max_tool_calls) == (False, "default", None)
+    assert (spec.safety_identifier, spec.prompt_cache_key) == ("user-7", "conv-7")
+    assert spec.reasoning is not None and spec.reasoning.effort is None
+    assert spec.tools[0].root.description is None and spec.tools[1].root.strict is True
+    assert spec.text.format.type == "text" and spec.truncation == "disabled"
+    assert len(spec.metadata) == 16
+    Response.model_validate(body)  # and the official client's type still reads it
+
+
+def test_defaults_and_a_json_schema_format_conform_as_openai_gives_them() -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "name": "n", "schema": schema, "strict": True}
+    req = to_chat({"model": "support", "input": "c", "text": {"format": fmt}}, None)
+    assert req.chat["response_format"]["json_schema"]["schema"] == schema  # applied
+    body = response_object(CHAT_ANSWER, req.echo, completed_at=1767225601)
+    spec = conforming_response(body)
+    assert body["text"]["format"] == {**fmt, "schema": None, "description": None}
+    assert (spec.temperature, spec.top_p, spec.presence_penalty) == (1.0, 1.0, 0.0)
+    assert (spec.tool_choice, spec.parallel_tool_calls, spec.tools) == ("auto", True, [])
+    assert spec.metadata == {} and spec.store is True and body["user"] is None
+
+
+def test_only_a_completed_response_has_completed_at() -> None:
+    cut = {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}
+    answer = {**CHAT_ANSWER, "choices": [cut]}
+    echo = to_chat({"model": "a", "input": "q"}, None).echo
+    incomplete = conforming_response(response_object(answer, echo, completed_at=5))
+    assert incomplete.status == "incomplete" and incomplete.completed_at is None
+
+
+def call_chunk(index: int, call_id: str | None, arguments: str) -> dict[str, Any]:
+    call: dict[str, Any] = {"index": index, "function": {"arguments": arguments}}
+    if call_id is not None:
+        call |= {"id": call_id, "type": "function", "function": {"name": "f", "arguments": ""}}
+    return chunk({"tool_calls": [call]})
+
+
+def test_parallel_calls_stream_one_after_another_and_a_cut_answer_ends_incomplete() -> None:
+    stream = ResponsesStream(to_chat({"model": "support", "input": "hi"}, None).echo)
+    raw = stream.feed(
+        sse(
+            call_chunk(0, "call_a", ""),
+            call_chunk(0, None, '{"x":1}'),
+            call_chunk(1, "call_b", ""),
+            call_chunk(1, None, '{"x":2}'),
+            call_chunk(0, None, "late"),  # for a call already done: dropped, never reopened
+            chunk({}, "length"),
+            "[DONE]",
+        )
+    )
+    final = check_sequence(conforming_events(raw))
+    assert [(i["call_id"], i["arguments"]) for i in final["output"]] == [
+        ("call_a", '{"x":1}'),
+        ("call_b", '{"x":2}'),
+    ]
+    assert final["status"] == "incomplete" and final["completed_at"] is None
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
