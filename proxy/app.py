@@ -6,10 +6,10 @@ Who may call what (keys are checked only when proxy.api_keys or proxy.admin_key 
 admin key is accepted wherever a client key is):
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
-  ``GET /v1/models[/{alias}]``: a client key. ``GET`` and ``DELETE /v1/responses/{id}``: the
-  key that made that response. A model card names the canary's version and weight only to the
-  admin key (or with ``proxy.expose_arm``): a client that knew a canary was running could tell
-  the arms apart and rate only one.
+  ``GET /v1/models[/{alias}]``: a client key. ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
+  /v1/responses/{id}/input_items``: the key that made that response. A model card names the
+  canary's version and weight only to the admin key (or with ``proxy.expose_arm``): a client
+  that knew a canary was running could tell the arms apart and rate only one.
 - ``POST /v1/feedback``, the one state a client changes (a rating of its own completion): the
   key that got the completion.
 - ``GET /metrics``: the admin key when ``proxy.metrics_auth`` is on, which it is by default
@@ -36,7 +36,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy.errors import install_handler
 from proxy.feedback import rate
 from proxy.generation import generate
-from proxy.responses_route import create_response, delete_response, get_response
+from proxy.responses_route import (
+    create_response,
+    delete_response,
+    get_response,
+    list_input_items,
+)
 from proxy.state import ProxyState
 from proxy.validation import unknown_alias
 from ratchet.registry import AliasRoute, served_name
@@ -118,6 +123,11 @@ def _add_generation_routes(app: FastAPI, state: ProxyState) -> None:
 
     app.add_route("/v1/responses", responses, methods=["POST"])
     app.add_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"])
+
+    async def input_items(request: Request) -> Response:
+        return await list_input_items(state, request, request.path_params["response_id"])
+
+    app.add_route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"])
 
 
 def _add_model_routes(app: FastAPI, state: ProxyState) -> None:
