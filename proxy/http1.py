@@ -33,6 +33,11 @@ class UpstreamClosed(ConnectionError):
         self.answered = answered  # False: nothing came back, so the request may be sent again
 
 
+class ConnectFailed(ConnectionError):
+    """No connection was made (refused, unreachable, or not within the connect timeout): the
+    request never left, so it is safe to send elsewhere."""
+
+
 class AnswerTooLarge(Exception):
     """The answer was longer than the reader allowed; the connection is closed, not reused."""
 
@@ -77,6 +82,16 @@ class UpstreamResponse:
             waiter.set_result(None)
 
     # ---- read by the proxy ----
+    @property
+    def complete(self) -> bool:
+        """The whole body arrived."""
+        return self._complete and self._error is None
+
+    @property
+    def broken(self) -> bool:
+        """The server broke the answer off (not the reader leaving, nor a deadline)."""
+        return self._error is not None
+
     async def _wait(self) -> None:
         self._waiter = asyncio.get_running_loop().create_future()
         timeout = self._deadline - time.monotonic()
@@ -84,6 +99,19 @@ class UpstreamResponse:
             raise TimeoutError
         async with asyncio.timeout(timeout):
             await self._waiter
+
+    async def first_byte(self, timeout_s: float) -> bool:
+        """Whether the body's first byte (or its end) came within ``timeout_s``: a stream's
+        headers come at once, so a stalled engine shows only here."""
+        if self._chunks or self._complete or self._error is not None:
+            return True
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._waiter
+        except TimeoutError:
+            return False
+        return True
 
     async def iter_any(self) -> AsyncIterator[bytes]:
         """The body as it arrives, in whatever pieces the socket gives."""
@@ -270,14 +298,19 @@ class UpstreamPool:
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout(self.connect_timeout_s):
-            _, connection = await loop.create_connection(
-                lambda: _Connection(self),
-                self.host,
-                self.port,
-                ssl=self.ssl,
-                server_hostname=self.host if self.ssl else None,
-            )
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(self),
+                    self.host,
+                    self.port,
+                    ssl=self.ssl,
+                    server_hostname=self.host if self.ssl else None,
+                )
+        except TimeoutError:
+            raise ConnectFailed(f"no connection within {self.connect_timeout_s} s") from None
+        except OSError as exc:
+            raise ConnectFailed(str(exc) or type(exc).__name__) from exc
         return connection
 
     async def request(
@@ -287,7 +320,8 @@ class UpstreamPool:
 
         A pooled connection the server closed just before we used it fails with nothing
         answered: the request is then sent once more on a fresh connection (the server never
-        saw it, so repeating is safe). Raises OSError / TimeoutError / UpstreamClosed.
+        saw it, so repeating is safe). Raises ConnectFailed (nothing sent), UpstreamClosed, other
+        OSErrors, or TimeoutError.
         """
         deadline = time.monotonic() + (timeout_s or self.total_timeout_s)
         head = method + b" " + self.prefix + path.encode() + self._head

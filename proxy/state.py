@@ -11,13 +11,14 @@ from fastapi import Request
 
 from proxy.completions import CompletionOwners, owner_ttl_s
 from proxy.errors import ProxyError, bad_request
+from proxy.fleet_metrics import FleetFaults
 from proxy.log.pipe import TrafficLog
 from proxy.log.worker import WorkerConfig
 from proxy.metrics import ProxyMetrics
 from proxy.ratelimit import RateLimiter
 from proxy.response_store import ResponseStore
 from proxy.routing import RoutingCache
-from proxy.upstream import Upstream
+from proxy.upstream import Upstream, fault_policy
 from proxy.validation import RequestLimits, check_depth, json_too_deep
 from ratchet.records import ANONYMOUS_CLIENT, DEADLETTER_TOPIC, FEEDBACK_TOPIC, TRAFFIC_TOPIC
 from ratchet.secrets import (
@@ -57,6 +58,7 @@ class ProxyState:
             vllm_api_key(settings),
             resolve=bool(settings.vllm_endpoints),
             balance=settings.proxy.balance,
+            faults=fault_policy(settings.proxy),
         )
         worker = WorkerConfig(
             bootstrap=settings.kafka_bootstrap_servers,
@@ -94,6 +96,7 @@ class ProxyState:
         self.limits = RequestLimits.from_settings(settings.proxy, settings.aliases)
         self.upstream.on_model_context = self.limits.set_model_context
         self.upstream.on_choice = self.metrics.count_endpoint_request
+        self.metrics.registry.register(FleetFaults(self.upstream))
         # Per key only when keys are required: without auth a client could invent one per request.
         self.rate_limiter = RateLimiter(
             settings.proxy.rate_limit,

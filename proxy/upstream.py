@@ -11,14 +11,18 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from proxy.errors import ProxyError
-from proxy.http1 import AnswerTooLarge, UpstreamPool, UpstreamResponse
-from ratchet.fleet import Resolver, Router, candidates
+from proxy.http1 import AnswerTooLarge, ConnectFailed, UpstreamPool, UpstreamResponse
+from ratchet.ejection import EjectionPolicy, Outliers
+from ratchet.fleet import RESOLVE_TIMEOUT_S, Resolver, Router, candidates
+from ratchet.settings.proxy import ProxySettings
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +36,8 @@ FORWARDED_PATHS = {
 
 
 class Endpoint:
-    """One vLLM replica: its connections, whether it answers its health check, and the requests
-    in flight on it (what the choice of replica balances)."""
+    """One vLLM replica: its connections, whether it answers its health check, the requests in
+    flight on it (what the choice of replica balances), and its faults so far."""
 
     def __init__(
         self, url: str, connect_timeout_s: float, total_timeout_s: float, api_key: str | None
@@ -42,6 +46,36 @@ class Endpoint:
         self.pool = UpstreamPool(url, connect_timeout_s, total_timeout_s, api_key)
         self.healthy = False
         self.outstanding = 0
+        self.connect_failures = 0  # no connection made
+        self.first_byte_timeouts = 0  # answered 200, then nothing within the first-byte deadline
+        self.retries = 0  # requests it could not take, sent on to another replica
+
+
+@dataclass(frozen=True)
+class FaultPolicy:
+    """How the proxy treats a replica that fails (proxy.outlier_ejection and the upstream_*
+    settings): the ejection policy, the first-byte deadline (None: none), how many other
+    replicas a request that never reached one may try, and the name lookup's timeout."""
+
+    ejection: EjectionPolicy = field(default_factory=lambda: EjectionPolicy(0))
+    first_byte_timeout_s: float | None = None
+    retries: int = 1_000  # every replica, as before ejection came
+    resolve_timeout_s: float = RESOLVE_TIMEOUT_S
+
+
+def fault_policy(proxy: ProxySettings) -> FaultPolicy:
+    ejection = proxy.outlier_ejection
+    return FaultPolicy(
+        EjectionPolicy(
+            ejection.consecutive_failures,
+            ejection.base_ejection_s,
+            ejection.max_ejection_s,
+            ejection.max_ejection_percent,
+        ),
+        proxy.upstream_first_byte_timeout_s,
+        proxy.upstream_retries,
+        proxy.upstream_resolve_timeout_s,
+    )
 
 
 class Upstream:
@@ -58,12 +92,15 @@ class Upstream:
         api_key: str | None = None,
         resolve: bool = False,
         balance: str = "affinity",
+        faults: FaultPolicy | None = None,
     ) -> None:
-        """``resolve``: the URLs are re-resolved at each health check, a name standing for every
-        address it has (:func:`ratchet.fleet.expand`: a headless Service's pods). ``balance``:
-        proxy.balance."""
+        """``resolve``: the URLs are re-resolved every health interval, off the health loop, a
+        name standing for every address it has (:func:`ratchet.fleet.expand`: a headless
+        Service's pods). ``balance``: proxy.balance. ``faults``: ejection, retries, deadlines."""
         configured = [base_url] if isinstance(base_url, str) else list(base_url)
-        self.resolver = Resolver(configured) if resolve else None
+        self.faults = faults or FaultPolicy()
+        self.outliers = Outliers(self.faults.ejection)
+        self.resolver = Resolver(configured, self.faults.resolve_timeout_s) if resolve else None
         self.balance = balance
         self._turn = 0
         self.router = Router()  # requests in flight per served name, and their widths
@@ -76,6 +113,7 @@ class Upstream:
         # Each request's replica, counted as it is chosen (proxy/metrics.py), if set.
         self.on_choice: Callable[[str], None] | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._resolve_task: asyncio.Task[None] | None = None
 
     async def refresh_endpoints(self) -> None:
         """With a resolver: the replicas the configured names stand for now; a new one joins
@@ -92,26 +130,33 @@ class Upstream:
         for url in [u for u in self.endpoints if u not in wanted]:
             self.endpoints.pop(url).pool.close()  # its requests in flight hold their replica
             log.info("vLLM replica %s left", url)
+        self.outliers.forget(self.endpoints)
 
     @property
     def ready(self) -> bool:
         return any(e.healthy for e in self.endpoints.values())
 
     async def start(self, health_interval_s: float) -> None:
+        await self.refresh_endpoints()
         await self.check_health()
         self._health_task = asyncio.create_task(self._watch(health_interval_s), name="vllm-health")
+        if self.resolver is not None:
+            self._resolve_task = asyncio.create_task(
+                self._resolve_every(health_interval_s), name="vllm-resolve"
+            )
 
     async def close(self) -> None:
-        if self._health_task:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+        for task in (self._health_task, self._resolve_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for endpoint in self.endpoints.values():
             endpoint.pool.close()
 
     async def check_health(self) -> bool:
-        """Every replica's health check; True when one answers."""
-        await self.refresh_endpoints()
+        """Every replica's health check; True when one answers. (Names are resolved on a
+        loop of their own: a slow DNS answer must not hold every replica's health.)"""
         await asyncio.gather(*(self._check(e) for e in self.endpoints.values()))
         if self.ready and self.model_context is None:
             await self._read_model_context()
@@ -145,6 +190,14 @@ class Upstream:
             if self.on_model_context is not None:
                 self.on_model_context(context)
 
+    async def _resolve_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.refresh_endpoints()
+            except Exception:  # the loop must outlive whatever one lookup does
+                log.exception("resolving vLLM's endpoints failed")
+
     async def _watch(self, interval_s: float) -> None:
         while True:
             was = {url: e.healthy for url, e in self.endpoints.items()}
@@ -167,26 +220,36 @@ class Upstream:
     ) -> Endpoint:
         """The replica for a request of served name ``key`` and ``conversation``
         (:func:`ratchet.fleet.conversation_key`), not one of ``exclude``: among those whose
-        health check passed (all of them when none has: the request then says whether any is
-        up)."""
+        health check passed and that are not ejected (all of them when none is: the request
+        then says whether any is up)."""
         if len(self.endpoints) == 1:  # no fleet: nothing to choose, on every request
             return next(iter(self.endpoints.values()))
-        live = candidates(self.endpoints, lambda url: self.endpoints[url].healthy, exclude)
+        now = time.monotonic()
+        live = candidates(self.endpoints, lambda url: self._usable(url, now), exclude)
         if self.balance == "round_robin":
             self._turn += 1
             return self.endpoints[live[self._turn % len(live)]]
         outstanding = {url: self.endpoints[url].outstanding for url in live}
         return self.endpoints[self.router.choose(key, live, outstanding, conversation)]
 
+    def _usable(self, url: str, now: float) -> bool:
+        return self.endpoints[url].healthy and not self.outliers.is_ejected(url, now)
+
     async def post(
         self, endpoint: str, body: bytes, key: str = "", conversation: str | None = None
     ) -> UpstreamResponse:
-        """POST to the replica chosen for ``key`` (the served name) and ``conversation``. A
-        replica whose connection fails before it answers is out until its health check passes,
-        and the request goes to the next one chosen, so a replica that dies costs only the
-        requests it was answering; with none left, a 503. No answer in time is a 504. The
-        replica counts the request as outstanding until its response is released (read whole,
-        or relayed and released)."""
+        """POST to the replica chosen for ``key`` (the served name) and ``conversation``.
+
+        A request that never reached its replica (no connection: refused, unreachable, or
+        blackholed past the connect timeout) goes to the next one chosen, up to
+        ``faults.retries`` others; that replica is out until its health check passes. Once
+        the body went upstream it is never sent again. With none left, a 503. A 200 whose
+        body's first byte does not come within ``faults.first_byte_timeout_s`` is a 504
+        ``upstream_stalled``: the replica's fault, never the client's (who has read nothing
+        yet). No answer within the whole timeout is a 504 ``upstream_timeout``. Each outcome
+        counts for or against the replica (:class:`ratchet.ejection.Outliers`). The replica
+        counts the request as outstanding until its response is released (read whole, or
+        relayed and released)."""
         tried: set[str] = set()
         while True:
             replica = self.choose(key, exclude=tried, conversation=conversation)
@@ -194,24 +257,71 @@ class Upstream:
                 self.on_choice(replica.url)
             self._take(replica, key)
             try:
-                response = await replica.pool.request(b"POST", FORWARDED_PATHS[endpoint], body)
-            except TimeoutError:
-                self._release(replica, key)
-                raise ProxyError(
-                    504,
-                    "the model server did not answer in time",
-                    type="server_error",
-                    code="upstream_timeout",
-                ) from None
-            except OSError as exc:
+                response = await self._send(replica, FORWARDED_PATHS[endpoint], body)
+            except ConnectFailed as exc:
                 self._release(replica, key)
                 error = self._unavailable(replica, exc)
                 tried.add(replica.url)
-                if len(tried) == len(self.endpoints):
+                if len(tried) > self.faults.retries or len(tried) >= len(self.endpoints):
                     raise error from None
+                replica.retries += 1
                 continue
-            response.on_release = functools.partial(self._release, replica, key)
+            except BaseException:
+                self._release(replica, key)
+                raise
+            response.on_release = functools.partial(self._released, replica, key, response)
             return response
+
+    async def _send(self, replica: Endpoint, path: str, body: bytes) -> UpstreamResponse:
+        """One POST to ``replica``: its response once the status and (for a 200) the body's
+        first byte are in; its failures as ProxyErrors, counted against it."""
+        try:
+            response = await replica.pool.request(b"POST", path, body)
+        except TimeoutError:
+            raise ProxyError(
+                504,
+                "the model server did not answer in time",
+                type="server_error",
+                code="upstream_timeout",
+            ) from None
+        except ConnectFailed:
+            replica.connect_failures += 1
+            self._failed(replica)
+            raise
+        except OSError as exc:  # the request went: it is not sent again
+            self._failed(replica)
+            raise self._unavailable(replica, exc) from None
+        deadline = self.faults.first_byte_timeout_s
+        if response.status != 200 or deadline is None or await response.first_byte(deadline):
+            return response
+        response.release()
+        replica.first_byte_timeouts += 1
+        self._failed(replica)
+        log.warning("vLLM at %s sent nothing within %s s of answering 200", replica.url, deadline)
+        raise ProxyError(
+            504,
+            f"the model server sent nothing within {deadline} s (its engine stalled)",
+            type="server_error",
+            code="upstream_stalled",
+        )
+
+    def _failed(self, replica: Endpoint) -> None:
+        if self.outliers.failed(replica.url, self.endpoints, time.monotonic()):
+            log.warning(
+                "vLLM at %s ejected for %.0f s after failing %s times in a row",
+                replica.url,
+                self.outliers.replicas[replica.url].ejected_until - time.monotonic(),
+                self.faults.ejection.consecutive_failures,
+            )
+
+    def _released(self, replica: Endpoint, key: str, response: UpstreamResponse) -> None:
+        """A response's end: a 5xx or a body vLLM broke off counts against its replica, any
+        other answer for it; a client that left before the end says nothing of it."""
+        self._release(replica, key)
+        if response.status >= 500 or response.broken:
+            self._failed(replica)
+        elif response.complete:
+            self.outliers.succeeded(replica.url, time.monotonic())
 
     def _take(self, replica: Endpoint, key: str) -> None:
         replica.outstanding += 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import functools
 import hashlib
 import ipaddress
 import logging
@@ -238,23 +239,50 @@ def candidates(
     return [u for u in left if usable(u)] or left
 
 
+# How long one name's lookup may take; past it, its last answer stands. getaddrinfo has no
+# timeout of its own, and one slow DNS answer must not hold up the fleet.
+RESOLVE_TIMEOUT_S = 2.0
+
+
 class Resolver:
     """The replicas the configured endpoints stand for now (:func:`expand`), each endpoint's
-    last answer kept while it does not resolve: a DNS blip must not empty the fleet."""
+    last answer kept while it does not resolve, or not within ``timeout_s``: a DNS blip must
+    not empty the fleet, nor a slow one stall it. A lookup that outlives its timeout runs on
+    (getaddrinfo's thread cannot be stopped): the next resolve waits on it rather than start
+    another, and its late answer still counts."""
 
-    def __init__(self, configured: Sequence[str]) -> None:
+    def __init__(self, configured: Sequence[str], timeout_s: float = RESOLVE_TIMEOUT_S) -> None:
         self.configured = [u.rstrip("/") for u in configured]
+        self.timeout_s = timeout_s
         self._last: dict[str, list[str]] = {}
+        self._pending: dict[str, asyncio.Future[list[str]]] = {}
 
     async def resolve(self) -> list[str]:
-        urls: list[str] = []
-        for url in self.configured:
-            try:
-                self._last[url] = await expand(url)
-            except OSError as exc:
-                log.warning("vLLM endpoint %s did not resolve: %s", url, exc)
-            urls += self._last.get(url, [])
-        return urls
+        answers = await asyncio.gather(*(self._lookup(url) for url in self.configured))
+        return [replica for found in answers for replica in found]
+
+    async def _lookup(self, url: str) -> list[str]:
+        pending = self._pending.get(url)
+        if pending is None:
+            pending = self._pending[url] = asyncio.ensure_future(expand(url))
+            pending.add_done_callback(functools.partial(self._settled, url))
+        try:
+            await asyncio.wait_for(asyncio.shield(pending), self.timeout_s)
+        except TimeoutError:
+            log.warning("vLLM endpoint %s did not resolve within %s s", url, self.timeout_s)
+        except OSError:
+            pass  # said by _settled
+        return self._last.get(url, [])
+
+    def _settled(self, url: str, lookup: asyncio.Future[list[str]]) -> None:
+        self._pending.pop(url, None)
+        if lookup.cancelled():
+            return
+        error = lookup.exception()
+        if error is None:
+            self._last[url] = lookup.result()
+        else:
+            log.warning("vLLM endpoint %s did not resolve: %s", url, error)
 
 
 # A replica a client outside the proxy could not reach is avoided this long.

@@ -83,6 +83,48 @@ class RateLimitSettings(_Section):
         return self
 
 
+class OutlierEjectionSettings(_Section):
+    """`proxy.outlier_ejection`: a vLLM replica that keeps failing requests (no connection, a
+    5xx, an answer cut off, a stream that stalls past `upstream_first_byte_timeout_s`) is left
+    out of the rotation for a while, as a service mesh's outlier detection does
+    (ratchet/ejection.py). Envoy's defaults, but for the share: a Ratchet fleet is a few GPU
+    replicas, not hundreds of hosts."""
+
+    consecutive_failures: int = Field(
+        default=5,
+        ge=0,
+        le=1000,
+        description=(
+            "Failures in a row that eject a replica (0: never eject). One that came back is "
+            "ejected again at its first failure until it answers once."
+        ),
+    )
+    base_ejection_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description=(
+            "An ejection lasts this times the number of times the replica was ejected (one "
+            "fewer per max_ejection_s it then served), capped at max_ejection_s."
+        ),
+    )
+    max_ejection_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=86_400,
+        description="The longest one ejection lasts.",
+    )
+    max_ejection_percent: float = Field(
+        default=50.0,
+        ge=0,
+        le=100,
+        description=(
+            "The most of the fleet ejected at once, in percent: at least one replica, never "
+            "the last (a fault of every replica is not an outlier)."
+        ),
+    )
+
+
 class ProxySettings(_Section):
     host: str = Field(
         default="127.0.0.1",
@@ -132,6 +174,36 @@ class ProxySettings(_Section):
         gt=0,
         description="How long one request to vLLM may take in all.",
     )
+    upstream_first_byte_timeout_s: float | None = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "After vLLM answers 200, how long the body's first byte may take (a stream's "
+            "headers come at once; a stalled engine then sends nothing): past it, a 504 "
+            "upstream_stalled counted against the replica. Queueing and prefill count too: "
+            "keep it above the slowest first token under load. null: no deadline."
+        ),
+    )
+    upstream_retries: int = Field(
+        default=2,
+        ge=0,
+        le=16,
+        description=(
+            "How many other replicas a request that never reached one (refused, unreachable, "
+            "no connection within upstream_connect_timeout_s) is sent to. A request whose body "
+            "went upstream is never sent again."
+        ),
+    )
+    upstream_resolve_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=60,
+        description=(
+            "How long resolving a vllm_endpoints name may take; past it, its last answer "
+            "stands. Names are resolved apart from the health checks."
+        ),
+    )
+    outlier_ejection: OutlierEjectionSettings = OutlierEjectionSettings()
     log_queue_size: int = Field(
         default=10_000,
         ge=1,

@@ -1,0 +1,264 @@
+"""A fleet that heals itself (proxy/upstream.py over ratchet/ejection.py): a blackholed replica
+costs a retry, not a request; a hung one (its /health answers, its engine does not) ends its
+requests in 504 upstream_stalled at the first-byte deadline and is ejected, after which its
+requests go elsewhere; a client that stops reading counts against no one; a DNS lookup that
+hangs holds up neither the health checks nor the fleet. Replicas here are raw sockets: these
+faults cannot be had from vLLM on demand."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from embedded.processes import wait_until_async
+from proxy.errors import ProxyError
+from proxy.fleet_metrics import FleetFaults
+from proxy.upstream import FaultPolicy, Upstream
+from ratchet.ejection import EjectionPolicy
+from ratchet.fleet import choose
+
+Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+EVENT = b"data: {}\n\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    await reader.readexactly(length)
+    return head
+
+
+async def replica(post: Handler, up: list[bool] | None = None) -> tuple[asyncio.Server, str]:
+    """A stand-in vLLM whose /health answers 200 (503 once ``up[0]`` is False) and whose POSTs
+    ``post`` answers."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await read_request(reader)
+                if head.startswith(b"GET /health"):
+                    status = b"200 OK" if up is None or up[0] else b"503 Unavailable"
+                    writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\n\r\n")
+                else:
+                    await post(head, writer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def answers(_: bytes, writer: asyncio.StreamWriter) -> None:
+    writer.write(STREAM_HEAD + chunk(EVENT) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
+
+async def stalls(_: bytes, writer: asyncio.StreamWriter) -> None:
+    writer.write(STREAM_HEAD)  # the API server answers at once; its engine never does
+    await asyncio.sleep(3600)
+
+
+async def talks_on(_: bytes, writer: asyncio.StreamWriter) -> None:
+    writer.write(STREAM_HEAD)
+    for _turn in range(200):
+        writer.write(chunk(EVENT * 50))
+        await writer.drain()
+        await asyncio.sleep(0.01)
+
+
+def blackhole() -> tuple[socket.socket, list[socket.socket], str]:
+    """An address whose SYNs go unanswered: a listener that never accepts, its queue full."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(2):  # the accept queue holds backlog + 1
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    return listener, fillers, f"http://127.0.0.1:{port}"
+
+
+def names_on(url: str, fleet: list[str], n: int = 4) -> list[str]:
+    """Served names whose first choice is ``url``."""
+    return [k for k in (f"m{i}" for i in range(500)) if choose(k, fleet, {}) == url][:n]
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[list[asyncio.Server]]:
+    started: list[asyncio.Server] = []
+    yield started
+    for server in started:
+        server.close()
+
+
+def fleet(urls: list[str], **faults: Any) -> Upstream:
+    upstream = Upstream(urls, 0.3, 10.0, faults=FaultPolicy(**faults))
+    for endpoint in upstream.endpoints.values():
+        endpoint.healthy = True  # as if their health checks had passed (the hung one's does)
+    return upstream
+
+
+async def drain(upstream: Upstream, name: str) -> bytes:
+    response = await upstream.post("chat.completions", b"{}", key=name)
+    return await upstream.read(response)
+
+
+async def test_a_blackholed_replica_costs_a_retry_not_a_request(
+    servers: list[asyncio.Server],
+) -> None:
+    good, good_url = await replica(answers)
+    servers.append(good)
+    listener, fillers, hole = blackhole()
+    urls = [good_url, hole]
+    upstream = fleet(urls, ejection=EjectionPolicy(1), retries=1)
+    try:
+        for name in names_on(hole, urls, 2):
+            started = time.monotonic()
+            assert b"[DONE]" in await drain(upstream, name)  # answered by the other replica
+            assert time.monotonic() - started < 2.0  # one connect timeout, not a hang
+            upstream.endpoints[hole].healthy = True  # its health check has not run yet
+        assert upstream.endpoints[hole].connect_failures >= 1
+        assert upstream.endpoints[hole].retries >= 1
+        assert upstream.outliers.is_ejected(hole, time.monotonic())
+        # With no retries left, the client hears 503: it was not a stall.
+        lone = fleet(urls, retries=0)
+        with pytest.raises(ProxyError) as caught:
+            await drain(lone, names_on(hole, urls, 1)[0])
+        assert caught.value.status == 503
+    finally:
+        await upstream.close()
+        listener.close()
+        for filler in fillers:
+            filler.close()
+
+
+async def test_a_hung_replica_stalls_into_504s_then_is_ejected_and_skipped(
+    servers: list[asyncio.Server],
+) -> None:
+    good, good_url = await replica(answers)
+    hung, hung_url = await replica(stalls)
+    servers += [good, hung]
+    urls = [good_url, hung_url]
+    upstream = fleet(urls, ejection=EjectionPolicy(2, base_s=60.0), first_byte_timeout_s=0.3)
+    name = names_on(hung_url, urls, 1)[0]
+    try:
+        for _ in range(2):
+            with pytest.raises(ProxyError) as caught:
+                await drain(upstream, name)
+            assert caught.value.status == 504
+            assert caught.value.body()["error"]["code"] == "upstream_stalled"
+        assert upstream.outliers.is_ejected(hung_url, time.monotonic())
+        assert b"[DONE]" in await drain(upstream, name)  # its name now goes elsewhere
+        assert all(e.outstanding == 0 for e in upstream.endpoints.values())
+
+        registry = CollectorRegistry()
+        registry.register(FleetFaults(upstream))
+        scrape = generate_latest(registry).decode()
+        at = f'{{endpoint="{hung_url}"}}'
+        assert f"ratchet_proxy_endpoint_first_byte_timeouts_total{at} 2.0" in scrape
+        assert f"ratchet_proxy_endpoint_ejections_total{at} 1.0" in scrape
+        assert f"ratchet_proxy_endpoint_ejected{at} 1.0" in scrape
+        assert "ratchet_proxy_fleet_ejected_ratio 0.5" in scrape
+    finally:
+        await upstream.close()
+
+
+async def test_a_client_that_stops_reading_counts_against_no_replica_a_cut_answer_does(
+    servers: list[asyncio.Server],
+) -> None:
+    talker, talker_url = await replica(talks_on)
+    servers.append(talker)
+    upstream = fleet([talker_url, "http://127.0.0.1:9"], ejection=EjectionPolicy(1))
+    name = names_on(talker_url, list(upstream.endpoints), 1)[0]
+    for _ in range(3):  # the client reads the first event and leaves
+        response = await upstream.post("chat.completions", b"{}", key=name)
+        async for _ in response.iter_any():
+            break
+        response.release()
+    assert not upstream.outliers.is_ejected(talker_url, time.monotonic())
+    assert upstream.outliers.record(talker_url).consecutive == 0
+
+    async def cuts(_: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(STREAM_HEAD + chunk(EVENT))
+        await writer.drain()
+        writer.transport.abort()  # the replica dies mid-answer
+
+    cutter, cutter_url = await replica(cuts)
+    servers.append(cutter)
+    upstream = fleet([cutter_url, talker_url], ejection=EjectionPolicy(1))
+    name = names_on(cutter_url, list(upstream.endpoints), 1)[0]
+    with pytest.raises(ProxyError) as caught:
+        await drain(upstream, name)
+    assert caught.value.status == 502
+    assert upstream.outliers.is_ejected(cutter_url, time.monotonic())
+    await upstream.close()
+
+
+async def test_a_hanging_dns_lookup_holds_up_neither_health_nor_the_fleet(
+    servers: list[asyncio.Server], monkeypatch: Any
+) -> None:
+    up = [True]
+    good, good_url = await replica(answers, up)
+    servers.append(good)
+    port = int(good_url.rsplit(":", 1)[1])
+    lookups = 0
+
+    async def getaddrinfo(host: str, port: int, **_: Any) -> list[Any]:
+        nonlocal lookups
+        lookups += 1
+        if lookups > 1:
+            await asyncio.sleep(3600)  # the DNS server stopped answering
+        return [(2, 1, 6, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
+    upstream = Upstream(
+        [f"http://vllm-headless.ml.svc:{port}"],
+        0.3,
+        10.0,
+        resolve=True,
+        faults=FaultPolicy(resolve_timeout_s=0.1),
+    )
+    await upstream.start(0.05)
+    try:
+        assert upstream.ready and list(upstream.endpoints) == [good_url]
+        await wait_until_async(lambda: lookups >= 2, 5, "the lookup that hangs")
+        up[0] = False  # the replica goes down while the lookup hangs
+        await wait_until_async(lambda: not upstream.ready, 5, "the health check to see it down")
+        assert list(upstream.endpoints) == [good_url]  # the last answer stands
+        assert lookups == 2  # later rounds waited on the hung lookup rather than pile up more
+    finally:
+        await upstream.close()
+
+
+def test_the_blackhole_really_drops_connections() -> None:
+    """What the first test's blackhole rests on: a connect there does not complete."""
+    listener, fillers, url = blackhole()
+    sock = socket.socket()
+    sock.settimeout(0.3)
+    try:
+        with pytest.raises(TimeoutError):
+            sock.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+    finally:
+        for opened in (sock, listener, *fillers):
+            opened.close()
