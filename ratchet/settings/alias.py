@@ -492,6 +492,16 @@ class FeedbackConfig(_Section):
             "reward model, not the users."
         ),
     )
+    require_reward_check: bool = Field(
+        default=False,
+        description=(
+            "Roll a canary back, rather than promote it, when the reward-hacking guard could "
+            "not check it (too few raters: fewer than canary.min_feedback held-out rated "
+            "answers on an arm, each client counted at most its share; or no usable reward "
+            "model). Off: the canary is promoted, and its event, the console and `ratchet "
+            "status` say that the guard could not check."
+        ),
+    )
     regenerate_window_s: int = Field(
         default=0,
         ge=0,
