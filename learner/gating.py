@@ -1,6 +1,8 @@
-"""A candidate's gate as a round runs it: the held-out prompts drawn, the gate asked
-(learner/gate.py), and what its verdict leaves behind: the ``gate`` event, the judge's spend,
-the first pairs for the console. The candidate moves to ``gating`` (learner/candidate.py)."""
+"""A candidate's gate as a round runs it: every vLLM replica checked to serve what was trained
+(learner/served_check.py: one that does not fails the gate with a reason that names it), the
+held-out prompts drawn, the gate asked (learner/gate.py), and what its verdict leaves behind:
+the ``gate`` event, the judge's spend, the first pairs for the console. The candidate moves to
+``gating`` (learner/candidate.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,15 @@ from typing import TYPE_CHECKING
 import redis
 from kafka.errors import KafkaError
 
+from learner.drift import DRIFT_KEY, FINGERPRINT_KEY, drift_block
+from learner.fingerprint import Fingerprint
 from learner.gate import GateError
 from learner.gate_verdict import GateResult
 from learner.heldout import HeldoutPool
+from learner.served_check import check_replicas
 from ratchet.bill import Bill
 from ratchet.gate_pairs import write_gate_pairs
+from ratchet.records import HeldoutPrompt
 from ratchet.registry import AliasRoute, served_name
 from ratchet.settings import AliasConfig
 from ratchet.spend import add_spend
@@ -51,32 +57,13 @@ def gate_candidate(
     log.info("%s: gating v%d against v%d on %d held-out pairs", alias, version, live, len(prompts))
     rounds.report(alias, "gate", steps=len(prompts))
     rounds.candidates.begin_gate(alias, version, live)
-    try:
-        result = asyncio.run(
-            rounds.gate.evaluate(
-                alias,
-                config,
-                prompts,
-                served_name(alias, version, route.base_model),
-                served_name(alias, live, route.base_model),
-                seed=seed,
-                progress=lambda scored, drawn, win_rate: rounds.report_gate_pair(
-                    alias, scored, f"win rate {win_rate:.3f} after {scored} of {drawn} pairs"
-                ),
-            )
-        )
-    except GateError as exc:
-        result = GateResult(
-            passed=False,
-            reason=f"gate failed: {exc}",
-            pairs=0,
-            win_rate=None,
-            ci_low=None,
-            ci_high=None,
-            threshold=config.gate.threshold,
-            min_pairs=config.gate.min_pairs,
-        )
-        rounds.metrics.failures.labels(alias, "gate").inc()
+    candidate = served_name(alias, version, route.base_model)
+    blocked = served_block(rounds, alias, version, candidate)
+    if blocked is not None:  # never gated, so never a canary
+        result = not_gated(config, blocked)
+        rounds.metrics.failures.labels(alias, "served").inc()
+    else:
+        result = ask_gate(rounds, alias, config, prompts, candidate, route)
     seconds = time.perf_counter() - started
     rounds.metrics.round_seconds.labels(alias, "gate").observe(seconds)
     account_gate_judge(rounds, alias, result.bill)
@@ -92,6 +79,66 @@ def gate_candidate(
         rounds.metrics.gate_win_rate.labels(alias).set(result.win_rate)
         rounds.metrics.gate_ci_low.labels(alias).set(result.ci_low or 0.0)
     return result
+
+
+def served_block(rounds: Rounds, alias: str, version: int, candidate: str) -> str | None:
+    """Why the candidate must not be gated: its round's drift past the tolerance, or a replica
+    that does not serve what was trained (learner/served_check.py); None when it may be."""
+    if not rounds.settings.learner.served_check.enabled:
+        return None
+    try:
+        meta = rounds.store.meta(alias, version)
+    except (OSError, ValueError):
+        meta = {}
+    drift = drift_block(meta.get(DRIFT_KEY), rounds.settings)
+    if drift is not None:
+        log.warning("%s: v%d not gated: %s", alias, version, drift)
+        return drift
+    fingerprint = Fingerprint.from_dict(meta.get(FINGERPRINT_KEY))
+    verdict = check_replicas(rounds.settings, rounds.metrics, alias, candidate, fingerprint)
+    return None if verdict.passed else verdict.reason
+
+
+def ask_gate(
+    rounds: Rounds,
+    alias: str,
+    config: AliasConfig,
+    prompts: list[HeldoutPrompt],
+    candidate: str,
+    route: AliasRoute,
+) -> GateResult:
+    """The gate's verdict on the ``candidate`` (a served name) against the live version."""
+    try:
+        return asyncio.run(
+            rounds.gate.evaluate(
+                alias,
+                config,
+                prompts,
+                candidate,
+                served_name(alias, route.active, route.base_model),
+                seed=rounds.settings.learner.seed,
+                progress=lambda scored, drawn, win_rate: rounds.report_gate_pair(
+                    alias, scored, f"win rate {win_rate:.3f} after {scored} of {drawn} pairs"
+                ),
+            )
+        )
+    except GateError as exc:
+        rounds.metrics.failures.labels(alias, "gate").inc()
+        return not_gated(config, f"gate failed: {exc}")
+
+
+def not_gated(config: AliasConfig, reason: str) -> GateResult:
+    """A failed verdict without pairs: the gate could not, or must not, compare the versions."""
+    return GateResult(
+        passed=False,
+        reason=reason,
+        pairs=0,
+        win_rate=None,
+        ci_low=None,
+        ci_high=None,
+        threshold=config.gate.threshold,
+        min_pairs=config.gate.min_pairs,
+    )
 
 
 def account_gate_judge(rounds: Rounds, alias: str, bill: Bill | None) -> None:

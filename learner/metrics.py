@@ -39,6 +39,7 @@ class LearnerMetrics:
         self._add_round_metrics(r)
         self._add_progress_metrics(r)
         self._add_gate_metrics(r)
+        self._add_served_metrics(r)
         self._add_release_metrics(r)
         self._add_feedback_metrics(r)
         self._add_lease_metrics(r)
@@ -155,6 +156,43 @@ class LearnerMetrics:
         self.progress_errors = Counter(
             "ratchet_learner_progress_errors_total",
             "Writes of the alias's progress to Redis that failed (the loop and the round go on)",
+            ("alias",),
+            registry=r,
+        )
+
+    def _add_served_metrics(self, r: CollectorRegistry) -> None:
+        """Served equals trained: each replica's probe check and each round's drift."""
+        self.served_checks = Counter(
+            "ratchet_learner_served_checks_total",
+            "Replicas asked for a candidate's probe before its gate, by outcome (match; "
+            "mismatch: other weights than the learner's; unloaded: it could not serve it)",
+            ("alias", "replica", "outcome"),
+            registry=r,
+        )
+        self.served_distance = Gauge(
+            "ratchet_learner_served_distance",
+            "Mean |Δ logprob| per probe token between the learner's fingerprint of the last "
+            "checked candidate and the replica's answer",
+            ("alias", "replica"),
+            registry=r,
+        )
+        self.served_drift = Gauge(
+            "ratchet_learner_served_drift",
+            "Mean |Δ logprob| per sampled token between vLLM's logprobs in the last round's "
+            "groups and the learner's under the weights that served them (per version: the "
+            "groups do not say which replica sampled them)",
+            ("alias",),
+            registry=r,
+        )
+        self.served_drift_version = Gauge(
+            "ratchet_learner_served_drift_version",
+            "The version whose groups ratchet_learner_served_drift was measured on",
+            ("alias",),
+            registry=r,
+        )
+        self.served_drift_limit = Gauge(
+            "ratchet_learner_served_drift_limit",
+            "The tolerance ratchet_learner_served_drift is held to (learner.served_check)",
             ("alias",),
             registry=r,
         )

@@ -5,9 +5,11 @@
    steps (learner/trainer.py);
 2. write: the next version number from Redis ``INCR``, the adapter written atomically to the
    store (``base_model_name_or_path`` = vLLM's ``--model``), a ``candidate`` event;
-3. gate: the candidate against the live version on held-out prompts drawn at random from the
-   pool, seeded by the candidate's version, no key above ``learning.max_key_share`` of them
-   (learner/heldout.py, learner/gate.py);
+3. gate: first every vLLM replica must serve what was trained (learner/served_check.py, with
+   the fingerprint and drift step 1 measured, learner/drift.py), else the candidate is rejected
+   with a reason that names the replica; then the candidate against the live version on
+   held-out prompts drawn at random from the pool, seeded by the candidate's version, no key
+   above ``learning.max_key_share`` of them (learner/heldout.py, learner/gate.py);
 4. outcome: canary (or promote at once when ``canary.weight`` is 0) or reject, written to Redis
    in ONE transaction with the ids of the groups the round used and where the next round starts.
 
@@ -37,6 +39,7 @@ from typing import Any
 
 from learner.canary_weight import canary_weight, requests_per_second
 from learner.candidate import Candidate, Candidates, Stage
+from learner.drift import Measures
 from learner.gate import Gate
 from learner.gate_verdict import GateResult
 from learner.gating import gate_candidate
@@ -152,6 +155,8 @@ class Rounds:
         self.progress = ProgressReporter(self.redis, metrics)
         self._progress: dict[str, LearnerProgress] = {}  # each running round's, as reported
         self.candidates = Candidates(self.redis, metrics.candidate_record_errors)
+        # Served equals trained: each round's drift and each candidate's fingerprint.
+        self.measures = Measures(settings, metrics)
 
     def run(
         self,
@@ -264,6 +269,7 @@ class Rounds:
             lead_round(trainer, groups, adapter)  # a load that fails on any rank fails on all
         else:
             trainer.load_adapter(adapter)
+        self.measures.before_training(trainer, alias, start.version, groups)
 
         def on_step(step: StepProgress) -> None:
             self.metrics.step_loss.labels(alias).set(step.loss)
@@ -319,6 +325,7 @@ class Rounds:
                 "alias": alias,
                 "trained_from": start.version,
                 "rounds_beyond_parent": start.rounds + 1,
+                **self.measures.for_candidate(self.trainer(), alias),
             },
         )
         summary = {k: v for k, v in stats.as_dict().items() if k != "round"}

@@ -44,6 +44,7 @@ from ratchet.settings.learner import (
     ScaleRewards,
 )
 from ratchet.settings.proxy import ProxySettings, RateLimitSettings, redaction_regex
+from ratchet.settings.served_check import ServedCheckSettings
 from ratchet.settings.root import (
     DEFAULT_REDIS_URL,
     SECRETS_DIR_VARIABLE,
@@ -81,6 +82,7 @@ __all__ = [
     "RewardConfig",
     "SamplingConfig",
     "ScaleRewards",
+    "ServedCheckSettings",
     "_Section",
     "config_path",
     "default_home",

@@ -12,6 +12,7 @@ from pydantic import (
 from ratchet.settings.base import (
     _Section,
 )
+from ratchet.settings.served_check import ServedCheckSettings
 
 ScaleRewards = Literal["group", "batch", "none"]
 LossMode = Literal["ppo_clip", "cispo"]
@@ -241,6 +242,7 @@ class LearnerSettings(_Section):
     )
     lora: LoraSettings = LoraSettings()
     loss: LossSettings = LossSettings()
+    served_check: ServedCheckSettings = ServedCheckSettings()
     seed: int = Field(
         default=0,
         description="Seed of the LoRA initialisation and of each round's order of groups.",

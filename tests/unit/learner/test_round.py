@@ -32,6 +32,7 @@ from ratchet.settings import (
     GateConfig,
     LearnerSettings,
     RatchetSettings,
+    ServedCheckSettings,
 )
 
 ALIAS = "support"
@@ -130,7 +131,9 @@ def make_service(
                 canary=CanaryConfig(weight=canary_weight),
             )
         },
-        learner=LearnerSettings(**learner),
+        # The stand-in trainer has no model and no vLLM answers here: served equals trained
+        # is tests/unit/learner/test_fingerprint.py and tests/integration/test_served_check.py.
+        learner=LearnerSettings(**{"served_check": ServedCheckSettings(enabled=False), **learner}),
     )
     service = LearnerService(settings, base_model_path=Path("unused"))
     service.lifecycle.sink = None  # Redis history only

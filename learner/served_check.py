@@ -1,0 +1,214 @@
+"""Every replica has the version, or none serves it: before a candidate's gate (and so before
+its canary or promotion), each vLLM replica is asked for the candidate by its served name and
+answers the fixed probe of its fingerprint (learner/fingerprint.py) with ``prompt_logprobs``.
+
+A replica passes when it answers and its logprobs are within the tolerance of the learner's.
+One that cannot load the candidate (vLLM's 404 or 400, a connection refused) or that mismatches
+is asked again every ``RETRY_S`` for up to ``learner.served_check.wait_s`` (a store it sees
+late); if it still fails, the candidate is not gated and is rejected with a reason that names the
+replica. The proxy routes a version to any replica of the fleet, so one replica that would serve
+something else rejects the version everywhere: every replica has it, or none serves it.
+
+A candidate without a fingerprint (an imported adapter, or one trained on sharded ranks, whose
+model no single rank holds) is still asked of every replica: each must load it and answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+
+from learner.fingerprint import Distance, Fingerprint, distance
+from learner.metrics import LearnerMetrics
+from ratchet.fleet import Resolver
+from ratchet.secrets import vllm_api_key
+from ratchet.settings import RatchetSettings
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 2.0
+# Without a fingerprint: a prompt every replica can answer, to see that it loads the version.
+LOAD_PROMPT = "Hello"
+DETAIL_CHARS = 200  # of a replica's error body, in the reason
+
+Outcome = Literal["match", "mismatch", "unloaded"]
+
+
+@dataclass(frozen=True)
+class ReplicaCheck:
+    """What one replica did with the probe."""
+
+    replica: str
+    outcome: Outcome
+    distance: Distance | None = None
+    detail: str = ""
+
+    def describe(self, limit: float) -> str:
+        if self.outcome == "match":
+            how = self.distance.describe() if self.distance else "loaded"
+            return f"{self.replica}: {how}"
+        if self.outcome == "mismatch" and self.distance is not None:
+            return f"{self.replica} serves other weights: {self.distance.describe()} > {limit:g}"
+        return f"{self.replica} cannot serve it: {self.detail}"
+
+
+@dataclass(frozen=True)
+class ServedVerdict:
+    served: str
+    checks: tuple[ReplicaCheck, ...]
+    limit: float
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.outcome == "match" for c in self.checks)
+
+    @property
+    def failed(self) -> tuple[ReplicaCheck, ...]:
+        return tuple(c for c in self.checks if c.outcome != "match")
+
+    @property
+    def reason(self) -> str:
+        if not self.checks:
+            return f"served check of {self.served}: no vLLM replica to ask"
+        if self.passed:
+            return f"served check of {self.served}: every replica matches"
+        return f"served check of {self.served}: " + "; ".join(
+            c.describe(self.limit) for c in self.failed
+        )
+
+
+def served_logprobs(body: Any, token_ids: Sequence[int]) -> tuple[float, ...]:
+    """The logprob of each token after the first in vLLM's ``prompt_logprobs`` answer (a list,
+    None first, then per position a dict of token id to ``{"logprob": ...}`` that always holds
+    the prompt's own token). ValueError when the answer is not that."""
+    try:
+        entries = body["choices"][0]["prompt_logprobs"]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ValueError(f"no prompt_logprobs in the answer: {exc!r}") from exc
+    if not isinstance(entries, list) or len(entries) != len(token_ids):
+        raise ValueError("prompt_logprobs do not cover the probe's tokens")
+    out = []
+    for token, entry in zip(token_ids[1:], entries[1:], strict=True):
+        try:
+            out.append(float(entry[str(token)]["logprob"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"no logprob for token {token}") from exc
+    return tuple(out)
+
+
+class ServedCheck:
+    """Asks each replica for a served name's probe logprobs (see the module docstring)."""
+
+    def __init__(self, api_key: str, timeout_s: float, wait_s: float, limit: float) -> None:
+        self.headers = {"authorization": f"Bearer {api_key}"}
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.wait_s = wait_s
+        self.limit = limit
+
+    async def verdict(
+        self, replicas: Sequence[str], served: str, fingerprint: Fingerprint | None
+    ) -> ServedVerdict:
+        """Each replica's check; those that fail asked again until they pass or ``wait_s``."""
+        deadline = time.monotonic() + self.wait_s
+        checks: dict[str, ReplicaCheck] = {}
+        async with aiohttp.ClientSession(timeout=self.timeout, headers=self.headers) as session:
+            pending = list(replicas)
+            while True:
+                answers = await asyncio.gather(
+                    *(self.ask(session, url, served, fingerprint) for url in pending)
+                )
+                checks.update((c.replica, c) for c in answers)
+                pending = [c.replica for c in answers if c.outcome != "match"]
+                if not pending or time.monotonic() + RETRY_S > deadline:
+                    break
+                log.info("served check of %s: asking %s again", served, ", ".join(pending))
+                await asyncio.sleep(RETRY_S)
+        return ServedVerdict(served, tuple(checks[url] for url in replicas), self.limit)
+
+    async def ask(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        served: str,
+        fingerprint: Fingerprint | None,
+    ) -> ReplicaCheck:
+        """One replica's answer to the probe: every probe at once, one request."""
+        prompts: list[Any] = [LOAD_PROMPT]
+        if fingerprint is not None:
+            prompts = [list(ids) for ids in fingerprint.token_ids]
+        payload: dict[str, Any] = {
+            "model": served,
+            "prompt": prompts,
+            "max_tokens": 1,
+            "temperature": 0.0,
+        }
+        if fingerprint is not None:
+            payload["prompt_logprobs"] = 0
+        try:
+            async with session.post(f"{url}/v1/completions", json=payload) as response:
+                if response.status != 200:
+                    text = (await response.text())[:DETAIL_CHARS]
+                    return ReplicaCheck(url, "unloaded", detail=f"HTTP {response.status} {text}")
+                body = await response.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            return ReplicaCheck(url, "unloaded", detail=f"{type(exc).__name__}: {exc}")
+        if fingerprint is None:
+            return ReplicaCheck(url, "match")
+        return self.compare(url, body, fingerprint)
+
+    def compare(self, url: str, body: Any, fingerprint: Fingerprint) -> ReplicaCheck:
+        """The replica's answer to the whole probe against the fingerprint."""
+        try:
+            choices = sorted(body["choices"], key=lambda c: int(c.get("index", 0)))
+            served = [
+                served_logprobs({"choices": [choice]}, ids)
+                for choice, ids in zip(choices, fingerprint.token_ids, strict=True)
+            ]
+            gap = distance(fingerprint.logprobs, served)
+        except (KeyError, TypeError, ValueError) as exc:
+            return ReplicaCheck(url, "unloaded", detail=f"unusable answer: {exc}")
+        outcome: Outcome = "match" if gap.within(self.limit) else "mismatch"
+        return ReplicaCheck(url, outcome, gap)
+
+
+async def replica_urls(vllm_url: str, vllm_endpoints: Sequence[str]) -> list[str]:
+    """Every replica behind the configured endpoints now (ratchet/fleet.py's resolver), else
+    ``vllm_url`` alone."""
+    if vllm_endpoints:
+        return await Resolver(vllm_endpoints).resolve()
+    return [vllm_url.rstrip("/")]
+
+
+def check_replicas(
+    settings: RatchetSettings,
+    metrics: LearnerMetrics,
+    alias: str,
+    served: str,
+    fingerprint: Fingerprint | None,
+) -> ServedVerdict:
+    """Every replica's check of the candidate ``served`` (its served name), counted per
+    replica."""
+    knobs = settings.learner.served_check
+    limit = knobs.tolerance(fingerprint.precision if fingerprint else knobs.served_precision)
+    check = ServedCheck(vllm_api_key(settings), knobs.timeout_s, knobs.wait_s, limit)
+
+    async def run() -> ServedVerdict:
+        urls = await replica_urls(settings.vllm_url, settings.vllm_endpoints)
+        return await check.verdict(urls, served, fingerprint)
+
+    verdict = asyncio.run(run())
+    for c in verdict.checks:
+        metrics.served_checks.labels(alias, c.replica, c.outcome).inc()
+        if c.distance is not None and c.distance.tokens:
+            metrics.served_distance.labels(alias, c.replica).set(c.distance.mean_abs)
+    if verdict.passed:
+        log.info("%s (%s)", verdict.reason, "; ".join(c.describe(limit) for c in verdict.checks))
+    else:
+        log.warning("%s", verdict.reason)
+    return verdict
