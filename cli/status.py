@@ -14,6 +14,7 @@ from cli.routing import read_routes
 if TYPE_CHECKING:
     import redis
 
+    from ratchet.registry import AliasRoute
     from ratchet.rounds import RoundRow
     from ratchet.settings import AliasConfig
 
@@ -63,7 +64,7 @@ def status(
             lines.append(f"{label}: {trained}, {gate}, {row.outcome}")
             if row.bill is not None:
                 lines.append(f"  cost: {row.bill.line()}")
-        canary = "-" if route.canary is None else f"v{route.canary} ({route.canary_weight:.0%})"
+        canary = canary_cell(writer.redis, name, route)
         learning = "paused" if route.paused else "on"
         if route.paused:
             reason = next(
@@ -93,6 +94,16 @@ def status(
         "Learner queue lag: "
         + ("unknown (Kafka unreachable)" if lag is None else f"{lag} groups not yet committed")
     )
+
+
+def canary_cell(client: redis.Redis, alias: str, route: AliasRoute) -> str:
+    """The canary and its share, and what the reward-hacking guard said of it, or of the
+    active version it let through ("could not check" included: learner/reward_guard.py)."""
+    from ratchet.reward_guard_state import guard_line
+
+    canary = "-" if route.canary is None else f"v{route.canary} ({route.canary_weight:.0%})"
+    guard = guard_line(client, alias, (route.canary, route.active))
+    return canary if guard is None else f"{canary}\n{guard}"
 
 
 def reward_model_line(client: redis.Redis, alias: str) -> str:

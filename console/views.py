@@ -18,6 +18,7 @@ from ratchet.canary_state import ArmStats, read_counts, read_ratings_summary
 from ratchet.gate_pairs import GatePair, read_gate_pairs
 from ratchet.progress import read_progress
 from ratchet.registry import AliasRoute, RegistryWriter, served_name
+from ratchet.reward_guard_state import guard_line
 from ratchet.rewards.agreement import probes_agreement, read_agreement
 from ratchet.rewards.reward_status import RewardStatus, describe_reward_model
 from ratchet.rounds import RoundRow, promotion_bills, rounds_of
@@ -53,6 +54,9 @@ class AliasSummary:
     agreement: str | None  # for aliases judged by RULER
     last_round: RoundRow | None
     judge_spend: str = ""  # today's judge spend, against learning.max_cost_per_day when set
+    # What the canary's reward-hacking guard said of the canary, or of the active version it
+    # was promoted as (learner/reward_guard.py): "could not check" shows here.
+    reward_guard: str | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,7 @@ class ConsoleData:
             agreement=self.agreement_line(alias),
             last_round=rounds[-1] if rounds else None,
             judge_spend=self.judge_spend_line(alias),
+            reward_guard=guard_line(self.redis, alias, (route.canary, route.active)),
         )
 
     def canary(self, alias: str, route: AliasRoute) -> CanaryView | None:

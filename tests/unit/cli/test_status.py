@@ -79,3 +79,30 @@ def test_status_says_why_a_feedback_alias_waits_for_its_reward_model(
     text = output()
     assert "rewards from rated.reward@v3: held-out AUC 0.810" in text
     assert "reward model" not in next(line for line in text.splitlines() if "judged" in line)
+
+
+def test_status_says_when_the_reward_guard_could_not_check_a_canary(
+    configured: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Audit N-15: a canary the guard could not check (too few raters) said nothing; `ratchet
+    status` now says so, for the canary and for the version it was promoted as."""
+    from ratchet.registry import AliasRoute, RegistryWriter
+    from ratchet.reward_guard_state import GuardResult, write_guard
+
+    monkeypatch.setattr(console, "width", 400)
+    writer = RegistryWriter(redis_url, {})
+    writer.write(AliasRoute(alias="support", base_model="base", active=1, canary=2))
+    writer.write(AliasRoute(alias="billing", base_model="base", active=1))
+    said = "could not check: too few raters (4 < 10 held-out rated answers on the canary arm)"
+    write_guard(configured, "support", 2, GuardResult("unchecked", said))
+
+    def support_cell() -> str:
+        result = CliRunner().invoke(app, ["status"])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    assert f"reward guard on v2: {said}" in support_cell()
+    writer.write(AliasRoute(alias="support", base_model="base", active=2))  # promoted
+    assert f"reward guard on v2: {said}" in support_cell()
+    writer.write(AliasRoute(alias="support", base_model="base", active=3))
+    assert "reward guard" not in support_cell()  # a later version: not what it said of v3

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from html import escape
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from console.render import rounds_svg
 from console.traffic import KEPT, PENDING_RATINGS, RecentTraffic
 from ratchet.lifecycle import Lifecycle
 from ratchet.records import FeedbackRecord, TrafficRecord
+from ratchet.reward_guard_state import GuardResult, write_guard
 from ratchet.rounds import RoundRow
 from ratchet.settings import ConfigError, RatchetSettings
 from tests.unit.console.conftest import ALIAS, KEY, client_for, make_settings
@@ -31,6 +33,25 @@ def test_the_overview_lists_every_alias_with_its_versions(
     assert 'data-testid="canary-support">v2<' in html and "25%" in html
     assert 'href="/alias/other"' in html
     assert KEY not in html
+
+
+def test_a_reward_guard_that_could_not_check_is_shown_for_the_canary_and_once_promoted(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    """Audit N-15: the guard let a canary through silently when too few raters had rated it;
+    its "could not check" is on the overview and the alias page, for the canary and, after
+    the promotion, for the version it let through."""
+    client = client_for(settings)
+    assert "reward guard" not in client.get("/").text
+    said = "could not check: too few raters (3 < 10 held-out rated answers on the canary arm)"
+    write_guard(lifecycle.writer.redis, ALIAS, 2, GuardResult("unchecked", said))
+    for page in ("/", f"/alias/{ALIAS}"):
+        html = client.get(page).text
+        assert f'data-testid="reward-guard-{ALIAS}">reward guard on v2: {escape(said)}<' in html
+    lifecycle.promote(ALIAS, 2)
+    assert f"reward guard on v2: {escape(said)}" in client.get(f"/alias/{ALIAS}").text
+    write_guard(lifecycle.writer.redis, ALIAS, 7, GuardResult("unchecked", said))
+    assert "reward guard" not in client.get("/").text  # another version's: not this alias's now
 
 
 def test_the_alias_page_shows_lineage_rounds_plot_and_the_gates_pairs(
