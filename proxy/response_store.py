@@ -3,15 +3,24 @@ continues, in Redis ``ratchet:response:<id>`` so that every replica sees them.
 
 Each belongs to the API key that made it (its hash; ``-`` without auth): another key's id reads
 as unknown, a 404 that says nothing about whether it exists. Each is kept
-``proxy.responses_store_ttl_s`` (0: nothing is stored) and refused past
-``proxy.responses_store_max_bytes``, conversation included: the store's memory is at most
-responses per second x TTL x that size, and a conversation continued turn after turn stops
-being stored once it outgrows it (counted; a whole Response then says ``store: false``, a
-streamed one has already said what was asked when its last event is built).
+``proxy.responses_store_ttl_s`` (0: nothing is stored). Bounded by design, a response is not
+stored (counted by outcome) when it is past ``proxy.responses_store_max_bytes``, conversation
+included, or when its owner's stored responses would pass ``proxy.responses_store_key_bytes``,
+or everyone's ``proxy.responses_store_total_bytes`` (proxy/response_quota.py): the answer is
+given all the same and says ``store: false`` (a streamed one has already said what was asked
+when its last event is built). A quota is never a 4xx: ``store`` is OpenAI's default, so a
+client that never continues a response would otherwise lose answers for a feature it does not
+use.
+
+What is stored is redacted as the traffic log is (``proxy.redact_patterns``, in a thread: a
+string of many matches takes a while). ``GET`` returns, and a continuation sends the model, the
+redacted text: a secret redacted from the log is not kept in Redis either, and a client whose
+next turn needs it sends it again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -21,6 +30,9 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter
 
 from proxy.errors import ProxyError
+from proxy.log.exchange import Redactor
+from proxy.response_quota import StoreQuota
+from ratchet.settings import ProxySettings
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +47,22 @@ def response_key(response_id: str) -> str:
 
 class ResponseStore:
     def __init__(
-        self, client: aioredis.Redis, registry: CollectorRegistry, ttl_s: int, max_bytes: int
+        self, client: aioredis.Redis, registry: CollectorRegistry, settings: ProxySettings
     ) -> None:
         self._redis = client  # the proxy's shared client (proxy/state.py shared_redis)
-        self.ttl_s, self.max_bytes = ttl_s, max_bytes
+        self.ttl_s = settings.responses_store_ttl_s
+        self.max_bytes = settings.responses_store_max_bytes
+        self.quota = StoreQuota(
+            client, settings.responses_store_key_bytes, settings.responses_store_total_bytes
+        )
+        patterns = settings.redact_patterns
+        self.redactor = Redactor(patterns, settings.redact_budget_s) if patterns else None
         self.saved = Counter(
             "ratchet_proxy_responses_stored",
             "Responses asked to be stored (store: true), by outcome: stored, too_large (past "
-            "proxy.responses_store_max_bytes), disabled (proxy.responses_store_ttl_s 0), "
+            "proxy.responses_store_max_bytes), key_quota (its key's stored responses at "
+            "proxy.responses_store_key_bytes), total_quota (all keys' at "
+            "proxy.responses_store_total_bytes), disabled (proxy.responses_store_ttl_s 0), "
             "redis_error",
             ["outcome"],
             registry=registry,
@@ -51,26 +71,41 @@ class ResponseStore:
     async def save(
         self, response: dict[str, Any], conversation: list[dict[str, Any]], key_hash: str | None
     ) -> bool:
-        """Keep ``response`` and the chat messages it ends for its owner; False when it was not
-        kept (counted). Never raises: the answer has been given, and an unstored response only
-        cannot be continued."""
+        """Keep ``response`` and the chat messages it ends for its owner, redacted; False when
+        it was not kept (counted). Never raises: the answer has been given, and an unstored
+        response only cannot be continued."""
         if self.ttl_s <= 0:
             self.saved.labels("disabled").inc()
             return False
-        value = orjson.dumps(
-            {"owner": key_hash or ANONYMOUS, "response": response, "conversation": conversation}
-        )
-        if len(value) > self.max_bytes:
+        owner = key_hash or ANONYMOUS
+        entry = {"owner": owner, "response": response, "conversation": conversation}
+        value = orjson.dumps(entry)
+        # Checked before redaction too, so that redaction's time is bounded by max_bytes.
+        if (
+            len(value) > self.max_bytes
+            or len(value := await self._redacted(entry)) > self.max_bytes
+        ):
             self.saved.labels("too_large").inc()
             return False
         try:
-            await self._redis.set(response_key(response["id"]), value, ex=self.ttl_s)
+            outcome = await self.quota.save(
+                response_key(response["id"]), response["id"], value, owner, self.ttl_s
+            )
         except _ERRORS as exc:
             self.saved.labels("redis_error").inc()
             log.warning("could not store response %s: %s", response["id"], exc)
             return False
-        self.saved.labels("stored").inc()
-        return True
+        self.saved.labels(outcome).inc()
+        return outcome == "stored"
+
+    async def _redacted(self, entry: dict[str, Any]) -> bytes:
+        """The entry as stored: its response and conversation redacted (the owner is ours)."""
+        if self.redactor is None:
+            return orjson.dumps(entry)
+        redact = self.redactor.begin()
+        parts = {"response": entry["response"], "conversation": entry["conversation"]}
+        redacted = await asyncio.to_thread(redact, parts)
+        return orjson.dumps({"owner": entry["owner"], **redacted})
 
     async def load(
         self, response_id: str, key_hash: str | None, param: str | None = None
@@ -86,9 +121,10 @@ class ResponseStore:
         return entry  # type: ignore[no-any-return]
 
     async def delete(self, response_id: str, key_hash: str | None) -> None:
-        await self.load(response_id, key_hash)  # 404 unless the caller owns it
+        """Delete it (a 404 unless the caller owns it), its room back in both quotas."""
+        await self.load(response_id, key_hash)
         try:
-            await self._redis.delete(response_key(response_id))
+            await self.quota.delete(response_key(response_id), response_id, key_hash or ANONYMOUS)
         except _ERRORS as exc:
             raise _unavailable(exc) from None
 
@@ -97,7 +133,8 @@ def not_found(response_id: str, param: str | None = None) -> ProxyError:
     return ProxyError(
         404,
         f"no stored response {response_id[:80]!r} for this API key (responses are kept "
-        "proxy.responses_store_ttl_s, and only for the key that made them)",
+        "proxy.responses_store_ttl_s, only for the key that made them, and only those that "
+        "said store: true: one past the store's size or quotas says store: false)",
         param=param,
         type="invalid_request_error",
         code="response_not_found",

@@ -107,12 +107,7 @@ class ProxyState:
         self.log_rates = {name: cfg.log_rate for name, cfg in settings.aliases.items()}
         # Who got each completion, so only that key may rate it, once (proxy/completions.py).
         self.completions = CompletionOwners(redis_url, self.metrics.registry, owner_ttl_s(settings))
-        self.responses = ResponseStore(
-            self.redis,
-            self.metrics.registry,
-            settings.proxy.responses_store_ttl_s,
-            settings.proxy.responses_store_max_bytes,
-        )
+        self.responses = ResponseStore(self.redis, self.metrics.registry, settings.proxy)
         self.metrics.watch_log(self.traffic_log, self.routing)
 
     def authenticate(self, request: Request) -> str | None:

@@ -433,6 +433,26 @@ class ProxySettings(_Section):
             "not stored."
         ),
     )
+    responses_store_key_bytes: int = Field(
+        default=16 * 1024 * 1024,
+        ge=4096,
+        le=1 << 40,
+        description=(
+            "Stored Responses API responses of one API key together, in bytes of Redis (each "
+            "counts what Redis allocates for it, key and bookkeeping included); past it a "
+            "response is answered and not stored (store: false) until older ones expire or are "
+            "deleted."
+        ),
+    )
+    responses_store_total_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=4096,
+        le=1 << 40,
+        description=(
+            "Stored Responses API responses of all keys together, in bytes of Redis (counted as "
+            "for one key); past it none is stored. Add it to Redis's maxmemory."
+        ),
+    )
 
     @field_validator("api_keys")
     @classmethod
