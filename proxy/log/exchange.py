@@ -8,97 +8,17 @@ whole choices), applies redaction, and makes the record.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from proxy.log.redaction import REDACTED, Redaction, Redactor
 from proxy.sse import iter_sse_data, last_usage
-from ratchet.records import TrafficRecord
-from ratchet.settings import ProxySettings, redaction_regex
+from ratchet.records import CLIENT_REQUEST_ID_MAX, TrafficRecord
 
-REDACTED = "[REDACTED]"
-DEFAULT_BUDGET_S: float = ProxySettings.model_fields["redact_budget_s"].default
-
-
-class Redactor:
-    """The configured patterns, as one RE2 regex: time linear in the text, whatever the pattern
-    (Python's re backtracks, and one long token froze the log worker for hours).
-
-    Each record gets a :class:`Redaction` with its own deadline, ``budget_s`` from its start: RE2
-    bounds the time per character, the deadline the time per record whatever its number of
-    strings. Strings are redacted whole and only then cut to fit (``bounded``): a cut first could
-    split a secret so that no pattern matches what is left of it.
-    """
-
-    def __init__(self, patterns: list[str], budget_s: float = DEFAULT_BUDGET_S) -> None:
-        self.pattern: Any = redaction_regex(patterns) if patterns else None
-        self.budget_s = budget_s
-        # Dict keys, redacted: most are the API's own ("role", "content"), in every record.
-        self.keys: dict[str, str] = {}
-
-    def begin(self) -> Redaction:
-        """The redaction of one record, its deadline starting now."""
-        return Redaction(self, time.monotonic() + self.budget_s)
-
-    def __call__(self, value: Any) -> Any:
-        """``value`` redacted, on a budget of its own."""
-        return self.begin()(value)
-
-
-# Redacted dict keys kept for the next records: a client sending new keys fills it, then no more.
-MAX_KEPT_KEYS = 4096
-MAX_KEPT_KEY = 64
-
-
-class Redaction:
-    """One record's redaction: every string it is given, dict keys included, has its matches
-    replaced. Past the deadline it fails closed: each string not yet redacted becomes
-    ``REDACTED`` whole (never logged as it came), and :meth:`part` names the parts that were."""
-
-    def __init__(self, redactor: Redactor, deadline: float) -> None:
-        self.redactor = redactor
-        self.deadline = deadline
-        self.over_budget = False
-        self.failed: list[str] = []  # parts with strings replaced whole, in the record's words
-        self._replaced = False
-
-    def part(self, name: str, value: Any) -> Any:
-        """``value`` redacted; ``name`` goes to :attr:`failed` if the budget ran out in it."""
-        self._replaced = False
-        out = self(value)
-        if self._replaced and name not in self.failed:
-            self.failed.append(name)
-        return out
-
-    def __call__(self, value: Any) -> Any:
-        if self.redactor.pattern is None:
-            return value
-        if isinstance(value, str):
-            return self._string(value)
-        if isinstance(value, list):
-            return [self(v) for v in value]
-        if isinstance(value, dict):
-            return {self._key(k): self(v) for k, v in value.items()}
-        return value
-
-    def _key(self, key: str) -> str:
-        keys = self.redactor.keys
-        if (known := keys.get(key)) is not None:
-            return known
-        redacted = self._string(key)
-        if not self.over_budget and len(key) <= MAX_KEPT_KEY and len(keys) < MAX_KEPT_KEYS:
-            keys[key] = redacted
-        return redacted
-
-    def _string(self, text: str) -> str:
-        if not self.over_budget and time.monotonic() > self.deadline:
-            self.over_budget = True
-        if self.over_budget:
-            self._replaced = True
-            return REDACTED
-        return str(self.redactor.pattern.sub(REDACTED, text))
+# Where the redactor lived first: the Responses store and the tests import it from here too.
+__all__ = ["REDACTED", "Exchange", "Redactor", "assemble_stream", "bounded"]
 
 
 def _merge_tool_calls(target: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
@@ -222,15 +142,18 @@ class Exchange:
         usage = body.get("usage") or {}
         user = self.request.get("user")
         # Every string a client or the model wrote: the request (keys too), `user`, the error
-        # (upstream messages quote the prompt) and the answers.
+        # (upstream messages quote the prompt), the answers, and the identifiers a client
+        # chooses: its x-request-id, and the answer's id (vLLM makes it of the body's request_id).
         redact = self.redactor.begin()
         request = redact.part("request", self.request)
         user = redact.part("request", user) if isinstance(user, str) else None
         error = redact.part("error", self.error)
         redacted_choices = redact.part("answer", choices)
+        response_id = body.get("id")
         return TrafficRecord(
             request_id=self.request_id,
-            client_request_id=self.client_request_id,
+            client_request_id=_redacted_id(redact, self.client_request_id, CLIENT_REQUEST_ID_MAX),
+            response_id=_redacted_id(redact, response_id),
             endpoint=self.endpoint,
             alias=self.alias,
             request_model=self.alias,
@@ -238,7 +161,6 @@ class Exchange:
             version=self.version,
             canary_arm=self.canary_arm,
             request=request,
-            response_id=body.get("id"),
             choices=redacted_choices,
             input_tokens=usage.get("prompt_tokens"),
             output_tokens=usage.get("completion_tokens"),
@@ -255,6 +177,12 @@ class Exchange:
             # Replaced whole past the redaction budget: not what the model saw.
             truncated=redact.failed,
         )
+
+
+def _redacted_id(redact: Redaction, value: Any, max_chars: int | None = None) -> str | None:
+    """An identifier as the record keeps it: redacted like the text (then cut to
+    ``max_chars``: each match grows to REDACTED), a string or None."""
+    return redact.string(value)[:max_chars] if isinstance(value, str) else None
 
 
 # Strings shorter than this are never cut: cutting many short ones saves little and garbles all.

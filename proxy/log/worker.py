@@ -47,9 +47,13 @@ from typing import Any, BinaryIO
 import orjson
 
 from proxy.log.spool import OutgoingRecord
+from ratchet.records import FEEDBACK_TOPIC
 from ratchet.settings import KafkaSettings, ProxySettings
 
 CONFIG, EXCHANGE, RECORD = 0, 1, 2
+# The fields of a finished record (a RECORD frame) that a client wrote, by topic: redacted here.
+# A traffic record is built and redacted here whole (proxy/log/exchange.py).
+REDACTED_FIELDS: dict[str, tuple[str, ...]] = {FEEDBACK_TOPIC: ("completion_id", "comment")}
 _HEADER = struct.Struct("<IBII")  # size of what follows the u32, kind, meta length, a length
 _FIRST = struct.Struct("<I")
 
@@ -128,7 +132,8 @@ class Worker:
 
         self.config = config
         self.redactor = Redactor(config.redact_patterns, config.redact_budget_s)
-        self.redact_over_budget = 0  # records whose strings were replaced whole, past the budget
+        # Records with strings replaced whole: past the redaction budget, or too many matches.
+        self.redact_over_budget = 0
         self.journal = Journal(config.spool_dir / "journal")
         self.producer = RecordProducer(
             config.bootstrap,
@@ -193,12 +198,31 @@ class Worker:
     def handle(self, kind: int, meta: bytes, a: bytes, b: bytes) -> None:
         if kind == RECORD:
             fields = orjson.loads(meta)
-            key = fields["key"].encode() if fields.get("key") is not None else None
-            self.accept(OutgoingRecord(fields["topic"], key, b))
+            key: str | None = fields.get("key")
+            if fields["topic"] in REDACTED_FIELDS:
+                key, b = self.redact_record(fields["topic"], key, b)
+            encoded = key.encode() if key is not None else None
+            self.accept(OutgoingRecord(fields["topic"], encoded, b))
         elif kind == EXCHANGE:
             self.handle_exchange(orjson.loads(meta), a, b)
         else:
             raise ValueError(f"unknown frame kind {kind}")
+
+    def redact_record(self, topic: str, key: str | None, value: bytes) -> tuple[str | None, bytes]:
+        """A finished record's client-written fields (:data:`REDACTED_FIELDS`) and its key,
+        redacted as the traffic is (a rating's ``completion_id`` is the rated answer's id,
+        redacted alike in its traffic record, so the two still join)."""
+        if self.redactor.pattern is None:
+            return key, value
+        redact = self.redactor.begin()
+        record = orjson.loads(value)
+        for name in REDACTED_FIELDS[topic]:
+            if isinstance(record.get(name), str):
+                record[name] = redact.part(name, record[name])
+        if redact.failed:
+            self.redact_over_budget += 1
+            log.warning("redaction of a %s record replaced %s whole", topic, redact.failed)
+        return (redact.string(key) if key is not None else None), orjson.dumps(record)
 
     def handle_exchange(self, fields: dict[str, Any], request: bytes, answer: bytes) -> None:
         from proxy.log.exchange import Exchange, bounded
@@ -217,7 +241,10 @@ class Worker:
             record = exchange.to_record()
             if record.truncated:  # only redaction has cut anything yet
                 self.redact_over_budget += 1
-                log.warning("redaction of %s ran past its budget; replaced", exchange.request_id)
+                log.warning(
+                    "redaction of %s ran past its budget or a string's matches; replaced whole",
+                    exchange.request_id,
+                )
             record.ts = _iso(started_at)  # when the request arrived, not when it was logged
             self.count_tokens(labels, record.input_tokens, record.output_tokens)
             value = bounded(record, self.config.max_record_bytes)

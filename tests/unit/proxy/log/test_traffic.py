@@ -290,7 +290,7 @@ def test_past_the_budget_every_string_left_is_replaced_whole(
 ) -> None:
     """Fail closed: what was not redacted in time is never logged as it came."""
     clock = iter([0.0, 0.1, 0.2] + [99.0] * 100)  # the deadline passes after two strings
-    monkeypatch.setattr("proxy.log.exchange.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("proxy.log.redaction.time.monotonic", lambda: next(clock))
     ex = exchange(
         request={"model": "support", "messages": [{"role": "user", "content": "ann@example.com"}]},
         response_body=orjson.dumps(NON_STREAM_BODY),

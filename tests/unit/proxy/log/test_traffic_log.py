@@ -132,6 +132,25 @@ async def test_exchanges_and_feedback_become_records_with_tokens_reported(tmp_pa
     assert by_direction == {"input": 12, "output": 5}
 
 
+async def test_a_ratings_comment_and_id_are_redacted_in_its_record_and_key(tmp_path: Path) -> None:
+    """Audit N-5: the feedback ``comment`` (4096 characters of free text) and the rated id (the
+    client's own ``request_id`` in it) reached ratchet.feedback as sent. The worker redacts
+    them, and the record's key, as it redacts traffic; the score and the rest stay."""
+    log = TrafficLog(config(tmp_path))
+    await log.start()
+    rating = FeedbackRecord(
+        completion_id="chatcmpl-1234-5678", score=1.0, comment="call 4111-1111 again"
+    )
+    assert log.submit(rating, key="chatcmpl-1234-5678")
+    await wait_until_async(lambda: log.spooled == 1, 30, "log.spooled == 1")
+    await log.close()
+    [(topic, key, record)] = spooled(tmp_path)
+    assert topic == FEEDBACK_TOPIC and key == b"chatcmpl-[REDACTED]"
+    assert record["completion_id"] == "chatcmpl-[REDACTED]"
+    assert record["comment"] == "call [REDACTED] again" and record["score"] == 1.0
+    assert log.redact_over_budget == 0
+
+
 async def test_a_record_past_its_redaction_budget_is_logged_replaced_and_counted(
     tmp_path: Path,
 ) -> None:
