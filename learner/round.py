@@ -39,7 +39,7 @@ from typing import Any
 
 from learner.canary_weight import canary_weight, requests_per_second
 from learner.candidate import Candidate, Candidates, Stage
-from learner.drift import Measures
+from learner.drift import DRIFT_KEY, Measures
 from learner.gate import Gate
 from learner.gate_verdict import GateResult
 from learner.gating import gate_candidate
@@ -315,6 +315,7 @@ class Rounds:
         transaction as the event, so no crash leaves it at a stage it never meant."""
         version = self.next_version(alias)
         self.report(alias, "write", version=version)
+        served = self.measures.for_candidate(self.trainer(), alias)
         self.trainer().save_candidate(
             self.store,
             alias,
@@ -325,7 +326,7 @@ class Rounds:
                 "alias": alias,
                 "trained_from": start.version,
                 "rounds_beyond_parent": start.rounds + 1,
-                **self.measures.for_candidate(self.trainer(), alias),
+                **served,
             },
         )
         summary = {k: v for k, v in stats.as_dict().items() if k != "round"}
@@ -333,6 +334,8 @@ class Rounds:
         # What scored the groups: the guard compares training rewards only between rounds
         # scored alike (a retrained reward model moves the reward by itself).
         summary["judged_by"] = sorted({g.judge_model or "" for g in groups})
+        if DRIFT_KEY in served:  # for the console's rounds table
+            summary[DRIFT_KEY] = served[DRIFT_KEY]
         candidate = Candidate(
             alias,
             version,

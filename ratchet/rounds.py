@@ -38,6 +38,9 @@ class RoundRow:
     source: str | None = None
     # What the round cost (ratchet/bill.py), from its outcome event; None before the outcome.
     bill: Bill | None = None
+    # Mean |Δ logprob| per token between vLLM's logprobs of the round's groups and the learner's
+    # under the same weights (learner/drift.py); None where not measured.
+    served_drift: float | None = None
 
     def lift_text(self) -> str:
         """``lift +0.050 [+0.010, +0.090]``, or "" where no lift was measured."""
@@ -83,6 +86,7 @@ def rounds_of(history: list[dict[str, Any]]) -> list[RoundRow]:
                 trained_from=_int(detail.get("trained_from")),
                 origin=_str(detail.get("origin")),
                 source=_str(detail.get("source")),
+                served_drift=_served_drift(detail.get("served_drift")),
             )
         elif kind == "gate" and version in rows:
             row = rows[version]
@@ -101,6 +105,11 @@ def rounds_of(history: list[dict[str, Any]]) -> list[RoundRow]:
                 if kind != "rollback":
                     rows[target].bill = read_bill(detail.get("bill")) or rows[target].bill
     return sorted(rows.values(), key=lambda row: row.ts)
+
+
+def _served_drift(value: Any) -> float | None:
+    """The drift's mean from a candidate event's ``served_drift`` (learner/drift.py)."""
+    return _float(value.get("mean_abs")) if isinstance(value, dict) else None
 
 
 def _int(value: Any) -> int | None:

@@ -296,3 +296,16 @@ def test_the_console_refuses_to_promote_a_version_the_gate_never_judged(
         f"/alias/{ALIAS}/promote", data={"confirm": "yes"}, headers=admin, follow_redirects=False
     )
     assert done.headers["location"] == f"/alias/{ALIAS}?done=promote"
+
+
+def test_the_rounds_table_shows_each_rounds_served_drift(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    """The drift of a round's groups (learner/drift.py), from its candidate event; '-' for a
+    round that did not measure it."""
+    drift = {"version": 2, "precision": "float32", "mean_abs": 0.0012, "max_abs": 0.01, "tokens": 9}
+    detail = {"mean_reward": 0.5, "served_drift": drift}
+    lifecycle.record(lifecycle.event(ALIAS, "candidate", version=3, detail=detail))
+    html = client_for(settings).get(f"/alias/{ALIAS}").text
+    assert 'data-testid="served-drift-v3">0.0012<' in html
+    assert 'data-testid="served-drift-v2">-<' in html
