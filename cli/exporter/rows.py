@@ -11,7 +11,7 @@ the records carry, never a key.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import orjson
@@ -262,6 +262,16 @@ def rating_row(rating: FeedbackRecord, answered: TrafficRecord) -> dict[str, Any
     }
 
 
+def rating_rows(answered: TrafficRecord, ratings: Sequence[FeedbackRecord]) -> list[dict[str, Any]]:
+    """The rows of the ratings of ``answered``'s answer, given by the client it was served to.
+
+    A rating names its answer by id, and a client can choose that id (the body's
+    ``request_id``): a rating by another client is not joined (audit N-12). The proxy already
+    refuses to rate another key's answer; this keeps an export true to that even for records
+    logged where it did not, or for two clients whose ids collide (redacted alike)."""
+    return [rating_row(rating, answered) for rating in ratings if rating.client == answered.client]
+
+
 def pair_row(alias: str, version: int, pair: GatePair) -> dict[str, Any]:
     return {
         "alias": alias,
@@ -285,7 +295,8 @@ _ABOUT: dict[Kind, str] = {
     "the K answers sampled from the live version, and their rewards: GRPO's training data, "
     "usable as it is for offline RL or, best against worst answer, for DPO.",
     "ratings": "One row per user rating (`POST /v1/feedback`) joined with the exchange it "
-    "rates: preference and reward-model data from real users.",
+    "rates, when the client that rated is the one the answer was served to: preference and "
+    "reward-model data from real users.",
     "pairs": "The held-out pairs each gate scored (the first 16 per candidate version, as the "
     "learner keeps them): the candidate's and the live version's answers to one prompt and "
     "the gate's verdict: evaluation data.",

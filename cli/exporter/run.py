@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 import redis
@@ -31,7 +31,7 @@ from cli.exporter.rows import (
     dataset_card,
     group_row,
     pair_row,
-    rating_row,
+    rating_rows,
     traffic_row,
 )
 from ratchet.bus import make_consumer
@@ -111,25 +111,40 @@ class ExportState:
         _write_atomic(out / STATE_FILE, json.dumps(asdict(self), indent=2).encode())
 
 
+# An export holds users' prompts, answers and comments: readable by its owner only, whatever the
+# umask (audit N-12: files were written world-readable under the usual 022).
+FILE_MODE = 0o600
+FOLDER_MODE = 0o700
+
+
+def _private(path: Path) -> BinaryIO:
+    """``path`` opened for writing, created (or truncated) with mode 0600 from the start."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    os.fchmod(fd, FILE_MODE)  # a file left by an earlier, interrupted run keeps its mode
+    return os.fdopen(fd, "wb")
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
+    with _private(tmp) as fh:
+        fh.write(data)
     os.replace(tmp, path)
 
 
 def write_shard(out: Path, kind: Kind, fmt: str, index: int, rows: list[dict[str, Any]]) -> Path:
-    """One shard, atomically: ``data/part-<index>.<fmt>``."""
+    """One shard, atomically and readable by its owner only: ``data/part-<index>.<fmt>``."""
     data = out / "data"
-    data.mkdir(parents=True, exist_ok=True)
+    data.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
     path = data / f"part-{index:05d}.{fmt}"
     tmp = data / f".part-{index:05d}.{fmt}.tmp"
-    if fmt == "parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    with _private(tmp) as fh:
+        if fmt == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
 
-        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMAS[kind]), tmp)
-    else:
-        tmp.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+            pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMAS[kind]), fh)
+        else:
+            fh.write(b"".join(orjson.dumps(row) + b"\n" for row in rows))
     os.replace(tmp, path)
     return path
 
@@ -352,7 +367,7 @@ def begin(
         return existing
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out} is not empty and holds no export: choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
     topics = _topics(checked)
     ends = end_offsets(settings, topics) if topics else {}
     since_at = since_ms(since)
@@ -378,7 +393,7 @@ def export(
     card = dataset_card(
         state.alias, kind_of(state.kind), state.fmt, state.rows, state.since, state.started_at
     )
-    (out / "README.md").write_text(card)
+    _write_atomic(out / "README.md", card.encode())
     return state
 
 
@@ -396,8 +411,7 @@ def _rows(
         for message in scan(settings, TRAFFIC_TOPIC, state, positions, progress):
             record = decode(TRAFFIC_TOPIC, message.value)
             if isinstance(record, TrafficRecord) and record.alias == alias:
-                rated = ratings.get(record.response_id or "", ())
-                yield [rating_row(rating, record) for rating in rated]
+                yield rating_rows(record, ratings.get(record.response_id or "", ()))
     elif kind == "groups":
         for message in scan(settings, GROUPS_TOPIC, state, positions, progress):
             group = decode(GROUPS_TOPIC, message.value)

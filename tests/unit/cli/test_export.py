@@ -340,3 +340,46 @@ def test_the_export_command_is_on_the_app() -> None:
 
     result = CliRunner().invoke(app, ["export", "--help"])
     assert result.exit_code == 0 and "--since" in result.output, result.output
+
+
+def test_a_rating_joins_only_an_answer_served_to_the_same_client() -> None:
+    """Audit N-12: ratings were joined by the answer's id alone, which a client can choose (the
+    body's request_id): another client's rating of that id is not exported with the answer."""
+    answered = build_traffic_record(
+        response_id="chatcmpl-mine", api_key_hash="key-a", source="key-a"
+    )
+    own = FeedbackRecord(completion_id="chatcmpl-mine", score=1.0, api_key_hash="key-a")
+    other = FeedbackRecord(completion_id="chatcmpl-mine", score=0.0, api_key_hash="key-b")
+    vouched = FeedbackRecord(
+        completion_id="chatcmpl-mine", score=0.0, api_key_hash="key-a", source="user:x"
+    )
+    rows = export_run.rating_rows(answered, [own, other, vouched])
+    assert [(row["score"], row["rater"], row["client"]) for row in rows] == [
+        (1.0, "key-a", "key-a")
+    ]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_every_file_an_export_writes_is_its_owners_alone(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts, answers and comments: mode 0600 whatever the umask (N-12), the folders 0700.
+    (No broker here: the rows are the shard's, written before the export finishes.)"""
+    import os
+
+    monkeypatch.setattr(export_run, "_rows", lambda *args: iter(()))
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "export"
+        out.mkdir(mode=0o700)
+        state = ExportState("sorting", "groups", fmt, None, None, {}, {})
+        state.save(out)
+        shard = write_shard(out, "groups", fmt, 0, [group_row(scored_group(0))])
+        export(RatchetSettings(), out, state, 10, lambda done, total: None)
+    finally:
+        os.umask(old)
+    files = [shard, out / "ratchet-export.json", out / "README.md"]
+    assert {path.name: path.stat().st_mode & 0o777 for path in files} == {
+        path.name: 0o600 for path in files
+    }
+    assert (out / "data").stat().st_mode & 0o777 == 0o700
