@@ -20,6 +20,7 @@ import orjson
 
 from proxy.errors import ProxyError
 from proxy.http1 import AnswerTooLarge, ConnectFailed, UpstreamPool, UpstreamResponse
+from proxy.stall import Stalled, StallWatch
 from ratchet.ejection import EjectionPolicy, Outliers
 from ratchet.fleet import RESOLVE_TIMEOUT_S, Resolver, Router, candidates
 from ratchet.settings.proxy import ProxySettings
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # /v1/models is small; more than this is not vLLM's answer.
 MODELS_ANSWER_MAX = 1 << 20
+# What a probe of a replica's engine asks (proxy/stall.py): one token of any prompt.
+PROBE_PROMPT = "ping"
 # The whole list of upstream paths the proxy forwards to.
 FORWARDED_PATHS = {
     "chat.completions": "/v1/chat/completions",
@@ -100,6 +103,8 @@ class Upstream:
         configured = [base_url] if isinstance(base_url, str) else list(base_url)
         self.faults = faults or FaultPolicy()
         self.outliers = Outliers(self.faults.ejection)
+        deadline = self.faults.first_byte_timeout_s
+        self.stall_watch = None if deadline is None else StallWatch(deadline, self._probe)
         self.resolver = Resolver(configured, self.faults.resolve_timeout_s) if resolve else None
         self.balance = balance
         self._turn = 0
@@ -146,6 +151,8 @@ class Upstream:
             )
 
     async def close(self) -> None:
+        if self.stall_watch is not None:
+            self.stall_watch.close()
         for task in (self._health_task, self._resolve_task):
             if task is not None:
                 task.cancel()
@@ -257,7 +264,7 @@ class Upstream:
                 self.on_choice(replica.url)
             self._take(replica, key)
             try:
-                response = await self._send(replica, FORWARDED_PATHS[endpoint], body)
+                response = await self._send(replica, FORWARDED_PATHS[endpoint], body, key)
             except ConnectFailed as exc:
                 self._release(replica, key)
                 error = self._unavailable(replica, exc)
@@ -272,11 +279,17 @@ class Upstream:
             response.on_release = functools.partial(self._released, replica, key, response)
             return response
 
-    async def _send(self, replica: Endpoint, path: str, body: bytes) -> UpstreamResponse:
+    async def _send(self, replica: Endpoint, path: str, body: bytes, key: str) -> UpstreamResponse:
         """One POST to ``replica``: its response once the status and (for a 200) the body's
-        first byte are in; its failures as ProxyErrors, counted against it."""
+        first byte are in; its failures as ProxyErrors, counted against it. A request whose
+        headers are slow (not streamed: they come with the whole answer) is watched
+        (:class:`proxy.stall.StallWatch`)."""
+        request = replica.pool.request(b"POST", path, body)
         try:
-            response = await replica.pool.request(b"POST", path, body)
+            if self.stall_watch is None:
+                response = await request
+            else:
+                response = await self.stall_watch.wait(replica.url, key, request)
         except TimeoutError:
             raise ProxyError(
                 504,
@@ -291,19 +304,47 @@ class Upstream:
         except OSError as exc:  # the request went: it is not sent again
             self._failed(replica)
             raise self._unavailable(replica, exc) from None
+        except Stalled:
+            raise self._stalled(replica) from None
         deadline = self.faults.first_byte_timeout_s
         if response.status != 200 or deadline is None or await response.first_byte(deadline):
             return response
         response.release()
+        raise self._stalled(replica)
+
+    def _stalled(self, replica: Endpoint) -> ProxyError:
+        deadline = self.faults.first_byte_timeout_s
         replica.first_byte_timeouts += 1
         self._failed(replica)
-        log.warning("vLLM at %s sent nothing within %s s of answering 200", replica.url, deadline)
-        raise ProxyError(
+        log.warning(
+            "vLLM at %s sent nothing within %s s: its engine stalled", replica.url, deadline
+        )
+        return ProxyError(
             504,
             f"the model server sent nothing within {deadline} s (its engine stalled)",
             type="server_error",
             code="upstream_stalled",
         )
+
+    async def _probe(self, url: str, key: str) -> bool:
+        """Whether ``url``'s engine sends the first byte of a one-token stream of ``key`` in
+        time (:class:`proxy.stall.StallWatch`); a replica that left, or an answer that is not
+        200 tells nothing, and counts as working."""
+        replica, deadline = self.endpoints.get(url), self.faults.first_byte_timeout_s
+        if replica is None or deadline is None:
+            return True
+        probe = {"model": key, "prompt": PROBE_PROMPT, "max_tokens": 1, "stream": True}
+        path = FORWARDED_PATHS["completions"]
+        try:
+            response = await replica.pool.request(b"POST", path, orjson.dumps(probe), deadline)
+        except TimeoutError:
+            return False
+        except OSError:
+            return True
+        try:
+            return response.status != 200 or await response.first_byte(deadline)
+        finally:
+            response.release()
 
     def _failed(self, replica: Endpoint) -> None:
         if self.outliers.failed(replica.url, self.endpoints, time.monotonic()):

@@ -41,8 +41,7 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
     for line in head.split(b"\r\n"):
         if line.lower().startswith(b"content-length:"):
             length = int(line.split(b":")[1])
-    await reader.readexactly(length)
-    return head
+    return head + await reader.readexactly(length)
 
 
 async def replica(post: Handler, up: list[bool] | None = None) -> tuple[asyncio.Server, str]:
@@ -70,9 +69,19 @@ async def answers(_: bytes, writer: asyncio.StreamWriter) -> None:
     writer.write(STREAM_HEAD + chunk(EVENT) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
 
 
-async def stalls(_: bytes, writer: asyncio.StreamWriter) -> None:
-    writer.write(STREAM_HEAD)  # the API server answers at once; its engine never does
+async def stalls(request: bytes, writer: asyncio.StreamWriter) -> None:
+    """A hung engine: a stream's headers at once (vLLM's API server sends them), then nothing;
+    a request not streamed, nothing at all."""
+    if b'"stream":true' in request:
+        writer.write(STREAM_HEAD)
     await asyncio.sleep(3600)
+
+
+async def slow_answers(request: bytes, writer: asyncio.StreamWriter) -> None:
+    """A working engine and a long answer: a stream starts at once, a whole answer takes 1 s."""
+    if b'"stream":true' not in request:
+        await asyncio.sleep(1.0)
+    await answers(request, writer)
 
 
 async def talks_on(_: bytes, writer: asyncio.StreamWriter) -> None:
@@ -119,8 +128,9 @@ def fleet(urls: list[str], **faults: Any) -> Upstream:
     return upstream
 
 
-async def drain(upstream: Upstream, name: str) -> bytes:
-    response = await upstream.post("chat.completions", b"{}", key=name)
+async def drain(upstream: Upstream, name: str, stream: bool = False) -> bytes:
+    body = b'{"stream":true}' if stream else b"{}"
+    response = await upstream.post("chat.completions", body, key=name)
     return await upstream.read(response)
 
 
@@ -165,7 +175,7 @@ async def test_a_hung_replica_stalls_into_504s_then_is_ejected_and_skipped(
     try:
         for _ in range(2):
             with pytest.raises(ProxyError) as caught:
-                await drain(upstream, name)
+                await drain(upstream, name, stream=True)
             assert caught.value.status == 504
             assert caught.value.body()["error"]["code"] == "upstream_stalled"
         assert upstream.outliers.is_ejected(hung_url, time.monotonic())
@@ -180,6 +190,35 @@ async def test_a_hung_replica_stalls_into_504s_then_is_ejected_and_skipped(
         assert f"ratchet_proxy_endpoint_ejections_total{at} 1.0" in scrape
         assert f"ratchet_proxy_endpoint_ejected{at} 1.0" in scrape
         assert "ratchet_proxy_fleet_ejected_ratio 0.5" in scrape
+    finally:
+        await upstream.close()
+
+
+async def test_a_whole_answer_waits_on_a_working_engine_and_not_on_a_hung_one(
+    servers: list[asyncio.Server],
+) -> None:
+    slow, slow_url = await replica(slow_answers)
+    hung, hung_url = await replica(stalls)
+    servers += [slow, hung]
+    urls = [slow_url, hung_url]
+    upstream = fleet(urls, ejection=EjectionPolicy(1), first_byte_timeout_s=0.3)
+    assert upstream.stall_watch is not None
+    try:
+        # Not streamed, so its headers come with the whole answer, past the deadline: the
+        # probes find the engine working and the request waits on.
+        started = time.monotonic()
+        assert b"[DONE]" in await drain(upstream, names_on(slow_url, urls, 1)[0])
+        assert time.monotonic() - started >= 1.0 and upstream.stall_watch.probes >= 2
+        assert not upstream.outliers.is_ejected(slow_url, time.monotonic())
+
+        # The hung engine's probe sends nothing either: a 504 at about twice the deadline.
+        started = time.monotonic()
+        with pytest.raises(ProxyError) as caught:
+            await drain(upstream, names_on(hung_url, urls, 1)[0])
+        assert caught.value.body()["error"]["code"] == "upstream_stalled"
+        assert time.monotonic() - started < 2.0
+        assert upstream.endpoints[hung_url].first_byte_timeouts == 1
+        assert upstream.outliers.is_ejected(hung_url, time.monotonic())
     finally:
         await upstream.close()
 
