@@ -4,6 +4,15 @@ Run it from the repository root (10 minutes, as docs/results/benchmarks.md's fig
 
     .venv/bin/python bench/redis_footprint.py [--minutes 10] [--ttl 3600] [--rated 0.1]
 
+Two shorter scenarios (bench/redis_scenarios.py, a minute each) answer what one exchange leaves
+in Redis on the default config, by key family, and whether the Responses store stays within its
+quota under its largest allowed requests::
+
+    .venv/bin/python bench/redis_footprint.py --scenario exchanges [--exchanges 20000]
+    .venv/bin/python bench/redis_footprint.py --scenario responses [--store-mib 256]
+
+What follows is the default scenario, ``flood``.
+
 Method
 ------
 One run starts its own Redis and Tansu broker on free 127.0.0.1 ports and drives the two
@@ -56,6 +65,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import redis_scenarios
 from embedded.processes import Stack, free_port
 from embedded.stack import kafka_part, redis_part
 from learner.leases import AliasLeases
@@ -342,8 +352,25 @@ def main() -> None:
     parser.add_argument("--prompt-kib", type=int, default=900)
     parser.add_argument("--rated", type=float, default=0.1, help="share of answers rated")
     parser.add_argument("--ratings-mib", type=int, default=8, help="feedback.max_ratings_bytes")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/redis_footprint.json"))
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--scenario", choices=("flood", "exchanges", "responses"), default="flood")
+    parser.add_argument("--exchanges", type=int, default=20_000, help="exchanges: how many")
+    parser.add_argument("--prompt-chars", type=int, default=7000, help="exchanges: prompt size")
+    parser.add_argument("--judged", type=float, default=0.0, help="exchanges: share judged")
+    parser.add_argument("--canary", action="store_true", help="exchanges: while a canary runs")
+    parser.add_argument("--keys", type=int, default=50, help="exchanges, responses: API keys")
+    parser.add_argument(
+        "--store-mib", type=int, default=0, help="responses: total quota (0: default)"
+    )
+    parser.add_argument("--input-chars", type=int, default=2000, help="responses: input size")
+    parser.add_argument("--answer-chars", type=int, default=2000, help="responses: answer size")
+    parser.add_argument("--max-responses", type=int, default=200_000, help="responses: at most")
     args = parser.parse_args()
+    name = "footprint" if args.scenario == "flood" else args.scenario
+    args.out = args.out or Path(f"bench/results/redis_{name}.json")
+    if args.scenario != "flood":
+        scenario(args)
+        return
     with tempfile.TemporaryDirectory(prefix="ratchet-redis-footprint-") as tmp:
         home = Path(tmp)
         redis_url = f"redis://127.0.0.1:{free_port()}/0"
@@ -384,6 +411,25 @@ def main() -> None:
     args.out.write_text(json.dumps({**result, "samples": sampler.samples}, indent=1))
     plot(sampler.samples, args.ttl, args.out.with_suffix(".png"))
     console.print(f"results: {args.out} (and {args.out.with_suffix('.png')})")
+
+
+def scenario(args: argparse.Namespace) -> None:
+    """A short scenario of bench/redis_scenarios.py: its figures printed and written to --out."""
+    with tempfile.TemporaryDirectory(prefix="ratchet-redis-footprint-") as tmp:
+        result = redis_scenarios.run(args, Path(tmp))
+    families = result.pop("families")
+    table = Table(title=f"Redis, scenario {args.scenario}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for name, value in result.items():
+        table.add_row(name, str(value))
+    for name, family in families.items():
+        table.add_row(f"{name}: keys, mean bytes", f"{family['keys']:.0f}, {family['mean_bytes']}")
+    console.print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result |= {"families": families, "args": {k: str(v) for k, v in vars(args).items()}}
+    args.out.write_text(json.dumps(result, indent=1))
+    console.print(f"results: {args.out}")
 
 
 if __name__ == "__main__":
