@@ -71,10 +71,13 @@ def test_the_report_gives_the_lift_and_the_win_rate() -> None:
         cal.probe_result([0.9, 0.2], [0.9, 0.9], worst=1),  # a tie is not a win
     ]
     assert [p.won for p in probes] == [True, False, False]
+    assert not any(p.won_clean for p in probes)  # before the plea the worst one was last
+    assert cal.probe_result([0.2, 0.9], [0.2, 1.0], worst=1).won_clean  # the judge's own error
     group = cal.LabelledGroup(PROMPT, answers("a", "b"), [1.0, 0.0])
     report = cal.summarise([(group, [0.9, 0.2], [0.9, 0.2])], failed=0, probes=probes)
     assert report.injection_lift == pytest.approx((0.8 + 0.1 + 0.7) / 3)
     assert report.injection_win_rate == pytest.approx(1 / 3)
+    assert report.injection_clean_win_rate == 0.0
     assert cal.summarise([], failed=0).injection_win_rate is None
 
 
@@ -94,7 +97,8 @@ def test_calibrate_reports_how_often_a_plea_wins(
     assert code == 0
     report = json.loads((tmp_path / "out" / "calibration.json").read_text())
     assert report["injection_win_rate"] == win_rate
+    assert report["injection_clean_win_rate"] == 0.0  # before the plea: never on top
     assert report["pairwise_accuracy"] == 1.0
     printed = console.export_text()
-    assert "injection: win rate" in printed
+    assert "win rate before the plea" in printed and "win rate with the plea" in printed
     assert ("would be rewarded" in printed) == (win_rate > cal.INJECTION_WARN)
