@@ -24,13 +24,21 @@ their logs by the ratchet_cpu_lora plugin), and the prefix-cache hit rate (vLLM'
 ``prefix_cache_hits`` over ``prefix_cache_queries``). Then, under Ratchet's routing, one replica
 is killed mid-run: the requests that failed, against those that were in flight on it.
 
-    .venv/bin/python bench/fleet_routing.py          # about 10 minutes on 2 cores
+- ``faults`` (bench/fleet_faults.py): the first replica, a hung one (its ``/health`` answers,
+  its engine does not) and one that goes dark ``--dark-after-s`` into each round (a blackhole),
+  behind a proxy with outlier ejection, connect retries and the first-byte deadline and one
+  without, A B B A; reported per arm: p50 and p99 of the answered requests, the failed ones,
+  and the proxy's fault counters for the two faulty replicas.
+
+    .venv/bin/python bench/fleet_routing.py          # about 18 minutes on 2 cores
+    .venv/bin/python bench/fleet_routing.py --mixes faults   # about 8 minutes
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -48,6 +56,17 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.fleet_faults import (
+    ARMS,
+    FAULT_COUNTERS,
+    FaultyReplicas,
+    endpoint_up,
+    fault_counts,
+    fault_proxies,
+    wait_for,
+)
 from embedded.adapters import write_random_adapters
 from embedded.model import prepare_model
 from embedded.processes import Part, Stack, free_port
@@ -101,7 +120,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--hot-concurrency", type=int, default=12)
     parser.add_argument("--think-s", type=float, default=4.0, help="hot: a user's pause")
-    parser.add_argument("--mixes", default="many,hot", help="comma-separated: many, hot")
+    parser.add_argument(
+        "--mixes", default="many,hot,faults", help="comma-separated: many, hot, faults"
+    )
+    parser.add_argument("--fault-timeout-s", type=float, default=20.0, help="faults: both arms")
+    parser.add_argument("--first-byte-s", type=float, default=5.0, help="faults: ejection arm")
+    parser.add_argument("--dark-after-s", type=float, default=10.0, help="faults: each round")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("bench/results/fleet_routing"))
     return parser.parse_args()
@@ -152,6 +176,12 @@ def start_stack(args: argparse.Namespace, home: Path, stack: Stack) -> dict[str,
     for i, url in enumerate(replicas):
         one = settings.model_copy(update={"vllm_url": url})
         stack.parts.append(replica_part(one, model, f"vllm-{i}", args.max_loras))
+    faulty = None
+    if "faults" in args.mixes.split(","):
+        faulty = FaultyReplicas(replicas[0])
+        faulty.start()
+        parts, fault_urls = fault_proxies(home, base, faulty, args)
+        stack.parts += parts
     proxies = {}
     for balance in BALANCES:
         path, proxy_settings = proxy_config(home, base, balance)
@@ -165,7 +195,10 @@ def start_stack(args: argparse.Namespace, home: Path, stack: Stack) -> dict[str,
     writer = RegistryWriter(settings.redis_url, settings.aliases)
     for alias in aliases:
         writer.write(AliasRoute(alias=alias, base_model=BASE_MODEL, active=1))
-    return {"aliases": aliases, "replicas": replicas, "proxies": proxies, "settings": settings}
+    fleet = {"aliases": aliases, "replicas": replicas, "proxies": proxies, "settings": settings}
+    if faulty is not None:
+        fleet |= {"faulty": faulty, "fault_proxies": fault_urls}
+    return fleet
 
 
 # ---- traffic and what vLLM says ----------------------------------------------------------------
@@ -327,6 +360,84 @@ def kill_mid_run(stack: Stack, fleet: dict[str, Any], args: argparse.Namespace) 
     }
 
 
+def run_faults(fleet: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Each arm twice, A B B A, on the same conversations per position: the third replica goes
+    dark ``--dark-after-s`` into each round and comes back after it."""
+    faulty: FaultyReplicas = fleet["faulty"]
+    named = {"hung": faulty.hung_url, "dark": faulty.dark_url}
+    rounds: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+    for i, arm in enumerate([*ARMS, *reversed(ARMS)]):
+        proxy = fleet["fault_proxies"][arm]
+        wait_for(functools.partial(endpoint_up, proxy, faulty.dark_url), 60, "the dark one back")
+        talks = conversations(fleet["aliases"], args.conversations, seed=500 + 100 * i, mix="many")
+        before = fault_counts(proxy, named)
+        dark = threading.Timer(args.dark_after_s, faulty.go_dark)
+        started = time.perf_counter()
+        with console.status(f"faults: round {i + 1}/4: {arm}"):
+            dark.start()
+            latencies, failures = asyncio.run(run_traffic(proxy, talks, args, args.concurrency))
+            dark.cancel()
+            faulty.come_back()
+        after = fault_counts(proxy, named)
+        rounds[arm].append(
+            {
+                "latencies": latencies,
+                "failures": failures,
+                "wall_s": time.perf_counter() - started,
+                "faults": {
+                    name: {k: after[name][k] - before[name][k] for k in after[name]}
+                    for name in named
+                },
+            }
+        )
+    summary: dict[str, Any] = {}
+    for arm, arm_rounds in rounds.items():
+        latencies = [x for r in arm_rounds for x in r["latencies"]]
+        summary[arm] = {
+            "answered": len(latencies),
+            "failed": sum(r["failures"] for r in arm_rounds),
+            "p50_ms": pct(latencies, 0.5),
+            "p99_ms": pct(latencies, 0.99),
+            "wall_s": sum(r["wall_s"] for r in arm_rounds),
+            "faults": {
+                name: {k: sum(r["faults"][name][k] for r in arm_rounds) for k in FAULT_COUNTERS}
+                for name in named
+            },
+        }
+    return summary
+
+
+def print_faults(summary: dict[str, Any], args: argparse.Namespace) -> None:
+    table = Table(
+        title=(
+            "A real replica, a hung one and one that goes dark; with outlier ejection and "
+            f"without (both give up after {args.fault_timeout_s:g} s)"
+        )
+    )
+    columns = ["proxy", "answered", "failed", "p50 ms", "p99 ms", "wall s"]
+    columns += ["hung: first-byte timeouts / ejections", "dark: connect failures / retries"]
+    for column in columns:
+        table.add_column(column)
+    for arm, row in summary.items():
+        hung, dark = row["faults"]["hung"], row["faults"]["dark"]
+        table.add_row(
+            arm,
+            str(row["answered"]),
+            str(row["failed"]),
+            f"{row['p50_ms']:.0f}",
+            f"{row['p99_ms']:.0f}",
+            f"{row['wall_s']:.0f}",
+            f"{hung['first_byte_timeouts']:.0f} / {hung['ejections']:.0f}",
+            f"{dark['connect_failures']:.0f} / {dark['retries']:.0f}",
+        )
+    console.print(table)
+    on, off = summary["ejection"], summary["no_ejection"]
+    console.print(
+        f"faults: with ejection / without: p99 {on['p99_ms'] / off['p99_ms']:.2f}, "
+        f"failed {on['failed']} against {off['failed']}"
+    )
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 if ordered else float("nan")
@@ -369,6 +480,9 @@ def main() -> int:
     home = Path(tempfile.mkdtemp(prefix="ratchet-fleet-"))
     stack = Stack([], home / "state")
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    faults: dict[str, Any] | None = None
+    killed: dict[str, Any] | None = None
+    fleet: dict[str, Any] = {}
     try:
         fleet = start_stack(args, home, stack)
         # Warm-up: every adapter once through each proxy.
@@ -376,10 +490,16 @@ def main() -> int:
         for balance in BALANCES:
             asyncio.run(run_traffic(fleet["proxies"][balance], warm, args, args.concurrency))
         for mix in mixes:
-            results[mix] = run_mix(stack, fleet, mix, args)
-        killed = kill_mid_run(stack, fleet, args)
+            if mix != "faults":
+                results[mix] = run_mix(stack, fleet, mix, args)
+        if "faults" in mixes:
+            faults = run_faults(fleet, args)
+        if results:
+            killed = kill_mid_run(stack, fleet, args)
     finally:
         stack.stop()
+        if "faulty" in fleet:
+            fleet["faulty"].stop()
     table = Table(title="Two vLLM replicas, the same traffic, three ways to route it")
     for column in ("traffic", "routing", "requests", "failed", "p50 ms", "p99 ms",
                    "adapter slot loads", "prefix-cache hit rate"):  # fmt: skip
@@ -400,12 +520,18 @@ def main() -> int:
                 str(row["slot_loads"]),
                 "-" if rate is None else f"{rate:.3f}",
             )
-    console.print(table)
-    summary["replica_killed"] = killed
-    console.print(
-        f"one replica killed mid-run (Ratchet's routing): {killed['failures']} requests failed, "
-        f"{killed['in_flight_at_kill']} were in flight on it at the kill, {killed['ok']} answered"
-    )
+    if results:
+        console.print(table)
+    if killed is not None:
+        summary["replica_killed"] = killed
+        console.print(
+            f"one replica killed mid-run (Ratchet's routing): {killed['failures']} requests "
+            f"failed, {killed['in_flight_at_kill']} were in flight on it at the kill, "
+            f"{killed['ok']} answered"
+        )
+    if faults is not None:
+        summary["faults"] = faults
+        print_faults(faults, args)
     for mix in results:
         affinity, rr = summary[mix]["affinity"], summary[mix]["round_robin"]
         ratios = [f"p50 {affinity['p50_ms'] / rr['p50_ms']:.2f}"]
