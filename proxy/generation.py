@@ -20,6 +20,7 @@ a client that it was moved, which is what a canary does to one arm.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 import uuid
@@ -38,6 +39,7 @@ from proxy.log.worker import ExchangeMeta
 from proxy.ratelimit import Admission
 from proxy.sse import without_usage_only
 from proxy.state import ProxyState, read_json
+from proxy.stream_usage import DRAIN_S, StreamUsage, ask_continuous_usage
 from proxy.upstream import stream_dropped, upstream_error
 from proxy.validation import (
     RequestLimits,
@@ -82,6 +84,8 @@ class Call:
     prompt_tokens: int = 0  # the prompt's tokens as estimated for the reservation
     dropped_events: int = 0  # choice events in the chunks of a stream no longer kept
     conversation: str | None = None  # its replica's key in a fleet (ratchet/fleet.py)
+    # A budgeted stream's counts as vLLM sends them (proxy/stream_usage.py); None: not asked.
+    usage: StreamUsage | None = None
 
     def fail(self, error: ProxyError) -> None:
         self.meta.status, self.meta.error = error.status, error.body()["error"]
@@ -100,7 +104,10 @@ class Call:
 
     def shown(self, events: bytes) -> bytes:
         """A whole answer or whole stream events as the client gets them: without the usage
-        event it did not ask for (streams), and naming the alias while the arm is concealed."""
+        event it did not ask for (streams), nor the usage in every event that budgets asked for,
+        and naming the alias while the arm is concealed."""
+        if self.usage is not None:
+            events = self.usage.feed(events)
         if self.meta.stream and not self.client_wants_usage:
             events = without_usage_only(events)
         if self.concealed is not None:
@@ -178,7 +185,8 @@ async def start_call(
     alias = payload["model"]
     version, arm, served, conceal = routed
     stream = bool(payload.get("stream"))
-    forwarded, wants_usage = forward(payload, served, stream)
+    budgeted_stream = stream and bool(limiter.token_limits)
+    forwarded, wants_usage, usage = forward(payload, served, stream, budgeted_stream)
     if client_wants_usage is not None:
         wants_usage = client_wants_usage
     admission, reserved, prompt_tokens = arrival.admission, 0, 0
@@ -207,7 +215,7 @@ async def start_call(
         client_api=client_api,
     )
     labels = (alias, str(version), arm)
-    call = Call(meta, body, forwarded, labels, wants_usage, arrival.started)
+    call = Call(meta, body, forwarded, labels, wants_usage, arrival.started, usage=usage)
     if reserved:  # settled when the exchange is recorded; kept whole if the client left first
         call.reserved, call.prompt_tokens = reserved, prompt_tokens
     if state.upstream.routes_by_conversation:
@@ -248,22 +256,28 @@ def route(
     return version, arm, served_name(alias, version, alias_route.base_model), conceal
 
 
-def forward(payload: dict[str, Any], served: str, stream: bool) -> tuple[bytes, bool]:
-    """The body vLLM gets, and whether the client asked for the usage event of a stream.
+def forward(
+    payload: dict[str, Any], served: str, stream: bool, budgeted: bool = False
+) -> tuple[bytes, bool, StreamUsage | None]:
+    """The body vLLM gets, whether the client asked for the usage event of a stream, and for a
+    ``budgeted`` stream what reads vLLM's counts as it goes.
 
     Usage is always asked of vLLM so the record has token counts; the relay leaves the usage
-    event out again for clients that did not ask for it.
+    event out again for clients that did not ask for it. A stream under token budgets also asks
+    for usage in every event (proxy/stream_usage.py), left out again unless the client asked.
     """
     upstream_payload = dict(payload)
     upstream_payload["model"] = served
     upstream_payload.pop("prompt_cache_key", None)  # the proxy's routing key, not vLLM's
-    client_wants_usage = False
+    client_wants_usage, usage = False, None
     if stream:
         options = dict(payload.get("stream_options") or {})
         client_wants_usage = bool(options.get("include_usage"))
+        if budgeted:
+            usage = StreamUsage(shown=ask_continuous_usage(options))
         options["include_usage"] = True
         upstream_payload["stream_options"] = options
-    return orjson.dumps(upstream_payload), client_wants_usage
+    return orjson.dumps(upstream_payload), client_wants_usage, usage
 
 
 async def call_vllm(state: ProxyState, call: Call) -> UpstreamResponse | None:
@@ -298,20 +312,21 @@ async def relay(state: ProxyState, call: Call) -> AsyncIterator[bytes]:
     """
     state.metrics.in_flight.inc()
     response: UpstreamResponse | None = None
+    pending, ended = b"", False
     try:
         response = await call_vllm(state, call)
         if response is None:
             return
         yield b""
-        pending = b""
         kept_limit = state.limits.max_answer_bytes
+        whole = not (call.client_wants_usage and call.concealed is None and call.usage is None)
         try:
             async for chunk in response.iter_any():
                 if call.first_chunk_at is None:
                     call.first_chunk_at = time.perf_counter()
                     call.head = chunk
                 call.keep(chunk, kept_limit)
-                if call.client_wants_usage and call.concealed is None:
+                if not whole:
                     yield chunk
                     continue
                 pending += chunk
@@ -321,20 +336,60 @@ async def relay(state: ProxyState, call: Call) -> AsyncIterator[bytes]:
                 ready, pending = pending[: cut + 2], pending[cut + 2 :]
                 yield call.shown(ready)
             if pending:
-                yield call.shown(pending)
+                pending, rest = b"", pending
+                yield call.shown(rest)
         except Exception as exc:
             error = stream_dropped(exc)
             call.fail(error)
             yield b"data: " + orjson.dumps(error.body()) + b"\n\n"
+        ended = True
     except Exception as exc:
         call.fail(exc if isinstance(exc, ProxyError) else internal_error())
         raise
     finally:
-        if response is not None:
-            response.release()
         state.metrics.in_flight.dec()
-        if call.meta.status:  # 0: the client left before vLLM answered; nothing to count
-            record(state, call)
+        finish(state, call, response, pending if not ended else None)
+
+
+def finish(
+    state: ProxyState, call: Call, response: UpstreamResponse | None, left: bytes | None
+) -> None:
+    """Release vLLM's answer and record the exchange; ``left`` (not None: the client left the
+    stream, with these bytes of an event it never got): a budgeted stream is read on first."""
+    reads_on = call.usage is not None and call.usage.seen and not call.meta.error
+    if response is not None and left is not None and reads_on:
+        # The client left a budgeted stream vLLM counts as it goes: read on for what vLLM
+        # generated, then charge that (a vLLM that sends no counts is charged its events).
+        task = asyncio.get_running_loop().create_task(read_on(state, call, response, left))
+        _reading_on.add(task)
+        task.add_done_callback(_reading_on.discard)
+        return
+    if response is not None:
+        response.release()
+    if call.meta.status:  # 0: the client left before vLLM answered; nothing to count
+        record(state, call)
+
+
+# Streams the client left, read on for vLLM's counts (kept referenced until done).
+_reading_on: set[asyncio.Task[None]] = set()
+
+
+async def read_on(state: ProxyState, call: Call, response: UpstreamResponse, torn: bytes) -> None:
+    """A budgeted stream the client left: read what vLLM sends for up to DRAIN_S, unrelayed,
+    for its newest counts (proxy/stream_usage.py), then close it and record the exchange,
+    charged what vLLM generated. ``torn``: the start of an event the client never got."""
+    usage = call.usage
+    assert usage is not None
+    usage.read_on(torn)
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            async for chunk in response.iter_any():
+                usage.read_on(chunk)
+    except Exception:  # the deadline, or vLLM broke off: what was read counts
+        pass
+    finally:
+        response.release()
+        record(state, call)
 
 
 def record(state: ProxyState, call: Call) -> None:
@@ -366,11 +421,15 @@ def record(state: ProxyState, call: Call) -> None:
 
 
 def tokens_used(call: Call, answer: bytes) -> int:
-    """The tokens a budgeted request is charged: vLLM's usage when the answer carries it; none
+    """The tokens a budgeted request is charged: vLLM's counts when a stream gave them (the
+    last, read on after the client left: proxy/stream_usage.py); vLLM's usage when the answer
+    carries it; none
     when vLLM answered it with an error (read whole) or was never reached; for a stream cut
     short (the client left, vLLM broke off or ran past its deadline), its prompt as estimated
     and a token per choice event relayed; else (a 504, an answer too large to read: vLLM
     generated unseen) all it reserved."""
+    if call.usage is not None and call.usage.seen:  # what vLLM said it generated
+        return call.usage.generated
     used = total_tokens(answer)
     if used:
         return used
