@@ -82,8 +82,12 @@ class FaultyReplicas:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
 
-    def go_dark(self) -> None:
+    def go_dark(self, cut: bool = False) -> None:
+        """Stop taking connections; what it holds goes nowhere, or with ``cut`` is reset (a
+        client then meets the blackhole on its very next request)."""
         self._call(self._go_dark)
+        if cut:
+            self._call(self._cut)
 
     def come_back(self) -> None:
         self._call(self._come_back)
@@ -151,6 +155,9 @@ class FaultyReplicas:
             self._forwarder.close()
             self._forwarder = None
         self._hole = blackhole(self.dark_port)
+
+    async def _cut(self) -> None:
+        self._drop_pipes()
 
     async def _come_back(self) -> None:
         self._close_hole()

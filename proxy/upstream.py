@@ -307,7 +307,14 @@ class Upstream:
         except Stalled:
             raise self._stalled(replica) from None
         deadline = self.faults.first_byte_timeout_s
-        if response.status != 200 or deadline is None or await response.first_byte(deadline):
+        if response.status != 200 or deadline is None:
+            return response
+        try:
+            arrived = await response.first_byte(deadline)
+        except BaseException:  # the client left meanwhile: vLLM's answer is closed, not kept
+            response.release()
+            raise
+        if arrived:
             return response
         response.release()
         raise self._stalled(replica)

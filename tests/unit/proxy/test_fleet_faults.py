@@ -223,6 +223,30 @@ async def test_a_whole_answer_waits_on_a_working_engine_and_not_on_a_hung_one(
         await upstream.close()
 
 
+async def test_a_client_that_leaves_while_a_replica_is_silent_frees_it_and_blames_no_one(
+    servers: list[asyncio.Server],
+) -> None:
+    hung, hung_url = await replica(stalls)
+    servers.append(hung)
+    upstream = fleet(
+        [hung_url, "http://127.0.0.1:9"], ejection=EjectionPolicy(1), first_byte_timeout_s=30.0
+    )
+    name = names_on(hung_url, list(upstream.endpoints), 1)[0]
+    for body in (b'{"stream":true}', b"{}"):  # waiting for the first byte, for the headers
+        waiting = asyncio.create_task(upstream.post("chat.completions", body, key=name))
+        await wait_until_async(
+            lambda: upstream.endpoints[hung_url].outstanding == 1, 5, "the request in flight"
+        )
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert upstream.endpoints[hung_url].outstanding == 0
+    assert upstream.endpoints[hung_url].first_byte_timeouts == 0
+    assert not upstream.outliers.is_ejected(hung_url, time.monotonic())
+    await upstream.close()
+
+
 async def test_a_client_that_stops_reading_counts_against_no_replica_a_cut_answer_does(
     servers: list[asyncio.Server],
 ) -> None:
