@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter
 
 from proxy.errors import ProxyError
-from proxy.log.exchange import Redactor
+from proxy.log.redaction import Redactor
 from proxy.response_quota import StoreQuota
 from ratchet.settings import ProxySettings
 

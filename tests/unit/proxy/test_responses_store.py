@@ -16,7 +16,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.errors import ProxyError
-from proxy.log.exchange import REDACTED
+from proxy.log.redaction import REDACTED
 from proxy.response_quota import ENTRY_OVERHEAD, allocation, charge_of, ledger_keys
 from proxy.response_store import ResponseStore, response_key
 from proxy.state import shared_redis
