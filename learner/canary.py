@@ -37,18 +37,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal
 
 import redis
 
+from learner.canary_clients import ClientEvidence, ClientTest, client_evidence
 from learner.canary_counter import CanaryCounter
-from learner.canary_ratings import (
-    Rating,
-    client_cap,
-    mean_drop,
-    rater_share,
-    rating_test,
-)
+from learner.canary_ratings import Rating, client_cap, rater_share
 from learner.exchanges import read_exchanges
 from learner.guard import reward_model_gap
 from learner.leases import AliasLeases
@@ -59,6 +55,7 @@ from ratchet.canary_state import (
     ArmStats,
     canary_key,
     ratings_key,
+    read_client_counts,
     read_counts,
 )
 from ratchet.lease import LeaseKeeper, LeaseLost
@@ -70,19 +67,12 @@ from ratchet.registry import AliasRoute
 from ratchet.rewards.rated import RatedAnswer
 from ratchet.rewards.reward_model import is_eval_rating
 from ratchet.secrets import server_secret
-from ratchet.sequential import SequentialTest
 from ratchet.settings import AliasConfig, CanaryConfig, RatchetSettings
 
 log = logging.getLogger(__name__)
 
 Verdict = Literal["wait", "promote", "rollback"]
 
-# With no rating on either arm by the time the two arms together have this many times
-# canary.min_requests answers, or by UNRATED_WAIT_S, a canary does not wait feedback_wait_s for
-# ratings (see canary_verdict): a quiet alias's canary takes half its traffic, and waiting on
-# answers alone would hold a canary of users who never rate for 10 minutes at 20 a minute.
-UNRATED_AFTER = 4
-UNRATED_WAIT_S = 300.0
 # The reward-hacking guard compares the reward model with the users on this many of the alias's
 # newest joined ratings (those of the canary's and the active version's answers).
 GAP_RATINGS = 512
@@ -91,92 +81,136 @@ GAP_RATINGS = 512
 RewardPredictor = Callable[[str, list[RatedAnswer]], "list[float] | None"]
 
 
+def request_cap(config: CanaryConfig) -> int:
+    """The most requests (and upstream failures) of one client an arm counts."""
+    return max(1, math.ceil(config.client_request_share * config.min_requests - 1e-9))
+
+
+def counted(
+    stats: ArmStats, per_client: dict[str, tuple[int, int]], config: CanaryConfig
+) -> ArmStats:
+    """An arm's stats counted by client: each client's requests up to :func:`request_cap`, its
+    failures up to the requests counted for it (so one client moves the error rate by at most
+    its share of the counted requests). The anonymous client of a stack without keys is
+    everyone: not capped, and each of its requests counts as a client, as each of its ratings is
+    a unit of the test (learner/canary_clients.py)."""
+    cap = request_cap(config)
+    requests = errors = clients = 0
+    for client, (served, failed) in per_client.items():
+        anonymous = client == ANONYMOUS_CLIENT
+        taken = served if anonymous else min(served, cap)
+        requests += taken
+        errors += min(failed, taken)
+        clients += served if anonymous else 1
+    return replace(stats, requests=requests, errors=errors, clients=clients, served=stats.requests)
+
+
 def canary_verdict(
     active: ArmStats,
     canary: ArmStats,
     config: CanaryConfig,
     age_s: float,
-    ratings: SequentialTest,
+    evidence: ClientEvidence,
+    expects_ratings: bool = True,
 ) -> tuple[Verdict, str]:
     """What to do with a canary that has been running for ``age_s`` seconds, and why.
-    ``ratings`` is the sequential test over the arms' rating pairs so far."""
-    if canary.requests < config.min_requests:
-        return "wait", f"{canary.requests} of {config.min_requests} canary requests"
-    excess = canary.error_rate - active.error_rate
-    if excess > config.max_error_rate_increase:
-        return "rollback", (
-            f"error_rate: canary {canary.error_rate:.3f} vs active {active.error_rate:.3f} "
-            f"(+{excess:.3f} > {config.max_error_rate_increase})"
-        )
-    if ratings.decision == "pass":
-        return "promote", f"ratings: not worse by {config.max_feedback_drop}: {_evidence(ratings)}"
-    if ratings.decision == "fail":
-        return "rollback", f"ratings: {ratings.reason}: {_evidence(ratings)}"
-    # Not one rating on either arm among several times the canary's minimum of answers, or in
-    # five minutes: this alias's users do not rate, and waiting for ratings would only delay.
-    unrated = (
-        active.feedback == 0
-        and canary.feedback == 0
-        and (
-            active.requests + canary.requests >= UNRATED_AFTER * config.min_requests
-            or age_s >= UNRATED_WAIT_S
-        )
-    )
-    if not unrated and age_s < config.feedback_wait_s:
+    ``active`` and ``canary`` are counted by client (:func:`counted`); ``evidence`` is the test
+    over the clients that rated (learner/canary_clients.py); ``expects_ratings``: the alias
+    learns from ratings, so it is not decided unrated before ``feedback_wait_s``."""
+    served = min(active.clients, canary.clients)
+    few = served < config.min_clients
+    waited = age_s >= config.feedback_wait_s
+    note = f"decided on {served} clients, below canary.min_clients {config.min_clients}: "
+    if canary.requests < config.min_requests and not (
+        few and waited and canary.served >= config.min_requests
+    ):
         return "wait", (
-            f"ratings undecided ({_evidence(ratings)}); deciding without them after "
-            f"{config.feedback_wait_s:.0f} s"
+            f"{canary.requests} of {config.min_requests} canary requests counted "
+            f"({canary.clients} clients, each counted up to {request_cap(config)})"
         )
-    # The wait ran out: the test's stream ends here, and it looks once at what it has.
-    looked, reason = ratings.looked()
-    if looked == "pass":
-        return "promote", f"ratings: when the wait ran out, {reason}: {_evidence(ratings)}"
-    if looked == "fail":
-        return "rollback", (
-            f"ratings: when the wait ran out, {reason}, not shown within "
-            f"{config.max_feedback_drop} of the active arm: {_evidence(ratings)}"
+    if not few or waited:
+        excess = canary.error_rate - active.error_rate
+        if excess > config.max_error_rate_increase:
+            return "rollback", (note if few else "") + (
+                f"error_rate: canary {canary.error_rate:.3f} vs active {active.error_rate:.3f} "
+                f"(+{excess:.3f} > {config.max_error_rate_increase})"
+            )
+    test = evidence.test
+    if test.decision == "pass":
+        return "promote", f"ratings: not worse by {config.max_feedback_drop}: {test.reason}"
+    if test.decision == "fail":
+        return "rollback", f"ratings: worse by more than {config.max_feedback_drop}: {test.reason}"
+    least_s = config.feedback_wait_s if expects_ratings or few else config.min_duration_s
+    if age_s < least_s:
+        return "wait", (
+            f"ratings undecided ({_evidence(evidence)}); deciding without them after "
+            f"{least_s:.0f} s"
+            + (f" ({served} of {config.min_clients} clients served on each arm)" if few else "")
         )
-    # Too few pairs for the look: the point estimate may still roll back a clear drop.
-    drop = mean_drop(ratings) if ratings.n >= estimate_pairs(config) else None
-    if drop is not None and drop > config.max_feedback_drop:
+    if few:
+        verdict, reason = _on_what_it_has(active, canary, config, evidence)
+        return verdict, note + reason
+    return _after_wait(active, canary, config, evidence)
+
+
+def _after_wait(
+    active: ArmStats, canary: ArmStats, config: CanaryConfig, evidence: ClientEvidence
+) -> tuple[Verdict, str]:
+    """The wait ran out with enough clients served: the test's stream ends here, and it looks
+    once at every client that rated."""
+    errors = (
+        f"{canary.requests} canary requests counted, error rate {canary.error_rate:.3f} "
+        f"(active {active.error_rate:.3f})"
+    )
+    if evidence.unrated:
+        return "promote", f"unrated: no ratings from {canary.clients} clients; {errors}"
+    ended = evidence.ended
+    if ended.decision == "pass":
+        return "promote", f"ratings: when the wait ran out, {ended.reason}"
+    if ended.decision == "fail":
         return "rollback", (
-            f"feedback: canary's mean rating {drop:.3f} below active's "
-            f"(> {config.max_feedback_drop}) when the wait ran out; {_evidence(ratings)}"
+            f"ratings: when the wait ran out, not shown within {config.max_feedback_drop} of "
+            f"the active arm: {ended.reason}"
+        )
+    # Fewer clients rated than the look needs (min_clients on each arm): the ratings cannot
+    # decide, whichever way their few clients rate.
+    return "promote", f"{errors}; {_evidence(evidence)}"
+
+
+def _on_what_it_has(
+    active: ArmStats, canary: ArmStats, config: CanaryConfig, evidence: ClientEvidence
+) -> tuple[Verdict, str]:
+    """Fewer clients served than canary.min_clients, and the wait ran out: the test over every
+    client that rated if it decides, else the clients' mean drop, else the error rate."""
+    ended = evidence.ended
+    if ended.decision == "pass":
+        return "promote", f"ratings: {ended.reason}"
+    if ended.decision == "fail":
+        return "rollback", f"ratings: not shown within {config.max_feedback_drop}: {ended.reason}"
+    difference = evidence.difference
+    if difference is not None and -difference > config.max_feedback_drop:
+        return "rollback", (
+            f"feedback: the canary's clients rate it {-difference:.3f} below the active's "
+            f"(> {config.max_feedback_drop}); {_evidence(evidence)}"
         )
     return "promote", (
-        f"{canary.requests} canary requests, error rate {canary.error_rate:.3f} "
-        f"(active {active.error_rate:.3f}); ratings undecided ({_evidence(ratings)})"
+        f"{canary.served} canary requests, error rate {canary.error_rate:.3f} "
+        f"(active {active.error_rate:.3f}); {_evidence(evidence)}"
     )
 
 
-def estimate_pairs(config: CanaryConfig) -> int:
-    """The fewest rating pairs whose point estimate may roll a canary back once the wait for
-    ratings ran out: ``min_feedback``, and enough that no client holds more than half
-    ``max_feedback_drop`` of them (it moves the estimate by up to twice its share, so alone it
-    cannot carry an even canary past the margin). A client holds at most ``max(1, floor(s n))``
-    of ``n`` pairs with ``s`` at most half the margin (learner/canary_ratings.py), so
-    ``n >= 2 / max_feedback_drop`` does it; with fewer raters the pairs stop short of it."""
-    if config.max_feedback_drop <= 0.0:
-        return config.max_rating_pairs + 1  # no margin: only the test decides on ratings
-    return max(config.min_feedback, math.ceil(2.0 / config.max_feedback_drop - 1e-9))
+def _evidence(evidence: ClientEvidence) -> str:
+    active, canary = evidence.raters
+    return f"ratings from {active} clients on the active arm and {canary} on the canary"
 
 
-def _evidence(test: SequentialTest) -> str:
-    if test.n == 0:
-        return "no rating pairs"
-    return (
-        f"{test.n} rating pairs, win-share {test.mean:.3f} in [{test.lower:.3f}, {test.upper:.3f}] "
-        f"vs {test.theta:.3f}, evidence {test.evidence:.2f}/{test.threshold:.2f}"
-    )
-
-
-def read_ratings(client: redis.Redis, alias: str, config: AliasConfig) -> SequentialTest:
-    """The ratings' sequential test, replayed from the arms' stored ratings."""
+def read_ratings(client: redis.Redis, alias: str, config: AliasConfig) -> ClientEvidence:
+    """The test over clients, replayed from the arms' stored ratings."""
     arms = [
         [Rating.decode(raw) for raw in client.lrange(ratings_key(alias, arm), 0, -1)]
         for arm in ARMS
     ]
-    return rating_test(arms[0], arms[1], config.canary, config.feedback.max_share)
+    return client_evidence(arms[0], arms[1], config.canary)
 
 
 def fair_share(answers: list[RatedAnswer], share: float) -> list[RatedAnswer]:
@@ -258,20 +292,35 @@ class CanaryWatcher:
             self.metrics.active_version.labels(alias).set(route.active)
             if route.canary is None or config is None:
                 continue
-            version, started, stats = read_counts(self.redis, alias)
+            version, started, raw = read_counts(self.redis, alias)
             if version != route.canary or started is None:
                 continue  # a canary set by hand, or counts not reset yet: nothing to judge by
+            stats = {
+                arm: counted(raw[arm], read_client_counts(self.redis, alias, arm), config.canary)
+                for arm in ARMS
+            }
             for arm in ARMS:
-                self.metrics.canary_requests.labels(alias, arm).set(stats[arm].requests)
+                self.metrics.canary_requests.labels(alias, arm).set(stats[arm].served)
                 self.metrics.canary_error_rate.labels(alias, arm).set(stats[arm].error_rate)
-            ratings = read_ratings(self.redis, alias, config)
-            self.metrics.canary_rating_pairs.labels(alias).set(ratings.n)
-            self.metrics.canary_rating_evidence.labels(alias).set(ratings.evidence)
+            evidence = read_ratings(self.redis, alias, config)
+            self.metrics.canary_rating_pairs.labels(alias).set(evidence.test.n)
+            last = evidence.test.last  # how far the last look's lower bound is above -margin
+            margin = config.canary.max_feedback_drop
+            self.metrics.canary_rating_evidence.labels(alias).set(
+                0.0 if last is None else last.lower + margin
+            )
             # For the console and `ratchet status`: what the test says now.
-            self.redis.hset(canary_key(alias), "ratings", json.dumps(ratings.summary()))
+            raters = dict(zip(ARMS, evidence.raters, strict=True))
+            summary = {**evidence.test.summary(), "clients": raters}
+            self.redis.hset(canary_key(alias), "ratings", json.dumps(summary))
             age_s = time.time() - started
             verdict, reason = canary_verdict(
-                stats["active"], stats["canary"], config.canary, age_s, ratings
+                stats["active"],
+                stats["canary"],
+                config.canary,
+                age_s,
+                evidence,
+                config.reward.learns_from_ratings,
             )
             if verdict == "promote":
                 hacked = self.reward_gap(alias, route, config)
@@ -279,8 +328,9 @@ class CanaryWatcher:
                     verdict, reason = "rollback", hacked
             if verdict != "wait":
                 # Past the wait the test's stream has ended: the event keeps its last look.
-                if age_s >= config.canary.feedback_wait_s:
-                    ratings = ratings.ended()
+                ratings = evidence.test
+                if age_s >= config.canary.feedback_wait_s and ratings.decision == "continue":
+                    ratings = evidence.ended
                 self.decide(alias, route.canary, verdict, reason, stats, ratings)
 
     def reward_gap(self, alias: str, route: AliasRoute, config: AliasConfig) -> str | None:
@@ -327,7 +377,7 @@ class CanaryWatcher:
         verdict: Verdict,
         reason: str,
         stats: dict[str, ArmStats],
-        ratings: SequentialTest,
+        ratings: ClientTest,
     ) -> None:
         """Promote or roll back ``canary``, under the alias's lease and only if it is still the
         canary: another replica's watcher may have decided already."""

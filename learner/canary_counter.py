@@ -1,7 +1,14 @@
 """Counting for the canary: each running canary's requests, upstream failures and ratings, per
-arm, from ``ratchet.traffic`` and ``ratchet.feedback``, into Redis (``ratchet:canary:<alias>``
-and its rating lists), where every learner replica's counter adds to the same counts and the
-canary watcher (learner/canary.py) reads them to decide.
+arm and per client, from ``ratchet.traffic`` and ``ratchet.feedback``, into Redis
+(``ratchet:canary:<alias>``, its rating lists and its per-client counts), where every learner
+replica's counter adds to the same counts and the canary watcher (learner/canary.py) reads them
+to decide.
+
+Evidence is counted by client (ratchet/canary_state.py): a request the model server refused or
+that the client got wrong (any 4xx) is not counted at all; the rest count per client, and the
+verdict caps what one client's requests and failures weigh. A rating counts for the client of
+the *rated completion* (its key, or the user that key vouched for in the request), never for
+the user a feedback body names.
 
 Which arm a completion id was answered by is shared through Redis
 (``ratchet:canary:completion:<id>``), because its rating may be read by another replica than its
@@ -18,10 +25,10 @@ from typing import Any
 
 import redis
 
-from learner.canary_ratings import Rating, rater_share, stored_cap
+from learner.canary_ratings import Rating
 from learner.canary_weight import count_requests, minute_of
 from learner.metrics import LearnerMetrics
-from ratchet.canary_state import canary_key, raters_key, ratings_key
+from ratchet.canary_state import ERRORS_SUFFIX, canary_key, clients_key, raters_key, ratings_key
 from ratchet.records import ANONYMOUS_CLIENT, FeedbackRecord, TrafficRecord, decode
 from ratchet.registry import AliasRoute
 from ratchet.settings import AliasConfig, RatchetSettings
@@ -34,8 +41,8 @@ COMPLETION_TTL_S = 3600
 RATING_WAIT_S = 60.0
 MAX_WAITING_RATINGS = 5_000
 
-# Each arm's rating list keeps this many times canary.max_rating_pairs ratings (room for those the
-# per-client cap leaves waiting).
+# The anonymous client's ratings (each its own unit) an arm keeps: this many times
+# canary.max_rating_pairs. Every other client stores canary.client_ratings per arm.
 RATINGS_KEPT = 4
 
 # KEYS: the arm's rating list, its per-client counts. ARGV: the client, the encoded rating, the
@@ -54,21 +61,33 @@ return 1
 
 # The error codes (proxy/upstream.py) that count against an arm: the model server failed (502
 # upstream_error: it answered 5xx, or dropped the answer or the stream), could not load the
-# version (502 adapter_unavailable), or could not be reached (503 upstream_unavailable). Not
-# counted: every 4xx (the client's request), 504 upstream_timeout (a whole answer or a stream
-# that outlived proxy.upstream_timeout_s: a client asking for a huge max_tokens, or reading a
-# stream slowly, provokes it at will), and the proxy's own refusals and errors (429, 413, 500, 503
-# queue_full, ...), which say nothing about the version that would have answered.
+# version (502 adapter_unavailable), or could not be reached (503 upstream_unavailable). A whole
+# answer that did not come within proxy.upstream_timeout_s (504 upstream_timeout, not streamed)
+# counts too: the proxy reads it at its own pace, so the replica stalled or the version
+# generates too long (a client can ask for a long max_tokens, but its failures weigh no more
+# than its share of requests: learner/canary.py). Not counted: a stream cut at that deadline
+# (the record cannot tell a stalled replica from a client that stopped reading and so held the
+# stream back), every 4xx (the client's request), and the proxy's own refusals and errors (429,
+# 413, 500, 503 queue_full, ...), which say nothing about the version.
 UPSTREAM_FAILURES = frozenset({"upstream_error", "adapter_unavailable", "upstream_unavailable"})
+TIMEOUT = "upstream_timeout"
 
 
 def is_upstream_failure(record: TrafficRecord) -> bool:
-    return record.error is not None and record.error.get("code") in UPSTREAM_FAILURES
+    if record.error is None:
+        return False
+    code = record.error.get("code")
+    return code in UPSTREAM_FAILURES or (code == TIMEOUT and not record.stream)
+
+
+def is_refused(record: TrafficRecord) -> bool:
+    """A 4xx: the client's request, refused by the model server or the proxy."""
+    return 400 <= record.status < 500
 
 
 def completion_key(completion_id: str) -> str:
-    """String "<alias>\\t<version>\\t<arm>\\t<key hash>" of a canary-time completion, "rated"
-    once its feedback is counted; expires after COMPLETION_TTL_S."""
+    """String "<alias>\\t<version>\\t<arm>\\t<client>\\t<key hash>" of a canary-time
+    completion, "rated" once its feedback is counted; expires after COMPLETION_TTL_S."""
     return f"ratchet:canary:completion:{completion_id}"
 
 
@@ -99,6 +118,7 @@ class _Tally:
     increments: dict[str, dict[str, float]] = field(default_factory=dict)  # alias -> field -> n
     requests: Counter[tuple[str, int]] = field(default_factory=Counter)  # (alias, minute)
     ratings: list[tuple[str, str, Rating]] = field(default_factory=list)  # (alias, arm, rating)
+    clients: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # (alias, arm, field)
 
     def add(self, alias: str, name: str, value: float) -> None:
         fields = self.increments.setdefault(alias, {})
@@ -176,42 +196,41 @@ class CanaryCounter:
         if minute is not None and record.alias in self.settings.aliases:
             tally.requests[record.alias, minute] += 1
         arm = self._arm_of(record.alias, record.version, record.canary_arm)
-        if arm is None:
+        if arm is None or is_refused(record):
             return
         tally.add(record.alias, f"{arm}_requests", 1)
+        tally.clients[record.alias, arm, record.client] += 1
         if is_upstream_failure(record):
             tally.add(record.alias, f"{arm}_errors", 1)
+            tally.clients[record.alias, arm, record.client + ERRORS_SUFFIX] += 1
         if record.response_id:
-            claim = "\t".join((record.alias, str(record.version), arm, record.api_key_hash or ""))
+            who = (record.client, record.api_key_hash or "")
+            claim = "\t".join((record.alias, str(record.version), arm, *who))
             claims.set(completion_key(record.response_id), claim, nx=True, ex=COMPLETION_TTL_S)
 
     def _count_rating(self, record: FeedbackRecord, answered: Any, tally: _Tally) -> None:
         """A rating whose claim succeeded (``answered``: the completion's claim), in its arm."""
         if not isinstance(answered, bytes):
             return  # rated already, another key's, or claimed by another replica
-        alias, version, arm, _ = answered.decode(errors="replace").split("\t")
+        alias, version, arm, *who = answered.decode(errors="replace").split("\t")
         if self._arm_of(alias, int(version), arm) is None:
             return  # feedback on an exchange from before this canary
+        # The completion's client (a claim written before clients were kept: its key's).
+        client = who[0] if len(who) == 2 else (who[0] or ANONYMOUS_CLIENT)
         tally.add(alias, f"{arm}_feedback", 1)
         tally.add(alias, f"{arm}_feedback_sum", record.score)
-        tally.ratings.append((alias, arm, Rating(record.client, record.score)))
+        tally.ratings.append((alias, arm, Rating(client, record.score)))
 
     def _store(self, tally: _Tally) -> None:
         pipe = self.redis.pipeline(transaction=False)
         for alias, arm, rating in tally.ratings:
-            # The test takes at most max_rating_pairs per arm, and at most stored_cap of them
-            # from one client: keep room for the ratings that wait for others', and no more.
-            config = self.settings.aliases.get(alias) or AliasConfig()
-            pairs = config.canary.max_rating_pairs
-            kept = RATINGS_KEPT * pairs
-            # The anonymous client (no API keys) is the only one: not capped.
-            cap = (
-                kept
-                if rating.client == ANONYMOUS_CLIENT
-                else stored_cap(
-                    rater_share(config.feedback.max_share, config.canary.max_feedback_drop), pairs
-                )
-            )
+            # A client's observation is its first client_ratings ratings of the arm
+            # (learner/canary_clients.py): no more of them are stored. The anonymous client
+            # (no API keys) is everyone, each rating a unit: kept up to the test's pairs.
+            canary = (self.settings.aliases.get(alias) or AliasConfig()).canary
+            per_client = canary.client_ratings
+            kept = canary.max_rating_pairs * max(per_client, RATINGS_KEPT)
+            cap = kept if rating.client == ANONYMOUS_CLIENT else per_client
             pipe.eval(
                 STORE_RATING_SCRIPT,
                 2,
@@ -222,6 +241,8 @@ class CanaryCounter:
                 cap,
                 kept,
             )
+        for (alias, arm, name), times in tally.clients.items():
+            pipe.hincrby(clients_key(alias, arm), name, times)
         for alias, fields in tally.increments.items():
             for name, value in fields.items():
                 if name.endswith("_sum"):

@@ -7,7 +7,10 @@
   ``SequentialTest.summary``);
 - ``ratchet:canary:<alias>:ratings:<arm>`` (list): the arm's counted ratings, oldest first;
 - ``ratchet:canary:<alias>:raters:<arm>`` (hash): ratings per client on the arm, stored or not
-  (each client stores at most its share of the test's pairs: learner/canary_ratings.py).
+  (each client stores at most the ratings its observation is made of: learner/canary_clients.py);
+- ``ratchet:canary:<alias>:clients:<arm>`` (hash): per client served on the arm, ``<client>``:
+  its requests and ``<client>\terrors``: its upstream failures (what counts toward
+  ``min_requests`` and the error rate is capped per client: learner/canary_counter.py).
 
 All of it is reset in the transaction that starts a canary.
 """
@@ -40,12 +43,21 @@ def raters_key(alias: str, arm: str) -> str:
     return f"ratchet:canary:{alias}:raters:{arm}"
 
 
+def clients_key(alias: str, arm: str) -> str:
+    """Hash of client -> requests served on the arm, and client + "\terrors" -> its failures."""
+    return f"ratchet:canary:{alias}:clients:{arm}"
+
+
+ERRORS_SUFFIX = "\terrors"
+
+
 def reset_counts(pipe: Any, alias: str, version: int) -> None:
     """Queue the commands that start counting a new canary (into the caller's transaction)."""
     pipe.delete(
         canary_key(alias),
         *(ratings_key(alias, arm) for arm in ARMS),
         *(raters_key(alias, arm) for arm in ARMS),
+        *(clients_key(alias, arm) for arm in ARMS),
     )
     pipe.hset(canary_key(alias), mapping={"version": version, "started": time.time()})
 
@@ -56,6 +68,8 @@ class ArmStats:
     errors: int = 0  # upstream failures (UPSTREAM_FAILURES): what a client provokes is not counted
     feedback: int = 0
     feedback_sum: float = 0.0
+    clients: int = 0  # distinct clients served (0: not read, as in `ratchet status`)
+    served: int = 0  # requests served, each client's all (``requests`` may be capped per client)
 
     @property
     def error_rate(self) -> float:
@@ -79,6 +93,20 @@ def read_counts(
         for arm in ARMS
     }
     return version, started, stats
+
+
+def read_client_counts(client: redis.Redis, alias: str, arm: str) -> dict[str, tuple[int, int]]:
+    """Per client served on the arm: (requests, upstream failures)."""
+    raw = decode_hash(client.hgetall(clients_key(alias, arm)))
+    counts: dict[str, tuple[int, int]] = {}
+    for name, value in raw.items():
+        who = name.removesuffix(ERRORS_SUFFIX)
+        requests, errors = counts.get(who, (0, 0))
+        if name.endswith(ERRORS_SUFFIX):
+            counts[who] = (requests, int(value))
+        else:
+            counts[who] = (int(value), errors)
+    return counts
 
 
 def read_ratings_summary(client: redis.Redis, alias: str) -> dict[str, Any] | None:

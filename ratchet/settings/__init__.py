@@ -13,7 +13,6 @@ configuration reference from these models.
 
 from ratchet.settings.alias import (
     AliasConfig,
-    CanaryConfig,
     FeedbackConfig,
     GateConfig,
     LearningConfig,
@@ -32,6 +31,7 @@ from ratchet.settings.base import (
     is_ip_address,
     is_loopback,
 )
+from ratchet.settings.canary import CanaryConfig
 from ratchet.settings.console import ConsoleSettings
 from ratchet.settings.judge import JudgeSettings
 from ratchet.settings.kafka import KafkaSettings
@@ -44,7 +44,6 @@ from ratchet.settings.learner import (
     ScaleRewards,
 )
 from ratchet.settings.proxy import ProxySettings, RateLimitSettings, redaction_regex
-from ratchet.settings.served_check import ServedCheckSettings
 from ratchet.settings.root import (
     DEFAULT_REDIS_URL,
     SECRETS_DIR_VARIABLE,
@@ -53,6 +52,7 @@ from ratchet.settings.root import (
     load_settings,
     settings_error_hint,
 )
+from ratchet.settings.served_check import ServedCheckSettings
 
 __all__ = [
     "DEFAULT_BASE_MODEL",

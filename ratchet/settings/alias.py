@@ -15,6 +15,7 @@ from ratchet.settings.base import (
     DEFAULT_RUBRIC,
     _Section,
 )
+from ratchet.settings.canary import CanaryConfig
 
 # Packages whose verifiers left the kernel with the bundled tasks -> where they went (each with
 # its trailing dot: the package and the modules under it, not a longer name that starts alike).
@@ -301,107 +302,6 @@ class GateConfig(_Section):
             raise ValueError(
                 f"gate.max_pairs ({self.max_pairs}) is below gate.min_pairs ({self.min_pairs}): "
                 "no gate could ever pass; raise max_pairs or lower min_pairs"
-            )
-        return self
-
-
-class CanaryConfig(_Section):
-    """A promoted candidate first takes ``weight`` of live traffic; 0 promotes at once."""
-
-    weight: float = Field(
-        default=0.1,
-        ge=0.0,
-        lt=1.0,
-        description="Share of live traffic a promoted candidate first takes; 0 promotes at once.",
-    )
-    min_requests: int = Field(
-        default=50,
-        ge=1,
-        description="Candidate answers a canary serves before it can be promoted.",
-    )
-    max_weight: float = Field(
-        default=0.5,
-        ge=0.0,
-        lt=1.0,
-        description=(
-            "A quiet alias's canary takes a larger share, up to max_weight, so that it reaches "
-            "min_requests within target_duration_s at the alias's recent request rate "
-            "(learner/canary_weight.py): its users meet min_requests candidate answers either "
-            "way, and a fixed 10% of a quiet alias takes far too long "
-            "(docs/results/settings-measurements.md). A max_weight at or below weight keeps the "
-            "share fixed."
-        ),
-    )
-    target_duration_s: float = Field(
-        default=300.0,
-        gt=0,
-        description=(
-            "How long a canary should take to reach min_requests at the alias's recent "
-            "request rate."
-        ),
-    )
-    max_error_rate_increase: float = Field(
-        default=0.02,
-        ge=0.0,
-        le=1.0,
-        description=(
-            "Roll back when the canary's server error rate exceeds the active arm's by more than "
-            "this."
-        ),
-    )
-    max_feedback_drop: float = Field(
-        default=0.1,
-        ge=0.0,
-        lt=1.0,
-        description=(
-            "Ratings decide with a sequential test (learner/canary_ratings.py): promote once the "
-            "canary's mean rating is significantly no more than this below the active arm's, roll "
-            "back once it is significantly more."
-        ),
-    )
-    min_feedback: int = Field(
-        default=10,
-        ge=1,
-        description=(
-            "No promotion on ratings before this many rating pairs (one rating from each arm)."
-        ),
-    )
-    alpha: float = Field(
-        default=0.05,
-        gt=0.0,
-        lt=0.5,
-        description="The chance that ratings promote a canary worse than max_feedback_drop.",
-    )
-    max_rating_pairs: int = Field(
-        default=1024,
-        ge=1,
-        description=(
-            "Rating pairs after which a test that has not shown the canary not worse rolls it "
-            "back. Thumbs ratings of two equal arms need about 500 pairs to show a drop below "
-            "0.1; a clearly better or worse canary is decided in about 50 "
-            "(docs/results/settings-measurements.md)."
-        ),
-    )
-    feedback_wait_s: float = Field(
-        default=600.0,
-        ge=0.0,
-        description=(
-            "Ratings arrive after the answers they rate: once the canary has min_requests, wait "
-            "up to this long (from the canary's start) for the ratings' test to decide, then let "
-            "it look once at the pairs it has (at least 30: else error rate and the ratings' "
-            "point estimate decide). 0 decides at min_requests with what has arrived. 600 s, not "
-            "300: at 300 too many canaries 0.1 worse got through "
-            "(docs/results/settings-measurements.md)."
-        ),
-    )
-
-    @model_validator(mode="after")
-    def _rating_pairs_fit(self) -> CanaryConfig:
-        if self.max_rating_pairs < self.min_feedback:
-            raise ValueError(
-                f"canary.max_rating_pairs ({self.max_rating_pairs}) is below "
-                f"canary.min_feedback ({self.min_feedback}): ratings could never promote; "
-                "raise max_rating_pairs or lower min_feedback"
             )
         return self
 

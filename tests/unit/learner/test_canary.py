@@ -5,7 +5,6 @@ handed to ``count()`` as the consumer would)."""
 from __future__ import annotations
 
 import json
-import random
 import threading
 import time
 from dataclasses import asdict
@@ -16,8 +15,9 @@ from typing import Any
 import pytest
 
 from learner import canary_counter
-from learner.canary import CanaryWatcher, canary_verdict, estimate_pairs
-from learner.canary_ratings import Rating, rating_test
+from learner.canary import CanaryWatcher, canary_verdict, counted, request_cap
+from learner.canary_clients import client_evidence
+from learner.canary_ratings import Rating
 from learner.canary_weight import minute_of, requests_key
 from learner.leases import lease_key
 from learner.metrics import LearnerMetrics
@@ -27,6 +27,7 @@ from ratchet.canary_state import ArmStats, read_counts, reset_counts
 from ratchet.lease import Lease
 from ratchet.lifecycle import Lifecycle
 from ratchet.records import (
+    ANONYMOUS_CLIENT,
     FEEDBACK_TOPIC,
     TRAFFIC_TOPIC,
     FeedbackRecord,
@@ -44,10 +45,14 @@ ALIAS = "support"
 CONFIG = CanaryConfig(
     weight=0.1,
     min_requests=10,
+    client_request_share=0.5,  # 5 requests of one client count
     max_error_rate_increase=0.05,
     max_feedback_drop=0.2,
     min_feedback=3,
+    min_clients=4,
+    client_ratings=1,
     feedback_wait_s=60.0,
+    min_duration_s=30.0,
 )
 LATE = 61.0  # a canary age past CONFIG's wait for feedback
 
@@ -56,121 +61,129 @@ LATE = 61.0  # a canary age past CONFIG's wait for feedback
 
 
 def ratings(active: list[float], canary: list[float], config: CanaryConfig = CONFIG) -> Any:
-    """The sequential test after these ratings, each from its own key."""
-    return rating_test(
+    """The evidence of these ratings, each from its own client."""
+    return client_evidence(
         [Rating(f"a{i}", x) for i, x in enumerate(active)],
         [Rating(f"c{i}", x) for i, x in enumerate(canary)],
         config,
-        max_share=0.2,
     )
 
 
 NONE = ratings([], [])
 
 
-def test_the_verdict_waits_for_enough_canary_requests() -> None:
-    verdict, reason = canary_verdict(ArmStats(100), ArmStats(9, errors=9), CONFIG, LATE, NONE)
+def arm(requests: int, clients: int = 10, errors: int = 0) -> ArmStats:
+    """An arm's stats as counted by client."""
+    return ArmStats(requests, errors, clients=clients, served=requests)
+
+
+def test_one_clients_requests_count_only_up_to_its_share() -> None:
+    """Audit N-2: 500 one-token requests from one key brought a canary to its decision."""
+    flood = counted(ArmStats(500), {"flooder": (500, 0)}, CONFIG)
+    assert (
+        (flood.requests, flood.clients, flood.served)
+        == (request_cap(CONFIG), 1, 500)
+        == (
+            5,
+            1,
+            500,
+        )
+    )
+    errors = counted(ArmStats(60), {"a": (50, 50), "b": (5, 0), "c": (5, 1)}, CONFIG)
+    assert (errors.requests, errors.errors) == (15, 6)
+    # Without API keys everyone is one client: not capped, each request a client.
+    alone = counted(ArmStats(40), {ANONYMOUS_CLIENT: (40, 2)}, CONFIG)
+    assert (alone.requests, alone.errors, alone.clients) == (40, 2, 40)
+
+
+def test_the_verdict_waits_for_enough_canary_requests_counted_by_client() -> None:
+    verdict, reason = canary_verdict(arm(100), arm(9, errors=9), CONFIG, LATE, NONE)
     assert verdict == "wait" and "9 of 10" in reason
+    # The audit's case: 150 and 50 requests, 5 s old, no rating; from one key they count 5.
+    one_key = counted(ArmStats(50), {"k": (50, 0)}, CONFIG)
+    verdict, reason = canary_verdict(arm(150, clients=1), one_key, CONFIG, 5.0, NONE)
+    assert verdict == "wait" and "5 of 10" in reason
 
 
 def test_the_verdict_rolls_back_on_an_error_rate_excess() -> None:
     # An error rate excess does not wait for ratings, and good ratings do not outweigh it.
     good = ratings([0.0] * 20, [1.0] * 20)
-    assert good.decision == "pass"
-    verdict, reason = canary_verdict(
-        ArmStats(100, errors=1), ArmStats(10, errors=1), CONFIG, 0.0, good
-    )
+    assert good.test.decision == "pass"
+    verdict, reason = canary_verdict(arm(100, errors=1), arm(10, errors=1), CONFIG, 0.0, good)
     assert verdict == "rollback" and reason.startswith("error_rate:")
     # At the margin exactly (0.05 more), not beyond it: the canary is fine.
-    verdict, _ = canary_verdict(ArmStats(100), ArmStats(100, errors=5), CONFIG, LATE, NONE)
+    verdict, _ = canary_verdict(arm(100), arm(100, errors=5), CONFIG, LATE, NONE)
     assert verdict == "promote"
 
 
-def test_the_verdict_follows_the_ratings_test_as_soon_as_it_decides() -> None:
-    active = ArmStats(100, feedback=20, feedback_sum=18.0)
-    canary = ArmStats(10, feedback=20, feedback_sum=2.0)
-    worse = ratings([0.9] * 40, [0.1] * 40)
-    assert worse.decision == "fail"
-    verdict, reason = canary_verdict(active, canary, CONFIG, 0.0, worse)
-    # 26 pairs: the betting test runs at alpha / 2, the other half kept for the wait's last look.
-    assert verdict == "rollback" and reason.startswith("ratings:") and "26 rating pairs" in reason
-    same = ratings([0.9] * 80, [0.9] * 80)  # no worse: the margin (0.2) is cleared
-    assert same.decision == "pass"
-    verdict, reason = canary_verdict(active, canary, CONFIG, 0.0, same)
+def test_the_verdict_follows_the_client_test_as_soon_as_it_decides() -> None:
+    worse = ratings([0.9] * 8, [0.1] * 8)
+    assert worse.test.decision == "fail"
+    verdict, reason = canary_verdict(arm(100), arm(10), CONFIG, 0.0, worse)
+    assert verdict == "rollback" and reason.startswith("ratings: worse") and "4 clients" in reason
+    same = ratings([0.9] * 8, [0.9] * 8)  # no worse: the margin (0.2) is cleared
+    assert same.test.decision == "pass"
+    verdict, reason = canary_verdict(arm(100), arm(10), CONFIG, 0.0, same)
     assert verdict == "promote" and reason.startswith("ratings: not worse by 0.2")
 
 
-def test_the_verdict_waits_for_ratings_then_decides_on_their_point_estimate() -> None:
-    # Ratings come after the answers they rate: at min_requests the canary's ratings may still
-    # be on their way, and promoting then would ignore them.
-    active, canary = ArmStats(100, feedback=2, feedback_sum=2.0), ArmStats(10, feedback=2)
-    early = ratings([1.0] * 10, [0.5] * 10)
-    assert early.decision == "continue"
-    verdict, reason = canary_verdict(active, canary, CONFIG, 59.0, early)
-    assert verdict == "wait" and "ratings undecided (10 rating pairs" in reason
-    # Past feedback_wait_s the point estimate decides: a drop of 0.5 is beyond 0.2.
-    verdict, reason = canary_verdict(active, canary, CONFIG, LATE, early)
-    assert verdict == "rollback" and reason.startswith("feedback:")
-    # ... of at least 2 / max_feedback_drop pairs (10 here), where no rater holds more than
-    # half the margin: nine raters' nine pairs are no estimate (one of them could be 1/9).
-    assert estimate_pairs(CONFIG) == 10
-    verdict, _ = canary_verdict(active, canary, CONFIG, LATE, ratings([1.0] * 9, [0.5] * 9))
-    assert verdict == "promote"
-    mild = ratings([0.8] * 10, [0.7] * 10)
-    verdict, _ = canary_verdict(active, canary, CONFIG, LATE, mild)
-    assert verdict == "promote"
-    no_wait = CONFIG.model_copy(update={"feedback_wait_s": 0.0})
-    verdict, _ = canary_verdict(active, canary, no_wait, 0.0, NONE)
-    assert verdict == "promote"
+def test_an_alias_that_learns_from_ratings_is_never_decided_unrated_before_its_wait() -> None:
+    """Audit N-2: 'unrated' was judged the moment both arms held no rating."""
+    for age in (0.0, 5.0, 59.0):
+        verdict, reason = canary_verdict(arm(1000), arm(1000), CONFIG, age, NONE)
+        assert verdict == "wait" and "deciding without them after 60 s" in reason
+    verdict, reason = canary_verdict(arm(1000), arm(1000), CONFIG, LATE, NONE)
+    assert verdict == "promote" and reason.startswith("unrated"), reason
 
 
-def thumbs(good: int, n: int = 36, seed: int = 0) -> list[float]:
-    scores = [1.0] * good + [0.0] * (n - good)
-    random.Random(seed).shuffle(scores)
-    return scores
-
-
-def test_when_the_wait_runs_out_the_ratings_look_once_and_decide() -> None:
-    """36 pairs, no betting decision yet: at the wait's end the look's z-test decides, so a
-    canary not shown within the margin is rolled back rather than promoted on its estimate."""
-    half = [1.0] * 18 + [0.0] * 18
-    active, canary = ArmStats(100, feedback=36), ArmStats(40, feedback=36)
-    better, even = ratings(half, thumbs(24)), ratings(half, thumbs(18))
-    assert better.decision == even.decision == "continue"
-    verdict, reason = canary_verdict(active, canary, CONFIG, 59.0, better)
+def test_an_alias_without_feedback_decides_on_errors_after_its_minimum_time() -> None:
+    verdict, _ = canary_verdict(arm(100), arm(100), CONFIG, 29.0, NONE, expects_ratings=False)
     assert verdict == "wait"
-    verdict, reason = canary_verdict(active, canary, CONFIG, LATE, better)
-    assert verdict == "promote" and "at the last look" in reason, reason
-    # Even ratings whose estimate (drop 0) the old fallback promoted: not shown within 0.2.
-    verdict, reason = canary_verdict(active, canary, CONFIG, LATE, even)
-    assert verdict == "rollback" and "inconclusive after 36" in reason, reason
-    worse = ratings(half, thumbs(9))
-    verdict, reason = canary_verdict(active, canary, CONFIG, LATE, worse)
-    assert verdict == "rollback", reason
-    # The look left the test as it was: the watcher replays it from Redis anyway, the bench not.
-    assert better.decision == even.decision == "continue" and better.n == 36
+    verdict, reason = canary_verdict(arm(100), arm(100), CONFIG, 30.0, NONE, False)
+    assert verdict == "promote" and "error rate 0.000" in reason
 
 
-def test_the_verdict_does_not_wait_for_ratings_an_alias_never_gets() -> None:
-    # Not one rating among four times the canary's minimum of answers, the two arms together
-    # (at weight 0.1 the active arm alone has nine times the canary's), means this alias's
-    # users don't rate ...
-    canary = ArmStats(10)
-    verdict, reason = canary_verdict(ArmStats(29), canary, CONFIG, 0.0, NONE)
-    assert verdict == "wait" and "no rating pairs" in reason
-    verdict, _ = canary_verdict(ArmStats(30), canary, CONFIG, 0.0, NONE)
-    assert verdict == "promote"
-    # ... and so does none in five minutes, however quiet the alias (at a quiet alias's weight
-    # 0.5 the active arm answers as often as the canary), even where the wait is longer.
-    patient = CONFIG.model_copy(update={"feedback_wait_s": 900.0})
-    verdict, _ = canary_verdict(ArmStats(10), canary, patient, 299.0, NONE)
+def test_when_the_wait_runs_out_the_client_test_looks_once_and_decides() -> None:
+    """Too few clients per arm for a look (3 < 4) until the wait's end, where every client
+    that rated is looked at once; a canary not shown within the margin is rolled back."""
+    config = CONFIG.model_copy(update={"client_ratings": 2})  # one rating each: none counts
+    better = ratings([0.5] * 8, [0.9] * 8, config)
+    assert better.test.decision == "continue"
+    verdict, _ = canary_verdict(arm(100), arm(40), config, 59.0, better)
     assert verdict == "wait"
-    verdict, _ = canary_verdict(ArmStats(10), canary, patient, 300.0, NONE)
-    assert verdict == "promote"
-    # One rating anywhere, and the canary waits for the ratings as before.
-    rated = ArmStats(90, feedback=1, feedback_sum=1.0)
-    verdict, _ = canary_verdict(rated, canary, CONFIG, 0.0, ratings([1.0], []))
+    verdict, reason = canary_verdict(arm(100), arm(40), config, LATE, better)
+    assert verdict == "promote" and "the last look" in reason, reason
+    spread = [0.0, 1.0] * 4
+    verdict, reason = canary_verdict(
+        arm(100), arm(40), config, LATE, ratings(spread, spread, config)
+    )
+    assert verdict == "rollback" and "inconclusive at 8 clients" in reason, reason
+
+
+def test_ratings_from_fewer_clients_than_the_minimum_do_not_decide() -> None:
+    """Three clients rating the canary 0 cannot veto it, nor three rating it 1 push it."""
+    for active, canary in (([1.0] * 3, [0.0] * 3), ([0.0] * 3, [1.0] * 3)):
+        few = ratings(active, canary)
+        verdict, reason = canary_verdict(arm(100), arm(40), CONFIG, LATE, few)
+        assert verdict == "promote" and "and 3 on the canary" in reason, reason
+
+
+def test_with_fewer_clients_than_any_minimum_a_canary_decides_on_what_it_has() -> None:
+    """A one-key app that vouches for no user is one client: after the wait it is decided on
+    its ratings' mean and the error rate, and the reason says on how few clients."""
+    one = counted(ArmStats(40), {"app": (40, 0)}, CONFIG)
+    app = client_evidence([Rating("app", 1.0)], [Rating("app", 0.0)], CONFIG)
+    verdict, _ = canary_verdict(one, one, CONFIG, 59.0, app)
     assert verdict == "wait"
+    verdict, reason = canary_verdict(one, one, CONFIG, LATE, app)
+    assert verdict == "rollback" and reason.startswith("decided on 1 clients, below"), reason
+    liked = client_evidence([Rating("app", 0.5)], [Rating("app", 0.6)], CONFIG)
+    verdict, reason = canary_verdict(one, one, CONFIG, LATE, liked)
+    assert verdict == "promote" and "below canary.min_clients 4" in reason, reason
+    # Its errors still roll back, once the wait is over.
+    failing = counted(ArmStats(40, errors=20), {"app": (40, 20)}, CONFIG)
+    verdict, reason = canary_verdict(one, failing, CONFIG, LATE, NONE)
+    assert verdict == "rollback" and "error_rate" in reason
 
 
 # --- the watcher ------------------------------------------------------------------------------
@@ -227,6 +240,7 @@ def traffic(
     code: str | None = None,
     key: str | None = None,
     source: str | None = None,
+    stream: bool = False,
 ) -> Any:
     """A traffic record as the consumer reads it; ``code`` is the proxy's error code."""
     error = None if code is None else {"message": "m", "type": "t", "param": None, "code": code}
@@ -245,6 +259,7 @@ def traffic(
         latency_ms=12.0,
         api_key_hash=key,
         source=source,
+        stream=stream,
     )
     return SimpleNamespace(topic=TRAFFIC_TOPIC, value=record.to_json())
 
@@ -327,39 +342,52 @@ def test_client_errors_are_not_the_canarys_fault(
 ) -> None:
     start_canary(lifecycle)
     watcher = watcher_for(settings, lifecycle)
+    # Requests the model server refused (4xx) count for nothing: not even toward min_requests.
     watcher.count(healthy_traffic(5) + [traffic("canary", 2, status=400) for _ in range(5)])
     _, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
-    assert stats["canary"].requests == 10 and stats["canary"].errors == 0
+    assert stats["canary"].requests == 5 and stats["canary"].errors == 0
     age_canary(lifecycle, LATE)
+    watcher.check()
+    assert route_of(lifecycle) == (1, 2)
+    watcher.count(healthy_traffic(5))
     watcher.check()
     assert route_of(lifecycle) == (2, None)
 
 
 @pytest.mark.parametrize(
-    ("status", "code", "counted"),
+    ("status", "code", "stream", "requests", "errors"),
     [
-        (502, "upstream_error", True),  # vLLM answered 5xx, or dropped the answer or stream
-        (502, "adapter_unavailable", True),  # vLLM could not load the version
-        (503, "upstream_unavailable", True),  # vLLM unreachable
-        (504, "upstream_timeout", False),  # a client asking for a huge max_tokens provokes it
-        (400, "upstream_rejected", False),  # vLLM refused the client's request
-        (400, "invalid_value", False),
-        (413, "request_too_large", False),
-        (429, "rate_limit_exceeded", False),
-        (500, "internal_error", False),  # the proxy's own fault, not the version's
-        (503, "queue_full", False),
-        (500, None, False),  # no code: nothing says the model server failed
+        (502, "upstream_error", False, 4, 4),  # vLLM answered 5xx, or dropped the answer
+        (502, "upstream_error", True, 4, 4),  # ... or the stream
+        (502, "adapter_unavailable", False, 4, 4),  # vLLM could not load the version
+        (503, "upstream_unavailable", False, 4, 4),  # vLLM unreachable
+        (504, "upstream_timeout", False, 4, 4),  # a whole answer the replica did not finish
+        # A stream past the deadline: a client that stops reading holds it back, and the record
+        # cannot tell that from a stalled replica.
+        (504, "upstream_timeout", True, 4, 0),
+        (400, "upstream_rejected", False, 0, 0),  # vLLM refused the client's request
+        (400, "invalid_value", False, 0, 0),
+        (413, "request_too_large", False, 0, 0),
+        (429, "rate_limit_exceeded", False, 0, 0),
+        (500, "internal_error", False, 4, 0),  # the proxy's own fault, not the version's
+        (503, "queue_full", False, 4, 0),
+        (500, None, False, 4, 0),  # no code: nothing says the model server failed
     ],
 )
 def test_only_upstream_failures_are_the_canarys_errors(
-    settings: RatchetSettings, lifecycle: Lifecycle, status: int, code: str | None, counted: bool
+    settings: RatchetSettings,
+    lifecycle: Lifecycle,
+    status: int,
+    code: str | None,
+    stream: bool,
+    requests: int,
+    errors: int,
 ) -> None:
     start_canary(lifecycle)
     watcher = watcher_for(settings, lifecycle)
-    watcher.count([traffic("canary", 2, status=status, code=code) for _ in range(4)])
+    watcher.count([traffic("canary", 2, status, code=code, stream=stream) for _ in range(4)])
     _, _, stats = read_counts(lifecycle.writer.redis, ALIAS)
-    assert stats["canary"].requests == 4
-    assert stats["canary"].errors == (4 if counted else 0)
+    assert (stats["canary"].requests, stats["canary"].errors) == (requests, errors)
 
 
 def test_streams_cut_at_the_proxys_deadline_do_not_roll_the_canary_back(
@@ -371,7 +399,8 @@ def test_streams_cut_at_the_proxys_deadline_do_not_roll_the_canary_back(
     cut = stream_dropped(TimeoutError()).body()["error"]
     start_canary(lifecycle)
     watcher = watcher_for(settings, lifecycle)
-    watcher.count(healthy_traffic(10) + [traffic("canary", 2, status=504, code=cut["code"])] * 3)
+    cut_streams = [traffic("canary", 2, status=504, code=cut["code"], stream=True)] * 3
+    watcher.count(healthy_traffic(10) + cut_streams)
     age_canary(lifecycle, LATE)
     watcher.check()
     assert route_of(lifecycle) == (2, None)
@@ -431,9 +460,11 @@ def test_a_ratings_drop_rolls_the_canary_back_once_the_test_is_sure(
 def test_a_canary_decided_by_the_waits_last_look_records_that_look(
     settings: RatchetSettings, lifecycle: Lifecycle
 ) -> None:
-    """36 even pairs and the wait over: rolled back as not shown within the margin, and the
-    history's detail says so (not the running test's "continue")."""
-    ended = CONFIG.model_copy(update={"feedback_wait_s": 0.0})
+    """36 clients on each arm, even, and the wait over: rolled back as not shown within the
+    margin, and the history's detail says so (not the running test's "continue")."""
+    ended = CONFIG.model_copy(
+        update={"feedback_wait_s": 0.0, "min_duration_s": 0.0, "client_ratings": 2}
+    )
     settings = settings.model_copy(update={"aliases": {ALIAS: AliasConfig(canary=ended)}})
     start_canary(lifecycle)
     watcher = watcher_for(settings, lifecycle)
@@ -452,34 +483,48 @@ def test_a_canary_decided_by_the_waits_last_look_records_that_look(
     detail = lifecycle.writer.history(ALIAS)[0]["detail"]
     assert "when the wait ran out" in detail["reason"], detail
     assert detail["ratings"]["decision"] == "fail", detail["ratings"]
-    assert f"inconclusive after {n}" in detail["ratings"]["reason"]
+    assert f"inconclusive at {n} clients" in detail["ratings"]["reason"]
 
 
 def test_one_key_cannot_outvote_the_others_on_the_canary(
     settings: RatchetSettings, lifecycle: Lifecycle
 ) -> None:
-    """A key holds at most its share of the pairs the test has taken (a first flood waits for
-    the others' ratings), and stores at most its share of max_rating_pairs."""
-    config = AliasConfig(
-        canary=CONFIG.model_copy(update={"max_rating_pairs": 20}), feedback={"max_share": 0.1}
-    )
-    settings = settings.model_copy(update={"aliases": {ALIAS: config}})
+    """A key is one client: its flood of ratings is one unit, and it stores no more ratings than
+    that unit is made of (canary.client_ratings)."""
+    settings = settings.model_copy(update={"aliases": {ALIAS: AliasConfig(canary=CONFIG)}})
     start_canary(lifecycle)
     watcher = watcher_for(settings, lifecycle)
     watcher.count(
         [traffic("active", 1, rid=f"a{i}", key=f"k{i}") for i in range(30)]
         + [traffic("canary", 2, rid=f"c{i}", key="mallory") for i in range(30)]
     )
-    # Mallory rates the canary's 30 answers 1.0 and the active arm's users rate 0.5: one of
-    # mallory's ratings is taken, so the canary cannot be promoted on them.
+    # Mallory rates the canary's 30 answers 1.0 and the active arm's users rate 0.5: one
+    # client on the canary arm, below min_clients: nothing is decided on it.
     watcher.count([feedback(f"c{i}", 1.0, "mallory") for i in range(30)])
     watcher.count([feedback(f"a{i}", 0.5, f"k{i}") for i in range(30)])
     watcher.check()
     assert route_of(lifecycle) == (1, 2)
-    assert watcher.metrics.canary_rating_pairs.labels(ALIAS)._value.get() == 1
-    # 10% of 20 pairs: mallory's flood takes 2 places in the canary's list, not 30.
+    assert watcher.metrics.canary_rating_pairs.labels(ALIAS)._value.get() == 0
     redis = lifecycle.writer.redis
-    assert redis.llen(f"ratchet:canary:{ALIAS}:ratings:canary") == 2
+    assert redis.llen(f"ratchet:canary:{ALIAS}:ratings:canary") == CONFIG.client_ratings == 1
+    summary = json.loads(redis.hget(f"ratchet:canary:{ALIAS}", "ratings"))  # type: ignore[arg-type]
+    assert summary["clients"] == {"active": 30, "canary": 1}
+
+
+def test_a_rating_counts_for_the_client_that_got_the_answer(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    """Audit N-14: for a vouching key, a rating's client is the user of the rated completion,
+    not a user the feedback body names."""
+    start_canary(lifecycle)
+    watcher = watcher_for(settings, lifecycle)
+    secret = server_secret(settings)
+    served = client_source(secret, "app", "alice")
+    watcher.count([traffic("canary", 2, rid=f"c{i}", key="app", source=served) for i in range(3)])
+    claimed = [client_source(secret, "app", f"sock{i}") for i in range(3)]
+    watcher.count([feedback(f"c{i}", 0.0, "app", claimed[i]) for i in range(3)])
+    stored = lifecycle.writer.redis.lrange(f"ratchet:canary:{ALIAS}:ratings:canary", 0, -1)
+    assert [Rating.decode(raw).client for raw in stored] == [served]  # one client, one unit
 
 
 def test_a_one_key_app_whose_users_are_told_apart_decides_its_canary(

@@ -1,0 +1,291 @@
+"""The canary's test over clients: is the candidate not worse than the active version, as its
+users (not their ratings, not their requests) say?
+
+Why clients. A client is an API key, or one ``user`` of a key the operator trusts to vouch for
+its users (``Rating.client``: the client of the *rated completion*, never of the rating). A client
+can send as many requests and ratings as it likes, so a test over ratings, however capped per
+client, lets one client move it by its cap: the capped rating test let one key rating 15 answers
+per arm cut an even canary's promotion from 78% to 15% among 60 honest raters (security audit
+N-1). Here a client is one unit of evidence, whatever it sends.
+
+The observations. On each arm, a client's ratings of that arm's answers are averaged into one
+observation in [0, 1]: the mean of its first ``k = canary.client_ratings`` ratings there. A client
+*counts* on an arm (joins the arm's units) at its k-th rating on it, and its observation is then
+fixed: later ratings change nothing, and each arm stores at most k ratings of a client
+(learner/canary_counter.py). A client on both arms (the sticky key is the client's to choose, and
+random routing sends most clients to both) is one unit on each arm's side of the comparison, half
+of it: it moves the difference of the arms by as much as one client on one arm can, never twice.
+
+The test: Yuen's two-sample trimmed-mean test, in a group-sequential plan with fixed looks.
+
+* Statistic. With ``g = floor(gamma n)`` units trimmed from each end of an arm's ``n``
+  (``gamma`` = ``canary.client_trim``), ``h = n - 2g`` kept, the trimmed mean ``T`` and
+  Yuen's squared standard error ``d = (n - 1) s_w^2 / (h (h - 1))`` (``s_w^2`` the winsorized
+  variance). The drop estimate is ``D = T_canary - T_active`` with ``se = sqrt(d_a + d_c)`` and
+  Welch-Satterthwaite degrees of freedom ``nu = (d_a + d_c)^2 / (d_a^2/(h_a-1) + d_c^2/(h_c-1))``.
+  At level ``a`` the bounds are ``D -/+ t_{1-a, nu} se``: promote (pass) when the lower bound is
+  above ``-delta`` (``delta`` = ``canary.max_feedback_drop``: the canary is no more than delta
+  worse), roll back (fail) when the upper bound is below it (significantly worse than delta).
+  For arms that differ by a shift (the canary's clients rate as the active's, moved by Delta) the
+  trimmed means differ by Delta too, so delta means what it meant for mean ratings.
+* Why trimmed. Every unit is bounded, so one client moves a plain mean by up to ``1/n`` of the
+  range, and a plain mean of 60 clients' thumbs has a standard error of about 0.02: one key that
+  knows the arms (canary 0, active 1) costs an even canary a fifth of its power, five keys all of
+  it (bench/canary_attack.py). Trimming ``gamma`` of each end drops up to ``gamma n`` such keys
+  outright, their values being the most extreme, and bounds what any one unit moves the trimmed
+  mean by ``(max - min of the kept) / h`` at most; it costs a few percent of efficiency on
+  honest thumbs.
+* Why fixed looks, and why it stays valid though means change as clients rate on. The looks are
+  at ``n_j = min_clients * 2^j`` units on *each* arm (j = 0, 1, ...), each on the *first* ``n_j``
+  units of each arm, at ``alpha * INTERIM_ALPHA / 2^(j+1)``; the final look, when the canary's
+  wait runs out, is on every client that rated (those with fewer than k ratings too, with the
+  mean of what they gave), at the rest of ``alpha``. A unit never changes once it counts and the
+  arms' lists only grow, so look j sees the same data however often the watcher asks: it is one
+  test, made once. The looks' levels add up to at most ``alpha`` (Bonferroni), so a canary worse
+  than delta is promoted with probability at most ``alpha`` whatever the number of checks; the
+  same holds for rolling back one that is not worse, with the same levels and the same minimum
+  of clients on each side (``canary.min_clients``): a veto needs as many clients as a promotion.
+* Chosen over a betting martingale (ratchet/sequential.py, which this test used on rating pairs)
+  because a martingale's running sum weighs every unit fully: robustness to a few clients that
+  know the arms needs an order statistic, and an order statistic of units that are each fixed
+  is tested exactly by a few pre-set looks.
+
+The anonymous client of a stack without API keys (the proxy counts every request there as one
+client, ``ANONYMOUS_CLIENT``) is everyone, and there is nobody to protect from it: each of its
+ratings is a unit of its own, as the ratings were before.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from learner.canary_ratings import Rating
+from ratchet.records import ANONYMOUS_CLIENT
+from ratchet.settings import CanaryConfig
+
+Decision = Literal["pass", "fail", "continue"]
+_NORMAL = statistics.NormalDist()
+# The share of alpha the interim looks spend between them (look j: INTERIM_ALPHA / 2^(j+1) of
+# it); the final look, on every client that rated, gets the rest. Most canaries of a quiet alias
+# are decided at that look (bench/canary_time.py), so it gets the most.
+INTERIM_ALPHA = 0.25
+
+
+def client_units(ratings: Iterable[Rating], per_client: int, ended: bool = False) -> list[float]:
+    """One arm's units (the module docstring): each client's mean of its first ``per_client``
+    ratings, in the order clients reach that many; with ``ended``, then the clients with fewer,
+    in the order of their first rating. Each anonymous rating is a unit of its own."""
+    given: dict[str, list[float]] = {}  # insertion order: the order of first ratings
+    units: list[float] = []
+    for rating in ratings:
+        if rating.client == ANONYMOUS_CLIENT:
+            units.append(rating.score)
+            continue
+        scores = given.setdefault(rating.client, [])
+        if len(scores) < per_client:
+            scores.append(rating.score)
+            if len(scores) == per_client:
+                units.append(statistics.fmean(scores))
+    if ended:
+        units.extend(statistics.fmean(s) for s in given.values() if len(s) < per_client)
+    return units
+
+
+def raters(ratings: Iterable[Rating]) -> int:
+    """Distinct clients among an arm's ratings (each anonymous rating one)."""
+    clients: set[str] = set()
+    anonymous = 0
+    for rating in ratings:
+        if rating.client == ANONYMOUS_CLIENT:
+            anonymous += 1
+        else:
+            clients.add(rating.client)
+    return len(clients) + anonymous
+
+
+@dataclass(frozen=True)
+class Trimmed:
+    """An arm's trimmed mean, Yuen's squared standard error of it, and the units kept."""
+
+    mean: float
+    error2: float
+    kept: int
+
+
+def trimmed(units: list[float], gamma: float) -> Trimmed:
+    """The ``gamma``-trimmed mean of ``units`` (at least two) and Yuen's squared standard
+    error ``(n - 1) s_w^2 / (h (h - 1))``, ``s_w^2`` the winsorized sample variance."""
+    n = len(units)
+    g = min(math.floor(gamma * n + 1e-9), (n - 2) // 2)
+    ordered = sorted(units)
+    middle = ordered[g : n - g]
+    winsorized = [middle[0]] * g + middle + [middle[-1]] * g
+    h = len(middle)
+    return Trimmed(
+        statistics.fmean(middle), (n - 1) * statistics.variance(winsorized) / (h * (h - 1)), h
+    )
+
+
+def t_quantile(p: float, df: float) -> float:
+    """Student's t quantile by the Cornish-Fisher expansion in 1/df (within 1e-3 of the exact
+    one from 10 degrees of freedom on): the standard library has no t distribution."""
+    z = _NORMAL.inv_cdf(p)
+    return (
+        z
+        + (z**3 + z) / (4 * df)
+        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
+    )
+
+
+@dataclass(frozen=True)
+class Look:
+    """One look of the test: the trimmed drop ``canary - active`` and its bounds at ``alpha``."""
+
+    n: int  # units on each arm (the fewer, at the final look)
+    drop: float  # D = T_canary - T_active (negative: the canary is rated lower)
+    lower: float
+    upper: float
+    alpha: float
+
+    @classmethod
+    def of(cls, active: list[float], canary: list[float], gamma: float, alpha: float) -> Look:
+        a, c = trimmed(active, gamma), trimmed(canary, gamma)
+        drop, error2 = c.mean - a.mean, a.error2 + c.error2
+        if error2 <= 0.0:  # every kept unit alike on both arms: the difference is exact
+            return cls(min(len(active), len(canary)), drop, drop, drop, alpha)
+        df = error2**2 / (a.error2**2 / (a.kept - 1) + c.error2**2 / (c.kept - 1) or 1e-12)
+        half = t_quantile(1.0 - alpha, max(df, 1.0)) * math.sqrt(error2)
+        return cls(min(len(active), len(canary)), drop, drop - half, drop + half, alpha)
+
+    def decision(self, margin: float) -> Decision:
+        if self.lower > -margin:
+            return "pass"
+        if self.upper < -margin:
+            return "fail"
+        return "continue"
+
+
+@dataclass(frozen=True)
+class ClientTest:
+    """The test's state after the looks so far (the module docstring)."""
+
+    margin: float
+    min_clients: int
+    units: tuple[int, int]  # units counted so far (active, canary)
+    looks: tuple[Look, ...] = ()
+    decision: Decision = "continue"
+    reason: str = ""
+
+    @property
+    def n(self) -> int:
+        """Client pairs of the last look (0: none yet)."""
+        return self.looks[-1].n if self.looks else 0
+
+    @property
+    def last(self) -> Look | None:
+        return self.looks[-1] if self.looks else None
+
+    def summary(self) -> dict[str, Any]:
+        """What a log line, the event and the console show (the keys ratchet.sequential's
+        summary has, where they mean the same)."""
+        last = self.last
+        return {
+            "n": self.n,
+            "units": {"active": self.units[0], "canary": self.units[1]},
+            "looks": len(self.looks),
+            "drop": None if last is None else last.drop,
+            "lower": None if last is None else last.lower,
+            "upper": None if last is None else last.upper,
+            "theta": -self.margin,
+            "decision": self.decision,
+            "reason": self.reason,
+        }
+
+
+def look_sizes(config: CanaryConfig) -> list[int]:
+    """The units per arm of the interim looks: min_clients, doubling, up to max_rating_pairs."""
+    sizes, n = [], max(config.min_clients, 2)
+    while n <= config.max_rating_pairs:
+        sizes.append(n)
+        n *= 2
+    return sizes
+
+
+def client_test(
+    active: Iterable[Rating], canary: Iterable[Rating], config: CanaryConfig, ended: bool = False
+) -> ClientTest:
+    """The test after every look the units so far allow, stopped at its decision; with
+    ``ended`` (the canary's wait ran out), then the final look over every client that rated."""
+    k, gamma, margin = config.client_ratings, config.client_trim, config.max_feedback_drop
+    active, canary = list(active), list(canary)
+    units = client_units(active, k), client_units(canary, k)
+    state = ClientTest(margin, config.min_clients, (len(units[0]), len(units[1])))
+    looks: list[Look] = []
+    for j, size in enumerate(look_sizes(config)):
+        if min(len(units[0]), len(units[1])) < size:
+            break
+        alpha = config.alpha * INTERIM_ALPHA / 2 ** (j + 1)
+        look = Look.of(units[0][:size], units[1][:size], gamma, alpha)
+        looks.append(look)
+        decided = look.decision(margin)
+        if decided != "continue":
+            reason = f"look {j + 1} at {size} clients an arm: {_bounds(look, margin)}"
+            return _with(state, looks, decided, reason)
+    if ended:
+        every = client_units(active, k, ended=True), client_units(canary, k, ended=True)
+        if min(len(every[0]), len(every[1])) >= max(config.min_clients, 2):
+            look = Look.of(every[0], every[1], gamma, config.alpha * (1 - INTERIM_ALPHA))
+            looks.append(look)
+            decided = look.decision(margin)
+            reason = f"the last look, at {look.n} clients: {_bounds(look, margin)}"
+            if decided == "continue":
+                decided, reason = (
+                    "fail",
+                    f"inconclusive at {look.n} clients: {_bounds(look, margin)}",
+                )
+            return _with(state, looks, decided, reason)
+    return _with(state, looks, "continue", "")
+
+
+def _with(state: ClientTest, looks: list[Look], decision: Decision, reason: str) -> ClientTest:
+    return ClientTest(state.margin, state.min_clients, state.units, tuple(looks), decision, reason)
+
+
+def _bounds(look: Look, margin: float) -> str:
+    return (
+        f"trimmed drop {look.drop:+.3f} in [{look.lower:+.3f}, {look.upper:+.3f}] "
+        f"({1 - look.alpha:.2%}) vs -{margin}"
+    )
+
+
+@dataclass(frozen=True)
+class ClientEvidence:
+    """What the arms' ratings say, for the verdict (learner/canary.py)."""
+
+    test: ClientTest  # the interim looks so far: may decide at any check
+    ended: ClientTest  # were the wait to run out now: the final look too
+    raters: tuple[int, int]  # distinct clients that rated (active, canary)
+    difference: float | None  # canary's plain mean over every client minus the active's
+
+    @property
+    def unrated(self) -> bool:
+        return self.raters == (0, 0)
+
+
+def client_evidence(
+    active: list[Rating], canary: list[Rating], config: CanaryConfig
+) -> ClientEvidence:
+    k = config.client_ratings
+    every = client_units(active, k, ended=True), client_units(canary, k, ended=True)
+    difference = statistics.fmean(every[1]) - statistics.fmean(every[0]) if all(every) else None
+    return ClientEvidence(
+        test=client_test(active, canary, config),
+        ended=client_test(active, canary, config, ended=True),
+        raters=(raters(active), raters(canary)),
+        difference=difference,
+    )
