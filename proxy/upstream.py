@@ -355,11 +355,12 @@ class Upstream:
 
     def _failed(self, replica: Endpoint) -> None:
         if self.outliers.failed(replica.url, self.endpoints, time.monotonic()):
+            record = self.outliers.replicas[replica.url]
             log.warning(
-                "vLLM at %s ejected for %.0f s after failing %s times in a row",
+                "vLLM at %s ejected for %.0f s for failing requests (ejection %d)",
                 replica.url,
-                self.outliers.replicas[replica.url].ejected_until - time.monotonic(),
-                self.faults.ejection.consecutive_failures,
+                record.ejected_until - time.monotonic(),
+                record.ejections,
             )
 
     def _released(self, replica: Endpoint, key: str, response: UpstreamResponse) -> None:
