@@ -1,5 +1,6 @@
 """The official openai client, sync and async, through the proxy to the real vLLM, and the
-TrafficRecord read back from the real broker matches what the client received."""
+TrafficRecord read back from the real broker matches what the client received; the Agents SDK's
+chat and Responses models running an agent with a function tool."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import asyncio
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel
 
 from embedded.processes import wait_until
 from proxy.log.producer import RecordProducer
@@ -256,6 +259,69 @@ def test_async_client_plain_and_stream(base_route: Embedded) -> None:
         await client.close()
 
     asyncio.run(run())
+
+
+class Colour(BaseModel):
+    colour: str  # free text: a schema that fixed the answer is refused on a learning alias
+
+
+def test_chat_parse_gives_the_clients_model(base_route: Embedded, client: openai.OpenAI) -> None:
+    parsed = client.chat.completions.parse(
+        model=ALIAS,
+        messages=[{"role": "user", "content": "Name one colour of the sky."}],
+        response_format=Colour,
+        max_tokens=40,
+        temperature=0,
+    )
+    message = parsed.choices[0].message
+    assert isinstance(message.parsed, Colour)
+    assert json.loads(message.content or "") == message.parsed.model_dump()
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_an_agents_sdk_agent_calls_its_function_tool(base_route: Embedded, api: str) -> None:
+    """The Agents SDK's Responses model and its Chat Completions model, each through the proxy:
+    the model calls the tool, the SDK runs it and sends its result back, the model answers."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    asked: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return f"It is sunny in {city}."
+
+    async def run() -> Any:
+        set_tracing_disabled(True)
+        client = openai.AsyncOpenAI(
+            base_url=f"{base_route.proxy_url}/v1", api_key="k", max_retries=0
+        )
+        kind = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
+        agent = Agent(
+            name="weather",
+            instructions="Answer with the get_weather tool.",
+            tools=[get_weather],
+            model=kind(model=ALIAS, openai_client=client),
+            # The first call must call the tool; the SDK then sets tool_choice back to auto.
+            model_settings=ModelSettings(tool_choice="required", max_tokens=48, temperature=0),
+        )
+        result = await Runner.run(agent, "What is the weather in Oslo?", max_turns=4)
+        await client.close()
+        return result
+
+    result = asyncio.run(run())
+    assert len(asked) == 1, asked
+    assert isinstance(result.final_output, str) and result.final_output
+    assert len(result.raw_responses) >= 2  # the call, then the answer after the tool's result
 
 
 def test_feedback_is_written(base_route: Embedded, client: openai.OpenAI) -> None:

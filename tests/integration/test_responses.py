@@ -1,11 +1,13 @@
 """The Responses API through the real proxy and vLLM, with the official client's Responses methods
-checked field by field, and each exchange logged to ratchet.traffic as the chat exchange it was."""
+checked field by field, every answer and streamed event validated against the Open Responses
+specification's published types (tests/open_responses.py), and each exchange logged to
+ratchet.traffic as the chat exchange it was."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -15,6 +17,12 @@ from pydantic import BaseModel, ConfigDict
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord, TrafficRecord
 from ratchet.registry import AliasRoute
 from tests.integration.conftest import BASE_MODEL, Embedded
+from tests.open_responses import (
+    check_sequence,
+    conforming_events,
+    conforming_item,
+    conforming_response,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -201,3 +209,156 @@ def test_a_response_id_is_rated_as_its_logged_answer(
         lambda r: isinstance(r, FeedbackRecord) and r.completion_id == logged_id,
     )
     assert isinstance(rating, FeedbackRecord) and rating.score == 0.9
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+SHADE = {
+    "type": "object",
+    "properties": {"shade": {"enum": ["blue", "grey"]}},
+    "required": ["shade"],
+}
+CASES: dict[str, dict[str, Any]] = {
+    "plain": {"input": QUESTION, "max_output_tokens": 8},  # completed or cut: either conforms
+    "tools": {
+        "input": "What is the weather in Oslo?",
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "max_output_tokens": 100,
+    },
+    "json_schema": {
+        "input": QUESTION,
+        "text": {"format": {"type": "json_schema", "name": "shade", "schema": SHADE}},
+        "max_output_tokens": 20,
+    },
+}
+
+
+def post(env: Embedded, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(
+        f"{env.proxy_url}/v1/responses",
+        json=body,
+        headers={"Authorization": "Bearer k"},
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_answer_and_streamed_event_is_what_the_specification_defines(
+    client: openai.OpenAI, embedded: Embedded, case: str
+) -> None:
+    """The bytes the proxy sends, whole and streamed, for a plain, a tool-calling and a
+    JSON-schema request: each Response and event valid as the specification's type, the events
+    in its order (tests/open_responses.py check_sequence)."""
+    body = {"model": ALIAS, "temperature": 0, **CASES[case]}
+    whole = post(embedded, body)
+    assert whole.status_code == 200, whole.text
+    response = conforming_response(whole.content)
+    with httpx.stream(
+        "POST",
+        f"{embedded.proxy_url}/v1/responses",
+        json={**body, "stream": True},
+        headers={"Authorization": "Bearer k"},
+        timeout=120,
+    ) as streamed:
+        assert streamed.status_code == 200
+        raw = streamed.read()
+    final = check_sequence(conforming_events(raw))
+    assert final["status"] == response.status
+    if case == "plain" and response.status == "incomplete":
+        assert response.completed_at is None
+        return
+    assert response.status == "completed"  # greedy, and long enough to finish
+    assert [item["type"] for item in final["output"]] == [i.type for i in response.output]
+    if case == "tools":
+        call = final["output"][-1]
+        assert call["name"] == "get_weather" and "city" in json.loads(call["arguments"])
+    if case == "json_schema":
+        assert json.loads(whole.json()["output"][0]["content"][0]["text"])["shade"] in (
+            "blue",
+            "grey",
+        )
+    assert response.completed_at is not None and response.completed_at >= response.created_at
+
+
+class Shade(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    shade: Literal["blue", "grey"]
+
+
+def test_the_clients_stream_helper_runs_to_completion(client: openai.OpenAI) -> None:
+    with client.responses.stream(
+        model=ALIAS, input=QUESTION, text_format=Shade, max_output_tokens=20, temperature=0
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[-1] == "response.completed" and final.status == "completed"
+    assert isinstance(final.output_parsed, Shade)
+    assert "response.output_text.done" in kinds and "response.content_part.done" in kinds
+
+
+def test_input_items_list_the_conversation_for_the_key_that_made_it(
+    embedded: Embedded, client: openai.OpenAI
+) -> None:
+    first = client.responses.create(
+        model=ALIAS, input="My name is Ada.", max_output_tokens=6, temperature=0
+    )
+    second = client.responses.create(
+        model=ALIAS,
+        input=[{"role": "user", "content": "What is my name?"}],
+        previous_response_id=first.id,
+        max_output_tokens=6,
+        temperature=0,
+    )
+    listed = client.responses.input_items.list(second.id, order="asc")
+    texts = [(item.type, getattr(item, "role", None)) for item in listed.data]
+    assert texts == [("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert listed.data[2].content[0].text == "What is my name?"  # type: ignore[union-attr]
+    raw = httpx.get(
+        f"{embedded.proxy_url}/v1/responses/{second.id}/input_items",
+        params={"limit": 1},
+        headers={"Authorization": "Bearer k"},
+        timeout=10,
+    )
+    assert raw.json()["has_more"] is True and len(raw.json()["data"]) == 1
+    for item in raw.json()["data"]:
+        conforming_item(item)
+    stranger = httpx.get(
+        f"{embedded.proxy_url}/v1/responses/{second.id}/input_items",
+        headers={"Authorization": "Bearer someone-else"},
+        timeout=10,
+    )
+    assert stranger.status_code == 404 and stranger.json()["error"]["code"] == "response_not_found"
+
+
+@pytest.mark.parametrize(
+    ("metadata", "param"),
+    [
+        ({f"k{i}": "v" for i in range(17)}, "metadata"),
+        ({"k" * 65: "v"}, "metadata"),
+        ({"team": "v" * 513}, "metadata.team"),
+    ],
+)
+def test_metadata_past_openais_bounds_is_a_400_naming_it(
+    client: openai.OpenAI, metadata: dict[str, str], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=ALIAS, input="hi", metadata=metadata)
+    body = refused.value.body
+    assert isinstance(body, dict) and body["param"] == param
+
+
+def test_metadata_at_openais_bounds_is_echoed(client: openai.OpenAI) -> None:
+    metadata = {f"k{i:02d}" + "x" * 61: "v" * 512 for i in range(16)}
+    response = client.responses.create(
+        model=ALIAS, input="hi", metadata=metadata, max_output_tokens=1, store=False
+    )
+    assert response.metadata == metadata
