@@ -265,8 +265,10 @@ class ProxySettings(_Section):
     expose_arm: bool = Field(
         default=False,
         description=(
-            "Tell clients their canary arm (x-ratchet-canary-arm) and, while a canary runs, the "
-            "version that answered. Off: a client that knew its arm could rate only that arm's "
+            "Tell clients what answered them: the served name as the answer's model, the "
+            "x-ratchet-version and x-ratchet-served-name headers and their canary arm "
+            "(x-ratchet-canary-arm). Off: every answer names the alias only, the same with or "
+            "without a canary, since a client that knew its arm could rate only that arm's "
             "answers."
         ),
     )
