@@ -335,8 +335,10 @@ class Upstream:
 
     async def _probe(self, url: str, key: str) -> bool:
         """Whether ``url``'s engine sends the first byte of a one-token stream of ``key`` in
-        time (:class:`proxy.stall.StallWatch`); a replica that left, or an answer that is not
-        200 tells nothing, and counts as working."""
+        time (:class:`proxy.stall.StallWatch`). No connection, or one broken, is no first byte
+        either (a replica that dropped off the network holds its requests as a hung engine
+        does); an answer that is not 200 (its API server is alive) and a replica that left
+        count as working."""
         replica, deadline = self.endpoints.get(url), self.faults.first_byte_timeout_s
         if replica is None or deadline is None:
             return True
@@ -344,10 +346,8 @@ class Upstream:
         path = FORWARDED_PATHS["completions"]
         try:
             response = await replica.pool.request(b"POST", path, orjson.dumps(probe), deadline)
-        except TimeoutError:
+        except OSError:  # TimeoutError and ConnectFailed among them
             return False
-        except OSError:
-            return True
         try:
             return response.status != 200 or await response.first_byte(deadline)
         finally:

@@ -223,6 +223,32 @@ async def test_a_whole_answer_waits_on_a_working_engine_and_not_on_a_hung_one(
         await upstream.close()
 
 
+async def test_requests_held_by_a_replica_that_dropped_off_the_network_end_as_stalled(
+    servers: list[asyncio.Server],
+) -> None:
+    """It took the request, then went dark: nothing comes back, and its probe finds no
+    connection (here, refused: its listener closed)."""
+    taken = asyncio.Event()
+
+    async def takes_then_goes(request: bytes, writer: asyncio.StreamWriter) -> None:
+        taken.set()
+        await stalls(request, writer)
+
+    dark, dark_url = await replica(takes_then_goes)
+    servers.append(dark)
+    upstream = fleet(
+        [dark_url, "http://127.0.0.1:9"], ejection=EjectionPolicy(5), first_byte_timeout_s=0.3
+    )
+    waiting = asyncio.create_task(drain(upstream, names_on(dark_url, list(upstream.endpoints))[0]))
+    await taken.wait()
+    dark.close()  # no new connections from now on
+    with pytest.raises(ProxyError) as caught:
+        await waiting
+    assert caught.value.body()["error"]["code"] == "upstream_stalled"
+    assert upstream.endpoints[dark_url].first_byte_timeouts == 1
+    await upstream.close()
+
+
 async def test_a_client_that_leaves_while_a_replica_is_silent_frees_it_and_blames_no_one(
     servers: list[asyncio.Server],
 ) -> None:
