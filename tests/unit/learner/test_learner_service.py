@@ -32,6 +32,7 @@ from ratchet.settings import (
     LearnerSettings,
     LearningConfig,
     RatchetSettings,
+    ServedCheckSettings,
 )
 from ratchet.versions import next_version_key
 
@@ -93,6 +94,8 @@ def settings(redis_url: str, tmp_path: Path) -> RatchetSettings:
             guard_rounds=3,
             collapse_share=0.8,
             max_length_growth=3.0,
+            # No vLLM here to ask (the gate is scripted): tests/integration/test_served_check.py.
+            served_check=ServedCheckSettings(enabled=False),
         ),
     )
 
@@ -300,7 +303,12 @@ def shared(redis_url: str, tmp_path: Path) -> LearnerService:
                 learning=LearningConfig(max_key_share=0.25),
             )
         },
-        learner=LearnerSettings(batch_groups=8, min_groups=2, max_waiting_groups=100),
+        learner=LearnerSettings(
+            batch_groups=8,
+            min_groups=2,
+            max_waiting_groups=100,
+            served_check=ServedCheckSettings(enabled=False),
+        ),
     )
     service = LearnerService(settings, base_model_path=Path("unused"))
     service.lifecycle.sink = None
