@@ -237,6 +237,17 @@ def fault_counts(proxy: str, replicas: dict[str, str]) -> dict[str, dict[str, fl
     return counts
 
 
+def error_counts(proxy: str) -> dict[str, float]:
+    """The proxy's errors returned to clients so far, by code."""
+    text = httpx.get(f"{proxy}/metrics", timeout=10).text
+    return {
+        code: float(value)
+        for code, value in re.findall(
+            r'^ratchet_proxy_errors_total{code="([^"]+)"} (\S+)$', text, re.M
+        )
+    }
+
+
 def endpoint_up(proxy: str, url: str) -> bool:
     text = httpx.get(f"{proxy}/metrics", timeout=10).text
     return f'ratchet_proxy_endpoint_up{{endpoint="{url}"}} 1.0' in text

@@ -63,6 +63,7 @@ from bench.fleet_faults import (
     FAULT_COUNTERS,
     FaultyReplicas,
     endpoint_up,
+    error_counts,
     fault_counts,
     fault_proxies,
     wait_for,
@@ -370,7 +371,7 @@ def run_faults(fleet: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         proxy = fleet["fault_proxies"][arm]
         wait_for(functools.partial(endpoint_up, proxy, faulty.dark_url), 60, "the dark one back")
         talks = conversations(fleet["aliases"], args.conversations, seed=500 + 100 * i, mix="many")
-        before = fault_counts(proxy, named)
+        before, errors_before = fault_counts(proxy, named), error_counts(proxy)
         dark = threading.Timer(args.dark_after_s, faulty.go_dark)
         started = time.perf_counter()
         with console.status(f"faults: round {i + 1}/4: {arm}"):
@@ -378,7 +379,7 @@ def run_faults(fleet: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
             latencies, failures = asyncio.run(run_traffic(proxy, talks, args, args.concurrency))
             dark.cancel()
             faulty.come_back()
-        after = fault_counts(proxy, named)
+        after, errors_after = fault_counts(proxy, named), error_counts(proxy)
         rounds[arm].append(
             {
                 "latencies": latencies,
@@ -387,6 +388,11 @@ def run_faults(fleet: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
                 "faults": {
                     name: {k: after[name][k] - before[name][k] for k in after[name]}
                     for name in named
+                },
+                "errors": {
+                    code: n - errors_before.get(code, 0.0)
+                    for code, n in errors_after.items()
+                    if n > errors_before.get(code, 0.0)
                 },
             }
         )
@@ -402,6 +408,10 @@ def run_faults(fleet: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
             "faults": {
                 name: {k: sum(r["faults"][name][k] for r in arm_rounds) for k in FAULT_COUNTERS}
                 for name in named
+            },
+            "errors": {
+                code: sum(r["errors"].get(code, 0.0) for r in arm_rounds)
+                for code in sorted({c for r in arm_rounds for c in r["errors"]})
             },
         }
     return summary
@@ -431,6 +441,9 @@ def print_faults(summary: dict[str, Any], args: argparse.Namespace) -> None:
             f"{dark['connect_failures']:.0f} / {dark['retries']:.0f}",
         )
     console.print(table)
+    for arm, row in summary.items():
+        errors = ", ".join(f"{code} {n:.0f}" for code, n in row["errors"].items())
+        console.print(f"{arm}: errors by code: {errors or 'none'}")
     on, off = summary["ejection"], summary["no_ejection"]
     console.print(
         f"faults: with ejection / without: p99 {on['p99_ms'] / off['p99_ms']:.2f}, "
