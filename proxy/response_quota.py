@@ -48,15 +48,17 @@ local function used(ledger, counter)
   return total
 end
 local ttl, charge = tonumber(ARGV[2]), tonumber(ARGV[3])
-if used(KEYS[2], KEYS[3]) + charge > tonumber(ARGV[4]) then return 'key_quota' end
-if used(KEYS[4], KEYS[5]) + charge > tonumber(ARGV[5]) then return 'total_quota' end
+local own = used(KEYS[2], KEYS[3]) + charge
+if own > tonumber(ARGV[4]) then return 'key_quota' end
+local all = used(KEYS[4], KEYS[5]) + charge
+if all > tonumber(ARGV[5]) then return 'total_quota' end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
-for i = 2, 4, 2 do
-  redis.call('ZADD', KEYS[i], now + ttl, ARGV[6])
-  redis.call('INCRBY', KEYS[i + 1], charge)
-  redis.call('PEXPIRE', KEYS[i], ttl)
-  redis.call('PEXPIRE', KEYS[i + 1], ttl)
-end
+redis.call('ZADD', KEYS[2], now + ttl, ARGV[6])
+redis.call('PEXPIRE', KEYS[2], ttl)
+redis.call('SET', KEYS[3], own, 'PX', ttl)
+redis.call('ZADD', KEYS[4], now + ttl, ARGV[6])
+redis.call('PEXPIRE', KEYS[4], ttl)
+redis.call('SET', KEYS[5], all, 'PX', ttl)
 return 'stored'
 """
 
