@@ -81,9 +81,9 @@ class ResponseStore:
         entry = {"owner": owner, "response": response, "conversation": conversation}
         value = orjson.dumps(entry)
         # Checked before redaction too, so that redaction's time is bounded by max_bytes.
-        if (
-            len(value) > self.max_bytes
-            or len(value := await self._redacted(entry)) > self.max_bytes
+        if len(value) > self.max_bytes or (
+            self.redactor is not None
+            and len(value := await self._redacted(self.redactor, entry)) > self.max_bytes
         ):
             self.saved.labels("too_large").inc()
             return False
@@ -98,11 +98,10 @@ class ResponseStore:
         self.saved.labels(outcome).inc()
         return outcome == "stored"
 
-    async def _redacted(self, entry: dict[str, Any]) -> bytes:
+    @staticmethod
+    async def _redacted(redactor: Redactor, entry: dict[str, Any]) -> bytes:
         """The entry as stored: its response and conversation redacted (the owner is ours)."""
-        if self.redactor is None:
-            return orjson.dumps(entry)
-        redact = self.redactor.begin()
+        redact = redactor.begin()
         parts = {"response": entry["response"], "conversation": entry["conversation"]}
         redacted = await asyncio.to_thread(redact, parts)
         return orjson.dumps({"owner": entry["owner"], **redacted})
