@@ -15,7 +15,9 @@ requests: ``metadata`` of 16 pairs, keys of 64 characters and values of 512, a `
 prompt and an answer of ``--answer-chars``, each translated by the route's own code
 (``to_chat``, ``response_object``) and saved for one of ``--keys`` API keys, until the total
 quota (``--store-mib``, default the setting's) refuses ``REFUSED_IN_A_ROW`` in a row. Reported:
-outcomes, ``used_memory`` above the start against the quota, and Redis bytes per stored response.
+outcomes, ``used_memory`` above the start against the quota, and Redis bytes per stored response;
+and first, on the empty Redis, the p50 time of one save against the plain ``SET`` it replaced
+(:func:`save_latency`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import orjson
 import redis
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
@@ -48,6 +51,7 @@ from ratchet.settings import AliasConfig, ProxySettings, RatchetSettings
 ALIAS = "bench"
 KEYS_SAMPLED = 200  # per family, for its mean MEMORY USAGE
 REFUSED_IN_A_ROW = 200
+LATENCY_SAMPLES = 2000  # saves timed, and as many plain SETs
 FAMILIES = {
     "proxy owner note": "ratchet:completion:*",
     "learner join note": "ratchet:feedback:exchange:*",
@@ -177,17 +181,50 @@ def chat_answer(i: int, chars: int) -> dict[str, Any]:
     }
 
 
-async def fill_store(url: str, settings: ProxySettings, args: argparse.Namespace) -> Counter[str]:
-    client = aioredis.Redis.from_url(url)
-    store = ResponseStore(client, CollectorRegistry(), settings)
-    payload = {
+def largest_request(args: argparse.Namespace) -> dict[str, Any]:
+    text = "Summarise the report below. " * (args.input_chars // 28 + 1)
+    return {
         "model": ALIAS,
-        "input": ("Summarise the report below. " * (args.input_chars // 28 + 1))[
-            : args.input_chars
-        ],
+        "input": text[: args.input_chars],
         "metadata": largest_metadata(),
         "max_output_tokens": 256,
     }
+
+
+async def save_latency(url: str, settings: ProxySettings, args: argparse.Namespace) -> Any:
+    """p50 of one save (quotas checked in the Lua script) against the write it replaced (one
+    SET with EX of the same entry, as before the quotas), alternated on the same client and
+    Redis; the keys are removed after."""
+    client = aioredis.Redis.from_url(url)
+    store = ResponseStore(client, CollectorRegistry(), settings)
+    translated = to_chat(largest_request(args), None)
+    quota_s: list[float] = []
+    plain_s: list[float] = []
+    for i in range(LATENCY_SAMPLES):
+        response = response_object(chat_answer(i, args.answer_chars), translated.echo)
+        conversation = [*translated.conversation, assistant_message(response)]
+        key_hash = hash_api_key(b"bench", f"key-{i % args.keys}")
+        started = time.perf_counter()
+        await store.save(response, conversation, key_hash)
+        quota_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        entry = {"owner": key_hash, "response": response, "conversation": conversation}
+        await client.set(
+            f"plain:{response['id']}", orjson.dumps(entry), ex=settings.responses_store_ttl_s
+        )
+        plain_s.append(time.perf_counter() - started)
+    await client.flushdb()
+    await client.aclose()
+    return {
+        "save_p50_us": round(statistics.median(quota_s) * 1e6, 1),
+        "plain_set_p50_us": round(statistics.median(plain_s) * 1e6, 1),
+    }
+
+
+async def fill_store(url: str, settings: ProxySettings, args: argparse.Namespace) -> Counter[str]:
+    client = aioredis.Redis.from_url(url)
+    store = ResponseStore(client, CollectorRegistry(), settings)
+    payload = largest_request(args)
     outcomes: Counter[str] = Counter()
     refused = 0
     i = 0
@@ -209,6 +246,7 @@ def responses(url: str, args: argparse.Namespace) -> dict[str, Any]:
     total = args.store_mib * 2**20 if args.store_mib else None
     settings = ProxySettings(**({"responses_store_total_bytes": total} if total else {}))
     client = redis.Redis.from_url(url)
+    latency = asyncio.run(save_latency(url, settings, args))
     before = used_memory(client)
     started = time.monotonic()
     outcomes = asyncio.run(fill_store(url, settings, args))
@@ -217,6 +255,7 @@ def responses(url: str, args: argparse.Namespace) -> dict[str, Any]:
     charged = int(client.get("ratchet:responses:all:bytes") or 0)
     stored = outcomes["stored"]
     return {
+        **latency,
         "outcomes": dict(outcomes),
         "seconds": round(seconds, 1),
         "store_total_bytes": settings.responses_store_total_bytes,
