@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import struct
 from collections.abc import Iterable
@@ -31,6 +32,13 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 MAX_CONFIG_BYTES = 1 << 20
 MAX_HEADER_BYTES = 64 << 20
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16"})
+# Bytes per element of every safetensors dtype (the format's own list).
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
 _LAYER_WEIGHT = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<path>.+)\.weight$")
 _LORA_TENSOR = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
 
@@ -58,6 +66,8 @@ class CheckedAdapter:
     sha256: str  # of adapter_model.safetensors
     tensors: int
     ignored_files: tuple[str, ...]  # present in the folder, never read or copied
+    config: dict[str, Any]  # adapter_config.json as stored (cli/adapter_config.py)
+    dropped_keys: tuple[str, ...]  # of adapter_config.json: neither vLLM nor the learner reads them
 
 
 def safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
@@ -78,19 +88,46 @@ def safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
     if not isinstance(header, dict):
         raise AdapterRefused(f"{path.name}: its safetensors header is not an object")
     header.pop("__metadata__", None)
-    data = size - 8 - length
-    for name, info in header.items():
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        shape = info.get("shape") if isinstance(info, dict) else None
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and 0 <= o <= data for o in offsets)
-            or not isinstance(shape, list)
-            or not all(isinstance(d, int) and d >= 0 for d in shape)
-        ):
-            raise AdapterRefused(f"{path.name}: tensor {name!r} is malformed or past the file")
+    spans = [_span(path, name, info, size - 8 - length) for name, info in header.items()]
+    _check_layout(path, sorted(spans), size - 8 - length)
     return header
+
+
+def _span(path: Path, name: str, info: Any, data: int) -> tuple[int, int, str]:
+    """The tensor's bytes in the data region, checked against its dtype and shape."""
+    offsets = info.get("data_offsets") if isinstance(info, dict) else None
+    shape = info.get("shape") if isinstance(info, dict) else None
+    dtype = info.get("dtype") if isinstance(info, dict) else None
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= data
+        or not isinstance(shape, list)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        or dtype not in DTYPE_BYTES
+    ):
+        raise AdapterRefused(f"{path.name}: tensor {name!r} is malformed or past the file")
+    begin, end = offsets
+    if end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
+        raise AdapterRefused(
+            f"{path.name}: tensor {name!r} spans {end - begin} bytes, its {dtype} shape {shape} "
+            f"needs {math.prod(shape) * DTYPE_BYTES[dtype]}"
+        )
+    return begin, end, name
+
+
+def _check_layout(path: Path, spans: list[tuple[int, int, str]], data: int) -> None:
+    """The tensors tile the data region: no two share a byte and none is left over (as the
+    safetensors format requires; a reader would otherwise see one tensor's bytes in another)."""
+    at = 0
+    for begin, end, name in spans:
+        if begin != at:
+            what = "overlaps the tensor before it" if begin < at else "leaves a gap before it"
+            raise AdapterRefused(f"{path.name}: tensor {name!r} {what}")
+        at = end
+    if at != data:
+        raise AdapterRefused(f"{path.name}: {data - at} bytes after the last tensor")
 
 
 def base_linear_shapes(base_model: Path) -> dict[str, tuple[int, int]]:
@@ -153,20 +190,22 @@ def _config_shape(config: dict[str, Any]) -> LoraShape:
         raise AdapterRefused(f"peft_type is {config.get('peft_type')!r}: only LoRA is served")
     rank, alpha = config.get("r"), config.get("lora_alpha")
     targets = config.get("target_modules")
-    if not isinstance(rank, int) or not isinstance(alpha, int | float):
+    # bool is an int to Python, and an alpha of 16.5 is no integer alpha the learner trains.
+    if (
+        not isinstance(rank, int)
+        or isinstance(rank, bool)
+        or not isinstance(alpha, int | float)
+        or isinstance(alpha, bool)
+    ):
         raise AdapterRefused(f"{ADAPTER_CONFIG} has no integer r and numeric lora_alpha")
+    if not float(alpha).is_integer():
+        raise AdapterRefused(
+            f"{ADAPTER_CONFIG} has lora_alpha {alpha!r}: the learner trains an integer alpha"
+        )
     if isinstance(targets, str):
         targets = [targets]
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise AdapterRefused(f"{ADAPTER_CONFIG} has no list of target_modules")
-    for unsupported in ("modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform"):
-        if config.get(unsupported):
-            raise AdapterRefused(
-                f"{ADAPTER_CONFIG} sets {unsupported}: vLLM serves, and the learner trains, one "
-                "rank and alpha on the target modules of every layer, nothing else"
-            )
-    if config.get("use_dora"):
-        raise AdapterRefused("DoRA adapters are not served by vLLM")
     return LoraShape(int(rank), int(alpha), tuple(sorted(set(targets))))
 
 
@@ -218,6 +257,23 @@ def _check_tensors(
         )
 
 
+def _check_weights_size(weights: Path, shape: LoraShape, base: dict[str, tuple[int, int]]) -> None:
+    """No larger than the learner's adapter for this base can be, in float32, with the largest
+    header allowed: checked before the file is read or hashed."""
+    lora = sum(
+        shape.rank * (out + inp) * 4
+        for path, (out, inp) in base.items()
+        if path.rsplit(".", 1)[-1] in shape.target_modules
+    )
+    most = 8 + MAX_HEADER_BYTES + lora
+    size = weights.stat().st_size
+    if size > most:
+        raise AdapterRefused(
+            f"{ADAPTER_WEIGHTS} is {size} bytes: a LoRA of rank {shape.rank} on this base's "
+            f"target modules is at most {most} in float32 with its header"
+        )
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -230,11 +286,15 @@ def check_adapter(folder: Path, base_model: Path, learner_shape: LoraShape) -> C
     """The adapter in ``folder`` if it can be imported for ``base_model``; else AdapterRefused."""
     if not folder.is_dir():
         raise AdapterRefused(f"{folder} is not a folder: give the PEFT adapter's folder")
+    from cli.adapter_config import stored_config  # it builds on this module's types
+
     weights = _check_weights_file(folder)
     config = _read_config(folder)
     base = base_linear_shapes(base_model)
     found = _config_shape(config)
+    stored, dropped = stored_config(config, learner_shape)
     _check_shape(found, learner_shape, base)
+    _check_weights_size(weights, learner_shape, base)
     header = safetensors_header(weights)
     _check_tensors(header, learner_shape, base)
     declared = config.get("base_model_name_or_path")
@@ -248,4 +308,6 @@ def check_adapter(folder: Path, base_model: Path, learner_shape: LoraShape) -> C
         sha256=file_sha256(weights),
         tensors=len(header),
         ignored_files=tuple(ignored),
+        config=stored,
+        dropped_keys=tuple(dropped),
     )

@@ -52,13 +52,12 @@ def learner_shape(settings: RatchetSettings, base: Path) -> LoraShape:
 
 
 def copy_adapter(checked: CheckedAdapter, folder: Path) -> None:
-    """The two files the store keeps, the config in the learner's own form; the weights are
-    hashed again after the copy, so a file changed since it was checked is not stored."""
+    """The two files the store keeps, the config as checked (cli/adapter_config.py: only keys
+    vLLM and the learner read the same way); the weights are hashed again after the copy, so a
+    file changed since it was checked is not stored."""
     from cli.adapter_checks import ADAPTER_CONFIG, ADAPTER_WEIGHTS, file_sha256
 
-    config = json.loads((checked.folder / ADAPTER_CONFIG).read_text())
-    config["target_modules"] = list(checked.shape.target_modules)
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(checked.config, indent=2))
     shutil.copyfile(checked.folder / ADAPTER_WEIGHTS, folder / ADAPTER_WEIGHTS)
     if file_sha256(folder / ADAPTER_WEIGHTS) != checked.sha256:
         raise OSError(f"{ADAPTER_WEIGHTS} changed while it was imported")
@@ -139,7 +138,7 @@ def import_adapter(
 ) -> None:
     """Bring in a LoRA adapter trained elsewhere: checked, stored as the next version, then gated
     and canaried by the learner exactly as a learned one."""
-    from cli.adapter_checks import AdapterRefused, check_adapter
+    from cli.adapter_checks import ADAPTER_CONFIG, AdapterRefused, check_adapter
     from cli.lifecycle import lifecycle_session
 
     settings = settings_or_exit(config)
@@ -156,6 +155,12 @@ def import_adapter(
         version, live = store_import(lifecycle, base_id, alias, checked)
         if checked.ignored_files:
             console.print(f"not imported (never read): {', '.join(checked.ignored_files)}")
+        if checked.dropped_keys:
+            dropped = ", ".join(checked.dropped_keys)
+            console.print(
+                f"{ADAPTER_CONFIG} keys not kept (neither vLLM nor the learner reads them): "
+                f"{dropped}"
+            )
         console.print(
             f"{alias}: imported as v{version} ({checked.tensors} tensors, sha256 "
             f"{checked.sha256[:12]}); the learner gates it against v{live}"

@@ -6,6 +6,8 @@ before anything is written."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -83,9 +85,27 @@ def test_an_adapter_trained_elsewhere_is_imported_gated_and_settled_and_a_pickle
     assert store.versions(alias) == [] and not history(settings, alias)
 
     adapter = train_elsewhere(embedded.model_path, tmp_path / "elsewhere")
+    # The same weights, but a config vLLM would scale by alpha/sqrt(r): refused, nothing stored.
+    rslora = tmp_path / "rslora"
+    shutil.copytree(adapter, rslora)
+    rslora_config = json.loads((rslora / "adapter_config.json").read_text())
+    (rslora / "adapter_config.json").write_text(json.dumps({**rslora_config, "use_rslora": True}))
+    refused = ratchet_cli("import", alias, str(rslora), "--config", str(config))
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "use_rslora=True" in refused.stdout and "alpha/sqrt(r)" in refused.stdout
+    assert store.versions(alias) == [] and not history(settings, alias)
+
     imported = ratchet_cli("import", alias, str(adapter), "--config", str(config))
     assert imported.returncode == 0, imported.stdout + imported.stderr
     assert f"{alias}: imported as v1" in imported.stdout
+    # Only what vLLM and the learner read alike is stored; PEFT's other keys are named.
+    stored = json.loads((store.path(alias, 1) / "adapter_config.json").read_text())
+    assert stored["use_rslora"] is False and stored["bias"] == "none"
+    assert stored["target_modules"] == sorted(stored["target_modules"]) and stored["r"] == 8
+    kept = {"peft_type", "task_type", "r", "lora_alpha", "target_modules", "bias"}
+    kept |= {"inference_mode", "init_lora_weights", "base_model_name_or_path"}
+    kept |= {"use_rslora", "use_dora", "lora_bias", "fan_in_fan_out", "use_qalora"}
+    assert set(stored) <= kept and "keys not kept" in imported.stdout
     meta = store.meta(alias, 1)
     assert meta["origin"] == "import" and meta["source"] == str(adapter.resolve())
     assert meta["parent_version"] == 0

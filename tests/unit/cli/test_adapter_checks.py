@@ -172,3 +172,139 @@ def test_a_folder_without_an_adapter_is_refused(base: Path, tmp_path: Path) -> N
     (tmp_path / "empty").mkdir()
     with pytest.raises(AdapterRefused, match=r"no adapter_model\.safetensors"):
         check_adapter(tmp_path / "empty", base, SHAPE)
+
+
+# ---- N-11: every key kept is checked; the weights file's layout and size ----------------------
+
+
+def test_the_stored_config_keeps_only_checked_keys_and_names_the_dropped(
+    base: Path, tmp_path: Path
+) -> None:
+    folder = write_adapter(
+        tmp_path / "a",
+        lora_alpha=8.0,  # the same alpha written as a float
+        use_rslora=0,  # off, however spelled
+        bias="none",
+        lora_bias=False,
+        modules_to_save=None,
+        rank_pattern={},
+        init_lora_weights="gaussian",  # how it began: no matter once trained
+        task_type="SEQ_2_SEQ_LM",
+        inference_mode=False,
+        lora_dropout=0.05,
+        revision="main",
+        vllm_lora_scaling_factor=100.0,
+    )
+    checked = check_adapter(folder, base, SHAPE)
+    assert checked.config == {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": list(ALL),
+        "bias": "none",
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "lora_bias": False,
+        "fan_in_fan_out": False,
+        "use_qalora": False,
+        "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    }
+    # Named when set to something: an empty rank_pattern or a null modules_to_save says nothing.
+    assert checked.dropped_keys == ("lora_dropout", "revision", "vllm_lora_scaling_factor")
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"use_rslora": True}, r"use_rslora=True: vLLM would scale it by alpha/sqrt\(r\)"),
+        ({"use_rslora": "false"}, "use_rslora='false'"),  # a string vLLM reads as on
+        ({"use_rslora": 1}, "use_rslora=1"),
+        ({"bias": "all"}, "bias='all': vLLM refuses"),
+        ({"bias": "lora_only"}, "bias='lora_only'"),
+        ({"lora_bias": True}, "lora_bias=True"),
+        ({"rank_pattern": {"q_proj": 8}}, "rank_pattern"),
+        ({"alpha_pattern": {"q_proj": 32}}, "alpha_pattern"),
+        ({"layers_to_transform": [0]}, "layers_to_transform"),
+        ({"layer_replication": [[0, 1]]}, "layer_replication"),
+        ({"exclude_modules": ["q_proj"]}, "exclude_modules"),
+        ({"fan_in_fan_out": True}, "Conv1D layout"),
+        ({"trainable_token_indices": [1, 2]}, "trainable_token_indices"),
+        ({"target_parameters": ["experts.gate_up_proj"]}, "target_parameters"),
+        ({"alora_invocation_tokens": [5]}, "activated LoRA"),
+        ({"init_lora_weights": "pissa_niter_4"}, "rewrites the base model's weights"),
+        ({"init_lora_weights": "olora"}, "rewrites the base"),
+        ({"init_lora_weights": "loftq"}, "rewrites the base"),
+        ({"lora_alpha": 8.5}, "lora_alpha 8.5: the learner trains an integer alpha"),
+        ({"r": True}, "no integer r"),
+    ],
+)
+def test_a_key_that_vllm_or_the_learner_would_read_otherwise_is_refused(
+    base: Path, tmp_path: Path, config: dict[str, object], message: str
+) -> None:
+    with pytest.raises(AdapterRefused, match=message):
+        check_adapter(write_adapter(tmp_path / "a", **config), base, SHAPE)
+
+
+def written(path: Path, tensors: dict[str, dict[str, object]], data: bytes) -> Path:
+    header = json.dumps(tensors).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("tensors", "data", "message"),
+    [
+        (  # b shares a's bytes: a reader would see one in the other
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            b"\0" * 12,
+            "'b' overlaps the tensor before it",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}},
+            b"\0" * 12,
+            "leaves a gap before it",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+            b"\0" * 4096,
+            "4088 bytes after the last tensor",
+        ),
+        (
+            {"a": {"dtype": "F16", "shape": [2, 2], "data_offsets": [0, 16]}},
+            b"\0" * 16,
+            r"spans 16 bytes, its F16 shape \[2, 2\] needs 8",
+        ),
+        (
+            {"a": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}},
+            b"\0" * 16,
+            "malformed",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}},
+            b"\0" * 8,
+            "malformed",
+        ),
+    ],
+)
+def test_tensor_offsets_must_tile_the_data_exactly(
+    tmp_path: Path, tensors: dict[str, dict[str, object]], data: bytes, message: str
+) -> None:
+    with pytest.raises(AdapterRefused, match=message):
+        safetensors_header(written(tmp_path / "x.safetensors", tensors, data))
+
+
+def test_a_weights_file_larger_than_any_adapter_of_the_shape_is_refused_unread(
+    base: Path, tmp_path: Path
+) -> None:
+    folder = write_adapter(tmp_path / "a")
+    weights = folder / "adapter_model.safetensors"
+    with weights.open("r+b") as f:
+        f.truncate(1 << 30)  # sparse: a GiB on paper, nothing on disk
+    with pytest.raises(AdapterRefused, match=r"is 1073741824 bytes: a LoRA of rank 4"):
+        check_adapter(folder, base, SHAPE)
