@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ATTACKERS = (0, 1, 2, 5)
 VOLUME_AGES = (5.0, 60.0, 300.0)
 
+ARMS = ("active", "canary")
 Event = tuple[str, str, float]  # (client, arm, score)
 Verdict = Callable[[list[Event], Counter[tuple[str, str]], float], str]
 
@@ -65,48 +66,62 @@ class Population:
     check_every: int
 
 
-def load(code: Path | None, updates: dict[str, Any]) -> tuple[Any, Verdict]:
-    """The verdict of the checkout at ``code`` (this one's by default): (its CanaryConfig with
-    ``updates``, a function of the ratings and requests so far and the canary's age to its
-    verdict)."""
-    sys.path.insert(0, str(code or ROOT))
-    canary = importlib.import_module("learner.canary")
-    state = importlib.import_module("ratchet.canary_state")
-    settings = importlib.import_module("ratchet.settings")
-    config = settings.CanaryConfig(**updates)
-    ratings_mod = importlib.import_module("learner.canary_ratings")
-    Rating = ratings_mod.Rating
-    new = hasattr(canary, "counted")
-    max_share = settings.FeedbackConfig().max_share
+class Code:
+    """The verdict of the checkout at ``code`` (this one's by default), imported from it: its
+    ``CanaryConfig`` and ``canary_verdict``, before the test over clients (``rating_test`` over
+    rating pairs) or after it (``counted`` requests and ``client_evidence``)."""
 
-    def verdict(events: list[Event], requests: Counter[tuple[str, str]], age_s: float) -> str:
-        arms = [[Rating(c, s) for c, a, s in events if a == arm] for arm in ("active", "canary")]
-        served = {arm: sum(n for (_, a), n in requests.items() if a == arm) for arm in arms_names}
+    def __init__(self, code: Path | None) -> None:
+        self.name = str(code or "this checkout")
+        sys.path.insert(0, str(code or ROOT))
+        self.canary = importlib.import_module("learner.canary")
+        self.state = importlib.import_module("ratchet.canary_state")
+        self.settings = importlib.import_module("ratchet.settings")
+        self.ratings = importlib.import_module("learner.canary_ratings")
+        self.weight = importlib.import_module("learner.canary_weight")
+        self.by_clients = hasattr(self.canary, "counted")
+        self.anonymous = importlib.import_module("ratchet.records").ANONYMOUS_CLIENT
+
+    def config(self, **updates: Any) -> Any:
+        return self.settings.CanaryConfig(**updates)
+
+    def verdict(
+        self,
+        config: Any,
+        events: list[Event],
+        requests: Counter[tuple[str, str]],
+        age_s: float,
+    ) -> str:
+        """The verdict on the ratings (in arrival order) and requests so far, at ``age_s``."""
+        rating = self.ratings.Rating
+        arms = [[rating(c, s) for c, a, s in events if a == arm] for arm in ARMS]
         stats = {
-            arm: state.ArmStats(
-                served[arm],
+            arm: self.state.ArmStats(
+                sum(n for (_, a), n in requests.items() if a == arm),
                 0,
                 len(arms[i]),
                 sum(r.score for r in arms[i]),
             )
-            for i, arm in enumerate(arms_names)
+            for i, arm in enumerate(ARMS)
         }
-        if new:
-            clients = {
-                arm: {c: (n, 0) for (c, a), n in requests.items() if a == arm} for arm in arms_names
+        if self.by_clients:
+            counted = {
+                arm: self.canary.counted(
+                    stats[arm], {c: (n, 0) for (c, a), n in requests.items() if a == arm}, config
+                )
+                for arm in ARMS
             }
-            counted = {arm: canary.counted(stats[arm], clients[arm], config) for arm in arms_names}
-            evidence = canary.client_evidence(arms[0], arms[1], config)
-            return str(
-                canary.canary_verdict(
-                    counted["active"], counted["canary"], config, age_s, evidence
-                )[0]
+            evidence = self.canary.client_evidence(arms[0], arms[1], config)
+            verdict = self.canary.canary_verdict(
+                counted["active"], counted["canary"], config, age_s, evidence
             )
-        test = ratings_mod.rating_test(arms[0], arms[1], config, max_share)
-        return str(canary.canary_verdict(stats["active"], stats["canary"], config, age_s, test)[0])
-
-    arms_names = ("active", "canary")
-    return config, verdict
+        else:
+            share = self.settings.FeedbackConfig().max_share
+            test = self.ratings.rating_test(arms[0], arms[1], config, share)
+            verdict = self.canary.canary_verdict(
+                stats["active"], stats["canary"], config, age_s, test
+            )
+        return str(verdict[0])
 
 
 def honest_events(rng: random.Random, pop: Population, p_canary: float) -> list[Event]:
@@ -213,7 +228,12 @@ def main() -> int:
     )
     args = parser.parse_args()
     updates = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.set)}
-    config, verdict = load(args.code, updates)
+    code = Code(args.code)
+    config = code.config(**updates)
+
+    def verdict(events: list[Event], requests: Counter[tuple[str, str]], age_s: float) -> str:
+        return code.verdict(config, events, requests, age_s)
+
     pop = Population(
         args.raters, args.ratings, args.weight, args.base, args.attack_ratings, args.check_every
     )
@@ -227,9 +247,8 @@ def main() -> int:
             ]
             results[f"{name}, {attackers} attackers"] = summarise(outcomes)
     volume = volume_promotes(pop, verdict, config.feedback_wait_s, args.volume)
-    code = str(args.code or "this checkout")
     table = Table(
-        title=f"canary attacks on {code}: {args.raters} raters x {args.ratings} ratings, "
+        title=f"canary attacks on {code.name}: {args.raters} raters x {args.ratings} ratings, "
         f"weight {args.weight}, {args.runs} runs; attackers rate {args.attack_ratings} a arm"
     )
     for column in ("scenario", "promoted", "rolled back", "ratings", "seconds"):
@@ -247,7 +266,7 @@ def main() -> int:
     console.print(f"volume attacker ({args.volume} requests, no rating yet) promotes: {volume}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"code": code, "args": {k: str(v) for k, v in vars(args).items()}}
+        payload = {"code": code.name, "args": {k: str(v) for k, v in vars(args).items()}}
         args.out.write_text(json.dumps({**payload, "results": results, "volume": volume}, indent=2))
     return 0
 

@@ -10,10 +10,11 @@ Users rate answers thumbs up or down (1 or 0). In each scenario the active arm's
 liked with probability ``p_active`` and the canary's with ``p_canary``; ``--runs`` canaries are
 simulated per scenario, each with its own seeded stream.
 
-* sequential: ``learner/canary_ratings.py`` exactly as the learner runs it (pairs of ratings into
-  ``ratchet/sequential.py``), ``canary.max_feedback_drop`` = ``--drop``, ``canary.alpha`` =
-  ``--alpha``, ``canary.min_feedback`` 10, ``canary.max_rating_pairs`` 1024 (the defaults).
-  Reported: the share of canaries promoted, and the mean rating pairs at the decision.
+* sequential: ``learner/canary_clients.py`` exactly as the learner runs it (each rating from its
+  own client, ``canary.client_ratings`` 1, so one unit each: the looks at 20, 40, 80, ...
+  clients an arm, and the last look at 1024), ``canary.max_feedback_drop`` = ``--drop``,
+  ``canary.alpha`` = ``--alpha``, the other settings their defaults. Reported: the share of
+  canaries promoted, and the mean ratings an arm at the decision.
 * fixed: the same pairs, decided once after ``n`` pairs by a one-sided z-test of non-inferiority
   at the same alpha (promote when the mean paired outcome's lower 1 - alpha bound, normal
   approximation, is above ``1/2 - drop/2``). ``n`` is the smallest of a grid whose promotion rate
@@ -39,11 +40,8 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learner.canary_ratings import (
-    Rating,
-    paired_outcomes,
-    rating_test,
-)
+from learner.canary_clients import client_test
+from learner.canary_ratings import Rating
 from ratchet.settings import CanaryConfig
 
 SCENARIOS = {  # name: (p_active, p_canary)
@@ -54,6 +52,11 @@ SCENARIOS = {  # name: (p_active, p_canary)
 }
 FIXED_GRID = (50, 100, 150, 200, 300, 400, 500, 600, 800, 1024)
 Z = {0.05: 1.6449, 0.01: 2.3263, 0.1: 1.2816}
+
+
+def paired_outcomes(active: list[float], canary: list[float]) -> list[float]:
+    """``(1 + canary_i - active_i) / 2`` for each pair: the fixed-count test's outcomes."""
+    return [(1.0 + c - a) / 2.0 for a, c in zip(active, canary, strict=False)]
 
 
 def stream(rng: random.Random, p: float, n: int) -> list[float]:
@@ -73,7 +76,7 @@ def main() -> int:
     parser.add_argument("--drop", type=float, default=0.1)
     parser.add_argument("--alpha", type=float, default=0.05, choices=sorted(Z))
     args = parser.parse_args()
-    config = CanaryConfig(max_feedback_drop=args.drop, alpha=args.alpha)
+    config = CanaryConfig(max_feedback_drop=args.drop, alpha=args.alpha, client_ratings=1)
     theta = 0.5 - args.drop / 2
     n_max = config.max_rating_pairs
     results: dict[str, dict[str, float]] = {}
@@ -84,11 +87,11 @@ def main() -> int:
         promoted, decided_at, all_pairs = 0, [], []
         for _ in range(args.runs):
             active, canary = stream(rng, p_active, n_max), stream(rng, p_canary, n_max)
-            test = rating_test(
+            test = client_test(
                 [Rating(f"a{i}", x) for i, x in enumerate(active)],
                 [Rating(f"c{i}", x) for i, x in enumerate(canary)],
                 config,
-                max_share=1.0,
+                ended=True,
             )
             promoted += test.decision == "pass"
             decided_at.append(test.n)

@@ -18,17 +18,20 @@ with the learner's own pieces:
   average (exponential); a rating is a thumbs up with the arm's probability of a good answer,
   flipped with probability ``--noise`` (users disagree); with ``--scale``, a rating in [0, 1]:
   the arm's mean plus a normal spread ``--noise`` (0.25 by default), clipped;
-* every ``--tick`` seconds :func:`canary_verdict` decides as the learner's canary watcher does,
-  on the arms' counts and the sequential test over the rating pairs so far
-  (``learner/canary_ratings.py``; the dev stack's anonymous client, so no rater cap).
+* every ``--tick`` seconds ``canary_verdict`` decides as the learner's canary watcher does, on
+  the arms' counts and the ratings so far: with ``--clients 0`` (the default) every answer is
+  the dev stack's anonymous client's (each rating a unit, no cap); with ``--clients N`` each
+  answer goes to one of N clients at random (API keys, or a vouching app's users), and the
+  verdict counts them by client (``learner/canary_clients.py``);
+* ``--code PATH`` runs the verdict of another checkout (``git worktree add /tmp/before
+  <commit>``), imported from it as bench/canary_attack.py does: before and after on one traffic.
 
 Scenarios: the canary better by ``--gain`` (the lift issue 35's promotion carried), equal,
 worse by ``canary.max_feedback_drop`` (the boundary: a promotion there is a false one), and
 clearly worse. Each configuration (the shipped defaults, then each ``--set`` group) is reported
-as the share promoted, the minutes to a decision (median and 90th percentile), the share the
-ratings' betting test decided before ``feedback_wait_s`` ran out and the share its one look then
-decided (the rest fell back to the error rate and, with too few pairs for the look, the
-ratings' point estimate). A table, and with ``--plot`` the minutes to a decision by
+as the share promoted, the minutes to a decision (median and 90th percentile), the share
+decided before ``feedback_wait_s`` ran out and the share decided when it did, and the mean
+ratings in when it was decided. A table, and with ``--plot`` the minutes to a decision by
 scenario and configuration.
 """
 
@@ -39,6 +42,7 @@ import json
 import random
 import statistics
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,12 +53,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learner.canary import canary_verdict
-from learner.canary_ratings import new_test
-from learner.canary_weight import canary_weight
-from ratchet.canary_state import ArmStats
-from ratchet.sequential import SequentialTest
-from ratchet.settings import CanaryConfig
+from bench.canary_attack import Code, Event
 
 MAX_MINUTES = 120.0  # a canary undecided by then counts as undecided
 
@@ -67,14 +66,16 @@ class Traffic:
     noise: float  # thumbs: the share flipped; scale: the spread of one answer's rating
     tick_s: float
     scale: bool = False  # ratings in [0, 1] around the arm's mean, not thumbs
+    clients: int = 0  # 0: every answer the anonymous client's; else one of this many at random
 
 
 @dataclass(frozen=True)
 class Outcome:
     verdict: str  # promote, rollback, undecided
     minutes: float
-    by_test: bool  # decided by the ratings' betting test before the wait ran out
-    by_look: bool = False  # by the test's one look when the wait ran out
+    by_test: bool  # decided before the wait ran out
+    by_look: bool = False  # when the wait ran out
+    ratings: int = 0  # ratings in when it was decided
 
 
 def scenarios(base: float, gain: float, drop: float) -> dict[str, tuple[float, float]]:
@@ -98,52 +99,48 @@ def rating(rng: random.Random, p_good: float, noise: float, scale: bool = False)
 
 
 def play(
-    rng: random.Random, config: CanaryConfig, traffic: Traffic, p_active: float, p_canary: float
+    rng: random.Random,
+    code: Code,
+    config: Any,
+    traffic: Traffic,
+    p_active: float,
+    p_canary: float,
 ) -> Outcome:
     """One canary from its start until it is decided, in ticks of ``traffic.tick_s``."""
-    weight = canary_weight(config, traffic.rate_per_min / 60.0)
-    requests = {"active": 0, "canary": 0}
-    due: list[tuple[float, str, float]] = []  # (arrival time, arm, score), unordered
-    scores: dict[str, list[float]] = {"active": [], "canary": []}
-    test: SequentialTest = new_test(config)
-    paired = 0
+    weight = code.weight.canary_weight(config, traffic.rate_per_min / 60.0)
+    requests: Counter[tuple[str, str]] = Counter()
+    due: list[tuple[float, str, str, float]] = []  # (arrival, client, arm, score), unordered
+    events: list[Event] = []
     t, next_answer = 0.0, rng.expovariate(traffic.rate_per_min / 60.0)
     while t < MAX_MINUTES * 60:
         t += traffic.tick_s
         while next_answer <= t:  # the answers of this tick, and their ratings to come
             arm = "canary" if rng.random() < weight else "active"
-            requests[arm] += 1
+            client = f"c{rng.randrange(traffic.clients)}" if traffic.clients else code.anonymous
+            requests[client, arm] += 1
             if rng.random() < traffic.rated:
                 p = p_canary if arm == "canary" else p_active
                 arrives = next_answer + rng.expovariate(1.0 / traffic.lag_s)
-                due.append((arrives, arm, rating(rng, p, traffic.noise, traffic.scale)))
+                score = rating(rng, p, traffic.noise, traffic.scale)
+                due.append((arrives, client, arm, score))
             next_answer += rng.expovariate(traffic.rate_per_min / 60.0)
         arrived = sorted(d for d in due if d[0] <= t)
         due = [d for d in due if d[0] > t]
-        for _, arm, score in arrived:
-            scores[arm].append(score)
-        while paired < min(len(scores["active"]), len(scores["canary"])):
-            if test.decision == "continue":  # stopped at its decision, as rating_test is
-                test.update((1.0 + scores["canary"][paired] - scores["active"][paired]) / 2.0)
-            paired += 1
-        active, canary = (
-            ArmStats(requests[a], 0, len(scores[a]), sum(scores[a])) for a in ("active", "canary")
-        )
-        verdict, _ = canary_verdict(active, canary, config, t, test)
+        events.extend((client, arm, score) for _, client, arm, score in arrived)
+        verdict = code.verdict(config, events, requests, t)
         if verdict != "wait":
-            by_test = test.decision != "continue"
-            by_look = not by_test and test.looked()[0] != "continue"
-            return Outcome(verdict, t / 60.0, by_test, by_look)
-    return Outcome("undecided", MAX_MINUTES, False)
+            early = t < config.feedback_wait_s
+            return Outcome(verdict, t / 60.0, early, not early, len(events))
+    return Outcome("undecided", MAX_MINUTES, False, ratings=len(events))
 
 
-def parse_set(items: list[str]) -> dict[str, Any]:
+def parse_set(items: list[str], code: Code) -> dict[str, Any]:
     """``canary.<field>=<value>`` items as CanaryConfig updates (values read as JSON)."""
     update: dict[str, Any] = {}
     for item in items:
         key, _, value = item.partition("=")
         section, _, name = key.partition(".")
-        if section != "canary" or name not in CanaryConfig.model_fields:
+        if section != "canary" or name not in code.settings.CanaryConfig.model_fields:
             raise SystemExit(f"--set {item!r}: expected canary.<field>=<value>")
         update[name] = json.loads(value)
     return update
@@ -158,11 +155,12 @@ def summarise(outcomes: list[Outcome]) -> dict[str, float]:
         "p90_minutes": minutes[int(0.9 * (len(minutes) - 1))],
         "by_test": sum(o.by_test for o in outcomes) / len(outcomes),
         "by_look": sum(o.by_look for o in outcomes) / len(outcomes),
+        "ratings": statistics.fmean(o.ratings for o in outcomes),
     }
 
 
 def run(
-    configs: dict[str, CanaryConfig], traffic: Traffic, args: argparse.Namespace
+    code: Code, configs: dict[str, Any], traffic: Traffic, args: argparse.Namespace
 ) -> dict[str, dict[str, dict[str, float]]]:
     results: dict[str, dict[str, dict[str, float]]] = {}
     for name, config in configs.items():
@@ -171,7 +169,7 @@ def run(
         for scenario, (p_active, p_canary) in cases.items():
             rng = random.Random(f"{scenario}/{args.seed}")  # the same users for every config
             outcomes = [
-                play(rng, config, traffic, p_active, p_canary)
+                play(rng, code, config, traffic, p_active, p_canary)
                 for _ in track(range(args.runs), description=f"{name}: {scenario}", transient=True)
             ]
             results[name][scenario] = summarise(outcomes)
@@ -198,6 +196,7 @@ def print_table(
         "p90 min",
         "by test",
         "by look",
+        "ratings",
     )
     for column in columns:
         table.add_column(
@@ -213,6 +212,7 @@ def print_table(
                 f"{s['p90_minutes']:.1f}",
                 f"{s['by_test']:.2f}",
                 f"{s.get('by_look', 0.0):.2f}",
+                f"{s.get('ratings', 0.0):.0f}",
             )
     console.print(table)
 
@@ -271,16 +271,19 @@ def main() -> int:
         metavar="canary.FIELD=VALUE",
         help="a configuration to compare with the shipped defaults (repeat for several)",
     )
+    parser.add_argument("--clients", type=int, default=0, help="0: the anonymous client")
+    parser.add_argument("--code", type=Path, default=None, help="checkout whose verdict to run")
     parser.add_argument("--out", type=Path, default=Path("bench/results/canary_time.json"))
     parser.add_argument("--plot", action="store_true")
     args = parser.parse_args()
     noise = args.noise if args.noise is not None else (0.25 if args.scale else 0.1)
-    traffic = Traffic(args.rate, args.rated, args.lag, noise, args.tick, args.scale)
-    configs = {"shipped defaults": CanaryConfig()}
+    traffic = Traffic(args.rate, args.rated, args.lag, noise, args.tick, args.scale, args.clients)
+    code = Code(args.code)
+    configs = {"shipped defaults": code.config()}
     for items in args.set:
-        configs[" ".join(items)] = CanaryConfig(**parse_set(items))
+        configs[" ".join(items)] = code.config(**parse_set(items, code))
     console = Console(width=max(Console().width, 110))  # the configurations' names, unwrapped
-    results = run(configs, traffic, args)
+    results = run(code, configs, traffic, args)
     print_table(console, results, traffic)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"traffic": vars(traffic), "results": results}, indent=2))

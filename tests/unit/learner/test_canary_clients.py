@@ -159,3 +159,26 @@ def test_a_canary_worse_by_the_margin_is_promoted_at_most_alpha_of_the_time(seed
 def test_an_exact_tie_with_no_spread_is_decided_without_a_spread() -> None:
     look = Look.of([1.0] * 20, [1.0] * 20, 0.1, 0.01)
     assert look.lower == look.upper == 0.0 and look.decision(0.1) == "pass"
+
+
+def test_a_vouching_apps_users_decide_its_canary() -> None:
+    """One key whose app tells its 50 users apart by ``user``: each user is a client (the same
+    ratings under the bare key would be one client, below min_clients)."""
+    rng = random.Random(6)
+    users = [f"app:{i}" for i in range(50)]
+    active = [Rating(rng.choice(users), float(rng.random() < 0.5)) for _ in range(256)]
+    canary = [Rating(rng.choice(users), float(rng.random() < 0.9)) for _ in range(256)]
+    assert client_test(active, canary, CONFIG).decision == "pass"
+    bare = [Rating("app", r.score) for r in active], [Rating("app", r.score) for r in canary]
+    assert client_test(*bare, CONFIG, ended=True).decision == "continue"
+
+
+def test_a_tie_is_not_promoted_when_no_margin_is_allowed() -> None:
+    strict = CONFIG.model_copy(update={"max_feedback_drop": 0.0})
+    rng = random.Random(2)
+    promoted = 0
+    for _ in range(200):
+        active = population(rng, 60, 0.6, 3, "a")
+        canary = population(rng, 60, 0.6, 3, "c")
+        promoted += client_test(active, canary, strict, ended=True).decision == "pass"
+    assert promoted <= 200 * strict.alpha
