@@ -2,20 +2,24 @@
 
 While an alias has a canary, the watcher reads ``ratchet.traffic`` and ``ratchet.feedback`` and
 counts (learner/canary_counter.py), per arm (the proxy marks each exchange ``active`` or
-``canary``), requests, upstream failures (what the model server did, never what a client
-provoked), and user ratings (one per completion, from the key that got it). The counts live in Redis
-(``ratchet:canary:<alias>``), each arm's ratings in arrival order beside them
-(``ratchet:canary:<alias>:ratings:<arm>``), all reset in the same transaction that starts the
-canary, so a restarted learner carries on counting. Once the canary arm has ``min_requests``,
-:func:`canary_verdict` decides: roll back if its error rate is worse than the active arm's beyond
-the configured margin; otherwise the ratings' sequential test (learner/canary_ratings.py)
-promotes or rolls back as soon as it can. Ratings lag the answers they rate, so a canary the
-test has not decided waits up to ``feedback_wait_s``; there the test's stream ends and it looks
-once (a z-test on the pairs so far, ratchet/sequential.py): promote if it shows the canary no
-worse than the margin, roll back if not. With fewer pairs than that look needs, the canary is
-judged on error rate and the ratings' point estimate (of at least :func:`estimate_pairs`) — at
-once if neither arm has a single rating while the two have answered :data:`UNRATED_AFTER` times
-``min_requests``, or after :data:`UNRATED_WAIT_S`: an alias whose users don't rate.
+``canary``) and per client (an API key, or a vouching key's user), requests, upstream failures
+(what the model server did, never what a client provoked) and user ratings (one per completion,
+from the key that got it, counted for the client it was served to). The counts live in Redis
+(``ratchet:canary:<alias>`` and the keys beside it, ratchet/canary_state.py), all reset in the
+transaction that starts the canary, so a restarted learner carries on counting.
+
+:func:`canary_verdict` decides, with a client as the unit of evidence:
+
+* nothing before ``min_requests`` canary answers counted by client (:func:`counted`: each
+  client's up to ``client_request_share`` of them, 4xx answers not at all);
+* roll back if the canary's error rate is worse than the active arm's beyond the margin;
+* the test over clients (learner/canary_clients.py) promotes or rolls back at any of its looks;
+* otherwise it waits: an alias that learns from ratings until ``feedback_wait_s`` (never unrated
+  in its first seconds, however busy), one that does not until ``min_duration_s``. Then the test
+  looks once more, at every client that rated; with fewer than ``min_clients`` rating clients
+  the ratings do not decide and the error rate does (:func:`_after_wait`);
+* an alias with fewer clients served than ``min_clients`` on an arm waits ``feedback_wait_s``,
+  then is decided on what it has, and the reason says so (:func:`_on_what_it_has`).
 
 The watcher also counts every alias's requests per minute, canary or not
 (learner/canary_weight.py): the next canary's share is sized by them.
