@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ import orjson
 import redis
 import yaml
 from kafka.structs import TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
 
 from embedded.processes import Stack
 from embedded.stack import proxy_part
@@ -45,6 +47,7 @@ from tests.integration.hostile_http import (
 
 ONE, TWO, ADMIN = "sk-hostile-one", "sk-hostile-two", "sk-hostile-admin"
 RL_A, RL_B, RL_C, RL_D, RL_NORMAL = "sk-rl-a", "sk-rl-b", "sk-rl-c", "sk-rl-d", "sk-rl-normal"
+RL_E = "sk-rl-e"
 TIMEOUT_S = 2.0  # the keyed proxy's header, body and keep-alive timeouts
 MAX_CONCURRENCY = 16
 KEYED = {
@@ -64,7 +67,7 @@ KEYED = {
     "expose_arm": False,
 }
 LIMITED = {
-    "api_keys": [RL_A, RL_B, RL_C, RL_D, RL_NORMAL],
+    "api_keys": [RL_A, RL_B, RL_C, RL_D, RL_E, RL_NORMAL],
     # A day budget of one token a second: what a key spent reads off its bucket's TTL. Redis is
     # given a second to answer: budgets fail closed, and the test machine is loaded.
     "rate_limit": {"requests_per_minute": 2, "tokens_per_day": 86_400, "timeout_s": 1.0},
@@ -332,6 +335,76 @@ def arm_hidden(stream: bool = False, **headers: str) -> Send:
     return send
 
 
+# What a client may send to each generation endpoint, and see back (2 tokens, whatever the arm).
+SHAPED: list[tuple[str, dict[str, Any]]] = [
+    (CHAT, {"ignore_eos": True}),
+    (CHAT, {"ignore_eos": True, "stream": True}),
+    (CHAT, {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {"prompt": "Say hi", "ignore_eos": True}),
+    ("/v1/completions", {"prompt": "Say hi", "ignore_eos": True, "stream": True}),
+    ("/v1/responses", {"input": "Say hi", "max_output_tokens": 2, "store": False}),
+    ("/v1/responses", {"input": "Say hi", "max_output_tokens": 2, "stream": True}),
+]
+
+
+def models_in(value: Any) -> set[str]:
+    """Every ``model`` a JSON value names, however deep (a Responses event nests it)."""
+    if isinstance(value, dict):
+        found = {str(value["model"])} if "model" in value else set()
+        return found.union(*(models_in(v) for v in value.values()))
+    if isinstance(value, list):
+        return set().union(*(models_in(v) for v in value))
+    return set()
+
+
+def answer_shape(answer: Answer) -> tuple[Any, ...]:
+    """What a client can compare between answers: status, header names, and per JSON object or
+    event its keys and the models it names (values such as ids and text differ by nature)."""
+    names = tuple(sorted({name for name, _ in answer.headers}))
+    streamed = (answer.header("content-type") or "").startswith("text/event-stream")
+    shown = events(answer) if streamed else [answer.json()]
+    assert shown, answer.body[:300]
+    keys = tuple(sorted({(tuple(event), tuple(sorted(models_in(event)))) for event in shown}))
+    return answer.status, names, keys
+
+
+def shapes(proxy: Proxy) -> list[tuple[Any, ...]]:
+    """Each SHAPED request, on six sticky values (both arms likely drawn under a canary): the
+    set of shapes of its answers."""
+    found = []
+    for path, fields in SHAPED:
+        seen = set()
+        for index in range(6):
+            body = {"model": "support", "max_tokens": 2, "messages": chat_body()["messages"]}
+            if path != CHAT:
+                body.pop("messages")
+            if path == "/v1/responses":
+                body.pop("max_tokens")
+            headers = {
+                "Content-Type": "application/json",
+                "x-ratchet-sticky-key": f"shape-{index}",
+                **auth_headers(proxy, ONE),
+            }
+            sent = request_bytes("POST", path, orjson.dumps({**body, **fields}), headers)
+            answer = exchange(proxy.port, [sent]).first
+            assert answer.status == 200, (path, answer.body[:300])
+            assert b"@v" not in answer.body, (path, answer.body[:300])
+            seen.add(answer_shape(answer))
+        found.append((path, tuple(sorted(seen, key=repr))))
+    return found
+
+
+def same_shape_with_or_without_a_canary(env: Env, proxy: Proxy) -> Exchange:
+    """Audit N-2: the version and served name were told outside a canary and vanished inside
+    one, which told every client that one had started. Every generation endpoint, whole and
+    streamed, now answers with the same headers, keys and model with a canary or without."""
+    without = shapes(proxy)
+    with canary_running(env):
+        within = shapes(proxy)
+    assert within == without
+    return generated(proxy, ONE)
+
+
 def over_the_limit(env: Env, proxy: Proxy) -> Exchange:
     """Two requests of RL_A are served (2 per minute), the third is refused."""
     for _ in range(2):
@@ -368,6 +441,67 @@ def stream_left_is_charged(env: Env, proxy: Proxy) -> Exchange:
         time.sleep(0.1)
     assert spent >= prompt + 3 - 10, (spent, prompt)  # 10 s of refill at most since
     return generated(proxy, RL_D)
+
+
+def vllm_running(env: Env) -> float:
+    """Requests vLLM is generating for now (its own gauge)."""
+    settings = env.embedded.settings
+    text = httpx.get(f"{settings.vllm_url}/metrics", headers=env.embedded.vllm_headers).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm:num_requests_running"
+    )
+
+
+def slow_reader_is_charged_what_vllm_generated(env: Env, proxy: Proxy) -> Exchange:
+    """Audit N-7: RL_E asks for 16 long answers with large events (top logprobs, about 6 MB in
+    all), reads the first event, then a little a second (enough to keep its connection, too
+    little to matter) while vLLM generates all of it, and leaves before the usage event. The
+    proxy relays only as fast as the client's socket takes it, so it had relayed about half (the
+    kernel holds some 3 MB for a slow reader on loopback). It is charged what vLLM generated
+    (its counts, read on after the client left), not the events it relayed (the old charge,
+    about half as much). Then the key is still served."""
+    n, max_tokens = 16, 256
+    fields = {"stream": True, "ignore_eos": True, "logprobs": True, "top_logprobs": 20, "n": n}
+    body = orjson.dumps(chat_body(max_tokens=max_tokens, **fields))
+    server = redis.Redis.from_url(env.embedded.settings.redis_url)
+    pattern = "ratchet:ratelimit:*:tokens_per_day"
+    others = set(server.keys(pattern))
+    headers = {"Content-Type": "application/json", **auth_headers(proxy, RL_E)}
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a slow reader's small window
+        sock.settimeout(60)
+        sock.connect(("127.0.0.1", proxy.port))
+        sent_at = time.monotonic()  # the reservation is taken then; the bucket refills since
+        sock.sendall(request_bytes("POST", CHAT, body, headers))
+        received = b""
+        while b'"finish_reason"' not in received:  # the first event
+            data = sock.recv(4096)
+            assert data, received[-300:]
+            received += data
+        deadline = time.monotonic() + 300
+        while vllm_running(env) > 0:  # vLLM generates all of it meanwhile
+            assert time.monotonic() < deadline, "vLLM still generating"
+            received += sock.recv(256)  # a trickle: the proxy's write deadline is not reached
+            time.sleep(1.0)
+        # Leave with a reset, as a client that gives up does, before reading the usage event.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    assert b'"usage":{' not in received
+    deadline = time.monotonic() + 30
+    while True:  # until the stream is settled: less than its reservation left charged
+        keys = set(server.keys(pattern)) - others
+        spent = server.pttl(keys.pop()) / 1000 if keys else 0.0
+        if 0 < spent < len(body) // 4 + 1 + n * max_tokens:
+            break
+        assert time.monotonic() < deadline, f"never settled: {spent} s"
+        time.sleep(0.1)
+    # vLLM's prompt (chat template included) and the 16 x 256 tokens it generated, less the
+    # refill since the request (a token a second).
+    refilled = time.monotonic() - sent_at
+    assert spent + refilled >= n * max_tokens, (spent, refilled)
+    return generated(proxy, RL_E)
 
 
 def bad_requests_count(env: Env, proxy: Proxy) -> Exchange:

@@ -58,7 +58,9 @@ from tests.integration.hostile_attacks import (
     rate_after_reusing_its_id,
     rating,
     reused_request_id,
+    same_shape_with_or_without_a_canary,
     short_message,
+    slow_reader_is_charged_what_vllm_generated,
     statuses,
     stream_left_is_charged,
     then_logged_within,
@@ -389,6 +391,7 @@ SIGNAL = [
     Case("signal-arm-headers-sent-ignored", K, arm_hidden(**{"x-ratchet-canary-arm": "canary",
                                                              "x-ratchet-version": "1"}), 200),
     Case("signal-stream-hides-arm", K, arm_hidden(stream=True), 200),
+    Case("signal-same-shape-with-or-without-canary", K, same_shape_with_or_without_a_canary, 200),
     Case("signal-rate-own-completion", K, rating(ONE), 200, check=body_has(b'"accepted"')),
     Case("signal-rate-twice", K, rating(ONE, again=True), 409, "already_rated"),
     Case("signal-rate-other-keys-completion", K, rating(TWO), 404, NOT_YOURS),
@@ -419,6 +422,8 @@ RATE = [
     Case("rate-bad-requests-count", L, bad_requests_count, 429, RATE_LIMITED),
     Case("rate-no-key-is-401", L, chat(None), 401, NO_KEY),
     Case("rate-stream-left-charged-its-tokens", L, stream_left_is_charged, 200),
+    Case("rate-slow-reader-charged-what-vllm-generated", L,
+         slow_reader_is_charged_what_vllm_generated, 200),
 ]
 
 # What costs the log worker most to redact, on the open proxy (4 MiB bodies; the session's e-mail
