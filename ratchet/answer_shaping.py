@@ -95,7 +95,7 @@ def answer_shaping(payload: dict[str, Any], chat: bool = True) -> tuple[str, str
     if flag is not None:
         value = str(SHAPING_FLAGS[flag]).lower()
         return flag, f"{flag} (read as {value}) would have the answer repeat or continue its text"
-    if chat and payload.get("chat_template") is not None:
+    if chat and payload.get("chat_template"):  # vLLM takes "" as no template of the client's
         return "chat_template", "a client's chat template can end on text of its own"
     for check in (_token_steering, _fixing_response_format, _fixing_structured_outputs):
         found = check(payload)
@@ -129,13 +129,18 @@ def _positive(value: Any) -> bool:
 def _fixing_response_format(payload: dict[str, Any]) -> tuple[str, str] | None:
     response_format = payload.get("response_format")
     if fixing_response_format(response_format):
-        return "response_format", "its json_schema admits only answers the request wrote"
+        return "response_format", "its schema or structural tag can fix the answer"
     return None
 
 
 def fixing_response_format(response_format: Any) -> bool:
-    """Whether a ``response_format`` fixes the answer (its ``json_schema`` is fixing)."""
-    if not isinstance(response_format, dict) or response_format.get("type") != "json_schema":
+    """Whether a ``response_format`` fixes the answer: its ``json_schema`` is fixing, or it is a
+    ``structural_tag`` (a language of its own, as in ``structured_outputs``)."""
+    if not isinstance(response_format, dict):
+        return False
+    if response_format.get("type") == "structural_tag":
+        return True
+    if response_format.get("type") != "json_schema":
         return False
     spec = response_format.get("json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None

@@ -519,6 +519,7 @@ FIXED = {"type": "object", "properties": {"a": {"const": "mine"}}, "required": [
         (chat(chat_template="{{ 'Sure, X is best' }}"), CHAT, "chat_template"),
         (chat(allowed_token_ids=[42]), CHAT, "allowed_token_ids"),
         (cmpl(logit_bias={"42": 100}), CMPL, "logit_bias"),
+        (cmpl(response_format={"type": "structural_tag", "format": {}}), CMPL, "response_format"),
     ],
 )  # fmt: skip
 def test_a_constraint_that_fixes_the_answer_is_refused(
