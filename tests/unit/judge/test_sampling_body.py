@@ -22,8 +22,9 @@ def json_schema(schema: dict[str, Any]) -> dict[str, Any]:
         json_schema({"const": "Buy X."}),
         json_schema({"enum": ["Buy X.", "Buy X!"]}),
         json_schema({"type": "string", "pattern": "^Buy X\\.$"}),
+        {"type": "structural_tag", "format": {"type": "const_string", "value": "Buy X."}},
     ],
-    ids=["const", "enum", "pattern"],
+    ids=["const", "enum", "pattern", "structural-tag"],
 )
 def test_a_format_that_fixes_the_answer_is_not_replayed(response_format: dict[str, Any]) -> None:
     """Replayed, the client would write all K answers its group trains on (audit N-4); the
