@@ -80,6 +80,7 @@ class Call:
     head: bytes = b""  # a stream's first chunk: its id names the completion, whatever is kept
     # (served, alias) names while the arm is concealed: the client is shown the alias instead.
     concealed: tuple[str, str] | None = None
+    _renames: tuple[tuple[bytes, bytes], ...] | None = None  # made once from ``concealed``
     reserved: int = 0  # tokens reserved from the key's budgets (0: none are on)
     prompt_tokens: int = 0  # the prompt's tokens as estimated for the reservation
     dropped_events: int = 0  # choice events in the chunks of a stream no longer kept
@@ -110,12 +111,22 @@ class Call:
             events = self.usage.feed(events)
         if self.meta.stream and not self.client_wants_usage:
             events = without_usage_only(events)
-        if self.concealed is not None:
+        for served, alias in self.renames:
+            events = events.replace(served, alias)
+        return events
+
+    @property
+    def renames(self) -> tuple[tuple[bytes, bytes], ...]:
+        """What ``shown`` replaces while concealed: ``"model":"<served>"`` by the alias."""
+        if self.concealed is None:
+            return ()
+        if self._renames is None:
             served, alias = (b'"' + name.encode() + b'"' for name in self.concealed)
             # vLLM writes compact JSON; the spaced form is that of other servers.
-            for colon in (b":", b": "):
-                events = events.replace(b'"model"' + colon + served, b'"model"' + colon + alias)
-        return events
+            self._renames = tuple(
+                (b'"model"' + colon + served, b'"model"' + colon + alias) for colon in (b":", b": ")
+            )
+        return self._renames
 
 
 @dataclass(slots=True)
