@@ -9,8 +9,9 @@ bucket is full and Redis holds only the keys of callers who used some of a limit
 * ``tokens_per_minute``, ``tokens_per_day``: a request reserves what it may use when it is
   admitted (:func:`reservation`: its prompt estimated from the body's bytes, plus n x max_tokens,
   at most the whole budget) and is refused when the budget has not that much left. After the
-  answer the difference to what it did use is settled (:func:`tokens_used`): a refund, or a
-  further charge when the prompt was longer than estimated.
+  answer the difference to what it did use is settled (proxy/generation.py's ``tokens_used``):
+  a refund, or a further charge when the prompt was longer than estimated; a stream the client
+  left is settled to what vLLM generated (proxy/stream_usage.py).
 
 :class:`LocalBuckets` holds the same limits in this process, for while Redis cannot check them.
 """
@@ -200,8 +201,9 @@ def reservation(payload: dict[str, Any], endpoint: str, limits: RequestLimits, p
 
 def choice_events(data: bytes) -> int:
     """Choice events in stream bytes: one per generated token (vLLM sends one per step; the
-    first per choice carries only the role, a small overcount). Streams cut before their usage
-    event are charged this."""
+    first per choice carries only the role, a small overcount), unless vLLM merged several into
+    one for a lagging reader. Streams cut before their usage event, and before any of vLLM's
+    running counts (proxy/stream_usage.py), are charged this."""
     return data.count(_CHOICE_EVENT)
 
 
