@@ -2,7 +2,9 @@
 
 Every error a client sees is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx
 status, raised as :class:`ProxyError` anywhere in the proxy and rendered by one handler. Nothing
-else reaches the client: unexpected exceptions become a 500 envelope and are logged here.
+else reaches the client: unexpected exceptions become a 500 envelope and are logged here. The
+Anthropic Messages route (``/v1/messages``) gets the same errors in Anthropic's envelope,
+``{"type": "error", "error": {"type", "message"}}``, rendered by the same handler.
 """
 
 from __future__ import annotations
@@ -100,8 +102,48 @@ def _as_proxy_error(request: Request, exc: Exception) -> ProxyError:
     return internal_error()
 
 
+# Anthropic's error types by status, for the Messages route (docs.anthropic.com: errors).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_ROUTES = frozenset({"/v1/messages"})
+
+
+def anthropic_error_type(status: int, openai_type: str = "") -> str:
+    if status in _ANTHROPIC_TYPES:
+        return _ANTHROPIC_TYPES[status]
+    if status == 503 or openai_type == "overloaded_error":
+        return "overloaded_error"
+    return "invalid_request_error" if 400 <= status < 500 else "api_error"
+
+
+def anthropic_response(error: ProxyError) -> Response:
+    """The same error in Anthropic's envelope, ``{"type": "error", "error": {"type",
+    "message"}}``: what the Messages API's clients parse."""
+    body = {
+        "type": "error",
+        "error": {"type": anthropic_error_type(error.status, error.type), "message": error.message},
+    }
+    return Response(
+        orjson.dumps(body),
+        status_code=error.status,
+        media_type="application/json",
+        headers=error.headers,
+    )
+
+
 async def _error_response(request: Request, exc: Exception) -> Response:
-    return _as_proxy_error(request, exc).response()
+    error = _as_proxy_error(request, exc)
+    if request.url.path in ANTHROPIC_ROUTES:  # one envelope per API: the Messages API's own
+        return anthropic_response(error)
+    return error.response()
 
 
 def install_handler(app: FastAPI) -> None:
