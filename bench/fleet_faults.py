@@ -81,6 +81,8 @@ class FaultyReplicas:
             self._call(self._stop)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
+        if not self.thread.is_alive():
+            self.loop.close()
 
     def go_dark(self, cut: bool = False) -> None:
         """Stop taking connections; what it holds goes nowhere, or with ``cut`` is reset (a
@@ -105,6 +107,10 @@ class FaultyReplicas:
             server.close()
         self._drop_pipes()
         self._close_hole()
+        held = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in held:  # the hung replica's requests, held forever otherwise
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
 
     # ---- the hung replica ----
     async def _hung(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -123,7 +129,8 @@ class FaultyReplicas:
                     await writer.drain()
                     await asyncio.sleep(3600)
                 await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            # Cancelled at stop: ended here, as asyncio 3.11's server callback would raise it.
             writer.close()
 
     # ---- the replica that goes dark ----
@@ -134,9 +141,12 @@ class FaultyReplicas:
             writer.close()
             return
         self._pipes |= {writer, up_writer}
-        await asyncio.gather(
-            self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True
-        )
+        with contextlib.suppress(asyncio.CancelledError):  # at stop, as in _hung
+            await asyncio.gather(
+                self._pipe(reader, up_writer),
+                self._pipe(up_reader, writer),
+                return_exceptions=True,
+            )
         for end in (writer, up_writer):
             self._pipes.discard(end)
             end.close()
