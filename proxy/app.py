@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy.errors import install_handler
 from proxy.feedback import rate
 from proxy.generation import generate
+from proxy.messages_route import create_message
 from proxy.responses_route import (
     create_response,
     delete_response,
@@ -128,6 +129,11 @@ def _add_generation_routes(app: FastAPI, state: ProxyState) -> None:
         return await list_input_items(state, request, request.path_params["response_id"])
 
     app.add_route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"])
+
+    async def messages(request: Request) -> Response:  # the Anthropic Messages API
+        return await create_message(state, request)
+
+    app.add_route("/v1/messages", messages, methods=["POST"])
 
 
 def _add_model_routes(app: FastAPI, state: ProxyState) -> None:

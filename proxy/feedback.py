@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from proxy.completions import CompletionOwners
 from proxy.errors import ProxyError
+from proxy.messages_api import completion_id_of_message
 from proxy.responses_api import completion_id_of_response
 from proxy.state import ProxyState, read_json
 from proxy.validation import check_feedback
@@ -21,7 +22,8 @@ async def rate(state: ProxyState, owners: CompletionOwners, request: Request) ->
     key_hash = state.authenticate_client(request)
     payload, _ = await read_json(request, state.limits)
     completion_id, score, thumbs, comment = check_feedback(payload)
-    completion_id = completion_id_of_response(completion_id)  # a Responses id rates its answer
+    # A Responses or a Messages id rates its logged answer.
+    completion_id = completion_id_of_message(completion_id_of_response(completion_id))
     served_client = await owners.claim_rating(completion_id, key_hash)
     record = FeedbackRecord(
         completion_id=completion_id,

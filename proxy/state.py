@@ -111,14 +111,18 @@ class ProxyState:
         self.metrics.watch_log(self.traffic_log, self.routing)
 
     def authenticate(self, request: Request) -> str | None:
-        """Return the hash of the caller's key; 401 when keys are required and this one isn't."""
+        """Return the hash of the caller's key; 401 when keys are required and this one isn't.
+        The key is the bearer token, or else ``x-api-key`` (how Anthropic's clients send it)."""
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header[:7].lower() == "bearer " else None
+        if key is None:
+            key = request.headers.get("x-api-key") or None
         key_hash = hash_api_key(self.secret, key)  # one HMAC; the configured keys' are made once
         if self.key_hashes and key_hash not in self.key_hashes:
             raise ProxyError(
                 401,
-                "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                "missing or invalid API key; send 'Authorization: Bearer <key>' or "
+                "'x-api-key: <key>'",
                 type="authentication_error",
                 code="invalid_api_key",
             )

@@ -87,9 +87,10 @@ class TrafficRecord(Record):
     client_request_id: str | None = Field(default=None, max_length=CLIENT_REQUEST_ID_MAX)
     endpoint: Literal["chat.completions", "completions"]
     # The API the client called, when the proxy translated it to ``endpoint``: a Responses
-    # request (``POST /v1/responses``) is logged as the chat exchange vLLM served, so ``request``
-    # and ``choices`` are chat-shaped whichever API the client used.
-    client_api: Literal["responses"] | None = None
+    # request (``POST /v1/responses``) or an Anthropic Messages request (``POST /v1/messages``)
+    # is logged as the chat exchange vLLM served, so ``request`` and ``choices`` are chat-shaped
+    # whichever API the client used.
+    client_api: Literal["responses", "messages"] | None = None
     alias: str
     request_model: str = Field(alias="gen_ai.request.model")
     response_model: str = Field(alias="gen_ai.response.model")  # the served name

@@ -138,7 +138,7 @@ DESCRIPTIONS: dict[str, str] = {
     "served_model": "the served name that answered (alias@vN, or the base model)",
     "canary_arm": "active or canary",
     "endpoint": "chat.completions or completions",
-    "client_api": "responses when the client called the Responses API (logged as chat)",
+    "client_api": "responses or messages: the API the client called (logged as chat)",
     "finish_reason": "why the first choice stopped",
     "status": "the HTTP status the client got",
     "input_tokens": "prompt tokens",

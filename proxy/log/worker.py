@@ -119,7 +119,7 @@ class ExchangeMeta:
     ttft_ms: float | None = None
     client_request_id: str | None = None  # the client's x-request-id, for correlation only
     source: str | None = None  # the client for the per-client caps (ProxyState.source)
-    client_api: str | None = None  # "responses": the client called that API (translated)
+    client_api: str | None = None  # "responses", "messages": the API the client called
 
 
 class Worker:
