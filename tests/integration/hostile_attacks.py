@@ -386,7 +386,8 @@ def shapes(proxy: Proxy) -> list[tuple[Any, ...]]:
                 **auth_headers(proxy, ONE),
             }
             sent = request_bytes("POST", path, orjson.dumps({**body, **fields}), headers)
-            answer = exchange(proxy.port, [sent]).first
+            # vLLM loads the canary's adapter on its first answer: slow on a loaded host.
+            answer = exchange(proxy.port, [sent], read_timeout_s=120).first
             assert answer.status == 200, (path, answer.body[:300])
             assert b"@v" not in answer.body, (path, answer.body[:300])
             seen.add(answer_shape(answer))
