@@ -27,7 +27,8 @@ each send their next request as soon as the previous one is answered (a closed l
 Modes ``responses`` and ``responses-stream`` send the same conversations through the proxy as
 Responses API requests (``POST /v1/responses``, not stored), which it translates to the chat
 request the direct path sends: their added latency against the chat modes' is what the
-translation costs.
+translation costs. Modes ``messages`` and ``messages-stream`` do the same with Anthropic Messages
+API requests (``POST /v1/messages``, the stream as Anthropic's events).
 
 Per request latency is measured in the client, from send to the last byte of the answer.
 Reported: p50 and p99 per path, the added latency (proxy minus direct, in ms, per percentile),
@@ -84,6 +85,8 @@ TARGET_ADDED_P50_MS = 0.5
 TARGET_ADDED_P99_MS = 1.5
 # The Responses API (translated to chat in the proxy) against the chat path, c=1.
 TARGET_RESPONSES_GAP_MS = 0.1
+# The Anthropic Messages API (translated to chat in the proxy) against the chat path, c=1.
+TARGET_MESSAGES_GAP_MS = 0.05
 
 # Wide enough for the results table when the output is piped to a file.
 console = Console(width=max(140, shutil.get_terminal_size((140, 40)).columns))
@@ -320,11 +323,31 @@ PROMPTS = [
 
 
 def make_bodies(
-    model: str, n: int, max_tokens: int, stream: bool, responses_api: bool = False
+    model: str,
+    n: int,
+    max_tokens: int,
+    stream: bool,
+    responses_api: bool = False,
+    messages_api: bool = False,
 ) -> list[bytes]:
     """``n`` request bodies; ``ignore_eos`` makes vLLM produce exactly ``max_tokens`` each.
     ``responses_api``: the same conversations as Responses API bodies (``POST /v1/responses``,
-    which the proxy translates to the chat request the direct path sends), not stored."""
+    which the proxy translates to the chat request the direct path sends), not stored;
+    ``messages_api``: as Anthropic Messages API bodies (``POST /v1/messages``), likewise."""
+    if messages_api:
+        return [
+            orjson.dumps(
+                {
+                    "model": model,
+                    "system": "You are a helpful assistant. Answer briefly.",
+                    "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                    "max_tokens": max_tokens,
+                    "temperature": 0.0,
+                    **({"stream": True} if stream else {}),
+                }
+            )
+            for i in range(n)
+        ]
     if responses_api:
         return [
             orjson.dumps(
@@ -456,14 +479,17 @@ async def measure(
 ) -> Result:
     stream = plan.mode.endswith("stream")
     responses_api = plan.mode.startswith("responses")
+    messages_api = plan.mode.startswith("messages")
     bodies = {
         "direct": make_bodies(served, plan.block_size, plan.max_tokens, stream),
-        "proxy": make_bodies(ALIAS, plan.block_size, plan.max_tokens, stream, responses_api),
+        "proxy": make_bodies(
+            ALIAS, plan.block_size, plan.max_tokens, stream, responses_api, messages_api
+        ),
     }
-    urls = {
-        "direct": direct_url + "/v1/chat/completions",
-        "proxy": proxy_url + ("/v1/responses" if responses_api else "/v1/chat/completions"),
-    }
+    route = "/v1/chat/completions"
+    if responses_api or messages_api:
+        route = "/v1/responses" if responses_api else "/v1/messages"
+    urls = {"direct": direct_url + "/v1/chat/completions", "proxy": proxy_url + route}
     for path in ("direct", "proxy"):
         warm = (bodies[path] * (plan.warmup // plan.block_size + 1))[: plan.warmup]
         await run_block(session, urls[path], warm, plan.concurrency)
@@ -575,18 +601,22 @@ def check_targets(results: list[Result]) -> bool:
         console.print(
             f"target {name} <= {limit} ms (fast upstream, json, c=1): {value:.3f} ms -> {verdict}"
         )
-    responses = next(
-        (r for r in results if (r.upstream, r.mode, r.concurrency) == ("fast", "responses", 1)),
-        None,
-    )
-    if responses is not None:
-        gap = responses.added_p50_ms - base.added_p50_ms
-        checks.append(("Responses API added p50 over chat's", gap, TARGET_RESPONSES_GAP_MS))
-        verdict = "[green]MET" if gap <= TARGET_RESPONSES_GAP_MS else "[red]NOT MET"
+    for mode, api, limit in (
+        ("responses", "Responses API", TARGET_RESPONSES_GAP_MS),
+        ("messages", "Messages API", TARGET_MESSAGES_GAP_MS),
+    ):
+        translated = next(
+            (r for r in results if (r.upstream, r.mode, r.concurrency) == ("fast", mode, 1)),
+            None,
+        )
+        if translated is None:
+            continue
+        gap = translated.added_p50_ms - base.added_p50_ms
+        checks.append((f"{api} added p50 over chat's", gap, limit))
+        verdict = "[green]MET" if gap <= limit else "[red]NOT MET"
         console.print(
-            f"target Responses API added p50 within {TARGET_RESPONSES_GAP_MS} ms of chat's "
-            f"(fast upstream, c=1): {responses.added_p50_ms:.3f} - {base.added_p50_ms:.3f} = "
-            f"{gap:+.3f} ms -> {verdict}"
+            f"target {api} added p50 within {limit} ms of chat's (fast upstream, c=1): "
+            f"{translated.added_p50_ms:.3f} - {base.added_p50_ms:.3f} = {gap:+.3f} ms -> {verdict}"
         )
     return all(value <= limit for _, value, limit in checks)
 
@@ -706,9 +736,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated list")
     parser.add_argument(
         "--modes",
-        default="json,stream,responses,responses-stream",
-        help="json, stream, responses, responses-stream (the last two: the Responses API "
-        "through the proxy against chat direct, fast upstream only)",
+        default="json,stream,responses,responses-stream,messages,messages-stream",
+        help="json, stream, responses, responses-stream, messages, messages-stream (the last "
+        "four: the Responses or the Messages API through the proxy against chat direct, fast "
+        "upstream only)",
     )
     parser.add_argument("--vllm-max-tokens", type=int, default=8)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
@@ -741,7 +772,7 @@ def make_plans(args: argparse.Namespace, with_vllm: bool) -> list[Plan]:
             )
     if with_vllm:
         for mode in modes:
-            if mode.startswith("responses"):
+            if mode.startswith(("responses", "messages")):
                 continue  # its bodies cannot ask vLLM for exact lengths (no ignore_eos)
             for c in concurrencies:
                 n = max(args.vllm_requests, 4 * c)
