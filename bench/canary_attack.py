@@ -222,6 +222,7 @@ def main() -> int:
     parser.add_argument("--volume", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--code", type=Path, default=None, help="checkout whose verdict to run")
+    parser.add_argument("--scenario", default="", help="only the scenarios named so (a prefix)")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="FIELD=VALUE", help="CanaryConfig fields (JSON)"
@@ -239,6 +240,8 @@ def main() -> int:
     )
     results: dict[str, Any] = {}
     for name, (gain, push) in scenarios(config.max_feedback_drop).items():
+        if args.scenario and not name.startswith(args.scenario):
+            continue
         for attackers in ATTACKERS:
             rng = random.Random(f"{name}/{attackers}/{args.seed}")
             outcomes = [
