@@ -63,6 +63,10 @@ class StallWatch:
                 timer.cancel()
             self._waiting.get(url, {}).pop(task, None)
 
+    def waiting(self, url: str) -> int:
+        """Requests past the deadline on ``url``, waiting on its probe."""
+        return len(self._waiting.get(url, {}))
+
     def _arm(self, task: asyncio.Task[object], url: str, key: str) -> None:
         loop = asyncio.get_running_loop()
         self._timers[task] = loop.call_later(self.deadline_s, self._overdue, task, url, key)
