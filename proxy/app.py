@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy.errors import install_handler
 from proxy.feedback import rate
 from proxy.generation import generate
+from proxy.inflight import InFlightBound
 from proxy.messages_route import create_message
 from proxy.responses_route import (
     create_response,
@@ -94,11 +95,27 @@ def create_app(settings: RatchetSettings) -> FastAPI:
     )
     app.state.ratchet = state
     install_handler(app)
+    _add_in_flight_bound(app, state)
     _add_generation_routes(app, state)
     _add_model_routes(app, state)
     _add_feedback_route(app, state)
     _add_health_routes(app, state)
     return app
+
+
+def _add_in_flight_bound(app: FastAPI, state: ProxyState) -> None:
+    """Per key and replica: requests in flight and their bodies' memory (proxy/inflight.py)."""
+    proxy = state.settings.proxy
+    refused = state.metrics.ratelimit_refused
+    app.add_middleware(
+        InFlightBound,
+        max_in_flight=proxy.rate_limit.max_in_flight,
+        max_parse_bytes=proxy.rate_limit.max_parse_bytes,
+        max_body_bytes=proxy.max_body_bytes,
+        max_json_items=proxy.max_json_items,
+        auth=bool(state.key_hashes),
+        on_refused=lambda bound: refused.labels(bound).inc(),
+    )
 
 
 def _add_generation_routes(app: FastAPI, state: ProxyState) -> None:

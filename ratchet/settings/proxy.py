@@ -73,6 +73,29 @@ class RateLimitSettings(_Section):
         ),
     )
 
+    max_in_flight: int = Field(
+        default=64,
+        ge=1,
+        le=100_000,
+        description=(
+            "Requests of one key being served at once by one replica (streams until their last "
+            "byte); one more is refused with 429 and retry-after. On by default, unlike the "
+            "limits above: it bounds what one key can make a replica hold (security audit M-2)."
+        ),
+    )
+    max_parse_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1024 * 1024,
+        le=1 << 40,
+        description=(
+            "Memory one key's requests in flight may take on one replica for their bodies, "
+            "parsed (each charged its bound from its Content-Length before it is read: twice "
+            "the body plus the parsed tree, at most 24x the body and 200 bytes per JSON value; "
+            "proxy/inflight.py); a body past it is refused with 413, unless the key has nothing "
+            "else in flight. Keep it, plus the replica's own memory, under its memory limit."
+        ),
+    )
+
     @model_validator(mode="after")
     def _burst_needs_a_rate(self) -> RateLimitSettings:
         if self.burst is not None and self.requests_per_minute is None:
