@@ -91,6 +91,7 @@ def test_components_switch_on_and_off(rendered: dict[str, Rendered]) -> None:
         f"Service/{FULLNAME}-vllm",
         f"NetworkPolicy/{FULLNAME}-vllm",
         f"NetworkPolicy/{FULLNAME}-metrics",
+        *(f"NetworkPolicy/{FULLNAME}-{c}-egress" for c in ("proxy", "judge", "learner", "vllm")),
         f"Pod/{FULLNAME}-test-proxy",
     }
     everything = rendered["all-on"]
@@ -104,7 +105,8 @@ def test_components_switch_on_and_off(rendered: dict[str, Rendered]) -> None:
     ]:
         assert everything.has(kind, f"{FULLNAME}-{name}"), (kind, name)
     existing = rendered["existing-vllm"]
-    assert [p["metadata"]["name"] for p in existing.kinds("NetworkPolicy")] == [
+    ingress = [p for p in existing.kinds("NetworkPolicy") if "Ingress" in p["spec"]["policyTypes"]]
+    assert [p["metadata"]["name"] for p in ingress] == [
         f"{FULLNAME}-metrics"  # no vLLM here to guard
     ]
     assert not existing.has("ConfigMap", f"{FULLNAME}-vllm-guard")
@@ -724,6 +726,10 @@ def test_notes_explain_kafka_and_redis(rendered: dict[str, Rendered]) -> None:
 # ---- the web console -------------------------------------------------------------------------
 
 CONSOLE = f"{FULLNAME}-console"
+CONSOLE_NAMES = [
+    CONSOLE,
+    *(f"{CONSOLE}.{NAMESPACE}{tail}" for tail in ("", ".svc", ".svc.cluster.local")),
+]
 CONSOLE_ADMIN_KEY = "sk-SENTINEL-console-admin"
 
 
@@ -774,6 +780,7 @@ def test_console_deployment_and_service(rendered: dict[str, Rendered]) -> None:
         # ready pod) on the ports the proxy and the judge serve /metrics on.
         "proxy_metrics_url": f"http://{FULLNAME}-proxy-replicas:8400",
         "judge_metrics_url": f"http://{FULLNAME}-judge-replicas:8402",
+        "allowed_hosts": CONSOLE_NAMES,  # its Service's, never any (tests/deploy/test_egress.py)
     }
     for component, port in (("proxy", "http"), ("judge", "metrics")):
         service = r.get("Service", f"{FULLNAME}-{component}-replicas")["spec"]
@@ -849,6 +856,7 @@ def test_console_port_and_settings_follow_the_values(chart: helm.Chart) -> None:
         "proxy_url": f"http://{FULLNAME}-proxy:8400",
         "proxy_metrics_url": f"http://{FULLNAME}-proxy-replicas:8400",
         "judge_metrics_url": f"http://{FULLNAME}-judge-replicas:8402",
+        "allowed_hosts": CONSOLE_NAMES,
     }
     assert r.get("Deployment", CONSOLE)["spec"]["replicas"] == 2
     assert _ports(r.container(CONSOLE)) == {"http": 9404}

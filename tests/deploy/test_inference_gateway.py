@@ -83,23 +83,30 @@ def test_the_pool_is_the_vllm_pods_and_names_its_picker(fleet: Rendered) -> None
     assert ref["failureMode"] == "FailOpen"
 
 
-def test_only_the_inference_paths_are_routed_to_the_pool(fleet: Rendered) -> None:
+def test_only_what_ratchet_sends_is_routed_for_the_named_hosts_and_listener(
+    fleet: Rendered,
+) -> None:
     route = fleet.get("HTTPRoute", POOL)["spec"]
+    # One listener of the shared Gateway, and only the named hosts (audit N-13).
     assert route["parentRefs"] == [
         {
             "group": "gateway.networking.k8s.io",
             "kind": "Gateway",
             "name": "inference-gateway",
             "namespace": "gateway-system",
+            "sectionName": "internal",
         }
     ]
+    assert route["hostnames"] == ["inference-gateway-istio.gateway-system.svc"]
     (rule,) = route["rules"]
     assert rule["backendRefs"] == [
         {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": POOL}
     ]
     paths = {m["path"]["value"] for m in rule["matches"]}
     assert all(m["path"]["type"] == "Exact" for m in rule["matches"])
-    assert {"/v1/chat/completions", "/v1/completions", "/health"} <= paths
+    # What the proxy (proxy/upstream.py: FORWARDED_PATHS, /health, GET /v1/models), the judge
+    # and the gate send vLLM; /v1/responses is the proxy's own, answered through chat.
+    assert paths == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}
     assert not paths & set(ADMIN_PATHS)
 
 
@@ -181,6 +188,19 @@ def test_the_picker_and_the_gateway_may_reach_vllm(fleet: Rendered) -> None:
     [
         ({"gateway": {"name": ""}}, "inferenceGateway.gateway.name is empty"),
         ({"url": ""}, "inferenceGateway.url is empty"),
+        (
+            {"gateway": {"name": "inference-gateway", "sectionName": ""}},
+            "inferenceGateway.gateway.sectionName is empty",
+        ),
+        (
+            {"hostnames": []},
+            "inferenceGateway.hostnames is empty: name the host names the HTTPRoute answers "
+            "for, at least the host of inferenceGateway.url (inference-gateway-istio.",
+        ),
+        (
+            {"hostnames": ["models.example.com"]},
+            "inferenceGateway.hostnames does not include the host of inferenceGateway.url",
+        ),
     ],
 )
 def test_an_incomplete_gateway_is_refused_with_the_fix(
@@ -205,3 +225,11 @@ def test_off_by_default(chart: helm.Chart) -> None:
     r = render(chart, load_values("defaults"))
     assert not r.kinds("InferencePool") and not r.kinds("HTTPRoute")
     assert not any(o["metadata"]["name"] == PICKER for o in r.objects)
+
+
+def test_a_wildcard_hostname_covers_the_gateways_host(chart: helm.Chart) -> None:
+    values = load_values("inference-gateway")
+    values["inferenceGateway"]["hostnames"] = ["*.gateway-system.svc"]
+    route = render(chart, values).get("HTTPRoute", POOL)["spec"]
+    assert route["hostnames"] == ["*.gateway-system.svc"]
+    validate(render(chart, values).get("HTTPRoute", POOL))

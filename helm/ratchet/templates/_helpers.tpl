@@ -335,6 +335,20 @@ ratchet-plugins.yaml: |
 {{- if not .Values.inferenceGateway.url }}
 {{- fail "inferenceGateway.enabled is true but inferenceGateway.url is empty: set it to where Ratchet's pods reach that Gateway's listener, e.g. http://inference-gateway.gateway-system.svc:80" }}
 {{- end }}
+{{- if not .Values.inferenceGateway.gateway.sectionName }}
+{{- fail "inferenceGateway.enabled is true but inferenceGateway.gateway.sectionName is empty: name the Gateway's listener the HTTPRoute attaches to (on a shared Gateway it would attach to every listener that allows it)" }}
+{{- end }}
+{{- $host := regexReplaceAll ":[0-9]+$" (urlParse .Values.inferenceGateway.url).host "" }}
+{{- $served := false }}
+{{- range .Values.inferenceGateway.hostnames }}
+{{- if or (eq . $host) (and (hasPrefix "*." .) (hasSuffix (trimPrefix "*" .) $host)) }}{{ $served = true }}{{ end }}
+{{- end }}
+{{- if not .Values.inferenceGateway.hostnames }}
+{{- fail (printf "inferenceGateway.enabled is true but inferenceGateway.hostnames is empty: name the host names the HTTPRoute answers for, at least the host of inferenceGateway.url (%s)" $host) }}
+{{- end }}
+{{- if not $served }}
+{{- fail (printf "inferenceGateway.hostnames does not include the host of inferenceGateway.url (%s): Ratchet's own requests would not be routed" $host) }}
+{{- end }}
 {{- end }}
 {{- if and .Values.vllm.enabled .Values.vllm.url }}
 {{- fail "vllm.url is set while vllm.enabled is true: set vllm.enabled=false to use an existing vLLM, or remove vllm.url" }}
@@ -459,6 +473,13 @@ Secrets never appear here: they come in as RATCHET_* environment variables.
 {{- /* On the pod network for the Service and the probes; it needs the admin key there. */}}
 {{- $_ := set $console "host" "0.0.0.0" }}
 {{- $_ := set $console "port" (int .Values.console.port) }}
+{{- /* Host names served (audit N-13): the configured ones, else the console Service's own names,
+never any; a name an ingress serves it under must be added to console.config.allowed_hosts. */}}
+{{- if not $console.allowed_hosts }}
+{{- $service := printf "%s-console" (include "ratchet.fullname" .) }}
+{{- $namespaced := printf "%s.%s" $service .Release.Namespace }}
+{{- $_ := set $console "allowed_hosts" (list $service $namespaced (printf "%s.svc" $namespaced) (printf "%s.svc.cluster.local" $namespaced)) }}
+{{- end }}
 {{- /* Its health panel asks the proxy through the proxy's Service, not its own pod. */}}
 {{- if .Values.proxy.enabled }}
 {{- $_ := set $console "proxy_url" (printf "http://%s-proxy:%d" (include "ratchet.fullname" .) (int .Values.proxy.port)) }}
