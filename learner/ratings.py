@@ -28,8 +28,9 @@ rates its first answer 0 (an implicit rating, joined like any other unless it wa
 
 Its Redis keys (every one with a TTL):
 
-- ``ratchet:feedback:exchange:<completion id>`` (string, ``join_ttl_s``): the answer's note (alias,
-  key hash, client, prompt hash, version, Kafka partition and offset), until it is rated;
+- ``ratchet:feedback:exchange:<completion id>`` (string, ``join_ttl_s``): the answer's note
+  (learner/join_note.py: alias, key digest, client, prompt hash, version, Kafka partition and
+  offset; about 100 bytes), until it is rated;
 - ``ratchet:feedback:pending:<completion id>`` (string, ``join_ttl_s``): a rating whose traffic
   record has not arrived yet;
 - ``ratchet:feedback:rated:<completion id>`` (string, ``join_ttl_s``): set once a completion's
@@ -58,6 +59,7 @@ from typing import Any, Literal
 
 import redis
 
+from learner.join_note import JoinNote
 from ratchet.records import (
     FeedbackRecord,
     TrafficRecord,
@@ -271,15 +273,15 @@ class RatingsJoin:
             return ["no_answer"]
         if not valid_completion_id(record.response_id):
             return ["bad_id"]
-        note = {
-            "alias": record.alias,
-            "key": record.api_key_hash or "",
-            "client": record.client,
-            "prompt_hash": prompt_hash(messages, record.request.get("tools")),
-            "version": record.version,
-            "partition": partition,
-            "offset": offset,
-        }
+        note = JoinNote.of(
+            record.alias,
+            record.api_key_hash,
+            record.client,
+            prompt_hash(messages, record.request.get("tools")),
+            record.version,
+            partition,
+            offset,
+        )
         outcomes = [self._store(record, note, config)]
         window = config.feedback.regenerate_window_s
         if window and record.api_key_hash and outcomes[0] != "duplicate":
@@ -288,11 +290,11 @@ class RatingsJoin:
                 outcomes.append(regenerated)
         return outcomes
 
-    def _store(self, record: TrafficRecord, note: dict[str, Any], config: AliasConfig) -> Outcome:
+    def _store(self, record: TrafficRecord, note: JoinNote, config: AliasConfig) -> Outcome:
         # The first record of an id keeps it, as the proxy's owner record does.
         assert record.response_id is not None
         ttl = config.feedback.join_ttl_s
-        if not self.redis.set(exchange_key(record.response_id), json.dumps(note), nx=True, ex=ttl):
+        if not self.redis.set(exchange_key(record.response_id), note.encode(), nx=True, ex=ttl):
             return "duplicate"
         pending = self.redis.get(pending_key(record.response_id))
         if isinstance(pending, bytes):
@@ -300,14 +302,12 @@ class RatingsJoin:
             return self._join(record.response_id, note, record, rating["score"], rating["key"])
         return "stored"
 
-    def _regenerated(
-        self, record: TrafficRecord, note: dict[str, Any], window_s: int
-    ) -> Outcome | None:
+    def _regenerated(self, record: TrafficRecord, note: JoinNote, window_s: int) -> Outcome | None:
         """The key asked this prompt before, within the window (by the records' own times, so a
         backlog read late still counts): its previous answer is rated 0, unless already rated."""
         assert record.response_id is not None
         now = seconds_of(record.ts)
-        key = asked_key(record.alias, note["key"], note["prompt_hash"])
+        key = asked_key(record.alias, record.api_key_hash or "", note.prompt_hash)
         asked = json.dumps({"id": record.response_id, "at": now})
         previous = self.redis.set(key, asked, ex=window_s, get=True)
         if not isinstance(previous, bytes):
@@ -322,7 +322,8 @@ class RatingsJoin:
         raw = self.redis.get(exchange_key(previous_id))
         if not isinstance(raw, bytes):
             return None  # rated already, or expired
-        outcome = self._join(previous_id, json.loads(raw), None, 0.0, note["key"])
+        previous_note = JoinNote.decode(raw)
+        outcome = self._join(previous_id, previous_note, None, 0.0, record.api_key_hash or "")
         return "implicit" if outcome == "joined" else outcome
 
     def on_feedback(self, record: FeedbackRecord) -> Outcome:
@@ -340,7 +341,11 @@ class RatingsJoin:
             )
             return "pending" if stored else "duplicate"
         return self._join(
-            record.completion_id, json.loads(raw), None, record.score, record.api_key_hash or ""
+            record.completion_id,
+            JoinNote.decode(raw),
+            None,
+            record.score,
+            record.api_key_hash or "",
         )
 
     def _longest_ttl(self) -> int:
@@ -349,15 +354,15 @@ class RatingsJoin:
     def _join(
         self,
         completion_id: str,
-        note: dict[str, Any],
+        note: JoinNote,
         record: TrafficRecord | None,
         score: float,
         key: str,
     ) -> Outcome:
         """Join the rating with its answer: ``record`` when at hand, else read back from Kafka."""
-        if key != note["key"]:
+        if not note.owned_by(key):
             return "wrong_key"  # ownership is the API key's, whoever the client
-        alias = note["alias"]
+        alias = note.alias
         config = self.settings.aliases.get(alias)
         if config is None or not joins_ratings(config):
             return "not_feedback_alias"
@@ -365,7 +370,7 @@ class RatingsJoin:
         if self.redis.exists(rated_key(completion_id)):
             return "duplicate"
         if record is None:
-            record = self.fetch(int(note["partition"]), int(note["offset"]))
+            record = self.fetch(note.partition, note.offset)
         message = None if record is None else answer_message(record)
         messages = None if record is None else record.request.get("messages")
         if record is None or message is None or not isinstance(messages, list):
@@ -381,10 +386,10 @@ class RatingsJoin:
             tool_calls=excerpt_tool_calls(message, ANSWER_EXCERPT_CHARS - len(text)),
             score=float(score),
             key=key,
-            prompt_hash=note["prompt_hash"],
+            prompt_hash=note.prompt_hash,
             completion_id=completion_id,
-            version=note.get("version"),
-            client=note.get("client") or None,
+            version=note.version,
+            client=note.client_for(key),
         )
         self._hand_on(alias, config, answer, record)
         self.redis.delete(exchange_key(completion_id), pending_key(completion_id))

@@ -1,0 +1,67 @@
+"""The ratings join's note per answer: small, lossless where it must be, and the JSON note of
+the version before still read (for its one TTL after an upgrade)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from learner.join_note import JoinNote
+from ratchet.records import prompt_hash
+from ratchet.secrets import hash_api_key
+
+KEY = hash_api_key(b"secret", "key-a")
+OTHER = hash_api_key(b"secret", "key-b")
+PROMPT = prompt_hash([{"role": "user", "content": "Q"}])
+
+
+def test_a_note_round_trips_and_stays_near_100_bytes() -> None:
+    note = JoinNote.of("my-alias", KEY, KEY or "", PROMPT, 3, 2, 123_456_789)
+    raw = note.encode()
+    assert len(raw) < 110, raw
+    back = JoinNote.decode(raw)
+    assert back == note and back.prompt_hash == PROMPT and back.version == 3
+    assert back.owned_by(KEY) and not back.owned_by(OTHER) and not back.owned_by(None)
+    assert back.client_for(KEY) == KEY  # the key itself is the client, though not stored
+
+
+def test_a_vouched_users_client_and_a_keyless_note_are_kept() -> None:
+    vouched = JoinNote.decode(JoinNote.of("a", KEY, "user:abc", PROMPT, None, 0, 1).encode())
+    assert vouched.client_for(KEY) == "user:abc" and vouched.version is None
+    keyless = JoinNote.decode(JoinNote.of("a", None, "-", PROMPT, 1, 0, 1).encode())
+    assert keyless.owned_by(None) and keyless.owned_by("") and not keyless.owned_by(KEY)
+    assert keyless.client_for("") == "-"
+
+
+def test_an_alias_with_a_tab_comes_back_whole() -> None:
+    note = JoinNote.of("odd\talias", KEY, KEY or "", PROMPT, 1, 0, 1)
+    assert JoinNote.decode(note.encode()).alias == "odd\talias"
+
+
+def test_a_json_note_written_before_the_upgrade_is_read() -> None:
+    old = {
+        "alias": "a",
+        "key": KEY,
+        "client": KEY,
+        "prompt_hash": PROMPT,
+        "version": 4,
+        "partition": 1,
+        "offset": 9,
+    }
+    note = JoinNote.decode(json.dumps(old).encode())
+    assert note.owned_by(KEY) and not note.owned_by(OTHER)
+    assert (note.alias, note.prompt_hash, note.version, note.partition, note.offset) == (
+        "a",
+        PROMPT,
+        4,
+        1,
+        9,
+    )
+    assert note.client_for(KEY) == KEY
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b'{"alias": "a"}', b"a\tb", b"k\t\t!!\t1\t0\t1\ta"])
+def test_what_no_version_wrote_is_a_value_error(raw: bytes) -> None:
+    with pytest.raises(ValueError):
+        JoinNote.decode(raw)
