@@ -2,7 +2,8 @@
 
 After each answer the proxy notes who got it, in Redis ``ratchet:completion:<id>`` (the caller's
 key hash, ``-`` without auth; first writer wins, kept :func:`owner_ttl_s`: as long as the
-learner waits for a rating, an hour by default; a later rating is a 404). The notes are
+learner waits for a rating, an hour by default; a later rating is a 404). The key is kept as a
+128-bit digest (ratchet/digests.py): a note per exchange, so every byte counts. The notes are
 written off the request path: :meth:`CompletionOwners.remember` only queues one, and a task
 sends what is queued in one pipeline. ``POST /v1/feedback`` then checks, in one script, that the
 caller's key got that completion and that it is not rated yet (``ratchet:completion:<id>:rated``,
@@ -27,6 +28,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from proxy.errors import ProxyError
+from ratchet.digests import key_digest
 from ratchet.settings import FeedbackConfig, RatchetSettings
 
 log = logging.getLogger(__name__)
@@ -42,8 +44,9 @@ FLUSH_DELAY_S = 0.05
 _MAX_PENDING = 100_000  # notes queued while Redis is slow; past it they are dropped (counted)
 _ERRORS = (redis.RedisError, OSError, asyncio.TimeoutError)
 
-# KEYS: owner, rated marker. ARGV: the caller's key hash, the marker's TTL in seconds.
-# The owner note is the key hash, then, for a vouched user, a tab and the client it served.
+# KEYS: owner, rated marker. ARGV: the caller's key digest, the marker's TTL in seconds, the
+# caller's whole key hash (as notes written before the digest spell it: read for their one TTL).
+# The owner note is the key digest, then, for a vouched user, a tab and the client it served.
 # Returns {0}: not this caller's completion (or unknown), {1, client}: rated now, {2}: before.
 RATE_SCRIPT = """
 local owner = redis.call('GET', KEYS[1])
@@ -51,7 +54,7 @@ if not owner then return {0} end
 local key, client = owner, ''
 local tab = string.find(owner, '\t', 1, true)
 if tab then key, client = string.sub(owner, 1, tab - 1), string.sub(owner, tab + 1) end
-if key ~= ARGV[1] then return {0} end
+if key ~= ARGV[1] and key ~= ARGV[3] then return {0} end
 if redis.call('SET', KEYS[2], '1', 'NX', 'EX', tonumber(ARGV[2])) then return {1, client} end
 return {2}
 """
@@ -72,6 +75,12 @@ def owner_ttl_s(settings: RatchetSettings) -> int:
     default = FeedbackConfig.model_fields["join_ttl_s"].default
     joins = [config.feedback.join_ttl_s for config in settings.aliases.values()]
     return max(joins, default=default)
+
+
+def owner_of(key_hash: str | None) -> str:
+    """How a note spells the key that got an answer: its 128-bit digest (22 characters, so the
+    note fits Redis's embedded strings), ``-`` without auth."""
+    return key_digest(key_hash) or ANONYMOUS
 
 
 def owner_key(completion_id: str) -> str:
@@ -120,7 +129,7 @@ class CompletionOwners:
         if len(self._pending) >= _MAX_PENDING:
             self.lost.inc()
             return
-        owner = key_hash or ANONYMOUS
+        owner = owner_of(key_hash)
         if client is not None and client.startswith(VOUCHED_PREFIX):
             owner += "\t" + client
         self._pending.setdefault(completion_id, owner)
@@ -171,7 +180,8 @@ class CompletionOwners:
             await self.drain()  # rated right after the answer: its owner is on its way
         keys = [owner_key(completion_id), rated_key(completion_id)]
         try:
-            outcome, *served = await self._rate_script(keys, [key_hash or ANONYMOUS, self.ttl_s])
+            caller: list[str | int] = [owner_of(key_hash), self.ttl_s, key_hash or ANONYMOUS]
+            outcome, *served = await self._rate_script(keys, caller)
         except _ERRORS:
             self.ratings.labels("unavailable").inc()
             raise ProxyError(

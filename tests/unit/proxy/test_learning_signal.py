@@ -24,7 +24,7 @@ from aiohttp import web
 
 from embedded.processes import free_port as closed_port
 from proxy.app import create_app
-from proxy.completions import completion_id_of, owner_ttl_s
+from proxy.completions import completion_id_of, owner_of, owner_ttl_s
 from proxy.log.exchange import Exchange, Redactor
 from proxy.state import ProxyState
 from ratchet.records import ANONYMOUS_CLIENT
@@ -337,7 +337,7 @@ async def test_only_the_key_that_got_a_completion_rates_it_and_only_once(
 
     client = redis.Redis.from_url(redis_url)
     owner = client.get(f"ratchet:completion:{completion_id}")
-    assert owner is not None and owner.decode() == plain.metas[0]["api_key_hash"]
+    assert owner is not None and owner.decode() == owner_of(plain.metas[0]["api_key_hash"])
     # Kept only while a rating can still count (an hour by default), not for days.
     ttl = owner_ttl_s(plain.state.settings)
     assert ttl == 3600 and 0 < client.ttl(f"ratchet:completion:{completion_id}") <= ttl
