@@ -10,8 +10,9 @@ import asyncio
 import contextlib
 import math
 import random
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis
@@ -29,6 +30,8 @@ from ratchet.rewards.verifiers import VerifierError, combine, load_verifier, run
 from ratchet.settings import JudgeSettings, RewardConfig
 from ratchet.spend import SPEND_TTL_S, spend_key, today
 
+# Sorted set of the cached verdicts' keys (score: when cached): the judge cache's count bound.
+CACHE_INDEX = "ratchet:judge:cache-index"
 IDENTICAL_SCORE = 0.5  # any constant: equal rewards carry no GRPO signal either way
 
 
@@ -261,10 +264,24 @@ class GroupScorer:
         return raw.encode() if isinstance(raw, str) else raw
 
     async def _cache_set(self, key: str, value: dict[str, Any]) -> None:
+        """Cache a verdict for ``judge.cache_ttl_s``, indexed by when, so that past
+        ``judge.cache_max_entries`` the oldest entries go: a bound by count, not by time alone."""
         if self.cache is None:
             return
+        ttl, now = self.settings.cache_ttl_s, time.time()
         with contextlib.suppress(redis.RedisError, OSError):
-            await self.cache.set(key, orjson.dumps(value), ex=self.settings.cache_ttl_s)
+            pipe = self.cache.pipeline(transaction=True)
+            pipe.set(key, orjson.dumps(value), ex=ttl)
+            pipe.zadd(CACHE_INDEX, {key: now})
+            pipe.zremrangebyscore(CACHE_INDEX, 0, now - ttl)  # expired by their own TTL
+            pipe.zcard(CACHE_INDEX)
+            pipe.expire(CACHE_INDEX, ttl)
+            *_, entries, _ = await pipe.execute()
+            over = int(entries) - self.settings.cache_max_entries
+            if over > 0:
+                popped = await self.cache.zpopmin(CACHE_INDEX, over)
+                oldest = cast(list[tuple[bytes, float]], popped)
+                await self.cache.delete(*[member for member, _ in oldest])
 
 
 def cached_verdict(raw: bytes | None, count: int) -> tuple[list[float], list[str]] | None:

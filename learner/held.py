@@ -147,7 +147,7 @@ def reject_orphan(rounds: Rounds, alias: str, live: int, held: HeldCandidate) ->
     detail = {"reason": reason, "bill": held.bill.as_dict()}
 
     def spend(pipe: object) -> None:
-        mark_trained(pipe, alias, held.group_ids)
+        mark_trained(pipe, alias, held.group_ids, rounds.settings.learner.trained_groups_max)
         rounds.candidates.reached(alias, held.version, Stage.REJECTED, reason, pipe)
 
     rounds.lifecycle.reject(alias, held.version, detail, also=spend)

@@ -72,11 +72,13 @@ def trained_key(alias: str) -> str:
     return f"ratchet:learner:{alias}:trained"
 
 
-def mark_trained(pipe: Any, alias: str, ids: list[str]) -> None:
-    """Queue the groups' ids as trained (a round's outcome is stored) on a Redis pipeline."""
+def mark_trained(pipe: Any, alias: str, ids: list[str], keep: int) -> None:
+    """Queue the groups' ids as trained (a round's outcome is stored) on a Redis pipeline; the
+    set keeps the newest ``keep`` (``learner.trained_groups_max``) within TRAINED_TTL_S."""
     now = time.time()
     pipe.zadd(trained_key(alias), {gid: now for gid in ids})
     pipe.zremrangebyscore(trained_key(alias), 0, now - TRAINED_TTL_S)
+    pipe.zremrangebyrank(trained_key(alias), 0, -keep - 1)
 
 
 def training_bill(groups: list[ScoredGroup], stats: RoundStats) -> Bill:
@@ -380,7 +382,7 @@ class Rounds:
         )
 
         def spend(pipe: Any) -> None:
-            mark_trained(pipe, alias, gated.group_ids)
+            mark_trained(pipe, alias, gated.group_ids, self.settings.learner.trained_groups_max)
             if result.win_rate is not None:
                 write_carry(pipe, alias, carry)
 

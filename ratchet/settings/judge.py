@@ -73,6 +73,15 @@ class JudgeSettings(_Section):
         ge=1,
         description="How long the judge's scores are cached in Redis (seconds).",
     )
+    cache_max_entries: int = Field(
+        default=100_000,
+        ge=100,
+        description=(
+            "Most groups' scores the judge keeps cached (ratchet:judge:cache:*, a few hundred "
+            "bytes to a few KiB each, indexed in ratchet:judge:cache-index); past it the oldest "
+            "entries are dropped: a miss judges the group again, never a wrong score."
+        ),
+    )
     sample_timeout_s: float = Field(
         default=300.0,
         gt=0,

@@ -210,6 +210,16 @@ class LearnerSettings(_Section):
             "that never proves itself starts again from the live version."
         ),
     )
+    trained_groups_max: int = Field(
+        default=200_000,
+        ge=1000,
+        description=(
+            "Most group ids an alias keeps as trained (ratchet:learner:<alias>:trained, about "
+            "120 bytes each in Redis), so that a group read again from Kafka is not trained "
+            "twice; past it the oldest go (as do those older than 30 days). Keep it above the "
+            "groups ratchet.groups retains: a group re-read from past the bound trains again."
+        ),
+    )
     train_during_canary: bool = Field(
         default=True,
         description=(

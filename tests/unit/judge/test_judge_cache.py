@@ -9,7 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from judge.metrics import JudgeMetrics
-from judge.scoring import GroupScorer
+from judge.scoring import CACHE_INDEX, GroupScorer
 from ratchet.bill import Bill
 from ratchet.rewards.ruler import JudgeRequest, JudgeScores
 from ratchet.settings import JudgeSettings, RewardConfig
@@ -62,3 +62,40 @@ def test_redis_down_means_no_cache_not_a_failure() -> None:
         return score.rewards
 
     assert asyncio.run(run()) == pytest.approx([0.1, 0.2])
+
+
+def test_the_cache_keeps_at_most_its_count_the_oldest_going_first(redis_url: str) -> None:
+    async def run() -> tuple[CountingScorer, set[bytes], int]:
+        client = aioredis.Redis.from_url(redis_url)
+        settings = JudgeSettings(cache_ttl_s=600, cache_max_entries=100)
+        scorer = CountingScorer(settings, "http://unused", client, JudgeMetrics())
+        for i in range(130):
+            prompt = [{"role": "user", "content": f"q{i}"}]
+            await scorer.score(
+                "a", RewardConfig(), prompt, None, [{"content": "x"}, {"content": "y"}]
+            )
+        keys = {k async for k in client.scan_iter(match="ratchet:judge:cache:*")}
+        indexed = await client.zcard(CACHE_INDEX)
+        # The newest is still a hit, the oldest is judged again.
+        await scorer.score(
+            "a",
+            RewardConfig(),
+            [{"role": "user", "content": "q129"}],
+            None,
+            [{"content": "x"}, {"content": "y"}],
+        )
+        calls_after_newest = scorer.calls
+        await scorer.score(
+            "a",
+            RewardConfig(),
+            [{"role": "user", "content": "q0"}],
+            None,
+            [{"content": "x"}, {"content": "y"}],
+        )
+        assert scorer.calls == calls_after_newest + 1, "an evicted entry was still a hit"
+        assert calls_after_newest == 130
+        await client.aclose()
+        return scorer, keys, indexed
+
+    _, keys, indexed = asyncio.run(run())
+    assert len(keys) == 100 and indexed == 100
