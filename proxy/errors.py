@@ -139,11 +139,13 @@ def anthropic_response(error: ProxyError) -> Response:
     )
 
 
+def response_for(path: str, error: ProxyError) -> Response:
+    """The error in the envelope of the API at ``path``: Anthropic's on the Messages route."""
+    return anthropic_response(error) if path in ANTHROPIC_ROUTES else error.response()
+
+
 async def _error_response(request: Request, exc: Exception) -> Response:
-    error = _as_proxy_error(request, exc)
-    if request.url.path in ANTHROPIC_ROUTES:  # one envelope per API: the Messages API's own
-        return anthropic_response(error)
-    return error.response()
+    return response_for(request.url.path, _as_proxy_error(request, exc))
 
 
 def install_handler(app: FastAPI) -> None:

@@ -11,9 +11,10 @@ to about 22 bytes of RSS per byte of body (tiny values: ``{}``, ``"a"``) and, wi
 ``proxy.max_json_items`` values, no more than :data:`PARSED_BYTES_PER_ITEM` each (an object of
 that many distinct keys: each key is a string of its own and a slot in the object's table).
 
-Which key: the bearer token as sent when the proxy checks keys (a wrong one is refused before its
-body is read, so it holds nothing for long); without keys every request is one client, as in
-:meth:`proxy.state.ProxyState.source`. The bounds are per replica, as memory is: nothing in Redis.
+Which key: the bearer token (else ``x-api-key``) as sent when the proxy checks keys (a wrong one
+is refused before its body is read, so it holds nothing for long); without keys every request is
+one client, as in :meth:`proxy.state.ProxyState.source`. The bounds are per replica, as memory
+is: nothing in Redis.
 
 Why an ASGI middleware: it sees a request before any route reads its body, and its end after the
 route's answer has been sent whole, in one place for every route.
@@ -24,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from proxy.errors import ProxyError
+from proxy.errors import ProxyError, response_for
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -84,6 +85,8 @@ class InFlightBound:
         for name, value in scope["headers"]:  # one pass, on every request: kept lean
             if name == b"authorization":
                 key = value
+            elif name == b"x-api-key" and not key:  # the key as Anthropic's clients send it
+                key = b"x-api-key " + value
             elif name == b"content-length":
                 declared = value
         if not self.auth:
@@ -101,7 +104,7 @@ class InFlightBound:
             refusal = self.refusal(load, charge)
             if not load.requests:
                 del self.loads[key]
-            await refusal.response()(scope, receive, send)
+            await response_for(scope["path"], refusal)(scope, receive, send)
             return
         load.requests += 1
         load.parse_bytes += charge

@@ -5,6 +5,7 @@ real stack is tests/integration/test_messages.py."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -12,6 +13,7 @@ import orjson
 from aiohttp import web
 
 from tests.unit.proxy.conftest import ProxyFactory
+from tests.unit.proxy.test_inflight import Held, bound, started
 
 KEY = "sk-unit-0123456789"
 BODY = {"model": "support", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
@@ -137,3 +139,39 @@ async def test_a_stream_is_anthropics_events(
         "message_stop",
     ]
     assert '"model":"support"' in answer.text and "[DONE]" not in answer.text
+
+
+async def in_flight_call(
+    middleware: Any, headers: list[tuple[bytes, bytes]]
+) -> tuple[int, dict[str, Any]]:
+    scope = {"type": "http", "method": "POST", "path": "/v1/messages", "headers": headers}
+    sent: list[Any] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    await middleware(scope, receive, send)
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], orjson.loads(body)
+
+
+async def test_x_api_key_clients_have_in_flight_bounds_of_their_own_in_anthropics_envelope() -> (
+    None
+):
+    """proxy/inflight.py keys its bounds by the key as authenticate reads it: x-api-key clients
+    are not one client, and a refusal on this route is in Anthropic's envelope."""
+    app = Held()
+    middleware = bound(app, max_in_flight=1)
+    first = [(b"x-api-key", b"k1"), (b"content-length", b"100")]
+    held = asyncio.create_task(in_flight_call(middleware, first))
+    await started(app, 1)
+    status, body = await in_flight_call(middleware, first)
+    assert status == 429 and body["type"] == "error"
+    assert body["error"]["type"] == "rate_limit_error"
+    other = asyncio.create_task(in_flight_call(middleware, [(b"x-api-key", b"k2")]))
+    await started(app, 2)  # another key is let in while k1 is at its bound
+    app.release.set()
+    assert (await other)[0] == (await held)[0] == 200
