@@ -28,8 +28,10 @@ DROP_PER_WRITE = 1000
 Outcome = Literal["stored", "key_quota", "total_quota"]
 
 # KEYS: the response, owner ledger, its counter, all ledger, its counter. ARGV: value, TTL ms,
-# charge, owner quota, total quota, ledger member, DROP_PER_WRITE. Reply: "stored",
-# "key_quota" or "total_quota".
+# charge, owner quota, total quota, ledger member, DROP_PER_WRITE, the response id,
+# ENTRY_OVERHEAD, SDS_HEADER. Reply: "stored", "key_quota" or "total_quota". A response saved
+# again (its id already stored) replaces its old ledger entry and charge rather than adding
+# to them: the old charge is computed from the stored value's length, as DELETE_SCRIPT does.
 SAVE_SCRIPT = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -47,15 +49,30 @@ local function used(ledger, counter)
   end
   return total
 end
+local function stored_charge()
+  local length = redis.call('STRLEN', KEYS[1])
+  if length == 0 then return 0 end
+  local n, step = length + tonumber(ARGV[10]), 16
+  while step * 8 <= n do step = step * 2 end
+  return math.ceil(n / step) * step + tonumber(ARGV[9])
+end
+local old = stored_charge()
+local old_member = old .. ':' .. ARGV[8]
+local function held(ledger)
+  if old > 0 and redis.call('ZSCORE', ledger, old_member) then return old end
+  return 0
+end
 local ttl, charge = tonumber(ARGV[2]), tonumber(ARGV[3])
-local own = used(KEYS[2], KEYS[3]) + charge
+local own = used(KEYS[2], KEYS[3]) - held(KEYS[2]) + charge
 if own > tonumber(ARGV[4]) then return 'key_quota' end
-local all = used(KEYS[4], KEYS[5]) + charge
+local all = used(KEYS[4], KEYS[5]) - held(KEYS[4]) + charge
 if all > tonumber(ARGV[5]) then return 'total_quota' end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
+redis.call('ZREM', KEYS[2], old_member)
 redis.call('ZADD', KEYS[2], now + ttl, ARGV[6])
 redis.call('PEXPIRE', KEYS[2], ttl)
 redis.call('SET', KEYS[3], own, 'PX', ttl)
+redis.call('ZREM', KEYS[4], old_member)
 redis.call('ZADD', KEYS[4], now + ttl, ARGV[6])
 redis.call('PEXPIRE', KEYS[4], ttl)
 redis.call('SET', KEYS[5], all, 'PX', ttl)
@@ -123,7 +140,8 @@ class StoreQuota:
         charge = charge_of(len(value))
         member = f"{charge}:{response_id}"
         args: list[bytes | str | int] = [value, ttl_s * 1000, charge, self.key_bytes]
-        args += [self.total_bytes, member, DROP_PER_WRITE]
+        args += [self.total_bytes, member, DROP_PER_WRITE, response_id]
+        args += [ENTRY_OVERHEAD, SDS_HEADER]
         reply = await self._save(keys=[redis_key, *ledger_keys(owner)], args=args)
         outcome = reply.decode() if isinstance(reply, bytes) else str(reply)
         return outcome  # type: ignore[return-value]
