@@ -243,14 +243,15 @@ class LearnerMetrics:
         )
         self.canary_rating_pairs = Gauge(
             "ratchet_learner_canary_rating_pairs",
-            "Rating pairs (one rating from each arm) the running canary's sequential test has seen",
+            "Clients on each arm at the last look of the running canary's test over clients "
+            "(learner/canary_clients.py; 0 before its first look)",
             ("alias",),
             registry=r,
         )
         self.canary_rating_evidence = Gauge(
             "ratchet_learner_canary_rating_evidence",
-            "Log-evidence that the canary's ratings are not worse than the active arm's "
-            "(it promotes at log(1/canary.alpha))",
+            "How far the last look's lower bound on the canary's trimmed mean rating minus the "
+            "active arm's is above -canary.max_feedback_drop (it promotes above 0)",
             ("alias",),
             registry=r,
         )
