@@ -11,15 +11,20 @@ as stalled. One probe at a time per replica, whatever the number of requests wai
 
 The watch costs a request one timer (no task) unless it passes the deadline; the waiting
 request is ended by cancelling its task, which :meth:`StallWatch.wait` turns into
-:class:`Stalled`.
+:class:`Stalled`. That cancel is made one loop turn after the probe's verdict, and only if the
+request still waits then: an answer that arrived in the same turn as the verdict has its task's
+wake-up queued first, so it is returned, not thrown away as a stall (a cancel thrown into an
+awaited coroutine that already holds its answer would lose it: the coroutine's own clean-up,
+such as proxy/http1.py's pool closing the connection, must then be relied on).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -28,16 +33,25 @@ T = TypeVar("T")
 Probe = Callable[[str, str], Awaitable[bool]]
 
 
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+# (delay in seconds, callback) -> its timer: the running loop's call_later unless a test's clock
+Schedule = Callable[[float, Callable[[], None]], Timer]
+
+
 class Stalled(Exception):
     """The replica's engine sent nothing within the first-byte deadline."""
 
 
 class StallWatch:
-    def __init__(self, deadline_s: float, probe: Probe) -> None:
+    def __init__(self, deadline_s: float, probe: Probe, schedule: Schedule | None = None) -> None:
         self.deadline_s = deadline_s
         self.probe = probe
+        self.schedule = schedule
         self.probes = 0  # sent, in all (for tests and logs)
-        self._timers: dict[asyncio.Task[object], asyncio.TimerHandle] = {}
+        self._timers: dict[asyncio.Task[object], Timer] = {}
         self._waiting: dict[str, dict[asyncio.Task[object], str]] = {}  # url -> task -> key
         self._probing: dict[str, asyncio.Task[None]] = {}
         self._stalled: set[asyncio.Task[object]] = set()
@@ -68,8 +82,9 @@ class StallWatch:
         return len(self._waiting.get(url, {}))
 
     def _arm(self, task: asyncio.Task[object], url: str, key: str) -> None:
-        loop = asyncio.get_running_loop()
-        self._timers[task] = loop.call_later(self.deadline_s, self._overdue, task, url, key)
+        overdue = functools.partial(self._overdue, task, url, key)
+        schedule = self.schedule or asyncio.get_running_loop().call_later
+        self._timers[task] = schedule(self.deadline_s, overdue)
 
     def _overdue(self, task: asyncio.Task[object], url: str, key: str) -> None:
         if task not in self._timers:  # it finished as the timer fired
@@ -94,10 +109,15 @@ class StallWatch:
             if alive:
                 self._arm(task, url, task_key)
             else:
-                self._stalled.add(task)
-                task.cancel()
+                asyncio.get_running_loop().call_soon(self._end, task)
         if not alive and waiting:
             log.warning("vLLM at %s is stalled: a probe sent nothing in %s s", url, self.deadline_s)
+
+    def _end(self, task: asyncio.Task[object]) -> None:
+        """End a request found stalled, unless its answer came meanwhile."""
+        if task in self._timers:
+            self._stalled.add(task)
+            task.cancel()
 
     def close(self) -> None:
         for probing in self._probing.values():
