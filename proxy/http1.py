@@ -100,11 +100,14 @@ class UpstreamResponse:
         async with asyncio.timeout(timeout):
             await self._waiter
 
-    async def first_byte(self, timeout_s: float) -> bool:
-        """Whether the body's first byte (or its end) came within ``timeout_s``: a stream's
-        headers come at once, so a stalled engine shows only here."""
+    async def first_byte(self, timeout_s: float | None = None) -> bool:
+        """Whether the body's first byte (or its end) came within ``timeout_s`` (None: by the
+        answer's own deadline): a stream's headers come at once, so a stalled engine shows
+        only here."""
         if self._chunks or self._complete or self._error is not None:
             return True
+        if timeout_s is None:
+            timeout_s = max(0.0, self._deadline - time.monotonic())
         self._waiter = asyncio.get_running_loop().create_future()
         try:
             async with asyncio.timeout(timeout_s):

@@ -282,8 +282,10 @@ class Upstream:
     async def _send(self, replica: Endpoint, path: str, body: bytes, key: str) -> UpstreamResponse:
         """One POST to ``replica``: its response once the status and (for a 200) the body's
         first byte are in; its failures as ProxyErrors, counted against it. A request whose
-        headers are slow (not streamed: they come with the whole answer) is watched
-        (:class:`proxy.stall.StallWatch`)."""
+        headers are slow (not streamed: they come with the whole answer), and a stream whose
+        first byte is, are watched (:class:`proxy.stall.StallWatch`): only an engine that
+        fails the probe counts against the replica, never one that is queueing or prefilling
+        (a long prompt, a busy fleet)."""
         request = replica.pool.request(b"POST", path, body)
         try:
             if self.stall_watch is None:
@@ -306,18 +308,25 @@ class Upstream:
             raise self._unavailable(replica, exc) from None
         except Stalled:
             raise self._stalled(replica) from None
-        deadline = self.faults.first_byte_timeout_s
-        if response.status != 200 or deadline is None:
+        if response.status != 200 or self.stall_watch is None:
             return response
-        try:
-            arrived = await response.first_byte(deadline)
+        try:  # a stream's first byte: past the deadline, the engine is probed as above
+            arrived = await self.stall_watch.wait(replica.url, key, response.first_byte())
+        except Stalled:
+            response.release()
+            raise self._stalled(replica) from None
         except BaseException:  # the client left meanwhile: vLLM's answer is closed, not kept
             response.release()
             raise
         if arrived:
             return response
-        response.release()
-        raise self._stalled(replica)
+        response.release()  # the engine kept answering probes but never this: too slow
+        raise ProxyError(
+            504,
+            "the model server did not answer in time",
+            type="server_error",
+            code="upstream_timeout",
+        )
 
     def _stalled(self, replica: Endpoint) -> ProxyError:
         deadline = self.faults.first_byte_timeout_s

@@ -201,10 +201,11 @@ class ProxySettings(_Section):
         default=60.0,
         gt=0,
         description=(
-            "After vLLM answers 200, how long the body's first byte may take (a stream's "
-            "headers come at once; a stalled engine then sends nothing): past it, a 504 "
-            "upstream_stalled counted against the replica. Queueing and prefill count too: "
-            "keep it above the slowest first token under load. null: no deadline."
+            "How long a request may wait for its first byte from vLLM (a stream's body, a "
+            "whole answer's headers) before the replica's engine is probed with a one-token "
+            "stream; only if that probe sends nothing within it too is the request a 504 "
+            "upstream_stalled, counted against the replica (a busy engine, queueing or "
+            "prefilling, is waited on). null: no deadline."
         ),
     )
     upstream_retries: int = Field(

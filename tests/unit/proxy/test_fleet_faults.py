@@ -223,6 +223,34 @@ async def test_a_whole_answer_waits_on_a_working_engine_and_not_on_a_hung_one(
         await upstream.close()
 
 
+async def test_a_stream_slow_to_its_first_byte_on_a_working_engine_is_waited_on(
+    servers: list[asyncio.Server],
+) -> None:
+    """A long prompt's prefill (or a queue under load): the stream's headers at once, its first
+    byte after 1 s, while the engine answers a probe at once. The stream waits on, and the
+    replica is charged nothing (ejection after one failure would show it)."""
+
+    async def prefills(request: bytes, writer: asyncio.StreamWriter) -> None:
+        if b'"max_tokens":1' in request:  # the probe: a short prompt, answered at once
+            await answers(request, writer)
+            return
+        writer.write(STREAM_HEAD)
+        await asyncio.sleep(1.0)
+        writer.write(chunk(EVENT) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
+    busy, busy_url = await replica(prefills)
+    servers.append(busy)
+    upstream = fleet([busy_url], ejection=EjectionPolicy(1), first_byte_timeout_s=0.3)
+    assert upstream.stall_watch is not None
+    try:
+        assert b"[DONE]" in await drain(upstream, "m0", stream=True)
+        assert upstream.stall_watch.probes >= 2
+        assert upstream.endpoints[busy_url].first_byte_timeouts == 0
+        assert not upstream.outliers.is_ejected(busy_url, time.monotonic())
+    finally:
+        await upstream.close()
+
+
 async def test_requests_held_by_a_replica_that_dropped_off_the_network_end_as_stalled(
     servers: list[asyncio.Server],
 ) -> None:
