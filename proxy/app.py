@@ -76,6 +76,9 @@ def create_app(settings: RatchetSettings) -> FastAPI:
                 settings.proxy.host,
             )
         yield
+        # Streams read on after their clients left: recorded and charged before what they
+        # use (vLLM's connections, the limiter, the log pipe) closes.
+        await state.finish_reading_on()
         await state.upstream.close()
         await state.routing.close()
         await state.rate_limiter.close()  # sends the token charges still pending

@@ -372,17 +372,13 @@ def finish(
         # The client left a budgeted stream vLLM counts as it goes: read on for what vLLM
         # generated, then charge that (a vLLM that sends no counts is charged its events).
         task = asyncio.get_running_loop().create_task(read_on(state, call, response, left))
-        _reading_on.add(task)
-        task.add_done_callback(_reading_on.discard)
+        state.reading_on.add(task)  # finished by the app's shutdown, never dropped
+        task.add_done_callback(state.reading_on.discard)
         return
     if response is not None:
         response.release()
     if call.meta.status:  # 0: the client left before vLLM answered; nothing to count
         record(state, call)
-
-
-# Streams the client left, read on for vLLM's counts (kept referenced until done).
-_reading_on: set[asyncio.Task[None]] = set()
 
 
 async def read_on(state: ProxyState, call: Call, response: UpstreamResponse, torn: bytes) -> None:

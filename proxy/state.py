@@ -3,6 +3,7 @@ the caller, parse the body."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -109,6 +110,15 @@ class ProxyState:
         self.completions = CompletionOwners(redis_url, self.metrics.registry, owner_ttl_s(settings))
         self.responses = ResponseStore(self.redis, self.metrics.registry, settings.proxy)
         self.metrics.watch_log(self.traffic_log, self.routing)
+        # Streams their clients left, read on for vLLM's counts (proxy/generation.py read_on):
+        # held here so the app's shutdown finishes them, recording and charging each.
+        self.reading_on: set[asyncio.Task[None]] = set()
+
+    async def finish_reading_on(self) -> None:
+        """Wait for the streams read on after their clients left (each ends within
+        proxy/stream_usage.py's DRAIN_S, then records its exchange)."""
+        while self.reading_on:
+            await asyncio.gather(*self.reading_on, return_exceptions=True)
 
     def authenticate(self, request: Request) -> str | None:
         """Return the hash of the caller's key; 401 when keys are required and this one isn't.
