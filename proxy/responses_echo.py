@@ -23,6 +23,8 @@ METADATA_PAIRS = 16
 METADATA_KEY_CHARS = 64
 METADATA_VALUE_CHARS = 512
 SAFETY_IDENTIFIER_CHARS = 64
+# prompt_cache_key is echoed and stored with every response: bounded as chat bounds it.
+PROMPT_CACHE_KEY_CHARS = 256
 PENALTIES = ("presence_penalty", "frequency_penalty")
 
 # Request fields a Response echoes back as the request gave them (OpenAI's defaults otherwise).
@@ -113,6 +115,12 @@ def check_echoed(payload: dict[str, Any]) -> None:
     cache_key = payload.get("prompt_cache_key")
     if cache_key is not None and not isinstance(cache_key, str):
         raise bad_request("prompt_cache_key must be a string", "prompt_cache_key", "invalid_type")
+    if cache_key is not None and len(cache_key) > PROMPT_CACHE_KEY_CHARS:
+        raise bad_request(
+            f"prompt_cache_key must be at most {PROMPT_CACHE_KEY_CHARS} chars",
+            "prompt_cache_key",
+            "string_above_max_length",
+        )
 
 
 def check_metadata(metadata: Any) -> None:

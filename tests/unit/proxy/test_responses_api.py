@@ -190,6 +190,7 @@ def test_previous_turns_come_first_and_a_json_schema_is_a_response_format() -> N
         ({"frequency_penalty": True}, "frequency_penalty"),
         ({"safety_identifier": "u" * 65}, "safety_identifier"),
         ({"prompt_cache_key": 7}, "prompt_cache_key"),
+        ({"prompt_cache_key": "k" * 257}, "prompt_cache_key"),
         ({"reasoning": {"summary": "auto"}}, "reasoning"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"input": ["hi"]}, "input[0]"),
