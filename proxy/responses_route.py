@@ -93,15 +93,18 @@ async def response_events(
     key_hash: str | None,
 ) -> AsyncIterator[bytes]:
     """The relay's chat stream as Responses events. A finished response is stored before its
-    last event goes out, so a next turn sent on that event finds it."""
+    last event goes out, so a next turn sent on that event finds it, and that event says
+    whether it was stored."""
     stream = ResponsesStream(translated.echo)
     unsaved = translated.store
     async for chunk in exchange:
         events = stream.feed(chunk)
         final = stream.final
+        stored: bool | None = None
         if unsaved and final is not None and final["status"] != "failed":
             unsaved = False
-            await keep(state, translated, final, key_hash)
+            stored = await keep(state, translated, final, key_hash)
+        events += stream.closing_event(stored)
         if events:
             yield events
 

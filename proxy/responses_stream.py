@@ -39,7 +39,8 @@ class ResponsesStream:
     progress, then each output item in turn (added, its deltas, done: an item is closed before
     the next one opens), then completed (or incomplete, or failed after an error event), each
     event with its ``sequence_number``. ``final`` is the whole Response once the stream ended;
-    ``clock`` gives its ``completed_at``."""
+    its event waits for :meth:`closing_event`, which says whether the store kept it. ``clock``
+    gives its ``completed_at``."""
 
     echo: dict[str, Any]
     clock: Callable[[], float] = time.time
@@ -52,6 +53,7 @@ class ResponsesStream:
     _finish: str | None = None
     _usage: dict[str, Any] | None = None
     _done: list[dict[str, Any]] = field(default_factory=list)  # closed items, in order
+    _closing: str | None = None  # the final event's kind, until closing_event sends it
 
     def feed(self, data: bytes) -> bytes:
         self._pending += data
@@ -190,8 +192,18 @@ class ResponsesStream:
         self.final = self._snapshot("incomplete" if incomplete else "completed")
         if incomplete:
             self.final["incomplete_details"] = {"reason": "max_output_tokens"}
-        kind = "response.incomplete" if incomplete else "response.completed"
-        yield self._event(kind, response=self.final)
+        self._closing = "response.incomplete" if incomplete else "response.completed"
+
+    def closing_event(self, stored: bool | None = None) -> bytes:
+        """The final event, once its Response is complete; ``stored`` False (the store's quotas
+        refused it) makes it say ``store: false``, as the whole answer does. Empty before the
+        end, and after the event was sent."""
+        if self._closing is None or self.final is None:
+            return b""
+        if stored is False:
+            self.final["store"] = False
+        kind, self._closing = self._closing, None
+        return self._event(kind, response=self.final)
 
     def _fail(self, error: dict[str, Any]) -> Iterator[bytes]:
         if self._head is None:

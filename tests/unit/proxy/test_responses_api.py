@@ -357,6 +357,8 @@ STREAM = sse(
 def test_a_chat_stream_is_the_responses_event_sequence_however_it_is_cut(cut: int) -> None:
     stream = ResponsesStream(to_chat({"model": "support", "input": "hi"}, None).echo, lambda: 7.9)
     raw = b"".join(stream.feed(STREAM[i : i + cut]) for i in range(0, len(STREAM), cut))
+    assert b"response.completed" not in raw  # it waits to say whether the store kept it
+    raw += stream.closing_event()
     events = events_of(raw)
     # Each item in turn, as OpenAI streams them: the message is done before the call begins.
     assert [e.type for e in events] == [
@@ -385,6 +387,15 @@ def test_a_chat_stream_is_the_responses_event_sequence_however_it_is_cut(cut: in
     assert completed.usage is not None and completed.usage.total_tokens == 14
     assert stream.final is not None and Response.model_validate(stream.final) == completed
     assert stream.final["completed_at"] == 7
+
+
+def test_the_final_event_says_store_false_when_the_store_refused_the_response() -> None:
+    stream = ResponsesStream(to_chat({"model": "support", "input": "hi"}, None).echo)
+    stream.feed(STREAM)
+    assert stream.final is not None and stream.final["store"] is True
+    completed = events_of(stream.closing_event(stored=False))[-1]
+    assert completed.type == "response.completed" and completed.response.store is False
+    assert stream.closing_event() == b""  # sent once
 
 
 def test_a_stream_vllm_breaks_off_ends_failed() -> None:
@@ -485,6 +496,7 @@ def test_parallel_calls_stream_one_after_another_and_a_cut_answer_ends_incomplet
             "[DONE]",
         )
     )
+    raw += stream.closing_event()
     final = check_sequence(conforming_events(raw))
     assert [(i["call_id"], i["arguments"]) for i in final["output"]] == [
         ("call_a", '{"x":1}'),
