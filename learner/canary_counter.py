@@ -61,7 +61,9 @@ return 1
 
 # The error codes (proxy/upstream.py) that count against an arm: the model server failed (502
 # upstream_error: it answered 5xx, or dropped the answer or the stream), could not load the
-# version (502 adapter_unavailable), or could not be reached (503 upstream_unavailable). A whole
+# version (502 adapter_unavailable), could not be reached (503 upstream_unavailable), or stalled:
+# nothing past the first-byte deadline and its engine's probe failed (504 upstream_stalled,
+# proxy/upstream.py: the replica's fault, whatever the client reads). A whole
 # answer that did not come within proxy.upstream_timeout_s (504 upstream_timeout, not streamed)
 # counts too: the proxy reads it at its own pace, so the replica stalled or the version
 # generates too long (a client can ask for a long max_tokens, but its failures weigh no more
@@ -69,7 +71,9 @@ return 1
 # (the record cannot tell a stalled replica from a client that stopped reading and so held the
 # stream back), every 4xx (the client's request), and the proxy's own refusals and errors (429,
 # 413, 500, 503 queue_full, ...), which say nothing about the version.
-UPSTREAM_FAILURES = frozenset({"upstream_error", "adapter_unavailable", "upstream_unavailable"})
+UPSTREAM_FAILURES = frozenset(
+    {"upstream_error", "adapter_unavailable", "upstream_unavailable", "upstream_stalled"}
+)
 TIMEOUT = "upstream_timeout"
 
 

@@ -361,6 +361,7 @@ def test_client_errors_are_not_the_canarys_fault(
         (502, "upstream_error", True, 4, 4),  # ... or the stream
         (502, "adapter_unavailable", False, 4, 4),  # vLLM could not load the version
         (503, "upstream_unavailable", False, 4, 4),  # vLLM unreachable
+        (504, "upstream_stalled", True, 4, 4),  # the replica stalled (its probe failed)
         (504, "upstream_timeout", False, 4, 4),  # a whole answer the replica did not finish
         # A stream past the deadline: a client that stops reading holds it back, and the record
         # cannot tell that from a stalled replica.
