@@ -239,11 +239,12 @@ class ProxySettings(_Section):
     redact_patterns: list[str] = Field(
         default=[],
         description=(
-            "Regexes applied to every string of a record (request, its keys, `user`, error, "
-            "answers) before it is produced; matches become [REDACTED]. RE2 syntax (linear time): "
-            "no backreferences or lookaround, and \\w, \\d, \\b are ASCII only (\\p{L} is a "
-            "letter of "
-            "any script)."
+            "Regexes applied to every string a traffic record, a rating (its comment and ids), "
+            "an export and a stored Response carry (request, its keys, `user`, client-chosen ids, "
+            "error, answers) before it leaves the proxy; matches become [REDACTED], and a string "
+            "with more than 1,000 matches is replaced whole. RE2 syntax (linear time): no "
+            "backreferences or lookaround, and \\w, \\d, \\b are ASCII only (\\p{L} is a "
+            "letter of any script)."
         ),
     )
     redact_budget_s: float = Field(
@@ -251,9 +252,9 @@ class ProxySettings(_Section):
         gt=0,
         le=60,
         description=(
-            "Redaction time per record; past it, the strings not yet redacted are replaced whole, "
-            "the record marked cut (no one learns from it) and counted. RE2 needs ~30 ms for 1 "
-            "MiB."
+            "Redaction time per record, checked at every match; past it, the strings not yet "
+            "redacted are replaced whole, the record marked cut (no one learns from it) and "
+            "counted (docs/results/hardening.md has what redaction costs)."
         ),
     )
     log_worker_stuck_s: float = Field(
