@@ -6,8 +6,9 @@ Who may call what (keys are checked only when proxy.api_keys or proxy.admin_key 
 admin key is accepted wherever a client key is):
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
-  ``GET /v1/models[/{alias}]``: a client key. ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
-  /v1/responses/{id}/input_items``: the key that made that response. A model card names the
+  ``POST /v1/responses/input_tokens``, ``GET /v1/models[/{alias}]``: a client key. ``GET``
+  and ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``: the key that made
+  that response. A model card names the
   canary's version and weight only to the admin key (or with ``proxy.expose_arm``): a client
   that knew a canary was running could tell the arms apart and rate only one.
 - ``POST /v1/feedback``, the one state a client changes (a rating of its own completion): the
@@ -44,6 +45,7 @@ from proxy.responses_route import (
     get_response,
     list_input_items,
 )
+from proxy.responses_tokens import count_input_tokens
 from proxy.state import ProxyState
 from proxy.validation import unknown_alias
 from ratchet.registry import AliasRoute, served_name
@@ -143,6 +145,12 @@ def _add_generation_routes(app: FastAPI, state: ProxyState) -> None:
         return await get_response(state, request, response_id)
 
     app.add_route("/v1/responses", responses, methods=["POST"])
+
+    async def input_tokens(request: Request) -> Response:
+        return await count_input_tokens(state, request)
+
+    # Before the stored response's route, whose path it also matches.
+    app.add_route("/v1/responses/input_tokens", input_tokens, methods=["POST"])
     app.add_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"])
 
     async def input_items(request: Request) -> Response:

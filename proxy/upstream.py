@@ -31,10 +31,14 @@ log = logging.getLogger(__name__)
 MODELS_ANSWER_MAX = 1 << 20
 # What a probe of a replica's engine asks (proxy/stall.py): one token of any prompt.
 PROBE_PROMPT = "ping"
-# The whole list of upstream paths the proxy forwards to.
+# The whole list of upstream paths the proxy calls, by the proxy's own names for them (a client
+# never names a path). /tokenize only counts a Responses request's input tokens
+# (proxy/responses_tokens.py); vLLM's other non-generation routes (adapters, detokenize, ...)
+# are never called.
 FORWARDED_PATHS = {
     "chat.completions": "/v1/chat/completions",
     "completions": "/v1/completions",
+    "tokenize": "/tokenize",
 }
 
 

@@ -1,7 +1,8 @@
 """The real proxy app in-process, in front of a small aiohttp server standing in for vLLM.
 
 A test sets ``upstream["handler"]`` to what vLLM should answer on /v1/chat/completions (and
-/v1/completions), and ``upstream["max_model_len"]`` to the context length /v1/models reports.
+/v1/completions, /tokenize), and ``upstream["max_model_len"]`` to the context length /v1/models
+reports.
 Kafka's and Redis's ports are closed: records land in the proxy's spool under the test's tmp_path.
 """
 
@@ -43,6 +44,7 @@ async def upstream() -> AsyncIterator[dict[str, Any]]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", dispatch)
     app.router.add_post("/v1/completions", dispatch)
+    app.router.add_post("/tokenize", dispatch)  # POST /v1/responses/input_tokens asks it
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", _health)
     # A handler still running at the end (a hang) is cancelled, not waited for.
