@@ -32,6 +32,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from proxy.answer_ids import upstream_request_id
 from proxy.buckets import choice_events, prompt_estimate, reservation, total_tokens
 from proxy.errors import ProxyError, internal_error
 from proxy.http1 import UpstreamResponse
@@ -197,7 +198,8 @@ async def start_call(
     version, arm, served, conceal = routed
     stream = bool(payload.get("stream"))
     budgeted_stream = stream and bool(limiter.token_limits)
-    forwarded, wants_usage, usage = forward(payload, served, stream, budgeted_stream)
+    request_id = uuid.uuid4().hex  # ours, never the client's: group ids and sampling derive from it
+    forwarded, wants_usage, usage = forward(payload, served, stream, budgeted_stream, request_id)
     if client_wants_usage is not None:
         wants_usage = client_wants_usage
     admission, reserved, prompt_tokens = arrival.admission, 0, 0
@@ -210,8 +212,7 @@ async def start_call(
     log_rate = state.log_rates.get(alias, 1.0)
     client_request_id = request.headers.get("x-request-id")
     meta = ExchangeMeta(
-        # Ours, never the client's: group ids and sampling derive from it.
-        request_id=uuid.uuid4().hex,
+        request_id=request_id,
         client_request_id=client_request_id[:CLIENT_REQUEST_ID_MAX] if client_request_id else None,
         endpoint=endpoint,
         alias=alias,
@@ -268,7 +269,11 @@ def route(
 
 
 def forward(
-    payload: dict[str, Any], served: str, stream: bool, budgeted: bool = False
+    payload: dict[str, Any],
+    served: str,
+    stream: bool,
+    budgeted: bool = False,
+    request_id: str | None = None,
 ) -> tuple[bytes, bool, StreamUsage | None]:
     """The body vLLM gets, whether the client asked for the usage event of a stream, and for a
     ``budgeted`` stream what reads vLLM's counts as it goes.
@@ -276,9 +281,13 @@ def forward(
     Usage is always asked of vLLM so the record has token counts; the relay leaves the usage
     event out again for clients that did not ask for it. A stream under token budgets also asks
     for usage in every event (proxy/stream_usage.py), left out again unless the client asked.
+    vLLM names the answer after ``request_id`` (the proxy's), with the client's own after it
+    (proxy/answer_ids.py).
     """
     upstream_payload = dict(payload)
     upstream_payload["model"] = served
+    if request_id is not None:
+        upstream_payload["request_id"] = upstream_request_id(request_id, payload.get("request_id"))
     upstream_payload.pop("prompt_cache_key", None)  # the proxy's routing key, not vLLM's
     client_wants_usage, usage = False, None
     if stream:

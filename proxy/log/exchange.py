@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from proxy.answer_ids import redacted_answer_id
 from proxy.log.redaction import REDACTED, Redaction, Redactor
 from proxy.sse import iter_sse_data, last_usage
 from ratchet.records import CLIENT_REQUEST_ID_MAX, TrafficRecord
@@ -143,7 +144,7 @@ class Exchange:
         user = self.request.get("user")
         # Every string a client or the model wrote: the request (keys too), `user`, the error
         # (upstream messages quote the prompt), the answers, and the identifiers a client
-        # chooses: its x-request-id, and the answer's id (vLLM makes it of the body's request_id).
+        # chooses: its x-request-id, and its part of the answer's id (proxy/answer_ids.py).
         redact = self.redactor.begin()
         request = redact.part("request", self.request)
         user = redact.part("request", user) if isinstance(user, str) else None
@@ -153,7 +154,11 @@ class Exchange:
         return TrafficRecord(
             request_id=self.request_id,
             client_request_id=_redacted_id(redact, self.client_request_id, CLIENT_REQUEST_ID_MAX),
-            response_id=_redacted_id(redact, response_id),
+            response_id=(
+                redacted_answer_id(response_id, redact.string)
+                if isinstance(response_id, str)
+                else None
+            ),
             endpoint=self.endpoint,
             alias=self.alias,
             request_model=self.alias,

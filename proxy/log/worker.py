@@ -46,6 +46,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from proxy.answer_ids import redacted_answer_id
 from proxy.log.spool import OutgoingRecord
 from ratchet.records import FEEDBACK_TOPIC
 from ratchet.settings import KafkaSettings, ProxySettings
@@ -217,12 +218,16 @@ class Worker:
         redact = self.redactor.begin()
         record = orjson.loads(value)
         for name in REDACTED_FIELDS[topic]:
-            if isinstance(record.get(name), str):
+            if name == "completion_id" and isinstance(record.get(name), str):
+                record[name] = redacted_answer_id(record[name], redact.string)
+            elif isinstance(record.get(name), str):
                 record[name] = redact.part(name, record[name])
         if redact.failed:
             self.redact_over_budget += 1
             log.warning("redaction of a %s record replaced %s whole", topic, redact.failed)
-        return (redact.string(key) if key is not None else None), orjson.dumps(record)
+        # The key is the completion id: redacted as the field is, and as the traffic's id.
+        redacted_key = redacted_answer_id(key, redact.string) if key is not None else None
+        return redacted_key, orjson.dumps(record)
 
     def handle_exchange(self, fields: dict[str, Any], request: bytes, answer: bytes) -> None:
         from proxy.log.exchange import Exchange, bounded
