@@ -39,7 +39,6 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Literal
@@ -48,12 +47,12 @@ import redis
 
 from learner.canary_clients import ClientEvidence, ClientTest, client_evidence
 from learner.canary_counter import CanaryCounter
-from learner.canary_ratings import Rating, client_cap, rater_share
+from learner.canary_ratings import Rating
 from learner.exchanges import read_exchanges
-from learner.guard import reward_model_gap
 from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
 from learner.ratings import newest_ratings
+from learner.reward_guard import check_reward_gap
 from ratchet.canary_state import (
     ARMS,
     ArmStats,
@@ -68,8 +67,8 @@ from ratchet.records import (
     ANONYMOUS_CLIENT,
 )
 from ratchet.registry import AliasRoute
+from ratchet.reward_guard_state import GuardResult, write_guard
 from ratchet.rewards.rated import RatedAnswer
-from ratchet.rewards.reward_model import is_eval_rating
 from ratchet.secrets import server_secret
 from ratchet.settings import AliasConfig, CanaryConfig, RatchetSettings
 
@@ -217,29 +216,6 @@ def read_ratings(client: redis.Redis, alias: str, config: AliasConfig) -> Client
     return client_evidence(arms[0], arms[1], config.canary)
 
 
-def fair_share(answers: list[RatedAnswer], share: float) -> list[RatedAnswer]:
-    """The most of ``answers`` (oldest first) that can be kept with no client holding more than
-    :func:`client_cap` of them, each client's newest kept; the anonymous client (no API keys)
-    is not capped. Fewer clients than ``1 / share`` keep one answer each."""
-    counts = Counter(a.owner for a in answers)
-
-    def fits(size: int) -> bool:
-        cap = client_cap(share, size)
-        return sum(n if c == ANONYMOUS_CLIENT else min(n, cap) for c, n in counts.items()) >= size
-
-    size = next((n for n in range(len(answers), 0, -1) if fits(n)), 0)
-    cap = client_cap(share, size)
-    taken: Counter[str] = Counter()
-    kept: list[RatedAnswer] = []
-    for answer in reversed(answers):
-        if len(kept) == size:
-            break
-        if answer.owner == ANONYMOUS_CLIENT or taken[answer.owner] < cap:
-            taken[answer.owner] += 1
-            kept.append(answer)
-    return kept[::-1]
-
-
 class CanaryWatcher:
     """Counts canary traffic and feedback, and promotes or rolls back. Runs in its own thread."""
 
@@ -327,9 +303,13 @@ class CanaryWatcher:
                 config.reward.learns_from_ratings,
             )
             if verdict == "promote":
-                hacked = self.reward_gap(alias, route, config)
-                if hacked is not None:
-                    verdict, reason = "rollback", hacked
+                guard = self.reward_gap(alias, route, config)
+                if guard is not None:
+                    blocked = guard.blocks(config.feedback.require_reward_check)
+                    if blocked is not None:
+                        verdict, reason = "rollback", blocked
+                    elif not guard.checked:
+                        reason = f"{reason}; reward guard {guard.reason}"
             if verdict != "wait":
                 # Past the wait the test's stream has ended: the event keeps its last look.
                 ratings = evidence.test
@@ -337,42 +317,25 @@ class CanaryWatcher:
                     ratings = evidence.ended
                 self.decide(alias, route.canary, verdict, reason, stats, ratings)
 
-    def reward_gap(self, alias: str, route: AliasRoute, config: AliasConfig) -> str | None:
-        """For an alias whose reward is learned from ratings: why the canary fooled the reward
-        model (learner/guard.py), or None. Asked only before a promotion: it reads the rated
-        answers of both arms through the reward model."""
-        if self.predict is None or not config.reward.learns_from_ratings:
+    def reward_gap(self, alias: str, route: AliasRoute, config: AliasConfig) -> GuardResult | None:
+        """For an alias whose reward is learned from ratings: what the reward-hacking guard says
+        of the canary (learner/reward_guard.py), kept for the console and `ratchet status`; None
+        for other aliases. Asked only before a promotion: it reads the rated answers of both
+        arms through the reward model."""
+        predict = self.predict
+        if predict is None or not config.reward.learns_from_ratings or route.canary is None:
             return None
-        versions = (route.active, route.canary)
-        # Only prompts the reward model never trains on (its held-out split): on its training
-        # ratings it fits the active version's answers by construction, which would make any
-        # new version look overrated.
-        eval_fraction = config.feedback.eval_fraction
-        secret = server_secret(self.settings)
-        rated = [
-            a
-            for a in newest_ratings(self.redis, alias, GAP_RATINGS)
-            if a.version in versions and is_eval_rating(secret, a.prompt_hash, eval_fraction)
-        ]
-        # Its verdict rolls back and pauses learning: no client may hold more than its share
-        # of either arm's answers (at most half max_reward_gap, which it moves by up to twice
-        # that), or one key rating the canary 0 and the active version 1 would open the gap.
-        share = rater_share(config.feedback.max_share, config.feedback.max_reward_gap)
-        answers = [
-            a for v in versions for a in fair_share([a for a in rated if a.version == v], share)
-        ]
-        predicted = self.predict(alias, answers) if answers else None
-        if predicted is None:
-            return None
-        arms: dict[int | None, list[tuple[float, float]]] = {v: [] for v in versions}
-        for answer, prediction in zip(answers, predicted, strict=True):
-            arms[answer.version].append((prediction, answer.score))
-        return reward_model_gap(
-            arms[route.canary],
-            arms[route.active],
-            config.feedback.max_reward_gap,
+        result = check_reward_gap(
+            newest_ratings(self.redis, alias, GAP_RATINGS),
+            route.active,
+            route.canary,
+            lambda answers: predict(alias, answers),
+            server_secret(self.settings),
+            config.feedback,
             config.canary.min_feedback,
         )
+        write_guard(self.redis, alias, route.canary, result)
+        return result
 
     def decide(
         self,

@@ -815,7 +815,8 @@ def test_the_reward_gap_ignores_the_prompts_the_reward_model_trained_on(
         return [0.9 if a.version == 2 else 0.5 for a in answers]
 
     watcher = CanaryWatcher(settings, lifecycle, LearnerMetrics(), threading.Event(), None, predict)
-    assert watcher.reward_gap(ALIAS, route, config) is None
+    guard = watcher.reward_gap(ALIAS, route, config)
+    assert guard is not None and guard.outcome == "unchecked" and guard.blocks(False) is None
 
 
 def test_one_key_cannot_open_the_reward_gap(redis_url: str, tmp_path: Path) -> None:
@@ -842,5 +843,44 @@ def test_one_key_cannot_open_the_reward_gap(redis_url: str, tmp_path: Path) -> N
         return [0.5] * len(answers)
 
     watcher = CanaryWatcher(settings, lifecycle, LearnerMetrics(), threading.Event(), None, predict)
-    assert watcher.reward_gap(ALIAS, route, config) is None
+    guard = watcher.reward_gap(ALIAS, route, config)
+    assert guard is not None and guard.outcome == "checked"
     assert seen[0].count("mallory") == 2  # one answer of each arm
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_a_promotion_the_guard_could_not_check_says_so_or_is_blocked(
+    redis_url: str, tmp_path: Path, required: bool
+) -> None:
+    """Two rated answers an arm are too few for the guard (canary.min_feedback): the promotion
+    goes through and its event says the guard could not check, unless the alias sets
+    feedback.require_reward_check, which rolls the canary back instead."""
+    config = AliasConfig(
+        canary=CONFIG,
+        reward={"kind": "feedback"},
+        feedback={"require_reward_check": required},
+    )
+    settings = RatchetSettings(redis_url=redis_url, home=tmp_path, aliases={ALIAS: config})
+    lifecycle = lifecycle_of(settings)
+    start_canary(lifecycle)
+    secret = server_secret(settings)
+    rated_answers(lifecycle.writer.redis, secret, 1, 2, 0.5)
+    rated_answers(lifecycle.writer.redis, secret, 2, 2, 0.5)
+
+    def predict(alias: str, answers: list[RatedAnswer]) -> list[float]:
+        return [0.5] * len(answers)
+
+    watcher = CanaryWatcher(settings, lifecycle, LearnerMetrics(), threading.Event(), None, predict)
+    watcher.routes = lifecycle.writer.read_all().routes
+    watcher.count(healthy_traffic(10))
+    age_canary(lifecycle, LATE)
+    watcher.check()
+    route = lifecycle.writer.read(ALIAS)
+    assert route is not None and route.canary is None
+    event = lifecycle.writer.history(ALIAS)[0]
+    if required:
+        assert route.active == 1 and event["kind"] == "rollback"
+        assert event["detail"]["reason"].startswith("reward_unchecked: could not check")
+    else:
+        assert route.active == 2
+        assert "; reward guard could not check: too few raters" in event["detail"]["reason"]
