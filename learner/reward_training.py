@@ -43,7 +43,7 @@ from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
 from learner.ratings import RatingsJoin, new_ratings_key, newest_ratings, read_ratings
 from ratchet.lifecycle import EventSink
-from ratchet.records import DeadLetter, FeedbackRecord, TrafficRecord, decode
+from ratchet.records import ANONYMOUS_CLIENT, DeadLetter, FeedbackRecord, TrafficRecord, decode
 from ratchet.rewards.rated import RatedAnswer
 from ratchet.rewards.reward_model import (
     AnswerFeatures,
@@ -205,8 +205,10 @@ class RewardTrainer:
         pool = [a for a, held in newest_first if not held]
         # The cap on what the model learns from is not lifted below 1/share raters
         # (learner/fair.py): too few raters train no model, rather than one fitted to one or
-        # two raters' taste.
-        trained, passed_over = fair_select(pool, owner_of, len(pool), share, lift=False)
+        # two raters' taste. A stack without keys has no raters to tell apart (every rating is
+        # the anonymous client's, whom the operator trusts by turning auth off): no cap there.
+        lift = anonymous_only(answers)
+        trained, passed_over = fair_select(pool, owner_of, len(pool), share, lift=lift)
         # The evaluation decides whether the model is used at all: no client may own it either.
         # Its few prompts may come from fewer raters than the training set's: an even split.
         held_out = [a for a, held in newest_first if held]
@@ -322,10 +324,16 @@ def _keep_live(previous: RewardStatus | None, newest: RewardStatus) -> RewardSta
     return replace(previous, reason=f"{reason}; {what} not live: {newest.reason}")
 
 
+def anonymous_only(answers: list[RatedAnswer]) -> bool:
+    """Every rating came without a key (auth off: one anonymous client, ratchet.records)."""
+    return bool(answers) and all(a.owner == ANONYMOUS_CLIENT for a in answers)
+
+
 def too_few_raters(answers: list[RatedAnswer], share: float) -> str | None:
-    """Why no model can be trained with each rater at most ``share`` of it, if that is why."""
+    """Why no model can be trained with each rater at most ``share`` of it, if that is why
+    (never on a stack without keys, where raters cannot be told apart: see ``split``)."""
     raters, needed = len({a.owner for a in answers}), keys_needed(share)
-    if raters >= needed:
+    if raters >= needed or anonymous_only(answers):
         return None
     return (
         f"could not check: too few raters ({raters} < {needed}; "

@@ -30,7 +30,7 @@ from learner.ratings import (
     ratings_key,
     read_ratings,
 )
-from learner.reward_training import RatingsCollector, RewardTrainer
+from learner.reward_training import RatingsCollector, RewardTrainer, too_few_raters
 from ratchet.lease import LeaseKeeper
 from ratchet.records import (
     FEEDBACK_TOPIC,
@@ -819,6 +819,20 @@ def test_the_evaluation_set_is_capped_per_client_like_the_training_set(
         assert len(chosen) > 20 and flooded <= 0.2 * len(chosen) + 1e-9, (flooded, len(chosen))
     # The newest of a flooder's ratings are the ones kept.
     assert max(int(a.completion_id[1:]) for a in trained if a.owner == "mallory") > 390
+
+
+def test_a_stack_without_keys_trains_on_all_its_ratings_and_a_few_keys_on_none(
+    settings: RatchetSettings, client: redis.Redis, tmp_path: Path
+) -> None:
+    """Auth off: every rating is the one anonymous client's, whom no cap can tell from another
+    (the dev stack learns from its ratings); with keys, fewer than 1/share raters train nothing."""
+    trainer = RewardTrainer(settings, client, AdapterStore(tmp_path / "s"), tmp_path)
+    anonymous = [RatedAnswer([], "a", float(i % 2), "-", f"p{i}", f"m{i}") for i in range(80)]
+    trained, held, passed_over = trainer.split(anonymous, 0.25, 0.2)
+    assert len(trained) + len(held) == 80 and passed_over == 0
+    assert too_few_raters(anonymous, 0.2) is None
+    keyed = [RatedAnswer([], "a", 1.0, f"k{i % 3}", f"p{i}", f"m{i}") for i in range(80)]
+    assert "too few raters (3 < 5" in (too_few_raters(keyed, 0.2) or "")
 
 
 def test_a_one_key_app_with_fifty_users_trains_a_reward_model(
