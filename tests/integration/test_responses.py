@@ -362,3 +362,69 @@ def test_metadata_at_openais_bounds_is_echoed(client: openai.OpenAI) -> None:
         model=ALIAS, input="hi", metadata=metadata, max_output_tokens=1, store=False
     )
     assert response.metadata == metadata
+
+
+def test_input_tokens_are_the_prompt_tokens_the_same_request_is_charged(
+    embedded: Embedded, client: openai.OpenAI
+) -> None:
+    """The official client's ``responses.input_tokens.count``: vLLM's tokenization of the chat
+    the request becomes, equal to the prompt_tokens of that request's answer and of the same
+    conversation sent as chat; counted without an exchange on ratchet.traffic."""
+    request: dict[str, Any] = {
+        "model": ALIAS,
+        "input": "What is the weather in Oslo?",
+        "instructions": "Use the tool.",
+        "tools": [WEATHER],
+    }
+    counted = client.responses.input_tokens.count(
+        **request, extra_headers={"x-request-id": "count-oslo"}
+    )
+    assert counted.object == "response.input_tokens" and counted.input_tokens > 0
+    answer = client.responses.create(**request, max_output_tokens=1, store=False)
+    assert answer.usage is not None and answer.usage.input_tokens == counted.input_tokens
+    function: Any = {key: value for key, value in WEATHER.items() if key != "type"}
+    chat = client.chat.completions.create(
+        model=ALIAS,
+        messages=[
+            {"role": "system", "content": "Use the tool."},
+            {"role": "user", "content": "What is the weather in Oslo?"},
+        ],
+        tools=[{"type": "function", "function": function}],
+        max_tokens=1,
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == counted.input_tokens
+    plain = client.responses.input_tokens.count(model=ALIAS, input="What is the weather?")
+    assert 0 < plain.input_tokens < counted.input_tokens  # no tool, no instructions
+
+    logged(embedded, completion_id(answer.id))  # the log worker is past the count by now
+    counts = embedded.find_records(
+        TRAFFIC_TOPIC,
+        lambda r: isinstance(r, TrafficRecord) and r.client_request_id == "count-oslo",
+        timeout_s=5,
+    )
+    assert counts == []
+
+
+def test_input_tokens_continue_a_stored_response_for_its_key_only(
+    embedded: Embedded, client: openai.OpenAI
+) -> None:
+    first = client.responses.create(model=ALIAS, input="My name is Ada.", max_output_tokens=6)
+    follow_up: dict[str, Any] = {
+        "model": ALIAS,
+        "input": "What is my name?",
+        "previous_response_id": first.id,
+    }
+    counted = client.responses.input_tokens.count(**follow_up)
+    second = client.responses.create(**follow_up, max_output_tokens=1, store=False)
+    assert second.usage is not None and second.usage.input_tokens == counted.input_tokens
+    stranger = httpx.post(
+        f"{embedded.proxy_url}/v1/responses/input_tokens",
+        json=follow_up,
+        headers={"Authorization": "Bearer someone-else"},
+        timeout=30,
+    )
+    assert stranger.status_code == 404 and stranger.json()["error"]["code"] == "response_not_found"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.input_tokens.count(model=ALIAS, input="hi", truncation="auto")
+    body = refused.value.body
+    assert isinstance(body, dict) and body["param"] == "truncation"
