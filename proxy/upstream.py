@@ -255,12 +255,12 @@ class Upstream:
         blackholed past the connect timeout) goes to the next one chosen, up to
         ``faults.retries`` others; that replica is out until its health check passes. Once
         the body went upstream it is never sent again. With none left, a 503. A 200 whose
-        body's first byte does not come within ``faults.first_byte_timeout_s`` is a 504
-        ``upstream_stalled``: the replica's fault, never the client's (who has read nothing
-        yet). No answer within the whole timeout is a 504 ``upstream_timeout``. Each outcome
-        counts for or against the replica (:class:`ratchet.ejection.Outliers`). The replica
-        counts the request as outstanding until its response is released (read whole, or
-        relayed and released)."""
+        body's first byte does not come within ``faults.first_byte_timeout_s``, on a replica
+        whose engine then fails a probe too, is a 504 ``upstream_stalled``: the replica's
+        fault, never the client's (who has read nothing yet). No answer within the whole
+        timeout is a 504 ``upstream_timeout``. Each outcome counts for or against the replica
+        (:class:`ratchet.ejection.Outliers`). The replica counts the request as outstanding
+        until its response is released (read whole, or relayed and released)."""
         tried: set[str] = set()
         while True:
             replica = self.choose(key, exclude=tried, conversation=conversation)
