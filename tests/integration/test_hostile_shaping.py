@@ -123,7 +123,7 @@ def test_hostile_shaping(hostile: Env, case: Case) -> None:
 def test_identifiers_and_comments_are_redacted_in_the_records_and_the_export(
     hostile: Env, tmp_path: Path
 ) -> None:
-    """Audit N-5: the x-request-id, the answer's id (vLLM makes it of the body's request_id)
+    """Audit N-5: the x-request-id, the answer's id (the client's request_id is in it)
     and a rating's comment were logged, and exported, as the client sent them. Each reaches
     ratchet.traffic, ratchet.feedback and the ratings export redacted; the rating still joins
     its answer (both ids are redacted alike), and the export's files are 0600 (N-12)."""
@@ -141,12 +141,14 @@ def test_identifiers_and_comments_are_redacted_in_the_records_and_the_export(
     answer = httpx.post(f"{url}/chat/completions", json=body, headers=headers, timeout=120)
     assert answer.status_code == 200, answer.text
     completion_id = answer.json()["id"]
-    assert completion_id == f"chatcmpl-{marker}:bob@example.com"  # the client sees its own id
+    # vLLM's id: the proxy's request id, then the client's own (proxy/answer_ids.py)
+    proxy_part = completion_id[: len("chatcmpl-") + 32]
+    assert completion_id == f"{proxy_part}-{marker}:bob@example.com"
     rating = {"completion_id": completion_id, "score": 1, "comment": "mail carol@example.com"}
     rated = httpx.post(f"{url}/feedback", json=rating, headers=headers, timeout=30)
     assert rated.status_code == 200, rated.text
 
-    redacted_id = f"chatcmpl-{marker}:{REDACTED}"
+    redacted_id = f"{proxy_part}-{marker}:{REDACTED}"  # the client's part alone redacted
     [traffic] = embedded.find_records(
         TRAFFIC_TOPIC,
         lambda r: isinstance(r, TrafficRecord) and r.client_request_id == f"{marker} {REDACTED}",
