@@ -12,6 +12,7 @@ from learner.canary_clients import (
     client_test,
     client_units,
     look_sizes,
+    padded,
     raters,
     t_quantile,
     trimmed,
@@ -68,7 +69,21 @@ def test_trimming_drops_the_extremes_and_yuen_error_uses_the_winsorized_spread()
     winsorized = [0.4, 0.5, 0.5, 0.6, 0.4, 0.5, 0.5, 0.6, 0.4, 0.6]
     mean = sum(winsorized) / 10
     variance = sum((w - mean) ** 2 for w in winsorized) / 9
-    assert kept.error2 == pytest.approx(9 * variance / (8 * 7))
+    yuen = 9 * variance / (8 * 7)
+    # Never more precise than the untrimmed mean with a 0 and a 1 added (padded).
+    assert kept.error2 == pytest.approx(max(yuen, padded(units).error2))
+    assert kept.error2 > yuen  # ten units this close: the untrimmed floor holds
+
+
+def test_thumbs_are_not_trimmed_and_never_exact() -> None:
+    """Units that are each 0 or 1: a 10% trim of 0.95 approval would keep only ones."""
+    units = [1.0] * 38 + [0.0] * 2
+    kept = trimmed(units, 0.1)
+    assert kept.kept == 42 and kept.mean == pytest.approx(39 / 42)
+    assert kept.error2 == pytest.approx(padded(units).error2) and kept.error2 > 0
+    # A trim that would leave only ties (a high approval rate over three ratings): none either.
+    tied = [1.0] * 36 + [2 / 3] * 4
+    assert trimmed(tied, 0.1).mean == pytest.approx(padded(tied).mean)
 
 
 def test_the_t_quantile_is_close_to_the_tables() -> None:
@@ -76,6 +91,11 @@ def test_the_t_quantile_is_close_to_the_tables() -> None:
     assert t_quantile(0.975, 10) == pytest.approx(2.228, abs=2e-3)
     assert t_quantile(0.99, 20) == pytest.approx(2.528, abs=2e-3)
     assert t_quantile(0.95, 60) == pytest.approx(1.671, abs=1e-3)
+    # Exact at few degrees of freedom too, where an expansion in 1/df is far too narrow.
+    assert t_quantile(0.99, 1) == pytest.approx(31.821, abs=1e-3)
+    assert t_quantile(0.975, 2) == pytest.approx(4.303, abs=1e-3)
+    assert t_quantile(0.995, 3.5) == pytest.approx(4.9, abs=0.2)
+    assert t_quantile(0.95, 10_000) == pytest.approx(1.645, abs=1e-3)
 
 
 def test_looks_are_at_min_clients_doubling() -> None:
@@ -156,9 +176,49 @@ def test_a_canary_worse_by_the_margin_is_promoted_at_most_alpha_of_the_time(seed
     assert promoted / runs <= 0.05 + 3 * 0.013, promoted
 
 
-def test_an_exact_tie_with_no_spread_is_decided_without_a_spread() -> None:
+def test_no_spread_is_not_taken_for_an_exact_difference() -> None:
     look = Look.of([1.0] * 20, [1.0] * 20, 0.1, 0.01)
-    assert look.lower == look.upper == 0.0 and look.decision(0.1) == "pass"
+    assert look.drop == 0.0 and look.lower < -0.05 and look.upper > 0.05
+
+
+@pytest.mark.parametrize(
+    ("clients", "per_client", "anonymous"), [(40, 1, False), (80, 1, False), (80, 1, True)]
+)
+def test_thumbs_at_a_high_approval_rate_do_not_promote_a_clearly_worse_canary(
+    clients: int, per_client: int, anonymous: bool
+) -> None:
+    """Canary 0.80 against active 0.95 (0.15 worse, margin 0.1), one thumb per client or a
+    stack without keys: trimmed 0/1 units looked exact and this was promoted 17-21% of runs."""
+    rng = random.Random(clients + anonymous)
+    config = CONFIG.model_copy(update={"client_ratings": per_client})
+
+    def arm(p: float, prefix: str) -> list[Rating]:
+        if anonymous:
+            return [Rating(ANONYMOUS_CLIENT, float(rng.random() < p)) for _ in range(clients)]
+        return population(rng, clients, p, per_client, prefix)
+
+    runs = 300
+    promoted = sum(
+        client_test(arm(0.95, "a"), arm(0.8, "c"), config, ended=True).decision == "pass"
+        for _ in range(runs)
+    )
+    assert promoted / runs <= 0.05 + 3 * 0.013, promoted
+
+
+def test_an_inconclusive_last_look_leaves_the_ratings_undecided() -> None:
+    """Equal arms at the min_clients boundary: the last look does not roll back what it cannot
+    tell apart (more raters must never make the default harsher than fewer)."""
+    rng = random.Random(4)
+    config = CONFIG.model_copy(update={"client_ratings": 1})
+    decisions = [
+        client_test(
+            population(rng, 20, 0.8, 1, "a"), population(rng, 20, 0.8, 1, "c"), config, True
+        )
+        for _ in range(100)
+    ]
+    assert sum(d.decision == "fail" for d in decisions) <= 5
+    undecided = [d for d in decisions if d.decision == "continue"]
+    assert undecided and all(d.reason.startswith("inconclusive at 20") for d in undecided)
 
 
 def test_a_vouching_apps_users_decide_its_canary() -> None:
