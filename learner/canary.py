@@ -12,7 +12,9 @@ transaction that starts the canary, so a restarted learner carries on counting.
 
 * nothing before ``min_requests`` canary answers counted by client (:func:`counted`: each
   client's up to ``client_request_share`` of them, 4xx answers not at all);
-* roll back if the canary's error rate is worse than the active arm's beyond the margin;
+* roll back if the canary's upstream failures are worse than the active arm's beyond the
+  margin, each client one unit (its own failure share) and the arms compared by a test with
+  ``min_clients`` on each (learner/canary_errors.py);
 * the test over clients (learner/canary_clients.py) promotes or rolls back at any of its looks;
 * otherwise it waits: an alias that learns from ratings until ``feedback_wait_s`` (never unrated
   in its first seconds, however busy), one that does not until ``min_duration_s``. Then the test
@@ -48,6 +50,7 @@ import redis
 
 from learner.canary_clients import ClientEvidence, ClientTest, client_evidence
 from learner.canary_counter import CanaryCounter
+from learner.canary_errors import ErrorEvidence, error_rollback
 from learner.canary_ratings import Rating
 from learner.exchanges import read_exchanges
 from learner.leases import AliasLeases
@@ -116,11 +119,14 @@ def canary_verdict(
     age_s: float,
     evidence: ClientEvidence,
     expects_ratings: bool = True,
+    errors: ErrorEvidence | None = None,
 ) -> tuple[Verdict, str]:
     """What to do with a canary that has been running for ``age_s`` seconds, and why.
     ``active`` and ``canary`` are counted by client (:func:`counted`); ``evidence`` is the test
     over the clients that rated (learner/canary_clients.py); ``expects_ratings``: the alias
-    learns from ratings, so it is not decided unrated before ``feedback_wait_s``."""
+    learns from ratings, so it is not decided unrated before ``feedback_wait_s``; ``errors``:
+    the arms' failures by client (learner/canary_errors.py; None: each counted request a
+    client, as the anonymous client's are)."""
     served = min(active.clients, canary.clients)
     few = served < config.min_clients
     waited = age_s >= config.feedback_wait_s
@@ -133,12 +139,14 @@ def canary_verdict(
             f"({canary.clients} clients, each counted up to {request_cap(config)})"
         )
     if not few or waited:
-        excess = canary.error_rate - active.error_rate
-        if excess > config.max_error_rate_increase:
-            return "rollback", (note if few else "") + (
-                f"error_rate: canary {canary.error_rate:.3f} vs active {active.error_rate:.3f} "
-                f"(+{excess:.3f} > {config.max_error_rate_increase})"
+        if errors is None:
+            errors = ErrorEvidence.of(
+                {ANONYMOUS_CLIENT: (active.requests, active.errors)},
+                {ANONYMOUS_CLIENT: (canary.requests, canary.errors)},
             )
+        failing = error_rollback(errors, config, few)
+        if failing is not None:
+            return "rollback", (note if few else "") + failing
     test = evidence.test
     if test.decision == "pass":
         return "promote", f"ratings: not worse by {config.max_feedback_drop}: {test.reason}"
@@ -279,10 +287,9 @@ class CanaryWatcher:
             version, started, raw = read_counts(self.redis, alias)
             if version != route.canary or started is None:
                 continue  # a canary set by hand, or counts not reset yet: nothing to judge by
-            stats = {
-                arm: counted(raw[arm], read_client_counts(self.redis, alias, arm), config.canary)
-                for arm in ARMS
-            }
+            per_client = {arm: read_client_counts(self.redis, alias, arm) for arm in ARMS}
+            stats = {arm: counted(raw[arm], per_client[arm], config.canary) for arm in ARMS}
+            errors = ErrorEvidence.of(per_client["active"], per_client["canary"])
             for arm in ARMS:
                 self.metrics.canary_requests.labels(alias, arm).set(stats[arm].served)
                 self.metrics.canary_error_rate.labels(alias, arm).set(stats[arm].error_rate)
@@ -305,6 +312,7 @@ class CanaryWatcher:
                 age_s,
                 evidence,
                 config.reward.learns_from_ratings,
+                errors,
             )
             if verdict == "promote":
                 guard = self.reward_gap(alias, route, config)

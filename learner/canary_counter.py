@@ -63,25 +63,20 @@ return 1
 # upstream_error: it answered 5xx, or dropped the answer or the stream), could not load the
 # version (502 adapter_unavailable), could not be reached (503 upstream_unavailable), or stalled:
 # nothing past the first-byte deadline and its engine's probe failed (504 upstream_stalled,
-# proxy/upstream.py: the replica's fault, whatever the client reads). A whole
-# answer that did not come within proxy.upstream_timeout_s (504 upstream_timeout, not streamed)
-# counts too: the proxy reads it at its own pace, so the replica stalled or the version
-# generates too long (a client can ask for a long max_tokens, but its failures weigh no more
-# than its share of requests: learner/canary.py). Not counted: a stream cut at that deadline
-# (the record cannot tell a stalled replica from a client that stopped reading and so held the
-# stream back), every 4xx (the client's request), and the proxy's own refusals and errors (429,
-# 413, 500, 503 queue_full, ...), which say nothing about the version.
+# proxy/upstream.py: the replica's fault, whatever the client reads; issue 55: a version whose
+# answers never start must fail its canary). Not counted: 504 upstream_timeout, a whole answer
+# or a stream not finished within proxy.upstream_timeout_s, since a client provokes one with a
+# large max_tokens or a slow read; every 4xx (the client's request); and the proxy's own
+# refusals and errors (429, 413, 500, 503 queue_full, ...), which say nothing about the version.
 UPSTREAM_FAILURES = frozenset(
     {"upstream_error", "adapter_unavailable", "upstream_unavailable", "upstream_stalled"}
 )
-TIMEOUT = "upstream_timeout"
 
 
 def is_upstream_failure(record: TrafficRecord) -> bool:
     if record.error is None:
         return False
-    code = record.error.get("code")
-    return code in UPSTREAM_FAILURES or (code == TIMEOUT and not record.stream)
+    return record.error.get("code") in UPSTREAM_FAILURES
 
 
 def is_refused(record: TrafficRecord) -> bool:

@@ -17,6 +17,7 @@ import pytest
 from learner import canary_counter
 from learner.canary import CanaryWatcher, canary_verdict, counted, request_cap
 from learner.canary_clients import client_evidence
+from learner.canary_errors import ErrorEvidence, error_rollback
 from learner.canary_ratings import Rating
 from learner.canary_weight import minute_of, requests_key
 from learner.leases import lease_key
@@ -109,11 +110,35 @@ def test_the_verdict_rolls_back_on_an_error_rate_excess() -> None:
     # An error rate excess does not wait for ratings, and good ratings do not outweigh it.
     good = ratings([0.0] * 20, [1.0] * 20)
     assert good.test.decision == "pass"
-    verdict, reason = canary_verdict(arm(100, errors=1), arm(10, errors=1), CONFIG, 0.0, good)
+    verdict, reason = canary_verdict(arm(100, errors=1), arm(10, errors=8), CONFIG, 0.0, good)
     assert verdict == "rollback" and reason.startswith("error_rate:")
+    # One failure in ten is not shown to be worse by more than the margin on ten units.
+    verdict, _ = canary_verdict(arm(100, errors=1), arm(10, errors=1), CONFIG, 0.0, good)
+    assert verdict == "promote"
     # At the margin exactly (0.05 more), not beyond it: the canary is fine.
     verdict, _ = canary_verdict(arm(100), arm(100, errors=5), CONFIG, LATE, NONE)
     assert verdict == "promote"
+
+
+def test_errors_are_counted_by_client_and_one_key_cannot_veto() -> None:
+    """Audit: one key (5 requests counted) provoking failures vetoed through a flat error-rate
+    threshold. Each client is one unit, its own share of failures, and a rollback needs a
+    test on min_clients clients an arm."""
+    honest = {f"u{i}": (5, 0) for i in range(30)}
+    one_key = ErrorEvidence.of(honest, {**honest, "mallory": (5, 5)})
+    assert one_key.excess() == pytest.approx(1 / 31)  # past the default margin, 0.02
+    default = CONFIG.model_copy(update={"max_error_rate_increase": 0.02})
+    assert error_rollback(one_key, default, few=False) is None
+    verdict, _ = canary_verdict(arm(150), arm(155), default, LATE, NONE, errors=one_key)
+    assert verdict == "promote"
+    broken = ErrorEvidence.of(honest, {f"u{i}": (5, 3) for i in range(30)})
+    reason = error_rollback(broken, CONFIG, few=False)
+    assert reason is not None and reason.startswith("error_rate: canary 0.600")
+    # Fewer clients than min_clients: no test to make, so nothing before the wait; after it
+    # the point estimate decides.
+    few = ErrorEvidence.of({"a": (5, 0)}, {"a": (5, 2)})
+    assert error_rollback(few, CONFIG, few=False) is None
+    assert error_rollback(few, CONFIG, few=True) is not None
 
 
 def test_the_verdict_follows_the_client_test_as_soon_as_it_decides() -> None:
@@ -322,8 +347,8 @@ def test_an_error_rate_excess_rolls_the_canary_back(
     start_canary(lifecycle)
     watcher = watcher_for(settings, lifecycle)
     messages = [traffic("active", 1) for _ in range(20)]
-    messages += [traffic("canary", 2, status=502, code="upstream_error") for _ in range(2)]
-    messages += [traffic("canary", 2) for _ in range(8)]
+    messages += [traffic("canary", 2, status=502, code="upstream_error") for _ in range(8)]
+    messages += [traffic("canary", 2) for _ in range(2)]
     watcher.count(messages)
     watcher.check()
     assert route_of(lifecycle) == (1, None)
@@ -363,9 +388,9 @@ def test_client_errors_are_not_the_canarys_fault(
         (502, "adapter_unavailable", False, 4, 4),  # vLLM could not load the version
         (503, "upstream_unavailable", False, 4, 4),  # vLLM unreachable
         (504, "upstream_stalled", True, 4, 4),  # the replica stalled (its probe failed)
-        (504, "upstream_timeout", False, 4, 4),  # a whole answer the replica did not finish
-        # A stream past the deadline: a client that stops reading holds it back, and the record
-        # cannot tell that from a stalled replica.
+        # Past proxy.upstream_timeout_s, whole or streamed: a client provokes it with a large
+        # max_tokens or a slow read, so it is not the version's failure.
+        (504, "upstream_timeout", False, 4, 0),
         (504, "upstream_timeout", True, 4, 0),
         (400, "upstream_rejected", False, 0, 0),  # vLLM refused the client's request
         (400, "invalid_value", False, 0, 0),
@@ -691,7 +716,9 @@ def test_two_replicas_decide_a_canary_once(settings: RatchetSettings, lifecycle:
     route it read before, must not roll the active version back as well."""
     start_canary(lifecycle)
     first, second = watcher_for(settings, lifecycle), watcher_for(settings, lifecycle)
-    first.count(healthy_traffic(10) + [traffic("canary", 2, status=502, code="upstream_error")] * 5)
+    first.count(
+        healthy_traffic(10) + [traffic("canary", 2, status=502, code="upstream_error")] * 10
+    )
     first.check()
     assert route_of(lifecycle) == (1, None)
     second.check()  # its routes still show v2 on canary
