@@ -102,8 +102,10 @@ class CanaryConfig(_Section):
         ge=0.0,
         le=1.0,
         description=(
-            "Roll back when the canary's server error rate exceeds the active arm's by more than "
-            "this."
+            "Roll back when the canary's upstream failure rate exceeds the active arm's by more "
+            "than this, shown at canary.alpha over min_clients clients an arm, each client one "
+            "unit (its own share of failures; learner/canary_errors.py). With fewer clients "
+            "served the point estimate decides once feedback_wait_s has passed."
         ),
     )
     max_feedback_drop: float = Field(
@@ -134,8 +136,9 @@ class CanaryConfig(_Section):
         default=1024,
         ge=1,
         description=(
-            "Client pairs (one client from each arm) after which a test that has not shown the "
-            "canary not worse rolls it back (learner/canary_clients.py)."
+            "Clients on each arm up to which the test over clients schedules interim looks "
+            "(min_clients, doubling, learner/canary_clients.py); past it the test only looks "
+            "again when feedback_wait_s runs out. Reaching it decides nothing by itself."
         ),
     )
     feedback_wait_s: float = Field(
@@ -144,8 +147,9 @@ class CanaryConfig(_Section):
         description=(
             "Ratings arrive after the answers they rate: wait up to this long (from the "
             "canary's start) for the test over clients to decide, then let it look once at every "
-            "client that rated (at least 30 pairs: else error rate and the clients' mean "
-            "decide). An alias that learns from ratings is never decided unrated before it; an "
+            "client that rated (at least min_clients on each arm; with fewer, or a look that "
+            "cannot tell the arms apart, the error rate decides, and with fewer than min_clients "
+            "clients served, the clients' mean drop too). An alias that learns from ratings is never decided unrated before it; an "
             "alias with fewer than min_clients clients is decided on what it has once it has "
             "passed. 600 s, not 300: at 300 too many canaries 0.1 worse got through "
             "(docs/results/settings-measurements.md)."
