@@ -13,8 +13,9 @@ observation in [0, 1]: the mean of its first ``k = canary.client_ratings`` ratin
 *counts* on an arm (joins the arm's units) at its k-th rating on it, and its observation is then
 fixed: later ratings change nothing, and each arm stores at most k ratings of a client
 (learner/canary_counter.py). A client on both arms (the sticky key is the client's to choose, and
-random routing sends most clients to both) is one unit on each arm's side of the comparison, half
-of it: it moves the difference of the arms by as much as one client on one arm can, never twice.
+random routing sends most clients to both) is, for now, a full unit on each arm: it moves the
+difference of the arms by up to twice what a client on one arm can (issue 53 asks for half a
+unit on each; not done yet).
 
 The test: Yuen's two-sample trimmed-mean test, in a group-sequential plan with fixed looks.
 
