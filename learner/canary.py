@@ -18,8 +18,8 @@ transaction that starts the canary, so a restarted learner carries on counting.
 * the test over clients (learner/canary_clients.py) promotes or rolls back at any of its looks;
 * otherwise it waits: an alias that learns from ratings until ``feedback_wait_s`` (never unrated
   in its first seconds, however busy), one that does not until ``min_duration_s``. Then the test
-  looks once more, at every client that rated; with fewer than ``min_clients`` rating clients,
-  or a look that cannot tell the arms apart, the ratings do not decide and the error rate does
+  looks once more, at every client that rated (not shown within the margin: rolled back); with
+  fewer than ``min_clients`` rating clients the ratings do not decide and the error rate does
   (:func:`_after_wait`);
 * an alias with fewer clients served than ``min_clients`` on an arm waits ``feedback_wait_s``,
   then is decided on what it has, and the reason says so (:func:`_on_what_it_has`).
@@ -184,12 +184,9 @@ def _after_wait(
             f"ratings: when the wait ran out, not shown within {config.max_feedback_drop} of "
             f"the active arm: {ended.reason}"
         )
-    # Fewer clients rated than the look needs (min_clients on each arm), or the look could not
-    # tell the arms apart: the ratings do not decide, whichever way they lean, and the error
-    # rate (checked before) does. An inconclusive look is no rollback, or one more rater would
-    # turn the default from promote to rollback with no level held (the reason says which).
-    said = f"; ratings {ended.reason}" if ended.reason else ""
-    return "promote", f"{errors}; {_evidence(evidence)}{said}"
+    # Fewer clients rated than the look needs (min_clients on each arm): the ratings cannot
+    # decide, whichever way their few clients rate.
+    return "promote", f"{errors}; {_evidence(evidence)}"
 
 
 def _on_what_it_has(

@@ -42,12 +42,15 @@ APP, ATTACKER, ADMIN = "sk-canary-app", "sk-canary-attacker", "sk-canary-admin"
 USERS = 50
 ATTACKER_ANSWERS = 16
 # Small minimums so that 50 users decide: six clients an arm before any ratings verdict (looks at
-# 6, 12, 24 clients), one rating a client; a wait far longer than the test.
+# 6, 12, 24 clients), one rating a client; a wait far longer than the test. About 25 clients an
+# arm, all thumbs up, show "not worse" only by a wide margin (0.5): thumbs are never read as
+# exact (learner/canary_clients.py's padded), and the look at 24 is held to alpha/8 of alpha.
 CANARY = CanaryConfig(
     weight=0.5,
     min_requests=10,
     min_clients=6,
     client_ratings=1,
+    max_feedback_drop=0.5,
     feedback_wait_s=3600,
 )
 
