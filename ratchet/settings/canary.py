@@ -149,9 +149,10 @@ class CanaryConfig(_Section):
             "canary's start) for the test over clients to decide, then let it look once at every "
             "client that rated (at least min_clients on each arm: not shown within the margin, "
             "rolled back; with fewer raters the error rate decides, and with fewer than "
-            "min_clients clients served, the clients' mean drop too). An alias that learns from ratings is never decided unrated before it; an "
-            "alias with fewer than min_clients clients is decided on what it has once it has "
-            "passed. 600 s, not 300: at 300 too many canaries 0.1 worse got through "
+            "min_clients clients served, the clients' mean drop too). An alias that learns from "
+            "ratings is never decided unrated before it; an alias with fewer than min_clients "
+            "clients is decided on what it has once it has passed. 600 s, not 300: at 300 too "
+            "many canaries 0.1 worse got through "
             "(docs/results/settings-measurements.md)."
         ),
     )
