@@ -127,7 +127,7 @@ class FaultyReplicas:
                     if re.search(rb'"stream"\s*:\s*true', body):
                         writer.write(SSE_HEAD)
                     await writer.drain()
-                    await asyncio.sleep(3600)
+                    await asyncio.Event().wait()  # hung: never answers
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             # Cancelled at stop: ended here, as asyncio 3.11's server callback would raise it.

@@ -74,7 +74,7 @@ async def stalls(request: bytes, writer: asyncio.StreamWriter) -> None:
     a request not streamed, nothing at all."""
     if b'"stream":true' in request:
         writer.write(STREAM_HEAD)
-    await asyncio.sleep(3600)
+    await asyncio.Event().wait()  # hung: never answers
 
 
 async def slow_answers(request: bytes, writer: asyncio.StreamWriter) -> None:
@@ -345,7 +345,7 @@ async def test_a_hanging_dns_lookup_holds_up_neither_health_nor_the_fleet(
         nonlocal lookups
         lookups += 1
         if lookups > 1:
-            await asyncio.sleep(3600)  # the DNS server stopped answering
+            await asyncio.Event().wait()  # the DNS server stopped answering: never again
         return [(2, 1, 6, "", ("127.0.0.1", port))]
 
     monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
