@@ -43,7 +43,8 @@ from ratchet.settings.learner import (
     LossSettings,
     ScaleRewards,
 )
-from ratchet.settings.proxy import ProxySettings, RateLimitSettings, redaction_regex
+from ratchet.settings.proxy import ProxySettings, redaction_regex
+from ratchet.settings.proxy_bounds import RateLimitSettings
 from ratchet.settings.root import (
     DEFAULT_REDIS_URL,
     SECRETS_DIR_VARIABLE,
