@@ -20,9 +20,11 @@ when it enumerates the whole answer (``enum``/``const`` at the top, ``choice``).
 structural tag is a language of its own that is not analysed: on a learning alias it is refused.
 
 **Kin.** ``chat_template`` (a client template can end on its own assistant text), a short
-``allowed_token_ids`` and a positive ``logit_bias`` (each steers the answer to tokens the client
-chose) write the answer too. vLLM 0.32 ignores the removed ``guided_*`` fields, so they are not
-checked.
+``allowed_token_ids``, a positive ``logit_bias`` and one that bans more than
+:data:`MAX_BANNED_TOKENS` tokens (each steers the answer to tokens the client chose) write the
+answer too, as does a ``tool_choice`` that forces a call of tools whose parameters schemas are
+fixing (vLLM decodes the arguments under that schema). vLLM 0.32 ignores the removed
+``guided_*`` fields, so they are not checked.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ SHAPING_FLAGS: dict[str, bool] = {
 MAX_FIXED_ANSWERS = 16
 # allowed_token_ids this short spells the answer out of the client's tokens.
 MAX_FIXED_TOKENS = 16
+# Negative logit_bias entries past this many: banning nearly the whole vocabulary leaves the
+# answer to the few tokens left, as surely as a positive bias would. Any negative value counts
+# (a uniform -5 on all but a few tokens steers as -100 does). A vocabulary has 32k-150k tokens,
+# so honest bans (a few words, a language's script) fit and the model keeps its choice.
+MAX_BANNED_TOKENS = 1024
 # Levels of a schema (nesting and $ref hops together) read before counting stops: a cycle, or
 # a schema built to be slow.
 MAX_DEPTH = 64
@@ -97,7 +104,8 @@ def answer_shaping(payload: dict[str, Any], chat: bool = True) -> tuple[str, str
         return flag, f"{flag} (read as {value}) would have the answer repeat or continue its text"
     if chat and payload.get("chat_template"):  # vLLM takes "" as no template of the client's
         return "chat_template", "a client's chat template can end on text of its own"
-    for check in (_token_steering, _fixing_response_format, _fixing_structured_outputs):
+    checks = (_token_steering, _fixing_response_format, _fixing_structured_outputs, _forced_call)
+    for check in checks:
         found = check(payload)
         if found is not None:
             return found
@@ -112,18 +120,28 @@ def _token_steering(payload: dict[str, Any]) -> tuple[str, str] | None:
             f"{len(allowed)} allowed tokens would spell the answer out of the client's tokens",
         )
     bias = payload.get("logit_bias")
-    if isinstance(bias, dict) and any(_positive(value) for value in bias.values()):
+    if not isinstance(bias, dict):
+        return None
+    readings = [_bias(value) for value in bias.values()]
+    if any(reading > 0 for reading in readings):
         return "logit_bias", "a positive bias would push tokens the client chose into the answer"
+    banned = sum(reading < 0 for reading in readings)
+    if banned > MAX_BANNED_TOKENS:
+        return (
+            "logit_bias",
+            f"{banned} negative biases (more than {MAX_BANNED_TOKENS}) would leave the answer "
+            "only the tokens the client did not ban",
+        )
     return None
 
 
-def _positive(value: Any) -> bool:
-    """Whether vLLM's ``float`` reading of a bias is above 0 (it clamps to [-100, 100])."""
+def _bias(value: Any) -> float:
+    """vLLM's ``float`` reading of a bias (it clamps to [-100, 100]); 0 for one it refuses."""
     try:
         number = float(value)
     except (TypeError, ValueError, OverflowError):
-        return False
-    return number > 0
+        return 0.0
+    return number if math.isfinite(number) else 0.0
 
 
 def _fixing_response_format(payload: dict[str, Any]) -> tuple[str, str] | None:
@@ -168,6 +186,27 @@ def _fixing_structured_outputs(payload: dict[str, Any]) -> tuple[str, str] | Non
             return None  # vLLM refuses it
     if schema_fixing(schema):
         return param, "its json schema admits only answers the request wrote"
+    return None
+
+
+def _forced_call(payload: dict[str, Any]) -> tuple[str, str] | None:
+    """A ``tool_choice`` that forces a call (named, or ``required``) of tools whose
+    ``parameters`` schemas are each fixing: vLLM decodes the call's arguments under that schema,
+    so the client wrote the call the answer is."""
+    choice = payload.get("tool_choice")
+    tools = [t for t in payload.get("tools") or () if isinstance(t, dict)]
+    functions: list[dict[str, Any]] = [
+        t["function"] for t in tools if isinstance(t.get("function"), dict)
+    ]
+    if choice == "required":
+        forced = functions
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        forced = [f for f in functions if f.get("name") == name]
+    else:
+        return None
+    if forced and all(schema_fixing(f.get("parameters")) for f in forced):
+        return "tool_choice", "it forces a call whose arguments' schema admits only what it wrote"
     return None
 
 

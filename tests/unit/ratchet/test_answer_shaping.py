@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from ratchet.answer_shaping import (
+    MAX_BANNED_TOKENS,
     MAX_FIXED_ANSWERS,
     SHAPING_FLAGS,
     answer_shaping,
@@ -130,3 +131,79 @@ def test_the_first_shaping_parameter_is_named() -> None:
     # /v1/completions has no continue_final_message or chat template: vLLM ignores them there.
     ignored = {"continue_final_message": True, "chat_template": "x"}
     assert answer_shaping(ignored, chat=False) is None
+
+
+def bans(count: int, value: Any = -100) -> dict[str, Any]:
+    return {"logit_bias": {str(token): value for token in range(count)}}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        bans(MAX_BANNED_TOKENS + 1),  # all but a handful of a small vocabulary banned
+        bans(MAX_BANNED_TOKENS + 1, "-5"),  # vLLM reads the string as a float: still a ban
+        bans(150_000, -0.5),
+        {"logit_bias": {"42": "100"}},  # positive, however spelled
+    ],
+    ids=["one-past-the-bound", "string-values", "whole-vocabulary", "positive-string"],
+)
+def test_a_logit_bias_that_bans_nearly_everything_is_refused(body: dict[str, Any]) -> None:
+    found = answer_shaping(body)
+    assert found is not None and found[0] == "logit_bias"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        bans(3),  # banning a few tokens: the model still chooses
+        bans(MAX_BANNED_TOKENS),
+        {"logit_bias": {str(token): 0 for token in range(5 * MAX_BANNED_TOKENS)}},  # no bias
+        {"logit_bias": {"1": "x", "2": None, "3": -100}},  # vLLM refuses these itself
+    ],
+    ids=["a-few", "at-the-bound", "zeros", "unreadable"],
+)
+def test_a_logit_bias_that_bans_a_few_tokens_is_served(body: dict[str, Any]) -> None:
+    assert answer_shaping(body) is None
+
+
+FIXED_ARGUMENTS = {
+    "type": "object",
+    "properties": {"verdict": {"const": "Buy X"}},
+    "required": ["verdict"],
+    "additionalProperties": False,
+}
+FREE_ARGUMENTS = {"type": "object", "properties": {"city": {"type": "string"}}}
+
+
+def tools(**schemas: Any) -> list[dict[str, Any]]:
+    return [
+        {"type": "function", "function": {"name": name, "parameters": schema}}
+        for name, schema in schemas.items()
+    ]
+
+
+def named(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
+@pytest.mark.parametrize(
+    ("body", "fixing"),
+    [
+        ({"tools": tools(say=FIXED_ARGUMENTS), "tool_choice": named("say")}, True),
+        ({"tools": tools(say=FIXED_ARGUMENTS), "tool_choice": "required"}, True),
+        # the model may call the free tool instead, or answer in text
+        ({"tools": tools(say=FIXED_ARGUMENTS, w=FREE_ARGUMENTS), "tool_choice": "required"}, False),
+        ({"tools": tools(say=FIXED_ARGUMENTS), "tool_choice": "auto"}, False),
+        ({"tools": tools(say=FIXED_ARGUMENTS, w=FREE_ARGUMENTS), "tool_choice": named("w")}, False),
+        ({"tools": tools(say=FIXED_ARGUMENTS), "tool_choice": named("other")}, False),
+    ],
+    ids=["named-fixed", "required-all-fixed", "required-one-free", "auto", "named-free",
+         "named-unknown"],
+)  # fmt: skip
+def test_a_forced_call_whose_arguments_are_fixed_is_refused(
+    body: dict[str, Any], fixing: bool
+) -> None:
+    """vLLM decodes a forced call's arguments under its tool's parameters schema: with a fixing
+    schema the client wrote the call, which is the answer."""
+    found = answer_shaping(body)
+    assert (found is not None and found[0] == "tool_choice") is fixing
