@@ -3,15 +3,15 @@
 Run it from the repository root::
 
     .venv/bin/python bench/proxy_overhead.py [--requests 3000] [--concurrency 1,8,32]
+        [--modes json,responses] [--baseline-code /tmp/before]
 
 Method
 ------
 One run starts everything it measures, on free 127.0.0.1 ports, and stops it all again:
 
-* a *fast upstream*: a raw asyncio + httptools HTTP server in its own process that answers
-  ``POST /v1/chat/completions`` with a canned OpenAI-shaped body (echoing the ``model`` it was
-  sent; an SSE stream when ``stream`` is true) and ``GET /health``. It costs a few microseconds a
-  request, so what the proxy path adds over the direct path is the proxy's own cost;
+* a *fast upstream* (``bench/fast_upstream.py``, in its own process): canned OpenAI-shaped
+  answers that cost a few microseconds a request, so what the proxy path adds over the direct
+  path is the proxy's own cost;
 * its own Tansu broker and Redis, so the proxy runs with logging on exactly as in production;
 * one proxy per upstream, started the production way (``proxy.server.serve``: uvicorn, uvloop,
   httptools) with a config holding one alias, ``bench``, whose base model is the upstream's model
@@ -27,8 +27,16 @@ each send their next request as soon as the previous one is answered (a closed l
 Modes ``responses`` and ``responses-stream`` send the same conversations through the proxy as
 Responses API requests (``POST /v1/responses``, not stored), which it translates to the chat
 request the direct path sends: their added latency against the chat modes' is what the
-translation costs. Modes ``messages`` and ``messages-stream`` do the same with Anthropic Messages
-API requests (``POST /v1/messages``, the stream as Anthropic's events).
+translation costs; ``responses-stored`` sends them with ``store: true`` (OpenAI's default), so
+each answer is also saved in Redis under the key's quota. Modes ``messages`` and
+``messages-stream`` do the same with Anthropic Messages API requests (``POST /v1/messages``, the
+stream as Anthropic's events).
+
+Before and after, in one run: ``--baseline-code`` starts a second proxy from another checkout
+(``git worktree add /tmp/before <commit>``; the same venv, its Redis state in a database of its
+own) on the same upstream, broker and Redis, and every block rotates over the three paths
+(direct, this proxy, the baseline's; forward then backward), so both proxies see the same
+machine. Reported besides: this proxy's p50 over the baseline's, overall and per round.
 
 Per request latency is measured in the client, from send to the last byte of the answer.
 Reported: p50 and p99 per path, the added latency (proxy minus direct, in ms, per percentile),
@@ -59,20 +67,27 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import aiohttp
-import httptools
-import orjson
 import uvloop
 from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.overhead_workload import (
+    MODES,
+    Block,
+    PathStats,
+    make_bodies,
+    rotation,
+    route_of,
+    run_block,
+    summarise,
+)
 from embedded.processes import Part, Stack, free_port
 from embedded.stack import kafka_part, redis_part
 
@@ -87,123 +102,11 @@ TARGET_ADDED_P99_MS = 1.5
 TARGET_RESPONSES_GAP_MS = 0.1
 # The Anthropic Messages API (translated to chat in the proxy) against the chat path, c=1.
 TARGET_MESSAGES_GAP_MS = 0.05
+# --baseline-code: this checkout's proxy against the baseline's, each mode, c=1 (issue 54).
+TARGET_OVER_BASELINE_MS = 0.05
 
 # Wide enough for the results table when the output is piped to a file.
 console = Console(width=max(140, shutil.get_terminal_size((140, 40)).columns))
-
-
-# ---- the fast upstream ----------------------------------------------------------------------
-
-
-def _chat_answer(model: str) -> bytes:
-    body = orjson.dumps(
-        {
-            "id": "chatcmpl-bench",
-            "object": "chat.completion",
-            "created": 1700000000,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "Hello! How can I help?"},
-                    "logprobs": None,
-                    "finish_reason": "length",
-                }
-            ],
-            "usage": {"prompt_tokens": 31, "completion_tokens": 8, "total_tokens": 39},
-        }
-    )
-    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(
-        body
-    )
-    return head + body
-
-
-def _chat_stream(model: str, include_usage: bool) -> bytes:
-    def event(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-        return {
-            "id": "chatcmpl-bench",
-            "object": "chat.completion.chunk",
-            "created": 1700000000,
-            "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-        }
-
-    events = [event({"role": "assistant", "content": ""}, None)]
-    events += [event({"content": word}, None) for word in ("Hello", "! How", " can I", " help?")]
-    events.append(event({}, "length"))
-    if include_usage:
-        usage = {"prompt_tokens": 31, "completion_tokens": 8, "total_tokens": 39}
-        events.append({**event({}, None), "choices": [], "usage": usage})
-    datas = [b"data: " + orjson.dumps(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
-    chunks = b"".join(b"%x\r\n%s\r\n" % (len(d), d) for d in datas)
-    head = (
-        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-    )
-    return head + chunks + b"0\r\n\r\n"
-
-
-HEALTH_ANSWER = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
-NOT_FOUND = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
-
-
-class FastUpstream(asyncio.Protocol):
-    """One keep-alive connection: parse with httptools, answer with cached bytes."""
-
-    answers: ClassVar[dict[tuple[str, bool, bool], bytes]] = {}
-
-    def __init__(self) -> None:
-        self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.url = b""
-        self.body: list[bytes] = []
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            assert self.transport is not None
-            self.transport.close()
-
-    def on_message_begin(self) -> None:
-        self.url, self.body = b"", []
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-
-    def on_message_complete(self) -> None:
-        assert self.transport is not None
-        self.transport.write(self.answer())
-        if not self.parser.should_keep_alive():
-            self.transport.close()
-
-    def answer(self) -> bytes:
-        if self.url == b"/health":
-            return HEALTH_ANSWER
-        if self.url != b"/v1/chat/completions":
-            return NOT_FOUND
-        payload = orjson.loads(b"".join(self.body))
-        stream = bool(payload.get("stream"))
-        usage = bool((payload.get("stream_options") or {}).get("include_usage"))
-        key = (str(payload.get("model")), stream, usage)
-        cached = self.answers.get(key)
-        if cached is None:
-            cached = _chat_stream(key[0], usage) if stream else _chat_answer(key[0])
-            self.answers[key] = cached
-        return cached
-
-
-async def _serve_fast_upstream(port: int) -> None:
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(FastUpstream, "127.0.0.1", port, backlog=1024)
-    async with server:
-        await server.serve_forever()
 
 
 # ---- processes ------------------------------------------------------------------------------
@@ -248,7 +151,7 @@ def write_proxy_config(path: Path, base_model: str, rate_limit: bool = False) ->
 
 
 def proxy_env(
-    upstream_url: str, kafka: str, redis_url: str, home: Path, port: int
+    upstream_url: str, kafka: str, redis_url: str, home: Path, port: int, code: Path = REPO
 ) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
     env.update(
@@ -258,18 +161,19 @@ def proxy_env(
         RATCHET_HOME=str(home),
         RATCHET_PROXY__PORT=str(port),
         RATCHET_CONFIG=str(home / "ratchet.yaml"),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(code), env.get("PYTHONPATH")])),
     )
     return env
 
 
 def proxy_command(profile_to: Path | None) -> list[str]:
-    """The production entry point, ``proxy.server.serve``; optionally under cProfile."""
+    """The production entry point, ``proxy.server.serve``; optionally under cProfile. ``-P``:
+    the checkout comes from ``PYTHONPATH`` alone, not from the bench's working directory."""
     run = "from ratchet.settings import load_settings; from proxy.server import serve; "
     if profile_to is None:
-        return [sys.executable, "-c", run + "serve(load_settings())"]
+        return [sys.executable, "-P", "-c", run + "serve(load_settings())"]
     code = run + f"import cProfile; cProfile.run('serve(load_settings())', {str(profile_to)!r})"
-    return [sys.executable, "-c", code]
+    return [sys.executable, "-P", "-c", code]
 
 
 def start_proxy(
@@ -281,8 +185,10 @@ def start_proxy(
     redis_url: str,
     profile_to: Path | None,
     rate_limit: bool = False,
+    code: Path = REPO,
 ) -> str:
-    """Start one proxy for one upstream; wait until it reaches the upstream and Kafka."""
+    """Start one proxy for one upstream, from the checkout at ``code``; wait until it reaches
+    the upstream and Kafka."""
     home = stack.state_dir / name
     home.mkdir()
     write_proxy_config(home / "ratchet.yaml", base_model, rate_limit)
@@ -299,123 +205,13 @@ def start_proxy(
         address=url,
         is_ready=ready,  # readyz with Kafka up
         ready_timeout_s=90,
-        env=proxy_env(upstream_url, kafka, redis_url, home, port),
+        env=proxy_env(upstream_url, kafka, redis_url, home, port, code),
         # uvicorn re-raises the signal it caught after its graceful shutdown, and only
         # KeyboardInterrupt lets cProfile (--profile) write its file.
         stop_signal=signal.SIGINT,
     )
     start(stack, proxy)
     return url
-
-
-# ---- the workload ---------------------------------------------------------------------------
-
-PROMPTS = [
-    "Summarise the plot of Hamlet in two sentences.",
-    "Write a haiku about a lighthouse in winter.",
-    "What is the capital of Australia, and why not Sydney?",
-    "Give me three tips for writing clear commit messages.",
-    "Explain what a hash map is to a ten-year-old.",
-    "Translate 'good morning, how are you?' into French.",
-    "List four prime numbers larger than one hundred.",
-    "Suggest a name for a bakery that only sells bread.",
-]
-
-
-def make_bodies(
-    model: str,
-    n: int,
-    max_tokens: int,
-    stream: bool,
-    responses_api: bool = False,
-    messages_api: bool = False,
-) -> list[bytes]:
-    """``n`` request bodies; ``ignore_eos`` makes vLLM produce exactly ``max_tokens`` each.
-    ``responses_api``: the same conversations as Responses API bodies (``POST /v1/responses``,
-    which the proxy translates to the chat request the direct path sends), not stored;
-    ``messages_api``: as Anthropic Messages API bodies (``POST /v1/messages``), likewise."""
-    if messages_api:
-        return [
-            orjson.dumps(
-                {
-                    "model": model,
-                    "system": "You are a helpful assistant. Answer briefly.",
-                    "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                    "max_tokens": max_tokens,
-                    "temperature": 0.0,
-                    **({"stream": True} if stream else {}),
-                }
-            )
-            for i in range(n)
-        ]
-    if responses_api:
-        return [
-            orjson.dumps(
-                {
-                    "model": model,
-                    "instructions": "You are a helpful assistant. Answer briefly.",
-                    "input": PROMPTS[i % len(PROMPTS)],
-                    "max_output_tokens": max_tokens,
-                    "temperature": 0.0,
-                    "store": False,
-                    **({"stream": True} if stream else {}),
-                }
-            )
-            for i in range(n)
-        ]
-    bodies = []
-    for i in range(n):
-        payload: dict[str, Any] = {
-            "model": model,
-            "messages": [
-                {"role": "system", "content": "You are a helpful assistant. Answer briefly."},
-                {"role": "user", "content": PROMPTS[i % len(PROMPTS)]},
-            ],
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-        }
-        if stream:
-            payload["stream"] = True
-        bodies.append(orjson.dumps(payload))
-    return bodies
-
-
-@dataclass
-class Block:
-    latencies_s: list[float]
-    wall_s: float
-    errors: int
-
-
-async def run_block(
-    session: aiohttp.ClientSession, url: str, bodies: list[bytes], concurrency: int
-) -> Block:
-    """Send ``bodies`` from ``concurrency`` closed-loop workers; time each request."""
-    pending = iter(bodies)
-    latencies: list[float] = []
-    errors = 0
-    headers = {"Content-Type": "application/json"}
-
-    async def worker() -> None:
-        nonlocal errors
-        for body in pending:
-            started = time.perf_counter()
-            try:
-                async with session.post(url, data=body, headers=headers) as resp:
-                    await resp.read()
-                    ok = resp.status == 200
-            except aiohttp.ClientError:
-                ok = False
-            elapsed = time.perf_counter() - started
-            if ok:
-                latencies.append(elapsed)
-            else:
-                errors += 1
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return Block(latencies, time.perf_counter() - started, errors)
 
 
 @dataclass
@@ -430,16 +226,6 @@ class Plan:
 
 
 @dataclass
-class PathStats:
-    p50_ms: float
-    p99_ms: float
-    mean_ms: float
-    rps: float
-    n: int
-    errors: int
-
-
-@dataclass
 class Result:
     upstream: str
     mode: str
@@ -451,58 +237,43 @@ class Result:
     throughput_ratio: float
     # Median of each A-B-B-A round, to show how steady the added p50 was across the run.
     added_p50_by_round_ms: list[float] = field(default_factory=list)
-
-
-def summarise(blocks: list[Block]) -> PathStats:
-    latencies = [x for b in blocks for x in b.latencies_s]
-    if len(latencies) < 2:
-        raise RuntimeError("too few successful requests to summarise")
-    cuts = statistics.quantiles(latencies, n=100, method="inclusive")
-    wall = sum(b.wall_s for b in blocks)
-    return PathStats(
-        p50_ms=cuts[49] * 1000,
-        p99_ms=cuts[98] * 1000,
-        mean_ms=statistics.fmean(latencies) * 1000,
-        rps=len(latencies) / wall,
-        n=len(latencies),
-        errors=sum(b.errors for b in blocks),
-    )
-
-
-def abba(rounds: int) -> Iterator[str]:
-    for i in range(rounds):
-        yield from ("direct", "proxy") if i % 2 == 0 else ("proxy", "direct")
+    # --baseline-code: the other checkout's proxy on the same upstream, and this proxy's p50 over
+    # it (positive: this checkout is slower), overall and per round.
+    baseline: PathStats | None = None
+    over_baseline_p50_ms: float | None = None
+    over_baseline_by_round_ms: list[float] = field(default_factory=list)
 
 
 async def measure(
-    session: aiohttp.ClientSession, plan: Plan, direct_url: str, proxy_url: str, served: str
+    session: aiohttp.ClientSession, plan: Plan, target: Target, served: str
 ) -> Result:
-    stream = plan.mode.endswith("stream")
-    responses_api = plan.mode.startswith("responses")
-    messages_api = plan.mode.startswith("messages")
+    """One plan: the same conversations direct, through the proxy and, with a baseline,
+    through the baseline's proxy, in rotating blocks; each path warmed up first."""
+    paths = ("direct", "proxy") + (("baseline",) if target.baseline_url else ())
+    chat = "stream" if plan.mode.endswith("stream") else "json"  # what the direct path sends
     bodies = {
-        "direct": make_bodies(served, plan.block_size, plan.max_tokens, stream),
-        "proxy": make_bodies(
-            ALIAS, plan.block_size, plan.max_tokens, stream, responses_api, messages_api
-        ),
+        path: make_bodies(
+            served if path == "direct" else ALIAS,
+            plan.block_size,
+            plan.max_tokens,
+            chat if path == "direct" else plan.mode,
+        )
+        for path in paths
     }
-    route = "/v1/chat/completions"
-    if responses_api or messages_api:
-        route = "/v1/responses" if responses_api else "/v1/messages"
-    urls = {"direct": direct_url + "/v1/chat/completions", "proxy": proxy_url + route}
-    for path in ("direct", "proxy"):
+    urls = {
+        "direct": target.direct_url + "/v1/chat/completions",
+        "proxy": target.proxy_url + route_of(plan.mode),
+        "baseline": f"{target.baseline_url}{route_of(plan.mode)}",
+    }
+    for path in paths:
         warm = (bodies[path] * (plan.warmup // plan.block_size + 1))[: plan.warmup]
         await run_block(session, urls[path], warm, plan.concurrency)
-    blocks: dict[str, list[Block]] = {"direct": [], "proxy": []}
+    blocks: dict[str, list[Block]] = {path: [] for path in paths}
     rounds = max(1, plan.requests // plan.block_size)
-    for path in abba(rounds):
+    for path in rotation(paths, rounds):
         blocks[path].append(await run_block(session, urls[path], bodies[path], plan.concurrency))
     direct, proxy = summarise(blocks["direct"]), summarise(blocks["proxy"])
-    by_round = [
-        (statistics.median(p.latencies_s) - statistics.median(d.latencies_s)) * 1000
-        for d, p in zip(blocks["direct"], blocks["proxy"], strict=True)
-        if d.latencies_s and p.latencies_s
-    ]
+    baseline = summarise(blocks["baseline"]) if "baseline" in blocks else None
     return Result(
         upstream=plan.upstream,
         mode=plan.mode,
@@ -512,12 +283,37 @@ async def measure(
         added_p50_ms=proxy.p50_ms - direct.p50_ms,
         added_p99_ms=proxy.p99_ms - direct.p99_ms,
         throughput_ratio=proxy.rps / direct.rps,
-        added_p50_by_round_ms=[round(x, 4) for x in by_round],
+        added_p50_by_round_ms=round_gaps(blocks["direct"], blocks["proxy"]),
+        baseline=baseline,
+        over_baseline_p50_ms=proxy.p50_ms - baseline.p50_ms if baseline else None,
+        over_baseline_by_round_ms=(
+            round_gaps(blocks["baseline"], blocks["proxy"]) if baseline else []
+        ),
     )
 
 
-async def run_plans(plans: list[Plan], targets: dict[str, tuple[str, str, str]]) -> list[Result]:
-    """``targets`` maps an upstream name to (direct url, proxy url, served model name)."""
+def round_gaps(base: list[Block], other: list[Block]) -> list[float]:
+    """Per round, the median of ``other``'s block minus the median of ``base``'s, in ms."""
+    return [
+        round((statistics.median(o.latencies_s) - statistics.median(b.latencies_s)) * 1000, 4)
+        for b, o in zip(base, other, strict=True)
+        if b.latencies_s and o.latencies_s
+    ]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One upstream's paths: the upstream itself, this checkout's proxy in front of it and,
+    with ``--baseline-code``, the other checkout's proxy in front of it too."""
+
+    direct_url: str
+    proxy_url: str
+    served: str  # the upstream's model name
+    baseline_url: str | None = None
+
+
+async def run_plans(plans: list[Plan], targets: dict[str, Target]) -> list[Result]:
+    """``targets`` maps an upstream name to its paths."""
     # SIGTERM stops the run as Ctrl-C does: cancel this task; main() then stops the services.
     task = asyncio.current_task()
     assert task is not None
@@ -527,13 +323,15 @@ async def run_plans(plans: list[Plan], targets: dict[str, tuple[str, str, str]])
     results = []
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         for plan in plans:
-            direct_url, proxy_url, served = targets[plan.upstream]
+            target = targets[plan.upstream]
             label = f"{plan.upstream} {plan.mode} c={plan.concurrency}"
             with console.status(f"measuring {label} ({plan.requests} requests per path)"):
-                result = await measure(session, plan, direct_url, proxy_url, served)
+                result = await measure(session, plan, target, target.served)
+            over = result.over_baseline_p50_ms
             console.print(
                 f"  {label}: added p50 {result.added_p50_ms:+.3f} ms, "
                 f"p99 {result.added_p99_ms:+.3f} ms"
+                + ("" if over is None else f"; p50 over the baseline proxy {over:+.3f} ms")
             )
             results.append(result)
     return results
@@ -555,6 +353,7 @@ def print_table(results: list[Result]) -> None:
         "added p99",
         "added p50 per round",
         "tput ratio",
+        "over baseline p50",
     ):
         table.add_column(col, justify="right")
     for r in results:
@@ -570,6 +369,7 @@ def print_table(results: list[Result]) -> None:
             f"{r.added_p99_ms:+.3f}",
             _spread(r.added_p50_by_round_ms),
             f"{r.throughput_ratio:.2f}",
+            "-" if r.over_baseline_p50_ms is None else f"{r.over_baseline_p50_ms:+.3f}",
         )
     console.print(table)
     for r in results:
@@ -617,6 +417,17 @@ def check_targets(results: list[Result]) -> bool:
         console.print(
             f"target {api} added p50 within {limit} ms of chat's (fast upstream, c=1): "
             f"{translated.added_p50_ms:.3f} - {base.added_p50_ms:.3f} = {gap:+.3f} ms -> {verdict}"
+        )
+    for r in results:
+        over = r.over_baseline_p50_ms
+        if r.upstream != "fast" or r.concurrency != 1 or over is None:
+            continue
+        checks.append((f"{r.mode} p50 over the baseline", over, TARGET_OVER_BASELINE_MS))
+        verdict = "[green]MET" if over <= TARGET_OVER_BASELINE_MS else "[red]NOT MET"
+        console.print(
+            f"target {r.mode} p50 at most {TARGET_OVER_BASELINE_MS} ms over the baseline proxy "
+            f"(fast upstream, c=1): {over:+.3f} ms "
+            f"(per round {_spread(r.over_baseline_by_round_ms)}) -> {verdict}"
         )
     return all(value <= limit for _, value, limit in checks)
 
@@ -716,7 +527,7 @@ def run_metadata(args: argparse.Namespace) -> dict[str, Any]:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "aiohttp": aiohttp.__version__,
-        "args": {k: v for k, v in vars(args).items() if k != "serve_upstream"},
+        "args": vars(args),
     }
 
 
@@ -736,10 +547,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated list")
     parser.add_argument(
         "--modes",
-        default="json,stream,responses,responses-stream,messages,messages-stream",
-        help="json, stream, responses, responses-stream, messages, messages-stream (the last "
-        "four: the Responses or the Messages API through the proxy against chat direct, fast "
-        "upstream only)",
+        default=",".join(MODES),
+        help=f"of {', '.join(MODES)} (all but the first two: the Responses or the Messages API "
+        "through the proxy against chat direct, fast upstream only; responses-stored with "
+        "store: true)",
     )
     parser.add_argument("--vllm-max-tokens", type=int, default=8)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
@@ -756,7 +567,12 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="turn proxy.rate_limit on (limits no request reaches) to measure what it costs",
     )
-    parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--baseline-code",
+        type=Path,
+        help="another checkout (git worktree add /tmp/before <commit>) whose proxy is measured "
+        "in the same run, on the same upstream, in turn with this one's: the before/after gap",
+    )
     return parser.parse_args()
 
 
@@ -792,15 +608,17 @@ def start_stack(
     vllm_url: str,
     profile_dir: Path | None,
     rate_limit: bool = False,
-) -> dict[str, tuple[str, str, str]]:
-    """Broker, Redis, fast upstream and one proxy per upstream; return the targets."""
+    baseline_code: Path | None = None,
+) -> dict[str, Target]:
+    """Broker, Redis, fast upstream and one proxy per upstream (two with ``baseline_code``: the
+    baseline's keeps its Redis state in a database of its own); return the targets."""
     kafka_port, redis_port, fast_port = free_port(), free_port(), free_port()
     start(stack, kafka_part(f"127.0.0.1:{kafka_port}"))
     start(stack, redis_part(f"redis://127.0.0.1:{redis_port}/0", stack.state_dir))
     fast_url = f"http://127.0.0.1:{fast_port}"
     fast = Part(
         name="fast-upstream",
-        command=[sys.executable, __file__, "--serve-upstream", str(fast_port)],
+        command=[sys.executable, str(REPO / "bench" / "fast_upstream.py"), str(fast_port)],
         address=fast_url,
         is_ready=lambda: http_get(fast_url + "/health")[0] == 200,
         ready_timeout_s=60,
@@ -818,7 +636,22 @@ def start_stack(
             stack, f"proxy-{name}", url, model, kafka, redis_url, prof, rate_limit
         )
         console.print(f"proxy for {name} upstream ({url}) at {proxy_url}, logging to {kafka}")
-        targets[name] = (url, proxy_url, model)
+        baseline_url = None
+        if baseline_code is not None:
+            baseline_redis = f"redis://127.0.0.1:{redis_port}/1"
+            baseline_url = start_proxy(
+                stack,
+                f"baseline-{name}",
+                url,
+                model,
+                kafka,
+                baseline_redis,
+                None,
+                rate_limit,
+                baseline_code,
+            )
+            console.print(f"baseline proxy ({baseline_code}) for {name} at {baseline_url}")
+        targets[name] = Target(url, proxy_url, model, baseline_url)
     return targets
 
 
@@ -828,9 +661,6 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def main() -> int:
     args = parse_args()
-    if args.serve_upstream:
-        uvloop.run(_serve_fast_upstream(args.serve_upstream))
-        return 0
     with_vllm = vllm_reachable(args.vllm_url)
     if not with_vllm:
         message = f"vLLM at {args.vllm_url} is not reachable (GET /health failed)"
@@ -848,13 +678,15 @@ def main() -> int:
     stack = Stack([], workdir)
     try:
         profile_dir = args.out.resolve() if args.profile else None
-        targets = start_stack(stack, with_vllm, args.vllm_url, profile_dir, args.rate_limit)
+        targets = start_stack(
+            stack, with_vllm, args.vllm_url, profile_dir, args.rate_limit, args.baseline_code
+        )
         plans = make_plans(args, with_vllm)
         results = uvloop.run(run_plans(plans, targets))
         stack.check()
         print_table(results)
         met = check_targets(results)
-        logging = {name: drained_log_metrics(t[1]) for name, t in targets.items()}
+        logging = {name: drained_log_metrics(t.proxy_url) for name, t in targets.items()}
         for name, found in logging.items():
             sent = found[SENT]
             verdict = "[green]logging was on" if sent > 0 else "[red]NOTHING WAS LOGGED"
