@@ -21,6 +21,7 @@ next turn needs it sends it again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -30,7 +31,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter
 
 from proxy.errors import ProxyError
-from proxy.log.redaction import Redactor
+from proxy.log.redaction import Redactor, TooManyForInline
 from proxy.response_quota import StoreQuota
 from ratchet.settings import ProxySettings
 
@@ -39,6 +40,10 @@ log = logging.getLogger(__name__)
 KEY_PREFIX = "ratchet:response:"
 ANONYMOUS = "-"
 _ERRORS = (redis.RedisError, OSError, TimeoutError)
+# Entries up to this size, with up to this many matches, are redacted on the event loop: at
+# most about 0.5 ms of it (an RE2 scan of 16 KB, 16 matches at ~10 µs); others in a thread.
+INLINE_REDACT_BYTES = 16 * 1024
+INLINE_REDACT_MATCHES = 16
 
 
 def response_key(response_id: str) -> str:
@@ -83,7 +88,8 @@ class ResponseStore:
         # Checked before redaction too, so that redaction's time is bounded by max_bytes.
         if len(value) > self.max_bytes or (
             self.redactor is not None
-            and len(value := await self._redacted(self.redactor, entry)) > self.max_bytes
+            and len(value := await self._redacted(self.redactor, entry, len(value)))
+            > self.max_bytes
         ):
             self.saved.labels("too_large").inc()
             return False
@@ -99,11 +105,19 @@ class ResponseStore:
         return outcome == "stored"
 
     @staticmethod
-    async def _redacted(redactor: Redactor, entry: dict[str, Any]) -> bytes:
-        """The entry as stored: its response and conversation redacted (the owner is ours)."""
-        redact = redactor.begin()
+    async def _redacted(redactor: Redactor, entry: dict[str, Any], size: int) -> bytes:
+        """The entry as stored: its response and conversation redacted (the owner is ours).
+        A small entry with few matches is redacted in line (tens of µs), anything more in a
+        thread: the hop to a thread costs more than the redaction of a small entry (on a loaded
+        host, milliseconds), while a string of many matches costs ~10 µs each."""
         parts = {"response": entry["response"], "conversation": entry["conversation"]}
-        redacted = await asyncio.to_thread(redact, parts)
+        redacted: dict[str, Any] | None = None
+        if size <= INLINE_REDACT_BYTES:
+            with contextlib.suppress(TooManyForInline):
+                redacted = redactor.begin(inline_matches=INLINE_REDACT_MATCHES)(parts)
+        if redacted is None:
+            redacted = await asyncio.to_thread(redactor.begin(), parts)
+        assert redacted is not None
         return orjson.dumps({"owner": entry["owner"], **redacted})
 
     async def load(

@@ -37,6 +37,11 @@ MAX_KEPT_KEYS = 4096
 MAX_KEPT_KEY = 64
 
 
+class TooManyForInline(Exception):
+    """A redaction begun with ``inline_matches`` met more matches than that: the caller redacts
+    the value again off the event loop (:meth:`Redactor.begin`)."""
+
+
 class Redactor:
     """The configured patterns, as one RE2 regex, and the time one record may take.
 
@@ -57,9 +62,11 @@ class Redactor:
         # Dict keys, redacted: most are the API's own ("role", "content"), in every record.
         self.keys: dict[str, str] = {}
 
-    def begin(self) -> Redaction:
-        """The redaction of one record, its deadline starting now."""
-        return Redaction(self, time.monotonic() + self.budget_s)
+    def begin(self, inline_matches: int | None = None) -> Redaction:
+        """The redaction of one record, its deadline starting now. With ``inline_matches``, a
+        redaction cheap enough for the event loop or none: past that many matches in all it
+        raises :class:`TooManyForInline`."""
+        return Redaction(self, time.monotonic() + self.budget_s, inline_matches)
 
     def __call__(self, value: Any) -> Any:
         """``value`` redacted, on a budget of its own."""
@@ -72,9 +79,12 @@ class Redaction:
     ``REDACTED`` whole (never logged as it came), and :meth:`part` names the parts that were;
     so does a string with more than the redactor's ``max_matches``."""
 
-    def __init__(self, redactor: Redactor, deadline: float) -> None:
+    def __init__(
+        self, redactor: Redactor, deadline: float, inline_matches: int | None = None
+    ) -> None:
         self.redactor = redactor
         self.deadline = deadline
+        self.inline_matches = inline_matches  # the matches left before TooManyForInline
         self.over_budget = False
         self.too_many_matches = False  # some string was replaced whole for its matches
         self.failed: list[str] = []  # parts with strings replaced whole, in the record's words
@@ -128,6 +138,10 @@ class Redaction:
             if found > limit:
                 self.too_many_matches = True
                 return self._whole()
+            if self.inline_matches is not None:
+                self.inline_matches -= 1
+                if self.inline_matches < 0:
+                    raise TooManyForInline
             pieces += (text[end : match.start()], REDACTED)
             end = match.end()
         if not pieces:

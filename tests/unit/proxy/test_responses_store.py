@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from proxy.errors import ProxyError
 from proxy.log.redaction import REDACTED
 from proxy.response_quota import ENTRY_OVERHEAD, allocation, charge_of, ledger_keys
-from proxy.response_store import ResponseStore, response_key
+from proxy.response_store import INLINE_REDACT_MATCHES, ResponseStore, response_key
 from proxy.state import shared_redis
 from ratchet.settings import ProxySettings
 from tests.unit.proxy.conftest import ProxyFactory
@@ -171,6 +171,21 @@ async def test_what_is_stored_is_redacted_and_what_was_answered_is_not(redis_url
     assert entry["conversation"] == [{"role": "user", "content": f"I am {REDACTED}"}]
     raw = redis.Redis.from_url(redis_url).get(response_key("resp_1"))
     assert isinstance(raw, bytes) and b"example" not in raw
+    await close(responses)
+
+
+async def test_an_entry_of_many_matches_is_redacted_whole_off_the_event_loop(
+    redis_url: str,
+) -> None:
+    """Past INLINE_REDACT_MATCHES the store gives up redacting in line and redacts in a thread:
+    every match is still gone from what Redis keeps."""
+    responses = store(redis_url, redact_patterns=[r"[\w.+-]+@[\w-]+\.[\w.]+"])
+    many = " ".join(f"u{i}@example.com" for i in range(INLINE_REDACT_MATCHES * 2))
+    answer: dict[str, Any] = {**RESPONSE, "output": [{"type": "message", "content": many}]}
+    assert await responses.save(answer, [{"role": "user", "content": "hi"}], "hash-a")
+    entry = await responses.load("resp_1", "hash-a")
+    kept = entry["response"]["output"][0]["content"]
+    assert kept == " ".join([REDACTED] * INLINE_REDACT_MATCHES * 2)
     await close(responses)
 
 
