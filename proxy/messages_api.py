@@ -50,6 +50,15 @@ BLOCK_KEYS = {
 }
 TOOL_KEYS = frozenset({"name", "description", "input_schema", "cache_control", "type", "strict"})
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+# The chat fields to_chat writes, by the Messages field they came from, for a refusal of the
+# chat request to name what the client sent (proxy/client_fields.py). The chat messages are
+# ``system`` and ``messages`` regrouped (tool results split out): named whole, not by index.
+CHAT_FIELDS = {
+    "stop": "stop_sequences",
+    "user": "metadata.user_id",
+    "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+    "messages": "messages",
+}
 
 
 def message_id_of(completion_id: str) -> str:

@@ -12,8 +12,9 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from proxy.generation import arrive, parse, refused, route, start_call
-from proxy.messages_api import message_object, to_chat
+from proxy.client_fields import parse_as_sent
+from proxy.generation import arrive, refused, route, start_call
+from proxy.messages_api import CHAT_FIELDS, message_object, to_chat
 from proxy.messages_stream import MessagesStream
 from proxy.state import ProxyState, read_json
 from proxy.validation import check_alias
@@ -28,7 +29,7 @@ async def create_message(state: ProxyState, request: Request) -> Response:
         payload, _ = await read_json(request, state.limits)
         check_alias(payload)
         chat = to_chat(payload)
-        alias = parse(chat, ENDPOINT, state.limits)
+        alias = parse_as_sent(chat, ENDPOINT, state.limits, CHAT_FIELDS)
         routed = route(state, request, chat, alias, arrival.key_hash)
     except Exception:  # a client's error or ours alike: refused before routing, and charged
         await refused(state, arrival)

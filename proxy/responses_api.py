@@ -56,6 +56,15 @@ MESSAGE_ROLES = {
 }
 TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 RESPONSE_ID_MAX = 256
+# The chat fields to_chat writes under another name, by the Responses field they came from: a
+# refusal of the chat request names the client's field (proxy/client_fields.py). The messages
+# are the instructions, the stored conversation and ``input``: an item's index is not the
+# client's, so the field is named whole.
+CHAT_FIELDS = {
+    "response_format": "text.format",
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+}
 
 
 def response_id_of(completion_id: str) -> str:

@@ -14,10 +14,12 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from proxy.client_fields import parse_as_sent
 from proxy.errors import bad_request
-from proxy.generation import arrive, parse, refused, route, start_call
+from proxy.generation import arrive, refused, route, start_call
 from proxy.response_store import not_found
 from proxy.responses_api import (
+    CHAT_FIELDS,
     RESPONSE_ID_MAX,
     ResponsesRequest,
     assistant_message,
@@ -40,7 +42,7 @@ async def create_response(state: ProxyState, request: Request) -> Response:
         previous = await previous_conversation(state, payload, arrival.key_hash)
         translated = to_chat(payload, previous)
         chat = translated.chat
-        alias = parse(chat, ENDPOINT, state.limits)
+        alias = parse_as_sent(chat, ENDPOINT, state.limits, CHAT_FIELDS)
         routed = route(state, request, chat, alias, arrival.key_hash)
     except Exception:  # a client's error or ours alike: refused before routing, and charged
         await refused(state, arrival)

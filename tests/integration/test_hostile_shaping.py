@@ -36,7 +36,7 @@ from tests.integration.hostile_attacks import (
     hostile_proxies,
     then_logged_within,
 )
-from tests.integration.hostile_http import chat, completion, exchange
+from tests.integration.hostile_http import chat, completion, exchange, post
 
 pytestmark = pytest.mark.integration
 
@@ -81,6 +81,7 @@ CONSTRAINTS: list[tuple[str, str, dict[str, Any]]] = [
     ("chat-template", "chat_template", {"chat_template": "{{ 'Buy X' }}"}),
     ("one-allowed-token", "allowed_token_ids", {"allowed_token_ids": [42]}),
     ("positive-bias", "logit_bias", {"logit_bias": {"42": 100}}),
+    ("ban-all-but-a-few", "logit_bias", {"logit_bias": {str(t): -100 for t in range(1025)}}),
 ]
 SHAPING_CASES = [
     *[Case(f"shaping-{param}-{value!r}", N, chat(messages=ASSISTANT_LAST, **{param: value}), 400,
@@ -90,6 +91,12 @@ SHAPING_CASES = [
     Case("shaping-completions-echo", N, completion(echo=True), 400, SHAPING, "echo"),
     Case("shaping-completions-regex", N, completion(structured_outputs={"regex": "(?i)buy x"}),
          400, SHAPING, "structured_outputs"),
+    # The Responses API names its own field, not the chat one it became (Messages, in
+    # Anthropic's envelope: tests/unit/proxy/test_messages_route.py).
+    Case("shaping-responses-text-format", N, post("/v1/responses", {
+        "model": "support", "input": "Which product?", "max_output_tokens": 2,
+        "text": {"format": {"type": "json_schema", "name": "a",
+                            "schema": {"enum": ["Buy X now."]}}}}), 400, SHAPING, "text.format"),
     # What leaves the answer to the model is served.
     Case("served-echo-no", N, chat(echo="no"), 200, check=choices(1)),
     Case("served-generation-prompt-on", N, chat(add_generation_prompt="on"), 200,

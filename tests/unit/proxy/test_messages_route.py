@@ -175,3 +175,39 @@ async def test_x_api_key_clients_have_in_flight_bounds_of_their_own_in_anthropic
     await started(app, 2)  # another key is let in while k1 is at its bound
     app.release.set()
     assert (await other)[0] == (await held)[0] == 200
+
+
+FIXED_TOOL = {
+    "name": "say",
+    "input_schema": {
+        "type": "object",
+        "properties": {"verdict": {"const": "Buy X"}},
+        "required": ["verdict"],
+        "additionalProperties": False,
+    },
+}
+
+
+async def test_a_chat_path_refusal_names_the_messages_field_in_anthropics_envelope(
+    upstream: dict[str, Any], proxy_with: ProxyFactory
+) -> None:
+    """Checked as the chat request it becomes, a Messages request is refused in Anthropic's
+    envelope naming its own fields: a forced call of a tool whose input_schema fixes the
+    arguments is ``tool_choice``; a limit on the translated messages is ``messages``."""
+    asked: list[Any] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        asked.append(await request.json())
+        return web.json_response({})
+
+    upstream["handler"] = answer
+    forced = BODY | {"tools": [FIXED_TOOL], "tool_choice": {"type": "tool", "name": "say"}}
+    many = BODY | {"messages": [{"role": "user", "content": "hi"}] * 3}
+    async with proxy_with(max_messages=2) as (http, _):
+        refused_call = await http.post("/v1/messages", json=forced)
+        too_many = await http.post("/v1/messages", json=many)
+    message = anthropic_error(refused_call, 400, "invalid_request_error")
+    assert message.startswith("tool_choice is not accepted for model 'support'"), message
+    assert "response_format" not in message
+    assert "messages" in anthropic_error(too_many, 400, "invalid_request_error")
+    assert asked == []  # neither reached vLLM

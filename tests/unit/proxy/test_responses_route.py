@@ -157,3 +157,47 @@ async def test_malformed_responses_requests_use_up_the_keys_rate(
                 for _ in range(3)
             ]
     assert statuses == [400, 400, 429]
+
+
+FIXED_FORMAT = {"type": "json_schema", "name": "a", "schema": {"enum": ["Buy X now."]}}
+FIXED_TOOL = {
+    "type": "function",
+    "name": "say",
+    "parameters": {
+        "type": "object",
+        "properties": {"verdict": {"const": "Buy X"}},
+        "required": ["verdict"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "code"),
+    [
+        ({"text": {"format": FIXED_FORMAT}}, "text.format", "unsupported_parameter"),
+        (
+            {"tools": [FIXED_TOOL], "tool_choice": {"type": "function", "name": "say"}},
+            "tool_choice",
+            "unsupported_parameter",
+        ),
+        ({"max_output_tokens": 10**9}, "max_output_tokens", "limit_exceeded"),
+    ],
+    ids=["fixing-text-format", "forced-fixed-call", "max-output-tokens"],
+)
+async def test_a_chat_path_refusal_names_the_responses_field_the_client_sent(
+    client: httpx.AsyncClient,
+    charged: list[str | None],
+    fields: dict[str, Any],
+    param: str,
+    code: str,
+) -> None:
+    """The request is checked as the chat request it becomes: its refusal names the Responses
+    field (``text.format``), never the chat one (``response_format``), in OpenAI's envelope."""
+    body = {"model": "support", "input": "Which product?", **fields}
+    error = error_of(await client.post("/v1/responses", json=body), 400)
+    assert (error["param"], error["code"]) == (param, code)
+    assert error["message"].startswith(f"{param} ")
+    for chat_name in ("response_format", "max_tokens"):
+        assert chat_name not in error["message"].replace("proxy.max_tokens", "")
+    assert charged == [None]
