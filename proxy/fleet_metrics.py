@@ -1,7 +1,8 @@
 """Each vLLM replica's faults as the proxy saw them (proxy/upstream.py), read at scrape time:
 ejections, requests sent on after it could not take them, connections it refused or never
-made, answers that stalled past the first-byte deadline; whether it is ejected now, and the
-share of the fleet that is. A replica that left the fleet leaves the series with it."""
+made, answers that stalled past the first-byte deadline or went silent mid-way; whether it
+is ejected now, and the share of the fleet that is. A replica that left the fleet leaves the
+series with it."""
 
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ COUNTERS = (
         "Answers from this vLLM replica that sent nothing within "
         "proxy.upstream_first_byte_timeout_s of their 200 (a stalled engine): 504 upstream_stalled",
     ),
+    (
+        "ratchet_proxy_endpoint_stream_stalls",
+        "Answers from this vLLM replica that went silent mid-way past "
+        "proxy.upstream_stream_gap_timeout_s, its probe too (a stalled engine): upstream_stalled",
+    ),
 )
 
 
@@ -58,6 +64,7 @@ class FleetFaults(Collector):
                 endpoint.retries,
                 endpoint.connect_failures,
                 endpoint.first_byte_timeouts,
+                endpoint.stream_stalls,
             )
             for family, value in zip(counters, values, strict=True):
                 family.add_metric([url], value)

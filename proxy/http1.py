@@ -92,6 +92,19 @@ class UpstreamResponse:
         """The server broke the answer off (not the reader leaving, nor a deadline)."""
         return self._error is not None
 
+    @property
+    def awaited(self) -> asyncio.Future[None] | None:
+        """The reader's pending wait for more body, with nothing left to read (None: it has
+        bytes to read, or is elsewhere, such as writing to a client who reads slowly):
+        proxy/stall.py tells vLLM's silence from the proxy's by it, with no timer per chunk."""
+        waiter = self._waiter
+        return None if waiter is None or waiter.done() else waiter
+
+    def abort(self, error: BaseException) -> None:
+        """End the body with ``error``, raised to its reader (proxy/stall.py: vLLM went
+        silent); the connection is then closed, not reused."""
+        self._fail(error)
+
     async def _wait(self) -> None:
         self._waiter = asyncio.get_running_loop().create_future()
         timeout = self._deadline - time.monotonic()

@@ -14,13 +14,15 @@ import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import orjson
 
 from proxy.errors import ProxyError
 from proxy.http1 import AnswerTooLarge, ConnectFailed, UpstreamPool, UpstreamResponse
-from proxy.stall import Stalled, StallWatch
+from proxy.stall import GapWatch, Stalled, StallWatch
+from proxy.upstream_errors import body_stalled
+from proxy.upstream_errors import stream_dropped as stream_dropped
+from proxy.upstream_errors import upstream_error as upstream_error
 from ratchet.ejection import EjectionPolicy, Outliers
 from ratchet.fleet import RESOLVE_TIMEOUT_S, Resolver, Router, candidates
 from ratchet.settings.proxy import ProxySettings
@@ -55,6 +57,7 @@ class Endpoint:
         self.outstanding = 0
         self.connect_failures = 0  # no connection made
         self.first_byte_timeouts = 0  # answered 200, then nothing within the first-byte deadline
+        self.stream_stalls = 0  # answers that went silent mid-way past the gap deadline
         self.retries = 0  # requests it could not take, sent on to another replica
 
 
@@ -62,12 +65,14 @@ class Endpoint:
 class FaultPolicy:
     """How the proxy treats a replica that fails (proxy.outlier_ejection and the upstream_*
     settings): the ejection policy, the first-byte deadline (None: none), how many other
-    replicas a request that never reached one may try, and the name lookup's timeout."""
+    replicas a request that never reached one may try, the name lookup's timeout, and the
+    deadline on a silence within an answer's body (None: none)."""
 
     ejection: EjectionPolicy = field(default_factory=lambda: EjectionPolicy(0))
     first_byte_timeout_s: float | None = None
     retries: int = 1_000  # every replica, as before ejection came
     resolve_timeout_s: float = RESOLVE_TIMEOUT_S
+    stream_gap_timeout_s: float | None = None
 
 
 def fault_policy(proxy: ProxySettings) -> FaultPolicy:
@@ -82,6 +87,7 @@ def fault_policy(proxy: ProxySettings) -> FaultPolicy:
         proxy.upstream_first_byte_timeout_s,
         proxy.upstream_retries,
         proxy.upstream_resolve_timeout_s,
+        proxy.upstream_stream_gap_timeout_s,
     )
 
 
@@ -109,6 +115,12 @@ class Upstream:
         self.outliers = Outliers(self.faults.ejection)
         deadline = self.faults.first_byte_timeout_s
         self.stall_watch = None if deadline is None else StallWatch(deadline, self._probe)
+        gap = self.faults.stream_gap_timeout_s
+        self.gap_watch = (
+            None
+            if gap is None
+            else GapWatch(gap, functools.partial(self._probe, deadline=gap), self._went_silent)
+        )
         self.resolver = Resolver(configured, self.faults.resolve_timeout_s) if resolve else None
         self.balance = balance
         self._turn = 0
@@ -123,6 +135,7 @@ class Upstream:
         self.on_choice: Callable[[str], None] | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._resolve_task: asyncio.Task[None] | None = None
+        self._gap_task: asyncio.Task[None] | None = None
 
     async def refresh_endpoints(self) -> None:
         """With a resolver: the replicas the configured names stand for now; a new one joins
@@ -153,11 +166,15 @@ class Upstream:
             self._resolve_task = asyncio.create_task(
                 self._resolve_every(health_interval_s), name="vllm-resolve"
             )
+        if self.gap_watch is not None:
+            self._gap_task = asyncio.create_task(self.gap_watch.run(), name="vllm-gaps")
 
     async def close(self) -> None:
         if self.stall_watch is not None:
             self.stall_watch.close()
-        for task in (self._health_task, self._resolve_task):
+        if self.gap_watch is not None:
+            self.gap_watch.close()
+        for task in (self._health_task, self._resolve_task, self._gap_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -260,7 +277,11 @@ class Upstream:
         fault, never the client's (who has read nothing yet). No answer within the whole
         timeout is a 504 ``upstream_timeout``. Each outcome counts for or against the replica
         (:class:`ratchet.ejection.Outliers`). The replica counts the request as outstanding
-        until its response is released (read whole, or relayed and released)."""
+        until its response is released (read whole, or relayed and released). A 200's body
+        that then goes silent past ``faults.stream_gap_timeout_s`` while it is read, on a
+        replica whose engine fails a probe too, is ended with :class:`proxy.stall.Stalled`
+        (:class:`proxy.stall.GapWatch`): :func:`stream_dropped` and :meth:`read` make it a 504
+        ``upstream_stalled``, counted against the replica."""
         tried: set[str] = set()
         while True:
             replica = self.choose(key, exclude=tried, conversation=conversation)
@@ -281,6 +302,8 @@ class Upstream:
                 self._release(replica, key)
                 raise
             response.on_release = functools.partial(self._released, replica, key, response)
+            if self.gap_watch is not None and response.status == 200:
+                self.gap_watch.follow(response, replica.url, key)
             return response
 
     async def _send(self, replica: Endpoint, path: str, body: bytes, key: str) -> UpstreamResponse:
@@ -346,13 +369,14 @@ class Upstream:
             code="upstream_stalled",
         )
 
-    async def _probe(self, url: str, key: str) -> bool:
+    async def _probe(self, url: str, key: str, deadline: float | None = None) -> bool:
         """Whether ``url``'s engine sends the first byte of a one-token stream of ``key`` in
-        time (:class:`proxy.stall.StallWatch`). No connection, or one broken, is no first byte
-        either (a replica that dropped off the network holds its requests as a hung engine
-        does); an answer that is not 200 (its API server is alive) and a replica that left
-        count as working."""
-        replica, deadline = self.endpoints.get(url), self.faults.first_byte_timeout_s
+        time (``deadline``, or else the first-byte deadline: :mod:`proxy.stall`). No
+        connection, or one broken, is no first byte either (a replica that dropped off the
+        network holds its requests as a hung engine does); an answer that is not 200 (its API
+        server is alive) and a replica that left count as working."""
+        replica = self.endpoints.get(url)
+        deadline = deadline or self.faults.first_byte_timeout_s
         if replica is None or deadline is None:
             return True
         probe = {"model": key, "prompt": PROBE_PROMPT, "max_tokens": 1, "stream": True}
@@ -380,10 +404,19 @@ class Upstream:
         """A response's end: a 5xx or a body vLLM broke off counts against its replica, any
         other answer for it; a client that left before the end says nothing of it."""
         self._release(replica, key)
+        if self.gap_watch is not None:
+            self.gap_watch.unfollow(response)
         if response.status >= 500 or response.broken:
             self._failed(replica)
         elif response.complete:
             self.outliers.succeeded(replica.url, time.monotonic())
+
+    def _went_silent(self, url: str, answers: int) -> None:
+        """``answers`` on ``url`` went silent mid-way and its probe too (proxy/stall.py): they
+        end as stalled; each counts against the replica as its response is released."""
+        replica = self.endpoints.get(url)
+        if replica is not None:
+            replica.stream_stalls += answers
 
     def _take(self, replica: Endpoint, key: str) -> None:
         replica.outstanding += 1
@@ -399,6 +432,8 @@ class Upstream:
         longer than ``max_bytes`` (proxy.max_answer_bytes) a 400: the client asked for it."""
         try:
             return await response.read(max_bytes)
+        except Stalled as exc:
+            raise body_stalled(exc) from None
         except AnswerTooLarge:
             raise ProxyError(
                 400,
@@ -432,58 +467,3 @@ class Upstream:
             code="upstream_unavailable",
             headers={"Retry-After": "1"},
         )
-
-
-def stream_dropped(exc: BaseException) -> ProxyError:
-    """vLLM broke off a stream whose 200 the client already has: told in-band, as an event.
-    A stream that outlived proxy.upstream_timeout_s is a timeout, as a whole answer's is (504
-    upstream_timeout): a client provokes it at will, with a long max_tokens or by reading
-    slowly, so the canary does not count it against the version (learner/canary.py)."""
-    if isinstance(exc, TimeoutError):
-        return ProxyError(
-            504,
-            "the stream did not finish within proxy.upstream_timeout_s",
-            type="server_error",
-            code="upstream_timeout",
-        )
-    return ProxyError(
-        502,
-        f"the model server dropped the stream: {exc}",
-        type="server_error",
-        code="upstream_error",
-    )
-
-
-def upstream_error(status: int, body: bytes, served_name: str) -> ProxyError:
-    """Re-shape a vLLM error answer into our envelope with a fitting status."""
-    message, param = f"the model server answered {status}", None
-    try:
-        data: Any = orjson.loads(body)
-        err = data.get("error", data) if isinstance(data, dict) else {}
-        if isinstance(err, dict):
-            message = str(err.get("message") or message)
-            param = err.get("param") if isinstance(err.get("param"), str) else None
-    except orjson.JSONDecodeError:
-        pass
-    if status in (401, 403):
-        # vLLM refused the proxy's own key (vllm_api_key): a server fault, never the client's.
-        log.error("vLLM refused the proxy's key (%d): check vllm_api_key / RATCHET_SECRET", status)
-        return ProxyError(
-            502,
-            "the model server refused the proxy's credentials",
-            type="server_error",
-            code="upstream_auth",
-        )
-    if status == 404:
-        # The route exists, so a 404 means vLLM could not find or load the adapter we chose.
-        return ProxyError(
-            502,
-            f"the model server could not load {served_name}: {message}",
-            type="server_error",
-            code="adapter_unavailable",
-        )
-    if 400 <= status < 500:
-        return ProxyError(status, message, param=param, code="upstream_rejected")
-    return ProxyError(
-        502, f"the model server failed: {message}", type="server_error", code="upstream_error"
-    )

@@ -128,6 +128,18 @@ class ProxySettings(_Section):
             "prefilling, is waited on). null: no deadline."
         ),
     )
+    upstream_stream_gap_timeout_s: float | None = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "How long an answer may send nothing after its first byte (a gap between a "
+            "stream's events) while the proxy is reading it before the replica's engine is "
+            "probed as above; only if that probe sends nothing within it too does the answer "
+            "end in upstream_stalled (a stream: an error event), counted against the replica. "
+            "Far above a decode step under load, preempted ones included; a client that stops "
+            "reading never counts. Checked by a sweep every quarter of it. null: no deadline."
+        ),
+    )
     upstream_retries: int = Field(
         default=2,
         ge=0,
