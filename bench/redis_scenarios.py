@@ -5,7 +5,9 @@ each on a Redis of its own with the project's own writers, no broker and no vLLM
 the agreement probe on, so the learner notes every answer for its rating), by key family: the
 proxy's owner note (``CompletionOwners``), the learner's join note (``RatingsJoin.on_traffic``),
 the judge's done and seen marks for ``--judged`` of them (``JudgeMarks``; the judge takes only
-what the learner can train on, so at most one each per exchange), and with ``--canary`` the
+what the learner can train on, so at most one each per exchange; each prompt sampled, the
+costlier mark, and its done mark deleted when its batch of ``judge.poll_records`` is committed,
+as the judge does), and with ``--canary`` the
 canary watcher's note (its key and value as ``learner/canary_counter.py`` writes them, while a
 canary runs). Reported: ``used_memory`` per exchange, and per family its keys and mean
 ``MEMORY USAGE``.
@@ -38,7 +40,7 @@ from prometheus_client import CollectorRegistry
 
 from embedded.processes import Stack, free_port
 from embedded.stack import redis_part
-from judge.marks import JudgeMarks, SeenMark, seen_key
+from judge.marks import JudgeMarks, SeenMark
 from learner.canary_counter import COMPLETION_TTL_S, completion_key
 from learner.ratings import RatingsJoin
 from proxy.completions import CompletionOwners, owner_ttl_s
@@ -56,7 +58,8 @@ FAMILIES = {
     "proxy owner note": "ratchet:completion:*",
     "learner join note": "ratchet:feedback:exchange:*",
     "judge done mark": "ratchet:judge:done:*",
-    "judge seen mark": "ratchet:judge:seen:*",
+    "judge seen mark (before the upgrade)": "ratchet:judge:seen:*",
+    "judge seen sets": "ratchet:judge:seen-sets:*",
     "canary note (during a canary)": "ratchet:canary:completion:*",
     "stored response": "ratchet:response:*",
     "store ledgers": "ratchet:responses:*",
@@ -108,6 +111,7 @@ async def write_exchanges(url: str, settings: RatchetSettings, args: argparse.Na
     marks = JudgeMarks(aioredis.Redis.from_url(url), settings.judge.done_ttl_s)
     canary = redis.Redis.from_url(url)
     window = settings.aliases[ALIAS].learning.dedup_window_s
+    batch = settings.judge.poll_records
     for i in range(args.exchanges):
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         key_hash = hash_api_key(b"bench", f"key-{i % args.keys}")
@@ -131,7 +135,9 @@ async def write_exchanges(url: str, settings: RatchetSettings, args: argparse.Na
             traffic_request_id=record.request_id,
         )
         await marks.mark_done([held])
-        await marks.mark_seen([SeenMark(seen_key(ALIAS, digest), window, b"v1")])
+        await marks.mark_seen([SeenMark(ALIAS, digest, window, 1)])
+        if i % batch == batch - 1:
+            await marks.settle(True)  # the batch's offsets committed
     await owners.close()
     await marks.redis.aclose()
 

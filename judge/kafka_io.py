@@ -90,21 +90,22 @@ class JudgeKafka:
                     return False  # uncommitted: the next judge re-reads this batch
                 time.sleep(1.0)
 
-    def _commit(self) -> None:
+    def _commit(self) -> bool:
+        """Commit the batch's offsets; False: not committed (a rebalance, or stopping)."""
         while True:
             try:
                 self.consumer.commit()
-                return
+                return True
             except CommitFailedError as exc:
                 # The group rebalanced while we worked: these partitions are another judge's now.
                 # It re-reads the batch and skips what we marked judged; retrying cannot succeed.
                 log.warning("batch not committed, the group rebalanced (%s)", exc)
                 self.metrics.failures.labels("-", "commit_rebalanced").inc()
-                return
+                return False
             except KafkaError as exc:
                 log.warning("could not commit a batch (%s); retrying", exc)
                 if self.stopping.is_set():
-                    return
+                    return False
                 time.sleep(1.0)
 
     def _close(self) -> None:

@@ -7,27 +7,25 @@ lost, so each read falls back to "not marked" and each write to "not written".
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import redis
 import redis.asyncio as aioredis
 
+from judge import seen_sets
 from ratchet.records import HeldoutPrompt, Record, ScoredGroup
 
 log = logging.getLogger(__name__)
 
 
 def done_key(request_id: str) -> str:
-    """String: set (with judge.done_ttl_s) once the record's outputs are acknowledged by Kafka."""
+    """String: set (with judge.done_ttl_s) once the record's outputs are acknowledged by Kafka,
+    deleted once the batch's offsets are committed (then nobody reads the record again)."""
     return f"ratchet:judge:done:{request_id}"
-
-
-def seen_key(alias: str, prompt_digest: str) -> str:
-    """String, for ``learning.dedup_window_s``: ``v<version>`` once a group of the prompt was
-    sampled from that version; ``1`` once it was held out."""
-    return f"ratchet:judge:seen:{alias}:{prompt_digest}"
 
 
 def flat_key(alias: str, prompt_digest: str) -> str:
@@ -36,14 +34,11 @@ def flat_key(alias: str, prompt_digest: str) -> str:
     return f"ratchet:judge:flat:{alias}:{prompt_digest}"
 
 
-def repeat_reason(
-    seen: bytes | None, flat: bytes | None, version: int, skip_after: int
-) -> str | None:
-    """Why a training prompt is not sampled from ``version`` now, from its marks: a group of
-    it was sampled from this version within the window (``recent_duplicate``; any other mark,
-    an older judge's included, counts too), or its last ``skip_after`` groups carried no signal
-    (``no_signal``; 0: never). None: sample it."""
-    if seen is not None and (not seen.startswith(b"v") or seen == b"v%d" % version):
+def repeat_reason(seen_at_version: bool, flat: bytes | None, skip_after: int) -> str | None:
+    """Why a training prompt is not sampled from the version a group would come from now: a
+    group of it was sampled from that version within the window (``recent_duplicate``), or its
+    last ``skip_after`` groups carried no signal (``no_signal``; 0: never). None: sample it."""
+    if seen_at_version:
         return "recent_duplicate"
     if skip_after and flat is not None and flat.isdigit() and int(flat) >= skip_after:
         return "no_signal"
@@ -51,36 +46,58 @@ def repeat_reason(
 
 
 class SeenMark(NamedTuple):
-    key: str
+    """A prompt judged: held out (``version`` None), or sampled from ``version``; kept in the
+    seen sets (judge/seen_sets.py) for ``window_s`` (0: not kept)."""
+
+    alias: str
+    digest: str
     window_s: int
-    value: bytes = b"1"
+    version: int | None = None
 
 
 class Sampled(NamedTuple):
-    """A prompt a group was sampled for: its seen mark, its digest and the group."""
+    """A prompt a group was sampled for: its seen mark and the group."""
 
     seen: SeenMark
-    digest: str
     group: ScoredGroup
 
 
 class JudgeMarks:
-    def __init__(self, client: aioredis.Redis, done_ttl_s: int) -> None:
+    def __init__(
+        self, client: aioredis.Redis, done_ttl_s: int, clock: Callable[[], float] = time.time
+    ) -> None:
         self.redis = client
         self.done_ttl_s = done_ttl_s
+        self.clock = clock
+        self.unsettled: set[str] = set()  # marked done, their batch not committed yet
 
-    async def prompt_marks(self, alias: str, digest: str) -> tuple[bytes | None, bytes | None]:
-        """The prompt's seen and flat marks (:func:`repeat_reason` reads them)."""
+    async def _any_member(self, mark: SeenMark, version: int | None) -> bool:
+        keys = list(seen_sets.read_keys(mark.alias, mark.digest, mark.window_s, self.clock()))
+        wanted = str(seen_sets.member(mark.digest, version))
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.sismember(key, wanted)
+        return any(await pipe.execute())
+
+    async def prompt_marks(self, mark: SeenMark) -> tuple[bool, bytes | None]:
+        """Whether the prompt was seen at all within the window, and its flat mark
+        (:func:`repeat_reason` reads it)."""
         try:
-            marks = await self.redis.mget(seen_key(alias, digest), flat_key(alias, digest))
+            pipe = self.redis.pipeline(transaction=False)
+            keys = seen_sets.read_keys(mark.alias, mark.digest, mark.window_s, self.clock())
+            for key in keys:
+                pipe.sismember(key, str(seen_sets.member(mark.digest, None)))
+            pipe.get(flat_key(mark.alias, mark.digest))
+            *seen, flat = await pipe.execute()
         except (redis.RedisError, OSError):
-            return None, None
-        seen, flat = (m.encode() if isinstance(m, str) else m for m in marks)
-        return seen, flat
+            return False, None
+        return any(seen), flat.encode() if isinstance(flat, str) else flat
 
-    async def seen(self, key: str) -> bool:
+    async def seen(self, mark: SeenMark, version: int | None = None) -> bool:
+        """Whether the prompt was seen within the window: at all (``version`` None), or sampled
+        from ``version``."""
         try:
-            return bool(await self.redis.exists(key))
+            return await self._any_member(mark, version)
         except (redis.RedisError, OSError):
             return False  # without Redis a repeat may be judged twice; nothing is lost
 
@@ -102,15 +119,36 @@ class JudgeMarks:
             for request_id in ids:
                 pipe.set(done_key(request_id), b"1", ex=ttl)
             await pipe.execute()
+            self.unsettled |= ids
         except (redis.RedisError, OSError) as exc:
             log.warning("could not mark %d records judged (%s)", len(ids), exc)
 
+    async def settle(self, committed: bool) -> None:
+        """The batch's offsets are committed (its done marks are deleted: no judge reads its
+        records again, so they would only hold memory), or were refused by a rebalance (the
+        marks stay, for the judge that re-reads the batch, until ``judge.done_ttl_s``)."""
+        ids, self.unsettled = self.unsettled, set()
+        if not committed or not ids:
+            return
+        # Not deleted: they expire after judge.done_ttl_s; a mark left only holds memory.
+        with contextlib.suppress(redis.RedisError, OSError):
+            await self.redis.delete(*(done_key(request_id) for request_id in ids))
+
     async def mark_seen(self, marks: Sequence[SeenMark]) -> None:
+        """Each prompt into the seen set of the current bucket: seen at all, and for a sampled
+        one, sampled from its version."""
+        now = self.clock()
         try:
             pipe = self.redis.pipeline(transaction=False)
             for mark in marks:
-                if mark.window_s:
-                    pipe.set(mark.key, mark.value, ex=mark.window_s)
+                if not mark.window_s:
+                    continue
+                key, ttl = seen_sets.write_key(mark.alias, mark.digest, mark.window_s, now)
+                members = {seen_sets.member(mark.digest, None)}
+                if mark.version is not None:
+                    members.add(seen_sets.member(mark.digest, mark.version))
+                pipe.sadd(key, *members)
+                pipe.expire(key, ttl)
             await pipe.execute()
         except (redis.RedisError, OSError):
             pass  # a prompt not marked may be judged again; that costs time, loses nothing
@@ -118,13 +156,13 @@ class JudgeMarks:
     async def mark_sampled(self, sampled: Sequence[Sampled]) -> None:
         """Each prompt sampled: seen at the group's version, and its run of signal-less groups
         one longer (every answer scored alike) or over (they differed)."""
-        await self.mark_seen([s.seen._replace(value=b"v%d" % s.group.version) for s in sampled])
+        await self.mark_seen([s.seen._replace(version=s.group.version) for s in sampled])
         try:
             pipe = self.redis.pipeline(transaction=False)
-            for seen, digest, group in sampled:
+            for seen, group in sampled:
                 if not seen.window_s:
                     continue
-                key = flat_key(group.alias, digest)
+                key = flat_key(group.alias, seen.digest)
                 if group.rewards and max(group.rewards) == min(group.rewards):
                     pipe.incr(key)
                     pipe.expire(key, seen.window_s)

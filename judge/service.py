@@ -43,7 +43,7 @@ from prometheus_client import start_http_server
 from judge.agreement import AgreementProbe
 from judge.backpressure import Backpressure
 from judge.kafka_io import JudgeKafka
-from judge.marks import JudgeMarks, Sampled, SeenMark, repeat_reason, seen_key
+from judge.marks import JudgeMarks, Sampled, SeenMark, repeat_reason
 from judge.metrics import JudgeMetrics
 from judge.sampler import (
     LENGTH_WINDOW,
@@ -194,11 +194,11 @@ class JudgeService(JudgeKafka):
         if record.output_tokens:
             self._lengths(record.alias).append(record.output_tokens)
         digest = prompt_hash(prompt, tools)
-        seen = SeenMark(seen_key(record.alias, digest), config.learning.dedup_window_s)
+        seen = SeenMark(record.alias, digest, config.learning.dedup_window_s)
         if not is_heldout(self.secret, digest, config.learning.heldout_fraction):
-            await self._check_repeat(record.alias, digest, config)
+            await self._check_repeat(seen, config)
             return ToSample(message, record, config, prompt, tools, digest, seen)
-        if seen.window_s and await self.marks.seen(seen.key):
+        if seen.window_s and await self.marks.seen(seen):
             raise Skip("recent_duplicate")
         self.metrics.heldout.labels(record.alias).inc()
         held = HeldoutPrompt(
@@ -372,7 +372,7 @@ class JudgeService(JudgeKafka):
         if spread == 0:
             self.metrics.zero_variance.labels(alias).inc()
 
-    async def _check_repeat(self, alias: str, digest: str, config: AliasConfig) -> None:
+    async def _check_repeat(self, seen: SeenMark, config: AliasConfig) -> None:
         """Skip a training prompt already sampled from the version a group would come from now,
         or one whose recent groups carried no signal (:func:`repeat_reason`). A prompt comes
         back once per version: the next round learns from the new policy's answers to it, as
@@ -381,11 +381,12 @@ class JudgeService(JudgeKafka):
         learning = config.learning
         if not learning.dedup_window_s:
             return
-        seen, flat = await self.marks.prompt_marks(alias, digest)
-        version = -1  # read only where a version's mark makes it matter
-        if seen is not None and seen.startswith(b"v"):
-            version = await self._policy(alias, await self._route(alias, config))
-        reason = repeat_reason(seen, flat, version, learning.skip_after_flat_groups)
+        seen_at_all, flat = await self.marks.prompt_marks(seen)
+        at_version = False  # the version is read only where a mark makes it matter
+        if seen_at_all:
+            version = await self._policy(seen.alias, await self._route(seen.alias, config))
+            at_version = await self.marks.seen(seen, version)
+        reason = repeat_reason(at_version, flat, learning.skip_after_flat_groups)
         if reason is not None:
             raise Skip(reason)
 
@@ -463,10 +464,10 @@ class JudgeService(JudgeKafka):
         await self.backpressure.count_produced(
             Counter(r.alias for r in outputs if isinstance(r, ScoredGroup))
         )
-        await loop.run_in_executor(None, self._commit)
+        await self.marks.settle(await loop.run_in_executor(None, self._commit))
         await self.marks.mark_sampled(
             [
-                Sampled(w.seen, w.digest, r)
+                Sampled(w.seen, r)
                 for w, r in zip(work, results, strict=True)
                 if isinstance(r, ScoredGroup)
             ]

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from judge.backpressure import Backpressure
-from judge.marks import flat_key, repeat_reason, seen_key
+from judge.marks import JudgeMarks, SeenMark, flat_key, repeat_reason
 from judge.sampler import SamplingError
 from judge.service import JudgeService, ToSample, is_heldout
 from ratchet.progress import LearnerProgress, produced_key, progress_key, publish
@@ -93,8 +94,9 @@ class FakeKafka:
         self.on_produce(outputs)
         return True
 
-    def _commit(self) -> None:
+    def _commit(self) -> bool:
         self.commits += 1
+        return True
 
 
 def run_batch(
@@ -161,7 +163,22 @@ def test_held_out_prompts_are_delivered_before_sampling_ends(
     client = redis.Redis.from_url(redis_url)
     # Held-out and sampled prompts alike are marked seen once delivered.
     for messages in (held, *train):
-        assert client.exists(f"ratchet:judge:seen:{ALIAS}:{prompt_hash(messages)}")
+        assert seen_at(redis_url, prompt_hash(messages))
+    # Their done marks served until the commit: no judge reads the batch again after it.
+    assert not client.keys("ratchet:judge:done:*")
+
+
+def seen_at(redis_url: str, digest: str, version: int | None = None) -> bool:
+    """Whether the judge finds the prompt seen (at all, or sampled from ``version``)."""
+
+    async def read() -> bool:
+        marks = JudgeMarks(aioredis.Redis.from_url(redis_url), 0)
+        try:
+            return await marks.seen(SeenMark(ALIAS, digest, 600), version)
+        finally:
+            await marks.redis.aclose()
+
+    return asyncio.run(read())
 
 
 def publish_progress(redis_url: str, **fields: Any) -> None:
@@ -197,7 +214,7 @@ def test_backpressure_skips_counts_and_does_not_mark_seen(
     assert kafka.produced == [[]] or kafka.produced == []
     assert kafka.commits == 1  # the record is passed over: its offset is committed
     client = redis.Redis.from_url(redis_url)
-    assert not client.exists(f"ratchet:judge:seen:{ALIAS}:{prompt_hash(train)}")
+    assert not seen_at(redis_url, prompt_hash(train))
     assert not client.exists("ratchet:judge:done:t0")
 
 
@@ -389,7 +406,8 @@ def test_a_training_prompt_is_sampled_once_a_version_and_rested_after_two_flat_g
     assert judge(1) == ["flat", "varied"]
     assert judge(1) == [] and skips[-1] == {"recent_duplicate": 2.0, "no_signal": 0.0}
     assert judge(2) == ["flat", "varied"]  # a new version: both again
-    assert client.get(seen_key(ALIAS, prompt_hash(flat))) == b"v2"
+    assert seen_at(redis_url, prompt_hash(flat), 2) and seen_at(redis_url, prompt_hash(flat), 1)
+    assert not seen_at(redis_url, prompt_hash(flat), 3)
     assert client.get(flat_key(ALIAS, prompt_hash(flat))) == b"2"
     assert not client.exists(flat_key(ALIAS, prompt_hash(varied)))
     assert judge(3) == ["varied"] and skips[-1] == {"recent_duplicate": 0.0, "no_signal": 1.0}
@@ -398,10 +416,8 @@ def test_a_training_prompt_is_sampled_once_a_version_and_rested_after_two_flat_g
 
 
 def test_repeat_reason() -> None:
-    assert repeat_reason(None, None, 3, 2) is None
-    assert repeat_reason(b"v3", None, 3, 2) == "recent_duplicate"
-    assert repeat_reason(b"v2", None, 3, 2) is None
-    assert repeat_reason(b"1", None, 3, 2) == "recent_duplicate"  # an older judge's mark
-    assert repeat_reason(b"v2", b"1", 3, 2) is None
-    assert repeat_reason(b"v2", b"2", 3, 2) == "no_signal"
-    assert repeat_reason(None, b"5", 3, 0) is None  # 0: never rested
+    assert repeat_reason(False, None, 2) is None
+    assert repeat_reason(True, None, 2) == "recent_duplicate"
+    assert repeat_reason(False, b"1", 2) is None
+    assert repeat_reason(False, b"2", 2) == "no_signal"
+    assert repeat_reason(False, b"5", 0) is None  # 0: never rested
