@@ -72,7 +72,7 @@ class AgreementProbe:
         self.lengths_of = lengths_of
         self.limit = limit  # shared with the judge's groups: vLLM serves both
         self.vllm_key = vllm_key
-        self.replicas = replicas or Replicas.of(settings.vllm_url, settings.vllm_endpoints)
+        self.replicas = replicas or Replicas.from_settings(settings)
         self.aliases = sorted(a for a, c in settings.aliases.items() if probes_agreement(c))
         for alias in self.aliases:
             self.metrics.agreement_min.labels(alias).set(

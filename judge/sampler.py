@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -19,6 +19,7 @@ from ratchet.answer_length import auto_max_tokens
 from ratchet.answer_shaping import fixing_response_format
 from ratchet.fleet import Replicas, conversation_key
 from ratchet.records import Sample
+from ratchet.replica_calls import call_timeout, never_connected, replica_fault
 from ratchet.settings import SamplingConfig
 
 # The turns that end a prompt: what follows them is the model's answer.
@@ -29,11 +30,21 @@ LENGTH_WINDOW = 256
 
 
 class SamplingError(Exception):
-    """vLLM could not produce the group; ``cause`` labels the failure metric."""
+    """vLLM could not produce the group; ``cause`` labels the failure metric. ``replica_fault``:
+    the replica failed it (no connection, a 5xx, no answer within the deadline), a vote toward
+    its ejection; ``never_connected``: vLLM never saw it, so another replica may be asked."""
 
-    def __init__(self, cause: str, message: str) -> None:
+    def __init__(
+        self,
+        cause: str,
+        message: str,
+        replica_fault: bool = False,
+        never_connected: bool = False,
+    ) -> None:
         super().__init__(message)
         self.cause = cause
+        self.replica_fault = replica_fault
+        self.never_connected = never_connected
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,8 @@ class SampledGroup:
     # vLLM's usage: the prompt's tokens (prefilled once for the n answers) and the answers'.
     input_tokens: int = 0
     output_tokens: int = 0
+    # The replica that sampled it (its base URL), for the learner's drift per replica.
+    replica: str | None = None
 
 
 def prompt_of(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
@@ -164,21 +177,32 @@ async def sample_group(
     body: dict[str, Any],
     timeout_s: float,
     api_key: str,
+    connect_timeout_s: float | None = None,
 ) -> SampledGroup:
-    """``api_key``: the key vLLM requires (ratchet.secrets.vllm_api_key)."""
+    """``api_key``: the key vLLM requires (ratchet.secrets.vllm_api_key). ``timeout_s``: the
+    whole answer's deadline (its first byte is its last: not streamed)."""
     try:
         async with session.post(
             vllm_url.rstrip("/") + "/v1/chat/completions",
             data=orjson.dumps(body),
             headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"},
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            timeout=call_timeout(timeout_s, connect_timeout_s),
         ) as resp:
             payload = await resp.read()
             if resp.status != 200:
-                raise SamplingError(f"http_{resp.status}", payload[:300].decode(errors="replace"))
+                raise SamplingError(
+                    f"http_{resp.status}",
+                    payload[:300].decode(errors="replace"),
+                    replica_fault=resp.status >= 500,
+                )
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        raise SamplingError("vllm_unavailable", str(exc) or type(exc).__name__) from None
-    return parse_group(orjson.loads(payload), body["n"])
+        raise SamplingError(
+            "vllm_unavailable",
+            str(exc) or type(exc).__name__,
+            replica_fault=replica_fault(exc),
+            never_connected=never_connected(exc),
+        ) from None
+    return replace(parse_group(orjson.loads(payload), body["n"]), replica=vllm_url.rstrip("/"))
 
 
 async def sample_from(
@@ -189,18 +213,26 @@ async def sample_from(
     api_key: str,
 ) -> SampledGroup:
     """The group from the replica chosen for its version (``body["model"]``), as the proxy
-    chooses (ratchet/fleet.py); a replica that cannot be reached is marked, and the next one is
-    asked, until none is left."""
+    chooses (ratchet/fleet.py), named in the group. Its outcome is told to ``replicas``: a
+    failure of the replica's (no connection, a 5xx, no answer within ``timeout_s``) counts
+    toward its ejection under the proxy's policy. A request that never connected is sent to
+    the next replica, up to ``replicas.retries`` others; one that reached vLLM is not sent
+    again: past ``timeout_s`` the group's time is spent (and the replica may be busy, not
+    stalled: sending it on would double its load)."""
     tried: list[str] = []
     conversation = conversation_key(body)
     while True:
         async with replicas.use(body["model"], exclude=tried, conversation=conversation) as url:
             try:
-                return await sample_group(session, url, body, timeout_s, api_key)
+                group = await sample_group(
+                    session, url, body, timeout_s, api_key, replicas.connect_timeout_s
+                )
             except SamplingError as exc:
-                if exc.cause != "vllm_unavailable":
-                    raise
-                replicas.failed(url)
+                if exc.replica_fault:
+                    replicas.failed(url, connected=not exc.never_connected)
                 tried.append(url)
-                if len(set(tried)) >= len(replicas.urls):
+                if not exc.never_connected or not replicas.may_retry(tried):
                     raise
+                continue
+            replicas.succeeded(url)
+            return group

@@ -136,7 +136,7 @@ class JudgeService(JudgeKafka):
             reward_models(settings),
         )
         # vLLM's replicas, each group sampled from the one its version's requests go to.
-        self.replicas = Replicas.of(settings.vllm_url, settings.vllm_endpoints)
+        self.replicas = Replicas.from_settings(settings)
         self.routes: dict[str, AliasRoute] = {}
         self.carries: dict[str, Carry | None] = {}  # the last read, for while Redis is away
         self.limit = asyncio.Semaphore(settings.judge.concurrency)
@@ -321,6 +321,7 @@ class JudgeService(JudgeKafka):
             api_key_hash=record.api_key_hash,
             source=record.source,
             bill=bill,
+            replica=group.replica,
         )
 
     async def _over_budget(self, alias: str, config: AliasConfig) -> bool:

@@ -38,6 +38,7 @@ from ratchet.answer_length import auto_max_tokens
 from ratchet.fleet import Replicas, conversation_key
 from ratchet.gate_pairs import ANSWER_CHARS, KEPT, GatePair
 from ratchet.records import HeldoutPrompt
+from ratchet.replica_calls import call_timeout, never_connected, replica_fault
 from ratchet.rewards.reward_model import RewardModels
 from ratchet.rewards.reward_status import RewardStatus
 from ratchet.secrets import vllm_api_key
@@ -97,7 +98,7 @@ class Gate:
         self.vllm_key = vllm_api_key(settings)  # vLLM's key, for its answers and as the judge
         self.limit = asyncio.Semaphore(settings.learner.gate_concurrency)
         self.scorer = PairScorer(settings, self.vllm_key, reward_models, reward_status)
-        self.replicas = Replicas.of(settings.vllm_url, settings.vllm_endpoints)
+        self.replicas = Replicas.from_settings(settings)
         # The incumbent's greedy answers, by (served name, prompt, max_tokens): cleared when
         # another version is the incumbent.
         self.incumbent_answers: dict[tuple[str, str, int | None], dict[str, Any]] = {}
@@ -126,7 +127,9 @@ class Gate:
         test = sequential_test(config.gate, len(prompts))
         failed, cand_scores, inc_scores = 0, [], []
         sample: list[GatePair] = []
-        timeout = aiohttp.ClientTimeout(total=self.settings.learner.gate_timeout_s)
+        timeout = call_timeout(
+            self.settings.learner.gate_timeout_s, self.replicas.connect_timeout_s
+        )
         async with aiohttp.ClientSession(timeout=timeout) as session:
             for start in range(0, len(prompts), wave):
                 batch = prompts[start : start + wave]
@@ -249,6 +252,37 @@ class Gate:
             self.incumbent_answers[key] = answer
         return answer
 
+    async def _post_answer(
+        self,
+        session: aiohttp.ClientSession,
+        base: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        served: str,
+    ) -> bytes:
+        """One answer of replica ``base``, its outcome told to the replicas: no connection, no
+        answer within gate_timeout_s, or a 5xx counts toward its ejection
+        (ratchet/replica_calls.py)."""
+        try:
+            async with (
+                self.limit,
+                session.post(
+                    base + "/v1/chat/completions", data=orjson.dumps(body), headers=headers
+                ) as response,
+            ):
+                payload = await response.read()
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            if replica_fault(exc):
+                self.replicas.failed(base, connected=not never_connected(exc))
+            raise
+        if response.status >= 500:
+            self.replicas.failed(base, connected=True)
+        elif response.status == 200:
+            self.replicas.succeeded(base)
+        if response.status != 200:
+            raise GateError(f"{served}: vLLM answered {response.status}: {payload[:200]!r}")
+        return payload
+
     async def _answer(
         self,
         session: aiohttp.ClientSession,
@@ -270,31 +304,25 @@ class Gate:
                 body["tool_choice"] = prompt.tool_choice
         headers = {"content-type": "application/json", "authorization": f"Bearer {self.vllm_key}"}
         conversation = conversation_key(body)
-        for attempt in range(ANSWER_ATTEMPTS):
+        tried: list[str] = []  # replicas that could not be reached
+        lost = 0  # connections lost on the way
+        while True:
             # The replica the version's requests go to (ratchet/fleet.py), as the proxy's.
-            async with self.replicas.use(served, conversation=conversation) as base:
+            async with self.replicas.use(served, exclude=tried, conversation=conversation) as base:
                 try:
-                    async with (
-                        self.limit,
-                        session.post(
-                            base + "/v1/chat/completions",
-                            data=orjson.dumps(body),
-                            headers=headers,
-                        ) as response,
-                    ):
-                        payload = await response.read()
-                        if response.status != 200:
-                            raise GateError(
-                                f"{served}: vLLM answered {response.status}: {payload[:200]!r}"
-                            )
+                    payload = await self._post_answer(session, base, body, headers, served)
                     break
                 except aiohttp.ClientConnectionError as exc:
-                    # A refused connection: the replica is down (the next attempt asks another).
+                    if never_connected(exc):  # vLLM never saw it: another replica may
+                        tried.append(base)
+                        if not self.replicas.may_retry(tried):
+                            raise
+                        continue
                     # Else a pooled keep-alive connection the server had closed ("Can not write
                     # request body"): seen losing one pair of a 96-pair gate; another answers.
-                    if isinstance(exc, aiohttp.ClientConnectorError):
-                        self.replicas.failed(base)
-                    if attempt == ANSWER_ATTEMPTS - 1:
+                    # A timeout is not asked again: the answer's time is spent.
+                    lost += 1
+                    if isinstance(exc, TimeoutError) or lost >= ANSWER_ATTEMPTS:
                         raise
         try:
             choices = orjson.loads(payload).get("choices") or []

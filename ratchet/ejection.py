@@ -22,6 +22,10 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ratchet.settings.proxy import OutlierEjectionSettings
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,17 @@ class EjectionPolicy:
     base_s: float = 30.0
     max_s: float = 300.0
     max_percent: float = 50.0
+
+    @classmethod
+    def of(cls, settings: OutlierEjectionSettings) -> EjectionPolicy:
+        """The policy of ``proxy.outlier_ejection``: the proxy's, the judge's and the
+        learner's alike."""
+        return cls(
+            settings.consecutive_failures,
+            settings.base_ejection_s,
+            settings.max_ejection_s,
+            settings.max_ejection_percent,
+        )
 
     @property
     def enabled(self) -> bool:

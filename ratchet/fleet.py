@@ -38,7 +38,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
-from ratchet.settings import is_ip_address
+from ratchet.ejection import EjectionPolicy, Outliers
+from ratchet.settings import RatchetSettings, is_ip_address
 
 log = logging.getLogger(__name__)
 
@@ -295,21 +296,60 @@ class Replicas:
     """The vLLM replicas a client outside the proxy (the judge's sampling, the learner's gate)
     spreads its requests over, as the proxy does: ``vllm_endpoints`` (names resolved again every
     ``REFRESH_S``), else ``vllm_url`` alone; each request to the replica :func:`choose` picks
-    for its served name and conversation among those that did not fail in the last
-    ``FAILED_S``, counted in flight while it runs. It has no health checks of its own: a
-    failure marks the replica."""
+    for its served name and conversation, counted in flight while it runs, among those usable.
 
-    def __init__(self, urls: Sequence[str], resolve: bool) -> None:
-        self.resolver = Resolver(urls) if resolve else None
+    It has no health checks of its own: each request's outcome is told back. One that could not
+    reach its replica (:meth:`failed` with ``connected`` False) leaves it out for ``FAILED_S``,
+    as the proxy's failed health check would; and every failure (no connection, a 5xx, no answer
+    within the caller's deadline) is a vote toward the replica's ejection under the proxy's own
+    policy (ratchet/ejection.py, ``proxy.outlier_ejection``), so a replica whose engine stalls
+    while it still accepts connections is left out for the judge and the learner too. The
+    callers send a request that never connected to another replica, up to ``retries`` of them
+    (``proxy.upstream_retries``), and never again one that reached vLLM."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        resolve: bool,
+        ejection: EjectionPolicy | None = None,
+        retries: int = 1_000,
+        connect_timeout_s: float | None = None,
+        resolve_timeout_s: float = RESOLVE_TIMEOUT_S,
+    ) -> None:
+        """``ejection`` None: never ejected (only ``FAILED_S`` after a failed connection).
+        ``retries``: other replicas a request that never connected may go to.
+        ``connect_timeout_s``: how long the callers' connection to a replica may take."""
+        self.resolver = Resolver(urls, resolve_timeout_s) if resolve else None
         self.urls = [u.rstrip("/") for u in urls]
         self.outstanding: Counter[str] = Counter()
         self.router = Router()
         self.failed_until: dict[str, float] = {}
+        self.outliers = Outliers(ejection or EjectionPolicy(0))
+        self.retries = retries
+        self.connect_timeout_s = connect_timeout_s
         self.resolved_at = 0.0
 
     @classmethod
     def of(cls, vllm_url: str, vllm_endpoints: Sequence[str]) -> Replicas:
         return cls(list(vllm_endpoints) or [vllm_url], resolve=bool(vllm_endpoints))
+
+    @classmethod
+    def from_settings(cls, settings: RatchetSettings) -> Replicas:
+        """The replicas of ``vllm_endpoints`` (else ``vllm_url``) under the proxy's settings
+        for failing replicas: its ejection policy, retries, connect and name lookup timeouts."""
+        proxy = settings.proxy
+        return cls(
+            list(settings.vllm_endpoints) or [settings.vllm_url],
+            resolve=bool(settings.vllm_endpoints),
+            ejection=EjectionPolicy.of(proxy.outlier_ejection),
+            retries=proxy.upstream_retries,
+            connect_timeout_s=proxy.upstream_connect_timeout_s,
+            resolve_timeout_s=proxy.upstream_resolve_timeout_s,
+        )
+
+    def usable(self, url: str, now: float) -> bool:
+        """Neither unreachable in the last ``FAILED_S`` nor ejected."""
+        return self.failed_until.get(url, 0.0) <= now and not self.outliers.is_ejected(url, now)
 
     @contextlib.asynccontextmanager
     async def use(
@@ -320,9 +360,10 @@ class Replicas:
         the block ends."""
         if self.resolver is not None and time.monotonic() - self.resolved_at > REFRESH_S:
             self.urls = await self.resolver.resolve() or self.urls
+            self.outliers.forget(self.urls)
             self.resolved_at = time.monotonic()
         now = time.monotonic()
-        live = candidates(self.urls, lambda u: self.failed_until.get(u, 0.0) <= now, exclude)
+        live = candidates(self.urls, lambda u: self.usable(u, now), exclude)
         url = self.router.choose(key, live, self.outstanding, conversation)
         self.outstanding[url] += 1
         self.router.taken(key)
@@ -332,6 +373,27 @@ class Replicas:
             self.outstanding[url] -= 1
             self.router.released(key)
 
-    def failed(self, url: str) -> None:
-        """``url`` could not be reached: avoided for ``FAILED_S``."""
-        self.failed_until[url] = time.monotonic() + FAILED_S
+    def may_retry(self, tried: Collection[str]) -> bool:
+        """Whether a request that never connected to any of ``tried`` may go to another."""
+        return len(set(tried)) <= self.retries and len(set(tried)) < len(self.urls)
+
+    def failed(self, url: str, connected: bool = False) -> bool:
+        """A request to ``url`` failed: a vote toward its ejection; True when this ejects it.
+        ``connected`` False (it could not be reached): also avoided for ``FAILED_S``."""
+        now = time.monotonic()
+        if not connected:
+            self.failed_until[url] = now + FAILED_S
+        ejected = self.outliers.failed(url, self.urls, now)
+        if ejected:
+            record = self.outliers.record(url)
+            log.warning(
+                "vLLM at %s ejected for %.0f s for failing requests (ejection %d)",
+                url,
+                record.ejected_until - now,
+                record.ejections,
+            )
+        return ejected
+
+    def succeeded(self, url: str) -> None:
+        """A request to ``url`` was answered: its run of failures ends."""
+        self.outliers.succeeded(url, time.monotonic())

@@ -64,6 +64,7 @@ class Record(BaseModel):
 
 
 ANONYMOUS_CLIENT = "-"  # every request of a stack without API keys is this one client
+UNKNOWN_REPLICA = "unknown"  # the replica of a group logged before groups named theirs
 
 
 def client_of(source: str | None, api_key_hash: str | None) -> str:
@@ -213,10 +214,18 @@ class ScoredGroup(Record):
     # What the group cost to make: its sampling request and judge calls (ratchet/bill.py).
     # None in groups from before the field.
     bill: Bill | None = None
+    # The vLLM replica that sampled it (its URL, as the proxy's per-replica metrics name it),
+    # for the served drift per replica (learner/drift.py). None in groups from before the field.
+    replica: str | None = None
 
     @property
     def client(self) -> str:
         return client_of(self.source, self.api_key_hash)
+
+    @property
+    def served_by(self) -> str:
+        """The replica that sampled it; ``UNKNOWN_REPLICA`` for a group from before the field."""
+        return self.replica or UNKNOWN_REPLICA
 
 
 class HeldoutPrompt(Record):

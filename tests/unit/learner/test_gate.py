@@ -579,3 +579,54 @@ def test_the_gate_asks_the_replica_of_each_version_and_steps_past_a_dead_one(
     result = evaluate(gate, verifier_alias(), prompts(40), "good", "bad")
     assert result.passed and result.failed_pairs == 0, result.reason
     assert dead in gate.replicas.failed_until  # tried once, then avoided
+
+
+def test_a_replica_answering_5xx_is_ejected_for_the_gate_and_the_pairs_go_elsewhere(
+    vllm: StandIn,
+) -> None:
+    """A replica whose engine is gone behind a live server (503 to everything: a fault the
+    stand-in cannot show) counts a failure per answer under the proxy's ejection policy; after
+    proxy.outlier_ejection.consecutive_failures it is left out, and the gate's later pairs are
+    all answered by the other replica."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    asked: list[str] = []
+
+    class Broken(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            asked.append(self.path)
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            self.send_response(503)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    from ratchet.fleet import choose
+
+    for _ in range(40):  # a port the ring sends the candidate's answers to first
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Broken)
+        broken = f"http://127.0.0.1:{server.server_address[1]}"
+        if choose("good", sorted([broken, vllm.url]), {}) == broken:
+            break
+        server.server_close()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        settings = RatchetSettings.model_validate(
+            {
+                "vllm_url": vllm.url,
+                "vllm_endpoints": [broken, vllm.url],
+                "learner": {"gate_concurrency": 1, "gate_timeout_s": 10},
+                "proxy": {"outlier_ejection": {"consecutive_failures": 2}},
+            }
+        )
+        gate = Gate(settings)
+        result = evaluate(gate, verifier_alias(), prompts(40), "good", "bad")
+        # Its first two answers failed, which ejected it: it was asked nothing more.
+        assert len(asked) == 2, asked
+        assert gate.replicas.outliers.replicas[broken].ejections == 1
+        assert result.failed_pairs <= 2, result.reason
+    finally:
+        server.shutdown()
+        server.server_close()
