@@ -1,8 +1,9 @@
 """A candidate's gate as a round runs it: every vLLM replica checked to serve what was trained
-(learner/served_check.py: one that does not fails the gate with a reason that names it), the
-held-out prompts drawn, the gate asked (learner/gate.py), and what its verdict leaves behind:
-the ``gate`` event, the judge's spend, the first pairs for the console. The candidate moves to
-``gating`` (learner/candidate.py)."""
+(learner/served_check.py: one that serves other weights fails the gate with a reason that names
+it; one that cannot load the candidate is out of its rotation, ratchet/version_exclusion.py, and
+the gate and canary go on without it), the held-out prompts drawn, the gate asked
+(learner/gate.py), and what its verdict leaves behind: the ``gate`` event, the judge's spend,
+the first pairs for the console. The candidate moves to ``gating`` (learner/candidate.py)."""
 
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ from learner.fingerprint import Fingerprint
 from learner.gate import GateError
 from learner.gate_verdict import GateResult
 from learner.heldout import HeldoutPool
-from learner.served_check import check_replicas
+from learner.served_check import ServedVerdict, check_replicas
 from ratchet.bill import Bill
 from ratchet.gate_pairs import write_gate_pairs
 from ratchet.records import HeldoutPrompt
 from ratchet.registry import AliasRoute, served_name
 from ratchet.settings import AliasConfig
 from ratchet.spend import add_spend
+from ratchet.version_exclusion import exclude
 
 if TYPE_CHECKING:
     from learner.round import Rounds
@@ -96,7 +98,29 @@ def served_block(rounds: Rounds, alias: str, version: int, candidate: str) -> st
         return drift
     fingerprint = Fingerprint.from_dict(meta.get(FINGERPRINT_KEY))
     verdict = check_replicas(rounds.settings, rounds.metrics, alias, candidate, fingerprint)
-    return None if verdict.passed else verdict.reason
+    if not verdict.passed:
+        return verdict.reason
+    return exclude_unloaded(rounds, alias, version, verdict)
+
+
+def exclude_unloaded(
+    rounds: Rounds, alias: str, version: int, verdict: ServedVerdict
+) -> str | None:
+    """The replicas that could not load the candidate out of its rotation, before its gate: in
+    Redis for the proxies (and the canary that follows), and in the gate's own replicas. None
+    when done; why the candidate must not be gated when the exclusion could not be kept (its
+    canary would reach the replicas that cannot serve it)."""
+    if not verdict.excluded:
+        return None
+    reasons = {c.replica: c.describe(verdict.limit) for c in verdict.excluded}
+    ttl_s = rounds.settings.learner.served_check.exclusion_ttl_s
+    try:
+        exclude(rounds.redis, alias, version, reasons, ttl_s)
+    except (redis.RedisError, OSError) as exc:
+        return f"{verdict.reason}; the exclusion was not kept: {exc}"
+    rounds.gate.replicas.exclusions.add(alias, version, reasons)
+    log.warning("%s: v%d %s", alias, version, verdict.reason)
+    return None
 
 
 def ask_gate(

@@ -3,11 +3,19 @@ its canary or promotion), each vLLM replica is asked for the candidate by its se
 answers the fixed probe of its fingerprint (learner/fingerprint.py) with ``prompt_logprobs``.
 
 A replica passes when it answers and its logprobs are within the tolerance of the learner's.
-One that cannot load the candidate (vLLM's 404 or 400, a connection refused) or that mismatches
-is asked again every ``RETRY_S`` for up to ``learner.served_check.wait_s`` (a store it sees
-late); if it still fails, the candidate is not gated and is rejected with a reason that names the
-replica. The proxy routes a version to any replica of the fleet, so one replica that would serve
-something else rejects the version everywhere: every replica has it, or none serves it.
+One that cannot load the candidate (vLLM's 404 or 400, a connection refused, an answer without
+logprobs) or that mismatches is asked again every ``RETRY_S`` for up to
+``learner.served_check.wait_s`` (a store it sees late). Then the two failures part ways:
+
+- a **mismatch** (it answers, with logprobs past the tolerance) rejects the candidate with a
+  reason that names the replica: a replica serving other weights under the version's name says
+  the store, the dtype or the LoRA as vLLM reads it differs from what was trained, which no
+  routing can vouch for on the other replicas;
+- a replica that **cannot load** it is out of that version's rotation alone
+  (:attr:`ServedVerdict.excluded`, kept in Redis by learner/gating.py,
+  ratchet/version_exclusion.py): no request for the version goes to it, every other version
+  still does, and the gate and canary run on the replicas that passed. When no replica passed,
+  the candidate is rejected with a reason that names them all.
 
 A candidate without a fingerprint (an imported adapter, or one trained on sharded ranks, whose
 model no single rank holds) is still asked of every replica: each must load it and answer.
@@ -64,23 +72,38 @@ class ServedVerdict:
     checks: tuple[ReplicaCheck, ...]
     limit: float
 
+    def of(self, outcome: Outcome) -> tuple[ReplicaCheck, ...]:
+        return tuple(c for c in self.checks if c.outcome == outcome)
+
     @property
     def passed(self) -> bool:
-        return bool(self.checks) and all(c.outcome == "match" for c in self.checks)
+        """Some replica serves it as trained and none serves other weights (those that cannot
+        load it are :attr:`excluded`)."""
+        return bool(self.of("match")) and not self.of("mismatch")
 
     @property
     def failed(self) -> tuple[ReplicaCheck, ...]:
         return tuple(c for c in self.checks if c.outcome != "match")
 
     @property
+    def excluded(self) -> tuple[ReplicaCheck, ...]:
+        """The replicas out of the version's rotation when it passed: those that cannot load
+        it."""
+        return self.of("unloaded") if self.passed else ()
+
+    @property
     def reason(self) -> str:
+        head = f"served check of {self.served}: "
         if not self.checks:
-            return f"served check of {self.served}: no vLLM replica to ask"
+            return head + "no vLLM replica to ask"
+        if self.passed and not self.excluded:
+            return head + "every replica matches"
+        failed = "; ".join(c.describe(self.limit) for c in self.failed)
         if self.passed:
-            return f"served check of {self.served}: every replica matches"
-        return f"served check of {self.served}: " + "; ".join(
-            c.describe(self.limit) for c in self.failed
-        )
+            return head + f"out of its rotation: {failed}"
+        if not self.of("match") and not self.of("mismatch"):
+            return head + f"no replica can serve it: {failed}"
+        return head + failed
 
 
 def served_logprobs(body: Any, token_ids: Sequence[int]) -> tuple[float, ...]:
@@ -207,7 +230,7 @@ def check_replicas(
         metrics.served_checks.labels(alias, c.replica, c.outcome).inc()
         if c.distance is not None and c.distance.tokens:
             metrics.served_distance.labels(alias, c.replica).set(c.distance.mean_abs)
-    if verdict.passed:
+    if verdict.passed and not verdict.excluded:
         log.info("%s (%s)", verdict.reason, "; ".join(c.describe(limit) for c in verdict.checks))
     else:
         log.warning("%s", verdict.reason)

@@ -1,5 +1,6 @@
 """The proxy's routing table: a copy of the registry, kept fresh by pub/sub, served while Redis
-is away."""
+is away; with it, the replicas out of each routed version's rotation
+(ratchet/version_exclusion.py), read in the same refreshes."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 import redis
 import redis.asyncio as aioredis
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from ratchet.registry import (
     CHANNEL,
@@ -21,6 +25,7 @@ from ratchet.registry import (
     decode_hash,
 )
 from ratchet.settings import AliasConfig
+from ratchet.version_exclusion import VersionExclusions, read_exclusions
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +50,9 @@ class RoutingCache:
             name: AliasRoute(alias=name, base_model=cfg.base_model) for name, cfg in aliases.items()
         }
         self.invalid = InvalidRoutes()
+        # Asked by the choice of replica on every request (proxy/upstream.py): kept here, read
+        # with the routes, so that lookup never waits on Redis.
+        self.exclusions = VersionExclusions()
         self.loaded_at: float | None = None
         self.readable = False
         self.subscribed = False
@@ -99,6 +107,9 @@ class RoutingCache:
             self.routes[alias] = route
         invalid = {name: why for name, why in self.invalid.now.items() if name != alias}
         self.invalid.update(invalid | table.invalid)
+        kept = self.routes.get(alias)
+        found = await read_exclusions(self._redis, [kept] if kept else [])
+        self.exclusions.set_alias(alias, found.get(alias, {}))
 
     async def load_all(self) -> None:
         hashes = {}
@@ -107,8 +118,10 @@ class RoutingCache:
             if name is not None:
                 hashes[name] = decode_hash(await self._redis.hgetall(alias_key(name)))
         table = RoutingTable.build(hashes, self._aliases, self.routes)
+        exclusions = await read_exclusions(self._redis, table.routes.values())
         self.routes = table.routes
         self.invalid.update(table.invalid)
+        self.exclusions.replace(exclusions)
         self.loaded_at = time.monotonic()
         self.readable = True
 
@@ -153,3 +166,22 @@ class RoutingCache:
             finally:
                 with contextlib.suppress(redis.RedisError, OSError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]  # unannotated in redis-py
+
+
+class ExcludedReplicas(Collector):
+    """``ratchet_fleet_version_excluded``, read at scrape time from the routing cache."""
+
+    def __init__(self, routing: RoutingCache) -> None:
+        self.routing = routing
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "ratchet_fleet_version_excluded",
+            "1 while a vLLM replica is out of a routed version's rotation: it could not load "
+            "the version before its gate (learner/served_check.py), so none of that version's "
+            "requests go to it",
+            labels=["alias", "version", "replica"],
+        )
+        for alias, version, replica in self.routing.exclusions.entries():
+            family.add_metric([alias, str(version), replica], 1)
+        yield family

@@ -18,7 +18,7 @@ from proxy.log.worker import WorkerConfig
 from proxy.metrics import ProxyMetrics
 from proxy.ratelimit import RateLimiter
 from proxy.response_store import ResponseStore
-from proxy.routing import RoutingCache
+from proxy.routing import ExcludedReplicas, RoutingCache
 from proxy.upstream import Upstream, fault_policy
 from proxy.validation import RequestLimits, check_depth, json_too_deep
 from ratchet.records import ANONYMOUS_CLIENT, DEADLETTER_TOPIC, FEEDBACK_TOPIC, TRAFFIC_TOPIC
@@ -98,6 +98,9 @@ class ProxyState:
         self.upstream.on_model_context = self.limits.set_model_context
         self.upstream.on_choice = self.metrics.count_endpoint_request
         self.metrics.registry.register(FleetFaults(self.upstream))
+        # The choice of replica never sends a version to a replica out of its rotation.
+        self.upstream.exclusions = self.routing.exclusions
+        self.metrics.registry.register(ExcludedReplicas(self.routing))
         # Per key only when keys are required: without auth a client could invent one per request.
         self.rate_limiter = RateLimiter(
             settings.proxy.rate_limit,

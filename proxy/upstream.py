@@ -26,6 +26,7 @@ from proxy.upstream_errors import upstream_error as upstream_error
 from ratchet.ejection import EjectionPolicy, Outliers
 from ratchet.fleet import RESOLVE_TIMEOUT_S, Resolver, Router, candidates
 from ratchet.settings.proxy import ProxySettings
+from ratchet.version_exclusion import VersionExclusions
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,8 @@ class Upstream:
         self.balance = balance
         self._turn = 0
         self.router = Router()  # requests in flight per served name, and their widths
+        # Replicas out of a version's rotation: the routing table's (proxy/routing.py).
+        self.exclusions = VersionExclusions()
         # vLLM's key on every call; the client's own key never reaches vLLM.
         self._connection = (connect_timeout_s, total_timeout_s, api_key)
         self.endpoints = {u.rstrip("/"): Endpoint(u, *self._connection) for u in configured}
@@ -249,16 +252,29 @@ class Upstream:
         """The replica for a request of served name ``key`` and ``conversation``
         (:func:`ratchet.fleet.conversation_key`), not one of ``exclude``: among those whose
         health check passed and that are not ejected (all of them when none is: the request
-        then says whether any is up)."""
-        if len(self.endpoints) == 1:  # no fleet: nothing to choose, on every request
+        then says whether any is up), never one out of ``key``'s rotation (a 503 when every
+        one is: ratchet/version_exclusion.py)."""
+        barred = self.exclusions.barred(key)
+        if len(self.endpoints) == 1 and not barred:  # no fleet: nothing to choose
             return next(iter(self.endpoints.values()))
         now = time.monotonic()
-        live = candidates(self.endpoints, lambda url: self._usable(url, now), exclude)
+        live = candidates(self.endpoints, lambda url: self._usable(url, now), exclude, barred)
+        if not live:
+            raise ProxyError(
+                503,
+                f"no model server can serve {key}",
+                type="server_error",
+                code="no_replica_for_version",
+            )
         if self.balance == "round_robin":
             self._turn += 1
             return self.endpoints[live[self._turn % len(live)]]
         outstanding = {url: self.endpoints[url].outstanding for url in live}
         return self.endpoints[self.router.choose(key, live, outstanding, conversation)]
+
+    def _allowed(self, key: str) -> set[str]:
+        """The replicas a request for ``key`` may go to at all."""
+        return self.endpoints.keys() - self.exclusions.barred(key)
 
     def _usable(self, url: str, now: float) -> bool:
         return self.endpoints[url].healthy and not self.outliers.is_ejected(url, now)
@@ -294,7 +310,7 @@ class Upstream:
                 self._release(replica, key)
                 error = self._unavailable(replica, exc)
                 tried.add(replica.url)
-                if len(tried) > self.faults.retries or len(tried) >= len(self.endpoints):
+                if len(tried) > self.faults.retries or tried >= self._allowed(key):
                     raise error from None
                 replica.retries += 1
                 continue

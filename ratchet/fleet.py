@@ -40,6 +40,7 @@ import orjson
 
 from ratchet.ejection import EjectionPolicy, Outliers
 from ratchet.settings import RatchetSettings, is_ip_address
+from ratchet.version_exclusion import VersionExclusions
 
 log = logging.getLogger(__name__)
 
@@ -231,12 +232,17 @@ async def expand(url: str) -> list[str]:
 
 
 def candidates(
-    urls: Iterable[str], usable: Callable[[str], bool], exclude: Collection[str] = ()
+    urls: Iterable[str],
+    usable: Callable[[str], bool],
+    exclude: Collection[str] = (),
+    barred: Collection[str] = (),
 ) -> list[str]:
     """The replicas a request may go to: those not in ``exclude`` that are ``usable`` (passing
     their health check, not failed lately); all of them when none is, so the request itself
-    says whether any is up."""
-    left = [u for u in urls if u not in exclude] or list(urls)
+    says whether any is up. Never one in ``barred`` (out of the request's version's rotation,
+    ratchet/version_exclusion.py): none when every replica is."""
+    allowed = [u for u in urls if u not in barred] if barred else list(urls)
+    left = [u for u in allowed if u not in exclude] or allowed
     return [u for u in left if usable(u)] or left
 
 
@@ -286,6 +292,10 @@ class Resolver:
             log.warning("vLLM endpoint %s did not resolve: %s", url, error)
 
 
+class NoReplica(ConnectionError):
+    """Every replica is out of the requested version's rotation."""
+
+
 # A replica a client outside the proxy could not reach is avoided this long.
 FAILED_S = 30.0
 # How often a client outside the proxy resolves the replicas' names again.
@@ -328,6 +338,8 @@ class Replicas:
         self.retries = retries
         self.connect_timeout_s = connect_timeout_s
         self.resolved_at = 0.0
+        # Replicas out of a version's rotation (learner/gating.py adds its candidate's).
+        self.exclusions = VersionExclusions()
 
     @classmethod
     def of(cls, vllm_url: str, vllm_endpoints: Sequence[str]) -> Replicas:
@@ -363,7 +375,10 @@ class Replicas:
             self.outliers.forget(self.urls)
             self.resolved_at = time.monotonic()
         now = time.monotonic()
-        live = candidates(self.urls, lambda u: self.usable(u, now), exclude)
+        barred = self.exclusions.barred(key)
+        live = candidates(self.urls, lambda u: self.usable(u, now), exclude, barred)
+        if not live:
+            raise NoReplica(f"no vLLM replica serves {key}: each is out of its rotation")
         url = self.router.choose(key, live, self.outstanding, conversation)
         self.outstanding[url] += 1
         self.router.taken(key)

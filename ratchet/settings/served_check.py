@@ -51,7 +51,18 @@ class ServedCheckSettings(_Section):
         ge=0,
         description=(
             "How long a replica that cannot load the candidate, or serves it past the tolerance, "
-            "is asked again (a store it sees late) before the candidate is rejected, naming it."
+            "is asked again (a store it sees late). Then one past the tolerance rejects the "
+            "candidate, naming it; one that cannot load it is out of that version's rotation, "
+            "and the candidate is rejected only when no replica serves it."
+        ),
+    )
+    exclusion_ttl_s: float = Field(
+        default=7 * 24 * 3600.0,
+        ge=60,
+        description=(
+            "How long a replica stays out of a version's rotation after it could not load it; "
+            "renewed while the version is its alias's active or canary one, so it lapses this "
+            "long after the version leaves the registry."
         ),
     )
     timeout_s: float = Field(
