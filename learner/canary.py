@@ -12,6 +12,9 @@ transaction that starts the canary, so a restarted learner carries on counting.
 
 * nothing before ``min_requests`` canary answers counted by client (:func:`counted`: each
   client's up to ``client_request_share`` of them, 4xx answers not at all);
+* roll back, whatever the counts say, a canary whose version's latest served drift is past the
+  tolerance (learner/drift_state.py: a round that trains on from the canary measures it), with
+  a reason that names the version and the replica;
 * roll back if the canary's upstream failures are worse than the active arm's beyond the
   margin, each client one unit (its own failure share) and the arms compared by a test with
   ``min_clients`` on each (learner/canary_errors.py);
@@ -52,6 +55,7 @@ from learner.canary_clients import ClientEvidence, ClientTest, client_evidence
 from learner.canary_counter import CanaryCounter
 from learner.canary_errors import ErrorEvidence, error_rollback
 from learner.canary_ratings import Rating
+from learner.drift_state import canary_drift_block
 from learner.exchanges import read_exchanges
 from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
@@ -75,6 +79,7 @@ from ratchet.reward_guard_state import GuardResult, write_guard
 from ratchet.rewards.rated import RatedAnswer
 from ratchet.secrets import server_secret
 from ratchet.settings import AliasConfig, CanaryConfig, RatchetSettings
+from ratchet.version_exclusion import renew
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +276,8 @@ class CanaryWatcher:
         # An alias whose hash is invalid gets no decision until it is fixed.
         table = self.lifecycle.writer.read_all(self.routes)
         self.routes = {a: r for a, r in table.routes.items() if a not in table.invalid}
+        # A replica out of a routed version's rotation stays out while the version is routed.
+        renew(self.redis, self.routes.values(), self.settings.learner.served_check.exclusion_ttl_s)
         self.check()
         self._last_check = time.monotonic()
 
@@ -311,20 +318,33 @@ class CanaryWatcher:
                 config.reward.learns_from_ratings,
                 errors,
             )
-            if verdict == "promote":
-                guard = self.reward_gap(alias, route, config)
-                if guard is not None:
-                    blocked = guard.blocks(config.feedback.require_reward_check)
-                    if blocked is not None:
-                        verdict, reason = "rollback", blocked
-                    elif not guard.checked:
-                        reason = f"{reason}; reward guard {guard.reason}"
+            verdict, reason = self.overruled(alias, route, config, verdict, reason)
             if verdict != "wait":
                 # Past the wait the test's stream has ended: the event keeps its last look.
                 ratings = evidence.test
                 if age_s >= config.canary.feedback_wait_s and ratings.decision == "continue":
                     ratings = evidence.ended
                 self.decide(alias, route.canary, verdict, reason, stats, ratings)
+
+    def overruled(
+        self, alias: str, route: AliasRoute, config: AliasConfig, verdict: Verdict, reason: str
+    ) -> tuple[Verdict, str]:
+        """The counts' verdict after what overrules it: a canary whose version's served drift
+        is past the tolerance is rolled back whatever the counts say (the fleet does not serve
+        what was trained); a promotion the reward guard blocks is rolled back too."""
+        assert route.canary is not None
+        drifted = canary_drift_block(self.redis, alias, route.canary, self.settings)
+        if drifted is not None:
+            return "rollback", drifted
+        guard = self.reward_gap(alias, route, config) if verdict == "promote" else None
+        if guard is None:
+            return verdict, reason
+        blocked = guard.blocks(config.feedback.require_reward_check)
+        if blocked is not None:
+            return "rollback", blocked
+        if not guard.checked:
+            return verdict, f"{reason}; reward guard {guard.reason}"
+        return verdict, reason
 
     def reward_gap(self, alias: str, route: AliasRoute, config: AliasConfig) -> GuardResult | None:
         """For an alias whose reward is learned from ratings: what the reward-hacking guard says

@@ -40,6 +40,7 @@ from typing import Any
 from learner.canary_weight import canary_weight, requests_per_second
 from learner.candidate import Candidate, Candidates, Stage
 from learner.drift import DRIFT_KEY, Measures
+from learner.drift_state import keep_drift
 from learner.gate import Gate
 from learner.gate_verdict import GateResult
 from learner.gating import gate_candidate
@@ -272,6 +273,8 @@ class Rounds:
         else:
             trainer.load_adapter(adapter)
         self.measures.before_training(trainer, alias, start.version, groups)
+        # Where the canary watcher sees it: a canary this round trains on from is stopped by it.
+        keep_drift(self.redis, alias, self.measures.drift.get(alias))
 
         def on_step(step: StepProgress) -> None:
             self.metrics.step_loss.labels(alias).set(step.loss)
