@@ -94,7 +94,16 @@ class Code:
     ) -> str:
         """The verdict on the ratings (in arrival order) and requests so far, at ``age_s``."""
         rating = self.ratings.Rating
-        arms = [[rating(c, s) for c, a, s in events if a == arm] for arm in ARMS]
+        # Each rating's place in the order of both arms (``Rating.seq``, where the code keeps it).
+        ordered = "seq" in getattr(rating, "__dataclass_fields__", {})
+        arms = [
+            [
+                rating(c, s, i) if ordered else rating(c, s)
+                for i, (c, a, s) in enumerate(events)
+                if a == arm
+            ]
+            for arm in ARMS
+        ]
         stats = {
             arm: self.state.ArmStats(
                 sum(n for (_, a), n in requests.items() if a == arm),

@@ -45,9 +45,11 @@ MAX_WAITING_RATINGS = 5_000
 # canary.max_rating_pairs. Every other client stores canary.client_ratings per arm.
 RATINGS_KEPT = 4
 
-# KEYS: the arm's rating list, its per-client counts. ARGV: the client, the encoded rating, the
-# most one client stores, the most the list holds. Counts the rating, and stores it when its
-# client and the list both have room: a client's flood cannot fill the list before others rate.
+# KEYS: the arm's rating list, its per-client counts, the canary's hash. ARGV: the client, the
+# encoded rating, the most one client stores, the most the list holds. Counts the rating, and
+# stores it when its client and the list both have room (a client's flood cannot fill the list
+# before others rate), with its place in the order of both arms' stored ratings appended
+# (``Rating.seq``: a client's first ratings across the arms make its unit).
 STORE_RATING_SCRIPT = """
 if redis.call('HINCRBY', KEYS[2], ARGV[1], 1) > tonumber(ARGV[3]) then
   return 0
@@ -55,7 +57,8 @@ end
 if redis.call('LLEN', KEYS[1]) >= tonumber(ARGV[4]) then
   return 0
 end
-redis.call('RPUSH', KEYS[1], ARGV[2])
+local seq = redis.call('HINCRBY', KEYS[3], 'rating_seq', 1)
+redis.call('RPUSH', KEYS[1], ARGV[2] .. '\t' .. seq)
 return 1
 """
 
@@ -232,9 +235,10 @@ class CanaryCounter:
             cap = kept if rating.client == ANONYMOUS_CLIENT else per_client
             pipe.eval(
                 STORE_RATING_SCRIPT,
-                2,
+                3,
                 ratings_key(alias, arm),
                 raters_key(alias, arm),
+                canary_key(alias),
                 rating.client,
                 rating.encode(),
                 cap,

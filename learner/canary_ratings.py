@@ -15,19 +15,29 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Rating:
-    """One counted rating of a canary-time answer: who gave it (its client) and its score."""
+    """One counted rating of a canary-time answer: who gave it (its client), its score, and its
+    place in the order the canary's ratings were stored, both arms together (``seq``: None for
+    ratings stored before it was kept; learner/canary_pairs.py reads a client's first ratings
+    across the arms by it)."""
 
     client: str
     score: float
+    seq: int | None = None
 
     def encode(self) -> str:
-        return f"{self.client}\t{self.score!r}"
+        text = f"{self.client}\t{self.score!r}"
+        return text if self.seq is None else f"{text}\t{self.seq}"
 
     @classmethod
     def decode(cls, raw: str | bytes) -> Rating:
         text = raw.decode() if isinstance(raw, bytes) else raw
-        client, _, score = text.rpartition("\t")
-        return cls(client, float(score))
+        head, _, last = text.rpartition("\t")
+        # A score is written as a float (a "." or an "e" in it): a last field of digits only is
+        # the storing order, appended by the counter.
+        if last.isdigit() and "\t" in head:
+            client, _, score = head.rpartition("\t")
+            return cls(client, float(score), int(last))
+        return cls(head, float(last))
 
 
 _EPSILON = 1e-9  # 0.2 * 5 may come out a hair under 1.0

@@ -186,12 +186,19 @@ def test_when_the_wait_runs_out_the_client_test_looks_once_and_decides() -> None
     assert verdict == "rollback" and "inconclusive at 8 clients" in reason, reason
 
 
-def test_ratings_from_fewer_clients_than_the_minimum_do_not_decide() -> None:
-    """Three clients rating the canary 0 cannot veto it, nor three rating it 1 push it."""
-    for active, canary in (([1.0] * 3, [0.0] * 3), ([0.0] * 3, [1.0] * 3)):
-        few = ratings(active, canary)
-        verdict, reason = canary_verdict(arm(100), arm(40), CONFIG, LATE, few)
-        assert verdict == "promote" and "and 3 on the canary" in reason, reason
+def test_ratings_from_fewer_clients_than_the_minimum_are_tested_as_any_others() -> None:
+    """No step at canary.min_clients (4 here): after the wait three clients on each arm are
+    looked at by the same test as forty, both ways: three rating the canary 0 and the active 1
+    roll it back, the reverse promotes it, and an even split is not shown within the margin."""
+    worse = ratings([1.0] * 3, [0.0] * 3)
+    verdict, reason = canary_verdict(arm(100), arm(40), CONFIG, LATE, worse)
+    assert verdict == "rollback" and "at 3 clients" in reason, reason
+    better = ratings([0.0] * 3, [1.0] * 3)
+    verdict, reason = canary_verdict(arm(100), arm(40), CONFIG, LATE, better)
+    assert verdict == "promote" and "at 3 clients" in reason, reason
+    even = ratings([0.0, 1.0, 1.0], [1.0, 0.0, 1.0])
+    verdict, reason = canary_verdict(arm(100), arm(40), CONFIG, LATE, even)
+    assert verdict == "rollback" and "inconclusive at 3 clients" in reason, reason
 
 
 def test_with_fewer_clients_than_any_minimum_a_canary_decides_on_what_it_has() -> None:
@@ -460,6 +467,9 @@ def test_feedback_counts_once_and_only_from_the_key_that_got_the_answer(
 def test_a_ratings_drop_rolls_the_canary_back_once_the_test_is_sure(
     settings: RatchetSettings, lifecycle: Lifecycle
 ) -> None:
+    # A client's unit is its first two ratings, one of each arm here: one paired unit a key.
+    paired = CONFIG.model_copy(update={"client_ratings": 2})
+    settings = settings.model_copy(update={"aliases": {ALIAS: AliasConfig(canary=paired)}})
     start_canary(lifecycle)
     watcher = watcher_for(settings, lifecycle)
     watcher.count(
@@ -560,6 +570,9 @@ def test_a_one_key_app_whose_users_are_told_apart_decides_its_canary(
     """One API key serving 50 users, its key in proxy.user_vouching_keys: each user is a client
     (the proxy's source), so their ratings decide the canary. The same ratings under the bare key
     are one client's, and decide nothing."""
+    # A client's unit is its first two ratings, one of each arm here: one paired unit a user.
+    paired = CONFIG.model_copy(update={"client_ratings": 2})
+    settings = settings.model_copy(update={"aliases": {ALIAS: AliasConfig(canary=paired)}})
     secret = server_secret(settings)
     for vouched, expected in ((False, (1, 2)), (True, (2, None))):
         if vouched:

@@ -102,12 +102,14 @@ def test_looks_are_at_min_clients_doubling() -> None:
     assert look_sizes(CanaryConfig(min_clients=20, max_rating_pairs=200)) == [20, 40, 80, 160]
 
 
-def test_no_verdict_on_fewer_than_min_clients_either_way() -> None:
-    """Promotion and rollback wait for the same number of clients on each arm."""
+def test_interim_looks_wait_for_min_clients_and_the_last_look_for_none() -> None:
+    """Promotion and rollback wait for the same number of clients on each arm before an interim
+    look; the last look decides at any number, the same rule at 19 clients as at 20."""
     worse = [Rating(f"a{i}", 1.0) for i in range(19)], [Rating(f"c{i}", 0.0) for i in range(19)]
-    for active, canary in (worse, worse[::-1]):
-        test = client_test([r for r in active for _ in range(3)], canary * 3, CONFIG, ended=True)
-        assert test.decision == "continue" and test.looks == ()
+    for (active, canary), expected in ((worse, "fail"), (worse[::-1], "pass")):
+        rated = [r for r in active for _ in range(3)], canary * 3
+        assert client_test(*rated, CONFIG).looks == ()
+        assert client_test(*rated, CONFIG, ended=True).decision == expected
     active = [Rating(f"a{i}", 1.0) for i in range(20)] * 3
     canary = [Rating(f"c{i}", 0.0) for i in range(20)] * 3
     assert client_test(active, canary, CONFIG).decision == "fail"
@@ -159,7 +161,7 @@ def test_a_few_clients_that_know_the_arms_are_trimmed_away() -> None:
     trimmed_shift = clean.ended.last.drop - attacked.ended.last.drop
     assert clean.difference is not None and attacked.difference is not None
     plain_shift = clean.difference - attacked.difference
-    assert 0 <= trimmed_shift < plain_shift / 2, (trimmed_shift, plain_shift)
+    assert abs(trimmed_shift) < plain_shift / 2, (trimmed_shift, plain_shift)
 
 
 @pytest.mark.parametrize("seed", range(2))
