@@ -21,11 +21,11 @@ transaction that starts the canary, so a restarted learner carries on counting.
 * the test over clients (learner/canary_clients.py) promotes or rolls back at any of its looks;
 * otherwise it waits: an alias that learns from ratings until ``feedback_wait_s`` (never unrated
   in its first seconds, however busy), one that does not until ``min_duration_s``. Then the test
-  looks once more, at every client that rated (not shown within the margin: rolled back); with
-  fewer than ``min_clients`` rating clients the ratings do not decide and the error rate does
-  (:func:`_after_wait`);
+  looks once more, at every client that rated, whatever their number (not shown within the
+  margin: rolled back); where no look can be made (fewer than two clients' units), the
+  clients' mean drop decides, and unrated the error rate (:func:`_after_wait`);
 * an alias with fewer clients served than ``min_clients`` on an arm waits ``feedback_wait_s``,
-  then is decided on what it has, and the reason says so (:func:`_on_what_it_has`).
+  then is decided the same way, on what it has, and the reason says so.
 
 The watcher also counts every alias's requests per minute, canary or not
 (learner/canary_weight.py): the next canary's share is sized by them.
@@ -164,17 +164,18 @@ def canary_verdict(
             f"{least_s:.0f} s"
             + (f" ({served} of {config.min_clients} clients served on each arm)" if few else "")
         )
-    if few:
-        verdict, reason = _on_what_it_has(active, canary, config, evidence)
-        return verdict, note + reason
-    return _after_wait(active, canary, config, evidence)
+    verdict, reason = _after_wait(active, canary, config, evidence)
+    return verdict, (note if few else "") + reason
 
 
 def _after_wait(
     active: ArmStats, canary: ArmStats, config: CanaryConfig, evidence: ClientEvidence
 ) -> tuple[Verdict, str]:
-    """The wait ran out with enough clients served: the test's stream ends here, and it looks
-    once at every client that rated."""
+    """The wait ran out: the test's stream ends here, and it looks once at every client that
+    rated, whatever their number (not shown within the margin: rolled back), so one rater more
+    or fewer at canary.min_clients changes no rule. Where no look can be made (fewer than two
+    clients' units to compare: a one-key app, a single rater), the clients' mean drop decides,
+    and the reason says so; unrated, the error rate (checked before) lets it through."""
     errors = (
         f"{canary.requests} canary requests counted, error rate {canary.error_rate:.3f} "
         f"(active {active.error_rate:.3f})"
@@ -189,31 +190,13 @@ def _after_wait(
             f"ratings: when the wait ran out, not shown within {config.max_feedback_drop} of "
             f"the active arm: {ended.reason}"
         )
-    # Fewer clients rated than the look needs (min_clients on each arm): the ratings cannot
-    # decide, whichever way their few clients rate.
-    return "promote", f"{errors}; {_evidence(evidence)}"
-
-
-def _on_what_it_has(
-    active: ArmStats, canary: ArmStats, config: CanaryConfig, evidence: ClientEvidence
-) -> tuple[Verdict, str]:
-    """Fewer clients served than canary.min_clients, and the wait ran out: the test over every
-    client that rated if it decides, else the clients' mean drop, else the error rate."""
-    ended = evidence.ended
-    if ended.decision == "pass":
-        return "promote", f"ratings: {ended.reason}"
-    if ended.decision == "fail":
-        return "rollback", f"ratings: not shown within {config.max_feedback_drop}: {ended.reason}"
     difference = evidence.difference
     if difference is not None and -difference > config.max_feedback_drop:
         return "rollback", (
-            f"feedback: the canary's clients rate it {-difference:.3f} below the active's "
-            f"(> {config.max_feedback_drop}); {_evidence(evidence)}"
+            f"feedback: too few clients to test; they rate the canary {-difference:.3f} below "
+            f"the active arm (> {config.max_feedback_drop}); {_evidence(evidence)}"
         )
-    return "promote", (
-        f"{canary.served} canary requests, error rate {canary.error_rate:.3f} "
-        f"(active {active.error_rate:.3f}); {_evidence(evidence)}"
-    )
+    return "promote", f"too few clients to test the ratings; {errors}; {_evidence(evidence)}"
 
 
 def _evidence(evidence: ClientEvidence) -> str:
