@@ -8,8 +8,11 @@ and held to the tolerance when the candidate is gated (learner/gating.py):
   learner's under the same weights, recomputed before the round's first step (one forward pass of
   up to ``learner.served_check.drift_groups`` groups, no gradient), over the groups sampled from
   the version the round starts from. Past the tolerance the serving fleet is not running what
-  the learner trained, and the round's candidate is not gated. The groups say which version
-  sampled them, not which replica, so the drift is per version.
+  the learner trained, and the round's candidate is not gated. Each group names the replica
+  that sampled it (``ScoredGroup.replica``; ``unknown`` in groups from before the field), so
+  the drift is measured per (version, replica), the groups picked in turn from each replica,
+  and the reason that blocks the candidate names the replica past the tolerance: one replica
+  that serves other weights is found even when the rest of the fleet dilutes its mean.
 
 A sharded learner (FSDP) measures neither: no rank holds the whole model for a forward pass of
 its own; its candidates are still asked of every replica, without a probe to compare.
@@ -18,7 +21,10 @@ its own; its candidates are still asked of every replica, without a probe to com
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +41,7 @@ from learner.fingerprint import (
 )
 from learner.metrics import LearnerMetrics
 from learner.trainer import LoraGRPOLearner
-from ratchet.records import ScoredGroup
+from ratchet.records import UNKNOWN_REPLICA, ScoredGroup
 from ratchet.settings import RatchetSettings, ScaleRewards
 
 log = logging.getLogger(__name__)
@@ -64,17 +70,41 @@ def candidate_fingerprint(
     )
 
 
-def round_drift(
+@dataclass(frozen=True)
+class RoundDrift:
+    """A round's drift: over all the groups compared, and per replica that sampled them."""
+
+    overall: Distance
+    replicas: dict[str, Distance]
+
+    def worst(self) -> tuple[str, Distance]:
+        """The replica furthest from the learner, and its distance."""
+        return max(self.replicas.items(), key=lambda item: _gap(item[1].mean_abs))
+
+
+def pick_groups(groups: list[ScoredGroup], version: int, limit: int) -> list[ScoredGroup]:
+    """Up to ``limit`` of the groups sampled from ``version``, taken in turn from each replica
+    that sampled some (in order of arrival within a replica), so every replica is measured."""
+    by_replica: dict[str, list[ScoredGroup]] = {}
+    for group in groups:
+        if group.version == version and group.samples:
+            by_replica.setdefault(group.served_by, []).append(group)
+    turns = itertools.chain.from_iterable(itertools.zip_longest(*by_replica.values()))
+    return [g for g in turns if g is not None][: max(0, limit)]
+
+
+def round_drifts(
     trainer: LoraGRPOLearner,
     groups: list[ScoredGroup],
     version: int,
     limit: int,
     scale: ScaleRewards,
-) -> Distance | None:
+) -> RoundDrift | None:
     """The drift of up to ``limit`` of the groups sampled from ``version`` (the weights the
-    trainer holds now); None when there are none, or the trainer is sharded."""
-    picked = [g for g in groups if g.version == version and g.samples][:limit]
-    if not picked or limit <= 0 or trainer.sharded:
+    trainer holds now), overall and per replica; None when there are none, or the trainer is
+    sharded. One forward pass for all of them."""
+    picked = pick_groups(groups, version, limit)
+    if not picked or trainer.sharded:
         return None
     batch = pack_groups(picked, scale).to(trainer.device)
     model = trainer.model
@@ -90,35 +120,95 @@ def round_drift(
             logprobs = token_logprobs(model, batch)
     finally:
         model.train(was_training)
-    return token_distance(logprobs, batch.behaviour_logprobs, batch.completion_mask)
+    served, mask = batch.behaviour_logprobs, batch.completion_mask
+    names = [g.served_by for g in picked]  # one row per group
+    replicas = {}
+    for name in dict.fromkeys(names):
+        rows = torch.tensor([n == name for n in names], device=mask.device)
+        replicas[name] = token_distance(logprobs, served, mask & rows[:, None])
+    return RoundDrift(token_distance(logprobs, served, mask), replicas)
 
 
-def drift_record(version: int, drift: Distance, precision: Precision) -> dict[str, Any]:
-    """The drift as the candidate's ``ratchet.json`` keeps it."""
+def round_drift(
+    trainer: LoraGRPOLearner,
+    groups: list[ScoredGroup],
+    version: int,
+    limit: int,
+    scale: ScaleRewards,
+) -> Distance | None:
+    """:func:`round_drifts` over all the replicas."""
+    drifts = round_drifts(trainer, groups, version, limit, scale)
+    return None if drifts is None else drifts.overall
+
+
+def _distance_record(drift: Distance) -> dict[str, Any]:
     return {
-        "version": version,
-        "precision": precision,
         "mean_abs": drift.mean_abs if drift.tokens else None,
         "max_abs": drift.max_abs if drift.tokens else None,
         "tokens": drift.tokens,
     }
 
 
+def drift_record(
+    version: int,
+    drift: Distance,
+    precision: Precision,
+    replicas: Mapping[str, Distance] | None = None,
+) -> dict[str, Any]:
+    """The drift as the candidate's ``ratchet.json`` keeps it: overall, and under
+    ``replicas`` each replica's."""
+    record: dict[str, Any] = {"version": version, "precision": precision}
+    record.update(_distance_record(drift))
+    if replicas:
+        record["replicas"] = {name: _distance_record(d) for name, d in replicas.items()}
+    return record
+
+
+def _gap(value: Any) -> float:
+    """A stored mean |Δ| as a number to compare; missing or not finite is the furthest."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        return float("inf")
+    return float(value)
+
+
+def replica_gaps(record: Mapping[str, Any]) -> dict[str, tuple[float, int]]:
+    """Each replica's (mean |Δ|, tokens) in a stored drift that measured some tokens; a record
+    from before the drift per replica is one replica, ``unknown``."""
+    entries = record.get("replicas")
+    if not isinstance(entries, dict) or not entries:
+        entries = {UNKNOWN_REPLICA: record}
+    gaps: dict[str, tuple[float, int]] = {}
+    for name, entry in entries.items():
+        tokens = entry.get("tokens") if isinstance(entry, dict) else None
+        if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
+            gaps[str(name)] = (_gap(entry.get("mean_abs")), tokens)
+    return gaps
+
+
 def drift_block(record: Any, settings: RatchetSettings) -> str | None:
-    """Why the candidate must not be gated, from its stored drift: None when within the
-    tolerance (or not measured)."""
-    if not isinstance(record, dict) or not record.get("tokens"):
+    """Why the candidate must not be gated, from its stored drift: None when every replica is
+    within the tolerance (or none was measured); else the reason names the furthest replica
+    past it, and how many others are."""
+    if not isinstance(record, dict):
         return None
     precision: Precision = "bfloat16" if record.get("precision") == "bfloat16" else "float32"
     limit = settings.learner.served_check.tolerance(precision)
-    mean = record.get("mean_abs")
-    gap = float("inf") if mean is None else float(mean)
-    if gap <= limit:
+    past = sorted(
+        (
+            (gap, tokens, name)
+            for name, (gap, tokens) in replica_gaps(record).items()
+            if gap > limit
+        ),
+        reverse=True,
+    )
+    if not past:
         return None
+    gap, tokens, name = past[0]
+    others = f"; {len(past) - 1} other replica(s) past it too" if len(past) > 1 else ""
     return (
-        f"served drift: the groups v{record.get('version')} sampled have vLLM logprobs "
-        f"{gap:.4f} per token (mean |Δ|, {record['tokens']} tokens) from the learner's under "
-        f"the same weights, past {limit:g} (per version: the groups do not name the replica)"
+        f"served drift: replica {name}: the groups of v{record.get('version')} it sampled have "
+        f"vLLM logprobs {gap:.4f} per token (mean |Δ|, {tokens} tokens) from the learner's "
+        f"under the same weights, past {limit:g}{others}"
     )
 
 
@@ -130,6 +220,7 @@ class Measures:
         self.settings = settings
         self.metrics = metrics
         self.drift: dict[str, dict[str, Any]] = {}  # per alias, its round's, until written
+        self._exported: dict[str, set[str]] = {}  # per alias, the replicas of its drift series
         self._probe: tuple[tuple[int, ...], ...] | None = None
 
     @property
@@ -145,17 +236,30 @@ class Measures:
         if not self.on or not knobs.drift_groups:
             return
         scale = self.settings.learner.loss.scale_rewards
-        drift = round_drift(trainer, groups, version, knobs.drift_groups, scale)
-        if drift is None:
+        drifts = round_drifts(trainer, groups, version, knobs.drift_groups, scale)
+        if drifts is None:
             return
         precision = learner_precision(trainer)
-        self.drift[alias] = drift_record(version, drift, precision)
+        self.drift[alias] = drift_record(version, drifts.overall, precision, drifts.replicas)
         limit = knobs.tolerance(precision)
-        self.metrics.served_drift.labels(alias).set(drift.mean_abs)
+        self.export(alias, drifts.replicas)
         self.metrics.served_drift_version.labels(alias).set(version)
         self.metrics.served_drift_limit.labels(alias).set(limit)
-        log.info("%s: served drift of v%d: %s (tolerance %g)",
-                 alias, version, drift.describe(), limit)  # fmt: skip
+        for name, drift in drifts.replicas.items():
+            log.info("%s: served drift of v%d on %s: %s (tolerance %g)",
+                     alias, version, name, drift.describe(), limit)  # fmt: skip
+
+    def export(self, alias: str, replicas: Mapping[str, Distance]) -> None:
+        """The alias's drift per replica; the series of a replica this round did not measure
+        go (a replica that left, or sampled none of the version's groups, keeps no stale
+        value to alert on)."""
+        gauge = self.metrics.served_drift
+        for gone in self._exported.get(alias, set()) - set(replicas):
+            with contextlib.suppress(KeyError):
+                gauge.remove(alias, gone)
+        for name, drift in replicas.items():
+            gauge.labels(alias, name).set(drift.mean_abs)
+        self._exported[alias] = set(replicas)
 
     def for_candidate(self, trainer: LoraGRPOLearner, alias: str) -> dict[str, Any]:
         """The candidate's fingerprint and its round's drift, for its ``ratchet.json``."""

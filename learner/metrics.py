@@ -179,9 +179,9 @@ class LearnerMetrics:
         self.served_drift = Gauge(
             "ratchet_learner_served_drift",
             "Mean |Δ logprob| per sampled token between vLLM's logprobs in the last round's "
-            "groups and the learner's under the weights that served them (per version: the "
-            "groups do not say which replica sampled them)",
-            ("alias",),
+            "groups and the learner's under the weights that served them, per replica that "
+            "sampled them (unknown: groups from before they named it)",
+            ("alias", "replica"),
             registry=r,
         )
         self.served_drift_version = Gauge(

@@ -214,7 +214,8 @@ def test_measures_export_the_drift_and_keep_it_for_the_candidate(
     measures = Measures(RatchetSettings(), metrics)
     measures.before_training(tiny_learner, "support", 4, [served_group(tiny_learner, 4, 0.2)])
     value = metrics.registry.get_sample_value
-    assert value("ratchet_learner_served_drift", {"alias": "support"}) == pytest.approx(0.2, 1e-3)
+    drift = value("ratchet_learner_served_drift", {"alias": "support", "replica": "unknown"})
+    assert drift == pytest.approx(0.2, 1e-3)
     assert value("ratchet_learner_served_drift_version", {"alias": "support"}) == 4
     measures._probe = ((1, 2, 3, 4),)  # the tiny model has no tokenizer
     meta = measures.for_candidate(tiny_learner, "support")
