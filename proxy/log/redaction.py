@@ -14,6 +14,14 @@ record's deadline is checked and the string's matches counted: past the deadline
 :data:`MAX_MATCHES` in one string, the string is replaced whole by ``REDACTED``. A record then
 costs at most its budget plus one match, whatever its strings hold.
 
+Screening. That binding also costs several µs per *call*, match or not, and a record holds tens
+of strings (ids, roles, the prompt, the answer): most records match nowhere. So a value is first
+searched once, its strings (dict keys too) joined by newlines, with the patterns in multiline
+mode (``^``/``$`` then match at each string's ends as they do alone); only a value with a match
+somewhere is redacted string by string, and so is one whose record is past its budget (below).
+A pattern that the joining could hide a match of (``\\A``, ``\\z``, a flag group turning a
+flag off) disables the screen.
+
 Failing closed. A string replaced whole is never logged as it came; the part it belongs to is
 named in :attr:`Redaction.failed`, which the record carries as ``truncated`` (not what the model
 saw: nobody learns from it).
@@ -21,6 +29,7 @@ saw: nobody learns from it).
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -35,6 +44,35 @@ MAX_MATCHES = 1000
 # Redacted dict keys kept for the next records: a client sending new keys fills it, then no more.
 MAX_KEPT_KEYS = 4096
 MAX_KEPT_KEY = 64
+
+
+# What a pattern holds that a match of it in one string could need and lose once the strings are
+# joined: text-start and text-end anchors (multiline mode keeps ^ and $), and flag groups that
+# turn a flag (such as m) off. Over-broad on purpose (an escaped backslash before A): a pattern
+# it flags is only redacted without the screen.
+_UNSCREENABLE = re.compile(r"\\[Az]|\(\?[A-Za-z]*-")
+
+
+def screen_regex(patterns: list[str]) -> Any:
+    """``patterns`` as one multiline RE2 regex that finds, in a value's strings joined by
+    newlines, a match wherever one of them alone has one; None where a pattern may not."""
+    if not patterns or any(_UNSCREENABLE.search(p) for p in patterns):
+        return None
+    return redaction_regex(["(?m)" + "|".join(f"(?:{p})" for p in patterns)])
+
+
+def _strings(value: Any, out: list[str]) -> None:
+    """Append every string of ``value`` (dict keys included) to ``out``."""
+    if isinstance(value, str):
+        out.append(value)
+    elif isinstance(value, list):
+        for item in value:
+            _strings(item, out)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):
+                out.append(key)
+            _strings(item, out)
 
 
 class TooManyForInline(Exception):
@@ -57,6 +95,7 @@ class Redactor:
         max_matches: int = MAX_MATCHES,
     ) -> None:
         self.pattern: Any = redaction_regex(patterns) if patterns else None
+        self.screen: Any = screen_regex(patterns)  # one search of a whole value first
         self.budget_s = budget_s
         self.max_matches = max_matches
         # Dict keys, redacted: most are the API's own ("role", "content"), in every record.
@@ -100,14 +139,28 @@ class Redaction:
         return out
 
     def __call__(self, value: Any) -> Any:
+        """``value`` redacted: itself when no string of it (keys included) has a match."""
         if self.redactor.pattern is None:
             return value
+        screen = self.redactor.screen
+        if screen is not None and not isinstance(value, str) and self._in_budget():
+            found: list[str] = []
+            _strings(value, found)
+            # Past the budget once screened, it fails closed as below, not let through.
+            if screen.search("\n".join(found)) is None and self._in_budget():
+                return value
+        return self._value(value)
+
+    def _in_budget(self) -> bool:
+        return not self.over_budget and time.monotonic() <= self.deadline
+
+    def _value(self, value: Any) -> Any:
         if isinstance(value, str):
             return self.string(value)
         if isinstance(value, list):
-            return [self(v) for v in value]
+            return [self._value(v) for v in value]
         if isinstance(value, dict):
-            return {self._key(k): self(v) for k, v in value.items()}
+            return {self._key(k): self._value(v) for k, v in value.items()}
         return value
 
     def _key(self, key: str) -> str:

@@ -114,3 +114,38 @@ def test_a_redacted_request_id_still_fits_its_field() -> None:
     many = "a@b.c" * 25  # 125 characters, 25 matches
     record = exchange(client_request_id=" ".join(many[i : i + 5] for i in range(0, 125, 5)))
     assert len(record.to_record().client_request_id or "") == 128
+
+
+# Patterns whose matches depend on where a string starts and ends, or on its whole text.
+ANCHORED = [r"^sk-[a-z0-9]+$", r"^secret", r"token$", r"\bpin\b", r"[^\s@]+@[^\s@]+\.[a-z]+"]
+VALUES: list[Any] = [
+    {"model": "m", "messages": [{"role": "user", "content": "sk-abc123"}]},  # whole string
+    {"a": "secret plan", "b": "no"},  # at a string's start, not the text's
+    ["first", "my token"],  # at a string's end, not the text's
+    {"pin": 1, "x": "the pin is"},  # a key, word-bounded
+    {"messages": [{"content": "mail ann@example.com"}]},
+    {"messages": [{"content": "nothing here"}], "n": 1, "stop": ["x"]},
+    "a lone sk-abc",
+]
+
+
+@pytest.mark.parametrize("pattern", ANCHORED)
+def test_the_screen_redacts_what_string_by_string_redaction_does(pattern: str) -> None:
+    """A value is searched once, its strings joined, before it is redacted string by string;
+    a match that needs a string's own start or end (^, $, \\b) is still found there, so the
+    screen never lets a value through that the patterns match in."""
+    screened = Redactor([pattern])
+    assert screened.screen is not None
+    unscreened = Redactor([pattern])
+    unscreened.screen = None
+    for value in VALUES:
+        assert screened.begin()(value) == unscreened.begin()(value)
+
+
+def test_a_pattern_the_joining_could_hide_turns_the_screen_off() -> None:
+    """Text-start/-end anchors and a flag turned off could miss in the joined strings what
+    they match in one: such patterns are redacted string by string."""
+    for pattern in (r"\Asecret", r"secret\z", r"(?-m:^secret)", r"(?i-m)^secret"):
+        redactor = Redactor([SHIPPED, pattern])
+        assert redactor.screen is None
+        assert redactor.begin()(["x", "secret"]) == ["x", REDACTED]
