@@ -25,10 +25,12 @@ their logs by the ratchet_cpu_lora plugin), and the prefix-cache hit rate (vLLM'
 is killed mid-run: the requests that failed, against those that were in flight on it.
 
 - ``faults`` (bench/fleet_faults.py): the first replica, a hung one (its ``/health`` answers,
-  its engine does not) and one that goes dark ``--dark-after-s`` into each round (a blackhole),
-  behind a proxy with outlier ejection, connect retries and the first-byte deadline and one
-  without, A B B A; reported per arm: p50 and p99 of the answered requests, the failed ones,
-  and the proxy's fault counters for the two faulty replicas.
+  its engine wedges: a stream after two events) and one that goes dark ``--dark-after-s`` into
+  each round (a blackhole), behind a proxy with outlier ejection, connect retries, the
+  first-byte deadline and the deadline between a stream's events and one without, A B B A,
+  ``--stream-share`` of the conversations streamed; reported per arm: p50 and p99 of the
+  answered requests (and of the streamed ones), the failed ones, and the proxy's fault counters
+  for the two faulty replicas.
 
     .venv/bin/python bench/fleet_routing.py          # about 18 minutes on 2 cores
     .venv/bin/python bench/fleet_routing.py --mixes faults   # about 8 minutes
@@ -38,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import os
 import random
@@ -59,14 +60,12 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.fleet_faults import (
-    ARMS,
-    FAULT_COUNTERS,
     FaultyReplicas,
-    endpoint_up,
-    error_counts,
-    fault_counts,
+    ask,
     fault_proxies,
-    wait_for,
+    pct,
+    print_faults,
+    run_faults,
 )
 from embedded.adapters import write_random_adapters
 from embedded.model import prepare_model
@@ -127,6 +126,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fault-timeout-s", type=float, default=20.0, help="faults: both arms")
     parser.add_argument("--first-byte-s", type=float, default=5.0, help="faults: ejection arm")
     parser.add_argument("--dark-after-s", type=float, default=10.0, help="faults: each round")
+    parser.add_argument("--stream-gap-s", type=float, default=5.0, help="faults: ejection arm")
+    parser.add_argument("--stream-share", type=float, default=0.5, help="faults: streamed")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("bench/results/fleet_routing"))
     return parser.parse_args()
@@ -230,9 +231,11 @@ async def converse(
     turns: int,
     max_tokens: int,
     think_s: float = 0.0,
+    stream: bool = False,
 ) -> tuple[list[float], int]:
     """One conversation: each turn sends the conversation so far, ``think_s`` (on average)
-    after the last answer. (latencies, failures)"""
+    after the last answer, streamed or not; a stream's latency is to its end. (latencies,
+    failures)"""
     alias, system, opening = talk
     pauses = random.Random(opening)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
@@ -242,19 +245,12 @@ async def converse(
         if turn and think_s:
             await asyncio.sleep(think_s * pauses.uniform(0.5, 1.5))  # the user reads the answer
         started = time.perf_counter()
-        try:
-            response = await client.post(
-                f"{proxy}/v1/chat/completions",
-                json={"model": alias, "messages": messages, "max_tokens": max_tokens},
-            )
-        except httpx.HTTPError:
-            failures += 1
-            continue
-        if response.status_code != 200:
+        body = {"model": alias, "messages": messages, "max_tokens": max_tokens}
+        answer = await ask(client, proxy, body, stream)
+        if answer is None:
             failures += 1
             continue
         latencies.append(time.perf_counter() - started)
-        answer = response.json()["choices"][0]["message"].get("content") or ""
         messages += [
             {"role": "assistant", "content": answer},
             {"role": "user", "content": f"And then? ({turn + 1})"},
@@ -268,13 +264,16 @@ async def run_traffic(
     args: argparse.Namespace,
     concurrency: int,
     think_s: float = 0.0,
+    stream: bool = False,
 ) -> tuple[list[float], int]:
     limit = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=120) as client:
 
         async def one(talk: Talk) -> tuple[list[float], int]:
             async with limit:
-                return await converse(client, proxy, talk, args.turns, args.max_tokens, think_s)
+                return await converse(
+                    client, proxy, talk, args.turns, args.max_tokens, think_s, stream
+                )
 
         results = await asyncio.gather(*(one(talk) for talk in talks))
     return [x for lat, _ in results for x in lat], sum(f for _, f in results)
@@ -361,101 +360,6 @@ def kill_mid_run(stack: Stack, fleet: dict[str, Any], args: argparse.Namespace) 
     }
 
 
-def run_faults(fleet: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """Each arm twice, A B B A, on the same conversations per position: the third replica goes
-    dark ``--dark-after-s`` into each round and comes back after it."""
-    faulty: FaultyReplicas = fleet["faulty"]
-    named = {"hung": faulty.hung_url, "dark": faulty.dark_url}
-    rounds: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
-    for i, arm in enumerate([*ARMS, *reversed(ARMS)]):
-        proxy = fleet["fault_proxies"][arm]
-        wait_for(functools.partial(endpoint_up, proxy, faulty.dark_url), 60, "the dark one back")
-        talks = conversations(fleet["aliases"], args.conversations, seed=500 + 100 * i, mix="many")
-        before, errors_before = fault_counts(proxy, named), error_counts(proxy)
-        dark = threading.Timer(args.dark_after_s, faulty.go_dark)
-        started = time.perf_counter()
-        with console.status(f"faults: round {i + 1}/4: {arm}"):
-            dark.start()
-            latencies, failures = asyncio.run(run_traffic(proxy, talks, args, args.concurrency))
-            dark.cancel()
-            faulty.come_back()
-        after, errors_after = fault_counts(proxy, named), error_counts(proxy)
-        rounds[arm].append(
-            {
-                "latencies": latencies,
-                "failures": failures,
-                "wall_s": time.perf_counter() - started,
-                "faults": {
-                    name: {k: after[name][k] - before[name][k] for k in after[name]}
-                    for name in named
-                },
-                "errors": {
-                    code: n - errors_before.get(code, 0.0)
-                    for code, n in errors_after.items()
-                    if n > errors_before.get(code, 0.0)
-                },
-            }
-        )
-    summary: dict[str, Any] = {}
-    for arm, arm_rounds in rounds.items():
-        latencies = [x for r in arm_rounds for x in r["latencies"]]
-        summary[arm] = {
-            "answered": len(latencies),
-            "failed": sum(r["failures"] for r in arm_rounds),
-            "p50_ms": pct(latencies, 0.5),
-            "p99_ms": pct(latencies, 0.99),
-            "wall_s": sum(r["wall_s"] for r in arm_rounds),
-            "faults": {
-                name: {k: sum(r["faults"][name][k] for r in arm_rounds) for k in FAULT_COUNTERS}
-                for name in named
-            },
-            "errors": {
-                code: sum(r["errors"].get(code, 0.0) for r in arm_rounds)
-                for code in sorted({c for r in arm_rounds for c in r["errors"]})
-            },
-        }
-    return summary
-
-
-def print_faults(summary: dict[str, Any], args: argparse.Namespace) -> None:
-    table = Table(
-        title=(
-            "A real replica, a hung one and one that goes dark; with outlier ejection and "
-            f"without (both give up after {args.fault_timeout_s:g} s)"
-        )
-    )
-    columns = ["proxy", "answered", "failed", "p50 ms", "p99 ms", "wall s"]
-    columns += ["hung: first-byte timeouts / ejections", "dark: connect failures / retries"]
-    for column in columns:
-        table.add_column(column)
-    for arm, row in summary.items():
-        hung, dark = row["faults"]["hung"], row["faults"]["dark"]
-        table.add_row(
-            arm,
-            str(row["answered"]),
-            str(row["failed"]),
-            f"{row['p50_ms']:.0f}",
-            f"{row['p99_ms']:.0f}",
-            f"{row['wall_s']:.0f}",
-            f"{hung['first_byte_timeouts']:.0f} / {hung['ejections']:.0f}",
-            f"{dark['connect_failures']:.0f} / {dark['retries']:.0f}",
-        )
-    console.print(table)
-    for arm, row in summary.items():
-        errors = ", ".join(f"{code} {n:.0f}" for code, n in row["errors"].items())
-        console.print(f"{arm}: errors by code: {errors or 'none'}")
-    on, off = summary["ejection"], summary["no_ejection"]
-    console.print(
-        f"faults: with ejection / without: p99 {on['p99_ms'] / off['p99_ms']:.2f}, "
-        f"failed {on['failed']} against {off['failed']}"
-    )
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 if ordered else float("nan")
-
-
 def run_mix(
     stack: Stack, fleet: dict[str, Any], mix: str, args: argparse.Namespace
 ) -> dict[str, list[dict[str, Any]]]:
@@ -506,7 +410,14 @@ def main() -> int:
             if mix != "faults":
                 results[mix] = run_mix(stack, fleet, mix, args)
         if "faults" in mixes:
-            faults = run_faults(fleet, args)
+
+            def talks_for(seed: int) -> list[Talk]:
+                return conversations(fleet["aliases"], args.conversations, seed, mix="many")
+
+            def traffic(proxy: str, talks: list[Talk], at_once: int, stream: bool) -> Any:
+                return asyncio.run(run_traffic(proxy, talks, args, at_once, stream=stream))
+
+            faults = run_faults(fleet, args, talks_for, traffic)
         if results:
             killed = kill_mid_run(stack, fleet, args)
     finally:
