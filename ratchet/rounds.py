@@ -39,8 +39,10 @@ class RoundRow:
     # What the round cost (ratchet/bill.py), from its outcome event; None before the outcome.
     bill: Bill | None = None
     # Mean |Δ logprob| per token between vLLM's logprobs of the round's groups and the learner's
-    # under the same weights (learner/drift.py); None where not measured.
+    # under the same weights (learner/drift.py), on the replica furthest from the learner's;
+    # None where not measured. The replica: None for a drift measured before it was per replica.
     served_drift: float | None = None
+    served_drift_replica: str | None = None
 
     def lift_text(self) -> str:
         """``lift +0.050 [+0.010, +0.090]``, or "" where no lift was measured."""
@@ -86,7 +88,9 @@ def rounds_of(history: list[dict[str, Any]]) -> list[RoundRow]:
                 trained_from=_int(detail.get("trained_from")),
                 origin=_str(detail.get("origin")),
                 source=_str(detail.get("source")),
-                served_drift=_served_drift(detail.get("served_drift")),
+            )
+            rows[version].served_drift, rows[version].served_drift_replica = _served_drift(
+                detail.get("served_drift")
             )
         elif kind == "gate" and version in rows:
             row = rows[version]
@@ -107,9 +111,22 @@ def rounds_of(history: list[dict[str, Any]]) -> list[RoundRow]:
     return sorted(rows.values(), key=lambda row: row.ts)
 
 
-def _served_drift(value: Any) -> float | None:
-    """The drift's mean from a candidate event's ``served_drift`` (learner/drift.py)."""
-    return _float(value.get("mean_abs")) if isinstance(value, dict) else None
+def _served_drift(value: Any) -> tuple[float | None, str | None]:
+    """From a candidate event's ``served_drift`` (learner/drift.py): the mean of the replica
+    furthest from the learner, and that replica (None for a drift from before it was measured
+    per replica: its overall mean)."""
+    if not isinstance(value, dict):
+        return None, None
+    replicas = value.get("replicas")
+    worst: tuple[float, str] | None = None
+    if isinstance(replicas, dict):
+        for name, entry in replicas.items():
+            mean = _float(entry.get("mean_abs")) if isinstance(entry, dict) else None
+            if mean is not None and (worst is None or mean > worst[0]):
+                worst = (mean, str(name))
+    if worst is not None:
+        return worst
+    return _float(value.get("mean_abs")), None
 
 
 def _int(value: Any) -> int | None:

@@ -309,3 +309,23 @@ def test_the_rounds_table_shows_each_rounds_served_drift(
     html = client_for(settings).get(f"/alias/{ALIAS}").text
     assert 'data-testid="served-drift-v3">0.0012<' in html
     assert 'data-testid="served-drift-v2">-<' in html
+    assert "served-drift-replica-v3" not in html  # measured before the drift per replica
+
+
+def test_the_rounds_table_shows_the_replica_furthest_from_the_learner(
+    settings: RatchetSettings, lifecycle: Lifecycle
+) -> None:
+    """A drift measured per replica (learner/drift.py) shows its worst replica's mean, and
+    names it."""
+
+    def measured(mean: float) -> dict[str, float | int]:
+        return {"mean_abs": mean, "max_abs": mean * 2, "tokens": 10}
+
+    replicas = {"http://10.0.0.1:8000": measured(0.001), "http://10.0.0.2:8000": measured(0.25)}
+    drift = {"version": 2, "precision": "float32", "mean_abs": 0.12, "tokens": 20,
+             "replicas": replicas}  # fmt: skip
+    detail = {"mean_reward": 0.5, "served_drift": drift}
+    lifecycle.record(lifecycle.event(ALIAS, "candidate", version=3, detail=detail))
+    html = client_for(settings).get(f"/alias/{ALIAS}").text
+    assert 'data-testid="served-drift-v3">0.2500<' in html
+    assert ">http://10.0.0.2:8000</small>" in html and "10.0.0.1" not in html
