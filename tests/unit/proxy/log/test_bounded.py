@@ -103,3 +103,40 @@ def test_the_bound_holds_whatever_the_limit(limit: int) -> None:
         )
         <= limit
     )
+
+
+@pytest.mark.parametrize(
+    "request_body",
+    [
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [{}] * 130_000},
+        {"messages": [{"role": "user", "content": "x"}] * 20_000},
+        {"messages": [{"role": "user", "content": "q" * 300_000}], "tools": [{}] * 20_000},
+    ],
+    ids=["tiny-dicts", "short-strings", "long-string-and-tiny-dicts"],
+)
+def test_the_record_is_serialized_a_bounded_number_of_times(
+    request_body: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However many halvings it takes, a record is serialized at most once a step, plus once
+    for the last (whole-dropped) form: not once a halving (130k tiny dicts took 3 s that way)."""
+    calls: list[int] = []
+    to_json = TrafficRecord.to_json
+
+    def counted(self: TrafficRecord) -> bytes:
+        calls.append(1)
+        return to_json(self)
+
+    monkeypatch.setattr(TrafficRecord, "to_json", counted)
+    big = record(request=request_body, choices=[{"index": 0, "message": {"content": "a" * 9000}}])
+    value = bounded(big, LIMIT)
+    assert len(value) <= LIMIT
+    assert len(calls) <= 5  # whole, less logprobs (none here: skipped), answer, request, all
+
+
+def test_the_fewest_halvings_that_fit_are_taken() -> None:
+    """As when it halved a step at a time: the answer is cut only as far as the limit needs."""
+    text = "word " * 40_000  # 200 kB: two halvings leave 50 kB, under the 64 KiB limit
+    big = record(choices=[{"index": 0, "message": {"role": "assistant", "content": text}}])
+    content = back(bounded(big, LIMIT)).choices[0]["message"]["content"]
+    once = text[: len(text) // 2] + CUT_MARK
+    assert content == once[: len(once) // 2] + CUT_MARK
