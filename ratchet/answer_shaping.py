@@ -94,10 +94,27 @@ def shaping_flag(payload: dict[str, Any], chat: bool = True) -> str | None:
     return None
 
 
+# Every parameter :func:`answer_shaping` reads (``tools`` only with ``tool_choice``): a body with
+# none of them is let through before any check.
+READ_PARAMS = frozenset(
+    [
+        *SHAPING_FLAGS,
+        "chat_template",
+        "allowed_token_ids",
+        "logit_bias",
+        "response_format",
+        "structured_outputs",
+        "tool_choice",
+    ]
+)
+
+
 def answer_shaping(payload: dict[str, Any], chat: bool = True) -> tuple[str, str] | None:
     """(parameter, why) for the first parameter of a request body with which the client writes
     part of its answer; None when it has none. Each reading is vLLM's; ``chat``: the body is
     for /v1/chat/completions, else /v1/completions."""
+    if READ_PARAMS.isdisjoint(payload):  # most requests: none of them, on every request
+        return None
     flag = shaping_flag(payload, chat)
     if flag is not None:
         value = str(SHAPING_FLAGS[flag]).lower()

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from ratchet.answer_shaping import (
     MAX_BANNED_TOKENS,
     MAX_FIXED_ANSWERS,
+    READ_PARAMS,
     SHAPING_FLAGS,
     answer_shaping,
     regex_answers,
@@ -207,3 +208,34 @@ def test_a_forced_call_whose_arguments_are_fixed_is_refused(
     schema the client wrote the call, which is the answer."""
     found = answer_shaping(body)
     assert (found is not None and found[0] == "tool_choice") is fixing
+
+
+class Recording(dict[str, Any]):
+    """A body that records every parameter read of it."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.read: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(str(key))
+        return super().__contains__(key)
+
+
+def test_a_body_without_any_parameter_read_is_let_through_early() -> None:
+    """A body with none of READ_PARAMS skips the checks: each parameter they read is in it
+    (``tools`` is read only for ``tool_choice``), so no check can be skipped that would refuse."""
+    body = Recording({"tool_choice": "required", "model": "m"})
+    with pytest.MonkeyPatch.context() as patch:  # past the early return, every check runs
+        patch.setattr("ratchet.answer_shaping.READ_PARAMS", frozenset({"model"}))
+        assert answer_shaping(body) is None
+    assert body.read - {"model", "tools"} <= READ_PARAMS
+    assert answer_shaping({"model": "m", "messages": []}) is None
