@@ -8,8 +8,9 @@ server-side, expiring, revoked at logout; the key itself never leaves the login 
 
 The key is checked before anything else, so the right one always gets in. A wrong one, wherever it
 is sent, is counted per source address and overall, and its answer is held back
-(console/sessions.py says how long, console/guard.py holds it): the delay is left on the request's
-state as ``wrong_key_delay``.
+(console/sessions.py says how long, console/wrong_keys.py paces all wrong keys together,
+console/guard.py holds it): the delay is left on the request's state as ``wrong_key_delay``,
+only on a wrong key's request, so the right key's answer is never held.
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@
   address (DNS rebinding) gets 400 and reads nothing; the body read whole before any route or
   auth check, at most :data:`MAX_BODY_BYTES` within :data:`BODY_TIMEOUT_S` (413, 408); and
   headers that keep pages out of frames and caches; and the answer to a wrong admin key held
-  back for the delay console/auth.py left on the request's state (:data:`WRONG_KEY_DELAY`), at
-  most :data:`HELD_AT_ONCE` at a time, so that held answers never take the connection slots an
-  admin needs (past it a wrong key is answered at once: it was checked, so no right one waits).
+  back for the delay console/auth.py left on the request's state (:data:`WRONG_KEY_DELAY`) or
+  its turn in the console's one bucket of wrong keys, whichever is later (console/wrong_keys.py:
+  many guessers in parallel answered as slowly as one), at most ``wrong_keys.QUEUE`` at a time,
+  so that held answers never take the connection slots an admin needs (past it a wrong key is
+  answered 429 with Retry-After; it was checked, so no right one waits).
 - :class:`ConsoleProtocol` (uvicorn's h11 protocol): a request's head must arrive within
   :data:`HEAD_TIMEOUT_S` of the connection or of the previous answer, else the connection is
   closed; uvicorn's own timer stops at the first byte, so a trickled head held it forever.
@@ -34,6 +36,8 @@ from urllib.parse import urlsplit
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from console.wrong_keys import WrongKeys
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -45,7 +49,6 @@ BODY_TIMEOUT_S = 10.0
 HEAD_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 16 * 1024
 WRONG_KEY_DELAY = "wrong_key_delay"  # the request state's entry: seconds to hold the answer
-HELD_AT_ONCE = 16  # a quarter of console/service.py's MAX_CONCURRENCY
 PROBES = frozenset({"/healthz", "/metrics"})
 LOOPBACK_NAMES = frozenset({"localhost"})
 PAGE_HEADERS = [
@@ -93,7 +96,7 @@ class Guard:
     def __init__(self, app: ASGIApp, allowed_hosts: list[str]) -> None:
         self.app = app
         self.allowed_hosts = allowed_hosts
-        self.held = 0  # answers to wrong keys being held back now
+        self.wrong_keys = WrongKeys()  # answers to wrong keys, paced and held back
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -124,27 +127,30 @@ class Guard:
             await refuse(send, 408, "the request body came too slowly", "timeout")
             return
         state = scope.setdefault("state", {})  # request.state's storage, shared with routes
-        sending = self.held_back(with_headers(send, path), state)
+        sending = self.held_back(send, path, state)
         await self.app(scope, replay(body, receive), sending)
 
-    def held_back(self, send: Send, state: dict[str, Any]) -> Send:
-        """``send``, holding the answer's start back by the delay the route left in ``state``."""
+    def held_back(self, send: Send, path: str, state: dict[str, Any]) -> Send:
+        """``send`` with the page headers, holding a wrong key's answer back by the delay the
+        route left in ``state`` or its turn (console/wrong_keys.py); past the queue the route's
+        answer is replaced by a 429."""
+        paged = with_headers(send, path)
+        replaced = False
 
         async def sending(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                await self.hold(float(state.pop(WRONG_KEY_DELAY, 0.0)))
-            await send(message)
+            nonlocal replaced
+            if replaced:
+                return  # the route's answer, after the 429 that replaced it
+            if message["type"] == "http.response.start" and WRONG_KEY_DELAY in state:
+                hold_s = self.wrong_keys.turn(float(state.pop(WRONG_KEY_DELAY)))
+                if hold_s is None:
+                    replaced = True
+                    await too_many_wrong_keys(send, self.wrong_keys.retry_after_s())
+                    return
+                await self.wrong_keys.wait(hold_s)
+            await paged(message)
 
         return sending
-
-    async def hold(self, delay_s: float) -> None:
-        if delay_s <= 0 or self.held >= HELD_AT_ONCE:
-            return
-        self.held += 1
-        try:
-            await asyncio.sleep(delay_s)
-        finally:
-            self.held -= 1
 
 
 async def read_body(receive: Receive) -> bytes:
@@ -188,7 +194,19 @@ def with_headers(send: Send, path: str) -> Send:
     return sending
 
 
-async def refuse(send: Send, status: int, message: str, code: str) -> None:
+async def too_many_wrong_keys(send: Send, retry_after_s: int) -> None:
+    await refuse(
+        send,
+        429,
+        "too many wrong admin keys are being answered; retry after the time given",
+        "too_many_wrong_keys",
+        ((b"retry-after", str(retry_after_s).encode()),),
+    )
+
+
+async def refuse(
+    send: Send, status: int, message: str, code: str, extra: tuple[tuple[bytes, bytes], ...] = ()
+) -> None:
     """The error envelope, and the connection closed (its unread body is not waited for)."""
     body = json.dumps(
         {
@@ -206,6 +224,7 @@ async def refuse(send: Send, status: int, message: str, code: str) -> None:
         (b"connection", b"close"),
         *PAGE_HEADERS,
         NO_STORE,
+        *extra,
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

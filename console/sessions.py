@@ -8,7 +8,9 @@ session.
 
 Wrong admin keys (at the login form or in an ``Authorization`` header) are counted per source
 address and for the whole console over :data:`FAILURE_WINDOW_S`, and each wrong answer is held
-back by :func:`wrong_key_delay` (console/auth.py holds it). The key is always checked first: the
+back by :func:`wrong_key_delay`, or its turn in the console's one bucket of wrong keys if later
+(console/wrong_keys.py: many guessers in parallel as slow as one; console/guard.py holds the
+answer). The key is always checked first: the
 right key gets in at once whatever the counts, so no outsider can lock the admins out (security
 audit N-9: a refusal before the check let about 7 wrong logins a minute refuse the right key).
 What slows a guesser, and why the key's length is what really stops one: docs/security.md,

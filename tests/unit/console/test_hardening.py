@@ -23,7 +23,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from console import guard, sessions
+from console import guard, sessions, wrong_keys
 from console.app import create_app
 from console.auth import COOKIE
 from console.render import rounds_svg
@@ -188,11 +188,23 @@ def test_wrong_keys_are_counted_and_logged_without_the_keys(
     assert route is not None and route.canary == 2
 
 
+@pytest.fixture
+def quick_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wrong keys' turns 1 ms apart (console/wrong_keys.py, tested on its own), set before the
+    console starts: here the per-address and overall delays are the subject."""
+    monkeypatch.setattr(wrong_keys, "INTERVAL_S", 0.001)
+
+
 def test_two_hundred_wrong_logins_leave_the_right_key_getting_in_at_once(
-    served: int, settings: RatchetSettings, lifecycle: Lifecycle, monkeypatch: pytest.MonkeyPatch
+    quick_turns: None,
+    served: int,
+    settings: RatchetSettings,
+    lifecycle: Lifecycle,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """N-9 against the console under uvicorn: an attack from the admins' own address (as
-    behind an ingress) and from everywhere at once slows wrong keys, never the right one."""
+    behind an ingress) and from everywhere at once slows wrong keys, never the right one
+    (past the 16 held, a wrong key is answered 429: console/wrong_keys.py)."""
     most = 1.0  # the longest hold, shortened for the test's time
     monkeypatch.setattr(sessions, "BACKOFF_MAX_S", most)
     # The served console's short deadlines are for the trickle tests: 32 guessers on a loaded
@@ -210,7 +222,7 @@ def test_two_hundred_wrong_logins_leave_the_right_key_getting_in_at_once(
 
     with ThreadPoolExecutor(32) as pool:
         answers = list(pool.map(guess, range(200)))
-    assert sorted(set(answers)) == [401, 403]
+    assert {401, 403} <= set(answers) <= {401, 403, 429}
     everyone = redis.Redis.from_url(settings.redis_url).get(FAILURES_KEY + "all")
     assert everyone == b"200"
     with httpx.Client(base_url=base, timeout=30) as client:
