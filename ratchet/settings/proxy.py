@@ -31,7 +31,9 @@ class OutlierEjectionSettings(_Section):
     5xx, an answer cut off, a stream that stalls past `upstream_first_byte_timeout_s`) is left
     out of the rotation for a while, as a service mesh's outlier detection does
     (ratchet/ejection.py). Envoy's defaults, but for the share: a Ratchet fleet is a few GPU
-    replicas, not hundreds of hosts."""
+    replicas, not hundreds of hosts. The judge's sampling and the learner's gate, which pick
+    replicas themselves, follow it too (with upstream_retries and upstream_connect_timeout_s;
+    their deadline is their own whole timeout)."""
 
     consecutive_failures: int = Field(
         default=5,
