@@ -21,6 +21,7 @@ a client that it was moved, which is what a canary does to one arm.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 import uuid
@@ -81,7 +82,6 @@ class Call:
     head: bytes = b""  # a stream's first chunk: its id names the completion, whatever is kept
     # (served, alias) names while the arm is concealed: the client is shown the alias instead.
     concealed: tuple[str, str] | None = None
-    _renames: tuple[tuple[bytes, bytes], ...] | None = None  # made once from ``concealed``
     reserved: int = 0  # tokens reserved from the key's budgets (0: none are on)
     prompt_tokens: int = 0  # the prompt's tokens as estimated for the reservation
     dropped_events: int = 0  # choice events in the chunks of a stream no longer kept
@@ -121,13 +121,18 @@ class Call:
         """What ``shown`` replaces while concealed: ``"model":"<served>"`` by the alias."""
         if self.concealed is None:
             return ()
-        if self._renames is None:
-            served, alias = (b'"' + name.encode() + b'"' for name in self.concealed)
-            # vLLM writes compact JSON; the spaced form is that of other servers.
-            self._renames = tuple(
-                (b'"model"' + colon + served, b'"model"' + colon + alias) for colon in (b":", b": ")
-            )
-        return self._renames
+        return model_renames(*self.concealed)
+
+
+@functools.lru_cache(maxsize=1024)
+def model_renames(served_name: str, alias: str) -> tuple[tuple[bytes, bytes], ...]:
+    """``"model":"<served>"`` to ``"model":"<alias>"``, made once per version rather than per
+    request (every answer is concealed unless proxy.expose_arm)."""
+    served, alias_name = (b'"' + name.encode() + b'"' for name in (served_name, alias))
+    # vLLM writes compact JSON; the spaced form is that of other servers.
+    return tuple(
+        (b'"model"' + colon + served, b'"model"' + colon + alias_name) for colon in (b":", b": ")
+    )
 
 
 @dataclass(slots=True)
