@@ -113,11 +113,17 @@ class UpstreamResponse:
         async with asyncio.timeout(timeout):
             await self._waiter
 
+    @property
+    def begun(self) -> bool:
+        """The body's first byte (or its end) is in: :meth:`first_byte` has nothing to wait
+        for (a whole answer's body comes with its headers)."""
+        return bool(self._chunks) or self._complete or self._error is not None
+
     async def first_byte(self, timeout_s: float | None = None) -> bool:
         """Whether the body's first byte (or its end) came within ``timeout_s`` (None: by the
         answer's own deadline): a stream's headers come at once, so a stalled engine shows
         only here."""
-        if self._chunks or self._complete or self._error is not None:
+        if self.begun:
             return True
         if timeout_s is None:
             timeout_s = max(0.0, self._deadline - time.monotonic())

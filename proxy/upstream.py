@@ -351,8 +351,8 @@ class Upstream:
             raise self._unavailable(replica, exc) from None
         except Stalled:
             raise self._stalled(replica) from None
-        if response.status != 200 or self.stall_watch is None:
-            return response
+        if response.status != 200 or self.stall_watch is None or response.begun:
+            return response  # begun: no wait, so no timer (every whole answer, most streams')
         try:  # a stream's first byte: past the deadline, the engine is probed as above
             arrived = await self.stall_watch.wait(replica.url, key, response.first_byte())
         except Stalled:
