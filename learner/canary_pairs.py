@@ -44,10 +44,13 @@ units: a value that common is the population's, not a few keys'.
 
 What one client moves, by construction. A unit past the fence adds no value, only its rank to
 ``m`` and ``s``. A kept unit ``x`` moves the mean of the ``h`` kept by ``(x - D_p) / h``, and
-``|x - D_p| <= FENCE s + |m - D_p|``: so one client moves ``D_p`` by at most
+``|x - D_p| <= FENCE s + |m - D_p|``: its value moves ``D_p`` by at most
 ``B = (FENCE s + |m - D_p|) / h`` (:func:`fence_bound`; about 1/60 for 60 clients at ``s``
-0.3), against ``2 / n`` for a plain mean of its unit counted on both arms. In the combined ``D``
-its weight is the paired part's share, at most 1, so ``B`` bounds it there too.
+0.3). Its rank moves ``m`` and ``s`` by one order statistic, which can carry a unit at the fence
+across it, another ``B`` (ties at the fence cross together: the bound is per unit that
+crosses). So one client moves ``D_p`` by about ``2B`` at most (tests/unit/learner's
+test_canary_pairs), against ``2 / n`` for a plain mean of its unit counted on both arms; in the
+combined ``D`` its weight is the paired part's share, at most 1.
 """
 
 from __future__ import annotations
