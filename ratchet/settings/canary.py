@@ -52,9 +52,10 @@ class CanaryConfig(_Section):
         default=10,
         ge=1,
         description=(
-            "A client's observation on an arm is the mean of its first client_ratings ratings "
-            "there: it counts at that many (a client with fewer counts when the wait runs "
-            "out), and further ratings change nothing."
+            "A client's unit is made of its first client_ratings ratings, whichever arms they "
+            "fell on (on both: one paired unit, canary mean minus active mean): it counts at "
+            "that many (a client with fewer counts when the wait runs out), and further "
+            "ratings change nothing."
         ),
     )
     client_trim: float = Field(
@@ -147,9 +148,9 @@ class CanaryConfig(_Section):
         description=(
             "Ratings arrive after the answers they rate: wait up to this long (from the "
             "canary's start) for the test over clients to decide, then let it look once at every "
-            "client that rated (at least min_clients on each arm: not shown within the margin, "
-            "rolled back; with fewer raters the error rate decides, and with fewer than "
-            "min_clients clients served, the clients' mean drop too). An alias that learns from "
+            "client that rated, at any number (not shown within the margin: rolled back; with "
+            "fewer than two clients' units to compare, the clients' mean drop decides, and "
+            "unrated, the error rate). An alias that learns from "
             "ratings is never decided unrated before it; an alias with fewer than min_clients "
             "clients is decided on what it has once it has passed. 600 s, not 300: at 300 too "
             "many canaries 0.1 worse got through "
