@@ -174,14 +174,22 @@ class ExcludedReplicas(Collector):
     def __init__(self, routing: RoutingCache) -> None:
         self.routing = routing
 
-    def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(
+    @staticmethod
+    def family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
             "ratchet_fleet_version_excluded",
             "1 while a vLLM replica is out of a routed version's rotation: it could not load "
             "the version before its gate (learner/served_check.py), so none of that version's "
             "requests go to it",
             labels=["alias", "version", "replica"],
         )
+
+    def describe(self) -> Iterator[Metric]:
+        # Its name and labels without a sample: a fleet with no exclusion still declares them.
+        yield self.family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self.family()
         for alias, version, replica in self.routing.exclusions.entries():
             family.add_metric([alias, str(version), replica], 1)
         yield family

@@ -366,6 +366,11 @@ def proxy_declared_labels(home: Path) -> dict[str, tuple[str, ...]]:
         if isinstance(collector, MetricWrapperBase):
             [family] = collector.describe()
             declared[family.name] = tuple(collector._labelnames)
+        elif callable(getattr(collector, "describe", None)):  # a collector read at scrape time
+            for family in collector.describe():
+                labels = getattr(family, "_labelnames", ())
+                if labels:
+                    declared[family.name] = tuple(labels)
     return declared
 
 
