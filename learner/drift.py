@@ -14,8 +14,10 @@ and held to the tolerance when the candidate is gated (learner/gating.py):
   and the reason that blocks the candidate names the replica past the tolerance: one replica
   that serves other weights is found even when the rest of the fleet dilutes its mean.
 
-A sharded learner (FSDP) measures neither: no rank holds the whole model for a forward pass of
-its own; its candidates are still asked of every replica, without a probe to compare.
+A sharded learner (FSDP) measures both: its forward gathers each layer's weights from every
+rank, so every rank runs the same forwards at the same points of the round and rank 0 keeps the
+result (learner/sharded_forwards.py); the fingerprint is then taken right after the round's
+last step (:meth:`Measures.after_training`), not when the candidate is written.
 """
 
 from __future__ import annotations
@@ -57,10 +59,9 @@ def learner_precision(trainer: LoraGRPOLearner) -> Precision:
 
 def candidate_fingerprint(
     trainer: LoraGRPOLearner, token_ids: tuple[tuple[int, ...], ...]
-) -> Fingerprint | None:
-    """The trainer's current weights' fingerprint on the probe; None when sharded."""
-    if trainer.sharded:
-        return None
+) -> Fingerprint:
+    """The trainer's current weights' fingerprint on the probe. Sharded, a collective: every
+    rank takes it (learner/sharded_forwards.py)."""
     return fingerprint(
         trainer.model,
         token_ids,
@@ -101,10 +102,10 @@ def round_drifts(
     scale: ScaleRewards,
 ) -> RoundDrift | None:
     """The drift of up to ``limit`` of the groups sampled from ``version`` (the weights the
-    trainer holds now), overall and per replica; None when there are none, or the trainer is
-    sharded. One forward pass for all of them."""
+    trainer holds now), overall and per replica; None when there are none. One forward pass
+    for all of them; sharded, a collective every rank runs (learner/sharded_forwards.py)."""
     picked = pick_groups(groups, version, limit)
-    if not picked or trainer.sharded:
+    if not picked:
         return None
     batch = pack_groups(picked, scale).to(trainer.device)
     model = trainer.model
@@ -222,6 +223,7 @@ class Measures:
         self.drift: dict[str, dict[str, Any]] = {}  # per alias, its round's, until written
         self._exported: dict[str, set[str]] = {}  # per alias, the replicas of its drift series
         self._probe: tuple[tuple[int, ...], ...] | None = None
+        self._fingerprints: dict[str, Fingerprint] = {}  # sharded: per alias, until written
 
     @property
     def on(self) -> bool:
@@ -267,10 +269,22 @@ class Measures:
         if not self.on:
             return {}
         meta: dict[str, Any] = {} if drift is None else {DRIFT_KEY: drift}
-        taken = candidate_fingerprint(trainer, self.probe(trainer))
+        if trainer.sharded:  # taken after training, with every rank (:meth:`after_training`)
+            taken = self._fingerprints.pop(alias, None)
+        else:
+            taken = candidate_fingerprint(trainer, self.probe(trainer))
         if taken is not None:
             meta[FINGERPRINT_KEY] = taken.as_dict()
         return meta
+
+    def after_training(self, trainer: LoraGRPOLearner, alias: str) -> None:
+        """Sharded, the candidate's fingerprint, taken right after the round's last step, where
+        the followers take it too (learner/sharded_forwards.py): a forward the candidate's write
+        (Redis, the store) could not be trusted to reach on rank 0 alone. One rank: nothing
+        (:meth:`for_candidate` takes it)."""
+        self._fingerprints.pop(alias, None)
+        if self.on and trainer.sharded:
+            self._fingerprints[alias] = candidate_fingerprint(trainer, self.probe(trainer))
 
     def probe(self, trainer: LoraGRPOLearner) -> tuple[tuple[int, ...], ...]:
         if self._probe is None:

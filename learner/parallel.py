@@ -30,6 +30,10 @@ writes.
 
 With ``lora.dropout > 0`` each rank draws its own dropout masks, so the sum is an estimate as
 good as one rank's, not the same numbers.
+
+A round's failure ends it alike on every rank: an adapter that fails to load
+(:func:`load_on_every_rank`), a training step that fails on one rank (learner/rank_failure.py).
+Sharded, the drift's and the fingerprint's forwards run on every rank (learner/sharded_forwards.py).
 """
 
 from __future__ import annotations
@@ -46,12 +50,26 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from learner.rank_failure import RanksFailed
 from ratchet.records import ScoredGroup
 
 log = logging.getLogger(__name__)
 
 # Followers wait for the next round inside a collective; rounds can be hours apart.
 WAIT_FOR_ROUND = _dt.timedelta(days=7)
+# Within a round the ranks wait for each other only as long as the slowest rank's share of a
+# step, or rank 0's drift forward alone (learner/drift.py): a rank that died or hung inside a
+# round's collective ends the group after this, not after WAIT_FOR_ROUND (learner/rank_failure.py).
+ROUND_COLLECTIVE_TIMEOUT = _dt.timedelta(minutes=30)
+
+_round_group: Any = None  # the round's collectives' group (start_from_env); None: the default
+
+
+def round_group() -> Any:
+    """The process group a round's collectives use: every rank, with
+    :data:`ROUND_COLLECTIVE_TIMEOUT`. None (the default group) where the group was joined
+    otherwise than by :func:`start_from_env` (the unit tests)."""
+    return _round_group
 
 
 @dataclass(frozen=True)
@@ -82,6 +100,8 @@ def start_from_env(device: str) -> Ranks:
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=WAIT_FOR_ROUND)
+    global _round_group
+    _round_group = dist.new_group(timeout=ROUND_COLLECTIVE_TIMEOUT)
     ranks = Ranks.current()
     log.info("learner rank %d of %d (%s)", ranks.rank, ranks.size, "nccl" if use_cuda else "gloo")
     return ranks
@@ -95,7 +115,7 @@ def all_reduce_grads(params: Sequence[Tensor], *extra: Tensor) -> list[Tensor]:
             param.grad = torch.zeros_like(param)
     grads = [p.grad for p in params if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads] + [e.reshape(1).to(grads[0]) for e in extra])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=round_group())
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
@@ -108,11 +128,12 @@ def all_reduce(values: Tensor, op: str) -> Tensor:
     rank that saw nothing, loses to any number) over the ranks."""
     out = values.clone()
     if op == "sum":
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=round_group())
         return out
     fill = torch.inf if op == "min" else -torch.inf
     out = torch.nan_to_num(out, nan=fill)
-    dist.all_reduce(out, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
+    reduce_op = dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX
+    dist.all_reduce(out, op=reduce_op, group=round_group())
     return torch.where(torch.isinf(out), torch.full_like(out, torch.nan), out)
 
 
@@ -152,10 +173,14 @@ def shard(model: nn.Module, blocks: Sequence[str], device: torch.device) -> None
     own), so a follower holds its shards and the whole tensors outside the units, never the
     whole base."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    group = round_group()  # the gathers and reduce-scatters are a round's collectives
+    if group is None:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    else:
+        mesh = DeviceMesh.from_group(group, device.type)
     names = set(blocks)
     units = [m for m in model.modules() if type(m).__name__ in names]
     if not units:
@@ -266,19 +291,32 @@ class RoundTrainer(Protocol):
     def train_round(self, groups: list[ScoredGroup]) -> Any: ...
 
 
+class RoundForwards(Protocol):
+    """Forward passes a sharded round runs on every rank besides training, as rank 0 runs them
+    (learner/sharded_forwards.py): FSDP's forward gathers the weights from every rank."""
+
+    def before(self, trainer: Any, groups: list[ScoredGroup]) -> None: ...
+
+    def after(self, trainer: Any) -> None: ...
+
+
 class AdapterLoadFailed(RuntimeError):
     """The round's starting adapter did not load on some rank (another rank's error, named): every
     rank raises it, so the round fails alike on all of them and none waits in a collective."""
 
 
-def send_round(groups: list[ScoredGroup], adapter: Path | None) -> None:
-    """Rank 0: the next round's groups and starting adapter (None: a fresh LoRA) to the others."""
-    message: list[Any] = [("train", [g.to_json() for g in groups], adapter and str(adapter))]
+def send_round(
+    groups: list[ScoredGroup], adapter: Path | None, forwards: RoundForwards | None = None
+) -> None:
+    """Rank 0: the next round's groups, starting adapter (None: a fresh LoRA) and the forwards
+    to run with it (None: none) to the others."""
+    groups_json = [g.to_json() for g in groups]
+    message: list[Any] = [("train", groups_json, adapter and str(adapter), forwards)]
     dist.broadcast_object_list(message, src=0)
 
 
 def send_stop() -> None:
-    dist.broadcast_object_list([("stop", [], None)], src=0)
+    dist.broadcast_object_list([("stop", [], None, None)], src=0)
 
 
 def load_on_every_rank(trainer: RoundTrainer, adapter: Path | None) -> None:
@@ -300,7 +338,8 @@ def load_on_every_rank(trainer: RoundTrainer, adapter: Path | None) -> None:
     except Exception as exc:  # told to every rank below; raised again after
         own = exc
     errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if own is None else f"{type(own).__name__}: {own}")
+    mine = None if own is None else f"{type(own).__name__}: {own}"
+    dist.all_gather_object(errors, mine, group=round_group())
     failed = [f"rank {rank}: {error}" for rank, error in enumerate(errors) if error is not None]
     if failed:
         if own is not None and dist.get_rank() == 0:
@@ -309,20 +348,29 @@ def load_on_every_rank(trainer: RoundTrainer, adapter: Path | None) -> None:
     trainer.set_adapter(read)
 
 
-def lead_round(trainer: RoundTrainer, groups: list[ScoredGroup], adapter: Path | None) -> None:
+def lead_round(
+    trainer: RoundTrainer,
+    groups: list[ScoredGroup],
+    adapter: Path | None,
+    forwards: RoundForwards | None = None,
+) -> None:
     """Rank 0: the round sent to the others, its adapter loaded with them
-    (:func:`load_on_every_rank`); the caller then trains it."""
-    send_round(groups, adapter)
+    (:func:`load_on_every_rank`); the caller then trains it, running ``forwards``' passes
+    before and after as the followers do."""
+    send_round(groups, adapter, forwards)
     load_on_every_rank(trainer, adapter)
 
 
 def follow(trainer: RoundTrainer) -> None:
     """A follower's life: each round rank 0 sends, trained alongside it, until it says stop. A
-    round whose adapter did not load on some rank is skipped here as rank 0 fails it."""
+    round whose adapter did not load on some rank is skipped here as rank 0 fails it; one whose
+    training failed on some rank (learner/rank_failure.py) ends here at the step it ends on rank
+    0. Any other failure ends the process: it happened inside a collective, the ranks are out of
+    step, and torchrun restarts the group."""
     while True:
         message: list[Any] = [None]
         dist.broadcast_object_list(message, src=0)
-        kind, groups, adapter = message[0]
+        kind, groups, adapter, forwards = message[0]
         if kind == "stop":
             return
         try:
@@ -330,4 +378,12 @@ def follow(trainer: RoundTrainer) -> None:
         except Exception as exc:
             log.warning("round skipped: %s", exc)
             continue
-        trainer.train_round([ScoredGroup.model_validate_json(g) for g in groups])
+        scored = [ScoredGroup.model_validate_json(g) for g in groups]
+        try:
+            if forwards is not None:
+                forwards.before(trainer, scored)
+            trainer.train_round(scored)
+            if forwards is not None:
+                forwards.after(trainer)
+        except RanksFailed as exc:  # every rank stopped at the same step; rank 0 pauses the alias
+            log.warning("round failed: %s", exc)

@@ -47,8 +47,10 @@ from learner.gating import gate_candidate
 from learner.heldout import HeldoutPool
 from learner.metrics import LearnerMetrics
 from learner.parallel import lead_round
+from learner.rank_failure import RanksFailed
 from learner.reporter import ProgressReporter
 from learner.round_stats import RoundStats, StepProgress
+from learner.sharded_forwards import sharded_forwards
 from learner.trainer import LoraGRPOLearner
 from ratchet.bill import Bill, total
 from ratchet.canary_state import reset_counts
@@ -269,7 +271,10 @@ class Rounds:
         self.report(alias, "train", version=start.version, steps=steps)
         adapter = self.store.path(alias, start.version) if start.version > 0 else None
         if trainer.ranks.size > 1:  # the other ranks train the round with us
-            lead_round(trainer, groups, adapter)  # a load that fails on any rank fails on all
+            # A load that fails on any rank fails on all; sharded, the followers run the drift's
+            # and the fingerprint's forwards with us (learner/sharded_forwards.py).
+            forwards = sharded_forwards(self.measures, trainer, start.version)
+            lead_round(trainer, groups, adapter, forwards)
         else:
             trainer.load_adapter(adapter)
         self.measures.before_training(trainer, alias, start.version, groups)
@@ -283,14 +288,17 @@ class Rounds:
         self.training.set()
         try:
             stats = trainer.train_round(groups, on_step)
+        except RanksFailed:  # every rank ended the round at the same step: the alias is paused
+            raise
         except Exception as exc:
             if trainer.ranks.size > 1:
-                # The other ranks may wait in a collective this rank will never join: end the
-                # process group (torchrun restarts it) rather than fail one round.
+                # Failed inside a collective (FSDP's gathers, a timed-out sum): the other ranks
+                # are out of step with this one. End the process group (torchrun restarts it).
                 raise SystemExit(f"data-parallel round failed: {exc!r}") from exc
             raise
         finally:
             self.training.clear()
+        self.measures.after_training(trainer, alias)  # sharded: the fingerprint, with every rank
         self.metrics.round_seconds.labels(alias, "train").observe(time.perf_counter() - started)
         m = self.metrics
         m.train_reward.labels(alias).set(stats.mean_reward)

@@ -17,8 +17,8 @@ logprobs) or that mismatches is asked again every ``RETRY_S`` for up to
   still does, and the gate and canary run on the replicas that passed. When no replica passed,
   the candidate is rejected with a reason that names them all.
 
-A candidate without a fingerprint (an imported adapter, or one trained on sharded ranks, whose
-model no single rank holds) is still asked of every replica: each must load it and answer.
+A candidate without a fingerprint (an imported adapter) is still asked of every replica: each
+must load it and answer. One trained sharded (FSDP) has one (learner/sharded_forwards.py).
 """
 
 from __future__ import annotations

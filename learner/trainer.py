@@ -48,6 +48,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -65,9 +66,11 @@ from learner.parallel import (
     all_reduce_grads,
     empty_base,
     is_sharded,
+    round_group,
     shard,
     whole,
 )
+from learner.rank_failure import Failures, injected_fault
 from learner.round_stats import RoundStats as RoundStats
 from learner.round_stats import RoundSums, StepResult
 from learner.round_stats import StepCallback as StepCallback
@@ -198,6 +201,7 @@ class LoraGRPOLearner(AdapterState):
             )
         self._fresh = [p.detach().clone() for p in self.params]
         self._whole = None
+        self._failures = Failures(self.ranks.size, round_group())
         self.load_adapter(None)
 
     # --- training ----------------------------------------------------------------------------
@@ -226,11 +230,18 @@ class LoraGRPOLearner(AdapterState):
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         devices = [self.device] if self.device.type == "cuda" else []
+        # A step that fails on one rank ends the round on all of them (learner/rank_failure.py).
+        self._failures = Failures(self.ranks.size, round_group())
         with torch.random.fork_rng(devices=devices):  # LoRA dropout: seeded by the round
             torch.manual_seed(self.train.seed * 1_000_003 + self.rounds)
-            taken, epochs_begun, stopped = self._run_epochs(
-                batch, epochs, lengths, acc, kept_groups, start, on_step
-            )
+            try:
+                taken, epochs_begun, stopped = self._run_epochs(
+                    batch, epochs, lengths, acc, kept_groups, start, on_step
+                )
+                self._failures.settle()
+            except BaseException:
+                self.optimizer.zero_grad(set_to_none=True)
+                raise
         self.optimizer_steps += taken - acc.skipped
         self.groups_seen += int(informative.sum())
         if self.ranks.size > 1:
@@ -286,8 +297,8 @@ class LoraGRPOLearner(AdapterState):
                     seconds=time.perf_counter() - start,
                 )
                 log.info("%s", progress.line())
-                if on_step is not None:
-                    on_step(progress)
+                if on_step is not None:  # rank 0's report: a failure is agreed on as a step's
+                    self._failures.run(partial(on_step, progress))
         return taken, epochs_begun, None
 
     def _step(
@@ -296,13 +307,59 @@ class LoraGRPOLearner(AdapterState):
         """One optimizer step: micro-batches accumulate the gradient of the step's token mean.
         Not taken (``stopped`` says why) when :func:`epoch_stop` says the policy has moved too
         far from the sampler's; its micro-batches then count in no statistic."""
-        cfg = self.train.loss
         count = batch.completion_mask[step_rows.to(self.device)].sum()
-        step_tokens = count.clamp(min=1)
-        zero = torch.zeros((), device=self.device, dtype=torch.float64)
-        step_loss, step_kl, step_clip = zero.clone(), zero.clone(), zero.clone()
+        sums = torch.zeros(3, device=self.device, dtype=torch.float64)  # loss, kl, clip fraction
         micro_stats: list[tuple[Tensor, dict[str, Tensor], int]] = []
         micro_batches = self._micro_batches(step_rows, lengths)
+
+        def compute() -> None:
+            injected_fault(self.ranks.rank)  # a test hook (learner/rank_failure.py)
+            self._accumulate(batch, micro_batches, lengths, count.clamp(min=1), sums, micro_stats)
+
+        if self.sharded:  # FSDP gathers inside the forward: a failure there cannot be made even
+            compute()
+        else:  # local work: a rank that fails says so at the step's sum (learner/rank_failure.py)
+            self._failures.run(compute)
+        step_loss, step_kl, step_clip = sums.unbind()
+        failed = torch.tensor(self._failures.flag, device=self.device, dtype=torch.float64)
+        # The ranks that failed, summed with the step's numbers: no collective of its own.
+        step_loss, step_kl, step_clip, failed = self._reduce(step_loss, step_kl, step_clip, failed)
+        if epoch > 1:  # one sync a step, for the decision every rank must make alike
+            approx_kl, clip_frac = torch.stack([step_kl, step_clip]).tolist()
+            reason = epoch_stop(epoch, approx_kl, clip_frac, self.train)
+            if reason is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+                return StepResult(math.nan, 0, reason)
+        for loss, stats, total_tokens in micro_stats:
+            acc.add(loss, stats, total_tokens)
+        max_norm = self.train.max_grad_norm if self.train.max_grad_norm > 0 else math.inf
+        norm = self._clip(max_norm)
+        if torch.isfinite(norm):  # one device sync a step
+            acc.grad_norms.append(norm)
+            self._failures.run(self.optimizer.step)  # local: agreed on at the next sum
+        else:  # a NaN or inf gradient would poison the adapter and Adam's moments
+            acc.skipped += 1
+            log.warning("round %d: skipped a step with a non-finite gradient", self.rounds)
+        self.optimizer.zero_grad(set_to_none=True)
+        # One more sync a step, for its log line; the step's work is done by now anyway. When a
+        # rank failed every rank raises here alike (the step's update is thrown away with the
+        # round: the next loads its adapter again).
+        loss_value, tokens, failed_ranks = torch.stack([step_loss, count.double(), failed]).tolist()
+        self._failures.check(failed_ranks)
+        return StepResult(loss_value, int(tokens), None)
+
+    def _accumulate(
+        self,
+        batch: Batch,
+        micro_batches: list[Tensor],
+        lengths: Tensor,
+        step_tokens: Tensor,
+        sums: Tensor,
+        micro_stats: list[tuple[Tensor, dict[str, Tensor], int]],
+    ) -> None:
+        """This rank's micro-batches of a step, forward and backward: the gradient accumulated,
+        ``sums`` (the step's loss, kl and clip fraction, token-weighted) added to in place."""
+        cfg = self.train.loss
         # FSDP averages the ranks' gradients: scaled by their number, the average is the sum.
         scale = self.ranks.size if self.sharded else 1
         for index in self._turns(len(micro_batches)):
@@ -327,31 +384,18 @@ class LoraGRPOLearner(AdapterState):
                 continue
             share = stats["num_tokens"] / step_tokens
             torch.autograd.backward(loss * (share * scale))  # Tensor.backward is untyped
-            step_loss += loss.detach().double() * share
-            step_kl += stats["approx_kl"].double() * share
-            step_clip += (stats["clip_frac_low"] + stats["clip_frac_high"]).double() * share
+            clip = stats["clip_frac_low"] + stats["clip_frac_high"]
+            sums += torch.stack([loss.detach(), stats["approx_kl"], clip]).double() * share
             micro_stats.append((loss.detach(), stats, int(lengths[rows].sum())))
-        step_loss, step_kl, step_clip = self._reduce(step_loss, step_kl, step_clip)
-        if epoch > 1:  # one sync a step, for the decision every rank must make alike
-            approx_kl, clip_frac = torch.stack([step_kl, step_clip]).tolist()
-            reason = epoch_stop(epoch, approx_kl, clip_frac, self.train)
-            if reason is not None:
-                self.optimizer.zero_grad(set_to_none=True)
-                return StepResult(math.nan, 0, reason)
-        for loss, stats, total_tokens in micro_stats:
-            acc.add(loss, stats, total_tokens)
-        max_norm = self.train.max_grad_norm if self.train.max_grad_norm > 0 else math.inf
-        norm = whole(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        if torch.isfinite(norm):  # one device sync a step
-            acc.grad_norms.append(norm)
-            self.optimizer.step()
-        else:  # a NaN or inf gradient would poison the adapter and Adam's moments
-            acc.skipped += 1
-            log.warning("round %d: skipped a step with a non-finite gradient", self.rounds)
-        self.optimizer.zero_grad(set_to_none=True)
-        # One more sync a step, for its log line; the step's work is done by now anyway.
-        loss_value, tokens = torch.stack([step_loss, count.double()]).tolist()
-        return StepResult(loss_value, int(tokens), None)
+
+    def _clip(self, max_norm: float) -> Tensor:
+        """The gradient's norm, clipped to ``max_norm``. Sharded, a collective (the shards'
+        norms summed); else local, and a failure there is agreed on at the next sum (NaN norm:
+        no step taken)."""
+        if self.sharded:
+            return whole(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        norm = self._failures.run(lambda: torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        return torch.tensor(math.nan) if norm is None else norm
 
     def _turns(self, count: int) -> list[int | None]:
         """The indices of this rank's micro-batches of a step's ``count`` (learner/parallel.py);
