@@ -682,6 +682,7 @@ def test_groups_are_sampled_from_where_the_next_round_starts(redis_url: str) -> 
             assert isinstance(group, ScoredGroup)
             assert group.samples[0].text.startswith(f"{group.response_model} answer")
             assert group.group_id == group_id_of(f"r{i}", group.version)
+            assert group.replica == vllm.url  # the replica that sampled it, for its drift
             versions.append((group.version, group.response_model))
     assert versions == [(2, "support@v2"), (5, "support@v5"), (2, "support@v2"), (2, "support@v2")]
 
