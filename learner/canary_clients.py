@@ -75,6 +75,7 @@ ratings is a unit of its own, as the ratings were before.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Iterable
@@ -84,12 +85,14 @@ from typing import Any, Literal
 from learner.canary_pairs import (
     ClientUnit,
     Location,
-    client_pairs,
     combined,
+    counted_and_partial,
     fenced_mean,
     on_arms,
+    variance,
 )
 from learner.canary_ratings import Rating
+from learner.canary_student_t import t_quantile
 from ratchet.records import ANONYMOUS_CLIENT
 from ratchet.settings import CanaryConfig
 
@@ -154,7 +157,7 @@ def padded(units: list[float]) -> Trimmed:
     0.95 for certain)."""
     every = [*units, 0.0, 1.0]
     n = len(every)
-    return Trimmed(statistics.fmean(every), statistics.variance(every) / n, n)
+    return Trimmed(statistics.fmean(every), variance(every) / n, n)
 
 
 def trimmed(units: list[float], gamma: float) -> Trimmed:
@@ -172,66 +175,8 @@ def trimmed(units: list[float], gamma: float) -> Trimmed:
         return plain
     winsorized = [middle[0]] * g + middle + [middle[-1]] * g
     h = len(middle)
-    error2 = (n - 1) * statistics.variance(winsorized) / (h * (h - 1))
+    error2 = (n - 1) * variance(winsorized) / (h * (h - 1))
     return Trimmed(statistics.fmean(middle), max(error2, plain.error2), h)
-
-
-def _beta_fraction(a: float, b: float, x: float) -> float:
-    """The continued fraction of the regularized incomplete beta (Lentz's method)."""
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    result = d
-    for m in range(1, 300):
-        for numerator in (
-            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
-        ):
-            d = 1.0 + numerator * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            result *= c * d
-        if abs(c * d - 1.0) < 1e-14:
-            break
-    return result
-
-
-def incomplete_beta(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta function I_x(a, b), 0 <= x <= 1."""
-    if x <= 0.0 or x >= 1.0:
-        return max(0.0, min(1.0, x))
-    front = math.exp(
-        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    )
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _beta_fraction(a, b, x) / a
-    return 1.0 - front * _beta_fraction(b, a, 1.0 - x) / b
-
-
-def t_tail(t: float, df: float) -> float:
-    """P(T > t) for Student's t with ``df`` degrees of freedom, t >= 0."""
-    return 0.5 * incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
-
-
-def t_quantile(p: float, df: float) -> float:
-    """Student's t quantile for p >= 1/2, exact to 1e-9 at any ``df`` (fractional too, as
-    Welch's are): the tail inverted by bisection. The standard library has no t
-    distribution, and the Cornish-Fisher expansion it replaces was too narrow below 10
-    degrees of freedom (at 1, 0.99: 13.6 for 31.8)."""
-    tail = 1.0 - p
-    low, high = 0.0, 1.0
-    while t_tail(high, df) > tail:
-        high *= 2.0
-    for _ in range(100):
-        middle = (low + high) / 2.0
-        if t_tail(middle, df) > tail:
-            low = middle
-        else:
-            high = middle
-        if high - low < 1e-10:
-            break
-    return (low + high) / 2.0
 
 
 @dataclass(frozen=True)
@@ -350,9 +295,14 @@ def client_test(
     """The test after every look the units so far allow, stopped at its decision; with
     ``ended`` (the canary's wait ran out), then the final look over every client that rated,
     whatever their number (no look: fewer than two units to compare)."""
-    k, gamma, margin = config.client_ratings, config.client_trim, config.max_feedback_drop
-    active, canary = list(active), list(canary)
-    units = client_pairs(active, canary, k)
+    units, fewer = counted_and_partial(active, canary, config.client_ratings)
+    test = interim_test(units, config)
+    return final_test(test, [*units, *fewer], config) if ended else test
+
+
+def interim_test(units: list[ClientUnit], config: CanaryConfig) -> ClientTest:
+    """The interim looks ``units`` (in the order they count) allow, stopped at a decision."""
+    gamma, margin = config.client_trim, config.max_feedback_drop
     state = ClientTest(margin, config.min_clients, on_arms(units))
     looks: list[Look] = []
     for j, size in enumerate(look_sizes(config)):
@@ -367,25 +317,28 @@ def client_test(
         if decided != "continue":
             reason = f"look {j + 1} at {size} clients an arm: {_bounds(look, margin)}"
             return _with(state, looks, decided, reason)
-    if ended:
-        every = client_pairs(active, canary, k, ended=True)
-        look = paired_look(every, gamma, config.alpha * (1 - INTERIM_ALPHA))
-        if look is not None:
-            looks.append(look)
-            decided = look.decision(margin)
-            reason = f"the last look, at {look.n} clients: {_bounds(look, margin)}"
-            if decided == "continue":
-                # Not shown within the margin: the burden is the candidate's (a non-inferiority
-                # test), so it is rolled back, at any number of clients: the rule has no step at
-                # canary.min_clients. Leaving it to the error rate was measured: a canary worse
-                # by the margin promoted 93-100% of runs, a clearly worse one 62-75%
-                # (docs/results/canary-clients.md).
-                decided, reason = (
-                    "fail",
-                    f"inconclusive at {look.n} clients: {_bounds(look, margin)}",
-                )
-            return _with(state, looks, decided, reason)
     return _with(state, looks, "continue", "")
+
+
+def final_test(test: ClientTest, every: list[ClientUnit], config: CanaryConfig) -> ClientTest:
+    """``test`` once the wait ran out: if its interim looks left it open, the last look, over
+    ``every`` client that rated (those with fewer than client_ratings ratings too)."""
+    if test.decision != "continue":
+        return test
+    margin = config.max_feedback_drop
+    look = paired_look(every, config.client_trim, config.alpha * (1 - INTERIM_ALPHA))
+    if look is None:
+        return test
+    decided = look.decision(margin)
+    reason = f"the last look, at {look.n} clients: {_bounds(look, margin)}"
+    if decided == "continue":
+        # Not shown within the margin: the burden is the candidate's (a non-inferiority test),
+        # so it is rolled back, at any number of clients: the rule has no step at
+        # canary.min_clients. Leaving it to the error rate was measured: a canary worse by the
+        # margin promoted 93-100% of runs, a clearly worse one 62-75%
+        # (docs/results/canary-clients.md).
+        decided, reason = "fail", f"inconclusive at {look.n} clients: {_bounds(look, margin)}"
+    return _with(test, [*test.looks, look], decided, reason)
 
 
 def _with(state: ClientTest, looks: list[Look], decision: Decision, reason: str) -> ClientTest:
@@ -401,12 +354,26 @@ def _bounds(look: Look, margin: float) -> str:
 
 @dataclass(frozen=True)
 class ClientEvidence:
-    """What the arms' ratings say, for the verdict (learner/canary.py)."""
+    """What the arms' ratings say, for the verdict (learner/canary.py). What only the wait's end
+    reads (the last look, the plain difference) is computed when it is first read."""
 
     test: ClientTest  # the interim looks so far: may decide at any check
-    ended: ClientTest  # were the wait to run out now: the final look too
     raters: tuple[int, int]  # distinct clients that rated (active, canary)
-    difference: float | None  # canary's plain mean over every client minus the active's
+    every: tuple[ClientUnit, ...]  # every client's unit, those with fewer ratings too
+    ratings: tuple[tuple[Rating, ...], tuple[Rating, ...]]  # (active, canary)
+    config: CanaryConfig
+
+    @functools.cached_property
+    def ended(self) -> ClientTest:
+        """The test were the wait to run out now: the last look too."""
+        return final_test(self.test, list(self.every), self.config)
+
+    @functools.cached_property
+    def difference(self) -> float | None:
+        """The canary's plain mean over every client minus the active's (None: an arm unrated)."""
+        k = self.config.client_ratings
+        every = [client_units(arm, k, ended=True) for arm in self.ratings]
+        return statistics.fmean(every[1]) - statistics.fmean(every[0]) if all(every) else None
 
     @property
     def unrated(self) -> bool:
@@ -416,12 +383,11 @@ class ClientEvidence:
 def client_evidence(
     active: list[Rating], canary: list[Rating], config: CanaryConfig
 ) -> ClientEvidence:
-    k = config.client_ratings
-    every = client_units(active, k, ended=True), client_units(canary, k, ended=True)
-    difference = statistics.fmean(every[1]) - statistics.fmean(every[0]) if all(every) else None
+    units, fewer = counted_and_partial(active, canary, config.client_ratings)
     return ClientEvidence(
-        test=client_test(active, canary, config),
-        ended=client_test(active, canary, config, ended=True),
+        test=interim_test(units, config),
         raters=(raters(active), raters(canary)),
-        difference=difference,
+        every=(*units, *fewer),
+        ratings=(tuple(active), tuple(canary)),
+        config=config,
     )
