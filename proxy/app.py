@@ -116,6 +116,7 @@ def _add_in_flight_bound(app: FastAPI, state: ProxyState) -> None:
         InFlightBound,
         max_in_flight=proxy.rate_limit.max_in_flight,
         max_parse_bytes=proxy.rate_limit.max_parse_bytes,
+        replica_max_parse_bytes=proxy.rate_limit.replica_max_parse_bytes,
         max_body_bytes=proxy.max_body_bytes,
         max_json_items=proxy.max_json_items,
         auth=bool(state.key_hashes),

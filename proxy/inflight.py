@@ -1,6 +1,8 @@
 """Per-key bounds on what one key's requests hold in a replica at once (security audit M-2): how
 many are in flight (429 past ``proxy.rate_limit.max_in_flight``) and how much memory their bodies
-take parsed (413 past ``proxy.rate_limit.max_parse_bytes``).
+take parsed (413 past ``proxy.rate_limit.max_parse_bytes``); and the same memory for every key
+together (503 with retry-after past ``proxy.rate_limit.replica_max_parse_bytes``), since keys
+each within their bound could still take a replica past its memory limit together.
 
 A request is charged when it arrives, from its declared ``Content-Length`` and before any byte of
 its body is read (a body without one is charged as ``proxy.max_body_bytes``), and the charge is
@@ -67,10 +69,13 @@ class InFlightBound:
         max_json_items: int,
         auth: bool,
         on_refused: Callable[[str], None] = lambda bound: None,
+        replica_max_parse_bytes: int | None = None,
     ) -> None:
         self.app = app
         self.max_in_flight = max_in_flight
         self.max_parse_bytes = max_parse_bytes
+        self.replica_max_parse_bytes = replica_max_parse_bytes or 1 << 62
+        self.all = KeyLoad()  # every key's requests together
         self.max_body_bytes = max_body_bytes
         self.max_json_items = max_json_items
         self.auth = auth
@@ -95,24 +100,24 @@ class InFlightBound:
         load = self.loads.get(key)
         if load is None:
             load = self.loads[key] = KeyLoad()
-        if load.requests >= self.max_in_flight or (
-            # A key with nothing in flight is always let in: max_body_bytes is the one bound on
-            # a single body, so a max_parse_bytes below one body's charge refuses no lone
-            # request. Nor is a request without a body refused for memory it does not take.
-            charge and load.requests and load.parse_bytes + charge > self.max_parse_bytes
-        ):
-            refusal = self.refusal(load, charge)
+        refusal = self.refused(load, charge)
+        if refusal is not None:
             if not load.requests:
                 del self.loads[key]
             await response_for(scope["path"], refusal)(scope, receive, send)
             return
+        everyone = self.all
         load.requests += 1
         load.parse_bytes += charge
+        everyone.requests += 1
+        everyone.parse_bytes += charge
         try:
             await self.app(scope, receive, send)
         finally:
             load.requests -= 1
             load.parse_bytes -= charge
+            everyone.requests -= 1
+            everyone.parse_bytes -= charge
             if not load.requests:
                 del self.loads[key]
 
@@ -125,6 +130,23 @@ class InFlightBound:
         elif size > self.max_body_bytes:  # refused 413 before it is read
             size = 0
         return parse_charge(size, self.max_json_items)
+
+    def refused(self, load: KeyLoad, charge: int) -> ProxyError | None:
+        """The refusal (counted) of a request past one of the bounds; None: let it in."""
+        if load.requests >= self.max_in_flight:
+            return self.refusal(load, charge)
+        # A key with nothing in flight is always let in: max_body_bytes is the one bound on a
+        # single body, so a max_parse_bytes below one body's charge refuses no lone request;
+        # nor is a replica with nothing in flight. Nor is a request without a body refused
+        # for memory it does not take.
+        if not charge:
+            return None
+        if load.requests and load.parse_bytes + charge > self.max_parse_bytes:
+            return self.refusal(load, charge)
+        everyone = self.all
+        if everyone.requests and everyone.parse_bytes + charge > self.replica_max_parse_bytes:
+            return self.busy(everyone)
+        return None
 
     def refusal(self, load: KeyLoad, charge: int) -> ProxyError:
         """The 429 or 413 for a request past one of the key's bounds, counted."""
@@ -147,4 +169,18 @@ class InFlightBound:
             f"({self.max_parse_bytes // 2**20} MiB): send it when some are answered, or "
             "send smaller bodies",
             code="parse_memory_exceeded",
+        )
+
+    def busy(self, everyone: KeyLoad) -> ProxyError:
+        """The 503 for a request past the replica's bound, every key together, counted: not
+        this client's doing, so a server error to retry (elsewhere, or soon), not a 4xx."""
+        self.on_refused("replica_max_parse_bytes")
+        return ProxyError(
+            503,
+            f"this replica's requests in flight hold up to {everyone.parse_bytes // 2**20} MiB "
+            f"parsed; this body would pass proxy.rate_limit.replica_max_parse_bytes "
+            f"({self.replica_max_parse_bytes // 2**20} MiB): retry shortly",
+            type="server_error",
+            code="replica_parse_memory_exceeded",
+            headers={"retry-after": "1"},  # requests in flight end within seconds
         )

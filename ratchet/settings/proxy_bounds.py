@@ -94,6 +94,19 @@ class RateLimitSettings(_Section):
             "else in flight. Keep it, plus the replica's own memory, under its memory limit."
         ),
     )
+    replica_max_parse_bytes: int = Field(
+        default=512 * 1024 * 1024,
+        ge=1024 * 1024,
+        le=1 << 40,
+        description=(
+            "Memory all requests in flight on one replica may take for their bodies, parsed, "
+            "whatever their keys (each charged as for max_parse_bytes); past it a request is "
+            "refused with 503 and retry-after, unless nothing else is in flight. Many keys "
+            "each within max_parse_bytes cannot then take the replica past its memory limit: "
+            "keep this, plus the replica's own memory and its log queue "
+            "(proxy.log_queue_bytes), under that limit."
+        ),
+    )
 
     @model_validator(mode="after")
     def _burst_needs_a_rate(self) -> RateLimitSettings:

@@ -1,5 +1,6 @@
-"""The per-key bounds on requests in flight and on parse memory (proxy/inflight.py, audit M-2):
-the middleware around a small ASGI app that holds each request until the test lets it go."""
+"""The per-key bounds on requests in flight and on parse memory, and the replica's bound on parse
+memory across every key (proxy/inflight.py, audit M-2): the middleware around a small ASGI app
+that holds each request until the test lets it go."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def bound(app: Held, auth: bool = True, **limits: int) -> InFlightBound:
         max_json_items=ITEMS,
         auth=auth,
         on_refused=refused.append,
+        replica_max_parse_bytes=limits.get("replica_max_parse_bytes", 1024 * MiB),
     )
 
 
@@ -169,3 +171,36 @@ async def test_without_keys_everyone_is_one_client_and_probes_pass() -> None:
     assert (await probe)[0] == 200
     for task in held:
         await task
+
+
+async def test_keys_each_within_their_bound_get_503_past_the_replicas_parse_memory() -> None:
+    """Many keys, each far below max_parse_bytes, cannot take the replica past its own bound:
+    the request that would pass it gets a 503 with retry-after in its API's envelope, counted;
+    every charge comes back, and the replica takes the next one."""
+    refused.clear()
+    app = Held()
+    middleware = bound(app, max_in_flight=10, replica_max_parse_bytes=28 * MiB)
+    per_100k = parse_charge(100_000, ITEMS)  # 2.6 MB
+    first = asyncio.create_task(call(middleware, key="k1", size=1_100_000))  # 27.3 MiB
+    await started(app, 1)
+    status, body, headers = await call(middleware, key="k2", size=100_000)
+    assert parse_charge(1_100_000, ITEMS) + per_100k > 28 * MiB
+    assert status == 503 and headers[b"retry-after"] == b"1"
+    assert body["error"]["code"] == "replica_parse_memory_exceeded"
+    assert body["error"]["type"] == "server_error"
+    assert "proxy.rate_limit.replica_max_parse_bytes" in body["error"]["message"]
+    assert refused == ["replica_max_parse_bytes"]
+    status, body, headers = await call(middleware, key="k3", size=100_000, path="/v1/messages")
+    assert status == 503 and body["type"] == "error"  # Anthropic's envelope on its route
+    assert body["error"]["type"] == "overloaded_error" and headers[b"retry-after"] == b"1"
+    assert set(middleware.loads) == {b"Bearer k1"}  # the refused keys hold nothing
+    # A body-less request costs no parse memory: it is not refused for it.
+    models = asyncio.create_task(call(middleware, size=None, path="/v1/models", method="GET"))
+    await started(app, 2)
+    app.release.set()
+    assert (await first)[0] == 200 and (await models)[0] == 200
+    assert (middleware.all.requests, middleware.all.parse_bytes) == (0, 0)
+    assert (await call(middleware, key="k2", size=100_000))[0] == 200
+    # Alone, a body charged past the replica's bound is let in (one body: max_body_bytes).
+    assert parse_charge(MAX_BODY, ITEMS) > 28 * MiB
+    assert (await call(middleware, key="k3", size=MAX_BODY))[0] == 200
