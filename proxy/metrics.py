@@ -132,7 +132,8 @@ class ProxyMetrics:
         """proxy.rate_limit: who was refused, and what the limiter could not check in Redis."""
         self.ratelimit_refused = Counter(
             "ratchet_proxy_ratelimit_refused_total",
-            "Requests refused with 429 by the proxy.rate_limit setting they reached",
+            "Requests refused by the proxy.rate_limit setting they reached (429; 413 past "
+            "max_parse_bytes, 503 past replica_max_parse_bytes)",
             ("limit",),
             registry=r,
         )
