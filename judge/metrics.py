@@ -48,6 +48,13 @@ class JudgeMetrics:
         self.in_flight = Gauge(
             "ratchet_judge_in_flight_groups", "Groups being worked on", registry=r
         )
+        self.replica_ejections = Counter(
+            "ratchet_judge_replica_ejections_total",
+            "Times the judge's sampling ejected a vLLM replica for failing its requests in a row "
+            "(proxy.outlier_ejection, as the proxy's ratchet_proxy_endpoint_ejections)",
+            ("replica",),
+            registry=r,
+        )
         Gauge(
             "ratchet_judge_unknown_records",
             "Records skipped for unknown or invalid schema",

@@ -137,6 +137,7 @@ class JudgeService(JudgeKafka):
         )
         # vLLM's replicas, each group sampled from the one its version's requests go to.
         self.replicas = Replicas.from_settings(settings)
+        self.replicas.on_ejected = lambda url: self.metrics.replica_ejections.labels(url).inc()
         self.routes: dict[str, AliasRoute] = {}
         self.carries: dict[str, Carry | None] = {}  # the last read, for while Redis is away
         self.limit = asyncio.Semaphore(settings.judge.concurrency)

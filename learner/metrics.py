@@ -199,6 +199,13 @@ class LearnerMetrics:
 
     def _add_gate_metrics(self, r: CollectorRegistry) -> None:
         """The gate: its judge calls and the candidate's win rate against the live version."""
+        self.gate_replica_ejections = Counter(
+            "ratchet_learner_gate_replica_ejections_total",
+            "Times the gate ejected a vLLM replica for failing its requests in a row "
+            "(proxy.outlier_ejection, as the proxy's ratchet_proxy_endpoint_ejections)",
+            ("replica",),
+            registry=r,
+        )
         self.gate_judge_calls = Counter(
             "ratchet_learner_gate_judge_calls_total",
             "Judge-model calls the gate made (RULER-judged aliases)",

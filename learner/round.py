@@ -153,6 +153,8 @@ class Rounds:
             RewardModels(settings.store_dir, base_model_path),
             lambda alias: RewardStatus.read(self.redis, alias),
         )
+        ejections = metrics.gate_replica_ejections
+        self.gate.replicas.on_ejected = lambda url: ejections.labels(url).inc()
         self._trainer: LoraGRPOLearner | None = None
         # Set while a round trains the policy: the reward models' retrains wait for it to clear.
         self.training = threading.Event()

@@ -338,6 +338,7 @@ class Replicas:
         self.retries = retries
         self.connect_timeout_s = connect_timeout_s
         self.resolved_at = 0.0
+        self.on_ejected: Callable[[str], None] | None = None  # told each ejection (a metric)
         # Replicas out of a version's rotation (learner/gating.py adds its candidate's).
         self.exclusions = VersionExclusions()
 
@@ -407,6 +408,8 @@ class Replicas:
                 record.ejected_until - now,
                 record.ejections,
             )
+            if self.on_ejected is not None:
+                self.on_ejected(url)
         return ejected
 
     def succeeded(self, url: str) -> None:

@@ -116,6 +116,8 @@ def test_a_hung_replica_is_ejected_after_its_failures_and_its_groups_go_elsewher
         async with hung_replica() as (hung, taken):
             fleet = [hung, good.url]
             replicas = Replicas(fleet, resolve=False, ejection=policy(2), retries=2)
+            ejected: list[str] = []
+            replicas.on_ejected = ejected.append  # the judge's metric
             served = served_name_first_on(hung, fleet)
             for attempt in range(2):
                 with pytest.raises(SamplingError) as failed:
@@ -123,7 +125,7 @@ def test_a_hung_replica_is_ejected_after_its_failures_and_its_groups_go_elsewher
                 # It reached vLLM and timed out: counted against the replica, not sent again.
                 assert failed.value.replica_fault and not failed.value.never_connected
                 assert len(taken) == attempt + 1 and not good.authorized()
-            assert replicas.outliers.is_ejected(hung, time.monotonic())
+            assert replicas.outliers.is_ejected(hung, time.monotonic()) and ejected == [hung]
             group = await sample(replicas, served)
             assert group.replica == good.url and len(taken) == 2
             assert replicas.outstanding[hung] == 0 and replicas.outstanding[good.url] == 0
