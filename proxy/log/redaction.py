@@ -143,16 +143,13 @@ class Redaction:
         if self.redactor.pattern is None:
             return value
         screen = self.redactor.screen
-        if screen is not None and not isinstance(value, str) and self._in_budget():
+        if screen is not None and not isinstance(value, str) and not self.over_budget:
             found: list[str] = []
             _strings(value, found)
             # Past the budget once screened, it fails closed as below, not let through.
-            if screen.search("\n".join(found)) is None and self._in_budget():
+            if screen.search("\n".join(found)) is None and time.monotonic() <= self.deadline:
                 return value
         return self._value(value)
-
-    def _in_budget(self) -> bool:
-        return not self.over_budget and time.monotonic() <= self.deadline
 
     def _value(self, value: Any) -> Any:
         if isinstance(value, str):
