@@ -6,7 +6,6 @@ deadline)."""
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import time
@@ -14,16 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from learner.drift import DRIFT_KEY, FINGERPRINT_KEY, Measures, candidate_fingerprint
 from learner.metrics import LearnerMetrics
-from learner.parallel import follow, lead_round, send_stop
+from learner.parallel import Ranks, follow, lead_round, round_group, send_stop, start_from_env
 from learner.sharded_forwards import sharded_forwards
 from learner.trainer import LoraGRPOLearner
 from ratchet.settings import LearnerSettings, RatchetSettings, ServedCheckSettings
-from tests.unit.learner.test_parallel_load import free_port, join_group
+from tests.unit.learner.test_parallel_load import free_port
 from tests.unit.learner.test_trainer import random_groups, small_lora, tiny_model, train
 
 __all__ = ["tiny_model"]  # the session fixture, shared with the trainer's tests
@@ -58,8 +58,14 @@ def measured_round(trainer: LoraGRPOLearner, lead: bool) -> dict[str, Any]:
 
 
 def rank_main(rank: int, model: str, port: int, out: str) -> None:
-    # A collective left waiting errs after a minute rather than in a week: the test's deadline.
-    join_group(rank, port, datetime.timedelta(seconds=60))
+    # Joined as torchrun's ranks join (the service's own start): the round's collectives, FSDP's
+    # included, in the group of their own with its timeout (learner/parallel.py).
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )  # fmt: skip
+    assert start_from_env("cpu") == Ranks(rank, 2) and round_group() is not None
     try:
         trainer = LoraGRPOLearner(Path(model), small_lora(), settings("fsdp"), device="cpu")
         assert trainer.sharded
