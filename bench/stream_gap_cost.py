@@ -11,7 +11,9 @@ where a timer per chunk would have cost. Rounds of each mode in turn (A B C C B 
   the sweeps themselves cost with every stream followed.
 
 Reported per mode: the client process's CPU per chunk (``time.process_time``, less exposed to a
-loaded host than wall time) and wall time per chunk, median over its rounds. Run it against
+loaded host than wall time) and wall time per chunk, median over its rounds. Then what the watch
+adds apart from the chunks: following and unfollowing an answer (per request), and a sweep per
+answer in flight (1,000 followed, half of them waiting). Run it against
 another checkout too (``PYTHONPATH=<checkout>``: its proxy code; there only ``off`` runs if it
 has no gap deadline)::
 
@@ -83,13 +85,16 @@ async def one_round(url: str, mode: str, args: argparse.Namespace) -> dict[str, 
     upstream.endpoints[url].healthy = True
     watch = getattr(upstream, "gap_watch", None)
     sweeping = asyncio.create_task(watch.run()) if watch is not None else None
-    chunks = 0
+    chunks = stalls = 0
 
     async def read_one() -> None:
-        nonlocal chunks
+        nonlocal chunks, stalls
         response = await upstream.post("chat.completions", b'{"stream":true}', key="m")
-        async for _ in response.iter_any():
-            chunks += 1
+        try:
+            async for _ in response.iter_any():
+                chunks += 1
+        except Exception:  # a stall found (at a short deadline on a loaded host, it can be)
+            stalls += 1
         response.release()
 
     cpu, wall = time.process_time(), time.perf_counter()
@@ -100,7 +105,37 @@ async def one_round(url: str, mode: str, args: argparse.Namespace) -> dict[str, 
     probes = watch.probes if watch is not None else 0
     await upstream.close()
     return {"cpu_us": cpu / chunks * 1e6, "wall_us": wall / chunks * 1e6, "chunks": chunks,
-            "probes": probes}  # fmt: skip
+            "probes": probes, "stalls": stalls}  # fmt: skip
+
+
+async def watch_costs(followed: int = 1000, repeats: int = 200) -> dict[str, float]:
+    """ns per follow + unfollow, and per followed answer per sweep."""
+    from proxy.http1 import UpstreamResponse
+    from proxy.stall import GapWatch
+
+    async def probe(_url: str, _key: str) -> bool:
+        return True
+
+    loop = asyncio.get_running_loop()
+    watch = GapWatch(30.0, probe)
+    answers = [UpstreamResponse(None, 0.0) for _ in range(followed)]  # type: ignore[arg-type]
+    for i, answer in enumerate(answers):
+        if i % 2:
+            answer._waiter = loop.create_future()  # its reader waits for bytes
+    started = time.perf_counter()
+    for _ in range(repeats):
+        for answer in answers:
+            watch.follow(answer, "http://r", "m")
+        for answer in answers:
+            watch.unfollow(answer)
+    follow_ns = (time.perf_counter() - started) / repeats / followed * 1e9
+    for answer in answers:
+        watch.follow(answer, "http://r", "m")
+    started = time.perf_counter()
+    for _ in range(repeats):
+        watch.sweep()
+    sweep_ns = (time.perf_counter() - started) / repeats / followed * 1e9
+    return {"follow_unfollow_ns": follow_ns, "sweep_ns_per_answer": sweep_ns}
 
 
 def main() -> int:
@@ -140,13 +175,14 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait()
-    summary = {
+    summary: dict[str, dict[str, Any]] = {
         mode: {
             "cpu_us_per_chunk": statistics.median(r["cpu_us"] for r in rounds),
             "wall_us_per_chunk": statistics.median(r["wall_us"] for r in rounds),
             "cpu_us_rounds": [round(r["cpu_us"], 2) for r in rounds],
             "chunks_per_round": rounds[0]["chunks"],
             "probes": sum(r["probes"] for r in rounds),
+            "stalls": sum(r["stalls"] for r in rounds),
         }
         for mode, rounds in results.items()
     }
@@ -154,7 +190,14 @@ def main() -> int:
         print(
             f"{mode:9s} cpu {row['cpu_us_per_chunk']:6.2f} us/chunk  wall "
             f"{row['wall_us_per_chunk']:6.2f} us/chunk  rounds {row['cpu_us_rounds']}  "
-            f"probes {row['probes']}"
+            f"probes {row['probes']}  stalls {row['stalls']}"
+        )
+    if "sweeping" in modes:
+        costs = asyncio.run(watch_costs())
+        summary["watch"] = costs
+        print(
+            f"follow + unfollow {costs['follow_unfollow_ns']:.0f} ns a request; a sweep "
+            f"{costs['sweep_ns_per_answer']:.0f} ns per answer in flight"
         )
     if args.out:
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
