@@ -1,10 +1,13 @@
 """A training step that fails on one rank ends the round on every rank at the same step
 (learner/rank_failure.py): rank 0 raises RanksFailed naming the rank and its error (the service
 pauses the alias with it), the follower skips the round, and both train the next round together.
-Neither is left waiting in a collective the other never joins."""
+Neither is left waiting in a collective the other never joins. A rank that hangs instead is
+waited for only the round's collective timeout (learner/parallel.py), not the week between
+rounds."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import time
@@ -73,8 +76,6 @@ class Faulty:
 
 
 def rank_main(rank: int, model: str, port: int, out: str) -> None:
-    import datetime
-
     # A collective left waiting errs after a minute rather than in a week: the test's deadline.
     join_group(rank, port, datetime.timedelta(seconds=60))
     try:
@@ -132,3 +133,55 @@ def test_a_step_that_fails_on_one_rank_ends_the_round_on_every_rank(
     assert follower[1].startswith("failed: training failed on rank 1: OutOfMemoryError")
     # Round 3: both ranks train it whole, together.
     assert lead[2] == follower[2] == f"trained {STEPS} steps"
+
+
+def hung_rank_main(rank: int, model: str, port: int, out: str, release: Any) -> None:
+    """Rank 1 takes the round and loads its adapter, then hangs (waits on ``release``) instead
+    of training: rank 0's first sum waits for it only the round's collective timeout."""
+    from learner import parallel
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )  # fmt: skip
+    parallel.ROUND_COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=10)
+    parallel.start_from_env("cpu")
+    trainer = LoraGRPOLearner(Path(model), small_lora(), train(steps_per_round=STEPS), device="cpu")
+    groups = random_groups(1, n=4)
+    if rank == 0:
+        lead_round(trainer, groups, None)
+        started = time.monotonic()
+        try:
+            trainer.train_round(groups)
+            outcome = "trained"
+        except RanksFailed:
+            outcome = "agreed"
+        except RuntimeError as exc:  # gloo's timeout: round.py ends the process group on it
+            outcome = f"timed out after {time.monotonic() - started:.0f} s: {exc}"
+        Path(out, "rank0.json").write_text(json.dumps(outcome))
+        release.set()
+    else:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0)
+        parallel.load_on_every_rank(trainer, None)
+        release.wait()
+    os._exit(0)  # the group is out of step: no teardown to wait on
+
+
+def test_a_rank_that_hangs_in_a_round_is_waited_for_only_the_collective_timeout(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    release = mp.get_context("spawn").Event()
+    args = (str(tiny_model), free_port(), str(tmp_path), release)
+    ranks = mp.spawn(hung_rank_main, args=args, nprocs=2, join=False)
+    deadline = time.monotonic() + 180
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("rank 0 still waits for the hung rank after the deadline")
+    outcome = json.loads((tmp_path / "rank0.json").read_text())
+    assert outcome.startswith("timed out after "), outcome
+    waited = float(outcome.removeprefix("timed out after ").split(" s")[0])
+    assert 8 <= waited <= 60, outcome  # the round's timeout (10 s here), not the 7-day wait
