@@ -29,8 +29,8 @@ rates its first answer 0 (an implicit rating, joined like any other unless it wa
 Its Redis keys (every one with a TTL):
 
 - ``ratchet:feedback:exchange:<completion id>`` (string, ``join_ttl_s``): the answer's note
-  (learner/join_note.py: alias, key digest, client, prompt hash, version, Kafka partition and
-  offset; about 100 bytes), until it is rated;
+  (learner/join_note.py: alias, key digest, client, Kafka partition and offset; about 40
+  bytes), until it is rated;
 - ``ratchet:feedback:pending:<completion id>`` (string, ``join_ttl_s``): a rating whose traffic
   record has not arrived yet;
 - ``ratchet:feedback:rated:<completion id>`` (string, ``join_ttl_s``): set once a completion's
@@ -273,19 +273,12 @@ class RatingsJoin:
             return ["no_answer"]
         if not valid_completion_id(record.response_id):
             return ["bad_id"]
-        note = JoinNote.of(
-            record.alias,
-            record.api_key_hash,
-            record.client,
-            prompt_hash(messages, record.request.get("tools")),
-            record.version,
-            partition,
-            offset,
-        )
+        note = JoinNote.of(record.alias, record.api_key_hash, record.client, partition, offset)
         outcomes = [self._store(record, note, config)]
         window = config.feedback.regenerate_window_s
         if window and record.api_key_hash and outcomes[0] != "duplicate":
-            regenerated = self._regenerated(record, note, window)
+            digest = prompt_hash(messages, record.request.get("tools"))
+            regenerated = self._regenerated(record, digest, window)
             if regenerated is not None:
                 outcomes.append(regenerated)
         return outcomes
@@ -302,12 +295,12 @@ class RatingsJoin:
             return self._join(record.response_id, note, record, rating["score"], rating["key"])
         return "stored"
 
-    def _regenerated(self, record: TrafficRecord, note: JoinNote, window_s: int) -> Outcome | None:
+    def _regenerated(self, record: TrafficRecord, digest: str, window_s: int) -> Outcome | None:
         """The key asked this prompt before, within the window (by the records' own times, so a
         backlog read late still counts): its previous answer is rated 0, unless already rated."""
         assert record.response_id is not None
         now = seconds_of(record.ts)
-        key = asked_key(record.alias, record.api_key_hash or "", note.prompt_hash)
+        key = asked_key(record.alias, record.api_key_hash or "", digest)
         asked = json.dumps({"id": record.response_id, "at": now})
         previous = self.redis.set(key, asked, ex=window_s, get=True)
         if not isinstance(previous, bytes):
@@ -386,9 +379,9 @@ class RatingsJoin:
             tool_calls=excerpt_tool_calls(message, ANSWER_EXCERPT_CHARS - len(text)),
             score=float(score),
             key=key,
-            prompt_hash=note.prompt_hash,
+            prompt_hash=prompt_hash(messages, record.request.get("tools")),
             completion_id=completion_id,
-            version=note.version,
+            version=record.version,
             client=note.client_for(key),
         )
         self._hand_on(alias, config, answer, record)
