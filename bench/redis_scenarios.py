@@ -8,8 +8,8 @@ the judge's done and seen marks for ``--judged`` of them (``JudgeMarks``; the ju
 what the learner can train on, so at most one each per exchange; each prompt sampled, the
 costlier mark, and its done mark deleted when its batch of ``judge.poll_records`` is committed,
 as the judge does), and with ``--canary`` the
-canary watcher's note (its key and value as ``learner/canary_counter.py`` writes them, while a
-canary runs). Reported: ``used_memory`` per exchange, and per family its keys and mean
+canary watcher's note (``learner/canary_counter.py``'s own key and claim, while a canary
+runs). Reported: ``used_memory`` per exchange, and per family its keys and mean
 ``MEMORY USAGE``.
 
 ``responses``: the Responses store (``proxy/response_store.py``) filled by its largest allowed
@@ -41,7 +41,7 @@ from prometheus_client import CollectorRegistry
 from embedded.processes import Stack, free_port
 from embedded.stack import redis_part
 from judge.marks import JudgeMarks, SeenMark
-from learner.canary_counter import COMPLETION_TTL_S, completion_key
+from learner.canary_counter import COMPLETION_TTL_S, completion_claim, completion_key
 from learner.ratings import RatingsJoin
 from proxy.completions import CompletionOwners, owner_ttl_s
 from proxy.response_store import ResponseStore
@@ -120,7 +120,7 @@ async def write_exchanges(url: str, settings: RatchetSettings, args: argparse.Na
         owners.remember(orjson_id(completion_id), key_hash)
         join.on_traffic(record, 0, i)
         if args.canary:
-            claim = f"{ALIAS}\t1\tcanary\t{key_hash}"
+            claim = completion_claim(record, "canary")
             canary.set(completion_key(completion_id), claim, nx=True, ex=COMPLETION_TTL_S)
         if i % 500 == 0:
             await owners.drain()

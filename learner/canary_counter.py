@@ -29,6 +29,7 @@ from learner.canary_ratings import Rating
 from learner.canary_weight import count_requests, minute_of
 from learner.metrics import LearnerMetrics
 from ratchet.canary_state import ERRORS_SUFFIX, canary_key, clients_key, raters_key, ratings_key
+from ratchet.digests import key_digest
 from ratchet.records import ANONYMOUS_CLIENT, FeedbackRecord, TrafficRecord, decode
 from ratchet.registry import AliasRoute
 from ratchet.settings import AliasConfig, RatchetSettings
@@ -88,12 +89,22 @@ def is_refused(record: TrafficRecord) -> bool:
 
 
 def completion_key(completion_id: str) -> str:
-    """String "<alias>\\t<version>\\t<arm>\\t<client>\\t<key hash>" of a canary-time
-    completion, "rated" once its feedback is counted; expires after COMPLETION_TTL_S."""
+    """String "<alias>\\t<version>\\t<arm>\\t<client>\\t<key digest>" of a canary-time
+    completion (:func:`completion_claim`), "rated" once its feedback is counted; expires after
+    COMPLETION_TTL_S."""
     return f"ratchet:canary:completion:{completion_id}"
 
 
-# KEYS[1]: the rated completion's key; ARGV[1]: the rater's key hash ("" for none). Claims the
+def completion_claim(record: TrafficRecord, arm: str) -> str:
+    """The completion's claim, kept short (one per canary-time exchange): the key as its 128-bit
+    digest (ratchet/digests.py), the client left out ("") when it is the key itself."""
+    key_hash = record.api_key_hash or ""
+    client = "" if record.client == key_hash else record.client
+    return "\t".join((record.alias, str(record.version), arm, client, key_digest(key_hash)))
+
+
+# KEYS[1]: the rated completion's key; ARGV[1]: the rater's key digest, ARGV[2] its whole hash
+# (as claims written before digests hold it; "" for none). Claims the
 # rating when the completion was answered in a canary, is not rated yet, and went to that key
 # (the proxy checks that too): marks it rated for every replica, returns what it was; 0 when the
 # completion is not known (yet: its answer may still be on its way); else nil.
@@ -105,7 +116,8 @@ end
 if answered == 'rated' then
   return nil
 end
-if string.match(answered, '\t([^\t]*)$') ~= ARGV[1] then
+local owner = string.match(answered, '\t([^\t]*)$')
+if owner ~= ARGV[1] and owner ~= ARGV[2] then
   return nil
 end
 redis.call('SET', KEYS[1], 'rated', 'KEEPTTL')
@@ -160,7 +172,8 @@ class CanaryCounter:
         rated = [*self._take_waiting(now), *read]
         for record, _ in rated:
             key = completion_key(record.completion_id)
-            claims.eval(CLAIM_RATING_SCRIPT, 1, key, record.api_key_hash or "")
+            rater = record.api_key_hash or ""
+            claims.eval(CLAIM_RATING_SCRIPT, 1, key, key_digest(rater), rater)
         first = len(claims) - len(rated)
         count_requests(claims, tally.requests)
         replies = claims.execute()[first : first + len(rated)]
@@ -206,8 +219,7 @@ class CanaryCounter:
             tally.add(record.alias, f"{arm}_errors", 1)
             tally.clients[record.alias, arm, record.client + ERRORS_SUFFIX] += 1
         if record.response_id:
-            who = (record.client, record.api_key_hash or "")
-            claim = "\t".join((record.alias, str(record.version), arm, *who))
+            claim = completion_claim(record, arm)
             claims.set(completion_key(record.response_id), claim, nx=True, ex=COMPLETION_TTL_S)
 
     def _count_rating(self, record: FeedbackRecord, answered: Any, tally: _Tally) -> None:
@@ -217,8 +229,13 @@ class CanaryCounter:
         alias, version, arm, *who = answered.decode(errors="replace").split("\t")
         if self._arm_of(alias, int(version), arm) is None:
             return  # feedback on an exchange from before this canary
-        # The completion's client (a claim written before clients were kept: its key's).
-        client = who[0] if len(who) == 2 else (who[0] or ANONYMOUS_CLIENT)
+        # The completion's client: "" for the key itself, which the claim checked is the
+        # rater's (a claim written before clients were kept: its key's).
+        client = (
+            (who[0] or record.api_key_hash or ANONYMOUS_CLIENT)
+            if len(who) == 2
+            else (who[0] or ANONYMOUS_CLIENT)
+        )
         tally.add(alias, f"{arm}_feedback", 1)
         tally.add(alias, f"{arm}_feedback_sum", record.score)
         tally.ratings.append((alias, arm, Rating(client, record.score)))
