@@ -13,6 +13,12 @@ logprobs, trains a candidate; before its gate every replica is asked for the can
   fingerprint on both, is gated, passes (a tie at threshold 0) and its canary starts: the check
   is what stopped the first.
 
+And a replica that cannot load the candidate (the relay answers vLLM's 404 for every
+``served-check@vN``, and relays the base model): the candidate goes to canary on the honest
+replica alone, its exclusion kept in Redis; through a proxy of the test's own in front of both
+(round robin, so every other request would go to each), no request for the candidate ever
+reaches the altered replica, the gate's included, and requests for the active version still do.
+
 Each round also measures its groups' drift: vLLM's logged logprobs of the base model against the
 learner's own, which must be within the float32 tolerance.
 """
@@ -23,6 +29,8 @@ import asyncio
 import contextlib
 import re
 import threading
+import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,9 +38,12 @@ import aiohttp
 import httpx
 import pytest
 import torch
+import yaml
 from aiohttp import web
 
 from embedded.adapters import write_random_adapters
+from embedded.processes import Stack
+from embedded.stack import proxy_part
 from learner.fingerprint import fingerprint, probe_token_ids
 from learner.heldout import HeldoutPool
 from learner.served_check import ServedCheck
@@ -48,10 +59,12 @@ from ratchet.settings import (
     LoraSettings,
     RewardConfig,
     ServedCheckSettings,
+    load_settings,
 )
 from ratchet.store import AdapterStore
+from ratchet.version_exclusion import read_excluded
 from tasks.demo import load_prompts
-from tests.integration.conftest import BASE_MODEL, Embedded, free_port, vllm_headers
+from tests.integration.conftest import BASE_MODEL, Embedded, free_port, vllm_headers, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -62,11 +75,14 @@ FLOAT32_TOLERANCE = ServedCheckSettings().tolerance_float32
 
 class Relay:
     """An HTTP relay to the honest replica; while ``altered``, it serves ``served-check@v50``
-    under every version's name."""
+    under every version's name; while ``refusing``, it answers vLLM's 404 for every version
+    (not the base model). ``asked`` counts the requests it got by (path, model)."""
 
     def __init__(self, port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.altered = True
+        self.refusing = False
+        self.asked: Counter[tuple[str, str]] = Counter()
 
 
 @contextlib.contextmanager
@@ -79,7 +95,13 @@ def altered_replica(vllm_url: str) -> Iterator[Relay]:
 
     async def relay(request: web.Request) -> web.Response:
         body = await request.json()
-        if state.altered and re.fullmatch(rf"{ALIAS}@v\d+", str(body.get("model"))):
+        model = str(body.get("model"))
+        state.asked[request.path, model] += 1
+        a_version = re.fullmatch(rf"{ALIAS}@v\d+", model)
+        if state.refusing and a_version:
+            error = {"message": f"The model `{model}` does not exist.", "code": 404}
+            return web.json_response({"error": error}, status=404)
+        if state.altered and a_version:
             body["model"] = f"{ALIAS}@v{OTHER}"
         async with (
             aiohttp.ClientSession() as session,
@@ -95,8 +117,19 @@ def altered_replica(vllm_url: str) -> Iterator[Relay]:
                 content_type="application/json",
             )
 
+    async def relay_get(request: web.Request) -> web.Response:  # /health, /v1/models
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(
+                f"{vllm_url}{request.path}",
+                headers={"authorization": request.headers.get("authorization", "")},
+            ) as upstream,
+        ):
+            return web.Response(status=upstream.status, body=await upstream.read())
+
     app = web.Application()
     app.router.add_post("/v1/{tail:.*}", relay)
+    app.router.add_get("/{tail:.*}", relay_get)
     runner = web.AppRunner(app)
 
     def serve() -> None:
@@ -312,3 +345,95 @@ def test_a_replica_serving_another_adapter_under_the_name_is_found_before_the_ca
         f"the altered replica: {altered_gap:.3f}; drift of the sampled groups: {drift:.2e}; "
         f"a random rank-8 LoRA, peft vs vLLM: {lora_gap:.2e}"
     )
+
+
+@contextlib.contextmanager
+def fleet_proxy(env: Embedded, home: Path, endpoints: list[str]) -> Iterator[str]:
+    """A proxy of the test's own in front of ``endpoints``, on the session's Kafka and Redis,
+    serving ALIAS, each request to the next replica in turn (round robin)."""
+    home.mkdir(parents=True, exist_ok=True)
+    path, config = write_config(home, balance="round_robin", upstream_health_interval_s=0.5)
+    config["kafka_bootstrap_servers"] = env.settings.kafka_bootstrap_servers
+    config["redis_url"] = env.settings.redis_url
+    config["vllm_url"] = endpoints[0]
+    config["vllm_endpoints"] = endpoints
+    config["vllm_api_key"] = vllm_api_key(env.settings)
+    config["aliases"] = {ALIAS: {"base_model": BASE_MODEL}}
+    path.write_text(yaml.safe_dump(config))
+    settings = load_settings(path)
+    stack = Stack([proxy_part(settings, path)], home / "stack")
+    stack.start()
+    try:
+        yield f"http://127.0.0.1:{settings.proxy.port}"
+    finally:
+        stack.stop()
+
+
+def ask_proxy(proxy: str, user: str) -> tuple[int, str | None]:
+    """(status, the version that answered) of one chat request for ALIAS."""
+    response = httpx.post(
+        f"{proxy}/v1/chat/completions",
+        timeout=120,
+        headers={"x-ratchet-sticky-key": user},
+        json={
+            "model": ALIAS,
+            "messages": [{"role": "user", "content": "Say hi."}],
+            "max_tokens": 2,
+        },
+    )
+    return response.status_code, response.headers.get("x-ratchet-version")
+
+
+def chats(relay: Relay, model: str) -> int:
+    return relay.asked["/v1/chat/completions", model]
+
+
+@pytest.mark.timeout(1200)
+def test_a_replica_that_cannot_load_the_candidate_is_out_of_its_rotation_only(
+    embedded: Embedded, tmp_path: Path
+) -> None:
+    env = embedded
+    groups = sampled_groups(env)
+    honest = env.settings.vllm_url.rstrip("/")
+    with altered_replica(honest) as relay:
+        relay.altered, relay.refusing = False, True
+        altered = relay.url
+        service = learner(env, [honest, altered])
+        service.writer.write(AliasRoute(alias=ALIAS, base_model=BASE_MODEL))  # v0, no canary
+        with fleet_proxy(env, tmp_path / "proxy", [honest, altered]) as proxy:
+            # Both replicas in the proxy's turn: the base model's requests reach the relay.
+            deadline = time.monotonic() + 60
+            while chats(relay, BASE_MODEL) == 0:
+                assert time.monotonic() < deadline, "the proxy never sent a request to the relay"
+                assert ask_proxy(proxy, "warm-up")[0] == 200
+
+            report = service.rounds.run(ALIAS, route_of(service), groups, heldout_pool())
+            print(f"\na replica that cannot load it: v{report.version} {report.outcome}: "
+                  f"{report.gate.reason}")  # fmt: skip
+            candidate = f"{ALIAS}@v{report.version}"
+            assert report.outcome == "canary", report.gate.reason
+            assert report.gate.pairs == 2  # gated, on the honest replica
+            assert route_of(service).canary == report.version
+            excluded = read_excluded(service.writer.redis, ALIAS, report.version)
+            assert list(excluded) == [altered], excluded
+            assert "HTTP 404" in excluded[altered], excluded
+            assert checks(service, altered, "unloaded") >= 1
+            assert checks(service, honest, "match") >= 1
+            # The relay was asked only the served check's probe, never a gate answer.
+            assert relay.asked["/v1/completions", candidate] >= 1
+            assert chats(relay, candidate) == 0
+
+            # Through the proxy: each arm answered, the candidate never by the relay.
+            before = chats(relay, BASE_MODEL)
+            versions: Counter[str | None] = Counter()
+            deadline = time.monotonic() + 300
+            i = 0
+            while versions[str(report.version)] < 4 or versions["0"] < 4:
+                assert time.monotonic() < deadline, versions
+                status, version = ask_proxy(proxy, f"user-{i}")
+                assert status == 200, (status, version)
+                versions[version] += 1
+                i += 1
+            assert chats(relay, candidate) == 0, relay.asked
+            assert chats(relay, BASE_MODEL) > before, relay.asked  # the active version still
+        print(f"answered by version: {dict(versions)}; the relay was asked {dict(relay.asked)}")
