@@ -244,6 +244,8 @@ def test_traffic_becomes_scored_groups_and_heldout_prompts(
         # Held-out prompts never appear in a group.
         assert prompt_hash(group.prompt_messages, group.tools) not in held_hashes
         assert group.version == 0 and group.response_model == BASE_MODEL
+        # The replica that sampled it (the stack's one vLLM), for the drift per replica.
+        assert group.replica == embedded.settings.vllm_url.rstrip("/")
         assert len(group.samples) == 3 and len(group.rewards) == 3
         assert all(0.0 <= r <= 1.0 for r in group.rewards)
         assert group.judge_model == f"hosted_vllm/{BASE_MODEL}" and group.rubric_hash
