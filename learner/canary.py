@@ -16,8 +16,9 @@ transaction that starts the canary, so a restarted learner carries on counting.
   tolerance (learner/drift_state.py: a round that trains on from the canary measures it), with
   a reason that names the version and the replica;
 * roll back if the canary's upstream failures are worse than the active arm's beyond the
-  margin, each client one unit (its own failure share) and the arms compared by a test with
-  ``min_clients`` on each (learner/canary_errors.py);
+  margin, each client one unit (its own failure share) and the arms compared by a test at fixed
+  looks (``min_clients`` on each arm, doubling), each made once and recorded in Redis so that
+  the test holds its level however often the watcher asks (learner/canary_errors.py);
 * the test over clients (learner/canary_clients.py) promotes or rolls back at any of its looks;
 * otherwise it waits: an alias that learns from ratings until ``feedback_wait_s`` (never unrated
   in its first seconds, however busy), one that does not until ``min_duration_s``. Then the test
@@ -53,7 +54,7 @@ import redis
 
 from learner.canary_clients import ClientEvidence, ClientTest, client_evidence
 from learner.canary_counter import CanaryCounter
-from learner.canary_errors import ErrorEvidence, error_rollback
+from learner.canary_errors import ErrorEvidence, ErrorLook, error_rollback, recorded_looks
 from learner.canary_ratings import Rating
 from learner.drift_state import canary_drift_block
 from learner.exchanges import read_exchanges
@@ -125,13 +126,15 @@ def canary_verdict(
     evidence: ClientEvidence,
     expects_ratings: bool = True,
     errors: ErrorEvidence | None = None,
+    error_looks: list[ErrorLook] | None = None,
 ) -> tuple[Verdict, str]:
     """What to do with a canary that has been running for ``age_s`` seconds, and why.
     ``active`` and ``canary`` are counted by client (:func:`counted`); ``evidence`` is the test
     over the clients that rated (learner/canary_clients.py); ``expects_ratings``: the alias
     learns from ratings, so it is not decided unrated before ``feedback_wait_s``; ``errors``:
     the arms' failures by client (learner/canary_errors.py; None: each counted request a
-    client, as the anonymous client's are)."""
+    client, as the anonymous client's are); ``error_looks``: the error test's looks made so far
+    (recorded in Redis by the watcher; None: made now on ``errors``)."""
     served = min(active.clients, canary.clients)
     few = served < config.min_clients
     waited = age_s >= config.feedback_wait_s
@@ -149,7 +152,7 @@ def canary_verdict(
                 {ANONYMOUS_CLIENT: (active.requests, active.errors)},
                 {ANONYMOUS_CLIENT: (canary.requests, canary.errors)},
             )
-        failing = error_rollback(errors, config, few)
+        failing = error_rollback(errors, config, few, error_looks)
         if failing is not None:
             return "rollback", (note if few else "") + failing
     test = evidence.test
@@ -277,6 +280,8 @@ class CanaryWatcher:
             per_client = {arm: read_client_counts(self.redis, alias, arm) for arm in ARMS}
             stats = {arm: counted(raw[arm], per_client[arm], config.canary) for arm in ARMS}
             errors = ErrorEvidence.of(per_client["active"], per_client["canary"])
+            # Each look of the error test is made once and recorded: later checks read it.
+            error_looks = recorded_looks(self.redis, alias, version, errors, config.canary)
             for arm in ARMS:
                 self.metrics.canary_requests.labels(alias, arm).set(stats[arm].served)
                 self.metrics.canary_error_rate.labels(alias, arm).set(stats[arm].error_rate)
@@ -300,6 +305,7 @@ class CanaryWatcher:
                 evidence,
                 config.reward.learns_from_ratings,
                 errors,
+                error_looks,
             )
             verdict, reason = self.overruled(alias, route, config, verdict, reason)
             if verdict != "wait":

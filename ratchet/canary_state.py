@@ -4,7 +4,8 @@
 - ``ratchet:canary:<alias>`` (hash): the canary ``version`` and its ``started`` time, per arm
   ``<arm>_requests``, ``<arm>_errors``, ``<arm>_feedback`` and ``<arm>_feedback_sum``, and
   ``ratings``: the ratings' sequential test as of the watcher's last check (JSON, see
-  ``SequentialTest.summary``);
+  ``SequentialTest.summary``), and ``error_look:v<version>:<j>``: the error test's looks, each
+  made once (learner/canary_errors.py);
 - ``ratchet:canary:<alias>:ratings:<arm>`` (list): the arm's counted ratings, oldest first;
 - ``ratchet:canary:<alias>:raters:<arm>`` (hash): ratings per client on the arm, stored or not
   (each client stores at most the ratings its observation is made of: learner/canary_clients.py);

@@ -104,8 +104,9 @@ class CanaryConfig(_Section):
         le=1.0,
         description=(
             "Roll back when the canary's upstream failure rate exceeds the active arm's by more "
-            "than this, shown at canary.alpha over min_clients clients an arm, each client one "
-            "unit (its own share of failures; learner/canary_errors.py). With fewer clients "
+            "than this, each client one unit (its own share of failures), shown by a test at "
+            "fixed looks: at min_clients clients an arm, doubling, each made once and recorded, "
+            "canary.alpha over all of them (learner/canary_errors.py). With fewer clients "
             "served the point estimate decides once feedback_wait_s has passed."
         ),
     )
