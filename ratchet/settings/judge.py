@@ -92,8 +92,9 @@ class JudgeSettings(_Section):
         ge=0,
         le=30 * 24 * 3600,
         description=(
-            "A traffic record whose outputs Kafka acknowledged is marked judged in Redis for this "
-            "long, so the judge replica that re-reads an uncommitted batch (after a crash or a "
+            "A traffic record whose outputs Kafka acknowledged is marked judged in Redis until "
+            "its batch's offsets are committed (then deleted), or for this long when the commit "
+            "fails, so the judge replica that re-reads an uncommitted batch (after a crash or a "
             "rebalance) skips it instead of judging it twice. 0 turns the marks off."
         ),
     )
