@@ -3,7 +3,8 @@
 A note kept per answer is paid for by every exchange, so it spells a key's hash as 128 bits of
 base64url (22 characters, not the 76 of ``hmac-sha256:<hex>``): enough that nobody finds another
 key with the same digest, since the hash is keyed by the server's secret. A digest that must
-come back whole (a prompt's hash, which the eval split reads) is packed losslessly instead.
+come back whole is packed losslessly instead (the join notes written before kept the prompt's
+hash so: they are still read, for their one TTL).
 """
 
 from __future__ import annotations
