@@ -8,12 +8,15 @@ never reached one); the hung replica's requests end in 504 ``upstream_stalled`` 
 first-byte deadline (its probe, a one-token stream, sends nothing either), the traffic record
 says so, and after ``consecutive_failures`` of them it is ejected and every later request is
 answered; the per-replica counters say all of it. The probe that finds a stall is one the real
-vLLM answers.
+vLLM answers. A stream the hung replica wedges on mid-way (two events, then nothing) ends with
+an error event, upstream_stalled, in the record and against the replica, which is ejected; the
+real vLLM's streams, slower between tokens than any deadline here at times, are not.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -149,6 +152,7 @@ def test_a_blackholed_replica_costs_a_retry_and_a_hung_one_is_ejected(
                 "ratchet_proxy_endpoint_retries_total": 0.0,
                 "ratchet_proxy_endpoint_connect_failures_total": 0.0,
                 "ratchet_proxy_endpoint_first_byte_timeouts_total": 2.0,
+                "ratchet_proxy_endpoint_stream_stalls_total": 0.0,
                 "ratchet_proxy_endpoint_ejected": 1.0,
             }
             at_dark = replica_counters(proxy, dark)
@@ -164,5 +168,60 @@ def test_a_blackholed_replica_costs_a_retry_and_a_hung_one_is_ejected(
             assert [r.error["code"] for r in records.values() if r.error] == [
                 "upstream_stalled"
             ] * 2
+    finally:
+        faulty.stop()
+
+
+@pytest.mark.timeout(900)  # the session's stack may start in it: minutes
+def test_a_stream_the_hung_replica_wedges_on_mid_way_ends_stalled_and_ejects_it(
+    base_route: Embedded, tmp_path: Path
+) -> None:
+    env = base_route
+    faulty = FaultyReplicas(env.settings.vllm_url)
+    faulty.start()
+    real, hung = env.settings.vllm_url, faulty.hung_url
+    proxy_settings = {
+        "balance": "round_robin",  # each replica in turn: the hung one within two streams
+        "upstream_timeout_s": 120,
+        "upstream_first_byte_timeout_s": FIRST_BYTE_S,
+        "upstream_stream_gap_timeout_s": FIRST_BYTE_S,
+        "outlier_ejection": {"consecutive_failures": 1, "base_ejection_s": 600},
+    }
+    try:
+        with fleet_proxy(env, tmp_path, [real, hung], **proxy_settings) as proxy:
+            outcomes: list[tuple[int, list[dict[str, Any]], str]] = []
+            with httpx.Client(timeout=180) as client:
+                for i in range(4):
+                    client_id = f"fleet-stream-{uuid.uuid4().hex}"
+                    body = {
+                        "model": ALIAS,
+                        "messages": [{"role": "user", "content": f"Count to {i + 3}."}],
+                        "max_tokens": 8,
+                        "stream": True,
+                    }
+                    headers = {"x-request-id": client_id}
+                    events = []
+                    with client.stream(
+                        "POST", f"{proxy}/v1/chat/completions", json=body, headers=headers
+                    ) as response:
+                        for line in response.iter_lines():
+                            if line.startswith("data: {"):
+                                events.append(json.loads(line.removeprefix("data: ")))
+                    outcomes.append((response.status_code, events, client_id))
+            assert [status for status, _, _ in outcomes] == [200] * 4  # streams: 200 first
+            stalled = [(events, rid) for _, events, rid in outcomes if "error" in events[-1]]
+            assert len(stalled) == 1, outcomes  # the hung one's, then it is out
+            events, stalled_id = stalled[0]
+            assert len(events) == 3  # its two events, then the error
+            assert events[-1]["error"]["code"] == "upstream_stalled"
+            at_hung = replica_counters(proxy, hung)
+            assert at_hung["ratchet_proxy_endpoint_stream_stalls_total"] == 1.0
+            assert at_hung["ratchet_proxy_endpoint_first_byte_timeouts_total"] == 0.0
+            assert at_hung["ratchet_proxy_endpoint_ejected"] == 1.0
+            assert replica_counters(proxy, real)["ratchet_proxy_endpoint_stream_stalls_total"] == 0
+
+            record = records_of(env, {stalled_id})[stalled_id]
+            assert record.status == 504 and record.error is not None
+            assert record.error["code"] == "upstream_stalled"
     finally:
         faulty.stop()
