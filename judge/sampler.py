@@ -231,7 +231,7 @@ async def sample_from(
                 if exc.replica_fault:
                     replicas.failed(url, connected=not exc.never_connected)
                 tried.append(url)
-                if not exc.never_connected or not replicas.may_retry(tried):
+                if not exc.never_connected or not replicas.may_retry(tried, body["model"]):
                     raise
                 continue
             replicas.succeeded(url)

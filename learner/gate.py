@@ -315,7 +315,7 @@ class Gate:
                 except aiohttp.ClientConnectionError as exc:
                     if never_connected(exc):  # vLLM never saw it: another replica may
                         tried.append(base)
-                        if not self.replicas.may_retry(tried):
+                        if not self.replicas.may_retry(tried, served):
                             raise
                         continue
                     # Else a pooled keep-alive connection the server had closed ("Can not write

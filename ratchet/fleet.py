@@ -389,9 +389,13 @@ class Replicas:
             self.outstanding[url] -= 1
             self.router.released(key)
 
-    def may_retry(self, tried: Collection[str]) -> bool:
-        """Whether a request that never connected to any of ``tried`` may go to another."""
-        return len(set(tried)) <= self.retries and len(set(tried)) < len(self.urls)
+    def may_retry(self, tried: Collection[str], key: str = "") -> bool:
+        """Whether a request for ``key`` (a served name) that never connected to any of
+        ``tried`` may go to another: one it may go to at all (not out of ``key``'s rotation),
+        else :meth:`use` would pick a tried one again, and again."""
+        gone = set(tried)
+        allowed = set(self.urls) - self.exclusions.barred(key)
+        return len(gone) <= self.retries and bool(allowed - gone)
 
     def failed(self, url: str, connected: bool = False) -> bool:
         """A request to ``url`` failed: a vote toward its ejection; True when this ejects it.

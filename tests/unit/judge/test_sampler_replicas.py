@@ -183,6 +183,22 @@ def test_a_request_that_never_connected_goes_to_another_replica_within_the_retri
         asyncio.run(scenario(good))
 
 
+def test_a_request_stops_once_every_replica_in_its_versions_rotation_refused_it() -> None:
+    """The replica out of the version's rotation is never chosen, so the retries end once the
+    others were tried: not one more choice of a tried replica, again and again."""
+    fleet = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
+
+    async def scenario() -> None:
+        replicas = Replicas(fleet, resolve=False, ejection=policy(5))
+        replicas.exclusions.add("support", 1, {fleet[2]: "could not load it"})
+        with pytest.raises(SamplingError) as failed:
+            await asyncio.wait_for(sample(replicas, "support@v1"), 5)
+        assert failed.value.never_connected
+        assert set(replicas.failed_until) == set(fleet[:2])
+
+    asyncio.run(scenario())
+
+
 def test_what_counts_against_a_replica() -> None:
     refused = aiohttp.ClientConnectorError(
         aiohttp.client_reqrep.ConnectionKey("h", 1, False, True, None, None, None),
