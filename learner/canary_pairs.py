@@ -20,7 +20,8 @@ The estimate. ``D_p``, a robust location of the paired ``d`` (below), with squar
 ``D_u``, Yuen's trimmed difference of the unpaired units' arms (learner/canary_clients.py's
 :func:`trimmed`), ``v_u``; combined by inverse variance, ``D = (D_p/v_p + D_u/v_u) / (1/v_p +
 1/v_u)``, ``v = 1 / (1/v_p + 1/v_u)``, with Satterthwaite's degrees of freedom
-``nu = v^2 / ((v/v_p)^2 v_p^2 / nu_p + (v/v_u)^2 v_u^2 / nu_u)``. A part with fewer than two units
+``nu = v^2 / ((v/v_p)^4 v_p^2 / nu_p + (v/v_u)^4 v_u^2 / nu_u)`` (each part's share of ``v``
+is ``(v/v_p)^2 v_p``). A part with fewer than two units
 (on each arm, for the unpaired part) is left out. The test and its looks are the client test's.
 
 The paired location: a fenced mean (a "skipped mean", Hampel's rejection rule). With the median
@@ -63,7 +64,7 @@ from dataclasses import dataclass
 from learner.canary_ratings import Rating
 from ratchet.records import ANONYMOUS_CLIENT
 
-# The fence, in scales from the median. 3: an honest d (spread about 0.3) past it is rare on
+# The fence, in scales from the median. 2.5: an honest d (spread about 0.3) past it is rare on
 # either side, and a key's d of -1 against an even canary lies past it.
 FENCE = 2.5
 MAD_NORMAL = 1.4826  # the MAD of a normal sample is 0.6745 of its standard deviation
