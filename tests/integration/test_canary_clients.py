@@ -9,6 +9,8 @@ its consumer would and decides in the shared Redis, through the real Lifecycle.
   nothing (one client, below canary.min_clients).
 - The app's users like both arms: their ratings promote the candidate, with the attacker's
   ratings among them.
+- An answer from the real vLLM has the same shape (status, header names, body keys, model)
+  with and without a canary, on either arm.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import yaml
 
@@ -29,6 +32,7 @@ from embedded.processes import Stack
 from embedded.stack import proxy_part
 from learner.canary import CanaryWatcher
 from learner.metrics import LearnerMetrics
+from proxy.generation import ARM_HEADER, SERVED_NAME_HEADER, VERSION_HEADER
 from ratchet.canary_state import canary_key, read_ratings_summary, reset_counts
 from ratchet.lifecycle import Lifecycle
 from ratchet.records import FEEDBACK_TOPIC, TRAFFIC_TOPIC, FeedbackRecord, Record, TrafficRecord
@@ -39,6 +43,7 @@ from ratchet.store import AdapterStore
 from tests.integration.conftest import ALIAS, BASE_MODEL, Embedded, write_config
 
 APP, ATTACKER, ADMIN = "sk-canary-app", "sk-canary-attacker", "sk-canary-admin"
+ARM_HEADERS = {ARM_HEADER, VERSION_HEADER, SERVED_NAME_HEADER}
 USERS = 50
 ATTACKER_ANSWERS = 16
 # Small minimums so that 50 users decide: six clients an arm before any ratings verdict (looks at
@@ -196,3 +201,56 @@ def test_users_not_one_key_decide_the_canary(embedded: Embedded, keyed: Keyed) -
         event = writer.history(ALIAS)[0]
         assert event["detail"]["reason"].startswith("ratings: not worse"), event
         assert event["detail"]["ratings"]["decision"] == "pass", event
+
+
+def shape(response: httpx.Response) -> tuple[Any, ...]:
+    """What a client can compare between two answers to the same request: the status, the
+    header names (values such as the request id differ by nature), and for the JSON object or
+    each kind of stream event its keys and ``model``."""
+    headers = tuple(sorted(response.headers.keys()))
+    if response.headers["content-type"].startswith("application/json"):
+        body = response.json()
+        return response.status_code, headers, tuple(body), body["model"]
+    events = [orjson.loads(e[6:]) for e in response.text.split("\n\n") if e.startswith("data: {")]
+    # Each kind of event once, in order: the two versions may stop after different numbers of
+    # tokens, which no canary causes (the same versions differ so without one).
+    kinds = dict.fromkeys((tuple(e), e.get("model")) for e in events)
+    return response.status_code, headers, tuple(kinds)
+
+
+def test_an_answer_has_the_same_shape_with_or_without_a_canary(
+    embedded: Embedded, keyed: Keyed
+) -> None:
+    """Issue 53: nothing a client reads tells it that a canary runs or which arm answered it
+    (proxy.expose_arm off), on the real vLLM: the same requests, without and with a canary."""
+    body = {"model": ALIAS, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2}
+    kinds: list[dict[str, Any]] = [{}, {"stream": True, "stream_options": {"include_usage": True}}]
+    headers = {"Authorization": f"Bearer {APP}"}
+
+    def answers(client: httpx.Client) -> list[httpx.Response]:
+        return [
+            client.post(
+                "/v1/chat/completions", json=body | kind | {"user": f"shape-{i}"}, headers=headers
+            )
+            for i in range(8)
+            for kind in kinds
+        ]
+
+    with httpx.Client(base_url=keyed.url, timeout=120) as client:
+        plain = answers(client)
+        with canary_of_v1(embedded, keyed):
+            canary = answers(client)
+    ids = {
+        r.json()["id"] for r in canary if r.headers["content-type"].startswith("application/json")
+    }
+    traffic = embedded.find_records(
+        TRAFFIC_TOPIC,
+        lambda r: isinstance(r, TrafficRecord) and r.response_id in ids,
+        count=len(ids),
+    )
+    assert {r.canary_arm for r in traffic if isinstance(r, TrafficRecord)} == {"active", "canary"}
+    for response in [*plain, *canary]:
+        assert response.status_code == 200, response.text[:300]
+        assert not ARM_HEADERS & set(response.headers), response.headers
+        assert b"@v" not in response.content
+    assert [shape(r) for r in plain] == [shape(r) for r in canary]
