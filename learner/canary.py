@@ -61,6 +61,7 @@ from learner.exchanges import read_exchanges
 from learner.leases import AliasLeases
 from learner.metrics import LearnerMetrics
 from learner.ratings import newest_ratings
+from learner.readmission import reprobe
 from learner.reward_guard import check_reward_gap
 from ratchet.canary_state import (
     ARMS,
@@ -239,6 +240,7 @@ class CanaryWatcher:
         )
         self.counter = CanaryCounter(settings, self.redis, metrics)
         self._last_check = 0.0
+        self._last_reprobe = time.monotonic()  # the gate has just checked the versions it excluded
 
     @property
     def routes(self) -> dict[str, AliasRoute]:
@@ -264,8 +266,21 @@ class CanaryWatcher:
         self.routes = {a: r for a, r in table.routes.items() if a not in table.invalid}
         # A replica out of a routed version's rotation stays out while the version is routed.
         renew(self.redis, self.routes.values(), self.settings.learner.served_check.exclusion_ttl_s)
+        self.reprobe_excluded()
         self.check()
         self._last_check = time.monotonic()
+
+    def reprobe_excluded(self) -> None:
+        """Every ``reprobe_s``, excluded replicas asked again and those that now serve their
+        version let back in (learner/readmission.py)."""
+        every = self.settings.learner.served_check.reprobe_s
+        if not every or time.monotonic() - self._last_reprobe < every:
+            return
+        self._last_reprobe = time.monotonic()
+        try:
+            reprobe(self.settings, self.redis, self.lifecycle.store, self.routes.values())
+        except (redis.RedisError, OSError) as exc:
+            log.warning("excluded replicas not asked again: %s", exc)
 
     def check(self) -> None:
         for alias, route in self.routes.items():

@@ -28,7 +28,7 @@ from ratchet.records import HeldoutPrompt
 from ratchet.registry import AliasRoute, served_name
 from ratchet.settings import AliasConfig
 from ratchet.spend import add_spend
-from ratchet.version_exclusion import exclude
+from ratchet.version_exclusion import exclude, read_versions
 
 if TYPE_CHECKING:
     from learner.round import Rounds
@@ -65,6 +65,7 @@ def gate_candidate(
         result = not_gated(config, blocked)
         rounds.metrics.failures.labels(alias, "served").inc()
     else:
+        load_exclusions(rounds, alias, (live, version))
         result = ask_gate(rounds, alias, config, prompts, candidate, route)
     seconds = time.perf_counter() - started
     rounds.metrics.round_seconds.labels(alias, "gate").observe(seconds)
@@ -121,6 +122,20 @@ def exclude_unloaded(
     rounds.gate.replicas.exclusions.add(alias, version, reasons)
     log.warning("%s: v%d %s", alias, version, verdict.reason)
     return None
+
+
+def load_exclusions(rounds: Rounds, alias: str, versions: tuple[int, ...]) -> None:
+    """The gate's replicas told every exclusion of the versions it compares, as Redis has them:
+    the active version's were written by an earlier round, which a restarted learner's gate
+    would not know, and would send that version's requests to a replica that cannot serve it.
+    Redis away: the gate keeps what it knows (the candidate's, added by
+    :func:`exclude_unloaded`)."""
+    try:
+        found = read_versions(rounds.redis, alias, versions)
+    except (redis.RedisError, OSError) as exc:
+        log.warning("%s: exclusions of v%s not read for the gate: %s", alias, versions, exc)
+        return
+    rounds.gate.replicas.exclusions.set_alias(alias, found)
 
 
 def ask_gate(

@@ -3,19 +3,27 @@ its canary or promotion), each vLLM replica is asked for the candidate by its se
 answers the fixed probe of its fingerprint (learner/fingerprint.py) with ``prompt_logprobs``.
 
 A replica passes when it answers and its logprobs are within the tolerance of the learner's.
-One that cannot load the candidate (vLLM's 404 or 400, a connection refused, an answer without
-logprobs) or that mismatches is asked again every ``RETRY_S`` for up to
-``learner.served_check.wait_s`` (a store it sees late). Then the two failures part ways:
+One that fails is asked again every ``RETRY_S`` for up to ``learner.served_check.wait_s`` (a
+store it sees late, a replica restarting). Then the failures part ways:
 
 - a **mismatch** (it answers, with logprobs past the tolerance) rejects the candidate with a
   reason that names the replica: a replica serving other weights under the version's name says
   the store, the dtype or the LoRA as vLLM reads it differs from what was trained, which no
   routing can vouch for on the other replicas;
-- a replica that **cannot load** it is out of that version's rotation alone
+- a replica that **cannot load** it, as vLLM itself says (:func:`vllm_refused`: its 404 "does
+  not exist" when no resolver finds the adapter, its 400 when one finds it and the engine cannot
+  load it; or a 200 without the probe's logprobs) is out of that version's rotation alone
   (:attr:`ServedVerdict.excluded`, kept in Redis by learner/gating.py,
   ratchet/version_exclusion.py): no request for the version goes to it, every other version
-  still does, and the gate and canary run on the replicas that passed. When no replica passed,
-  the candidate is rejected with a reason that names them all.
+  still does, and the gate and canary run on the replicas that passed. The canary watcher asks
+  it again every ``learner.served_check.reprobe_s`` and lets it back in once it serves the
+  version as trained (learner/readmission.py);
+- a replica that is **unreachable** (connection refused or reset, a timeout, a 5xx, a 429: it
+  restarts or is overloaded, which says nothing of the adapter) was not checked: it is not
+  excluded, the reason says so, and its traffic is left to the outlier ejection every client of
+  the replicas runs (ratchet/fleet.py), which takes it out while it keeps failing.
+
+When no replica passed, the candidate is rejected with a reason that names them all.
 
 A candidate without a fingerprint (an imported adapter) is still asked of every replica: each
 must load it and answer. One trained sharded (FSDP) has one (learner/sharded_forwards.py).
@@ -45,7 +53,18 @@ RETRY_S = 2.0
 LOAD_PROMPT = "Hello"
 DETAIL_CHARS = 200  # of a replica's error body, in the reason
 
-Outcome = Literal["match", "mismatch", "unloaded"]
+Outcome = Literal["match", "mismatch", "unloaded", "unreachable"]
+
+# vLLM's answers about the adapter itself (vllm/entrypoints/openai/models/serving.py
+# resolve_lora, serve/engine/serving.py _check_model): 404 NotFoundError "does not exist" when
+# nothing resolves the name, 400 BadRequestError "was found but could not be loaded".
+REFUSED_STATUSES = frozenset({400, 404})
+
+
+def vllm_refused(status: int) -> bool:
+    """Whether an HTTP status from a replica is vLLM saying it cannot serve the model asked
+    for; anything else but 200 (a 5xx, a 429, an auth failure) says nothing of the adapter."""
+    return status in REFUSED_STATUSES
 
 
 @dataclass(frozen=True)
@@ -63,6 +82,8 @@ class ReplicaCheck:
             return f"{self.replica}: {how}"
         if self.outcome == "mismatch" and self.distance is not None:
             return f"{self.replica} serves other weights: {self.distance.describe()} > {limit:g}"
+        if self.outcome == "unreachable":
+            return f"{self.replica} not checked, unreachable: {self.detail}"
         return f"{self.replica} cannot serve it: {self.detail}"
 
 
@@ -78,7 +99,7 @@ class ServedVerdict:
     @property
     def passed(self) -> bool:
         """Some replica serves it as trained and none serves other weights (those that cannot
-        load it are :attr:`excluded`)."""
+        load it are :attr:`excluded`, those unreachable :attr:`unchecked`)."""
         return bool(self.of("match")) and not self.of("mismatch")
 
     @property
@@ -92,15 +113,23 @@ class ServedVerdict:
         return self.of("unloaded") if self.passed else ()
 
     @property
+    def unchecked(self) -> tuple[ReplicaCheck, ...]:
+        """The replicas that could not be asked (unreachable until ``wait_s``): not excluded,
+        their traffic left to the outlier ejection."""
+        return self.of("unreachable")
+
+    @property
     def reason(self) -> str:
         head = f"served check of {self.served}: "
         if not self.checks:
             return head + "no vLLM replica to ask"
-        if self.passed and not self.excluded:
+        if self.passed and not self.failed:
             return head + "every replica matches"
         failed = "; ".join(c.describe(self.limit) for c in self.failed)
-        if self.passed:
+        if self.passed and self.excluded:
             return head + f"out of its rotation: {failed}"
+        if self.passed:
+            return head + f"left to the outlier ejection: {failed}"
         if not self.of("match") and not self.of("mismatch"):
             return head + f"no replica can serve it: {failed}"
         return head + failed
@@ -177,10 +206,15 @@ class ServedCheck:
             async with session.post(f"{url}/v1/completions", json=payload) as response:
                 if response.status != 200:
                     text = (await response.text())[:DETAIL_CHARS]
-                    return ReplicaCheck(url, "unloaded", detail=f"HTTP {response.status} {text}")
+                    outcome: Outcome = (
+                        "unloaded" if vllm_refused(response.status) else "unreachable"
+                    )
+                    return ReplicaCheck(url, outcome, detail=f"HTTP {response.status} {text}")
                 body = await response.json()
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            return ReplicaCheck(url, "unloaded", detail=f"{type(exc).__name__}: {exc}")
+        except ValueError as exc:  # a 200 whose body is not JSON
+            return ReplicaCheck(url, "unloaded", detail=f"unusable answer: {exc}")
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return ReplicaCheck(url, "unreachable", detail=f"{type(exc).__name__}: {exc}")
         if fingerprint is None:
             return ReplicaCheck(url, "match")
         return self.compare(url, body, fingerprint)
@@ -230,7 +264,7 @@ def check_replicas(
         metrics.served_checks.labels(alias, c.replica, c.outcome).inc()
         if c.distance is not None and c.distance.tokens:
             metrics.served_distance.labels(alias, c.replica).set(c.distance.mean_abs)
-    if verdict.passed and not verdict.excluded:
+    if verdict.passed and not verdict.failed:
         log.info("%s (%s)", verdict.reason, "; ".join(c.describe(limit) for c in verdict.checks))
     else:
         log.warning("%s", verdict.reason)

@@ -6,6 +6,9 @@ Kept in Redis as ``ratchet:excluded:<alias>:v<N>``, a hash of replica URL to the
 by the learner (:func:`exclude`) with ``learner.served_check.exclusion_ttl_s`` to live, which the
 canary watcher renews while the version is the alias's active or canary one (:func:`renew`): an
 exclusion lasts while its version is routed and lapses once the version has left the registry.
+The watcher also asks each excluded replica again (learner/readmission.py) and takes back
+(:func:`readmit`) one that now serves the version as trained: a replica that restarted with the
+store in view, or a new pod that was given an excluded one's address.
 Each write publishes the alias on ``ratchet:registry``, so the proxies read it with the alias's
 route (proxy/routing.py) into a :class:`VersionExclusions`, which the choice of replica asks
 per request by served name: a dict lookup, never a Redis call.
@@ -55,6 +58,30 @@ def exclude(
     pipe.expire(key, max(1, round(ttl_s)))
     pipe.publish(CHANNEL, alias)
     pipe.execute()
+
+
+def readmit(client: redis.Redis, alias: str, version: int, replicas: Iterable[str]) -> None:
+    """Put each of ``replicas`` back in ``version``'s rotation (it serves it now), and tell the
+    proxies."""
+    fields = list(replicas)
+    if not fields:
+        return
+    pipe = client.pipeline(transaction=True)
+    pipe.hdel(excluded_key(alias, version), *fields)
+    pipe.publish(CHANNEL, alias)
+    pipe.execute()
+
+
+def read_versions(client: redis.Redis, alias: str, versions: Iterable[int]) -> Exclusions:
+    """The exclusions of ``versions`` of one alias (v0 has none), in one round trip."""
+    wanted = sorted({v for v in versions if v > 0})
+    if not wanted:
+        return {}
+    pipe = client.pipeline(transaction=False)
+    for version in wanted:
+        pipe.hgetall(excluded_key(alias, version))
+    answers: list[Any] = pipe.execute()
+    return {v: decode_hash(raw) for v, raw in zip(wanted, answers, strict=True) if raw}
 
 
 def renew(client: redis.Redis, routes: Iterable[AliasRoute], ttl_s: float) -> None:

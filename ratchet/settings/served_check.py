@@ -50,10 +50,12 @@ class ServedCheckSettings(_Section):
         default=60.0,
         ge=0,
         description=(
-            "How long a replica that cannot load the candidate, or serves it past the tolerance, "
-            "is asked again (a store it sees late). Then one past the tolerance rejects the "
-            "candidate, naming it; one that cannot load it is out of that version's rotation, "
-            "and the candidate is rejected only when no replica serves it."
+            "How long a replica that cannot load the candidate, serves it past the tolerance or "
+            "cannot be reached is asked again (a store it sees late, a restart). Then one past "
+            "the tolerance rejects the candidate, naming it; one whose vLLM says it cannot load "
+            "it (404, 400) is out of that version's rotation; one still unreachable (refused, "
+            "timeout, 5xx, 429) is not excluded, its traffic left to the outlier ejection. The "
+            "candidate is rejected only when no replica serves it."
         ),
     )
     exclusion_ttl_s: float = Field(
@@ -63,6 +65,17 @@ class ServedCheckSettings(_Section):
             "How long a replica stays out of a version's rotation after it could not load it; "
             "renewed while the version is its alias's active or canary one, so it lapses this "
             "long after the version leaves the registry."
+        ),
+    )
+    reprobe_s: float = Field(
+        default=300.0,
+        ge=0,
+        description=(
+            "How often the canary watcher asks each replica out of a routed version's rotation "
+            "for the version again (one probe each), and lets back in one that now serves it "
+            "as trained: a replica that restarted, or a new pod at an excluded one's address. "
+            "0: never asked again (the exclusion lapses only after the version leaves the "
+            "registry)."
         ),
     )
     timeout_s: float = Field(

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import redis
 
 from learner.fingerprint import Distance
-from learner.gating import exclude_unloaded
+from learner.gating import exclude_unloaded, load_exclusions
 from learner.served_check import ReplicaCheck, ServedVerdict
 from ratchet.fleet import Replicas
 from ratchet.registry import CHANNEL
 from ratchet.settings import RatchetSettings
-from ratchet.version_exclusion import excluded_key, read_excluded
+from ratchet.version_exclusion import exclude, excluded_key, read_excluded
 
 GOOD, BAD, FAR = "http://a:8000", "http://b:8000", "http://c:8000"
 LIMIT = 0.01
@@ -93,3 +93,19 @@ def test_an_exclusion_that_cannot_be_kept_stops_the_candidate(tmp_path: Path) ->
     blocked = exclude_unloaded(rounds, "support", 3, verdict)  # type: ignore[arg-type]
     assert blocked is not None and "the exclusion was not kept" in blocked and BAD in blocked
     assert rounds.gate.replicas.exclusions.barred("support@v3") == frozenset()
+
+
+def test_the_gate_loads_the_active_versions_exclusions_too(redis_url: str, tmp_path: Path) -> None:
+    """A restarted learner's gate knows nothing; the active version's exclusion (an earlier
+    round's) and the candidate's are read from Redis before it asks for either."""
+    rounds = rounds_of(redis_url, tmp_path)
+    exclude(rounds.redis, "restarted", 2, {BAD: "HTTP 404"}, ttl_s=3600)
+    exclude(rounds.redis, "restarted", 3, {GOOD: "HTTP 400"}, ttl_s=3600)
+    load_exclusions(rounds, "restarted", (2, 3))  # type: ignore[arg-type]
+    assert rounds.gate.replicas.exclusions.barred("restarted@v2") == {BAD}
+    assert rounds.gate.replicas.exclusions.barred("restarted@v3") == {GOOD}
+    # Redis away: what the gate knew stays.
+    away = rounds_of("redis://127.0.0.1:1/0", tmp_path)
+    away.gate.replicas.exclusions.add("restarted", 3, {GOOD: "HTTP 400"})
+    load_exclusions(away, "restarted", (2, 3))  # type: ignore[arg-type]
+    assert away.gate.replicas.exclusions.barred("restarted@v3") == {GOOD}
