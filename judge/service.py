@@ -32,7 +32,6 @@ import signal
 import statistics
 import time
 from collections import Counter, deque
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import aiohttp
@@ -45,6 +44,8 @@ from judge.backpressure import Backpressure
 from judge.kafka_io import JudgeKafka
 from judge.marks import JudgeMarks, Sampled, SeenMark, repeat_reason
 from judge.metrics import JudgeMetrics
+from judge.reward_setup import reward_models
+from judge.routes import JudgeRoutes
 from judge.sampler import (
     LENGTH_WINDOW,
     SamplingError,
@@ -56,7 +57,6 @@ from judge.sampler import (
 )
 from judge.scoring import GroupScorer, ScoringError
 from ratchet.bill import Bill
-from ratchet.carry import Carry, carry_from_hash, carry_key, start_of_round
 from ratchet.fleet import Replicas
 from ratchet.records import (
     TRAFFIC_TOPIC,
@@ -69,10 +69,9 @@ from ratchet.records import (
     parse,
     prompt_hash,
 )
-from ratchet.registry import AliasRoute, InvalidRoute, alias_key, decode_hash, served_name
-from ratchet.rewards.reward_model import RewardModels, missing_packages
+from ratchet.registry import AliasRoute, served_name
 from ratchet.secrets import keyed_hash, redis_connection_url, server_secret, vllm_api_key
-from ratchet.settings import AliasConfig, ConfigError, RatchetSettings
+from ratchet.settings import AliasConfig, RatchetSettings
 from ratchet.spend import budget_line, spend_key, today
 
 log = logging.getLogger(__name__)
@@ -138,8 +137,8 @@ class JudgeService(JudgeKafka):
         # vLLM's replicas, each group sampled from the one its version's requests go to.
         self.replicas = Replicas.from_settings(settings)
         self.replicas.on_ejected = lambda url: self.metrics.replica_ejections.labels(url).inc()
-        self.routes: dict[str, AliasRoute] = {}
-        self.carries: dict[str, Carry | None] = {}  # the last read, for while Redis is away
+        # Routes, carries and exclusions (handed to the replicas), read together per group.
+        self.routing = JudgeRoutes(settings, self.redis, self.metrics, self.replicas.exclusions)
         self.limit = asyncio.Semaphore(settings.judge.concurrency)
         self.backpressure = Backpressure(
             self.redis,
@@ -393,35 +392,10 @@ class JudgeService(JudgeKafka):
             raise Skip(reason)
 
     async def _route(self, alias: str, config: AliasConfig) -> AliasRoute:
-        """The live version, from Redis; the last one read while Redis is away or while the
-        alias's hash is invalid."""
-        try:
-            data = decode_hash(await self.redis.hgetall(alias_key(alias)))
-            route = (
-                AliasRoute.from_hash(alias, data, self.settings.aliases)
-                if data
-                else AliasRoute(alias=alias, base_model=config.base_model)
-            )
-            self.routes[alias] = route
-        except (redis.RedisError, OSError):
-            route = self.routes.get(alias) or AliasRoute(alias=alias, base_model=config.base_model)
-        except InvalidRoute as exc:
-            log.warning("%s; sampling from its last valid route", exc)
-            self.metrics.failures.labels(alias, "invalid_route").inc()
-            route = self.routes.get(alias) or AliasRoute(alias=alias, base_model=config.base_model)
-        return route
+        return await self.routing.route(alias, config)
 
     async def _policy(self, alias: str, route: AliasRoute) -> int:
-        """The version to sample from: where the alias's next round starts (the live version,
-        or the candidate the learner carries on from, the canary included while it runs); the
-        last carry read while Redis is away."""
-        try:
-            carry = carry_from_hash(await self.redis.hgetall(carry_key(alias)))
-            self.carries[alias] = carry
-        except (redis.RedisError, OSError):
-            carry = self.carries.get(alias)
-        rounds = self.settings.learner.max_candidate_rounds
-        return start_of_round(carry, route.active, rounds, route.canary).version
+        return self.routing.policy(alias, route)
 
     # ---- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -505,31 +479,6 @@ def fair_order(work: list[ToSample], backpressure: Backpressure) -> list[ToSampl
         keys.append((served[alias][client] + turns[alias, client], at))
         turns[alias, client] += 1
     return [work[at] for _, at in sorted(keys)]
-
-
-def reward_models(settings: RatchetSettings) -> RewardModels | None:
-    """The reward models of aliases that learn from ratings, if any: they score answers with
-    the base model at ``learner.base_model_path`` (read on first use), which must then be set."""
-    rated = sorted(a for a, c in settings.aliases.items() if c.reward.learns_from_ratings)
-    if not rated:
-        return None
-    path = settings.learner.base_model_path
-    if not path:
-        # No dev fallback here: the judge must not reach into the embedded stack (embedded).
-        raise ConfigError(
-            f"aliases {rated} learn from ratings, so the judge needs the base model their "
-            "reward models score with, but learner.base_model_path is empty: set it in "
-            "ratchet.yaml or RATCHET_LEARNER__BASE_MODEL_PATH to the base model vLLM serves "
-            "(`ratchet up` and the Helm chart set it themselves)"
-        )
-    if missing := missing_packages():  # the judge extra brings none: said at start
-        raise ConfigError(
-            f"aliases {rated} learn from ratings, so the judge scores with their reward models, "
-            f"which need {', '.join(missing)}: install it as pip install 'ratchet[judge,learner]' "
-            "plus the torch wheel of this machine"
-        )
-    assert settings.store_dir is not None
-    return RewardModels(settings.store_dir, Path(path))
 
 
 def serve(settings: RatchetSettings) -> None:
