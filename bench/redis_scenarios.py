@@ -8,7 +8,7 @@ the judge's done and seen marks for ``--judged`` of them (``JudgeMarks``; the ju
 what the learner can train on, so at most one each per exchange; each prompt sampled, the
 costlier mark, and its done mark deleted when its batch of ``judge.poll_records`` is committed,
 as the judge does), and with ``--canary`` the
-canary watcher's note (``learner/canary_counter.py``'s own key and claim, while a canary
+canary watcher's claim (``learner/canary_claims.py``: a field of a sliced hash, while a canary
 runs). Reported: ``used_memory`` per exchange, and per family its keys and mean
 ``MEMORY USAGE``.
 
@@ -41,7 +41,7 @@ from prometheus_client import CollectorRegistry
 from embedded.processes import Stack, free_port
 from embedded.stack import redis_part
 from judge.marks import JudgeMarks, SeenMark
-from learner.canary_counter import COMPLETION_TTL_S, completion_claim, completion_key
+from learner.canary_claims import claim_answer
 from learner.ratings import RatingsJoin
 from proxy.completions import CompletionOwners, owner_ttl_s
 from proxy.response_store import ResponseStore
@@ -60,7 +60,8 @@ FAMILIES = {
     "judge done mark": "ratchet:judge:done:*",
     "judge seen mark (before the upgrade)": "ratchet:judge:seen:*",
     "judge seen sets": "ratchet:judge:seen-sets:*",
-    "canary note (during a canary)": "ratchet:canary:completion:*",
+    "canary note (during a canary, before sliced claims)": "ratchet:canary:completion:*",
+    "canary claim shards (during a canary)": "ratchet:canary:claims:*",
     "stored response": "ratchet:response:*",
     "store ledgers": "ratchet:responses:*",
 }
@@ -120,8 +121,9 @@ async def write_exchanges(url: str, settings: RatchetSettings, args: argparse.Na
         owners.remember(orjson_id(completion_id), key_hash)
         join.on_traffic(record, 0, i)
         if args.canary:
-            claim = completion_claim(record, "canary")
-            canary.set(completion_key(completion_id), claim, nx=True, ex=COMPLETION_TTL_S)
+            claims = canary.pipeline(transaction=False)
+            claim_answer(claims, record, "canary")
+            claims.execute()
         if i % 500 == 0:
             await owners.drain()
         if int((i + 1) * args.judged) == int(i * args.judged):

@@ -10,10 +10,10 @@ verdict caps what one client's requests and failures weigh. A rating counts for 
 the *rated completion* (its key, or the user that key vouched for in the request), never for
 the user a feedback body names.
 
-Which arm a completion id was answered by is shared through Redis
-(``ratchet:canary:completion:<id>``), because its rating may be read by another replica than its
-traffic record, and before it: the topics are read in no fixed order, so a rating whose answer is
-not known yet waits for it (:data:`RATING_WAIT_S`).
+Which arm a completion id was answered by is shared through Redis (learner/canary_claims.py),
+because its rating may be read by another replica than its traffic record, and before it: the
+topics are read in no fixed order, so a rating whose answer is not known yet waits for it
+(:data:`RATING_WAIT_S`).
 """
 
 from __future__ import annotations
@@ -25,17 +25,15 @@ from typing import Any
 
 import redis
 
+from learner.canary_claims import claim_answer, claim_rating, claimed
 from learner.canary_ratings import Rating
 from learner.canary_weight import count_requests, minute_of
 from learner.metrics import LearnerMetrics
 from ratchet.canary_state import ERRORS_SUFFIX, canary_key, clients_key, raters_key, ratings_key
-from ratchet.digests import key_digest
 from ratchet.records import ANONYMOUS_CLIENT, FeedbackRecord, TrafficRecord, decode
 from ratchet.registry import AliasRoute
 from ratchet.settings import AliasConfig, RatchetSettings
 
-# How long a canary-time completion id is remembered for its feedback to be credited to its arm.
-COMPLETION_TTL_S = 3600
 # A rating and its answer are on different topics, read in no fixed order: a rating read before
 # its answer's traffic record waits this long for it (retried with every batch), and at most this
 # many wait at once.
@@ -88,43 +86,6 @@ def is_refused(record: TrafficRecord) -> bool:
     return 400 <= record.status < 500
 
 
-def completion_key(completion_id: str) -> str:
-    """String "<alias>\\t<version>\\t<arm>\\t<client>\\t<key digest>" of a canary-time
-    completion (:func:`completion_claim`), "rated" once its feedback is counted; expires after
-    COMPLETION_TTL_S."""
-    return f"ratchet:canary:completion:{completion_id}"
-
-
-def completion_claim(record: TrafficRecord, arm: str) -> str:
-    """The completion's claim, kept short (one per canary-time exchange): the key as its 128-bit
-    digest (ratchet/digests.py), the client left out ("") when it is the key itself."""
-    key_hash = record.api_key_hash or ""
-    client = "" if record.client == key_hash else record.client
-    return "\t".join((record.alias, str(record.version), arm, client, key_digest(key_hash)))
-
-
-# KEYS[1]: the rated completion's key; ARGV[1]: the rater's key digest, ARGV[2] its whole hash
-# (as claims written before digests hold it; "" for none). Claims the
-# rating when the completion was answered in a canary, is not rated yet, and went to that key
-# (the proxy checks that too): marks it rated for every replica, returns what it was; 0 when the
-# completion is not known (yet: its answer may still be on its way); else nil.
-CLAIM_RATING_SCRIPT = """
-local answered = redis.call('GET', KEYS[1])
-if not answered then
-  return 0
-end
-if answered == 'rated' then
-  return nil
-end
-local owner = string.match(answered, '\t([^\t]*)$')
-if owner ~= ARGV[1] and owner ~= ARGV[2] then
-  return nil
-end
-redis.call('SET', KEYS[1], 'rated', 'KEEPTTL')
-return answered
-"""
-
-
 @dataclass
 class _Tally:
     """One batch's counts, written to Redis together."""
@@ -170,10 +131,9 @@ class CanaryCounter:
                 # A key hash of "" is no key's: an answer without one is stored with "".
                 read.append((record, now))
         rated = [*self._take_waiting(now), *read]
+        canaries = [alias for alias, route in self.routes.items() if route.canary is not None]
         for record, _ in rated:
-            key = completion_key(record.completion_id)
-            rater = record.api_key_hash or ""
-            claims.eval(CLAIM_RATING_SCRIPT, 1, key, key_digest(rater), rater)
+            claim_rating(claims, record.completion_id, record.api_key_hash, canaries)
         first = len(claims) - len(rated)
         count_requests(claims, tally.requests)
         replies = claims.execute()[first : first + len(rated)]
@@ -219,23 +179,19 @@ class CanaryCounter:
             tally.add(record.alias, f"{arm}_errors", 1)
             tally.clients[record.alias, arm, record.client + ERRORS_SUFFIX] += 1
         if record.response_id:
-            claim = completion_claim(record, arm)
-            claims.set(completion_key(record.response_id), claim, nx=True, ex=COMPLETION_TTL_S)
+            claim_answer(claims, record, arm)
 
     def _count_rating(self, record: FeedbackRecord, answered: Any, tally: _Tally) -> None:
         """A rating whose claim succeeded (``answered``: the completion's claim), in its arm."""
-        if not isinstance(answered, bytes):
+        claim = claimed(answered)
+        if claim is None:
             return  # rated already, another key's, or claimed by another replica
-        alias, version, arm, *who = answered.decode(errors="replace").split("\t")
-        if self._arm_of(alias, int(version), arm) is None:
+        alias, version, arm, held = claim
+        if self._arm_of(alias, version, arm) is None:
             return  # feedback on an exchange from before this canary
         # The completion's client: "" for the key itself, which the claim checked is the
         # rater's (a claim written before clients were kept: its key's).
-        client = (
-            (who[0] or record.api_key_hash or ANONYMOUS_CLIENT)
-            if len(who) == 2
-            else (who[0] or ANONYMOUS_CLIENT)
-        )
+        client = held or record.api_key_hash or ANONYMOUS_CLIENT
         tally.add(alias, f"{arm}_feedback", 1)
         tally.add(alias, f"{arm}_feedback_sum", record.score)
         tally.ratings.append((alias, arm, Rating(client, record.score)))
