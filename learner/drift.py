@@ -188,20 +188,35 @@ def replica_gaps(record: Mapping[str, Any]) -> dict[str, tuple[float, int]]:
 
 def drift_block(record: Any, settings: RatchetSettings) -> str | None:
     """Why the candidate must not be gated, from its stored drift: None when every replica is
-    within the tolerance (or none was measured); else the reason names the furthest replica
-    past it, and how many others are."""
+    within the tolerance, or rests on fewer than ``learner.served_check.drift_min_tokens``
+    sampled tokens (or none was measured); else the reason names the furthest replica past it
+    on enough tokens, and how many others are."""
     if not isinstance(record, dict):
         return None
+    knobs = settings.learner.served_check
     precision: Precision = "bfloat16" if record.get("precision") == "bfloat16" else "float32"
-    limit = settings.learner.served_check.tolerance(precision)
+    limit = knobs.tolerance(precision)
+    gaps = replica_gaps(record)
     past = sorted(
         (
             (gap, tokens, name)
-            for name, (gap, tokens) in replica_gaps(record).items()
-            if gap > limit
+            for name, (gap, tokens) in gaps.items()
+            if gap > limit and tokens >= knobs.drift_min_tokens
         ),
         reverse=True,
     )
+    few = sorted(
+        n for n, (gap, tokens) in gaps.items() if gap > limit and tokens < knobs.drift_min_tokens
+    )
+    if few:
+        # Too few tokens to block on: a group or two is a noisy sample.
+        log.info(
+            "served drift of v%s past %g on %s, below %d tokens each: not blocking",
+            record.get("version"),
+            limit,
+            ", ".join(few),
+            knobs.drift_min_tokens,
+        )
     if not past:
         return None
     gap, tokens, name = past[0]

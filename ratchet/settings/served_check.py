@@ -93,6 +93,17 @@ class ServedCheckSettings(_Section):
         ),
     )
 
+    drift_min_tokens: int = Field(
+        default=512,
+        ge=1,
+        description=(
+            "Sampled tokens a replica's drift must rest on before it can block a candidate or "
+            "roll back a canary: with drift_groups spread over many replicas, one replica's "
+            "figure may rest on a group or two, and the worst of such noisy figures would "
+            "block. Below it the figure is still exported and logged, and does not block."
+        ),
+    )
+
     def tolerance(self, learner_precision: Literal["float32", "bfloat16"]) -> float:
         """The tolerance of the less precise of the learner and the replicas."""
         both = {learner_precision, self.served_precision}

@@ -28,7 +28,7 @@ REPLICA = "http://10.0.0.7:8000"
 
 def drift_of(version: int, mean_abs: float) -> dict[str, Any]:
     """A round's drift record, as learner/drift.py keeps it (float32: tolerance 0.01)."""
-    per_replica = {"mean_abs": mean_abs, "max_abs": 2 * mean_abs, "tokens": 40}
+    per_replica = {"mean_abs": mean_abs, "max_abs": 2 * mean_abs, "tokens": 600}
     return {
         "version": version,
         "precision": "float32",

@@ -17,8 +17,12 @@ from tests.unit.learner.test_fingerprint import served_group, tiny_learner  # no
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 GOOD, OFF = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+# The tiny groups here measure a few tokens a replica: block on any (the default minimum is
+# tested below).
 SETTINGS = RatchetSettings(
-    learner=LearnerSettings(served_check=ServedCheckSettings(served_precision="float32"))
+    learner=LearnerSettings(
+        served_check=ServedCheckSettings(served_precision="float32", drift_min_tokens=1)
+    )
 )
 
 
@@ -110,3 +114,19 @@ def test_the_metric_has_a_series_per_replica_and_drops_a_replica_not_measured_ag
     measures.before_training(tiny_learner, "support", 5, [on(tiny_learner, GOOD, 1, 5)])
     assert value("ratchet_learner_served_drift", {"alias": "support", "replica": OFF}) is None
     assert value("ratchet_learner_served_drift_version", {"alias": "support"}) == 5
+
+
+def test_a_replica_drift_on_too_few_tokens_is_reported_but_does_not_block() -> None:
+    """With drift_groups spread over many replicas one replica's figure may rest on a group: it
+    blocks only from ``drift_min_tokens`` sampled tokens on."""
+    settings = RatchetSettings(
+        learner=LearnerSettings(served_check=ServedCheckSettings(served_precision="float32"))
+    )
+    least = settings.learner.served_check.drift_min_tokens
+    noisy = {"mean_abs": 0.5, "max_abs": 0.9, "tokens": least - 1}
+    fine = {"mean_abs": 0.001, "max_abs": 0.01, "tokens": 4 * least}
+    record = {"version": 3, "precision": "float32", "replicas": {OFF: noisy, GOOD: fine}}
+    assert drift_block(record, settings) is None
+    enough = {**record, "replicas": {OFF: {**noisy, "tokens": least}, GOOD: fine}}
+    blocked = drift_block(enough, settings)
+    assert blocked is not None and OFF in blocked and GOOD not in blocked

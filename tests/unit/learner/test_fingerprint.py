@@ -187,7 +187,9 @@ def test_the_round_drift_of_perturbed_logprobs_blocks_the_candidate(
     tiny_learner: LoraGRPOLearner,
 ) -> None:
     settings = RatchetSettings(
-        learner=LearnerSettings(served_check=ServedCheckSettings(served_precision="float32"))
+        learner=LearnerSettings(
+            served_check=ServedCheckSettings(served_precision="float32", drift_min_tokens=1)
+        )
     )
     limit = settings.learner.served_check.tolerance("float32")
     served = served_group(tiny_learner, version=3)
