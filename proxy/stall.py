@@ -240,6 +240,9 @@ class GapWatch:
             if self.on_stall is not None:
                 self.on_stall(url, ended)
 
-    def close(self) -> None:
-        for probing in self._probing.values():
-            probing.cancel()
+    async def close(self) -> None:
+        """Cancel the probes out, and wait for them to end: none is left pending at shutdown."""
+        probing = list(self._probing.values())
+        for task in probing:
+            task.cancel()
+        await asyncio.gather(*probing, return_exceptions=True)

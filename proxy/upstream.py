@@ -176,7 +176,7 @@ class Upstream:
         if self.stall_watch is not None:
             self.stall_watch.close()
         if self.gap_watch is not None:
-            self.gap_watch.close()
+            await self.gap_watch.close()
         for task in (self._health_task, self._resolve_task, self._gap_task):
             if task is not None:
                 task.cancel()

@@ -473,3 +473,18 @@ async def test_a_client_gets_an_error_event_in_its_apis_shape_and_a_504_is_count
         assert state.upstream.outliers.record(url).consecutive == 2
         errors = state.metrics.errors.labels("upstream_stalled")._value.get()
         assert errors == 2
+
+
+async def test_closing_the_gap_watch_ends_every_probe_out() -> None:
+    """At shutdown a probe still out is cancelled and awaited: no task is left pending."""
+    engines, now = Engines(), Now()
+    watch, _ = gap_watch(engines, now)
+    body = Body()
+    watch.follow(body, "http://a", "m")
+    body.waits()
+    await sweep_at(watch, now, 0.0)
+    await sweep_at(watch, now, 1.0)  # a probe out, held by the engine
+    probing = list(watch._probing.values())
+    assert len(probing) == 1 and not probing[0].done()
+    await watch.close()
+    assert all(task.done() for task in probing)
