@@ -50,7 +50,12 @@ The unpaired part: Yuen's two-sample trimmed-mean test; the looks: a group-seque
 * Why fixed looks, and why it stays valid though means change as clients rate on. The looks are
   at ``n_j = min_clients * 2^j`` clients on *each* arm (j = 0, 1, ...; a paired unit is on
   both), each on the shortest run of units, in the order they count, that has them,
-  at ``alpha * INTERIM_ALPHA / 2^(j+1)``; the final look, when the canary's
+  at ``alpha * INTERIM_ALPHA / 2^(j+1)``, and only if those units are at least
+  ``LOOK_COVERAGE`` of the clients who had rated when the last of them counted (units count at a
+  client's k-th rating, so the first to count are the clients who rate most: keys that rate three
+  times as much as anyone made a quarter of the first look's units, and five of them pushed a
+  canary worse by the margin through 14% of runs; a look over a majority of the raters, 2.5%);
+  the final look, when the canary's
   wait runs out, is on every client that rated (those with fewer than k ratings too, with the
   mean of what they gave), at the rest of ``alpha``; if it cannot show the canary within the
   margin, the canary is rolled back (the candidate carries the burden of proof). So a rollback is
@@ -101,6 +106,12 @@ Decision = Literal["pass", "fail", "continue"]
 # it); the final look, on every client that rated, gets the rest. Most canaries of a quiet alias
 # are decided at that look (bench/canary_time.py), so it gets the most.
 INTERIM_ALPHA = 0.25
+# An interim look is made only if its units are at least this share of the clients who had rated
+# when its last unit counted: units count at a client's client_ratings-th rating, so the first to
+# count are the clients who rate most, and keys that rate three times as much as anyone made a
+# quarter of the first look's units (bench/canary_attack.py). Whether a look is made is fixed by
+# the storing order, never by its outcome, and a look not made spends none of alpha.
+LOOK_COVERAGE = 0.5
 
 
 def client_units(ratings: Iterable[Rating], per_client: int, ended: bool = False) -> list[float]:
@@ -268,14 +279,14 @@ def paired_look(units: list[ClientUnit], gamma: float, alpha: float) -> Look | N
     """The look over ``units`` (learner/canary_pairs.py): the paired units' fenced mean and the
     unpaired units' trimmed difference, combined by inverse variance; None where neither part
     has two units (on each arm, for the unpaired part)."""
-    differences = [unit.difference for unit in units if unit.paired]
+    paired = [unit for unit in units if unit.paired]
     alone = [
         [u.active for u in units if u.active is not None and u.canary is None],
         [u.canary for u in units if u.canary is not None and u.active is None],
     ]
     parts: list[Location] = []
-    if len(differences) >= 2:
-        parts.append(fenced_mean(differences, gamma))
+    if len(paired) >= 2:
+        parts.append(fenced_mean(paired))
     if min(len(alone[0]), len(alone[1])) >= 2:
         a, c = trimmed(alone[0], gamma), trimmed(alone[1], gamma)
         error2 = a.error2 + c.error2
@@ -309,6 +320,8 @@ def interim_test(units: list[ClientUnit], config: CanaryConfig) -> ClientTest:
         first = first_clients(units, size)
         if first is None:
             break
+        if len(first) < LOOK_COVERAGE * first[-1].seen:
+            continue  # the clients who rate most, not a sample of the clients: no look
         look = paired_look(first, gamma, config.alpha * INTERIM_ALPHA / 2 ** (j + 1))
         if look is None:
             continue  # a look not made spends none of alpha

@@ -24,34 +24,41 @@ The estimate. ``D_p``, a robust location of the paired ``d`` (below), with squar
 is ``(v/v_p)^2 v_p``). A part with fewer than two units
 (on each arm, for the unpaired part) is left out. The test and its looks are the client test's.
 
-The paired location: a fenced mean (a "skipped mean", Hampel's rejection rule). With the median
-``m`` of the ``d`` and the scale ``s = max(1.4826 MAD, the gamma-winsorized standard
-deviation)``, the units farther than ``FENCE s`` from ``m`` are set aside, at most
-``floor(gamma n)`` on each side (the farthest), and ``D_p`` is the mean of the ``h`` kept, with
-``v_p = max(s_kept^2 / h, the same with one -1 and one +1 added)`` (never a zero spread read as
-exact, as :func:`learner.canary_clients.padded` for an arm) and ``nu_p = h - 1``. Chosen over:
+The paired location: a fenced mean (a "skipped mean", Hampel's rejection rule), the fence in
+each unit's own noise. With the median ``m`` of the ``d`` and each arm's rate ``p`` over the paired
+units' ratings (one 0 and one 1 added), an honest client with ``k_a`` ratings on the active arm
+and ``k_c`` on the canary has a ``d`` that varies by ``sigma = sqrt(p_a (1 - p_a) / k_a +
+p_c (1 - p_c) / k_c)`` at most (a rating in [0, 1] with mean ``p`` varies by at most ``p (1 -
+p)``). A unit farther than ``FENCE sigma`` from ``m`` is set aside, and a side is fenced only
+while what lies past the fence there is at most ``FENCE_ROOM`` of the units (more is the
+population's, clients who really prefer one arm, not a few keys). ``D_p`` is the mean of the
+``h`` kept, with ``v_p = max(s_kept^2 / h, the same with one -1 and one +1 added)`` (never a zero
+spread read as exact, as :func:`learner.canary_clients.padded` for an arm) and ``nu_p = h - 1``.
+Chosen over:
 
+* a fence in scales of the ``d``'s own spread (MAD): the honest ``d`` of a skewed pair of arms
+  (0.95 and 0.85) has a long tail on the worse arm's side, which is evidence, not keys; fencing
+  it biased the estimate up by a third of its error and promoted canaries worse by the margin in
+  8% of runs at alpha 5% (this session's review). In each unit's noise the honest tail past the
+  fence is about 1% of units, the bias under a fifth of the error (tests: test_canary_pairs);
 * the symmetric trimmed mean of ``d``: with ``k`` veto keys among ``n`` clients it sets aside
   the keys *and* the ``k`` highest honest units on the other side, keeping ``k`` more low honest
   ones: a bias of about ``k x`` (an honest tail value, -0.5) ``/ h``, which for five keys among
   65 clients is 0.04, a standard error at this much evidence;
-* a Huber M-estimate (MAD scale): monotone, so every key still pulls by ``c s / (n E psi')``,
-  about 0.008 each, the same standard error for five.
-The fence drops the keys' units outright and nothing of the honest side (the honest ``d`` past
-``FENCE s`` are few and on both sides). ``s`` is floored by the winsorized deviation so that
-coarse units (a mean of one or two thumbs: ``d`` in {-1, 0, 1}, the MAD 0) are not fenced at
-the median; and a side is fenced only while what lies past the fence is at most ``gamma n``
-units: a value that common is the population's, not a few keys'.
+* a Huber M-estimate: monotone, so every key still pulls by ``c s / (n E psi')``, about 0.008
+  each, the same standard error for five.
+``FENCE`` 3: at 3.5 keys rating five answers an arm at 0 and 1 (``d`` -1, ``sigma`` 0.29 at
+0.7) lie inside the fence and an even canary with five of them was promoted 6% of runs, not 59%.
 
 What one client moves, by construction. A unit past the fence adds no value, only its rank to
-``m`` and ``s``. A kept unit ``x`` moves the mean of the ``h`` kept by ``(x - D_p) / h``, and
-``|x - D_p| <= FENCE s + |m - D_p|``: its value moves ``D_p`` by at most
-``B = (FENCE s + |m - D_p|) / h`` (:func:`fence_bound`; about 1/60 for 60 clients at ``s``
-0.3). Its rank moves ``m`` and ``s`` by one order statistic, which can carry a unit at the fence
-across it, another ``B`` (ties at the fence cross together: the bound is per unit that
-crosses). So one client moves ``D_p`` by about ``2B`` at most (tests/unit/learner's
-test_canary_pairs), against ``2 / n`` for a plain mean of its unit counted on both arms; in the
-combined ``D`` its weight is the paired part's share, at most 1.
+``m``. A kept unit ``x`` moves the mean of the ``h`` kept by ``(x - D_p) / h``, and
+``|x - D_p| <= FENCE sigma_x + |m - D_p|`` (and at most 2, the range of ``d``): its value moves
+``D_p`` by at most ``B = min(FENCE sigma_max + |m - D_p|, 2) / h`` (:func:`fence_bound`; about
+1/60 for 60 clients with five ratings an arm). Its rank moves ``m`` by one order statistic,
+which can carry a unit at the fence across it, another ``B``. So one client moves ``D_p`` by
+about ``2B`` at most (tests/unit/learner's test_canary_pairs), against ``2 / n`` for a plain mean
+of its unit counted on both arms; in the combined ``D`` its weight is the paired part's share, at
+most 1.
 """
 
 from __future__ import annotations
@@ -59,15 +66,18 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from learner.canary_ratings import Rating
 from ratchet.records import ANONYMOUS_CLIENT
 
-# The fence, in scales from the median. 2.5: an honest d (spread about 0.3) past it is rare on
-# either side, and a key's d of -1 against an even canary lies past it.
-FENCE = 2.5
-MAD_NORMAL = 1.4826  # the MAD of a normal sample is 0.6745 of its standard deviation
+# The fence, in an honest client's standard deviations of d from the median (its own, from its
+# numbers of ratings): an honest unit lies past it about 0.3% of the time under a normal
+# approximation, so fencing takes next to nothing of the honest tails, skewed or not.
+FENCE = 3.0
+# A side is fenced only while at most this share of the units lie past it: more than that is the
+# population (clients who really prefer one arm), not a few keys.
+FENCE_ROOM = 0.25
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,9 @@ class ClientUnit:
     client: str
     active: float | None
     canary: float | None
+    n_active: int = 1  # the ratings each mean is of
+    n_canary: int = 1
+    seen: int = 0  # clients that had rated when this unit counted (it among them)
 
     @property
     def paired(self) -> bool:
@@ -107,6 +120,8 @@ def _unit(client: str, given: list[tuple[str, float]]) -> ClientUnit:
         client,
         statistics.fmean(active) if active else None,
         statistics.fmean(canary) if canary else None,
+        len(active),
+        len(canary),
     )
 
 
@@ -127,18 +142,27 @@ def counted_and_partial(
     with fewer than ``per_client`` ratings, in the order of their first rating."""
     given: dict[str, list[tuple[str, float]]] = {}  # insertion order: first ratings
     units: list[ClientUnit] = []
+    anonymous = 0
     for arm, rating in in_order(active, canary):
         if rating.client == ANONYMOUS_CLIENT:
             score = rating.score
+            anonymous += 1
+            on_active = arm == "active"
             units.append(
-                ClientUnit(ANONYMOUS_CLIENT, *((score, None) if arm == "active" else (None, score)))
+                ClientUnit(
+                    ANONYMOUS_CLIENT,
+                    score if on_active else None,
+                    None if on_active else score,
+                    seen=len(given) + anonymous,
+                )
             )
             continue
         taken = given.setdefault(rating.client, [])
         if len(taken) < per_client:
             taken.append((arm, rating.score))
             if len(taken) == per_client:
-                units.append(_unit(rating.client, taken))
+                unit = _unit(rating.client, taken)
+                units.append(replace(unit, seen=len(given) + anonymous))
     return units, [_unit(c, t) for c, t in given.items() if len(t) < per_client]
 
 
@@ -168,47 +192,65 @@ class Location:
     df: float
 
 
-def scale(values: list[float], gamma: float) -> float:
-    """``max(1.4826 MAD, the gamma-winsorized standard deviation)`` of ``values``."""
-    n = len(values)
+def pooled_rates(units: list[ClientUnit]) -> tuple[float, float]:
+    """Each arm's rate over the paired units' ratings (active, canary), with one 0 and one 1
+    added (Agresti and Caffo: never 0 or 1, so no unit's noise is read as nil)."""
+    totals = [[1.0, 2.0], [1.0, 2.0]]  # [sum, count] per arm, the added 0 and 1 included
+    for unit in units:
+        assert unit.active is not None and unit.canary is not None
+        totals[0][0] += unit.active * unit.n_active
+        totals[0][1] += unit.n_active
+        totals[1][0] += unit.canary * unit.n_canary
+        totals[1][1] += unit.n_canary
+    return totals[0][0] / totals[0][1], totals[1][0] / totals[1][1]
+
+
+def noise(unit: ClientUnit, rates: tuple[float, float]) -> float:
+    """The standard deviation of an honest client's ``d`` with this unit's numbers of ratings:
+    a rating in [0, 1] with mean ``p`` varies by at most ``p (1 - p)``."""
+    active, canary = rates
+    return math.sqrt(
+        active * (1 - active) / max(unit.n_active, 1)
+        + canary * (1 - canary) / max(unit.n_canary, 1)
+    )
+
+
+def fenced(units: list[ClientUnit]) -> tuple[list[float], float, float]:
+    """The paired ``d`` kept inside the fence (the module docstring), the median and the widest
+    fence half-width a kept unit had."""
+    rates = pooled_rates(units)
+    values = [unit.difference for unit in units]
     median = statistics.median(values)
-    mad = MAD_NORMAL * statistics.median(abs(v - median) for v in values)
-    ordered = sorted(values)
-    g = min(math.floor(gamma * n + 1e-9), (n - 2) // 2)
-    winsorized = [ordered[g]] * g + ordered[g : n - g] + [ordered[n - g - 1]] * g
-    return max(mad, math.sqrt(variance(winsorized)))
+    room = max(math.floor(FENCE_ROOM * len(units) + 1e-9), 1)
+    scored = [(unit.difference, FENCE * noise(unit, rates)) for unit in units]
+    low = sum(1 for d, width in scored if d < median - width)
+    high = sum(1 for d, width in scored if d > median + width)
+    kept = [
+        d
+        for d, width in scored
+        if not (d < median - width and low <= room) and not (d > median + width and high <= room)
+    ]
+    widest = max(width for _, width in scored)
+    return kept, median, widest
 
 
-def fenced(values: list[float], gamma: float) -> tuple[list[float], float, float]:
-    """The units kept inside the fence (the module docstring), the median and the scale."""
-    n = len(values)
-    median, spread = statistics.median(values), scale(values, gamma)
-    room = math.floor(gamma * n + 1e-9)
-    low = [v for v in values if v < median - FENCE * spread]
-    high = [v for v in values if v > median + FENCE * spread]
-    drop_low = len(low) if 0 < len(low) <= room else 0
-    drop_high = len(high) if 0 < len(high) <= room else 0
-    ordered = sorted(values)
-    return ordered[drop_low : n - drop_high], median, spread
-
-
-def fenced_mean(values: list[float], gamma: float) -> Location:
+def fenced_mean(units: list[ClientUnit]) -> Location:
     """The paired units' location (at least two): the mean of those inside the fence."""
-    kept, _, _ = fenced(values, gamma)
+    kept, _, _ = fenced(units)
     h = len(kept)
-    if h < 2:  # cannot happen with two or more units, whose median lies between them
-        kept, h = values, len(values)
+    if h < 2:  # a fence that keeps fewer than two keeps nothing: the plain mean
+        kept, h = [unit.difference for unit in units], len(units)
     mean = statistics.fmean(kept)
     padded = [*kept, -1.0, 1.0]
     error2 = max(variance(kept) / h, variance(padded) / len(padded))
     return Location(mean, error2, h - 1.0)
 
 
-def fence_bound(values: list[float], gamma: float) -> float:
+def fence_bound(units: list[ClientUnit]) -> float:
     """``B``: the most one more kept unit moves :func:`fenced_mean` (the module docstring)."""
-    kept, median, spread = fenced(values, gamma)
+    kept, median, widest = fenced(units)
     mean = statistics.fmean(kept)
-    return (FENCE * spread + abs(median - mean)) / len(kept)
+    return min(widest + abs(median - mean), 2.0) / len(kept)
 
 
 def combined(parts: list[Location]) -> Location:
