@@ -19,6 +19,7 @@ import orjson
 
 from proxy.errors import anthropic_error_type
 from proxy.messages_api import message_id_of, stop_of, usage_of
+from proxy.sse import complete_events
 
 TEXT_DELTA = b'event: content_block_delta\ndata: {"type":"content_block_delta","index":'
 TEXT_FIELD = b',"delta":{"type":"text_delta","text":'
@@ -44,12 +45,11 @@ class MessagesStream:
     _usage: dict[str, Any] | None = None
 
     def feed(self, data: bytes) -> bytes:
-        *chunks, self._pending = (self._pending + data).split(b"\n\n")
+        payloads, self._pending = complete_events(self._pending, data)
         out: list[bytes] = []
-        for chunk in chunks:
-            for line in chunk.split(b"\n"):
-                if line.startswith(b"data:") and not self.ended:
-                    out.extend(self._on_data(line[5:].strip()))
+        for payload in payloads:
+            if not self.ended:
+                out.extend(self._on_data(payload))
         return b"".join(out)
 
     def _on_data(self, data: bytes) -> Iterator[bytes]:

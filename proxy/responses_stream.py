@@ -20,6 +20,7 @@ from proxy.responses_api import (
     response_object,
     text_part,
 )
+from proxy.sse import complete_events
 
 
 @dataclass(slots=True)
@@ -56,14 +57,8 @@ class ResponsesStream:
     _closing: str | None = None  # the final event's kind, until closing_event sends it
 
     def feed(self, data: bytes) -> bytes:
-        self._pending += data
-        out: list[bytes] = []
-        while (cut := self._pending.find(b"\n\n")) >= 0:
-            event, self._pending = self._pending[:cut], self._pending[cut + 2 :]
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    out.extend(self._on_data(line[5:].strip()))
-        return b"".join(out)
+        payloads, self._pending = complete_events(self._pending, data)
+        return b"".join(event for payload in payloads for event in self._on_data(payload))
 
     def _on_data(self, data: bytes) -> Iterator[bytes]:
         if data == b"[DONE]":

@@ -20,6 +20,20 @@ def data_payload(line: bytes) -> bytes | None:
     return payload if payload and payload != b"[DONE]" else None
 
 
+def complete_events(pending: bytes, data: bytes) -> tuple[list[bytes], bytes]:
+    """The ``data:`` payloads of the events ``pending + data`` completes (each stripped,
+    ``[DONE]`` included), and what is left pending: an event ends at a blank line, and a stream
+    comes in any cuts."""
+    *events, pending = (pending + data).split(b"\n\n")
+    payloads = [
+        line[5:].strip()
+        for event in events
+        for line in event.split(b"\n")
+        if line.startswith(b"data:")
+    ]
+    return payloads, pending
+
+
 def _data_json(line: bytes) -> Any:
     """The JSON of a ``data:`` line, or None when the line has none that parses."""
     payload = data_payload(line)
