@@ -33,10 +33,10 @@ The watcher also counts every alias's requests per minute, canary or not
 
 Every learner replica runs a watcher. Their consumer group splits the topics' partitions between
 them, so each record is counted once, into the shared counts; which arm a completion id was
-answered by is shared too (``ratchet:canary:completion:<id>``), because its feedback may be read
-by another replica than its traffic record. Only the replica holding the alias's lease
-(learner/leases.py) decides, and only on the canary it read: a second decision finds the canary
-gone and changes nothing.
+answered by is shared too (a claim in ``ratchet:canary:claims:*``, learner/canary_claims.py),
+because its feedback may be read by another replica than its traffic record. Only the replica
+holding the alias's lease (learner/leases.py) decides, and only on the canary it read: a second
+decision finds the canary gone and changes nothing.
 """
 
 from __future__ import annotations
