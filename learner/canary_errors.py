@@ -10,25 +10,14 @@ the replica's count (learner/canary_counter.py's ``UPSTREAM_FAILURES``); a whole
 ``proxy.upstream_timeout_s`` does not, since a client provokes one with a large ``max_tokens``.
 The anonymous client of a stack without API keys is everyone: each of its requests is a unit.
 
-The test: a group-sequential plan whose looks are each made once, recorded in Redis. The arms'
-mean shares are compared as the ratings' test compares trimmed means (learner/canary_clients.py's
-:class:`Look`, untrimmed here, with the padded error that never reads a zero spread as exact):
-look ``j`` is made at the first check with ``n_j = canary.min_clients * 2^j`` clients served on
-each arm (the ratings' look sizes, up to ``canary.max_rating_pairs``), on the counts as they
-stand then, at level ``alpha / 2^(j+1)``, and rolls back when the one-sided lower bound of
-``canary - active`` is above the margin. Its outcome is written to the canary's hash
-(``error_look:v<version>:<j>``, HSETNX: the first replica's look stands) and every later check
-reads it instead of testing again.
-
-Why made once and recorded. The counter keeps each client's counts, not its requests in order,
-so the data a look saw cannot be replayed later; and a bound recomputed at every check is a new
-test at every check, whose chance of a false rollback grows with their number. A look made at
-a time set by the number of clients served (not by the failures) and never made again is one
-test at its level; the levels add up to at most ``alpha`` (Bonferroni), so over all of a
+The test: the fixed looks of learner/canary_looks.py (look ``j`` at ``canary.min_clients * 2^j``
+clients served on each arm, level ``alpha / 2^(j+1)``, each made once and recorded as
+``error_look:v<version>:<j>`` in the canary's hash; why, there). The arms' mean shares are
+compared as the ratings' test compares trimmed means (learner/canary_clients.py's :class:`Look`,
+untrimmed here, with the padded error that never reads a zero spread as exact), and a look rolls
+back when the one-sided lower bound of ``canary - active`` is above the margin. Over all of a
 canary's checks a canary whose failures are within the margin is rolled back by this test with
-probability at most ``alpha``, however often the watcher asks. A look due while counts jumped
-past two sizes between checks makes both, on the same counts (each at its own level). The price:
-between looks, more clients change nothing until the next size (20, 40, 80, ... an arm).
+probability at most ``alpha``, however often the watcher asks.
 
 With fewer clients served than ``min_clients`` on an arm (a one-key app, after its wait) there
 is no test to make, and the point estimate decides: the canary is decided on what it has, and
@@ -37,15 +26,15 @@ its reason says so (learner/canary.py).
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import redis
 
-from learner.canary_clients import Look, look_sizes
-from ratchet.canary_state import canary_key
+from learner.canary_clients import Look
+from learner.canary_looks import RecordedLook, look_field, record_looks
+from learner.canary_looks import due_looks as looks_due
 from ratchet.records import ANONYMOUS_CLIENT
 from ratchet.settings import CanaryConfig
 
@@ -86,47 +75,28 @@ class ErrorEvidence:
         return self.rate("canary") - self.rate("active")
 
 
-@dataclass(frozen=True)
-class ErrorLook:
-    """One look of the error test, as made (and recorded) once."""
-
-    index: int  # j: made at min_clients * 2^j clients an arm
-    clients: int  # clients on each arm when it was made (the fewer)
-    canary: float  # the arms' mean failure shares then
-    active: float
-    lower: float  # the one-sided lower bound of canary - active at ``alpha``
-    alpha: float
-
-    def encode(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def decode(cls, raw: str | bytes) -> ErrorLook:
-        return cls(**json.loads(raw))
+# The error test's looks (learner/canary_looks.py).
+ErrorLook = RecordedLook
+ERROR_TEST = "error"
 
 
 def due_looks(
     evidence: ErrorEvidence, config: CanaryConfig, made: Iterable[int]
 ) -> list[ErrorLook]:
     """The looks the clients served now call for that are not ``made`` yet, on these counts."""
-    served = min(len(evidence.active), len(evidence.canary))
-    done, looks = set(made), []
-    for j, size in enumerate(look_sizes(config)):
-        if size > served:
-            break
-        if j in done:
-            continue
-        alpha = config.alpha / 2 ** (j + 1)
+
+    def make(index: int, clients: int, alpha: float) -> ErrorLook:
         look = Look.of(list(evidence.active), list(evidence.canary), 0.0, alpha)
         rates = evidence.rate("canary"), evidence.rate("active")
-        looks.append(ErrorLook(j, served, *rates, look.lower, alpha))
-    return looks
+        return ErrorLook(index, clients, *rates, look.lower, alpha)
+
+    served = min(len(evidence.active), len(evidence.canary))
+    return looks_due(served, config, made, make)
 
 
 def error_look_field(version: int, index: int) -> str:
-    """The canary hash's field of look ``index`` of the canary of ``version``: a late check of
-    a canary already replaced writes no look into the next one's counts."""
-    return f"error_look:v{version}:{index}"
+    """The canary hash's field of look ``index`` of the canary of ``version``."""
+    return look_field(ERROR_TEST, version, index)
 
 
 def recorded_looks(
@@ -134,19 +104,9 @@ def recorded_looks(
 ) -> list[ErrorLook]:
     """The canary's error looks: those recorded, and those due now made on ``evidence`` and
     recorded (HSETNX: where another replica recorded one first, its look stands)."""
-    fields = [error_look_field(version, j) for j in range(len(look_sizes(config)))]
-    stored = client.hmget(canary_key(alias), fields)
-    looks = {j: ErrorLook.decode(raw) for j, raw in enumerate(stored) if raw is not None}
-    due = due_looks(evidence, config, looks)
-    if due:
-        pipe = client.pipeline(transaction=False)
-        for look in due:
-            pipe.hsetnx(canary_key(alias), fields[look.index], look.encode())
-        for look in due:
-            pipe.hget(canary_key(alias), fields[look.index])
-        for look, raw in zip(due, pipe.execute()[len(due) :], strict=True):
-            looks[look.index] = ErrorLook.decode(raw) if raw is not None else look
-    return [looks[j] for j in sorted(looks)]
+    return record_looks(
+        client, alias, version, ERROR_TEST, config, lambda made: due_looks(evidence, config, made)
+    )
 
 
 def error_rollback(
