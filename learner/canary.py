@@ -19,12 +19,16 @@ transaction that starts the canary, so a restarted learner carries on counting.
   margin, each client one unit (its own failure share) and the arms compared by a test at fixed
   looks (``min_clients`` on each arm, doubling), each made once and recorded in Redis so that
   the test holds its level however often the watcher asks (learner/canary_errors.py);
+* roll back, on the same looks, if the canary's clients are significantly slower than
+  ``1 + max_latency_increase`` times the active arm's (each client one unit: its mean time a
+  token, learner/canary_latency.py); latency never promotes;
 * the test over clients (learner/canary_clients.py) promotes or rolls back at any of its looks;
 * otherwise it waits: an alias that learns from ratings until ``feedback_wait_s`` (never unrated
   in its first seconds, however busy), one that does not until ``min_duration_s``. Then the test
   looks once more, at every client that rated, whatever their number (not shown within the
   margin: rolled back); where no look can be made (fewer than two clients' units), the
-  clients' mean drop decides, and unrated the error rate (:func:`_after_wait`);
+  clients' mean drop decides, and unrated the error rate and, with fewer clients measured than
+  ``min_clients``, the latency's point estimate (:func:`_after_wait`);
 * an alias with fewer clients served than ``min_clients`` on an arm waits ``feedback_wait_s``,
   then is decided the same way, on what it has, and the reason says so.
 
@@ -55,6 +59,13 @@ import redis
 from learner.canary_clients import ClientEvidence, ClientTest, client_evidence
 from learner.canary_counter import CanaryCounter
 from learner.canary_errors import ErrorEvidence, ErrorLook, error_rollback, recorded_looks
+from learner.canary_latency import (
+    LatencyEvidence,
+    LatencyLook,
+    latency_rollback,
+    read_client_latency,
+)
+from learner.canary_latency import recorded_looks as recorded_latency_looks
 from learner.canary_ratings import Rating
 from learner.drift_state import canary_drift_block
 from learner.exchanges import read_exchanges
@@ -128,6 +139,8 @@ def canary_verdict(
     expects_ratings: bool = True,
     errors: ErrorEvidence | None = None,
     error_looks: list[ErrorLook] | None = None,
+    latency: LatencyEvidence | None = None,
+    latency_looks: list[LatencyLook] | None = None,
 ) -> tuple[Verdict, str]:
     """What to do with a canary that has been running for ``age_s`` seconds, and why.
     ``active`` and ``canary`` are counted by client (:func:`counted`); ``evidence`` is the test
@@ -135,7 +148,9 @@ def canary_verdict(
     learns from ratings, so it is not decided unrated before ``feedback_wait_s``; ``errors``:
     the arms' failures by client (learner/canary_errors.py; None: each counted request a
     client, as the anonymous client's are); ``error_looks``: the error test's looks made so far
-    (recorded in Redis by the watcher; None: made now on ``errors``)."""
+    (recorded in Redis by the watcher; None: made now on ``errors``); ``latency`` and
+    ``latency_looks``: the same for the latency test (learner/canary_latency.py; None: no
+    latency measured)."""
     served = min(active.clients, canary.clients)
     few = served < config.min_clients
     waited = age_s >= config.feedback_wait_s
@@ -156,6 +171,9 @@ def canary_verdict(
         failing = error_rollback(errors, config, few, error_looks)
         if failing is not None:
             return "rollback", (note if few else "") + failing
+        slow = None if latency is None else latency_rollback(latency, config, few, latency_looks)
+        if slow is not None:
+            return "rollback", (note if few else "") + slow
     test = evidence.test
     if test.decision == "pass":
         return "promote", f"ratings: not worse by {config.max_feedback_drop}: {test.reason}"
@@ -168,23 +186,33 @@ def canary_verdict(
             f"{least_s:.0f} s"
             + (f" ({served} of {config.min_clients} clients served on each arm)" if few else "")
         )
-    verdict, reason = _after_wait(active, canary, config, evidence)
+    verdict, reason = _after_wait(active, canary, config, evidence, latency, latency_looks)
     return verdict, (note if few else "") + reason
 
 
 def _after_wait(
-    active: ArmStats, canary: ArmStats, config: CanaryConfig, evidence: ClientEvidence
+    active: ArmStats,
+    canary: ArmStats,
+    config: CanaryConfig,
+    evidence: ClientEvidence,
+    latency: LatencyEvidence | None = None,
+    latency_looks: list[LatencyLook] | None = None,
 ) -> tuple[Verdict, str]:
     """The wait ran out: the test's stream ends here, and it looks once at every client that
     rated, whatever their number (not shown within the margin: rolled back), so one rater more
     or fewer at canary.min_clients changes no rule. Where no look can be made (fewer than two
     clients' units to compare: a one-key app, a single rater), the clients' mean drop decides,
-    and the reason says so; unrated, the error rate (checked before) lets it through."""
+    and the reason says so; unrated, the error rate (checked before) lets it through. Where the
+    ratings do not decide, latency must pass too: with fewer clients measured than
+    ``min_clients`` on an arm (a one-key app, a stack without keys), its point estimate."""
     errors = (
         f"{canary.requests} canary requests counted, error rate {canary.error_rate:.3f} "
         f"(active {active.error_rate:.3f})"
     )
+    slow = None if latency is None else latency_rollback(latency, config, True, latency_looks)
     if evidence.unrated:
+        if slow is not None:
+            return "rollback", f"{slow}; unrated"
         return "promote", f"unrated: no ratings from {canary.clients} clients; {errors}"
     ended = evidence.ended
     if ended.decision == "pass":
@@ -200,6 +228,8 @@ def _after_wait(
             f"feedback: too few clients to test; they rate the canary {-difference:.3f} below "
             f"the active arm (> {config.max_feedback_drop}); {_evidence(evidence)}"
         )
+    if slow is not None:
+        return "rollback", f"{slow}; too few clients to test the ratings"
     return "promote", f"too few clients to test the ratings; {errors}; {_evidence(evidence)}"
 
 
@@ -297,6 +327,12 @@ class CanaryWatcher:
             errors = ErrorEvidence.of(per_client["active"], per_client["canary"])
             # Each look of the error test is made once and recorded: later checks read it.
             error_looks = recorded_looks(self.redis, alias, version, errors, config.canary)
+            latency = LatencyEvidence.of(
+                *(read_client_latency(self.redis, alias, arm) for arm in ARMS)
+            )
+            latency_looks = recorded_latency_looks(
+                self.redis, alias, version, latency, config.canary
+            )
             for arm in ARMS:
                 self.metrics.canary_requests.labels(alias, arm).set(stats[arm].served)
                 self.metrics.canary_error_rate.labels(alias, arm).set(stats[arm].error_rate)
@@ -321,6 +357,8 @@ class CanaryWatcher:
                 config.reward.learns_from_ratings,
                 errors,
                 error_looks,
+                latency,
+                latency_looks,
             )
             verdict, reason = self.overruled(alias, route, config, verdict, reason)
             if verdict != "wait":

@@ -26,10 +26,19 @@ from typing import Any
 import redis
 
 from learner.canary_claims import claim_answer, claim_rating, claimed
+from learner.canary_latency import request_latency
 from learner.canary_ratings import Rating
 from learner.canary_weight import count_requests, minute_of
 from learner.metrics import LearnerMetrics
-from ratchet.canary_state import ERRORS_SUFFIX, canary_key, clients_key, raters_key, ratings_key
+from ratchet.canary_state import (
+    ERRORS_SUFFIX,
+    LATENCY_COUNT_SUFFIX,
+    LATENCY_SUFFIX,
+    canary_key,
+    clients_key,
+    raters_key,
+    ratings_key,
+)
 from ratchet.records import ANONYMOUS_CLIENT, FeedbackRecord, TrafficRecord, decode
 from ratchet.registry import AliasRoute
 from ratchet.settings import AliasConfig, RatchetSettings
@@ -94,6 +103,8 @@ class _Tally:
     requests: Counter[tuple[str, int]] = field(default_factory=Counter)  # (alias, minute)
     ratings: list[tuple[str, str, Rating]] = field(default_factory=list)  # (alias, arm, rating)
     clients: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # (alias, arm, field)
+    # (alias, arm, client + LATENCY_SUFFIX) -> the sum of its requests' latency measures
+    latency: dict[tuple[str, str, str], float] = field(default_factory=dict)
 
     def add(self, alias: str, name: str, value: float) -> None:
         fields = self.increments.setdefault(alias, {})
@@ -142,7 +153,7 @@ class CanaryCounter:
                 self._wait(record, since)
             else:
                 self._count_rating(record, answered, tally)
-        if tally.increments:
+        if tally.increments or tally.latency:
             self._store(tally)
 
     def _take_waiting(self, now: float) -> list[tuple[FeedbackRecord, float]]:
@@ -178,6 +189,12 @@ class CanaryCounter:
         if is_upstream_failure(record):
             tally.add(record.alias, f"{arm}_errors", 1)
             tally.clients[record.alias, arm, record.client + ERRORS_SUFFIX] += 1
+        measure = request_latency(record)
+        if measure is not None:
+            # Two fields a client, as its requests and failures (learner/canary_latency.py).
+            name = (record.alias, arm, record.client + LATENCY_SUFFIX)
+            tally.latency[name] = tally.latency.get(name, 0.0) + measure
+            tally.clients[record.alias, arm, record.client + LATENCY_COUNT_SUFFIX] += 1
         if record.response_id:
             claim_answer(claims, record, arm)
 
@@ -219,6 +236,8 @@ class CanaryCounter:
             )
         for (alias, arm, name), times in tally.clients.items():
             pipe.hincrby(clients_key(alias, arm), name, times)
+        for (alias, arm, name), total in tally.latency.items():
+            pipe.hincrbyfloat(clients_key(alias, arm), name, total)
         for alias, fields in tally.increments.items():
             for name, value in fields.items():
                 if name.endswith("_sum"):

@@ -10,8 +10,10 @@
 - ``ratchet:canary:<alias>:raters:<arm>`` (hash): ratings per client on the arm, stored or not
   (each client stores at most the ratings its observation is made of: learner/canary_clients.py);
 - ``ratchet:canary:<alias>:clients:<arm>`` (hash): per client served on the arm, ``<client>``:
-  its requests and ``<client>\terrors``: its upstream failures (what counts toward
-  ``min_requests`` and the error rate is capped per client: learner/canary_counter.py).
+  its requests, ``<client>\terrors``: its upstream failures (what counts toward
+  ``min_requests`` and the error rate is capped per client: learner/canary_counter.py), and
+  ``<client>\tlat`` / ``<client>\tlatn``: the sum and number of its successful requests'
+  latencies (learner/canary_latency.py).
 
 All of it is reset in the transaction that starts a canary.
 """
@@ -50,6 +52,9 @@ def clients_key(alias: str, arm: str) -> str:
 
 
 ERRORS_SUFFIX = "\terrors"
+# A client's successful requests' latency sum and count (learner/canary_latency.py).
+LATENCY_SUFFIX = "\tlat"
+LATENCY_COUNT_SUFFIX = "\tlatn"
 
 
 def reset_counts(pipe: Any, alias: str, version: int) -> None:
@@ -101,6 +106,8 @@ def read_client_counts(client: redis.Redis, alias: str, arm: str) -> dict[str, t
     raw = decode_hash(client.hgetall(clients_key(alias, arm)))
     counts: dict[str, tuple[int, int]] = {}
     for name, value in raw.items():
+        if name.endswith((LATENCY_SUFFIX, LATENCY_COUNT_SUFFIX)):
+            continue  # read by learner/canary_latency.py
         who = name.removesuffix(ERRORS_SUFFIX)
         requests, errors = counts.get(who, (0, 0))
         if name.endswith(ERRORS_SUFFIX):

@@ -110,6 +110,19 @@ class CanaryConfig(_Section):
             "served the point estimate decides once feedback_wait_s has passed."
         ),
     )
+    max_latency_increase: float | None = Field(
+        default=0.25,
+        ge=0.0,
+        description=(
+            "Roll back when the canary's clients' trimmed mean latency (ms a completion token "
+            "for whole answers, time to first token for streams, each client one unit) is "
+            "significantly above 1 + this times the active arm's, by Yuen's test over clients "
+            "at the error test's fixed looks (learner/canary_latency.py). Latency never "
+            "promotes. 0.25, a choice: a quarter slower per token is a regression users "
+            "notice, and the margin leaves room for the load differences between replicas "
+            "that latency, unlike failures, picks up. 0 or null: off."
+        ),
+    )
     max_feedback_drop: float = Field(
         default=0.1,
         ge=0.0,
