@@ -6,9 +6,10 @@ to decide.
 
 Evidence is counted by client (ratchet/canary_state.py): a request the model server refused or
 that the client got wrong (any 4xx) is not counted at all; the rest count per client, and the
-verdict caps what one client's requests and failures weigh. A rating counts for the client of
-the *rated completion* (its key, or the user that key vouched for in the request), never for
-the user a feedback body names.
+verdict caps what one client's requests and failures weigh. A successful answer's latency a
+token (learner/canary_latency.py) is added to its client's sum and count. A rating counts for
+the client of the *rated completion* (its key, or the user that key vouched for in the
+request), never for the user a feedback body names.
 
 Which arm a completion id was answered by is shared through Redis (learner/canary_claims.py),
 because its rating may be read by another replica than its traffic record, and before it: the
