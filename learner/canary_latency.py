@@ -15,6 +15,11 @@ model server did per token, up to where the proxy's clock is the server's and no
 * a stream: ``ttft_ms``, the time to its first chunk, as the proxy timed it: the rest of a
   stream's time runs at the pace the client reads, which a client chooses.
 
+A whole answer's time includes its prompt's prefill, shared among its tokens: a candidate whose
+answers are much shorter reads slower a token than it is, one reason the default margin is wide
+(``canary.max_latency_increase`` 1.0; the other: an adapter is slower than the base model by
+LoRA's own cost, docs/results/canary-latency.md).
+
 A client's unit on an arm is its mean over its successful requests there, however many it
 sends; its request mix is the same, in expectation, on either arm, and a client whose mix is
 extreme is one unit among many and is trimmed (below). Refused (4xx) and failed requests, and

@@ -111,16 +111,17 @@ class CanaryConfig(_Section):
         ),
     )
     max_latency_increase: float | None = Field(
-        default=0.25,
+        default=1.0,
         ge=0.0,
         description=(
             "Roll back when the canary's clients' trimmed mean latency (ms a completion token "
             "for whole answers, time to first token for streams, each client one unit) is "
             "significantly above 1 + this times the active arm's, by Yuen's test over clients "
             "at the error test's fixed looks (learner/canary_latency.py). Latency never "
-            "promotes. 0.25, a choice: a quarter slower per token is a regression users "
-            "notice, and the margin leaves room for the load differences between replicas "
-            "that latency, unlike failures, picks up. 0 or null: off."
+            "promotes. 1.0 (twice as slow), as outlier detection catches a broken replica, not "
+            "a tuning: a first adapter against the base model is slower by LoRA's own cost, "
+            "which at 0.25 rolled back the embedded stack's first canary "
+            "(docs/results/canary-latency.md). 0 or null: off."
         ),
     )
     max_feedback_drop: float = Field(
