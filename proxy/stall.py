@@ -43,6 +43,16 @@ T = TypeVar("T")
 Probe = Callable[[str, str], Awaitable[bool]]
 
 
+async def engine_answers(probe: Probe, url: str, key: str) -> bool:
+    """The probe's verdict on the engine at ``url``: a probe that fails (our error, not the
+    engine's silence) says nothing of it, so it counts as an answer."""
+    try:
+        return await probe(url, key)
+    except Exception:
+        log.exception("probing vLLM at %s failed", url)
+        return True
+
+
 class Timer(Protocol):
     def cancel(self) -> None: ...
 
@@ -107,10 +117,7 @@ class StallWatch:
 
     async def _ask(self, url: str, key: str) -> None:
         try:
-            alive = await self.probe(url, key)
-        except Exception:  # a probe that fails says nothing of the engine
-            log.exception("probing vLLM at %s failed", url)
-            alive = True
+            alive = await engine_answers(self.probe, url, key)
         finally:
             self._probing.pop(url, None)
         waiting = self._waiting.pop(url, {})
@@ -212,10 +219,7 @@ class GapWatch:
 
     async def _ask(self, url: str, key: str) -> None:
         try:
-            alive = await self.probe(url, key)
-        except Exception:  # a probe that fails says nothing of the engine
-            log.exception("probing vLLM at %s failed", url)
-            alive = True
+            alive = await engine_answers(self.probe, url, key)
         finally:
             self._probing.pop(url, None)
         now = self.clock()
