@@ -21,7 +21,7 @@ from console.auth import COOKIE
 from console.service import server_config
 from console.sessions import FAILURES_KEY
 from console.wrong_keys import WrongKeys
-from embedded.processes import free_port, wait_until
+from embedded.processes import free_port, wait_until, wait_until_async
 from ratchet.lifecycle import Lifecycle
 from ratchet.settings import RatchetSettings
 from tests.unit.console.conftest import KEY
@@ -54,7 +54,7 @@ async def test_past_the_queue_a_wrong_key_is_told_when_to_come_back() -> None:
     assert hold == 1.0
     waiting = bucket.wait(hold)
     task = asyncio.ensure_future(waiting)
-    await asyncio.sleep(0)  # the hold has begun
+    await wait_until_async(lambda: bucket.waiting == 1, 5, "the hold to begin")
     assert bucket.waiting == 1
     assert bucket.turn(0.0) is None  # the queue is full: no turn taken
     assert bucket.retry_after_s() == 2  # the turn after the two taken

@@ -205,10 +205,11 @@ def gap_watch(engines: Engines, now: Now) -> tuple[GapWatch, list[tuple[str, int
     return watch, stalls
 
 
-async def sweep_at(watch: GapWatch, now: Now, t: float) -> None:
+async def sweep_at(watch: GapWatch, engines: Engines, now: Now, t: float) -> None:
     now.t = t
     watch.sweep()
-    await asyncio.sleep(0)  # a probe the sweep started takes its first step
+    # Every probe the sweeps started has taken its first step (asked its engine).
+    await wait_until_async(lambda: len(engines.asked) == watch.probes, 5, "the probes asked")
 
 
 async def test_bodies_silent_past_the_deadline_share_a_probe_and_end_stalled_if_it_fails() -> None:
@@ -222,12 +223,12 @@ async def test_bodies_silent_past_the_deadline_share_a_probe_and_end_stalled_if_
         body.waits()
     watch.follow(other, "http://b", "m")
     other.waits()
-    await sweep_at(watch, now, 0.0)  # first seen waiting
-    await sweep_at(watch, now, 0.75)
+    await sweep_at(watch, engines, now, 0.0)  # first seen waiting
+    await sweep_at(watch, engines, now, 0.75)
     assert watch.probes == 0  # not yet a deadline since first seen
-    await sweep_at(watch, now, 1.0)
+    await sweep_at(watch, engines, now, 1.0)
     assert sorted(engines.asked) == ["http://a", "http://b"]  # one probe per replica
-    await sweep_at(watch, now, 1.25)
+    await sweep_at(watch, engines, now, 1.25)
     assert watch.probes == 2  # none more while they are out
     now.t = 1.5
     engines.held.set()
@@ -249,14 +250,14 @@ async def test_a_reader_that_is_not_waiting_is_never_taken_for_vllms_silence() -
     watch.follow(busy, "http://a", "m")
     for step in range(40):  # ten deadlines
         busy.waits()
-        await sweep_at(watch, now, step * 0.25)
+        await sweep_at(watch, engines, now, step * 0.25)
     assert watch.probes == 0 and engines.asked == []
     watch.unfollow(busy)  # its answer ended
     blocked.waits()  # the client reads again and the proxy waits on vLLM: the clock starts now
-    await sweep_at(watch, now, 10.0)
-    await sweep_at(watch, now, 10.75)
+    await sweep_at(watch, engines, now, 10.0)
+    await sweep_at(watch, engines, now, 10.75)
     assert watch.probes == 0
-    await sweep_at(watch, now, 11.0)
+    await sweep_at(watch, engines, now, 11.0)
     assert watch.probes == 1
 
 
@@ -267,13 +268,13 @@ async def test_a_silent_body_on_an_engine_that_answers_the_probe_waits_on() -> N
     slow = Body()
     watch.follow(slow, "http://a", "m")
     slow.waits()
-    await sweep_at(watch, now, 0.0)
-    await sweep_at(watch, now, 1.0)
+    await sweep_at(watch, engines, now, 0.0)
+    await sweep_at(watch, engines, now, 1.0)
     await wait_until_async(lambda: not watch._probing, 5, "the probe's verdict")
     assert slow.ended is None and watch.probes == 1
-    await sweep_at(watch, now, 1.75)  # a deadline from the verdict, not from the first sight
+    await sweep_at(watch, engines, now, 1.75)  # a deadline from the verdict, not the first sight
     assert watch.probes == 1
-    await sweep_at(watch, now, 2.0)
+    await sweep_at(watch, engines, now, 2.0)
     assert watch.probes == 2
     await wait_until_async(lambda: not watch._probing, 5, "the second verdict")
     assert slow.ended is None and stalls == []
@@ -286,15 +287,15 @@ async def test_bytes_that_come_while_the_probe_is_out_keep_the_body() -> None:
     body = Body()
     watch.follow(body, "http://a", "m")
     body.waits()
-    await sweep_at(watch, now, 0.0)
-    await sweep_at(watch, now, 1.0)
+    await sweep_at(watch, engines, now, 0.0)
+    await sweep_at(watch, engines, now, 1.0)
     assert watch.probes == 1
     body.waits()  # an event came, and the reader waits again
     engines.held.set()
     await wait_until_async(lambda: not watch._probing, 5, "the probe's verdict")
     assert body.ended is None and stalls == []
     watch.unfollow(body)  # released: no longer looked at
-    await sweep_at(watch, now, 5.0)
+    await sweep_at(watch, engines, now, 5.0)
     assert watch.followed == 0 and watch.probes == 1
 
 
@@ -482,8 +483,8 @@ async def test_closing_the_gap_watch_ends_every_probe_out() -> None:
     body = Body()
     watch.follow(body, "http://a", "m")
     body.waits()
-    await sweep_at(watch, now, 0.0)
-    await sweep_at(watch, now, 1.0)  # a probe out, held by the engine
+    await sweep_at(watch, engines, now, 0.0)
+    await sweep_at(watch, engines, now, 1.0)  # a probe out, held by the engine
     probing = list(watch._probing.values())
     assert len(probing) == 1 and not probing[0].done()
     await watch.close()
